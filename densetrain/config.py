@@ -1,0 +1,551 @@
+"""The configuration tree: nested dataclasses, TOML presets, ``--a.b=value`` overrides, validation.
+
+Every field carries a docstring (the string literal right under it); ``densetrain train --help-config``
+prints them. A config is built in three layers, later ones winning:
+
+1. the dataclass defaults below,
+2. a TOML preset (``densetrain/presets/<name>.toml``) or a TOML file given with ``--config``,
+3. command-line overrides ``--section.field=value`` (value parsed as a TOML value; bare words are
+   strings), e.g. ``--optim.peak_lr=3e-4 --schedule.kind=wsd``.
+
+Unknown keys and bad values raise :class:`ConfigError` with a one-line message naming the key
+(and a close match for typos) before any compute starts. Config text is parsed with ``tomllib``;
+nothing is ever ``eval``-ed.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import json
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a one-line message that names the offending key."""
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Field docstrings: the string literal placed right below each field in the class body."""
+    import inspect
+    import textwrap
+
+    try:
+        src = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(src).body[0].body
+    docs: dict[str, str] = {}
+    for prev, node in zip(body, body[1:]):
+        if (
+            isinstance(prev, ast.AnnAssign)
+            and isinstance(prev.target, ast.Name)
+            and isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            docs[prev.target.id] = " ".join(node.value.value.split())
+    return docs
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the Llama-style decoder (pre-norm RMSNorm, RoPE, GQA, SwiGLU, no biases)."""
+
+    vocab_size: int = 8192
+    """Vocabulary size (tokens). Must be >= the tokenizer's vocabulary; extra rows are never targets."""
+    d_model: int = 256
+    """Residual stream width."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Query heads; head_dim = d_model / n_heads."""
+    n_kv_heads: int = 4
+    """Key/value heads (grouped-query attention); must divide n_heads. Equal to n_heads is MHA."""
+    d_ff: int = 768
+    """Hidden width of the SwiGLU MLP (each of the gate and up projections is d_model x d_ff)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency for the first stage; a stage may change it (long-context extension)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the input embedding matrix with the output projection."""
+    init: str = "standard"
+    """Initialisation: 'standard' (normal std init_std, residual projections / sqrt(2 n_layers)) or 'mup'."""
+    init_std: float = 0.02
+    """Std of the normal init for matmul weights and embeddings (GPT-2 / Llama convention)."""
+    base_d_model: int = 256
+    """μP base width: width_mult = d_model / base_d_model (only read when init = 'mup')."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class SourceConfig:
+    """One named data source."""
+
+    name: str = ""
+    """Name used by stage mixes and per-source metrics (letters, digits, '_' and '-')."""
+    kind: str = "web"
+    """What the text is: web, books, reference, technical, code, math, zh, ... (used by mixtures)."""
+    paths: list[str] = field(default_factory=list)
+    """Files, directories or globs; relative paths are resolved against data.corpus_dir."""
+    format: str = "auto"
+    """'auto' (by extension), 'text' (one document per file), 'paragraphs' (blank-line separated) or 'jsonl'."""
+    text_field: str = "text"
+    """JSONL field that holds the document text."""
+    long_docs: bool = False
+    """Documents are long (books, code files): preferred by the long-context stage."""
+
+
+@dataclass
+class DataConfig:
+    """Where the corpus comes from and where token shards go (``densetrain prepare``)."""
+
+    demo_corpus: bool = False
+    """Build the demo corpus (Debian text packages + Python stdlib) into corpus_dir before preparing."""
+    corpus_dir: str = ".cache/densetrain/corpus"
+    """Raw text location; relative source paths resolve here."""
+    shards_dir: str = ".cache/densetrain/shards"
+    """Output directory of token shards and manifests (one subdirectory per source and split)."""
+    tokenizer: str = "bpe"
+    """'bpe' (train a byte-level BPE with HF tokenizers on the corpus), 'tiktoken:cl100k_base', or a tokenizer.json path."""
+    tokenizer_vocab_size: int = 8192
+    """Vocabulary size when training a BPE tokenizer."""
+    val_fraction: float = 0.02
+    """Fraction of each source's documents held out for validation (at least one document)."""
+    max_val_tokens: int = 65536
+    """Cap on held-out tokens per source (keeps evaluation cheap)."""
+    seed: int = 1234
+    """Seed of the document shuffle and split."""
+    sources: list[SourceConfig] = field(default_factory=list)
+    """The named sources."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with weight decay on 2-D matmul weights only, global-norm clipping, optional z-loss."""
+
+    peak_lr: float = 1e-3
+    """Learning rate at the end of warmup."""
+    min_lr: float = 1e-4
+    """Final learning rate of the decay."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay applied to 2-D matmul weights (not norms, not embeddings by default)."""
+    decay_embeddings: bool = False
+    """Also apply weight decay to the embedding matrix."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    z_loss: float = 0.0
+    """Coefficient of the z-loss (log^2 of the softmax normaliser, PaLM 2022); 0 disables."""
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule lr(step): linear warmup, then cosine / WSD / constant."""
+
+    kind: str = "cosine"
+    """'cosine' (to min_lr at the last step), 'wsd' (warmup-stable-decay) or 'constant'."""
+    warmup_steps: int = -1
+    """Warmup length in optimizer steps; -1 means warmup_fraction of the total (at least 1)."""
+    warmup_fraction: float = 0.005
+    """Warmup length as a fraction of total steps when warmup_steps is -1."""
+    decay_fraction: float = 0.15
+    """WSD: fraction of total steps spent in the final decay."""
+    decay_shape: str = "linear"
+    """WSD decay shape: 'linear', 'cosine' or '1-sqrt' (Hägele et al. 2024)."""
+
+
+@dataclass
+class StageConfig:
+    """One row of the stage table. Unset fields (0 / empty) inherit from the previous stage."""
+
+    name: str = ""
+    """Stage name, shown in logs, metrics and the report."""
+    start: float = 0.0
+    """Start as a fraction of train.steps (the first stage must start at 0)."""
+    mix: dict[str, float] = field(default_factory=dict)
+    """Source name -> sampling weight (normalised); empty inherits the previous stage's mix."""
+    seq_len: int = 0
+    """Sequence length in tokens; 0 inherits. Tokens per step stay constant (fewer sequences)."""
+    rope_theta: float = 0.0
+    """RoPE base for this stage; 0 inherits."""
+    lr_mult: float = 1.0
+    """Multiplier on the scheduled learning rate during this stage."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    run_dir: str = "runs/default"
+    """Run directory: resolved config, checkpoints, metrics, TensorBoard events, report."""
+    steps: int = 100
+    """Total optimizer steps."""
+    seq_len: int = 256
+    """Sequence length (tokens) of the first stage."""
+    batch_size: int = 16
+    """Sequences per optimizer step at train.seq_len (global, across all ranks)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward per rank at train.seq_len; grad accumulation is derived."""
+    device: str = "auto"
+    """'auto' (cuda if available, else cpu), 'cpu' or 'cuda'."""
+    dtype: str = "auto"
+    """Autocast dtype: 'auto' (bf16 on GPU, fp32 on CPU), 'bf16' or 'fp32'."""
+    compile: bool = False
+    """Wrap the model with torch.compile."""
+    seed: int = 0
+    """Seed of model init and of all training randomness."""
+    threads: int = 0
+    """torch intra-op threads on CPU; 0 keeps torch's default."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpointing and retention."""
+
+    every: int = 50
+    """Save every N optimizer steps (and at the end); 0 saves only at the end."""
+    keep: int = 3
+    """Keep the newest N complete checkpoints (older ones are deleted)."""
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics sinks."""
+
+    every: int = 1
+    """Console line every N steps (metrics.jsonl and TensorBoard get every step)."""
+    mfu_every: int = 10
+    """Compute mfu and memory every N steps."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for mfu; 0 measures it once with a matmul probe at start."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under RUN_DIR/tb."""
+
+
+@dataclass
+class EvalConfig:
+    """In-loop evaluation."""
+
+    every: int = 50
+    """Validation loss every N steps (and at the end); 0 only at the end."""
+    max_batches: int = 8
+    """Validation micro-batches per source per evaluation."""
+
+
+@dataclass
+class Config:
+    """The whole recipe."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Data preparation."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Learning-rate schedule."""
+    stages: list[StageConfig] = field(default_factory=lambda: [StageConfig(name="main")])
+    """The stage table (main, anneal, long_context, ...)."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Training loop."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Building from dicts (TOML) and overrides
+# --------------------------------------------------------------------------------------------------
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check/convert one TOML value to the annotated type; raise ConfigError naming ``key``."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table, got {type(value).__name__}")
+        return _from_dict(tp, value, key)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        _, val_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table, got {value!r}")
+        return {str(k): _convert(v, val_tp, f"{key}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {tp}")  # pragma: no cover - programming error
+
+
+def _unknown_key(cls: type, name: str, prefix: str) -> ConfigError:
+    names = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+    return ConfigError(f"unknown config key '{prefix}{name}'{hint}")
+
+
+def _from_dict(cls: type, d: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in d.items():
+        if k not in names:
+            raise _unknown_key(cls, k, f"{prefix}." if prefix else "")
+        kwargs[k] = _convert(v, hints[k], f"{prefix}.{k}" if prefix else k)
+    return cls(**kwargs)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """Deep-merge TOML tables; lists (sources, stages) are replaced whole."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "mix" else v
+    return out
+
+
+def _parse_value(text: str) -> Any:
+    """Parse an override value as a TOML value; anything that is not valid TOML is a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_path(d: dict, dotted: str, value: Any) -> None:
+    """Set ``a.b.c = value`` in a nested dict; ``stages.2.seq_len`` indexes into a list."""
+    parts = dotted.split(".")
+    cur: Any = d
+    for i, p in enumerate(parts[:-1]):
+        if isinstance(cur, list):
+            if not p.isdigit() or int(p) >= len(cur):
+                raise ConfigError(f"--{dotted}: '{p}' is not an index of {'.'.join(parts[:i])} (0..{len(cur) - 1})")
+            cur = cur[int(p)]
+        else:
+            cur = cur.setdefault(p, {})
+    last = parts[-1]
+    if isinstance(cur, list):
+        raise ConfigError(f"--{dotted}: cannot set a whole list item; name a field of it")
+    cur[last] = value
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """Turn ``['--optim.peak_lr=3e-4', '--train.steps', '10']`` into ``[(key, value), ...]``.
+
+    Raises:
+        ConfigError: an argument is not of the form ``--section.key=value`` / ``--section.key value``.
+    """
+    out = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or "." not in a.split("=", 1)[0]:
+            raise ConfigError(f"unexpected argument '{a}': overrides look like --section.key=value")
+        if "=" in a:
+            k, v = a[2:].split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{a}: missing value")
+            k, v = a[2:], args[i + 1]
+            i += 1
+        out.append((k, _parse_value(v)))
+        i += 1
+    return out
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+
+
+def load_config(
+    preset: str | None = None, path: str | os.PathLike | None = None, overrides: list[tuple[str, Any]] = ()
+) -> Config:
+    """Build and validate a :class:`Config` from a preset name and/or TOML file plus overrides.
+
+    Raises:
+        ConfigError: unknown preset, unreadable TOML, unknown key, wrong type or failed validation.
+    """
+    d: dict = {}
+    if preset:
+        p = PRESET_DIR / f"{preset}.toml"
+        if not p.exists():
+            close = difflib.get_close_matches(preset, list_presets(), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise ConfigError(f"unknown preset '{preset}' (available: {', '.join(list_presets())}){hint}")
+        d = _read_toml(p)
+    if path:
+        d = _merge(d, _read_toml(Path(path)))
+    for k, v in overrides:
+        _set_path(d, k, v)
+    cfg = _from_dict(Config, d)
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config as TOML (atomically), loadable again with ``--config``."""
+    import tomli_w
+
+    from densetrain.io import atomic_write_bytes
+
+    atomic_write_bytes(Path(path), tomli_w.dumps(to_dict(cfg)).encode())
+
+
+def help_text() -> str:
+    """All keys with their defaults and docstrings, for ``--help-config``."""
+    lines = []
+
+    def walk(cls: type, prefix: str) -> None:
+        docs = _field_docs(cls)
+        hints = typing.get_type_hints(cls)
+        default = cls()
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+                continue
+            val = getattr(default, f.name)
+            shown = json.dumps(val) if not dataclasses.is_dataclass(val) and not isinstance(val, list) else "[...]"
+            lines.append(f"--{prefix}{f.name}={shown}\n      {docs.get(f.name, '')}")
+
+    walk(Config, "")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------------
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config) -> None:
+    """Check cross-field constraints; raise ConfigError naming the key on the first problem."""
+    m = cfg.model
+    for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+        _check(getattr(m, k) > 0, f"model.{k} must be positive, got {getattr(m, k)}")
+    _check(m.d_model % m.n_heads == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
+    _check(
+        m.n_heads % m.n_kv_heads == 0,
+        f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads})",
+    )
+    _check(m.head_dim % 2 == 0, f"model.d_model / model.n_heads = {m.head_dim} must be even for RoPE")
+    _check(m.rope_theta > 0, f"model.rope_theta must be positive, got {m.rope_theta}")
+    _check(m.init in ("standard", "mup"), f"model.init must be 'standard' or 'mup', got '{m.init}'")
+    _check(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
+    _check(m.base_d_model > 0, f"model.base_d_model must be positive, got {m.base_d_model}")
+
+    o = cfg.optim
+    _check(o.peak_lr > 0, f"optim.peak_lr must be positive, got {o.peak_lr}")
+    _check(0 <= o.min_lr <= o.peak_lr, f"optim.min_lr must be in [0, optim.peak_lr={o.peak_lr}], got {o.min_lr}")
+    _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+    _check(o.weight_decay >= 0 and o.grad_clip >= 0 and o.z_loss >= 0, "optim.weight_decay, grad_clip, z_loss must be >= 0")
+
+    s = cfg.schedule
+    _check(s.kind in ("cosine", "wsd", "constant"), f"schedule.kind must be cosine, wsd or constant, got '{s.kind}'")
+    _check(s.decay_shape in ("linear", "cosine", "1-sqrt"), f"schedule.decay_shape must be linear, cosine or 1-sqrt, got '{s.decay_shape}'")
+    _check(0 < s.decay_fraction <= 1, f"schedule.decay_fraction must be in (0, 1], got {s.decay_fraction}")
+    _check(s.warmup_steps >= -1, f"schedule.warmup_steps must be >= 0 (or -1 for warmup_fraction), got {s.warmup_steps}")
+    _check(0 <= s.warmup_fraction < 1, f"schedule.warmup_fraction must be in [0, 1), got {s.warmup_fraction}")
+
+    t = cfg.train
+    _check(t.steps > 0, f"train.steps must be positive, got {t.steps}")
+    _check(t.seq_len > 0, f"train.seq_len must be positive, got {t.seq_len}")
+    _check(t.batch_size > 0 and t.micro_batch_size > 0, "train.batch_size and train.micro_batch_size must be positive")
+    _check(
+        t.batch_size % t.micro_batch_size == 0,
+        f"train.batch_size ({t.batch_size}) must be divisible by train.micro_batch_size ({t.micro_batch_size})",
+    )
+    _check(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'")
+    _check(t.dtype in ("auto", "bf16", "fp32"), f"train.dtype must be auto, bf16 or fp32, got '{t.dtype}'")
+
+    names = [src.name for src in cfg.data.sources]
+    for i, src in enumerate(cfg.data.sources):
+        _check(bool(src.name) and src.name.replace("_", "").replace("-", "").isalnum(),
+               f"data.sources[{i}].name must be non-empty letters/digits/_/-, got '{src.name}'")
+        _check(src.format in ("auto", "text", "paragraphs", "jsonl"),
+               f"data.sources[{i}].format must be auto, text, paragraphs or jsonl, got '{src.format}'")
+    _check(len(set(names)) == len(names), f"data.sources: duplicate source names in {names}")
+    _check(0 < cfg.data.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
+
+    _check(len(cfg.stages) > 0, "stages: at least one stage is required")
+    _check(cfg.stages[0].start == 0.0, f"stages[0].start must be 0, got {cfg.stages[0].start}")
+    prev = -1.0
+    for i, st in enumerate(cfg.stages):
+        _check(bool(st.name), f"stages[{i}].name must be set")
+        _check(0 <= st.start < 1, f"stages[{i}].start must be a fraction in [0, 1), got {st.start}")
+        _check(st.start > prev, f"stages[{i}].start ({st.start}) must be after stages[{i - 1}].start ({prev})")
+        prev = st.start
+        _check(st.seq_len >= 0 and st.rope_theta >= 0 and st.lr_mult > 0, f"stages[{i}]: seq_len, rope_theta >= 0 and lr_mult > 0")
+        for src, w in st.mix.items():
+            _check(w >= 0, f"stages[{i}].mix.{src}: weight must be >= 0, got {w}")
+            if names:
+                close = difflib.get_close_matches(src, names, n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else f"; sources are {names}"
+                _check(src in names, f"stages[{i}].mix: unknown source '{src}'{hint}")
+        if st.mix:
+            _check(sum(st.mix.values()) > 0, f"stages[{i}].mix: weights sum to 0")
+        if st.seq_len:
+            # Tokens per step are fixed, so the batch in sequences must divide evenly at the new length.
+            tokens = t.batch_size * t.seq_len
+            _check(tokens % st.seq_len == 0 and tokens // st.seq_len >= 1,
+                   f"stages[{i}].seq_len ({st.seq_len}) must divide train.batch_size*train.seq_len ({tokens})")

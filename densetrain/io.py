@@ -1,0 +1,38 @@
+"""Atomic file writes: write to a temporary name in the same directory, fsync, rename.
+
+A reader therefore sees either the old file or the complete new one, never a torn write, even if
+the process is killed (kill -9) in the middle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that a rename inside it survives a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temp file + fsync + rename + directory fsync)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    """Write ``obj`` as indented JSON atomically."""
+    atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
