@@ -1,0 +1,5 @@
+import sys
+
+from densetrain.cli import main
+
+sys.exit(main())

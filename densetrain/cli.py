@@ -1,0 +1,134 @@
+"""Command line: ``densetrain prepare | train | eval | report | demo``.
+
+Every command takes ``--preset NAME`` and/or ``--config FILE`` plus ``--section.key=value``
+overrides (see ``densetrain train --help-config``). Errors in user input end with one line
+``densetrain: error: ...`` and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from densetrain.config import Config, ConfigError, help_text, list_presets, load_config, parse_overrides
+
+
+def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
+    path = args.config
+    preset = args.preset
+    if getattr(args, "resume", None):
+        resolved = Path(args.resume) / "config.toml"
+        if not resolved.exists():
+            raise ConfigError(f"{resolved}: not found; --resume expects a run directory made by `densetrain train`")
+        path, preset = resolved, None
+    if not preset and not path:
+        preset = "tiny"
+    return load_config(preset=preset, path=path, overrides=parse_overrides(rest))
+
+
+def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
+    from densetrain.data.prepare import prepare
+
+    summary = prepare(cfg, force=args.force)
+    print(json.dumps({k: v for k, v in summary.items() if k != "sources"}, indent=1, default=str)[:2000])
+    return 0
+
+
+def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
+    from densetrain.train import train
+
+    summary = train(cfg, resume=bool(args.resume))
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
+    from densetrain.evals.offline import evaluate_checkpoint
+
+    result = evaluate_checkpoint(cfg, Path(args.checkpoint))
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+def cmd_report(cfg: Config, args: argparse.Namespace) -> int:
+    from densetrain.report import write_report
+
+    print(write_report(Path(args.run_dir)))
+    return 0
+
+
+def cmd_demo(cfg: Config, args: argparse.Namespace) -> int:
+    """prepare -> train -> final evaluation -> report, in one go (what `make demo` runs)."""
+    from densetrain.data.prepare import prepare
+    from densetrain.report import write_report
+    from densetrain.train import train
+
+    prepare(cfg)
+    train(cfg, resume=True)  # a re-run (or a run after kill -9) continues from the last checkpoint
+    print(write_report(Path(cfg.train.run_dir)))
+    return 0
+
+
+COMMANDS = {
+    "prepare": (cmd_prepare, "clean, dedup and tokenize the configured sources into token shards"),
+    "train": (cmd_train, "run the staged training recipe (or --resume RUN_DIR)"),
+    "eval": (cmd_eval, "evaluate a checkpoint directory"),
+    "report": (cmd_report, "write RUN_DIR/report.png and summary"),
+    "demo": (cmd_demo, "prepare + train + report with the tiny preset on the demo corpus"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="densetrain",
+        description="Pretrain dense decoder-only language models: data prep -> staged training -> evaluation.",
+        epilog="Any config field can be overridden: --section.key=value (e.g. --optim.peak_lr=3e-4). "
+        "List them with: densetrain train --help-config",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, (_, help_) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.add_argument("--preset", help=f"preset name ({', '.join(list_presets())}); default tiny")
+        sp.add_argument("--config", help="TOML config file (applied over the preset)")
+        sp.add_argument("--help-config", action="store_true", help="list every config key with its meaning")
+        if name == "train":
+            sp.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint")
+        if name == "prepare":
+            sp.add_argument("--force", action="store_true", help="redo sources whose shards are up to date")
+        if name == "eval":
+            sp.add_argument("checkpoint", help="checkpoint directory (RUN_DIR/checkpoints/step_XXXXXXXX) or RUN_DIR")
+        if name == "report":
+            sp.add_argument("run_dir", help="run directory")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import densetrain  # noqa: F401  (sets CPU threading defaults before torch loads)
+
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.help_config:
+        print(help_text())
+        return 0
+    from densetrain.data.sources import DataError
+    from densetrain.train import TrainError
+
+    try:
+        if args.command == "report":
+            return cmd_report(None, args)
+        cfg = _config_from(args, rest)
+        if getattr(args, "resume", None):
+            cfg.train.run_dir = str(args.resume)
+        return COMMANDS[args.command][0](cfg, args)
+    except (ConfigError, DataError, TrainError) as e:
+        print(f"densetrain: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("densetrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

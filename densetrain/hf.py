@@ -1,0 +1,319 @@
+"""Hugging Face interop: export our Transformer as a ``LlamaForCausalLM`` checkpoint and import one back.
+
+Files are ``config.json`` + ``model.safetensors`` (written with ``safetensors.torch.save_file``; reading
+uses ``safetensors.torch.load_file`` only — never ``torch.load`` / pickle).
+
+Name mapping (ours, torchtitan style  <->  HF Llama):
+
+    tok_embeddings.weight                     model.embed_tokens.weight
+    layers.{i}.attention_norm.weight          model.layers.{i}.input_layernorm.weight
+    layers.{i}.attention.w{q,k,v,o}.weight    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
+    layers.{i}.ffn_norm.weight                model.layers.{i}.post_attention_layernorm.weight
+    layers.{i}.feed_forward.w1.weight         model.layers.{i}.mlp.gate_proj.weight
+    layers.{i}.feed_forward.w2.weight         model.layers.{i}.mlp.down_proj.weight
+    layers.{i}.feed_forward.w3.weight         model.layers.{i}.mlp.up_proj.weight
+    norm.weight                               model.norm.weight
+    output.weight                             lm_head.weight   (absent when tie_word_embeddings)
+
+No q/k row permutation is needed: our RoPE uses the same half-split pairing as HF ``rotate_half``
+(dimension i with i + head_dim/2; see densetrain/model/llama.py). Converting *Meta's* original Llama
+checkpoints (adjacent pairing) would need that permutation; this module does not read those.
+
+μP models (densetrain/model/init.py) are exported as plain Llama by folding their two forward multipliers
+into the weights, which is exact because both act linearly:
+
+* ``logit_mult`` is folded into ``lm_head.weight`` (logits = (W x) * c = (c W) x). If the embeddings are
+  tied, the folded head can no longer share the embedding matrix, so such a model is exported *untied*
+  (``tie_word_embeddings: false``, separate ``lm_head.weight``).
+* ``attn_scale`` s (HF always uses 1/sqrt(head_dim)) is folded into ``q_proj``: scaling wq by
+  ``s * sqrt(head_dim)`` scales the rotated queries, hence every score q·k, by the same factor (RoPE is a
+  rotation, linear in q).
+
+Importing such an export gives a standard-parameterisation model with identical logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from densetrain.config import ModelConfig
+from densetrain.io import fsync_dir
+
+# Per-layer weights: our name suffix after "layers.{i}." -> HF suffix after "model.layers.{i}.".
+_LAYER_MAP = {
+    "attention_norm.weight": "input_layernorm.weight",
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+}
+_LAYER_MAP_INV = {v: k for k, v in _LAYER_MAP.items()}
+_GLOBAL_MAP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GLOBAL_MAP_INV = {v: k for k, v in _GLOBAL_MAP.items()}
+# Prefixes that torch.compile / DDP / FSDP / activation-checkpoint wrappers insert into parameter names.
+_WRAPPER_PREFIX = re.compile(r"(_orig_mod\.|module\.|_fsdp_wrapped_module\.|_checkpoint_wrapped_module\.)")
+
+
+def _our_to_hf_name(name: str) -> str:
+    if name in _GLOBAL_MAP:
+        return _GLOBAL_MAP[name]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _LAYER_MAP:
+        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    raise ValueError(f"no Hugging Face name for parameter '{name}'")
+
+
+def _hf_to_our_name(name: str) -> str:
+    if name in _GLOBAL_MAP_INV:
+        return _GLOBAL_MAP_INV[name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+    if m and m.group(2) in _LAYER_MAP_INV:
+        return f"layers.{m.group(1)}.{_LAYER_MAP_INV[m.group(2)]}"
+    raise ValueError(f"unexpected tensor '{name}' in a Llama checkpoint")
+
+
+def _expected_names(cfg: ModelConfig) -> set[str]:
+    names = {"tok_embeddings.weight", "norm.weight", "output.weight"}
+    names |= {f"layers.{i}.{k}" for i in range(cfg.n_layers) for k in _LAYER_MAP}
+    return names
+
+
+def hf_config_dict(
+    cfg: ModelConfig,
+    *,
+    max_position_embeddings: int = 2048,
+    dtype: str = "float32",
+    extra: dict | None = None,
+) -> dict:
+    """The ``config.json`` of a ``LlamaForCausalLM`` with the shape of ``cfg``.
+
+    Args:
+        max_position_embeddings: longest context the model was trained for (tokens); informational
+            for plain RoPE, so pass the longest stage's ``seq_len``.
+        dtype: name of the stored tensor dtype ("float32", "bfloat16", ...).
+        extra: keys merged last (e.g. ``bos_token_id``, ``eos_token_id`` of the tokenizer).
+
+    RoPE is written both as ``rope_parameters`` (what transformers >= 5 reads) and as top-level
+    ``rope_theta`` (what transformers 4.x reads); v5 gives ``rope_parameters`` priority, so they agree.
+    Likewise ``dtype`` (v5) and ``torch_dtype`` (v4). ``head_dim`` is written explicitly.
+    """
+    d = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        "rope_theta": float(cfg.rope_theta),
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "use_cache": True,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+    d.update(extra or {})
+    return d
+
+
+def _plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    if hasattr(t, "full_tensor"):  # a DTensor (FSDP2 shard): gather it (collective on all ranks)
+        t = t.full_tensor()
+    return t.detach()
+
+
+def to_hf_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """HF-named tensors of ``model`` (a Transformer, possibly compiled/DDP-wrapped), on CPU.
+
+    μP multipliers are folded in (see module docstring). Tied embeddings give no ``lm_head.weight``
+    unless ``logit_mult != 1`` forces an untied export. Each tensor is a fresh contiguous CPU copy (no
+    shared storage, as safetensors requires), cast to ``dtype`` if given. Folding is done in fp32 before
+    any cast.
+
+    Raises: ValueError for a parameter with no HF counterpart.
+    """
+    core = getattr(model, "_orig_mod", model)
+    core = getattr(core, "module", core)
+    logit_mult = float(getattr(core, "logit_mult", 1.0))
+    attn_scale = getattr(core, "attn_scale", None)
+    head_dim = core.head_dim
+    q_mult = 1.0 if attn_scale is None else attn_scale * math.sqrt(head_dim)
+    tied = core.output.weight is core.tok_embeddings.weight
+    param_dtype = core.tok_embeddings.weight.dtype
+
+    out: dict[str, torch.Tensor] = {}
+    for name, t in core.state_dict().items():
+        name = _WRAPPER_PREFIX.sub("", name)
+        if name in ("rope_cos", "rope_sin"):  # non-persistent, not in state_dict; defensive
+            continue
+        if name == "output.weight" and tied and logit_mult == 1.0:
+            continue  # HF re-ties lm_head to embed_tokens
+        t = _plain_tensor(t).to("cpu", torch.float32)
+        if name == "output.weight" and logit_mult != 1.0:
+            t = t * logit_mult
+        elif name.endswith("attention.wq.weight") and q_mult != 1.0:
+            t = t * q_mult
+        out[_our_to_hf_name(name)] = t.to(dtype or param_dtype).contiguous().clone()
+    return out
+
+
+def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename HF Llama tensors to ours, ready for ``Transformer(cfg).load_state_dict(..., strict=True)``.
+
+    With ``cfg.tie_embeddings`` both ``tok_embeddings.weight`` and ``output.weight`` are returned and are
+    the same tensor (what our tied model's ``state_dict()`` holds). Legacy ``rotary_emb.inv_freq``
+    buffers are ignored. No q/k permutation (same RoPE convention).
+
+    Raises:
+        ValueError: an unknown tensor name, a missing tensor, or a ``lm_head.weight`` that differs from
+            the embeddings although ``cfg.tie_embeddings``.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        out[_hf_to_our_name(name)] = t
+    if cfg.tie_embeddings:
+        emb = out["tok_embeddings.weight"] if "tok_embeddings.weight" in out else None
+        head = out.get("output.weight")
+        if emb is not None and head is not None and not torch.equal(emb, head):
+            raise ValueError("config ties embeddings but lm_head.weight differs from embed_tokens.weight")
+        if emb is not None:
+            out["output.weight"] = emb
+    expected = _expected_names(cfg)
+    missing = sorted(expected - out.keys())
+    unexpected = sorted(out.keys() - expected)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return out
+
+
+def export_hf(
+    model: torch.nn.Module,
+    cfg: ModelConfig,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_position_embeddings: int = 2048,
+    extra_config: dict | None = None,
+) -> Path:
+    """Write ``out_dir/config.json`` + ``out_dir/model.safetensors`` loadable by ``LlamaForCausalLM.from_pretrained``.
+
+    Atomic at directory level: everything is written and fsynced in a sibling temp directory, then renamed
+    to ``out_dir``; an existing ``out_dir`` is moved aside first and deleted afterwards (so readers see the
+    old or the new export, never a partial one; between the two renames the path briefly does not exist).
+    ``cfg.rope_theta`` is written as is: pass the config of the *last* stage (set rope_theta to the value
+    the model was last trained with). ``dtype`` casts the stored tensors (default: the model's dtype).
+
+    Returns: the output directory. Raises: ValueError from :func:`to_hf_state_dict`.
+    """
+    out_dir = Path(out_dir)
+    sd = to_hf_state_dict(model, dtype)
+    # A folded μP readout cannot stay tied to the embeddings (see module docstring).
+    export_cfg = dataclasses.replace(cfg, tie_embeddings="lm_head.weight" not in sd)
+    stored = str(next(iter(sd.values())).dtype).removeprefix("torch.")
+    config = hf_config_dict(export_cfg, max_position_embeddings=max_position_embeddings, dtype=stored, extra=extra_config)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    fsync_dir(tmp)
+    old = None
+    if out_dir.exists():
+        old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    fsync_dir(out_dir.parent)
+    if old is not None:
+        shutil.rmtree(old)
+    return out_dir
+
+
+def import_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Read a Llama checkpoint directory (config.json + *.safetensors) into ``(ModelConfig, state_dict)``.
+
+    The state dict uses our names (see :func:`from_hf_state_dict`) and keeps the stored dtype. The
+    returned config has ``init="standard"``; fields absent from ModelConfig (max_position_embeddings,
+    token ids) are dropped.
+
+    Raises:
+        FileNotFoundError: no config.json or no *.safetensors file.
+        ValueError: not a plain Llama (model_type, biases, activation, scaled RoPE, odd head_dim), or
+            tensors that do not match the config.
+    """
+    path = Path(path)
+    conf_path = path / "config.json"
+    if not conf_path.exists():
+        raise FileNotFoundError(f"{conf_path} not found")
+    hc = json.loads(conf_path.read_text())
+    if hc.get("model_type") != "llama":
+        raise ValueError(f"{conf_path}: model_type is {hc.get('model_type')!r}, expected 'llama'")
+    if hc.get("attention_bias") or hc.get("mlp_bias"):
+        raise ValueError(f"{conf_path}: biases are not supported")
+    if hc.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{conf_path}: hidden_act {hc['hidden_act']!r} is not supported (need silu)")
+    rope = hc.get("rope_parameters") or hc.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{conf_path}: RoPE type {rope_type!r} is not supported (only plain RoPE)")
+    theta = rope.get("rope_theta", hc.get("rope_theta", 10000.0))
+    n_heads = hc["num_attention_heads"]
+    head_dim = hc.get("head_dim") or hc["hidden_size"] // n_heads
+    if head_dim * n_heads != hc["hidden_size"]:
+        raise ValueError(f"{conf_path}: head_dim {head_dim} * heads {n_heads} != hidden_size {hc['hidden_size']}")
+    cfg = ModelConfig(
+        vocab_size=hc["vocab_size"],
+        d_model=hc["hidden_size"],
+        n_layers=hc["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hc.get("num_key_value_heads") or n_heads,
+        d_ff=hc["intermediate_size"],
+        rope_theta=float(theta),
+        norm_eps=float(hc.get("rms_norm_eps", 1e-6)),  # 1e-6 is LlamaConfig's default
+        tie_embeddings=bool(hc.get("tie_word_embeddings", False)),
+        init_std=float(hc.get("initializer_range", 0.02)),
+    )
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        part = load_file(str(f))
+        dup = sd.keys() & part.keys()
+        if dup:
+            raise ValueError(f"{f}: tensors {sorted(dup)[:3]} also appear in another shard")
+        sd.update(part)
+    return cfg, from_hf_state_dict(sd, cfg)

@@ -1,0 +1,305 @@
+"""A Llama-style dense decoder in one file: RMSNorm, RoPE, grouped-query attention, SwiGLU, pre-norm blocks.
+
+Architecture (Touvron et al. 2023, "LLaMA"; Dubey et al. 2024, "The Llama 3 Herd of Models"):
+
+    h   = tok_embeddings[tokens]                                   # (B, T, d_model)
+    for each layer:
+        h = h + attention(attention_norm(h))                       # pre-norm, residual
+        h = h + feed_forward(ffn_norm(h))
+    logits = output(norm(h)) * logit_mult                          # (B, T, vocab_size)
+
+No biases anywhere. Parameter names follow torchtitan (``tok_embeddings``, ``layers.{i}.attention.wq``,
+...), so that DCP checkpoints and the Hugging Face mapping in :mod:`densetrain.hf` stay simple.
+
+RoPE convention (Su et al. 2021, "RoFormer"), the *half-split* pairing used by Hugging Face Llama:
+within each head of size ``head_dim``, dimension ``i`` is rotated together with dimension
+``i + head_dim/2`` (``rotate_half``), by the angle ``pos * inv_freq[i]`` with
+``inv_freq[i] = 1 / theta^(2i / head_dim)`` for ``i = 0 .. head_dim/2 - 1``. Meta's original Llama code
+pairs *adjacent* dimensions (2i, 2i+1) instead; the two differ only by a fixed permutation of the rows of
+wq/wk. Because we use the HF convention, weights map to HF without any q/k permutation.
+
+Distributed wrapping (FSDP, compile, activation checkpointing) lives elsewhere; this file is plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from densetrain.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019): ``x / sqrt(mean(x^2) + eps) * weight``.
+
+    The statistic is computed in fp32 (bf16 has too few mantissa bits for a mean of squares), then cast
+    back to the input dtype before the gain, as in HF ``LlamaRMSNorm``.
+
+    Shapes: input (..., dim) -> output (..., dim), same dtype as the input (or promoted by ``weight``).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * xf.type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+# --------------------------------------------------------------------------------------------------
+# Rotary position embedding helpers (half-split convention, see module docstring)
+# --------------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequencies ``1 / theta^(2i/head_dim)``, i = 0 .. head_dim/2 - 1 (RoFormer eq. 15).
+
+    Returns: (head_dim // 2,) float32, in radians per position.
+    Raises: ValueError if head_dim is odd.
+    """
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    return 1.0 / (theta**exponent)
+
+
+def rope_cos_sin(
+    head_dim: int, theta: float, seq_len: int, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles ``pos * inv_freq`` for positions 0 .. seq_len-1.
+
+    Each frequency is repeated for both halves of the head (half-split pairing), so the result can be
+    multiplied elementwise with q/k. Returns: (cos, sin), each (seq_len, head_dim) float32.
+    """
+    inv_freq = rope_inv_freq(head_dim, theta, device)
+    pos = torch.arange(seq_len, dtype=torch.float32, device=device)
+    angles = torch.outer(pos, inv_freq)  # (T, head_dim/2)
+    angles = torch.cat((angles, angles), dim=-1)  # (T, head_dim): dim i and i + head_dim/2 share an angle
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the last dimension split in halves: the 90-degree turn of each pair."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (i, i + head_dim/2) pair of ``x`` by its position's angle.
+
+    Args:
+        x: (B, H, T, head_dim), any float dtype.
+        cos, sin: (T, head_dim) float32 from :func:`rope_cos_sin` (broadcast over B and H).
+    Returns: (B, H, T, head_dim) in the dtype of ``x``. The rotation itself is done in fp32 because
+    bf16 angles at large positions lose the small phase differences that encode relative position.
+    """
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).type_as(x)
+
+
+# --------------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with grouped-query KV heads (Ainslie et al. 2023, "GQA").
+
+    ``n_kv_heads`` must divide ``n_heads``; query head ``h`` attends with KV head ``h // (n_heads // n_kv_heads)``
+    (consecutive query heads share a KV head, as in HF ``repeat_kv``). ``n_kv_heads == n_heads`` is MHA.
+
+    ``attn_scale`` is the softmax temperature: None means the usual 1/sqrt(head_dim) (Vaswani et al. 2017);
+    μP sets 1/head_dim (Yang et al. 2022). :class:`Transformer` propagates its own ``attn_scale`` here.
+
+    Shapes: forward(x (B, T, d_model), cos (T, head_dim), sin (T, head_dim)) -> (B, T, d_model).
+    Raises: ValueError on indivisible head counts.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        if d_model % n_heads or n_heads % n_kv_heads:
+            raise ValueError(f"need d_model % n_heads == 0 and n_heads % n_kv_heads == 0, got {d_model}, {n_heads}, {n_kv_heads}")
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = d_model // n_heads
+        self.attn_scale: float | None = None
+        self.wq = nn.Linear(d_model, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
+        q = apply_rope(q, cos, sin)  # (B, n_heads, T, head_dim)
+        k = apply_rope(k, cos, sin)  # (B, n_kv_heads, T, head_dim)
+        n_rep = self.n_heads // self.n_kv_heads
+        if n_rep > 1:
+            # Copy each KV head to its n_rep query heads: index h -> h // n_rep. (SDPA's enable_gqa would
+            # avoid the copy, but not every fused backend accepts it; the copy is one activation's worth.)
+            k = k.repeat_interleave(n_rep, dim=1)  # (B, n_heads, T, head_dim)
+            v = v.repeat_interleave(n_rep, dim=1)  # (B, n_heads, T, head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.attn_scale)  # (B, n_heads, T, head_dim)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, d_model)
+        return self.wo(y)  # (B, T, d_model)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020, "GLU Variants Improve Transformer"): ``w2(silu(w1 x) * w3 x)``.
+
+    w1 is the gate, w3 the up projection, w2 the down projection (HF: gate_proj, up_proj, down_proj).
+    Shapes: (..., d_model) -> (..., d_model), hidden width d_ff.
+    """
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``.
+
+    Shapes: forward(x (B, T, d_model), cos, sin (T, head_dim)) -> (B, T, d_model).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.feed_forward = MLP(cfg.d_model, cfg.d_ff)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """The decoder LM. ``forward(tokens (B, T) int64) -> logits (B, T, vocab_size)``.
+
+    Logits are float32 when the parameters are fp32 and no autocast is active (under bf16 autocast they
+    are bf16; upcast in the loss if needed).
+
+    Construction allocates parameters on the current default device; to build without allocating, do
+    ``with torch.device("meta"): m = Transformer(cfg)``, then ``m.to_empty(device=d)`` and
+    :func:`densetrain.model.init.init_weights` (which also re-ties tied embeddings, see there).
+
+    Attributes set by the μP init (defaults = standard parameterisation):
+        attn_scale: float | None — softmax scale passed to SDPA; None means 1/sqrt(head_dim).
+        logit_mult: float — multiplier on the output logits (1.0).
+        rope_theta: float — current RoPE base; change it with :meth:`set_rope_theta`.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.head_dim = cfg.head_dim
+        self.rope_theta = float(cfg.rope_theta)
+        self.logit_mult = 1.0
+        self._attn_scale: float | None = None
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.tie_weights()
+        # RoPE cache: empty until the first forward, grown to the longest sequence seen. Non-persistent
+        # (derived from rope_theta, never checkpointed); zero rows also means to_empty() leaves no garbage.
+        self.register_buffer("rope_cos", torch.empty(0, self.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0, self.head_dim), persistent=False)
+
+    # ---- μP hooks ----------------------------------------------------------------------------------
+
+    @property
+    def attn_scale(self) -> float | None:
+        return self._attn_scale
+
+    @attn_scale.setter
+    def attn_scale(self, value: float | None) -> None:
+        self._attn_scale = None if value is None else float(value)
+        for layer in self.layers:
+            layer.attention.attn_scale = self._attn_scale
+
+    def tie_weights(self) -> None:
+        """Make ``output.weight`` the same Parameter as ``tok_embeddings.weight`` (both (vocab, d_model)).
+
+        Needed again after ``to_empty`` / device moves that replace Parameters one module at a time.
+        """
+        self.output.weight = self.tok_embeddings.weight
+
+    # ---- RoPE --------------------------------------------------------------------------------------
+
+    def set_rope_theta(self, theta: float) -> None:
+        """Change the RoPE base (e.g. for long-context extension, Xiong et al. 2023) and drop the cos/sin cache.
+
+        Raises: ValueError if theta <= 0.
+        """
+        if theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {theta}")
+        self.rope_theta = float(theta)
+        self.reset_rope_cache()
+
+    def reset_rope_cache(self) -> None:
+        """Empty the cos/sin cache; the next forward recomputes it on the embedding's device."""
+        device = self.rope_cos.device
+        self.rope_cos = torch.empty(0, self.head_dim, device=device)
+        self.rope_sin = torch.empty(0, self.head_dim, device=device)
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """Current inverse frequencies, (head_dim // 2,) float32 (see :func:`rope_inv_freq`)."""
+        return rope_inv_freq(self.head_dim, self.rope_theta, self.rope_cos.device)
+
+    def rope_cache(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions 0 .. seq_len-1, each (seq_len, head_dim) float32; grows the cache if needed."""
+        device = self.tok_embeddings.weight.device
+        stale = (
+            self.rope_cos.shape[0] < seq_len
+            or self.rope_cos.device != device
+            or self.rope_cos.dtype != torch.float32  # e.g. after model.to(torch.bfloat16)
+        )
+        if stale:
+            self.rope_cos, self.rope_sin = rope_cos_sin(self.head_dim, self.rope_theta, seq_len, device)
+        return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+
+    # ---- forward -----------------------------------------------------------------------------------
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (B, T) int64 -> logits (B, T, vocab_size)."""
+        _, T = tokens.shape
+        cos, sin = self.rope_cache(T)  # (T, head_dim) each, float32
+        h = self.tok_embeddings(tokens)  # (B, T, d_model)
+        for layer in self.layers:
+            h = layer(h, cos, sin)  # (B, T, d_model)
+        logits = self.output(self.norm(h))  # (B, T, vocab_size)
+        if self.logit_mult != 1.0:
+            logits = logits * self.logit_mult
+        return logits
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters (shared tensors counted once).
+
+        exclude_embeddings: leave out the input embedding table, which is a lookup without matmul FLOPs
+        (so ``6 * num_params(True)`` approximates training FLOPs per token, Kaplan et al. 2020). The output
+        projection is a matmul and stays counted — also when it is tied to the embedding table, in which
+        case nothing is subtracted.
+        """
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            n -= self.tok_embeddings.weight.numel()
+        return n

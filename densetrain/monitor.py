@@ -1,0 +1,156 @@
+"""Metrics: the one FLOP counter, MFU, memory, and the sinks (metrics.jsonl, TensorBoard, console).
+
+Metric names are the field's: ``loss``, ``grad_norm``, ``lr``, ``tokens_per_sec``, ``mfu``,
+``val/<source>/loss``. Every record carries ``step`` (optimizer updates completed) and ``tokens``
+(target tokens consumed, summed over ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from densetrain.config import ModelConfig
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) of one sequence of ``seq_len`` tokens.
+
+    ``6 * N + 12 * n_layers * d_model * seq_len`` where N counts the matmul parameters (all
+    transformer weights plus the output projection, but not the input embedding table, which is a
+    lookup). The first term is the 2 FLOPs per multiply-add times 3 (forward, and backward's two
+    matmuls); the second is attention's QK^T and AV, with no discount for the causal mask (PaLM,
+    Chowdhery et al. 2022, Appendix B; the convention nanoGPT and torchtitan use). Norm, RoPE,
+    softmax and activation FLOPs are ignored.
+
+    Returns:
+        FLOPs per token (float).
+    """
+    d, L, f, hd = cfg.d_model, cfg.n_layers, cfg.d_ff, cfg.head_dim
+    attn = d * (cfg.n_heads * hd) + 2 * d * (cfg.n_kv_heads * hd) + (cfg.n_heads * hd) * d
+    mlp = 3 * d * f
+    n_matmul = L * (attn + mlp) + d * cfg.vocab_size
+    return 6.0 * n_matmul + 12.0 * L * d * seq_len
+
+
+def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024, seconds: float = 0.5) -> float:
+    """Achievable matmul FLOP/s of ``device``, measured by timing ``n x n`` matmuls for ~``seconds``.
+
+    Used as the mfu denominator when ``logging.peak_flops`` is 0: on a CPU no datasheet number is
+    meaningful, so mfu is relative to what this machine's BLAS actually reaches (stated in the run
+    summary). Each matmul is ``2 n^3`` FLOPs.
+    """
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up (thread pool, kernels)
+    _sync(device)
+    iters, t0 = 0, time.perf_counter()
+    while True:
+        a @ b
+        iters += 1
+        _sync(device)
+        dt = time.perf_counter() - t0
+        if dt >= seconds:
+            return 2.0 * n**3 * iters / dt
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Memory in GiB: ``mem/rss_peak_gib`` (process peak RSS) always; on CUDA also allocated/reserved."""
+    # ru_maxrss is KiB on Linux (bytes on macOS).
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    out = {"mem/rss_peak_gib": rss / 2**30}
+    if device.type == "cuda":
+        out["mem/allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        out["mem/reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+    return out
+
+
+class MetricsLogger:
+    """Writes metric records to ``RUN_DIR/metrics.jsonl``, TensorBoard (``RUN_DIR/tb``) and the console.
+
+    Only rank 0 writes. On resume the JSONL file is appended to, and records at or after the resumed
+    step are dropped first so a killed-and-resumed run leaves one record per step.
+    """
+
+    def __init__(self, run_dir: Path, rank: int = 0, tensorboard: bool = True, resume_step: int | None = None):
+        self.enabled = rank == 0
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.tb = None
+        if not self.enabled:
+            return
+        if resume_step is not None and self.path.exists():
+            self._truncate_after(resume_step)
+        self.f = open(self.path, "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events at/after the resume step left by a killed run.
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=resume_step)
+
+    def _truncate_after(self, step: int) -> None:
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line from a kill -9
+            if rec.get("step", 0) < step or rec.get("kind") == "event":
+                keep.append(line)
+        from densetrain.io import atomic_write_bytes
+
+        atomic_write_bytes(self.path, ("\n".join(keep) + "\n" if keep else "").encode())
+
+    def log(self, step: int, metrics: dict, kind: str = "train") -> None:
+        """Record ``metrics`` (name -> number or string) at ``step`` in all sinks."""
+        if not self.enabled:
+            return
+        rec = {"kind": kind, "step": step, "time": time.time(), **metrics}
+        self.f.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tb.add_scalar(k, v, step)
+
+    def event(self, step: int, text: str) -> None:
+        """A notable event (stage switch, epoch wrap, checkpoint, skipped step): console + JSONL + TB text."""
+        if not self.enabled:
+            return
+        print(f"[step {step}] {text}", flush=True)
+        self.f.write(json.dumps({"kind": "event", "step": step, "time": time.time(), "text": text}) + "\n")
+        if self.tb is not None:
+            self.tb.add_text("events", text, step)
+
+    def console(self, line: str) -> None:
+        if self.enabled:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.f.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """All records of ``RUN_DIR/metrics.jsonl`` (torn lines skipped)."""
+    out = []
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return out

@@ -1,0 +1,56 @@
+"""AdamW with parameter groups.
+
+Weight decay goes on 2-D matmul weights only: norm gains and (by default) embeddings are not
+decayed, following GPT-3 / Llama practice (decaying gains and embeddings pulls them toward zero
+for no regularisation benefit). Under μP each parameter's group also carries an lr multiplier
+(``lr_scale``); the training loop sets ``group["lr"] = lr(step) * group["lr_scale"]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from densetrain.config import Config
+
+
+def param_groups(model: nn.Module, cfg: Config) -> list[dict]:
+    """Split parameters into AdamW groups by (decayed?, lr_scale).
+
+    Returns a list of dicts with keys ``params``, ``weight_decay``, ``lr_scale``, ``names``.
+    Tied weights appear once (``named_parameters`` de-duplicates them).
+    """
+    from densetrain.model.init import mup_lr_scale
+
+    groups: dict[tuple[bool, float], dict] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_embedding = name.endswith("tok_embeddings.weight")
+        decay = p.ndim == 2 and (not is_embedding or cfg.optim.decay_embeddings)
+        scale = mup_lr_scale(name, cfg.model) if cfg.model.init == "mup" else 1.0
+        g = groups.setdefault(
+            (decay, scale),
+            {"params": [], "names": [], "weight_decay": cfg.optim.weight_decay if decay else 0.0, "lr_scale": scale},
+        )
+        g["params"].append(p)
+        g["names"].append(name)
+    return list(groups.values())
+
+
+def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.AdamW:
+    """AdamW over :func:`param_groups`; lr is set per step by the loop (initial value 0).
+
+    ``foreach`` is used on CPU and GPU (one fused kernel per group would be ``fused=True`` on CUDA;
+    kept off so CPU and GPU share exactly one code path).
+    """
+    o = cfg.optim
+    return torch.optim.AdamW(
+        param_groups(model, cfg), lr=0.0, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, foreach=True
+    )
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's lr to ``lr * group['lr_scale']``."""
+    for g in opt.param_groups:
+        g["lr"] = lr * g.get("lr_scale", 1.0)

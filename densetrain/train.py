@@ -1,0 +1,340 @@
+"""The training loop: one loop for CPU and GPU, single process or torchrun.
+
+Reading order: :func:`train` sets up (config, process group, data, model, optimizer, resume), then
+runs one iteration per optimizer step: stage lookup -> lr -> draw the global batch -> forward/backward
+over micro-batches (:func:`forward_backward`) -> clip -> update -> metrics -> eval -> checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from densetrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from densetrain.config import Config, save_config
+from densetrain.data.mixture import MixtureSampler, Sample
+from densetrain.data.shards import TokenFiles
+from densetrain.io import atomic_write_json
+from densetrain.model.init import init_weights
+from densetrain.model.llama import Transformer
+from densetrain.monitor import MetricsLogger, flops_per_token, measure_peak_flops, memory_stats
+from densetrain.optim import build_optimizer, set_lr
+from densetrain.parallel import DistInfo, all_reduce_sum, init_distributed, parallelize
+from densetrain.schedule import Stage, lr_for, resolve_stages, stage_at
+
+IGNORE_INDEX = -100
+
+
+class TrainError(RuntimeError):
+    """A problem that stops training, with a one-line message (missing data, bad resume, ...)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Loss and one optimizer step's forward/backward
+# --------------------------------------------------------------------------------------------------
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy in nats, fp32.
+
+    Args:
+        logits: (B, T, V). targets: (B, T) int64, ``IGNORE_INDEX`` where no loss is taken.
+    Returns:
+        (B, T) losses, 0 at ignored positions.
+    """
+    B, T, V = logits.shape
+    return F.cross_entropy(
+        logits.float().reshape(B * T, V), targets.reshape(B * T), ignore_index=IGNORE_INDEX, reduction="none"
+    ).reshape(B, T)
+
+
+@dataclass
+class StepStats:
+    """Sums over one optimizer step (this rank's part until reduced): loss in nats, tokens counted."""
+
+    loss_sum: float = 0.0
+    z_loss_sum: float = 0.0
+    n_tokens: int = 0
+    per_source: dict[str, list[float]] = field(default_factory=dict)  # name -> [loss_sum, n_tokens]
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    micro_batches: list[tuple[torch.Tensor, torch.Tensor, list[str]]],
+    n_tokens_global: int,
+    world_size: int = 1,
+    z_loss: float = 0.0,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> StepStats:
+    """Accumulate gradients of one optimizer step over ``micro_batches``.
+
+    The objective is the sum of all target-token losses of the step, over every micro-batch and every
+    rank, divided by ``n_tokens_global`` (the step's total target tokens): each micro-batch's loss sum
+    is divided by that global count, not averaged per micro-batch, so a micro-batch with few targets
+    weighs no more per token than one with many. DDP averages gradients over ranks, so each rank's
+    objective is multiplied by ``world_size`` to turn that mean back into the global sum.
+
+    Args:
+        micro_batches: list of (inputs (b, T) int64, targets (b, T) int64, source name per row).
+        n_tokens_global: number of targets != IGNORE_INDEX in the whole step (all ranks).
+        z_loss: coefficient of ``log(Z)^2`` per token (PaLM, Chowdhery et al. 2022, sec. 5).
+    Returns:
+        This rank's :class:`StepStats` (not reduced).
+    """
+    stats = StepStats()
+    scale = world_size / max(n_tokens_global, 1)
+    n_micro = len(micro_batches)
+    for i, (x, y, sources) in enumerate(micro_batches):
+        # DDP: all-reduce gradients only after the last micro-batch.
+        sync = contextlib.nullcontext()
+        if i < n_micro - 1 and hasattr(model, "no_sync"):
+            sync = model.no_sync()
+        with sync:
+            with autocast or contextlib.nullcontext():
+                logits = model(x)
+            losses = token_losses(logits, y)
+            mask = y != IGNORE_INDEX
+            objective = losses.sum()
+            if z_loss > 0:
+                zl = (torch.logsumexp(logits.float(), dim=-1) ** 2 * mask).sum()
+                objective = objective + z_loss * zl
+                stats.z_loss_sum += float(zl.detach())
+            (objective * scale).backward()
+        row_loss = losses.detach().sum(dim=1)
+        row_tok = mask.sum(dim=1)
+        for src, lsum, ntok in zip(sources, row_loss.tolist(), row_tok.tolist()):
+            acc = stats.per_source.setdefault(src, [0.0, 0])
+            acc[0] += lsum
+            acc[1] += ntok
+        stats.loss_sum += float(row_loss.sum())
+        stats.n_tokens += int(row_tok.sum())
+    return stats
+
+
+def reduce_stats(stats: StepStats, sources: list[str], device: torch.device) -> StepStats:
+    """Sum :class:`StepStats` over ranks (identity in a single process)."""
+    vec = [stats.loss_sum, stats.z_loss_sum, float(stats.n_tokens)]
+    for s in sources:
+        vec += stats.per_source.get(s, [0.0, 0])
+    t = all_reduce_sum(torch.tensor(vec, dtype=torch.float64, device=device)).tolist()
+    per = {s: [t[3 + 2 * i], int(t[4 + 2 * i])] for i, s in enumerate(sources) if t[4 + 2 * i] > 0}
+    return StepStats(t[0], t[1], int(t[2]), per)
+
+
+# --------------------------------------------------------------------------------------------------
+# Set-up helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def build_model(cfg: Config, device: torch.device) -> Transformer:
+    """Construct on the meta device (no memory), materialise on ``device``, initialise with the run's seed."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model.to_empty(device=device)
+    torch.manual_seed(cfg.train.seed)  # the same init on every rank
+    init_weights(model, cfg.model)
+    return model
+
+
+def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
+    """Token streams of every configured source for ``split`` ('train' or 'val').
+
+    Raises:
+        TrainError: shards are missing (``densetrain prepare`` not run), were made with another
+            tokenizer, or hold token ids >= model.vocab_size.
+    """
+    root = Path(cfg.data.shards_dir)
+    manifest = root / "manifest.json"
+    if not manifest.exists():
+        raise TrainError(f"{manifest}: no prepared data; run `densetrain prepare` with the same config first")
+    info = json.loads(manifest.read_text())
+    tok = info.get("tokenizer", {})
+    if tok.get("vocab_size", 0) > cfg.model.vocab_size:
+        raise TrainError(
+            f"{manifest}: tokenizer vocab_size {tok['vocab_size']} > model.vocab_size {cfg.model.vocab_size}"
+        )
+    if tok.get("spec") not in (None, cfg.data.tokenizer):
+        raise TrainError(
+            f"{manifest}: shards were tokenized with '{tok.get('spec')}' but data.tokenizer is '{cfg.data.tokenizer}'"
+        )
+    streams = {}
+    for src in cfg.data.sources:
+        d = root / src.name / split
+        if not d.is_dir():
+            raise TrainError(f"{d}: no {split} shards for source '{src.name}'; re-run `densetrain prepare`")
+        streams[src.name] = TokenFiles(d)
+    return streams
+
+
+def _autocast(cfg: Config, device: torch.device):
+    dtype = cfg.train.dtype
+    if dtype == "auto":
+        dtype = "bf16" if device.type == "cuda" else "fp32"
+    if dtype == "fp32":
+        return None
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def make_micro_batches(samples: list[Sample], micro: int, device: torch.device):
+    """Group samples into (inputs, targets, sources) micro-batches of ``micro`` rows on ``device``."""
+    out = []
+    for i in range(0, len(samples), micro):
+        chunk = samples[i : i + micro]
+        t = torch.from_numpy(np.stack([s.tokens for s in chunk])).to(device, non_blocking=True)
+        out.append((t[:, :-1], t[:, 1:], [s.source for s in chunk]))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------
+
+
+def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> dict:
+    """Run (or resume) the whole staged recipe described by ``cfg``; return the final summary.
+
+    Args:
+        resume: continue from the newest complete checkpoint in ``cfg.train.run_dir`` (fresh start
+            when there is none).
+        stop_after: stop after this many optimizer steps in total (for tests that interrupt a run);
+            the schedule still refers to ``cfg.train.steps``.
+    Raises:
+        TrainError: a one-line explanation (no data, batch not divisible by ranks, ...).
+    """
+    from densetrain.evals.valloss import evaluate_val
+
+    info = init_distributed(cfg.train.device)
+    if cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
+    run_dir = Path(cfg.train.run_dir)
+    stages = resolve_stages(cfg)
+    for st in stages:
+        if st.batch_size % (info.world_size * st.micro_batch_size):
+            raise TrainError(
+                f"stage '{st.name}': batch of {st.batch_size} sequences does not split into "
+                f"{info.world_size} ranks x micro_batch_size {st.micro_batch_size}"
+            )
+
+    sampler = MixtureSampler(open_streams(cfg, "train"))
+    val_streams = open_streams(cfg, "val")
+    model = build_model(cfg, info.device)
+    dp_model = parallelize(model, info)
+    if cfg.train.compile:
+        dp_model = torch.compile(dp_model)
+    optimizer = build_optimizer(model, cfg)
+
+    step, tokens_seen, skipped = 0, 0, 0
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, model, optimizer)
+        step, tokens_seen, skipped = state["step"], state["tokens"], state.get("skipped_steps", 0)
+        sampler.load_state_dict(state["sampler"])
+    if info.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.toml")
+    log = MetricsLogger(run_dir, info.rank, cfg.logging.tensorboard, resume_step=step if resume else None)
+    if ckpt is not None:
+        log.event(step, f"resumed from {ckpt} (step {step}, {tokens_seen} tokens)")
+    autocast = _autocast(cfg, info.device)
+    peak_flops = cfg.logging.peak_flops or measure_peak_flops(info.device, torch.bfloat16 if autocast else torch.float32)
+    source_names = [s.name for s in cfg.data.sources]
+    n_params = model.num_params()
+    if info.is_main and ckpt is None:
+        log.event(step, f"model: {n_params / 1e6:.2f}M parameters; peak {peak_flops / 1e12:.3f} TFLOP/s per device "
+                        f"({'declared' if cfg.logging.peak_flops else 'measured by matmul probe'})")
+
+    last = min(cfg.train.steps, stop_after) if stop_after else cfg.train.steps
+    stage: Stage | None = None
+    last_val: dict[str, float] = {}
+    t_run = time.perf_counter()
+    while step < last:
+        t0 = time.perf_counter()
+        st = stage_at(step, stages)
+        if st != stage:
+            model.set_rope_theta(st.rope_theta)
+            log.event(step, f"stage '{st.name}': seq_len {st.seq_len}, rope_theta {st.rope_theta:g}, "
+                            f"batch {st.batch_size} seqs, mix {{{', '.join(f'{k}: {v:.2f}' for k, v in st.mix.items())}}}")
+            stage = st
+        lr = lr_for(step, cfg, stages)
+        set_lr(optimizer, lr)
+
+        per_rank = st.batch_size // info.world_size
+        keep = range(info.rank * per_rank, (info.rank + 1) * per_rank)
+        samples = sampler.next_samples(st.batch_size, st.name, st.mix, st.seq_len, keep)
+        for ev in sampler.events:
+            log.event(step, ev)
+        sampler.events.clear()
+        micro_batches = make_micro_batches(samples, st.micro_batch_size, info.device)
+        n_local = sum(int((y != IGNORE_INDEX).sum()) for _, y, _ in micro_batches)
+        n_global = int(all_reduce_sum(torch.tensor([n_local], device=info.device)).item())
+        t_data = time.perf_counter() - t0
+
+        stats = forward_backward(dp_model, micro_batches, n_global, info.world_size, cfg.optim.z_loss, autocast)
+        clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        stats = reduce_stats(stats, source_names, info.device)
+        loss = stats.loss_sum / max(stats.n_tokens, 1)
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            optimizer.step()
+        else:  # never apply a non-finite update; count it and go on
+            skipped += 1
+            log.event(step, f"non-finite loss {loss} / grad_norm {grad_norm}: update skipped ({skipped} so far)")
+        optimizer.zero_grad(set_to_none=True)
+        if info.device.type == "cuda":
+            torch.cuda.synchronize(info.device)
+        dt = time.perf_counter() - t0
+        step += 1
+        tokens_seen += stats.n_tokens
+
+        metrics = {
+            "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_sec": stats.n_tokens / dt,
+            "tokens": tokens_seen, "stage": st.name, "stage_index": st.index, "seq_len": st.seq_len,
+            "rope_theta": st.rope_theta, "time/step_s": dt, "time/data_wait_s": t_data,
+        }
+        if stats.z_loss_sum:
+            metrics["z_loss"] = stats.z_loss_sum / max(stats.n_tokens, 1)
+        for s, (lsum, ntok) in stats.per_source.items():
+            metrics[f"train/{s}/loss"] = lsum / ntok
+        if step % cfg.logging.mfu_every == 0 or step == 1:
+            achieved = flops_per_token(cfg.model, st.seq_len) * stats.n_tokens / dt
+            metrics["mfu"] = achieved / (peak_flops * info.world_size)
+            metrics.update(memory_stats(info.device))
+        log.log(step, metrics)
+        if step % cfg.logging.every == 0 or step == last:
+            mfu = f" | mfu {metrics['mfu'] * 100:.1f}%" if "mfu" in metrics else ""
+            log.console(f"step {step:>5}/{cfg.train.steps} | {st.name:<12} | loss {loss:.4f} | lr {lr:.2e} | "
+                        f"grad_norm {grad_norm:.3f} | {metrics['tokens_per_sec'] / 1e3:.1f}k tok/s{mfu}")
+
+        if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.train.steps:
+            t_eval = time.perf_counter()
+            val = last_val = evaluate_val(model, val_streams, st.seq_len, st.micro_batch_size,
+                                          cfg.eval.max_batches, info.device, autocast)
+            vm = {f"val/{s}/loss": v for s, v in val.items()}
+            vm["time/eval_s"] = time.perf_counter() - t_eval
+            log.log(step, vm, kind="eval")
+            log.console("  val " + " ".join(f"{s} {v:.3f}" for s, v in val.items()))
+        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last:
+            t_ck = time.perf_counter()
+            trainer_state = {"step": step, "tokens": tokens_seen, "stage": st.name, "skipped_steps": skipped,
+                             "sampler": sampler.state_dict(), "world_size": info.world_size}
+            path = save_checkpoint(run_dir, step, model, optimizer, trainer_state, cfg.checkpoint.keep)
+            log.event(step, f"checkpoint {path.name} ({time.perf_counter() - t_ck:.2f}s)")
+
+    summary = {"steps": step, "tokens": tokens_seen, "skipped_steps": skipped, "params": n_params,
+               "wall_s": time.perf_counter() - t_run}
+    if last_val:
+        from densetrain.evals.valloss import unigram_entropy
+
+        summary["val"] = {s: {"loss": v, "unigram_entropy": unigram_entropy(val_streams[s])} for s, v in last_val.items()}
+    if info.is_main and step == cfg.train.steps:
+        atomic_write_json(run_dir / "summary.json", summary)
+    log.close()
+    return summary
