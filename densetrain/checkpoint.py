@@ -29,7 +29,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from densetrain.io import atomic_write_json, fsync_dir
 
@@ -150,14 +155,14 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
     else:
-        state = {"model": get_state_dict(model, [])[0]}
+        state = {"model": get_model_state_dict(model)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed.*")
         dcp.load(state, checkpoint_id=str(path))
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+        set_model_state_dict(model, state["model"])
     rng = path / f"rng_{_rank()}.json"
     if rng.exists():
         _set_rng_state(json.loads(rng.read_text()))

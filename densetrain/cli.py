@@ -18,6 +18,13 @@ from densetrain.config import Config, ConfigError, help_text, list_presets, load
 def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
     path = args.config
     preset = args.preset
+    if getattr(args, "checkpoint", None) and not (path or preset):
+        # `eval RUN_DIR` or `eval RUN_DIR/checkpoints/step_X`: use the run's resolved config.
+        ck = Path(args.checkpoint)
+        for cand in (ck / "config.toml", ck.parent.parent / "config.toml"):
+            if cand.exists():
+                path = cand
+                break
     if getattr(args, "resume", None):
         resolved = Path(args.resume) / "config.toml"
         if not resolved.exists():

@@ -238,7 +238,9 @@ def export_hf(
     # A folded μP readout cannot stay tied to the embeddings (see module docstring).
     export_cfg = dataclasses.replace(cfg, tie_embeddings="lm_head.weight" not in sd)
     stored = str(next(iter(sd.values())).dtype).removeprefix("torch.")
-    config = hf_config_dict(export_cfg, max_position_embeddings=max_position_embeddings, dtype=stored, extra=extra_config)
+    config = hf_config_dict(
+        export_cfg, max_position_embeddings=max_position_embeddings, dtype=stored, extra=extra_config
+    )
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"

@@ -43,7 +43,7 @@ class TrainError(RuntimeError):
 
 
 def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-token cross-entropy in nats, fp32.
+    """Per-token cross-entropy in nats, computed in at least fp32 (bf16 logits are upcast).
 
     Args:
         logits: (B, T, V). targets: (B, T) int64, ``IGNORE_INDEX`` where no loss is taken.
@@ -52,7 +52,7 @@ def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """
     B, T, V = logits.shape
     return F.cross_entropy(
-        logits.float().reshape(B * T, V), targets.reshape(B * T), ignore_index=IGNORE_INDEX, reduction="none"
+        logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(B * T, V), targets.reshape(B * T), ignore_index=IGNORE_INDEX, reduction="none"
     ).reshape(B, T)
 
 
@@ -268,6 +268,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
 
         per_rank = st.batch_size // info.world_size
         keep = range(info.rank * per_rank, (info.rank + 1) * per_rank)
+        first_sample = sampler.state["samples_seen"]
         samples = sampler.next_samples(st.batch_size, st.name, st.mix, st.seq_len, keep)
         for ev in sampler.events:
             log.event(step, ev)
@@ -295,7 +296,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         tokens_seen += stats.n_tokens
 
         metrics = {
-            "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens_per_sec": stats.n_tokens / dt,
+            "loss": loss, "grad_norm": grad_norm, "sample_index": first_sample, "lr": lr, "tokens_per_sec": stats.n_tokens / dt,
             "tokens": tokens_seen, "stage": st.name, "stage_index": st.index, "seq_len": st.seq_len,
             "rope_theta": st.rope_theta, "time/step_s": dt, "time/data_wait_s": t_data,
         }

@@ -23,7 +23,6 @@ Distributed wrapping (FSDP, compile, activation checkpointing) lives elsewhere; 
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
@@ -127,7 +126,9 @@ class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int):
         super().__init__()
         if d_model % n_heads or n_heads % n_kv_heads:
-            raise ValueError(f"need d_model % n_heads == 0 and n_heads % n_kv_heads == 0, got {d_model}, {n_heads}, {n_kv_heads}")
+            raise ValueError(
+                f"need d_model % n_heads == 0 and n_heads % n_kv_heads == 0, got {d_model}, {n_heads}, {n_kv_heads}"
+            )
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = d_model // n_heads

@@ -1,0 +1,24 @@
+# Two commands on a fresh machine (Python >= 3.11, pip, gcc):
+#   make demo   # build the demo corpus, prepare it, train the tiny model through every stage, report
+#   make test   # the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export OMP_WAIT_POLICY ?= PASSIVE
+
+.PHONY: demo test install clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) -m densetrain demo --preset tiny
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf runs .cache

@@ -1,0 +1,273 @@
+"""Token shards in datatrove's tokenized layout, so datatrove output trains as is (and vice versa).
+
+One shard ``NAME.ds`` with its companions (checked against datatrove's ``TokenizedFile`` /
+``DocumentTokenizer`` and ``DatatroveFolderDataset``):
+
+* ``NAME.ds`` — the token ids of all documents back to back, flat little-endian, ``uint16``
+  (``token_size`` 2) when ``vocab_size <= 65536`` else ``uint32`` (``token_size`` 4). Each
+  document already ends with the EOS token; nothing separates documents.
+* ``NAME.ds.index`` — ``uint64`` little-endian, one value per document: the document's END
+  offset in tokens, cumulative and relative to the start of this ``.ds`` file (so the last value
+  equals the file's token count). No header.
+* ``NAME.ds.metadata`` — text, three lines: ``<tokenizer name>|<token_size>``, the token count,
+  and the count humanised (e.g. ``1.23 MT``). datatrove reads the token size from the first line.
+
+A directory of shards is read in sorted file-name order as ONE concatenated token stream by
+:class:`TokenFiles`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+
+from densetrain.data.sources import DataError
+from densetrain.io import atomic_write_bytes
+
+_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+
+
+def token_size_for(vocab_size: int) -> int:
+    """Bytes per token: 2 (uint16) when every id fits (``vocab_size <= 65536``), else 4 (uint32).
+
+    Same rule as datatrove.
+    """
+    return 2 if vocab_size <= 65536 else 4
+
+
+def token_dtype(token_size: int) -> np.dtype:
+    """The little-endian numpy dtype of a token size (2 -> ``<u2``, 4 -> ``<u4``).
+
+    Raises:
+        DataError: ``token_size`` is not 2 or 4.
+    """
+    try:
+        return _DTYPES[int(token_size)]
+    except KeyError:
+        raise DataError(f"token_size must be 2 or 4 bytes, got {token_size}") from None
+
+
+def _humanize(n: int) -> str:
+    """Metric-prefixed token count, like datatrove's metadata (``1.23 MT``)."""
+    for div, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.3g} {prefix}T"
+    return f"{n} T"
+
+
+def _ds_path(path_prefix: str | os.PathLike) -> Path:
+    p = Path(path_prefix)
+    return p if p.name.endswith(".ds") else p.with_name(p.name + ".ds")
+
+
+def write_shard(
+    path_prefix: str | os.PathLike,
+    docs_tokens: list[np.ndarray],
+    token_size: int,
+    tokenizer_name: str = "Unknown Tokenizer",
+) -> dict:
+    """Write one shard atomically: ``PREFIX.ds``, ``PREFIX.ds.metadata``, then ``PREFIX.ds.index`` last.
+
+    Each file goes through temp file + fsync + rename; the index is written last so that its
+    presence means the shard is complete.
+
+    Args:
+        path_prefix: ``dir/000000`` or ``dir/000000.ds``.
+        docs_tokens: one 1-D integer array (or list) per document, EOS already appended.
+        token_size: 2 (uint16) or 4 (uint32) bytes per token.
+        tokenizer_name: written into the ``.metadata`` file.
+
+    Returns:
+        ``{'file': name of the .ds, 'tokens': int, 'documents': int, 'sha256': of the .ds,
+        'index_sha256': of the .ds.index}``.
+
+    Raises:
+        DataError: a token id is negative or does not fit in ``token_size`` bytes.
+    """
+    dtype = token_dtype(token_size)
+    ds = _ds_path(path_prefix)
+    arrays = [np.asarray(t) for t in docs_tokens]
+    lengths = np.array([a.size for a in arrays], dtype=np.uint64)
+    flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    if flat.size:
+        lo, hi = int(flat.min()), int(flat.max())
+        if lo < 0 or hi > np.iinfo(dtype).max:
+            raise DataError(f"{ds}: token id {lo if lo < 0 else hi} does not fit in {token_size} bytes")
+    data = flat.astype(dtype, copy=False).tobytes()
+    index = np.cumsum(lengths, dtype=np.uint64).astype("<u8").tobytes()
+    n_tokens = int(lengths.sum())
+    atomic_write_bytes(ds, data)
+    meta = f"{tokenizer_name}|{token_size}\n{n_tokens}\n{_humanize(n_tokens)}"
+    atomic_write_bytes(ds.with_name(ds.name + ".metadata"), meta.encode())
+    atomic_write_bytes(ds.with_name(ds.name + ".index"), index)
+    return {
+        "file": ds.name,
+        "tokens": n_tokens,
+        "documents": len(arrays),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "index_sha256": hashlib.sha256(index).hexdigest(),
+    }
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def _read_metadata_token_size(ds: Path) -> int | None:
+    meta = ds.with_name(ds.name + ".metadata")
+    if not meta.is_file():
+        return None
+    first = meta.read_text(errors="replace").split("\n", 1)[0]
+    if "|" in first:
+        tail = first.rsplit("|", 1)[1].strip()
+        if tail.isdigit():
+            return int(tail)
+    return None
+
+
+class TokenFiles:
+    """All ``*.ds`` files of a directory (sorted by name) read as ONE concatenated token stream.
+
+    Files are memory-mapped; nothing is read until asked. The token size comes from the
+    ``token_size`` argument, else from the ``.ds.metadata`` files (datatrove writes them), else 2
+    (datatrove's default). Each file's ``.ds.index`` gives its document ends; a file without one
+    counts as a single document.
+
+    Args:
+        path: a directory, one ``.ds`` file, or a list of ``.ds`` files (kept in the given order).
+        token_size: 2 or 4 bytes per token; ``None`` to read it from the metadata.
+
+    Raises:
+        DataError: no ``.ds`` file found, a file size is not a multiple of the token size, an index
+            is inconsistent with its file, or the metadata files disagree on the token size.
+    """
+
+    def __init__(self, path: str | os.PathLike | list, token_size: int | None = None):
+        if isinstance(path, (list, tuple)):
+            files = [Path(p) for p in path]
+        else:
+            p = Path(path)
+            if p.is_dir():
+                files = sorted(f for f in p.glob("*.ds") if not f.name.startswith(".") and f.is_file())
+            elif p.is_file():
+                files = [p]
+            else:
+                raise DataError(f"{p}: no such shard file or directory")
+        if not files:
+            raise DataError(f"{path}: no .ds token files")
+        self.files: list[Path] = files
+        if token_size is None:
+            sizes = {s for s in (_read_metadata_token_size(f) for f in files) if s is not None}
+            if len(sizes) > 1:
+                raise DataError(f"{path}: shards disagree on token size {sorted(sizes)} (.ds.metadata)")
+            token_size = sizes.pop() if sizes else 2
+        self.token_size = int(token_size)
+        self.dtype = token_dtype(self.token_size)
+        self._maps: list[np.ndarray] = []
+        self._ends: list[np.ndarray] = []
+        lengths = []
+        for f in files:
+            nbytes = f.stat().st_size
+            if nbytes % self.token_size:
+                raise DataError(f"{f}: size {nbytes} bytes is not a multiple of the token size {self.token_size}")
+            n = nbytes // self.token_size
+            mm = np.memmap(f, dtype=self.dtype, mode="r") if n else np.zeros(0, dtype=self.dtype)
+            self._maps.append(mm)
+            lengths.append(n)
+            idx = f.with_name(f.name + ".index")
+            if idx.is_file():
+                ends = np.fromfile(idx, dtype="<u8").astype(np.int64)
+                if ends.size and (np.any(np.diff(ends) < 0) or ends[0] < 0 or ends[-1] != n):
+                    raise DataError(f"{idx}: document ends are not increasing up to the file's {n} tokens")
+                if not ends.size and n:
+                    raise DataError(f"{idx}: empty index for a file of {n} tokens")
+            else:
+                ends = np.array([n] if n else [], dtype=np.int64)
+            self._ends.append(ends)
+        self._lengths = np.array(lengths, dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(self._lengths)[:-1]]).astype(np.int64)
+        self._total = int(self._lengths.sum())
+        self._doc_ends: np.ndarray | None = None
+        self._max: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        """Total number of tokens over all files."""
+        return self._total
+
+    def read(self, start: int, n: int) -> np.ndarray:
+        """Tokens ``[start, start + n)`` of the concatenated stream as an int64 array of shape (n,).
+
+        The range may cross file boundaries.
+
+        Raises:
+            IndexError: the range is not inside ``[0, len(self))``.
+        """
+        start, n = int(start), int(n)
+        if start < 0 or n < 0 or start + n > self._total:
+            raise IndexError(f"token range [{start}, {start + n}) outside [0, {self._total})")
+        out = np.empty(n, dtype=np.int64)
+        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+        pos = 0
+        while pos < n:
+            off = start + pos - int(self._starts[i])
+            take = min(n - pos, int(self._lengths[i]) - off)
+            if take > 0:
+                out[pos : pos + take] = self._maps[i][off : off + take]
+                pos += take
+            i += 1
+        return out
+
+    def doc_ends(self) -> np.ndarray:
+        """Global cumulative document END offsets (tokens, int64), over all files in order."""
+        if self._doc_ends is None:
+            parts = [e + s for e, s in zip(self._ends, self._starts)]
+            self._doc_ends = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return self._doc_ends
+
+    @property
+    def n_docs(self) -> int:
+        """Number of documents over all files."""
+        return int(self.doc_ends().size)
+
+    def document(self, k: int) -> np.ndarray:
+        """Tokens of document ``k`` (EOS included), int64."""
+        ends = self.doc_ends()
+        start = int(ends[k - 1]) if k > 0 else 0
+        return self.read(start, int(ends[k]) - start)
+
+    def max_token(self) -> int:
+        """Largest token id over all files (-1 when empty); one full pass, cached per file."""
+        best = -1
+        for i, mm in enumerate(self._maps):
+            if i not in self._max:
+                self._max[i] = int(mm.max()) if mm.size else -1
+            best = max(best, self._max[i])
+        return best
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Check that every token id is < ``vocab_size``.
+
+        Reads each file once (max over the memmap); the per-file maxima are cached.
+
+        Raises:
+            DataError: naming the first file holding an id >= ``vocab_size``.
+        """
+        for i, (f, mm) in enumerate(zip(self.files, self._maps)):
+            if i not in self._max:
+                self._max[i] = int(mm.max()) if mm.size else -1
+            if self._max[i] >= vocab_size:
+                raise DataError(
+                    f"{f}: token id {self._max[i]} >= vocabulary size {vocab_size} "
+                    "(shards made with another tokenizer? check data.tokenizer and model.vocab_size)"
+                )
+
+    def __repr__(self) -> str:
+        return f"TokenFiles({len(self.files)} files, {self._total} tokens, token_size={self.token_size})"

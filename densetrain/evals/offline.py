@@ -1,0 +1,45 @@
+"""``densetrain eval CKPT``: evaluate a saved checkpoint outside the training loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from densetrain.checkpoint import latest_checkpoint, load_checkpoint
+from densetrain.config import Config
+from densetrain.evals.valloss import evaluate_val, unigram_entropy
+from densetrain.io import atomic_write_json
+
+
+def evaluate_checkpoint(cfg: Config, path: Path) -> dict:
+    """Validation loss per source of checkpoint ``path`` (a ``step_XXXXXXXX`` directory or a run
+    directory, meaning its newest complete checkpoint), at the sequence length and RoPE base of the
+    stage the checkpoint was saved in. Writes ``<checkpoint>/eval.json`` and returns the same dict.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint at ``path``.
+    """
+    from densetrain.parallel import init_distributed
+    from densetrain.schedule import resolve_stages, stage_at
+    from densetrain.train import _autocast, build_model, open_streams
+
+    path = Path(path)
+    if not (path / "COMPLETE").exists():
+        ckpt = latest_checkpoint(path)
+        if ckpt is None:
+            raise FileNotFoundError(f"{path}: no complete checkpoint here")
+        path = ckpt
+    info = init_distributed(cfg.train.device)
+    model = build_model(cfg, info.device)
+    state = load_checkpoint(path, model, None)
+    st = stage_at(max(state["step"] - 1, 0), resolve_stages(cfg))
+    model.set_rope_theta(st.rope_theta)
+    streams = open_streams(cfg, "val")
+    val = evaluate_val(model, streams, st.seq_len, st.micro_batch_size, cfg.eval.max_batches, info.device,
+                       _autocast(cfg, info.device))
+    result = {
+        "checkpoint": str(path), "step": state["step"], "stage": st.name, "seq_len": st.seq_len,
+        "val": {s: {"loss": v, "unigram_entropy": unigram_entropy(streams[s])} for s, v in val.items()},
+    }
+    if info.is_main:
+        atomic_write_json(path / "eval.json", result)
+    return result

@@ -1,0 +1,57 @@
+"""Shared fixtures: a small real-text corpus (Python standard-library sources, present on every
+machine that runs these tests) prepared once per session with a real trained BPE tokenizer."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+def small_config(tmp: Path, shards_dir: Path, **overrides):
+    """A seconds-scale config over two stdlib sources with a 3-stage table (main, anneal, long)."""
+    from densetrain.config import load_config
+
+    base = {
+        "data.demo_corpus": False,
+        "data.corpus_dir": str(STDLIB),
+        "data.shards_dir": str(shards_dir),
+        "data.tokenizer": "bpe",
+        "data.tokenizer_vocab_size": 512,
+        "data.val_fraction": 0.1,
+        "data.sources": [
+            {"name": "email", "kind": "code", "paths": ["email"], "format": "text"},
+            {"name": "json", "kind": "code", "paths": ["json", "http"], "format": "text"},
+        ],
+        "stages": [
+            {"name": "main", "start": 0.0, "mix": {"email": 0.5, "json": 0.5}},
+            {"name": "anneal", "start": 0.5, "mix": {"email": 1.0}},
+            {"name": "long_context", "start": 0.8, "seq_len": 64, "rope_theta": 100000.0},
+        ],
+        "model.vocab_size": 512, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4,
+        "model.n_kv_heads": 2, "model.d_ff": 128,
+        "train.run_dir": str(tmp / "run"), "train.steps": 10, "train.seq_len": 32, "train.batch_size": 8,
+        "train.micro_batch_size": 2, "train.threads": 1,
+        "optim.peak_lr": 3e-3, "optim.min_lr": 3e-4, "schedule.warmup_steps": 2,
+        "checkpoint.every": 5, "checkpoint.keep": 2, "eval.every": 5, "eval.max_batches": 2,
+        "logging.mfu_every": 2, "logging.peak_flops": 1e11,
+    }
+    base.update(overrides)
+    return load_config(preset="tiny", overrides=list(base.items()))
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory):
+    """(shards_dir, config factory) with the two stdlib sources tokenized once."""
+    from densetrain.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("prepared")
+    shards = root / "shards"
+    prepare(small_config(root, shards))
+    return shards, lambda tmp, **ov: small_config(tmp, shards, **ov)

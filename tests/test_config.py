@@ -1,0 +1,71 @@
+"""Config loading, overrides and one-line validation errors."""
+
+import subprocess
+import sys
+
+import pytest
+
+from densetrain.config import ConfigError, load_config, parse_overrides, save_config
+
+
+def test_presets_load_with_published_shapes():
+    g = load_config("gpt2-124m")
+    assert (g.model.n_layers, g.model.d_model, g.model.n_heads, g.model.d_ff) == (12, 768, 12, 3072)
+    assert (g.train.seq_len, g.train.batch_size, g.optim.peak_lr, g.optim.min_lr, g.schedule.warmup_steps) == (
+        1024, 64, 6e-4, 6e-5, 100)
+    assert g.data.tokenizer_vocab_size == 50257
+    ll = load_config("llama3-8b")
+    assert (ll.model.n_layers, ll.model.d_model, ll.model.n_heads, ll.model.n_kv_heads) == (32, 4096, 32, 8)
+    assert (ll.model.d_ff, ll.model.vocab_size, ll.model.rope_theta) == (14336, 128256, 500000.0)
+
+
+def test_overrides_parse_toml_values():
+    ov = parse_overrides(["--optim.peak_lr=3e-4", "--schedule.kind=wsd", "--train.steps", "7", "--model.tie_embeddings=true"])
+    assert ov == [("optim.peak_lr", 3e-4), ("schedule.kind", "wsd"), ("train.steps", 7), ("model.tie_embeddings", True)]
+    cfg = load_config("tiny", overrides=ov)
+    assert cfg.optim.peak_lr == 3e-4 and cfg.schedule.kind == "wsd" and cfg.train.steps == 7
+    cfg = load_config("tiny", overrides=[("stages.1.start", 0.8)])
+    assert cfg.stages[1].start == 0.8
+
+
+@pytest.mark.parametrize(
+    "overrides,msg",
+    [
+        ([("model.n_kv_heads", 3)], "model.n_heads (8) must be divisible by model.n_kv_heads (3)"),
+        ([("optim.peak_lrr", 1e-3)], "unknown config key 'optim.peak_lrr'; did you mean 'optim.peak_lr'?"),
+        ([("optim.peak_lr", "fast")], "optim.peak_lr: expected a number, got 'fast'"),
+        ([("schedule.kind", "cosin")], "schedule.kind must be cosine, wsd or constant"),
+        ([("train.batch_size", 10)], "train.batch_size (10) must be divisible by train.micro_batch_size (8)"),
+        ([("stages.1.mix", {"wbe": 1.0})], "unknown source 'wbe'; did you mean 'web'?"),
+        ([("optim.min_lr", 1.0)], "optim.min_lr must be in [0, optim.peak_lr"),
+    ],
+)
+def test_errors_name_the_key(overrides, msg):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", overrides=overrides)
+    assert msg in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_preset_and_bad_toml(tmp_path):
+    with pytest.raises(ConfigError, match="did you mean 'tiny'"):
+        load_config("tinyy")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nd_model = 3\n")
+    with pytest.raises(ConfigError, match="bad.toml: invalid TOML"):
+        load_config(path=bad)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config("tiny", overrides=[("optim.peak_lr", 1e-2), ("train.steps", 123)])
+    save_config(cfg, tmp_path / "config.toml")
+    again = load_config(path=tmp_path / "config.toml")
+    assert again == cfg
+
+
+def test_cli_error_is_one_line():
+    r = subprocess.run([sys.executable, "-m", "densetrain", "train", "--preset", "tiny", "--model.n_kv_heads=3"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        "densetrain: error: model.n_heads (8) must be divisible by model.n_kv_heads (3)"]

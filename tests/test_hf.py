@@ -1,0 +1,181 @@
+"""Hugging Face interop (densetrain/hf.py): export -> LlamaForCausalLM parity, import round trip."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from densetrain.config import ModelConfig
+from densetrain.hf import export_hf, from_hf_state_dict, hf_config_dict, import_hf, to_hf_state_dict
+from densetrain.model.init import init_weights
+from densetrain.model.llama import Transformer
+
+
+def tiny_cfg(**kw) -> ModelConfig:
+    # init_std 0.05 (not 0.02) makes the logits less linear in the weights, so mapping mistakes show more.
+    base = dict(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=160, rope_theta=10000.0,
+                init_std=0.05)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def build(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    m = Transformer(cfg)
+    torch.manual_seed(seed)
+    init_weights(m, cfg)
+    # Norm gains are 1 after init; perturb them so that a swapped norm mapping would show in the logits.
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return m.eval()
+
+
+def hf_logits(path, tokens: torch.Tensor) -> torch.Tensor:
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager", local_files_only=True
+    ).eval()
+    with torch.no_grad():
+        return hf(input_ids=tokens).logits
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_logit_parity_with_transformers(tmp_path, tied):
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    cfg = tiny_cfg(tie_embeddings=tied, rope_theta=50000.0)
+    m = build(cfg)
+    out = export_hf(m, cfg, tmp_path / "export", max_position_embeddings=64)
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["tie_word_embeddings"] is tied
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = m(tokens)
+    theirs = hf_logits(out, tokens)
+    assert theirs.shape == ours.shape
+    assert (ours - theirs).abs().max().item() <= 1e-4
+
+
+def test_parity_after_set_rope_theta(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    cfg = tiny_cfg()
+    m = build(cfg)
+    m.set_rope_theta(500000.0)
+    cfg.rope_theta = 500000.0  # export the config the model now runs with
+    out = export_hf(m, cfg, tmp_path / "e")
+    tokens = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = m(tokens)
+    assert (ours - hf_logits(out, tokens)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_mup_model_exports_with_folded_multipliers(tmp_path, tied):
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    cfg = tiny_cfg(init="mup", base_d_model=16, tie_embeddings=tied)  # width_mult 4
+    m = build(cfg)
+    assert m.logit_mult == 0.25 and m.attn_scale == 1 / 16
+    out = export_hf(m, cfg, tmp_path / "mup")
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["tie_word_embeddings"] is False  # folded readout cannot stay tied
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = m(tokens)
+    assert (ours - hf_logits(out, tokens)).abs().max().item() <= 1e-4
+    # Importing gives a standard-parameterisation model with the same logits.
+    cfg2, sd = import_hf(out)
+    assert cfg2.init == "standard" and not cfg2.tie_embeddings
+    m2 = Transformer(cfg2)
+    m2.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        torch.testing.assert_close(m2(tokens), ours, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_import_round_trip_identical(tmp_path, tied):
+    cfg = tiny_cfg(tie_embeddings=tied, rope_theta=123456.0, norm_eps=1e-6)
+    m = build(cfg)
+    out = export_hf(m, cfg, tmp_path / "rt")
+    cfg2, sd = import_hf(out)
+    for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "rope_theta", "norm_eps",
+              "tie_embeddings"):
+        assert getattr(cfg2, f) == getattr(cfg, f), f
+    ref = m.state_dict()
+    assert sd.keys() == ref.keys()
+    for k in ref:
+        assert torch.equal(sd[k], ref[k]), k
+    if tied:
+        assert sd["output.weight"] is sd["tok_embeddings.weight"]
+    m2 = Transformer(cfg2)
+    m2.load_state_dict(sd, strict=True)
+
+
+def test_export_is_atomic_replace_and_bf16(tmp_path):
+    cfg = tiny_cfg()
+    m = build(cfg)
+    target = tmp_path / "exp"
+    export_hf(m, cfg, target)
+    export_hf(m, cfg, target, dtype=torch.bfloat16)  # replaces the old export
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["exp"]  # no temp/old dirs left behind
+    conf = json.loads((target / "config.json").read_text())
+    assert conf["dtype"] == "bfloat16"
+    _, sd = import_hf(target)
+    assert sd["tok_embeddings.weight"].dtype == torch.bfloat16
+
+
+def test_hf_config_dict_fields():
+    cfg = tiny_cfg(rope_theta=500000.0, tie_embeddings=True)
+    d = hf_config_dict(cfg, max_position_embeddings=8192, extra={"eos_token_id": 3})
+    assert d["architectures"] == ["LlamaForCausalLM"] and d["model_type"] == "llama"
+    assert (d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"]) == (64, 160, 2)
+    assert (d["num_attention_heads"], d["num_key_value_heads"], d["head_dim"]) == (4, 2, 16)
+    assert d["rope_parameters"] == {"rope_type": "default", "rope_theta": 500000.0}
+    assert d["rope_theta"] == 500000.0 and d["max_position_embeddings"] == 8192
+    assert d["attention_bias"] is False and d["mlp_bias"] is False and d["hidden_act"] == "silu"
+    assert d["tie_word_embeddings"] is True and d["eos_token_id"] == 3
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    hc = transformers.LlamaConfig(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+    assert hc.rope_parameters["rope_theta"] == 500000.0 and hc.num_key_value_heads == 2
+
+
+def test_state_dict_names_and_errors():
+    cfg = tiny_cfg()
+    m = build(cfg)
+    sd = to_hf_state_dict(m)
+    assert "model.layers.1.mlp.gate_proj.weight" in sd and "lm_head.weight" in sd
+    assert torch.equal(sd["model.layers.1.mlp.gate_proj.weight"], m.layers[1].feed_forward.w1.weight)
+    assert torch.equal(sd["model.layers.0.mlp.down_proj.weight"], m.layers[0].feed_forward.w2.weight)
+    assert torch.equal(sd["model.layers.0.mlp.up_proj.weight"], m.layers[0].feed_forward.w3.weight)
+    # No q/k permutation: same half-split RoPE convention as HF.
+    assert torch.equal(sd["model.layers.0.self_attn.q_proj.weight"], m.layers[0].attention.wq.weight)
+    bad = dict(sd)
+    bad["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(64)
+    with pytest.raises(ValueError, match="unexpected"):
+        from_hf_state_dict(bad, cfg)
+    missing = dict(sd)
+    del missing["model.norm.weight"]
+    with pytest.raises(ValueError, match="missing"):
+        from_hf_state_dict(missing, cfg)
+
+
+def test_import_rejects_scaled_rope_and_missing_files(tmp_path):
+    cfg = tiny_cfg()
+    out = export_hf(build(cfg), cfg, tmp_path / "x")
+    conf = json.loads((out / "config.json").read_text())
+    conf["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    (out / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match="RoPE"):
+        import_hf(out)
+    os.remove(out / "config.json")
+    with pytest.raises(FileNotFoundError):
+        import_hf(out)
