@@ -94,8 +94,9 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step drops events at/after the resume step left by a killed run.
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=resume_step)
+            # purge_step drops events after the checkpoint's step left by a killed run.
+            purge = None if resume_step is None else resume_step + 1
+            self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=purge)
 
     def _truncate_after(self, step: int) -> None:
         keep = []
@@ -104,7 +105,7 @@ class MetricsLogger:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a torn last line from a kill -9
-            if rec.get("step", 0) < step or rec.get("kind") == "event":
+            if rec.get("step", 0) <= step:
                 keep.append(line)
         from densetrain.io import atomic_write_bytes
 

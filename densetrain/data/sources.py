@@ -10,8 +10,9 @@ A source names files, directories (walked recursively, sorted) or globs, relativ
 * ``auto``: ``.jsonl``, ``.jsonl.gz`` and ``.json.gz`` are jsonl, everything else is text.
 
 Gzip-compressed files are decompressed transparently (detected by their magic bytes, so the
-extension does not matter). Hidden files and directories (names starting with ``.``) are skipped
-when walking a directory: they are caches, temporaries of atomic writes and markers.
+extension does not matter). Hidden files and directories (names starting with ``.``) and
+``__pycache__`` directories are skipped when walking a directory: they are caches, temporaries
+of atomic writes and markers.
 
 Bad input is never fatal and never silently dropped: a malformed JSON line, a missing or
 non-string text field, or invalid UTF-8 is recorded in a :class:`SkipLog` (``file:line: reason``)
@@ -104,10 +105,10 @@ _GLOB_CHARS = set("*?[")
 
 
 def _walk(directory: Path) -> list[Path]:
-    """All regular files under ``directory``, recursively, sorted, skipping hidden names."""
+    """All regular files under ``directory``, recursively, sorted, skipping hidden names and __pycache__."""
     out = []
     for root, dirs, files in os.walk(directory, followlinks=True):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
         for f in sorted(files):
             if not f.startswith("."):
                 out.append(Path(root) / f)
@@ -118,7 +119,7 @@ def resolve_paths(src: SourceConfig, corpus_dir: Path, source_index: int | None 
     """Expand ``src.paths`` into the sorted, de-duplicated list of input files.
 
     Relative paths are resolved against ``corpus_dir``; ``~`` is expanded. Directories are walked
-    recursively (sorted, hidden names skipped); globs support ``**``.
+    recursively (sorted; hidden names and ``__pycache__`` skipped); globs support ``**``.
 
     Raises:
         DataError: a path (or glob) matches nothing, or ``src.paths`` is empty.
