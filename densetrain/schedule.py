@@ -93,16 +93,18 @@ class Stage:
     lr_mult: float
 
 
-def resolve_stages(cfg: Config) -> list[Stage]:
+def resolve_stages(cfg: Config, available: set[str] | None = None) -> list[Stage]:
     """Fill inherited fields of ``cfg.stages`` and convert start fractions to steps.
 
     Tokens per optimizer step (``train.batch_size * train.seq_len``) stay constant across stages: a
     stage with a longer seq_len uses proportionally fewer sequences (and proportionally smaller
     micro-batches, so memory per forward stays about the same). A stage with an empty mix in the
-    first row means "all sources, equal weight".
+    first row means "all sources, equal weight". Sources not in ``available`` (when given: those
+    with prepared data) are dropped from every mix and the remaining weights renormalised.
 
     Raises:
-        ValueError: two stages would start at the same step (too few steps for the table).
+        ValueError: two stages would start at the same step (too few steps for the table), or a
+            stage's mix has no available source left.
     """
     t = cfg.train
     tokens_per_step = t.batch_size * t.seq_len
@@ -113,8 +115,11 @@ def resolve_stages(cfg: Config) -> list[Stage]:
         mix = dict(st.mix) if st.mix else mix
         seq_len = st.seq_len or seq_len
         theta = st.rope_theta or theta
-        total_w = sum(mix.values())
-        norm_mix = {k: v / total_w for k, v in mix.items() if v > 0} if total_w else {}
+        usable = {k: v for k, v in mix.items() if v > 0 and (available is None or k in available)}
+        if not usable:
+            raise ValueError(f"stages[{i}] '{st.name}': no source of its mix {sorted(mix)} has data")
+        total_w = sum(usable.values())
+        norm_mix = {k: v / total_w for k, v in usable.items()}
         start = round(st.start * t.steps)
         if out and start <= out[-1].start_step:
             raise ValueError(

@@ -145,11 +145,14 @@ def build_model(cfg: Config, device: torch.device) -> Transformer:
 
 
 def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
-    """Token streams of every configured source for ``split`` ('train' or 'val').
+    """Token streams of the configured sources for ``split`` ('train' or 'val').
+
+    Sources that ``prepare`` found empty (e.g. the demo's Debian sources on a machine without apt)
+    are left out; the stage mixes drop them (see :func:`densetrain.schedule.resolve_stages`).
 
     Raises:
         TrainError: shards are missing (``densetrain prepare`` not run), were made with another
-            tokenizer, or hold token ids >= model.vocab_size.
+            tokenizer, or the tokenizer's vocabulary is larger than model.vocab_size.
     """
     root = Path(cfg.data.shards_dir)
     manifest = root / "manifest.json"
@@ -165,12 +168,16 @@ def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
         raise TrainError(
             f"{manifest}: shards were tokenized with '{tok.get('spec')}' but data.tokenizer is '{cfg.data.tokenizer}'"
         )
+    prepared = info.get("sources", {})
     streams = {}
     for src in cfg.data.sources:
-        d = root / src.name / split
-        if not d.is_dir():
-            raise TrainError(f"{d}: no {split} shards for source '{src.name}'; re-run `densetrain prepare`")
-        streams[src.name] = TokenFiles(d)
+        if src.name not in prepared:
+            raise TrainError(f"{manifest}: source '{src.name}' was not prepared; re-run `densetrain prepare`")
+        if prepared[src.name].get(split, {}).get("tokens", 0) == 0:
+            continue
+        streams[src.name] = TokenFiles(root / src.name / split)
+    if not streams:
+        raise TrainError(f"{manifest}: no source has {split} tokens")
     return streams
 
 
@@ -215,7 +222,11 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
     run_dir = Path(cfg.train.run_dir)
-    stages = resolve_stages(cfg)
+    train_streams = open_streams(cfg, "train")
+    try:
+        stages = resolve_stages(cfg, available=set(train_streams))
+    except ValueError as e:
+        raise TrainError(str(e)) from None
     for st in stages:
         if st.batch_size % (info.world_size * st.micro_batch_size):
             raise TrainError(
@@ -223,7 +234,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
                 f"{info.world_size} ranks x micro_batch_size {st.micro_batch_size}"
             )
 
-    sampler = MixtureSampler(open_streams(cfg, "train"))
+    sampler = MixtureSampler(train_streams)
     val_streams = open_streams(cfg, "val")
     model = build_model(cfg, info.device)
     dp_model = parallelize(model, info)
@@ -247,6 +258,9 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     peak_flops = cfg.logging.peak_flops or measure_peak_flops(info.device, torch.bfloat16 if autocast else torch.float32)
     source_names = [s.name for s in cfg.data.sources]
     n_params = model.num_params()
+    missing = sorted({s.name for s in cfg.data.sources} - set(train_streams))
+    if missing:
+        log.event(step, f"WARNING: sources without data left out of every mix: {missing}")
     if info.is_main and ckpt is None:
         log.event(step, f"model: {n_params / 1e6:.2f}M parameters; peak {peak_flops / 1e12:.3f} TFLOP/s per device "
                         f"({'declared' if cfg.logging.peak_flops else 'measured by matmul probe'})")
