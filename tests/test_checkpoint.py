@@ -1,0 +1,61 @@
+"""Checkpoint round trips (tied weights, optimizer state, RNG), completion marker, retention."""
+
+import shutil
+
+import torch
+
+from densetrain.checkpoint import latest_checkpoint, list_complete, load_checkpoint, save_checkpoint
+from densetrain.config import load_config
+from densetrain.optim import build_optimizer
+from densetrain.train import build_model
+
+
+def _setup(tied: bool):
+    cfg = load_config("tiny", overrides=[("model.vocab_size", 300), ("model.d_model", 32), ("model.n_layers", 2),
+                                         ("model.n_heads", 4), ("model.n_kv_heads", 2), ("model.d_ff", 64),
+                                         ("model.tie_embeddings", tied)])
+    model = build_model(cfg, torch.device("cpu"))
+    opt = build_optimizer(model, cfg)
+    for g in opt.param_groups:
+        g["lr"] = 1e-2
+    x = torch.randint(0, 300, (2, 16))
+    model(x).logsumexp(-1).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return cfg, model, opt
+
+
+def test_round_trip_with_tied_embeddings(tmp_path):
+    cfg, model, opt = _setup(tied=True)
+    torch.manual_seed(123)
+    save_checkpoint(tmp_path, 7, model, opt, {"step": 7, "tokens": 99}, keep=2)
+    expected_rand = torch.rand(3)
+
+    cfg2, fresh, fresh_opt = _setup(tied=True)
+    fresh.tok_embeddings.weight.data.zero_()
+    state = load_checkpoint(latest_checkpoint(tmp_path), fresh, fresh_opt)
+    assert state == {"step": 7, "tokens": 99}
+    assert fresh.output.weight is fresh.tok_embeddings.weight  # still tied after loading
+    for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a, b), n
+    sa, sb = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k]["exp_avg_sq"], sb[k]["exp_avg_sq"])
+    assert torch.equal(torch.rand(3), expected_rand)  # RNG state restored
+
+
+def test_incomplete_checkpoints_are_ignored_and_retention(tmp_path):
+    cfg, model, opt = _setup(tied=False)
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, step, model, opt, {"step": step}, keep=2)
+    assert [s for s, _ in list_complete(tmp_path)] == [3, 4]
+    # A killed write: a .tmp directory, and a directory whose COMPLETE marker never landed.
+    shutil.copytree(tmp_path / "checkpoints" / "step_00000004", tmp_path / "checkpoints" / "step_00000005.tmp")
+    shutil.copytree(tmp_path / "checkpoints" / "step_00000004", tmp_path / "checkpoints" / "step_00000006")
+    (tmp_path / "checkpoints" / "step_00000006" / "COMPLETE").unlink()
+    assert latest_checkpoint(tmp_path).name == "step_00000004"
+    # Saving step 5 again replaces the stale temporary directory.
+    save_checkpoint(tmp_path, 5, model, opt, {"step": 5}, keep=2)
+    assert latest_checkpoint(tmp_path).name == "step_00000005"
+    assert not (tmp_path / "checkpoints" / "step_00000005.tmp").exists()
