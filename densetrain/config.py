@@ -253,6 +253,16 @@ class EvalConfig:
     """Validation loss every N steps (and at the end); 0 only at the end."""
     max_batches: int = 8
     """Validation micro-batches per source per evaluation."""
+    tasks: str = ""
+    """Downstream multiple-choice tasks run in the loop: comma list or group ('light', 'all'); '' disables."""
+    tasks_every: int = 0
+    """Run eval.tasks every N steps (and at the end); 0 only at the end."""
+    tasks_limit: int = 200
+    """Examples per task for in-loop evaluation (the first N rows, a fixed subset); 0 = all."""
+    final_tasks: str = ""
+    """Tasks evaluated once after the last step (e.g. 'all'); '' disables."""
+    final_limit: int = 0
+    """Examples per task for final_tasks; 0 = all."""
 
 
 @dataclass

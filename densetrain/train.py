@@ -200,6 +200,15 @@ def make_micro_batches(samples: list[Sample], micro: int, device: torch.device):
     return out
 
 
+def run_downstream(model, tokenizer, tasks: str, limit: int, seq_len: int, device, autocast) -> dict[str, float]:
+    """Downstream multiple-choice scores as flat metrics ``{'eval/<task>/<metric>': value}``."""
+    from densetrain.evals.downstream import evaluate_tasks
+
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    res = evaluate_tasks(model, tokenizer, names, limit or None, device, seq_len_max=seq_len, autocast=autocast)
+    return {f"eval/{task}/{k}": v for task, r in res.items() for k, v in r.items()}
+
+
 # --------------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------------
@@ -255,6 +264,11 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     if ckpt is not None:
         log.event(step, f"resumed from {ckpt} (step {step}, {tokens_seen} tokens)")
     autocast = _autocast(cfg, info.device)
+    tokenizer = None
+    if cfg.eval.tasks or cfg.eval.final_tasks:
+        from densetrain.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
     peak_flops = cfg.logging.peak_flops or measure_peak_flops(info.device, torch.bfloat16 if autocast else torch.float32)
     source_names = [s.name for s in cfg.data.sources]
     n_params = model.num_params()
@@ -266,6 +280,11 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
                         f"({'declared' if cfg.logging.peak_flops else 'measured by matmul probe'})")
 
     last = min(cfg.train.steps, stop_after) if stop_after else cfg.train.steps
+    if step >= cfg.train.steps:
+        log.event(step, f"run already complete ({step} steps); nothing to do")
+        log.close()
+        done = run_dir / "summary.json"
+        return json.loads(done.read_text()) if done.exists() else {"steps": step, "tokens": tokens_seen}
     stage: Stage | None = None
     last_val: dict[str, float] = {}
     t_run = time.perf_counter()
@@ -336,6 +355,12 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
             vm["time/eval_s"] = time.perf_counter() - t_eval
             log.log(step, vm, kind="eval")
             log.console("  val " + " ".join(f"{s} {v:.3f}" for s, v in val.items()))
+        if cfg.eval.tasks and ((cfg.eval.tasks_every and step % cfg.eval.tasks_every == 0) or step == cfg.train.steps):
+            t_eval = time.perf_counter()
+            dm = run_downstream(model, tokenizer, cfg.eval.tasks, cfg.eval.tasks_limit, st.seq_len, info.device, autocast)
+            dm["time/tasks_s"] = time.perf_counter() - t_eval
+            log.log(step, dm, kind="eval")
+            log.console("  tasks " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in dm.items() if k.endswith("/headline")))
         if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last:
             t_ck = time.perf_counter()
             trainer_state = {"step": step, "tokens": tokens_seen, "stage": st.name, "skipped_steps": skipped,
@@ -349,6 +374,12 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         from densetrain.evals.valloss import unigram_entropy
 
         summary["val"] = {s: {"loss": v, "unigram_entropy": unigram_entropy(val_streams[s])} for s, v in last_val.items()}
+    if cfg.eval.final_tasks and step == cfg.train.steps:
+        t_eval = time.perf_counter()
+        dm = run_downstream(model, tokenizer, cfg.eval.final_tasks, cfg.eval.final_limit, st.seq_len, info.device, autocast)
+        log.log(step, {**dm, "time/final_tasks_s": time.perf_counter() - t_eval}, kind="final_eval")
+        summary["downstream"] = {k[len("eval/"):]: v for k, v in dm.items()}
+        log.console("  final " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in dm.items() if k.endswith("/headline")))
     if info.is_main and step == cfg.train.steps:
         atomic_write_json(run_dir / "summary.json", summary)
     log.close()
