@@ -1,4 +1,5 @@
-"""Command line: ``densetrain prepare | train | eval | report | demo``.
+"""Command line: ``densetrain prepare | train | eval | export | import-hf | report | demo``, plus
+``mup-check | lr-sweep | plan`` (argument handling in :mod:`densetrain.cli_extra`).
 
 Every command takes ``--preset NAME`` and/or ``--config FILE`` plus ``--section.key=value``
 overrides (see ``densetrain train --help-config``). Errors in user input end with one line
@@ -54,8 +55,57 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
     from densetrain.evals.offline import evaluate_checkpoint
 
-    result = evaluate_checkpoint(cfg, Path(args.checkpoint))
+    result = evaluate_checkpoint(cfg, Path(args.checkpoint), tasks=args.tasks, limit=args.limit)
     print(json.dumps(result, indent=1))
+    return 0
+
+
+def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
+    """Write a Hugging Face LlamaForCausalLM folder (config.json + model.safetensors + tokenizer)."""
+    from densetrain.checkpoint import load_checkpoint
+    from densetrain.evals.offline import find_checkpoint
+    from densetrain.hf import export_hf
+    from densetrain.schedule import resolve_stages, stage_at
+    from densetrain.train import build_model
+
+    import torch
+
+    path = find_checkpoint(Path(args.checkpoint))
+    model = build_model(cfg, torch.device("cpu"))
+    state = load_checkpoint(path, model, None)
+    # The exported RoPE base and context length are those of the stage the checkpoint was saved in.
+    st = stage_at(max(state["step"] - 1, 0), resolve_stages(cfg))
+    cfg.model.rope_theta = st.rope_theta
+    out = export_hf(model, cfg.model, Path(args.out), max_position_embeddings=st.seq_len)
+    tok = Path(cfg.data.shards_dir) / "tokenizer.json"
+    if tok.exists():
+        import shutil
+
+        shutil.copyfile(tok, out / "tokenizer.json")
+    print(f"exported {path} -> {out} (rope_theta {st.rope_theta:g}, max_position_embeddings {st.seq_len})")
+    return 0
+
+
+def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
+    """Load a local HF Llama folder into a densetrain checkpoint (step 0) under --out RUN_DIR."""
+    import torch
+
+    from densetrain.checkpoint import save_checkpoint
+    from densetrain.hf import import_hf
+    from densetrain.model.llama import Transformer
+    from densetrain.optim import build_optimizer
+
+    mcfg, sd = import_hf(Path(args.hf_dir))
+    cfg.model = mcfg
+    model = Transformer(mcfg)
+    model.load_state_dict(sd, strict=True)
+    cfg.train.run_dir = args.out
+    from densetrain.config import save_config
+
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    save_config(cfg, Path(args.out) / "config.toml")
+    path = save_checkpoint(Path(args.out), 0, model, build_optimizer(model, cfg), {"step": 0, "tokens": 0}, keep=0)
+    print(f"imported {args.hf_dir} -> {path} ({model.num_params() / 1e6:.2f}M parameters)")
     return 0
 
 
@@ -81,7 +131,9 @@ def cmd_demo(cfg: Config, args: argparse.Namespace) -> int:
 COMMANDS = {
     "prepare": (cmd_prepare, "clean, dedup and tokenize the configured sources into token shards"),
     "train": (cmd_train, "run the staged training recipe (or --resume RUN_DIR)"),
-    "eval": (cmd_eval, "evaluate a checkpoint directory"),
+    "eval": (cmd_eval, "evaluate a checkpoint: validation loss per source and downstream tasks"),
+    "export": (cmd_export, "export a checkpoint as a Hugging Face LlamaForCausalLM folder"),
+    "import-hf": (cmd_import_hf, "import a local Hugging Face Llama folder as a densetrain checkpoint"),
     "report": (cmd_report, "write RUN_DIR/report.png and summary"),
     "demo": (cmd_demo, "prepare + train + report with the tiny preset on the demo corpus"),
 }
@@ -104,10 +156,22 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint")
         if name == "prepare":
             sp.add_argument("--force", action="store_true", help="redo sources whose shards are up to date")
-        if name == "eval":
+        if name in ("eval", "export"):
             sp.add_argument("checkpoint", help="checkpoint directory (RUN_DIR/checkpoints/step_XXXXXXXX) or RUN_DIR")
+        if name == "eval":
+            sp.add_argument("--tasks", default="", help="downstream tasks: comma list or group (light, all)")
+            sp.add_argument("--limit", type=int, default=0, help="examples per task (first N); 0 = all")
+        if name == "export":
+            sp.add_argument("--format", choices=["hf"], default="hf", help="output format")
+            sp.add_argument("out", help="output directory")
+        if name == "import-hf":
+            sp.add_argument("hf_dir", help="local folder with config.json + *.safetensors")
+            sp.add_argument("--out", required=True, help="run directory to create")
         if name == "report":
             sp.add_argument("run_dir", help="run directory")
+    from densetrain.cli_extra import add_subcommands
+
+    add_subcommands(sub)
     return p
 
 
@@ -116,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    if hasattr(args, "func"):  # mup-check | lr-sweep | plan: own flags, no config tree
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return args.func(args)
     if args.help_config:
         print(help_text())
         return 0
@@ -129,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "resume", None):
             cfg.train.run_dir = str(args.resume)
         return COMMANDS[args.command][0](cfg, args)
-    except (ConfigError, DataError, TrainError) as e:
+    except (ConfigError, DataError, TrainError, FileNotFoundError) as e:
         print(f"densetrain: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

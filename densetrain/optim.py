@@ -29,10 +29,11 @@ def param_groups(model: nn.Module, cfg: Config) -> list[dict]:
         is_embedding = name.endswith("tok_embeddings.weight")
         decay = p.ndim == 2 and (not is_embedding or cfg.optim.decay_embeddings)
         scale = mup_lr_scale(name, cfg.model) if cfg.model.init == "mup" else 1.0
-        g = groups.setdefault(
-            (decay, scale),
-            {"params": [], "names": [], "weight_decay": cfg.optim.weight_decay if decay else 0.0, "lr_scale": scale},
-        )
+        # AdamW's decay per step is lr * weight_decay; under μP a hidden matrix's lr is scaled by
+        # 1/width_mult, so its weight_decay is scaled by width_mult to keep the per-step decay the
+        # same at every width (as the `mup` package's MuAdamW does).
+        wd = cfg.optim.weight_decay / scale if decay else 0.0
+        g = groups.setdefault((decay, scale), {"params": [], "names": [], "weight_decay": wd, "lr_scale": scale})
         g["params"].append(p)
         g["names"].append(name)
     return list(groups.values())

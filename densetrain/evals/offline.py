@@ -10,24 +10,35 @@ from densetrain.evals.valloss import evaluate_val, unigram_entropy
 from densetrain.io import atomic_write_json
 
 
-def evaluate_checkpoint(cfg: Config, path: Path) -> dict:
+def find_checkpoint(path: Path) -> Path:
+    """``path`` itself when it is a complete checkpoint, else the newest complete one of run dir ``path``.
+
+    Raises:
+        FileNotFoundError: neither.
+    """
+    path = Path(path)
+    if (path / "COMPLETE").exists():
+        return path
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise FileNotFoundError(f"{path}: no complete checkpoint here")
+    return ckpt
+
+
+def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0) -> dict:
     """Validation loss per source of checkpoint ``path`` (a ``step_XXXXXXXX`` directory or a run
     directory, meaning its newest complete checkpoint), at the sequence length and RoPE base of the
-    stage the checkpoint was saved in. Writes ``<checkpoint>/eval.json`` and returns the same dict.
+    stage the checkpoint was saved in, plus downstream ``tasks`` (comma list or group; first
+    ``limit`` examples each, 0 = all). Writes ``<checkpoint>/eval.json`` and returns the same dict.
 
     Raises:
         FileNotFoundError: no complete checkpoint at ``path``.
     """
     from densetrain.parallel import init_distributed
     from densetrain.schedule import resolve_stages, stage_at
-    from densetrain.train import _autocast, build_model, open_streams
+    from densetrain.train import _autocast, build_model, open_streams, run_downstream
 
-    path = Path(path)
-    if not (path / "COMPLETE").exists():
-        ckpt = latest_checkpoint(path)
-        if ckpt is None:
-            raise FileNotFoundError(f"{path}: no complete checkpoint here")
-        path = ckpt
+    path = find_checkpoint(path)
     info = init_distributed(cfg.train.device)
     model = build_model(cfg, info.device)
     state = load_checkpoint(path, model, None)
@@ -40,6 +51,12 @@ def evaluate_checkpoint(cfg: Config, path: Path) -> dict:
         "checkpoint": str(path), "step": state["step"], "stage": st.name, "seq_len": st.seq_len,
         "val": {s: {"loss": v, "unigram_entropy": unigram_entropy(streams[s])} for s, v in val.items()},
     }
+    if tasks:
+        from densetrain.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
+        dm = run_downstream(model, tok, tasks, limit, st.seq_len, info.device, _autocast(cfg, info.device))
+        result["downstream"] = {k[len("eval/"):]: v for k, v in dm.items()}
     if info.is_main:
         atomic_write_json(path / "eval.json", result)
     return result

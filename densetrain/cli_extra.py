@@ -1,0 +1,152 @@
+"""Argparse glue for ``densetrain mup-check | lr-sweep | plan``.
+
+:func:`add_subcommands` adds the three subcommands to an ``argparse`` subparsers object; each sets
+``func`` (``func(args) -> int``, the exit status) with ``set_defaults``. Bad values (an unparsable
+list, a missing throughput, ...) print one line ``densetrain: error: ...`` and return 2.
+
+Examples::
+
+    densetrain mup-check --out runs/mup-check --steps 10 --widths 64,128,256,512
+    densetrain lr-sweep --init both --widths 64,256 --lrs 5e-4,1e-3,2e-3,4e-3,8e-3 --steps 100
+    densetrain plan --flops 1.21e20 --peak-flops 8e15 --mfu 0.4
+    densetrain plan --hours 24 --tokens-per-sec 2.5e5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _floats(text: str) -> list[float]:
+    """``'1e-3,3e-3'`` -> ``[0.001, 0.003]`` (argparse type)."""
+    try:
+        vals = [float(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive comma-separated numbers, got '{text}'")
+    return vals
+
+
+def _ints(text: str) -> list[int]:
+    """``'64,128'`` -> ``[64, 128]`` (argparse type)."""
+    try:
+        vals = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected positive comma-separated integers, got '{text}'")
+    return vals
+
+
+def _error(msg: str) -> int:
+    print(f"densetrain: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def cmd_mup_check(args: argparse.Namespace) -> int:
+    """Run the coordinate check under μP and standard init; write PNG, markdown and JSON into ``--out``."""
+    from densetrain.mup import write_coord_check
+
+    if len(args.widths) < 2:
+        return _error("--widths needs at least two widths")
+    print(f"coordinate check: widths {args.widths}, {args.steps} Adam steps at lr {args.lr:g}, seeds {args.seeds}")
+    try:
+        res = write_coord_check(
+            args.out, widths=args.widths, steps=args.steps, lr=args.lr, seeds=tuple(range(args.seeds)), log=print,
+            base_d_model=args.base_d_model,
+        )
+    except ValueError as e:
+        return _error(str(e))
+    print()
+    print(Path(res["markdown"]).read_text().split("\n\n", 2)[-1].rstrip())
+    print(f"\nwrote {res['png']}, {res['markdown']}, {res['json']}")
+    return 0
+
+
+def cmd_lr_sweep(args: argparse.Namespace) -> int:
+    """Run :func:`densetrain.mup.lr_sweep` for one or both inits and print a loss table per init."""
+    from densetrain.mup import format_lr_sweep, lr_sweep
+
+    inits = ("mup", "standard") if args.init == "both" else (args.init,)
+    results = []
+    try:
+        for init in inits:
+            r = lr_sweep(
+                lrs=args.lrs, widths=args.widths, init=init, steps=args.steps, base_d_model=args.base_d_model,
+                log=print if args.verbose else None,
+            )
+            results.append(r)
+            print(format_lr_sweep(r))
+            print(f"({r['seconds']:.0f} s)\n")
+    except ValueError as e:
+        return _error(str(e))
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # JSON object keys must be strings: widths and lrs become their str().
+        def keyed(d):
+            return {str(k): keyed(v) if isinstance(v, dict) else v for k, v in d.items()}
+        out.write_text(json.dumps([keyed(r) for r in results], indent=1))
+        print(f"wrote {out}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print the Chinchilla plan (and its JSON with ``--json``)."""
+    from densetrain.plan import format_plan, plan
+
+    try:
+        res = plan(
+            flops=args.flops, params=args.params, tokens=args.tokens, hours=args.hours,
+            tokens_per_sec=args.tokens_per_sec, peak_flops=args.peak_flops, mfu=args.mfu,
+            tokens_per_param=args.tokens_per_param,
+        )
+    except ValueError as e:
+        return _error(str(e))
+    print(json.dumps(res, indent=1) if args.json else format_plan(res))
+    return 0
+
+
+def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``mup-check``, ``lr-sweep`` and ``plan`` to ``subparsers`` (each with ``func(args) -> int``)."""
+    h = "μP coordinate check: activation size vs width after a few Adam steps (μP vs standard init)"
+    p = subparsers.add_parser("mup-check", help=h, description=h)
+    p.add_argument("--out", default="runs/mup-check", help="output directory (coord_check.png/.md/.json); default %(default)s")
+    p.add_argument("--steps", type=int, default=10, help="Adam steps per width (default %(default)s)")
+    p.add_argument("--widths", type=_ints, default=[64, 128, 256, 512],
+                   help="comma-separated d_model values (default 64,128,256,512)")
+    p.add_argument("--lr", type=float, default=3e-3, help="base Adam learning rate (default %(default)s)")
+    p.add_argument("--seeds", type=int, default=4, help="init seeds averaged per width (default %(default)s)")
+    p.add_argument("--base-d-model", type=int, default=64, help="μP base width (default %(default)s)")
+    p.set_defaults(func=cmd_mup_check)
+
+    h = "learning-rate sweep at several widths on real text; best lr per width"
+    p = subparsers.add_parser("lr-sweep", help=h, description=h)
+    p.add_argument("--lrs", type=_floats, default=[5e-4, 1e-3, 2e-3, 4e-3, 8e-3],
+                   help="comma-separated base lrs (default 5e-4,1e-3,2e-3,4e-3,8e-3)")
+    p.add_argument("--widths", type=_ints, default=[64, 256], help="comma-separated d_model values (default 64,256)")
+    p.add_argument("--init", choices=("mup", "standard", "both"), default="both", help="parameterisation (default %(default)s)")
+    p.add_argument("--steps", type=int, default=100, help="training steps per run (default %(default)s)")
+    p.add_argument("--base-d-model", type=int, default=64, help="μP base width (default %(default)s)")
+    p.add_argument("--out", help="also write the results as JSON to this file")
+    p.add_argument("-v", "--verbose", action="store_true", help="print one line per finished run")
+    p.set_defaults(func=cmd_lr_sweep)
+
+    h = "Chinchilla-optimal params / tokens / compute / wall time (Hoffmann et al. 2022)"
+    p = subparsers.add_parser("plan", help=h, description=h + ". Give exactly one of --flops, --params, --tokens, --hours.")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--flops", type=float, help="training compute budget, FLOPs")
+    g.add_argument("--params", type=float, help="model parameters (all, incl. embeddings)")
+    g.add_argument("--tokens", type=float, help="training tokens")
+    g.add_argument("--hours", type=float, help="wall-clock hours (needs --tokens-per-sec or --peak-flops)")
+    p.add_argument("--tokens-per-sec", type=float, help="measured/declared training throughput of the whole job, tokens/s")
+    p.add_argument("--peak-flops", type=float, help="peak FLOP/s of the whole job (all accelerators)")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation used with --peak-flops (default %(default)s)")
+    p.add_argument("--tokens-per-param", type=float, default=20.0,
+                   help="compute-optimal tokens per parameter (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the full result as JSON")
+    p.set_defaults(func=cmd_plan)
