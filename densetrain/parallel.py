@@ -64,7 +64,9 @@ def parallelize(model: nn.Module, info: DistInfo) -> nn.Module:
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
+    # The only buffers are the RoPE cos/sin cache, computed identically on every rank: no need to
+    # broadcast them before each forward (DDP's default).
+    return DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None, broadcast_buffers=False)
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

@@ -66,8 +66,10 @@ def write_report(run_dir: Path) -> str:
             for i, (name, s0, s1) in enumerate(spans):
                 a.axvspan(s0 - 0.5, s1 + 0.5, color=colors[i % len(colors)], zorder=0)
             a.set_xlabel("step")
-    for i, (name, s0, s1) in enumerate(spans):
-        axes[0][0].text((s0 + s1) / 2, 1.01, name, transform=axes[0][0].get_xaxis_transform(), ha="center", fontsize=8)
+    for name, s0, s1 in spans:  # stage names written vertically at each span's start: short spans stay legible
+        for a in (axes[0][0], axes[0][1]):
+            a.text(s0, 0.98, f" {name}", transform=a.get_xaxis_transform(), rotation=90, va="top", ha="left",
+                   fontsize=8, color="0.3")
     fig.suptitle(f"densetrain run: {run_dir}")
     fig.tight_layout()
     out = run_dir / "report.png"

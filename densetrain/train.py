@@ -286,7 +286,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         done = run_dir / "summary.json"
         return json.loads(done.read_text()) if done.exists() else {"steps": step, "tokens": tokens_seen}
     stage: Stage | None = None
-    last_val: dict[str, float] = {}
+    last_val: dict[str, dict] = {}
     t_run = time.perf_counter()
     while step < last:
         t0 = time.perf_counter()
@@ -351,10 +351,12 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
             t_eval = time.perf_counter()
             val = last_val = evaluate_val(model, val_streams, st.seq_len, st.micro_batch_size,
                                           cfg.eval.max_batches, info.device, autocast)
-            vm = {f"val/{s}/loss": v for s, v in val.items()}
+            n_val = sum(v["tokens"] for v in val.values())
+            vm = {f"val/{s}/loss": v["loss"] for s, v in val.items()}
+            vm["val/all/loss"] = sum(v["loss"] * v["tokens"] for v in val.values()) / max(n_val, 1)
             vm["time/eval_s"] = time.perf_counter() - t_eval
             log.log(step, vm, kind="eval")
-            log.console("  val " + " ".join(f"{s} {v:.3f}" for s, v in val.items()))
+            log.console("  val " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in vm.items() if k.endswith("/loss")))
         if cfg.eval.tasks and ((cfg.eval.tasks_every and step % cfg.eval.tasks_every == 0) or step == cfg.train.steps):
             t_eval = time.perf_counter()
             dm = run_downstream(model, tokenizer, cfg.eval.tasks, cfg.eval.tasks_limit, st.seq_len, info.device, autocast)
@@ -371,9 +373,9 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     summary = {"steps": step, "tokens": tokens_seen, "skipped_steps": skipped, "params": n_params,
                "wall_s": time.perf_counter() - t_run}
     if last_val:
-        from densetrain.evals.valloss import unigram_entropy
+        from densetrain.evals.valloss import val_table
 
-        summary["val"] = {s: {"loss": v, "unigram_entropy": unigram_entropy(val_streams[s])} for s, v in last_val.items()}
+        summary["val"] = val_table(last_val, val_streams)
     if cfg.eval.final_tasks and step == cfg.train.steps:
         t_eval = time.perf_counter()
         dm = run_downstream(model, tokenizer, cfg.eval.final_tasks, cfg.eval.final_limit, st.seq_len, info.device, autocast)

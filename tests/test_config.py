@@ -31,7 +31,7 @@ def test_overrides_parse_toml_values():
 @pytest.mark.parametrize(
     "overrides,msg",
     [
-        ([("model.n_kv_heads", 3)], "model.n_heads (8) must be divisible by model.n_kv_heads (3)"),
+        ([("model.n_kv_heads", 3)], "model.n_heads (4) must be divisible by model.n_kv_heads (3)"),
         ([("optim.peak_lrr", 1e-3)], "unknown config key 'optim.peak_lrr'; did you mean 'optim.peak_lr'?"),
         ([("optim.peak_lr", "fast")], "optim.peak_lr: expected a number, got 'fast'"),
         ([("schedule.kind", "cosin")], "schedule.kind must be cosine, wsd or constant"),
@@ -68,4 +68,4 @@ def test_cli_error_is_one_line():
                        capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "densetrain: error: model.n_heads (8) must be divisible by model.n_kv_heads (3)"]
+        "densetrain: error: model.n_heads (4) must be divisible by model.n_kv_heads (3)"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from densetrain.checkpoint import latest_checkpoint, load_checkpoint
 from densetrain.config import Config
-from densetrain.evals.valloss import evaluate_val, unigram_entropy
+from densetrain.evals.valloss import evaluate_val, val_table
 from densetrain.io import atomic_write_json
 
 
@@ -49,7 +49,7 @@ def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0
                        _autocast(cfg, info.device))
     result = {
         "checkpoint": str(path), "step": state["step"], "stage": st.name, "seq_len": st.seq_len,
-        "val": {s: {"loss": v, "unigram_entropy": unigram_entropy(streams[s])} for s, v in val.items()},
+        "val": val_table(val, streams),
     }
     if tasks:
         from densetrain.data.tokenizer import load_tokenizer

@@ -28,7 +28,7 @@ def evaluate_val(
     device: torch.device,
     autocast: contextlib.AbstractContextManager | None = None,
 ) -> dict[str, float]:
-    """Validation loss (nats per token) of every source: ``{source: loss}``.
+    """Validation loss of every source: ``{source: {'loss': nats per token, 'tokens': scored tokens}}``.
 
     Uses at most ``max_batches * micro_batch_size`` windows per source (fewer when the held-out
     stream is shorter; a stream shorter than one window is scored as one shorter window).
@@ -57,17 +57,33 @@ def evaluate_val(
             loss_sum[0] += losses.sum().double()
             loss_sum[1] += losses.numel()
         all_reduce_sum(loss_sum)
-        out[name] = float(loss_sum[0] / loss_sum[1]) if loss_sum[1] > 0 else float("nan")
+        n = int(loss_sum[1])
+        out[name] = {"loss": float(loss_sum[0] / n) if n else float("nan"), "tokens": n}
     model.train(was_training)
     return out
 
 
-def unigram_entropy(stream: TokenFiles) -> float:
-    """Entropy (nats per token) of the empirical unigram distribution of ``stream``'s tokens.
+def unigram_entropy(streams: list[TokenFiles]) -> float:
+    """Entropy (nats per token) of the empirical unigram distribution of the tokens of ``streams``.
 
     This is the loss of the best model that ignores context entirely, measured on the very text it
     is scored on, so it is a strict baseline: a trained LM's validation loss should be well below it.
     """
-    counts = np.bincount(stream.read(0, len(stream)))
+    arrays = [s.read(0, len(s)) for s in streams]
+    size = max((int(a.max()) + 1 for a in arrays if a.size), default=1)
+    counts = sum(np.bincount(a, minlength=size) for a in arrays)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
+
+
+def val_table(val: dict[str, dict], streams: dict[str, TokenFiles]) -> dict[str, dict]:
+    """Add the unigram-entropy baseline to :func:`evaluate_val`'s result, plus an ``'all'`` row:
+    the token-weighted loss over every source against the entropy of all held-out text together."""
+    table = {s: {**v, "unigram_entropy": unigram_entropy([streams[s]])} for s, v in val.items()}
+    n = sum(v["tokens"] for v in val.values())
+    table["all"] = {
+        "loss": sum(v["loss"] * v["tokens"] for v in val.values()) / n if n else float("nan"),
+        "tokens": n,
+        "unigram_entropy": unigram_entropy([streams[s] for s in val]),
+    }
+    return table
