@@ -167,12 +167,14 @@ class ScheduleConfig:
 
     kind: str = "cosine"
     """'cosine' (to min_lr at the last step), 'wsd' (warmup-stable-decay) or 'constant'."""
+    unit: str = "steps"
+    """What progress is counted in: 'steps' (optimizer updates) or 'tokens' (tokens consumed; stage starts, warmup_fraction, decay_fraction and the lr curve are then fractions of the run's tokens, which differs from steps only when stages have different batch_tokens)."""
     warmup_steps: int = -1
-    """Warmup length in optimizer steps; -1 means warmup_fraction of the total (at least 1)."""
+    """Warmup length in optimizer steps (unit='tokens': the tokens of the first warmup_steps steps); -1 means warmup_fraction of the total (at least one step)."""
     warmup_fraction: float = 0.005
-    """Warmup length as a fraction of total steps when warmup_steps is -1."""
+    """Warmup length as a fraction of total steps (or of total tokens when unit='tokens') when warmup_steps is -1."""
     decay_fraction: float = 0.15
-    """WSD: fraction of total steps spent in the final decay."""
+    """WSD: fraction of total steps (or of total tokens when unit='tokens') spent in the final decay."""
     decay_shape: str = "linear"
     """WSD decay shape: 'linear', 'cosine' or '1-sqrt' (Hägele et al. 2024)."""
 
@@ -184,15 +186,19 @@ class StageConfig:
     name: str = ""
     """Stage name, shown in logs, metrics and the report."""
     start: float = 0.0
-    """Start as a fraction of train.steps (the first stage must start at 0)."""
+    """Start as a fraction of train.steps, or of the run's tokens when schedule.unit='tokens' (the first stage must start at 0)."""
     mix: dict[str, float] = field(default_factory=dict)
     """Source name -> sampling weight (normalised); empty inherits the previous stage's mix."""
     seq_len: int = 0
-    """Sequence length in tokens; 0 inherits. Tokens per step stay constant (fewer sequences)."""
+    """Sequence length in tokens; 0 inherits. Tokens per step stay as batch_tokens (fewer, longer sequences)."""
+    batch_tokens: int = 0
+    """Global batch in tokens per optimizer step (sequences per step = batch_tokens / seq_len, must divide); 0 inherits; the first stage's default is train.batch_size * train.seq_len."""
     rope_theta: float = 0.0
     """RoPE base for this stage; 0 inherits."""
     lr_mult: float = 1.0
-    """Multiplier on the scheduled learning rate during this stage."""
+    """Multiplier on the scheduled learning rate during this stage (not inherited)."""
+    rewarmup_steps: int = 0
+    """Re-warm the lr over the stage's first N steps: the k-th step (0-based) uses scheduled lr * (k+1)/N (Gupta et al. 2023); 0 disables; not inherited; must be 0 on the first stage."""
 
 
 @dataclass
@@ -516,6 +522,7 @@ def validate(cfg: Config) -> None:
     _check(0 < s.decay_fraction <= 1, f"schedule.decay_fraction must be in (0, 1], got {s.decay_fraction}")
     _check(s.warmup_steps >= -1, f"schedule.warmup_steps must be >= 0 (or -1 for warmup_fraction), got {s.warmup_steps}")
     _check(0 <= s.warmup_fraction < 1, f"schedule.warmup_fraction must be in [0, 1), got {s.warmup_fraction}")
+    _check(s.unit in ("steps", "tokens"), f"schedule.unit must be steps or tokens, got '{s.unit}'")
 
     t = cfg.train
     _check(t.steps > 0, f"train.steps must be positive, got {t.steps}")
@@ -540,6 +547,7 @@ def validate(cfg: Config) -> None:
     _check(len(cfg.stages) > 0, "stages: at least one stage is required")
     _check(cfg.stages[0].start == 0.0, f"stages[0].start must be 0, got {cfg.stages[0].start}")
     prev = -1.0
+    batch_tokens, seq_len = t.batch_size * t.seq_len, t.seq_len  # inherited down the table
     for i, st in enumerate(cfg.stages):
         _check(bool(st.name), f"stages[{i}].name must be set")
         _check(0 <= st.start < 1, f"stages[{i}].start must be a fraction in [0, 1), got {st.start}")
@@ -554,8 +562,17 @@ def validate(cfg: Config) -> None:
                 _check(src in names, f"stages[{i}].mix: unknown source '{src}'{hint}")
         if st.mix:
             _check(sum(st.mix.values()) > 0, f"stages[{i}].mix: weights sum to 0")
-        if st.seq_len:
-            # Tokens per step are fixed, so the batch in sequences must divide evenly at the new length.
-            tokens = t.batch_size * t.seq_len
-            _check(tokens % st.seq_len == 0 and tokens // st.seq_len >= 1,
-                   f"stages[{i}].seq_len ({st.seq_len}) must divide train.batch_size*train.seq_len ({tokens})")
+        _check(st.batch_tokens >= 0, f"stages[{i}].batch_tokens must be >= 0 (0 inherits), got {st.batch_tokens}")
+        _check(st.rewarmup_steps >= 0, f"stages[{i}].rewarmup_steps must be >= 0, got {st.rewarmup_steps}")
+        _check(i > 0 or st.rewarmup_steps == 0,
+               "stages[0].rewarmup_steps must be 0 (the first stage is warmed up by schedule.warmup_steps)")
+        seq_len = st.seq_len or seq_len
+        if st.batch_tokens:
+            batch_tokens = st.batch_tokens
+            _check(batch_tokens % seq_len == 0,
+                   f"stages[{i}].batch_tokens ({batch_tokens}) must be a multiple of the stage's seq_len ({seq_len})")
+        elif st.seq_len:
+            # The batch in tokens is inherited, so the batch in sequences must divide evenly at the new length.
+            what = "train.batch_size*train.seq_len" if batch_tokens == t.batch_size * t.seq_len else "the inherited batch_tokens"
+            _check(batch_tokens % seq_len == 0 and batch_tokens // seq_len >= 1,
+                   f"stages[{i}].seq_len ({st.seq_len}) must divide {what} ({batch_tokens})")

@@ -1,7 +1,8 @@
 """The training loop: one loop for CPU and GPU, single process or torchrun.
 
 Reading order: :func:`train` sets up (config, process group, data, model, optimizer, resume), then
-runs one iteration per optimizer step: stage lookup -> lr -> draw the global batch -> forward/backward
+runs one iteration per optimizer step: stage lookup -> lr -> draw the global batch (the stage's
+``batch_tokens`` as ``batch_tokens / seq_len`` sequences) -> forward/backward
 over micro-batches (:func:`forward_backward`) -> clip -> update -> metrics -> eval -> checkpoint.
 """
 
@@ -294,7 +295,9 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         if st != stage:
             model.set_rope_theta(st.rope_theta)
             log.event(step, f"stage '{st.name}': seq_len {st.seq_len}, rope_theta {st.rope_theta:g}, "
-                            f"batch {st.batch_size} seqs, mix {{{', '.join(f'{k}: {v:.2f}' for k, v in st.mix.items())}}}")
+                            f"batch {st.batch_size} seqs ({st.batch_tokens} tokens), "
+                            + (f"lr re-warmup {st.rewarmup_steps} steps, " if st.rewarmup_steps else "")
+                            + f"mix {{{', '.join(f'{k}: {v:.2f}' for k, v in st.mix.items())}}}")
             stage = st
         lr = lr_for(step, cfg, stages)
         set_lr(optimizer, lr)
@@ -331,6 +334,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         metrics = {
             "loss": loss, "grad_norm": grad_norm, "sample_index": first_sample, "lr": lr, "tokens_per_sec": stats.n_tokens / dt,
             "tokens": tokens_seen, "stage": st.name, "stage_index": st.index, "seq_len": st.seq_len,
+            "batch_tokens": st.batch_tokens,
             "rope_theta": st.rope_theta, "time/step_s": dt, "time/data_wait_s": t_data,
         }
         if stats.z_loss_sum:

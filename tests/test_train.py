@@ -75,3 +75,68 @@ def test_tensorboard_events_read_back(prepared, tmp_path):
     jl = _train_records(tmp_path / "run")
     assert [e.value for e in acc.Scalars("loss")] == pytest.approx([r["loss"] for r in jl], rel=1e-6)
     assert all(0 < e.value < 1 for e in acc.Scalars("mfu"))
+
+
+_PER_STEP = ("loss", "lr", "seq_len", "rope_theta", "sample_index", "stage", "batch_tokens", "tokens")
+
+
+def _assert_same_run(a, b):
+    assert [x["step"] for x in b] == [x["step"] for x in a]
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], abs=1e-6), x["step"]
+        for k in _PER_STEP[1:]:
+            assert x[k] == y[k], (x["step"], k)
+
+
+def test_resume_around_stage_switch_matches_uninterrupted(prepared, tmp_path):
+    # Stages start at updates 0, 5, 8 of 10: stop after 4, 5 and 6 updates (just before, exactly at,
+    # just after the switch to 'anneal') and resume in-process.
+    _, make = prepared
+    quiet = {"eval.every": 0, "logging.tensorboard": False}
+    train(make(tmp_path / "full", **quiet))
+    full = _train_records(tmp_path / "full" / "run")
+    assert [r["stage"] for r in full] == ["main"] * 5 + ["anneal"] * 3 + ["long_context"] * 2
+    assert [r["batch_tokens"] for r in full] == [256] * 10
+    for stop in (4, 5, 6):
+        cfg = make(tmp_path / f"stop{stop}", **quiet)
+        train(cfg, stop_after=stop)
+        assert len(_train_records(tmp_path / f"stop{stop}" / "run")) == stop
+        train(cfg, resume=True)
+        _assert_same_run(full, _train_records(tmp_path / f"stop{stop}" / "run"))
+
+
+def test_token_unit_batch_ramp_and_rewarmup_end_to_end(prepared, tmp_path):
+    # 'anneal' doubles the batch to 512 tokens (16 x 32) and re-warms over 2 steps; long_context
+    # inherits 512 tokens as 8 x 64. In tokens, shares 0.5 / 0.3 / 0.2 at 256 / 512 / 512 tokens per
+    # step give starts round(10 * 0.5/0.75) = 7 and round(10 * 0.65/0.75) = 9 (step mode: 5 and 8).
+    from densetrain.schedule import lr_for, resolve_stages
+
+    _, make = prepared
+    ov = {
+        "eval.every": 0, "logging.tensorboard": False, "schedule.unit": "tokens",
+        "stages": [
+            {"name": "main", "start": 0.0, "mix": {"email": 0.5, "json": 0.5}},
+            {"name": "anneal", "start": 0.5, "mix": {"email": 1.0}, "batch_tokens": 512, "rewarmup_steps": 2},
+            {"name": "long_context", "start": 0.8, "seq_len": 64, "rope_theta": 100000.0},
+        ],
+    }
+    cfg = make(tmp_path / "full", **ov)
+    train(cfg)
+    recs = _train_records(tmp_path / "full" / "run")
+    assert [r["stage"] for r in recs] == ["main"] * 7 + ["anneal"] * 2 + ["long_context"]
+    assert [r["batch_tokens"] for r in recs] == [256] * 7 + [512] * 3
+    assert [r["seq_len"] for r in recs] == [32] * 9 + [64]
+    assert [r["tokens"] for r in recs] == [256 * k for k in range(1, 8)] + [1792 + 512 * k for k in range(1, 4)]
+    # Sequences drawn: 8 per step, then 16 (anneal), then 8 at seq_len 64.
+    assert [r["sample_index"] for r in recs] == [8 * k for k in range(8)] + [72, 88]
+    stages = resolve_stages(cfg)
+    assert [r["lr"] for r in recs] == [lr_for(k, cfg, stages) for k in range(10)]
+    # Re-warmup: anneal's two updates use 1/2 and 2/2 of the scheduled lr.
+    plain = make(tmp_path / "plain", **{**ov, "stages": [{**s, "rewarmup_steps": 0} for s in ov["stages"]]})
+    sched = [lr_for(k, plain, resolve_stages(plain)) for k in (7, 8)]
+    assert recs[7]["lr"] == sched[0] * 1 / 2 and recs[8]["lr"] == sched[1] * 2 / 2
+    # Resumed inside the re-warmup (after update 8 of 10): identical to the uninterrupted run.
+    part = make(tmp_path / "part", **ov)
+    train(part, stop_after=8)
+    train(part, resume=True)
+    _assert_same_run(recs, _train_records(tmp_path / "part" / "run"))
