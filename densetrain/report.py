@@ -83,4 +83,7 @@ def write_report(run_dir: Path) -> str:
         lines.append(f"steps {s['steps']}, tokens {s['tokens']}, wall {s['wall_s']:.0f}s")
         for src, v in s.get("val", {}).items():
             lines.append(f"  {src:<12} val loss {v['loss']:.3f}   unigram entropy {v['unigram_entropy']:.3f}")
+        heads = {k.split("/")[0]: v for k, v in s.get("downstream", {}).items() if k.endswith("/headline")}
+        if heads:
+            lines.append("  downstream (headline metric): " + ", ".join(f"{t} {v:.3f}" for t, v in heads.items()))
     return "\n".join(lines)

@@ -268,7 +268,11 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     tokenizer = None
     if cfg.eval.tasks or cfg.eval.final_tasks:
         from densetrain.data.tokenizer import load_tokenizer
+        from densetrain.evals.tasks import data_root, resolve_tasks
 
+        # Fail now, not after hours of training: unknown task names or missing task data.
+        resolve_tasks([t.strip() for t in f"{cfg.eval.tasks},{cfg.eval.final_tasks}".split(",") if t.strip()])
+        data_root()
         tokenizer = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
     peak_flops = cfg.logging.peak_flops or measure_peak_flops(info.device, torch.bfloat16 if autocast else torch.float32)
     source_names = [s.name for s in cfg.data.sources]

@@ -40,7 +40,7 @@ def small_config(tmp: Path, shards_dir: Path, **overrides):
         "train.micro_batch_size": 2, "train.threads": 1,
         "optim.peak_lr": 3e-3, "optim.min_lr": 3e-4, "schedule.warmup_steps": 2,
         "checkpoint.every": 5, "checkpoint.keep": 2, "eval.every": 5, "eval.max_batches": 2,
-        "logging.mfu_every": 2, "logging.peak_flops": 1e11,
+        "logging.mfu_every": 2, "logging.peak_flops": 1e11, "eval.tasks": "", "eval.final_tasks": "",
     }
     base.update(overrides)
     return load_config(preset="tiny", overrides=list(base.items()))
