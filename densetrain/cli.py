@@ -31,7 +31,9 @@ def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
         if not resolved.exists():
             raise ConfigError(f"{resolved}: not found; --resume expects a run directory made by `densetrain train`")
         path, preset = resolved, None
-    if not preset and not path:
+    if not preset:
+        # A config file is applied over a preset (default tiny), so a partial file works; a complete
+        # file (a run's config.toml) sets every key and the preset underneath does not matter.
         preset = "tiny"
     return load_config(preset=preset, path=path, overrides=parse_overrides(rest))
 

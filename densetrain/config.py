@@ -225,6 +225,8 @@ class TrainConfig:
     """Seed of model init and of all training randomness."""
     threads: int = 0
     """torch intra-op threads on CPU; 0 keeps torch's default."""
+    max_nonfinite_steps: int = 10
+    """Stop with an error after this many consecutive steps with a non-finite loss or gradient."""
 
 
 @dataclass
@@ -234,7 +236,7 @@ class CheckpointConfig:
     every: int = 50
     """Save every N optimizer steps (and at the end); 0 saves only at the end."""
     keep: int = 3
-    """Keep the newest N complete checkpoints (older ones are deleted)."""
+    """Keep the newest N complete checkpoints (older ones are deleted); 0 keeps all."""
 
 
 @dataclass
@@ -506,12 +508,14 @@ def validate(cfg: Config) -> None:
     )
     _check(m.head_dim % 2 == 0, f"model.d_model / model.n_heads = {m.head_dim} must be even for RoPE")
     _check(m.rope_theta > 0, f"model.rope_theta must be positive, got {m.rope_theta}")
+    _check(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
     _check(m.init in ("standard", "mup"), f"model.init must be 'standard' or 'mup', got '{m.init}'")
     _check(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
     _check(m.base_d_model > 0, f"model.base_d_model must be positive, got {m.base_d_model}")
 
     o = cfg.optim
-    _check(o.peak_lr > 0, f"optim.peak_lr must be positive, got {o.peak_lr}")
+    _check(0 < o.peak_lr < float("inf"), f"optim.peak_lr must be a positive finite number, got {o.peak_lr}")
+    _check(o.eps > 0, f"optim.eps must be positive (Adam divides by sqrt(v) + eps), got {o.eps}")
     _check(0 <= o.min_lr <= o.peak_lr, f"optim.min_lr must be in [0, optim.peak_lr={o.peak_lr}], got {o.min_lr}")
     _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
     _check(o.weight_decay >= 0 and o.grad_clip >= 0 and o.z_loss >= 0, "optim.weight_decay, grad_clip, z_loss must be >= 0")
@@ -521,6 +525,8 @@ def validate(cfg: Config) -> None:
     _check(s.decay_shape in ("linear", "cosine", "1-sqrt"), f"schedule.decay_shape must be linear, cosine or 1-sqrt, got '{s.decay_shape}'")
     _check(0 < s.decay_fraction <= 1, f"schedule.decay_fraction must be in (0, 1], got {s.decay_fraction}")
     _check(s.warmup_steps >= -1, f"schedule.warmup_steps must be >= 0 (or -1 for warmup_fraction), got {s.warmup_steps}")
+    _check(s.warmup_steps < cfg.train.steps,
+           f"schedule.warmup_steps ({s.warmup_steps}) must be shorter than train.steps ({cfg.train.steps})")
     _check(0 <= s.warmup_fraction < 1, f"schedule.warmup_fraction must be in [0, 1), got {s.warmup_fraction}")
     _check(s.unit in ("steps", "tokens"), f"schedule.unit must be steps or tokens, got '{s.unit}'")
 
@@ -534,6 +540,12 @@ def validate(cfg: Config) -> None:
     )
     _check(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'")
     _check(t.dtype in ("auto", "bf16", "fp32"), f"train.dtype must be auto, bf16 or fp32, got '{t.dtype}'")
+    _check(t.threads >= 0, f"train.threads must be >= 0 (0 keeps torch's default), got {t.threads}")
+    _check(t.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}")
+    for k in ("every", "mfu_every"):
+        _check(getattr(cfg.logging, k) >= 1, f"logging.{k} must be >= 1, got {getattr(cfg.logging, k)}")
+    for k in ("every", "keep"):
+        _check(getattr(cfg.checkpoint, k) >= 0, f"checkpoint.{k} must be >= 0, got {getattr(cfg.checkpoint, k)}")
 
     names = [src.name for src in cfg.data.sources]
     for i, src in enumerate(cfg.data.sources):

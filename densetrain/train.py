@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.distributed.checkpoint.api import CheckpointException
 
-from densetrain.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from densetrain.checkpoint import list_complete, load_checkpoint, save_checkpoint
 from densetrain.config import Config, save_config
 from densetrain.data.mixture import MixtureSampler, Sample
 from densetrain.data.shards import TokenFiles
@@ -135,6 +136,29 @@ def reduce_stats(stats: StepStats, sources: list[str], device: torch.device) -> 
 # --------------------------------------------------------------------------------------------------
 
 
+def _resume_point(run_dir: Path, model, optimizer) -> tuple[Path | None, dict | None]:
+    """Load the newest complete checkpoint that loads cleanly; fall back to older ones, saying why.
+
+    Raises:
+        TrainError: checkpoints exist but none can be loaded (corrupt, or made for another model shape).
+    """
+    done = list_complete(run_dir)
+    errors = []
+    for _, path in reversed(done):
+        try:
+            return path, load_checkpoint(path, model, optimizer)
+        # A corrupt file or a shape mismatch after a model.* change; DCP wraps failures in
+        # CheckpointException, which derives from BaseException, hence listed explicitly.
+        except (Exception, CheckpointException) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            errors.append(f"{path.name}: {type(e).__name__}: {first}")
+            print(f"densetrain: warning: cannot load {path} ({type(e).__name__}: {first}); trying an older one")
+    if done:
+        raise TrainError(f"{run_dir}: no checkpoint could be loaded ({'; '.join(errors)}); "
+                         f"model.* settings cannot change on --resume")
+    return None, None
+
+
 def build_model(cfg: Config, device: torch.device) -> Transformer:
     """Construct on the meta device (no memory), materialise on ``device``, initialise with the run's seed."""
     with torch.device("meta"):
@@ -238,6 +262,11 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     except ValueError as e:
         raise TrainError(str(e)) from None
     for st in stages:
+        for name in st.mix:
+            if len(train_streams[name]) < st.seq_len + 1:
+                raise TrainError(f"source '{name}' has {len(train_streams[name])} train tokens, fewer than one "
+                                 f"sequence of stage '{st.name}' (seq_len {st.seq_len} + 1)")
+    for st in stages:
         if st.batch_size % (info.world_size * st.micro_batch_size):
             raise TrainError(
                 f"stage '{st.name}': batch of {st.batch_size} sequences does not split into "
@@ -252,12 +281,14 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         dp_model = torch.compile(dp_model)
     optimizer = build_optimizer(model, cfg)
 
-    step, tokens_seen, skipped = 0, 0, 0
-    ckpt = latest_checkpoint(run_dir) if resume else None
+    step, tokens_seen, skipped, nonfinite_run = 0, 0, 0, 0
+    ckpt, state = _resume_point(run_dir, model, optimizer) if resume else (None, None)
     if ckpt is not None:
-        state = load_checkpoint(ckpt, model, optimizer)
         step, tokens_seen, skipped = state["step"], state["tokens"], state.get("skipped_steps", 0)
         sampler.load_state_dict(state["sampler"])
+    elif info.is_main and ((run_dir / "metrics.jsonl").exists() or list_complete(run_dir)):
+        raise TrainError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
+                         f"or choose another --train.run_dir")
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.toml")
@@ -325,9 +356,16 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         loss = stats.loss_sum / max(stats.n_tokens, 1)
         if math.isfinite(loss) and math.isfinite(grad_norm):
             optimizer.step()
+            nonfinite_run = 0
         else:  # never apply a non-finite update; count it and go on
             skipped += 1
+            nonfinite_run += 1
             log.event(step, f"non-finite loss {loss} / grad_norm {grad_norm}: update skipped ({skipped} so far)")
+            if nonfinite_run >= cfg.train.max_nonfinite_steps:
+                log.close()
+                raise TrainError(
+                    f"{nonfinite_run} consecutive steps with non-finite loss/gradients (last at step {step}): the "
+                    f"weights or the lr are broken; resume from an earlier checkpoint with a lower optim.peak_lr")
         optimizer.zero_grad(set_to_none=True)
         if info.device.type == "cuda":
             torch.cuda.synchronize(info.device)
@@ -371,7 +409,9 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
             dm["time/tasks_s"] = time.perf_counter() - t_eval
             log.log(step, dm, kind="eval")
             log.console("  tasks " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in dm.items() if k.endswith("/headline")))
-        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last:
+        if ((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last) and nonfinite_run:
+            log.event(step, "checkpoint not saved: the last step was non-finite")
+        elif (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last:
             t_ck = time.perf_counter()
             trainer_state = {"step": step, "tokens": tokens_seen, "stage": st.name, "skipped_steps": skipped,
                              "sampler": sampler.state_dict(), "world_size": info.world_size}

@@ -69,3 +69,27 @@ def test_cli_error_is_one_line():
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "densetrain: error: model.n_heads (4) must be divisible by model.n_kv_heads (3)"]
+
+
+def test_partial_config_file_applies_over_the_tiny_preset(tmp_path):
+    from densetrain.cli import _config_from, build_parser
+
+    f = tmp_path / "m.toml"
+    f.write_text("[train]\nsteps = 20\n")
+    args, rest = build_parser().parse_known_args(["train", "--config", str(f)])
+    cfg = _config_from(args, rest)
+    assert cfg.train.steps == 20
+    assert [s.name for s in cfg.data.sources] == [s.name for s in load_config("tiny").data.sources]
+
+
+@pytest.mark.parametrize("key,value,msg", [
+    ("optim.eps", 0.0, "optim.eps must be positive"),
+    ("optim.peak_lr", float("inf"), "optim.peak_lr must be a positive finite number"),
+    ("model.norm_eps", -1.0, "model.norm_eps must be positive"),
+    ("logging.every", 0, "logging.every must be >= 1"),
+    ("schedule.warmup_steps", 1000, "schedule.warmup_steps (1000) must be shorter than train.steps (450)"),
+])
+def test_values_that_would_break_training_are_rejected(key, value, msg):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", overrides=[(key, value)])
+    assert msg in str(e.value)

@@ -140,3 +140,35 @@ def test_token_unit_batch_ramp_and_rewarmup_end_to_end(prepared, tmp_path):
     train(part, stop_after=8)
     train(part, resume=True)
     _assert_same_run(recs, _train_records(tmp_path / "part" / "run"))
+
+
+def test_corrupt_latest_checkpoint_falls_back_and_existing_run_is_protected(prepared, tmp_path):
+    from densetrain.train import TrainError
+
+    _, make = prepared
+    cfg = make(tmp_path, **{"train.steps": 6, "checkpoint.every": 2, "checkpoint.keep": 3, "eval.every": 0,
+                            "stages": [{"name": "main", "start": 0.0}]})
+    train(cfg, stop_after=4)
+    # Starting afresh on top of an existing run would mix two runs' metrics: refused.
+    with pytest.raises(TrainError, match="already holds a run; continue it with --resume"):
+        train(cfg)
+    # A truncated shard file in the newest checkpoint: resume falls back to step 2 and says why.
+    latest = tmp_path / "run" / "checkpoints" / "step_00000004"
+    shard = next(latest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    train(cfg, resume=True)
+    recs = _train_records(tmp_path / "run")
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
+    assert any("resumed from" in r.get("text", "") and "step_00000002" in r["text"] for r in read_metrics(tmp_path / "run"))
+
+
+def test_model_change_on_resume_is_a_one_line_error(prepared, tmp_path):
+    from densetrain.train import TrainError
+
+    _, make = prepared
+    cfg = make(tmp_path, **{"train.steps": 4, "eval.every": 0, "stages": [{"name": "main", "start": 0.0}]})
+    train(cfg, stop_after=2)
+    wider = make(tmp_path, **{"train.steps": 4, "eval.every": 0, "model.d_model": 128,
+                              "stages": [{"name": "main", "start": 0.0}]})
+    with pytest.raises(TrainError, match="no checkpoint could be loaded .* model.. settings cannot change on --resume"):
+        train(wider, resume=True)
