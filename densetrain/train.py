@@ -286,9 +286,14 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     if ckpt is not None:
         step, tokens_seen, skipped = state["step"], state["tokens"], state.get("skipped_steps", 0)
         sampler.load_state_dict(state["sampler"])
-    elif info.is_main and ((run_dir / "metrics.jsonl").exists() or list_complete(run_dir)):
-        raise TrainError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
-                         f"or choose another --train.run_dir")
+    elif not resume:
+        # Refuse to mix a new run into an old one's metrics and checkpoints. Rank 0 looks (the run
+        # dir may be on its node only) and every rank learns the answer, so none is left waiting.
+        # (With resume but no complete checkpoint yet, e.g. killed before the first save: start over.)
+        taken = info.is_main and ((run_dir / "metrics.jsonl").exists() or bool(list_complete(run_dir)))
+        if all_reduce_sum(torch.tensor([int(taken)], device=info.device)).item():
+            raise TrainError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
+                             f"or choose another --train.run_dir")
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.toml")

@@ -172,3 +172,14 @@ def test_model_change_on_resume_is_a_one_line_error(prepared, tmp_path):
                               "stages": [{"name": "main", "start": 0.0}]})
     with pytest.raises(TrainError, match="no checkpoint could be loaded .* model.. settings cannot change on --resume"):
         train(wider, resume=True)
+
+
+def test_resume_without_any_checkpoint_starts_over(prepared, tmp_path):
+    # A run killed before its first checkpoint left only metrics: --resume (what `make demo` does) restarts it.
+    _, make = prepared
+    cfg = make(tmp_path, **{"train.steps": 3, "eval.every": 0, "stages": [{"name": "main", "start": 0.0}]})
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"kind": "train", "step": 1, "loss": 9.9}\n{"kind": "tra')
+    train(cfg, resume=True)
+    recs = _train_records(tmp_path / "run")
+    assert [r["step"] for r in recs] == [1, 2, 3] and recs[0]["loss"] != 9.9
