@@ -91,9 +91,11 @@ def forward_backward(
     Returns:
         This rank's :class:`StepStats` (not reduced).
     """
-    stats = StepStats()
     scale = world_size / max(n_tokens_global, 1)
     n_micro = len(micro_batches)
+    # Per-row sums stay on the device until the end of the step: one host sync per step, not per
+    # micro-batch (each .tolist()/float() on a GPU tensor waits for the GPU).
+    row_losses, row_tokens, z_sums, row_sources = [], [], [], []
     for i, (x, y, sources) in enumerate(micro_batches):
         # DDP: all-reduce gradients only after the last micro-batch.
         sync = contextlib.nullcontext()
@@ -108,16 +110,20 @@ def forward_backward(
             if z_loss > 0:
                 zl = (torch.logsumexp(logits.float(), dim=-1) ** 2 * mask).sum()
                 objective = objective + z_loss * zl
-                stats.z_loss_sum += float(zl.detach())
+                z_sums.append(zl.detach())
             (objective * scale).backward()
-        row_loss = losses.detach().sum(dim=1)
-        row_tok = mask.sum(dim=1)
-        for src, lsum, ntok in zip(sources, row_loss.tolist(), row_tok.tolist()):
-            acc = stats.per_source.setdefault(src, [0.0, 0])
-            acc[0] += lsum
-            acc[1] += ntok
-        stats.loss_sum += float(row_loss.sum())
-        stats.n_tokens += int(row_tok.sum())
+        row_losses.append(losses.detach().sum(dim=1).double())
+        row_tokens.append(mask.sum(dim=1))
+        row_sources += sources
+    stats = StepStats()
+    if z_sums:
+        stats.z_loss_sum = float(torch.stack(z_sums).sum())
+    for src, lsum, ntok in zip(row_sources, torch.cat(row_losses).tolist(), torch.cat(row_tokens).tolist()):
+        acc = stats.per_source.setdefault(src, [0.0, 0])
+        acc[0] += lsum
+        acc[1] += ntok
+        stats.loss_sum += lsum
+        stats.n_tokens += ntok
     return stats
 
 
