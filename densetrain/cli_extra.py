@@ -20,26 +20,27 @@ import sys
 from pathlib import Path
 
 
-def _floats(text: str) -> list[float]:
-    """``'1e-3,3e-3'`` -> ``[0.001, 0.003]`` (argparse type)."""
+def _positive_list(text: str, kind: type, what: str) -> list:
+    """``'1e-3,3e-3'`` -> ``[0.001, 0.003]``: comma-separated positive values of ``kind`` (argparse type).
+
+    Raises:
+        argparse.ArgumentTypeError: a value does not parse or is not positive.
+    """
     try:
-        vals = [float(x) for x in text.replace(" ", "").split(",") if x]
+        vals = [kind(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got '{text}'") from None
+        vals = []
     if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive comma-separated numbers, got '{text}'")
+        raise argparse.ArgumentTypeError(f"expected positive comma-separated {what}, got '{text}'")
     return vals
+
+
+def _floats(text: str) -> list[float]:
+    return _positive_list(text, float, "numbers")
 
 
 def _ints(text: str) -> list[int]:
-    """``'64,128'`` -> ``[64, 128]`` (argparse type)."""
-    try:
-        vals = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive comma-separated integers, got '{text}'")
-    return vals
+    return _positive_list(text, int, "integers")
 
 
 def _error(msg: str) -> int:

@@ -213,15 +213,21 @@ def _spread(docs: list, budget: int, size=_nbytes) -> list:
     return out
 
 
+def fair_shares(sizes: list[int], budget: int) -> list[int]:
+    """Split ``budget`` (bytes) over parts of ``sizes`` bytes: equal shares, except that a part
+    smaller than its share is taken whole and leaves the rest to the others (max-min fairness)."""
+    shares = [0] * len(sizes)
+    left, remaining = budget, len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: sizes[i]):
+        shares[i] = min(sizes[i], left // remaining)
+        left -= shares[i]
+        remaining -= 1
+    return shares
+
+
 def _cap_groups(groups: list[list[dict]], cap: int) -> list[dict]:
     """Cap several origins together: smaller origins stay whole, the rest share the budget evenly."""
-    sizes = [sum(_nbytes(d) for d in g) for g in groups]
-    budgets = [0] * len(groups)
-    left, remaining = cap, len(groups)
-    for i in sorted(range(len(groups)), key=lambda i: sizes[i]):
-        budgets[i] = min(sizes[i], left // remaining)
-        left -= budgets[i]
-        remaining -= 1
+    budgets = fair_shares([sum(_nbytes(d) for d in g) for g in groups], cap)
     out: list[dict] = []
     for g, b in zip(groups, budgets):
         out.extend(_spread(g, b))

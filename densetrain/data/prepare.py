@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from densetrain.data.corpus import build_demo_corpus, demo_sources
+from densetrain.data.corpus import build_demo_corpus, demo_sources, fair_shares
 from densetrain.data.shards import token_dtype, token_size_for, write_shard
 from densetrain.data.sources import DataError, SkipLog, display_path, iter_documents, resolve_paths
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
@@ -96,12 +96,7 @@ def _bpe_sample(sources, inputs, corpus_dir: Path, budget: int) -> list[str]:
     (small sources are taken whole and leave the rest to others); documents are picked evenly
     through each source (error diffusion on bytes)."""
     est = [_estimated_bytes(inputs[s.name]) for s in sources]
-    shares = [0] * len(sources)
-    left, remaining = budget, len(sources)
-    for i in sorted(range(len(sources)), key=lambda i: est[i]):
-        shares[i] = min(est[i], left // remaining)
-        left -= shares[i]
-        remaining -= 1
+    shares = fair_shares(est, budget)
     texts: list[str] = []
     for i, src in enumerate(sources):
         frac = min(1.0, shares[i] / max(1, est[i]))
