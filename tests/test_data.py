@@ -19,7 +19,8 @@ import pytest
 
 from densetrain.config import Config, DataConfig, SourceConfig
 from densetrain.data import corpus
-from densetrain.data.prepare import clean_text, prepare
+from densetrain.data.filters import FilterStats, apply_filters, build_filters, clean_text
+from densetrain.data.prepare import prepare
 from densetrain.data.shards import TokenFiles, sha256_file, token_size_for, write_shard
 from densetrain.data.sources import DataError, SkipLog, iter_documents, resolve_paths
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
@@ -273,8 +274,17 @@ def _check_source_shards(cfg: Config, i: int, src: SourceConfig, tok: Tokenizer)
     shards = Path(cfg.data.shards_dir) / src.name
     manifest = json.loads((shards / "manifest.json").read_text())
     prov = json.loads((shards / "provenance.json").read_text())
-    expected = {d.doc_id: clean_text(d.text) for d in iter_documents(src, Path(cfg.data.corpus_dir), SkipLog(print_first=0), i)}
-    expected = {k: v for k, v in expected.items() if v}
+    filters = build_filters(src.filters, src.kind, cfg.data.filters)
+    raw = {d.doc_id: d.text for d in iter_documents(src, Path(cfg.data.corpus_dir), SkipLog(print_first=0), i)}
+    expected = {k: apply_filters(clean_text(v), filters, FilterStats()) for k, v in raw.items()}
+    removed = json.loads((shards / "removed.json").read_text())
+    reasons = dict(zip(removed["doc_id"], removed["reason"]))
+    for doc_id, why in reasons.items():  # every removal has its reason, consistent with the filters
+        if expected[doc_id] is None or not clean_text(raw[doc_id]):
+            assert why == "empty" if not clean_text(raw[doc_id]) else why.split(":")[0] in {f.name for f in filters}
+        else:
+            assert why.startswith(("duplicate:exact:", "duplicate:near:", "contaminated:")), why
+    assert manifest["stats"]["documents_read"] == len(raw)
     seen: dict[str, set] = {}
     for split in ("train", "val"):
         tf = TokenFiles(shards / split)
@@ -292,7 +302,8 @@ def _check_source_shards(cfg: Config, i: int, src: SourceConfig, tok: Tokenizer)
             assert p["files"][p["source_file"][k]]  # provenance names a file
         seen[split] = set(p["doc_id"])
     assert not seen["train"] & seen["val"]
-    assert seen["train"] | seen["val"] == set(expected)
+    assert seen["train"] | seen["val"] == set(raw) - set(reasons)  # kept + removed = read, nothing lost
+    assert not (seen["train"] | seen["val"]) & set(reasons)
     assert len(seen["val"]) >= 1 and manifest["splits"]["val"]["tokens"] <= cfg.data.max_val_tokens
 
 

@@ -133,6 +133,29 @@ def _read_metadata_token_size(ds: Path) -> int | None:
     return None
 
 
+def _read_index(idx: Path, ds: Path, n_tokens: int) -> np.ndarray:
+    """The document END offsets of ``idx`` (int64), checked against its ``.ds`` of ``n_tokens`` tokens.
+
+    Raises:
+        DataError: the index size is not a multiple of 8 bytes, an end decreases (or does not fit
+            int64), or the last end is not the file's token count.
+    """
+    nbytes = idx.stat().st_size
+    if nbytes % 8:
+        raise DataError(f"{idx}: size {nbytes} bytes is not a multiple of 8 (uint64 document ends); torn write?")
+    ends = np.fromfile(idx, dtype="<u8")
+    if ends.size and int(ends.max()) > np.iinfo(np.int64).max:
+        raise DataError(f"{idx}: document end {int(ends.max())} is not a token offset (corrupt index)")
+    ends = ends.astype(np.int64)
+    if ends.size and np.any(np.diff(ends) < 0):
+        k = int(np.argmax(np.diff(ends) < 0)) + 1
+        raise DataError(f"{idx}: document ends decrease at document {k} ({int(ends[k - 1])} -> {int(ends[k])})")
+    if (int(ends[-1]) if ends.size else 0) != n_tokens:
+        last = f"last document end is {int(ends[-1])}" if ends.size else "empty index"
+        raise DataError(f"{idx}: document ends do not match {ds.name}: {last} but the file holds {n_tokens} tokens")
+    return ends
+
+
 class TokenFiles:
     """All ``*.ds`` files of a directory (sorted by name) read as ONE concatenated token stream.
 
@@ -184,11 +207,7 @@ class TokenFiles:
             lengths.append(n)
             idx = f.with_name(f.name + ".index")
             if idx.is_file():
-                ends = np.fromfile(idx, dtype="<u8").astype(np.int64)
-                if ends.size and (np.any(np.diff(ends) < 0) or ends[0] < 0 or ends[-1] != n):
-                    raise DataError(f"{idx}: document ends are not increasing up to the file's {n} tokens")
-                if not ends.size and n:
-                    raise DataError(f"{idx}: empty index for a file of {n} tokens")
+                ends = _read_index(idx, f, n)
             else:
                 ends = np.array([n] if n else [], dtype=np.int64)
             self._ends.append(ends)
@@ -255,17 +274,23 @@ class TokenFiles:
     def check_vocab(self, vocab_size: int) -> None:
         """Check that every token id is < ``vocab_size``.
 
-        Reads each file once (max over the memmap); the per-file maxima are cached.
+        Reads each file once (max over the memmap); the per-file maxima are cached. Only when a
+        file fails is it read again, to locate the offending token.
 
         Raises:
-            DataError: naming the first file holding an id >= ``vocab_size``.
+            DataError: naming the first file holding an id >= ``vocab_size``, its largest id, the
+                token offset (within the file) and document of that id, and how many ids are out of range.
         """
         for i, (f, mm) in enumerate(zip(self.files, self._maps)):
             if i not in self._max:
                 self._max[i] = int(mm.max()) if mm.size else -1
             if self._max[i] >= vocab_size:
+                off = int(np.argmax(mm))  # first position of the largest id
+                doc = int(np.searchsorted(self._ends[i], off, side="right"))
+                n_bad = int(np.count_nonzero(mm >= vocab_size))
                 raise DataError(
-                    f"{f}: token id {self._max[i]} >= vocabulary size {vocab_size} "
+                    f"{f}: token id {self._max[i]} >= vocabulary size {vocab_size} at token offset {off} "
+                    f"(document {doc} of the file; {n_bad} of {mm.size} ids out of range) "
                     "(shards made with another tokenizer? check data.tokenizer and model.vocab_size)"
                 )
 

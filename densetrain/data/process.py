@@ -1,0 +1,215 @@
+"""The per-document work of ``densetrain prepare``, run in parallel worker processes.
+
+Every document of a source goes through the same map, independently of all others::
+
+    raw text -> clean (ftfy, NFC, strip) -> quality filters -> decontamination check
+             -> dedup key + MinHash signature -> token ids + EOS
+
+Only deduplication needs to see the whole source; it runs afterwards in the main process on the
+keys and signatures the workers return (:mod:`densetrain.data.dedup`). This split is also how the
+pipeline maps onto datatrove (``densetrain/data/scale.py``): the map is one pipeline step that runs
+per task, dedup is datatrove's own MinHash stages.
+
+Workers are separate processes (``data.workers``, default: the CPUs this process may use), started
+with ``spawn`` so that nothing of the parent (threads, a torch runtime) is inherited. Each worker
+builds its filters, tokenizer and contamination index once (:func:`_init_worker`) and then handles
+chunks of documents; results come back in submission order, so the output does not depend on the
+number of workers. With ``workers = 1`` everything runs in this process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import numpy as np
+
+CHUNK_BYTES = 1 << 21
+"""Text bytes per work item (2 MiB): small enough to keep every worker busy and memory bounded,
+big enough that inter-process transfer is a small fraction of the work."""
+
+
+@dataclass
+class ProcessSpec:
+    """Everything a worker needs to process documents of one source (picklable, small).
+
+    Attributes:
+        kind: the source kind (picks the filter set for ``filters = ['auto']``).
+        filters: filter names (``SourceConfig.filters``).
+        fix_text: repair Unicode with ftfy (``SourceConfig.fix_text``).
+        filter_params: ``data.filters`` (:class:`densetrain.config.FiltersConfig`).
+        dedup: ``data.dedup`` when this source is deduplicated, else None.
+        decontam_path: the contamination index cache file, or None (no decontamination).
+        tokenizer_spec / shards_dir: how to load the tokenizer (:func:`load_tokenizer`).
+        token_dtype: numpy dtype name of the token arrays (``'<u2'`` or ``'<u4'``).
+        key: the config key of this source, for error messages (``data.sources[2]``).
+    """
+
+    kind: str
+    filters: list
+    fix_text: bool
+    filter_params: object
+    dedup: object | None
+    decontam_path: str | None
+    tokenizer_spec: str
+    shards_dir: str
+    token_dtype: str
+    key: str = "data.sources"
+
+
+@dataclass
+class ChunkResult:
+    """What a worker returns for one chunk of ``n`` documents.
+
+    Attributes:
+        kept: positions (in the chunk) of documents that survived cleaning, filters and
+            decontamination, ascending.
+        tokens: token ids + EOS of each kept document (``token_dtype`` arrays).
+        text_bytes: UTF-8 bytes of each kept (cleaned) document.
+        keys: ``(len(kept), 16)`` uint8 exact-dedup keys, or None without exact dedup.
+        signatures: ``(len(kept), num_perm)`` uint32 MinHash signatures, or None without near dedup.
+        dropped: ``(position, reason)`` of every removed document (``'empty'``,
+            ``'<filter>:<rule>'``, ``'contaminated:<task>'``).
+        contaminated: ``(position, task, example index, matched n-gram)`` per contaminated document.
+        filter_stats: the chunk's :class:`densetrain.data.filters.FilterStats`.
+        bytes_in: UTF-8 bytes of the raw documents.
+    """
+
+    kept: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)
+    text_bytes: list = field(default_factory=list)
+    keys: np.ndarray | None = None
+    signatures: np.ndarray | None = None
+    dropped: list = field(default_factory=list)
+    contaminated: list = field(default_factory=list)
+    filter_stats: object = None
+    bytes_in: int = 0
+
+    @property
+    def n_docs(self) -> int:
+        """Documents in the chunk: each one is either kept or dropped."""
+        return len(self.kept) + len(self.dropped)
+
+
+class DocumentProcessor:
+    """The per-document map of one source, built from a :class:`ProcessSpec`.
+
+    Raises:
+        ConfigError: an unknown filter name (naming ``spec.key``).
+        DataError: the tokenizer or the contamination index cannot be loaded.
+    """
+
+    def __init__(self, spec: ProcessSpec):
+        from densetrain.data.decontam import ContaminationIndex
+        from densetrain.data.filters import build_filters
+        from densetrain.data.tokenizer import load_tokenizer
+
+        self.spec = spec
+        self.filters = build_filters(spec.filters, spec.kind, spec.filter_params, key=f"{spec.key}.filters")
+        self.tokenizer = load_tokenizer(spec.tokenizer_spec, spec.shards_dir)
+        self.index = ContaminationIndex.load(spec.decontam_path) if spec.decontam_path else None
+        self.dtype = np.dtype(spec.token_dtype)
+
+    def __call__(self, texts: list[str]) -> ChunkResult:
+        """Process one chunk of raw document texts (see :class:`ChunkResult`)."""
+        from densetrain.data import dedup
+        from densetrain.data.filters import FilterStats, apply_filters, clean_text
+
+        spec = self.spec
+        res = ChunkResult(filter_stats=FilterStats())
+        survivors: list[tuple[int, str]] = []
+        for pos, raw in enumerate(texts):
+            res.bytes_in += len(raw.encode("utf-8"))
+            text = clean_text(raw, fix=spec.fix_text)
+            if not text:
+                res.dropped.append((pos, "empty"))
+                continue
+            text = apply_filters(text, self.filters, res.filter_stats)
+            if text is None:
+                res.dropped.append((pos, res.filter_stats.last_reason))
+                continue
+            survivors.append((pos, text))
+        if self.index is not None and survivors:
+            hits = self.index.contaminated([t for _, t in survivors])
+            clean = []
+            for (pos, text), hit in zip(survivors, hits):
+                if hit is None:
+                    clean.append((pos, text))
+                else:
+                    res.dropped.append((pos, f"contaminated:{hit.task}"))
+                    res.contaminated.append((pos, hit.task, hit.example, hit.ngram))
+            survivors = clean
+        res.dropped.sort()
+        texts_kept = [t for _, t in survivors]
+        res.kept = [p for p, _ in survivors]
+        res.text_bytes = [len(t.encode("utf-8")) for t in texts_kept]
+        if spec.dedup is not None:
+            res.keys, res.signatures = dedup.fingerprints(texts_kept, spec.dedup)
+        eos = self.tokenizer.eos_id
+        for ids in self.tokenizer.encode_batch(texts_kept):
+            a = np.empty(len(ids) + 1, dtype=self.dtype)
+            a[:-1] = ids
+            a[-1] = eos
+            res.tokens.append(a)
+        return res
+
+
+_WORKER: DocumentProcessor | None = None
+
+
+def _init_worker(spec: ProcessSpec) -> None:
+    global _WORKER
+    # One process per core already: a tokenizer thread pool per worker would oversubscribe.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    _WORKER = DocumentProcessor(spec)
+
+
+def _run_chunk(texts: list[str]) -> ChunkResult:
+    assert _WORKER is not None, "worker not initialised"
+    return _WORKER(texts)
+
+
+def chunked(items: Iterable, size_of, limit: int = CHUNK_BYTES) -> Iterator[list]:
+    """Group ``items`` into consecutive lists of about ``limit`` (by ``size_of(item)``) each, never empty."""
+    chunk, size = [], 0
+    for it in items:
+        chunk.append(it)
+        size += size_of(it)
+        if size >= limit:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def process_documents(spec: ProcessSpec, chunks: Iterable[list[str]], workers: int) -> Iterator[ChunkResult]:
+    """Run :class:`DocumentProcessor` over ``chunks`` of texts, yielding results in input order.
+
+    Args:
+        spec: the source's processing spec.
+        chunks: lists of raw document texts (e.g. from :func:`chunked`); consumed lazily, at most
+            ``2 * workers`` chunks in flight, so memory stays bounded on large sources.
+        workers: worker processes; 1 runs in this process.
+
+    Raises:
+        ConfigError / DataError: from building the processor (raised before any chunk is processed).
+    """
+    if workers <= 1:
+        proc = DocumentProcessor(spec)
+        for texts in chunks:
+            yield proc(texts)
+        return
+    DocumentProcessor(spec)  # fail fast here, with the real error, rather than inside a worker
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(spec,)) as pool:
+        pending = []
+        for texts in chunks:
+            pending.append(pool.submit(_run_chunk, texts))
+            if len(pending) >= 2 * workers:
+                yield pending.pop(0).result()
+        for fut in pending:
+            yield fut.result()

