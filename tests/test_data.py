@@ -429,3 +429,77 @@ def test_demo_corpus_from_packages(tmp_path):
     assert all(r["source_file"].startswith(("fortunes:", "fortunes-min:")) for r in rows)
     assert not any("\n%\n" in r["text"] or "\x08" in r["text"] for r in rows)
     assert list((tmp_path / ".cache" / "debs").glob("fortunes_*.deb"))
+
+
+def _resume_corpus(tmp_path: Path) -> tuple[Path, list[SourceConfig]]:
+    root = tmp_path / "corpus"
+    (root / "code").mkdir(parents=True)
+    for f in _stdlib_files(1_500_000):
+        shutil.copy(f, root / "code" / f"{f.parent.name}_{f.name}")
+    return root, [SourceConfig(name="code", kind="code", paths=["code"], format="text")]
+
+
+_PREPARE_SCRIPT = """
+import sys
+from pathlib import Path
+import densetrain.data.prepare as P
+from densetrain.config import Config, DataConfig, SourceConfig
+P.CHUNK_BYTES = 1 << 16  # many small work items, so that the kill lands in the middle
+cfg = Config()
+cfg.data = DataConfig(corpus_dir=sys.argv[1], shards_dir=sys.argv[2], tokenizer="tiktoken:cl100k_base", workers=1,
+                      sources=[SourceConfig(name="code", kind="code", paths=["code"], format="text")])
+cfg.data.decontam.enabled = False
+cfg.model.vocab_size = 100_352
+P.prepare(cfg)
+"""
+
+
+def test_prepare_resumes_after_kill_with_identical_output(tmp_path):
+    """kill -9 in the middle of a source; the re-run reuses the finished chunks and writes the
+    same shards, byte for byte, as an uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root, _ = _resume_corpus(tmp_path)
+    killed, fresh = tmp_path / "killed", tmp_path / "fresh"
+    cmd = [sys.executable, "-c", _PREPARE_SCRIPT, str(root)]
+    proc = subprocess.Popen(cmd + [str(killed)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if len(list(killed.glob("code/.work/*/*.npz"))) >= 3:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "prepare finished before it could be killed"
+    assert not (killed / "code" / "manifest.json").exists()
+    done = sorted(killed.glob("code/.work/*/*.npz"))
+    out = subprocess.run(cmd + [str(killed)], capture_output=True, text=True, check=True).stdout
+    assert f"resuming after {len(done)} finished chunks" in out
+    subprocess.run(cmd + [str(fresh)], capture_output=True, text=True, check=True)
+    a = json.loads((killed / "code" / "manifest.json").read_text())
+    b = json.loads((fresh / "code" / "manifest.json").read_text())
+    assert [s["sha256"] for sp in ("train", "val") for s in a["splits"][sp]["shards"]] == \
+           [s["sha256"] for sp in ("train", "val") for s in b["splits"][sp]["shards"]]
+    assert a["stats"] == b["stats"] and a["stats"]["documents_read"] > 10
+    assert not (killed / "code" / ".work").exists()  # cleaned up once the source is final
+
+
+def test_train_rejects_a_tokenizer_other_than_the_shards_one(tmp_path):
+    """Shards made with one tokenizer.json, config pointing at another one with the same path name."""
+    from densetrain.train import TrainError, open_streams
+
+    root, sources = _resume_corpus(tmp_path)
+    texts = [f.read_text() for f in sorted((root / "code").iterdir())]
+    tok_path = tmp_path / "tok.json"
+    train_bpe(texts, 300, tok_path)
+    cfg = _cfg(tmp_path, root, sources, tokenizer=str(tok_path), vocab=512)
+    cfg.data.decontam.enabled = False
+    cfg.data.workers = 1
+    prepare(cfg)
+    assert open_streams(cfg, "train")["code"].n_docs > 0
+    train_bpe(texts[::-1], 320, tok_path)  # same file name, another vocabulary
+    with pytest.raises(TrainError, match="tokenized with tokenizer sha256"):
+        open_streams(cfg, "train")

@@ -43,6 +43,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import time
 import zlib
 from collections import Counter
@@ -258,8 +259,8 @@ def _up_to_date(src_dir: Path, tok: Tokenizer, inputs: list, params: dict) -> di
 
 
 def _read_and_process(i, src, files, spec: ProcessSpec, corpus_dir: Path, workers: int, skips: SkipLog,
-                      max_document_bytes: int):
-    """Stream the source's documents through the worker map.
+                      max_document_bytes: int, work_dir: Path):
+    """Stream the source's documents through the worker map (resuming from ``work_dir``).
 
     Returns:
         ``(docs, results)``: every document read (for provenance) and the per-chunk
@@ -272,8 +273,19 @@ def _read_and_process(i, src, files, spec: ProcessSpec, corpus_dir: Path, worker
             docs.append(doc)
             yield doc.text
 
-    chunks = chunked(texts(), len, CHUNK_BYTES)
-    results = list(process_documents(spec, chunks, workers))
+    # Stale work of other parameters or inputs would never be used again.
+    if work_dir.parent.is_dir():
+        for d in work_dir.parent.iterdir():
+            if d != work_dir:
+                shutil.rmtree(d, ignore_errors=True)
+    resumed = len(list(work_dir.glob("*.npz"))) if work_dir.is_dir() else 0
+    if resumed:
+        _log(f"{src.name}: resuming after {resumed} finished chunks in {work_dir}")
+    results = []
+    with _progress(_estimated_bytes(files), f"{src.name}: clean/filter/dedup/tokenize") as bar:
+        for r in process_documents(spec, chunked(texts(), len, CHUNK_BYTES), workers, work_dir):
+            results.append(r)
+            bar.update(r.bytes_in)
     return docs, results
 
 
@@ -336,8 +348,10 @@ def _prepare_source(i, src, files, cfg, tok: Tokenizer, token_size: int, corpus_
                        decontam_path=decontam["index"] if decontam else None, tokenizer_spec=data.tokenizer,
                        shards_dir=str(shards_dir), token_dtype=token_dtype(token_size).str, key=f"data.sources[{i}]")
     skips = SkipLog()
+    key = hashlib.sha256(json.dumps([inputs, params, tok.sha256], sort_keys=True).encode()).hexdigest()[:16]
+    work_dir = src_dir / ".work" / key
     docs, results = _read_and_process(i, src, files, spec, corpus_dir, _workers(data), skips,
-                                      data.max_document_bytes)
+                                      data.max_document_bytes, work_dir)
     t_map = time.time() - t0
 
     # Gather the survivors of the map in document order.
@@ -422,6 +436,7 @@ def _prepare_source(i, src, files, cfg, tok: Tokenizer, token_size: int, corpus_
         },
     }
     atomic_write_json(manifest_path, manifest)
+    shutil.rmtree(work_dir.parent, ignore_errors=True)  # the shards are final; the chunk results are not needed
     dt = time.time() - t0
     mbps = bytes_in / 1e6 / t_map if t_map > 0 else float("inf")
     if not docs_kept:

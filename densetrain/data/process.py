@@ -19,10 +19,13 @@ number of workers. With ``workers = 1`` everything runs in this process.
 
 from __future__ import annotations
 
+import io
+import json
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -92,6 +95,41 @@ class ChunkResult:
     def n_docs(self) -> int:
         """Documents in the chunk: each one is either kept or dropped."""
         return len(self.kept) + len(self.dropped)
+
+    def save(self, path: Path) -> None:
+        """Write atomically as ``.npz`` (arrays and JSON strings only: loading never unpickles)."""
+        from densetrain.io import atomic_write_bytes
+
+        arrays = {
+            "tokens": np.concatenate(self.tokens) if self.tokens else np.zeros(0, np.uint32),
+            "lengths": np.array([a.size for a in self.tokens], np.int64),
+            "kept": np.array(self.kept, np.int64),
+            "text_bytes": np.array(self.text_bytes, np.int64),
+            "meta": np.array(json.dumps({"dropped": self.dropped, "contaminated": self.contaminated,
+                                         "filter_stats": self.filter_stats.to_dict(), "bytes_in": self.bytes_in})),
+        }
+        if self.keys is not None:
+            arrays["keys"] = self.keys
+        if self.signatures is not None:
+            arrays["signatures"] = self.signatures
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        atomic_write_bytes(path, buf.getvalue())
+
+    @classmethod
+    def load(cls, path: Path) -> "ChunkResult":
+        """Read a chunk written by :meth:`save` (raises OSError/ValueError/KeyError when damaged)."""
+        from densetrain.data.filters import FilterStats
+
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            ends = np.cumsum(z["lengths"])
+            tokens = z["tokens"]
+            return cls(kept=z["kept"].tolist(), tokens=np.split(tokens, ends[:-1]) if ends.size else [],
+                       text_bytes=z["text_bytes"].tolist(), keys=z["keys"] if "keys" in z else None,
+                       signatures=z["signatures"] if "signatures" in z else None,
+                       dropped=[tuple(d) for d in meta["dropped"]], contaminated=[tuple(c) for c in meta["contaminated"]],
+                       filter_stats=FilterStats(per_filter=meta["filter_stats"]), bytes_in=meta["bytes_in"])
 
 
 class DocumentProcessor:
@@ -186,7 +224,8 @@ def chunked(items: Iterable, size_of, limit: int = CHUNK_BYTES) -> Iterator[list
         yield chunk
 
 
-def process_documents(spec: ProcessSpec, chunks: Iterable[list[str]], workers: int) -> Iterator[ChunkResult]:
+def process_documents(spec: ProcessSpec, chunks: Iterable[list[str]], workers: int,
+                      work_dir: Path | None = None) -> Iterator[ChunkResult]:
     """Run :class:`DocumentProcessor` over ``chunks`` of texts, yielding results in input order.
 
     Args:
@@ -194,22 +233,48 @@ def process_documents(spec: ProcessSpec, chunks: Iterable[list[str]], workers: i
         chunks: lists of raw document texts (e.g. from :func:`chunked`); consumed lazily, at most
             ``2 * workers`` chunks in flight, so memory stays bounded on large sources.
         workers: worker processes; 1 runs in this process.
+        work_dir: where finished chunks are kept (``NNNNNN.npz``), so that an interrupted run
+            resumes after its last finished chunk instead of redoing the source. The caller
+            names the directory after everything that determines the results (inputs, params,
+            tokenizer) and deletes it when the source is done. None: no resume.
 
     Raises:
         ConfigError / DataError: from building the processor (raised before any chunk is processed).
     """
+    if work_dir is not None:
+        work_dir.mkdir(parents=True, exist_ok=True)
+
+    def cached(k: int) -> ChunkResult | None:
+        if work_dir is None or not (work_dir / f"{k:06d}.npz").is_file():
+            return None
+        try:
+            return ChunkResult.load(work_dir / f"{k:06d}.npz")
+        except (OSError, ValueError, KeyError):
+            return None  # a damaged leftover: recompute it
+
+    def keep(k: int, res: ChunkResult) -> ChunkResult:
+        if work_dir is not None:
+            res.save(work_dir / f"{k:06d}.npz")
+        return res
+
     if workers <= 1:
-        proc = DocumentProcessor(spec)
-        for texts in chunks:
-            yield proc(texts)
+        proc = None
+        for k, texts in enumerate(chunks):
+            res = cached(k)
+            if res is None:
+                proc = proc or DocumentProcessor(spec)
+                res = keep(k, proc(texts))
+            yield res
         return
     DocumentProcessor(spec)  # fail fast here, with the real error, rather than inside a worker
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(spec,)) as pool:
-        pending = []
-        for texts in chunks:
-            pending.append(pool.submit(_run_chunk, texts))
-            if len(pending) >= 2 * workers:
-                yield pending.pop(0).result()
-        for fut in pending:
-            yield fut.result()
+        pending: list = []  # (chunk index, finished result or future), in order
+        for k, texts in enumerate(chunks):
+            res = cached(k)
+            pending.append((k, res if res is not None else pool.submit(_run_chunk, texts)))
+            while pending and (isinstance(pending[0][1], ChunkResult) or len(pending) >= 2 * workers):
+                j, item = pending.pop(0)
+                yield item if isinstance(item, ChunkResult) else keep(j, item.result())
+        for j, item in pending:
+            yield item if isinstance(item, ChunkResult) else keep(j, item.result())
