@@ -148,7 +148,7 @@ class DedupConfig:
 
 @dataclass
 class GopherQualityConfig:
-    """Gopher quality rules (Rae et al. 2021, Gopher, App. A.1.1); defaults are the paper's."""
+    """Gopher quality rules (Rae et al. 2021, Gopher, App. A); defaults are the paper's."""
 
     min_words: int = 50
     """Drop documents with fewer words (whitespace-separated, punctuation-only tokens not counted); Gopher: 50."""
@@ -176,7 +176,7 @@ class GopherQualityConfig:
 
 @dataclass
 class GopherRepetitionConfig:
-    """Gopher repetition rules (Rae et al. 2021, Gopher, App. A.1.1); defaults are Table A1's. 1.0 disables a rule."""
+    """Gopher repetition rules (Rae et al. 2021, Gopher, App. A); defaults are Table A1's. 1.0 disables a rule."""
 
     max_dup_line_frac: float = 0.30
     """Max fraction of non-blank lines that repeat an earlier line; Table A1: 0.30."""
@@ -232,7 +232,7 @@ class C4Config:
 
 @dataclass
 class FineWebConfig:
-    """FineWeb's custom filters (Penedo et al. 2024, The FineWeb Datasets, §3.3); defaults are the paper's."""
+    """FineWeb's custom filters (Penedo et al. 2024, The FineWeb Datasets, arXiv:2406.17557); defaults are the paper's."""
 
     min_line_punct_ratio: float = 0.12
     """Drop documents where a smaller fraction of non-blank lines ends in terminal punctuation; FineWeb: 0.12."""
@@ -249,13 +249,13 @@ class FiltersConfig:
     """Thresholds of the document quality filters (``densetrain.data.filters``); a source picks filters with ``filters``."""
 
     gopher_quality: GopherQualityConfig = field(default_factory=GopherQualityConfig)
-    """Gopher quality rules (Rae et al. 2021, App. A.1.1)."""
+    """Gopher quality rules (Rae et al. 2021, App. A)."""
     gopher_repetition: GopherRepetitionConfig = field(default_factory=GopherRepetitionConfig)
     """Gopher repetition rules (Rae et al. 2021, Table A1)."""
     c4: C4Config = field(default_factory=C4Config)
     """C4 line and page rules (Raffel et al. 2020, §2.2)."""
     fineweb: FineWebConfig = field(default_factory=FineWebConfig)
-    """FineWeb line rules (Penedo et al. 2024, §3.3)."""
+    """FineWeb line rules (Penedo et al. 2024, arXiv:2406.17557)."""
 
 
 @dataclass
@@ -432,7 +432,8 @@ class EvalConfig:
     max_batches: int = 8
     """Validation micro-batches per source per evaluation."""
     tasks: str = ""
-    """Downstream multiple-choice tasks run in the loop: comma list or group ('light', 'all'); '' disables."""
+    """Downstream multiple-choice tasks run in the loop: comma list or group ('light', 'all'), 'task:k' for k
+    shots (e.g. 'arc_challenge_mc:5', reported as arc_challenge_mc_5shot); '' disables."""
     tasks_every: int = 0
     """Run eval.tasks every N steps (and at the end); 0 only at the end."""
     tasks_limit: int = 200

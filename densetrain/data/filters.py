@@ -6,21 +6,21 @@ in order. A filter either keeps the document, possibly with lines removed (C4), 
 reason ``'<filter>:<rule>'``; :func:`apply_filters` stops at the first drop and counts documents
 and characters (Unicode code points) removed per filter and rule in a :class:`FilterStats`.
 
-=====================  =====================================================================
-name                   rules (thresholds in ``data.filters.<name>``, defaults as published)
-=====================  =====================================================================
-gopher_repetition      duplicate lines/paragraphs and repeated word n-grams
-                       (Rae et al. 2021, Gopher, App. A.1.1 and Table A1)
-gopher_repetition_     the duplicate line/paragraph rules of gopher_repetition only (for text
-lines                  without spaces, or long/formulaic documents)
-gopher_quality         word count, mean word length, '#' and ellipsis per word, bullet and
-                       ellipsis lines, alphabetic words, stop words (Gopher, App. A.1.1)
-c4                     keeps lines that end in terminal punctuation and have >= 5 words, drops
-                       javascript / policy lines, drops pages with 'lorem ipsum', '{' or < 3
-                       sentences (Raffel et al. 2020, T5, §2.2; TFDS ``c4_utils.clean_page``)
-fineweb                line punctuation ratio, short-line ratio, duplicated-line characters
-                       (Penedo et al. 2024, The FineWeb Datasets, §3.3 custom filters)
-=====================  =====================================================================
+=======================  ===================================================================
+name                     rules (thresholds in ``data.filters.<name>``, published defaults)
+=======================  ===================================================================
+gopher_repetition        duplicate lines/paragraphs and repeated word n-grams (Rae et al.
+                         2021, Gopher, App. A "MassiveWeb" filtering, Table A1)
+gopher_repetition_lines  the line/paragraph rules of gopher_repetition only (text without
+                         spaces, or long/formulaic documents)
+gopher_quality           word count, mean word length, '#' and ellipsis per word, bullet and
+                         ellipsis lines, alphabetic words, stop words (Gopher, App. A)
+c4                       keeps lines that end in terminal punctuation and have >= 5 words,
+                         drops javascript / policy lines, drops pages with 'lorem ipsum', '{'
+                         or < 3 sentences (Raffel et al. 2020, T5, §2.2; TFDS ``c4_utils``)
+fineweb                  line punctuation ratio, short-line ratio, duplicated-line characters
+                         (Penedo et al. 2024, The FineWeb Datasets, arXiv:2406.17557)
+=======================  ===================================================================
 
 ``filters = ['auto']`` picks a set by ``SourceConfig.kind`` (:data:`AUTO_FILTERS`); the reasons
 are given there. All rules are plain string operations on whitespace-separated words and
@@ -34,9 +34,9 @@ import re
 import string
 import unicodedata
 from collections import Counter
+from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import not_
-from dataclasses import dataclass, field
 
 import ftfy
 import numpy as np
@@ -132,7 +132,7 @@ TERMINAL_PUNCTUATION = _terminal_punctuation()
 _HASH_MULT = np.uint64(0x9E3779B97F4A7C15)
 """Odd 64-bit multiplier of the n-gram hash (2^64 / golden ratio); arithmetic wraps mod 2^64."""
 _CLOSERS = "\"'”’»)]》」』】 \t"
-"""Closing quotes and brackets that may follow a sentence's final mark (``He left.”``)."""
+"""Closing quotes, brackets and spaces that may follow a sentence's final mark (``He left.”``)."""
 
 
 def _lines(text: str) -> list[str]:
@@ -158,7 +158,7 @@ class Filter:
 
     ``kept_text`` is the document, possibly with lines removed; it is None when the document is
     dropped, and then ``reason`` is ``'<name>:<rule>'``. Subclasses are module-level and hold only
-    their (dataclass) parameters, so they pickle to worker processes.
+    their (dataclass) parameters and values derived from them, so they pickle to worker processes.
     """
 
     name = ""
@@ -175,7 +175,8 @@ class Filter:
 
 class GopherQualityFilter(Filter):
     """Gopher quality rules (Rae et al. 2021, "Scaling Language Models: Methods, Analysis &
-    Insights from Training Gopher", App. A.1.1), thresholds in :class:`GopherQualityConfig`.
+    Insights from Training Gopher", App. A, MassiveWeb quality filters), thresholds in
+    :class:`GopherQualityConfig`.
 
     Words are whitespace-separated tokens. A document is dropped, in this order, when:
 
@@ -189,7 +190,7 @@ class GopherQualityFilter(Filter):
     - ``ellipsis_lines``: more than 30% of non-blank lines end with an ellipsis;
     - ``alpha_words``: fewer than 80% of words contain an alphabetic character;
     - ``stop_words``: fewer than 2 distinct stop words (the, be, to, of, and, that, have, with;
-      case-insensitive).
+      lowercase, Capitalised or UPPER; punctuation around a word is ignored).
     """
 
     name = "gopher_quality"
@@ -233,7 +234,7 @@ class GopherQualityFilter(Filter):
 
 
 class GopherRepetitionFilter(Filter):
-    """Gopher repetition rules (Rae et al. 2021, App. A.1.1, thresholds of Table A1), in
+    """Gopher repetition rules (Rae et al. 2021, App. A, thresholds of Table A1), in
     :class:`GopherRepetitionConfig`. A document is dropped, in this order, when:
 
     - ``dup_para_frac`` / ``dup_para_char_frac``: paragraphs (split on blank lines) that repeat an
@@ -259,8 +260,9 @@ class GopherRepetitionFilter(Filter):
         self.p = params
         self.words = words
         self.name = "gopher_repetition" if words else "gopher_repetition_lines"
-        self.top = [(n, getattr(params, f"max_top_{n}gram_char_frac")) for n in (2, 3, 4)]
-        self.dup = [(n, getattr(params, f"max_dup_{n}gram_char_frac")) for n in range(5, 11)]
+        # thresholds indexed by n - 2 (top n-gram rules) and n - 5 (duplicate n-gram rules)
+        self.top = [getattr(params, f"max_top_{n}gram_char_frac") for n in (2, 3, 4)]
+        self.dup = [getattr(params, f"max_dup_{n}gram_char_frac") for n in range(5, 11)]
 
     _PARAGRAPH_BREAK = re.compile(r"\n[ \t\r\f\v]*\n\s*")
 
@@ -290,7 +292,7 @@ class GopherRepetitionFilter(Filter):
         """The first violated n-gram rule, or None.
 
         An n-gram is identified by a 64-bit polynomial hash of its words' string hashes, built
-        for n = 2..10 by extending the (n-1)-gram hashes one word, so that counting is one numpy
+        for n = 2..10 by extending the (n-1)-gram hashes one word, so that counting is a numpy
         sort per n instead of Python tuples (a collision within one document is ~N^2 / 2^64).
         """
         n_words = len(words)
@@ -305,28 +307,37 @@ class GopherRepetitionFilter(Filter):
             if n_words < n:
                 break
             keys = keys[:-1] * _HASH_MULT + word_hash[n - 1:]  # n-grams starting at 0 .. n_words-n
-            # Group equal n-grams: sort, then each group starts where the sorted key changes.
-            order = np.argsort(keys)
-            sorted_keys = keys[order]
-            group_start = np.flatnonzero(np.concatenate(([True], sorted_keys[1:] != sorted_keys[:-1])))
-            if len(group_start) == len(keys):
-                if n >= 5:
-                    break  # no repeated n-gram, hence no repeated longer one (it would contain one)
-                continue
-            counts = np.diff(np.append(group_start, len(keys)))
-            first = np.minimum.reduceat(order, group_start)  # first occurrence of each n-gram
+            sorted_keys = np.sort(keys)
+            same = sorted_keys[1:] == sorted_keys[:-1]  # True where an n-gram repeats
+            n_repeats = int(same.sum())
+            if n_repeats == 0:
+                # No repeated n-gram, hence no repeated longer one (it would contain one): no
+                # rule can fire any more (the top n-gram rules need a count above 1).
+                break
+            gram_chars = cum[n:] - cum[:-n]  # characters of the n-gram starting at each position
+            # Cheap upper bounds settle most documents before the exact (slower) computation.
+            bound_chars = int(gram_chars.max())
             if n <= 4:
+                starts = np.flatnonzero(np.concatenate(([True], ~same)))
+                counts = np.diff(np.append(starts, len(keys)))
                 top = int(counts.max())
-                starts = first[counts == top]  # ties: the n-gram covering most characters
-                chars = int((cum[starts + n] - cum[starts]).max())
-                if top * chars / total > self.top[n - 2][1]:
+                if top * bound_chars / total <= self.top[n - 2]:
+                    continue
+                # ties: the most frequent n-gram covering most characters
+                chars = int(gram_chars[np.isin(keys, sorted_keys[starts[counts == top]])].max())
+                if top * chars / total > self.top[n - 2]:
                     return f"top_{n}gram_char_frac"
                 continue
-            repeat = np.empty(len(keys), dtype=bool)
-            repeat[order] = order != np.repeat(first, counts)
+            if n_repeats * bound_chars / total <= self.dup[n - 5]:
+                continue  # each repeat covers at most bound_chars
+            order = np.argsort(keys)
+            starts = np.flatnonzero(np.concatenate(([True], ~same)))
+            first = np.minimum.reduceat(order, starts)  # first occurrence of each n-gram
+            is_repeat = np.empty(len(keys), dtype=bool)
+            is_repeat[order] = order != np.repeat(first, np.diff(np.append(starts, len(keys))))
             # A word is covered when one of the n n-grams containing it is a repeat.
-            covered = np.convolve(repeat.astype(np.int32), np.ones(n, dtype=np.int32))[:n_words] > 0
-            if int(lens[covered].sum()) / total > self.dup[n - 5][1]:
+            covered = np.convolve(is_repeat.astype(np.int32), np.ones(n, dtype=np.int32))[:n_words] > 0
+            if int(lens[covered].sum()) / total > self.dup[n - 5]:
                 return f"dup_{n}gram_char_frac"
         return None
 
@@ -402,9 +413,9 @@ class C4Filter(Filter):
 
 
 class FineWebFilter(Filter):
-    """FineWeb's custom filters (Penedo et al. 2024, "The FineWeb Datasets: Decanting the Web for
-    the Finest Text Data at Scale", §3.3), thresholds in :class:`FineWebConfig`. On the non-blank
-    lines (stripped), a document is dropped when:
+    """FineWeb's own heuristic filters (Penedo et al. 2024, "The FineWeb Datasets: Decanting the
+    Web for the Finest Text Data at Scale", arXiv:2406.17557), thresholds in
+    :class:`FineWebConfig`. On the non-blank lines (stripped), a document is dropped when:
 
     - ``line_punct_ratio``: fewer than 12% of lines end in terminal punctuation (any script, see
       :data:`TERMINAL_PUNCTUATION`; closing quotes/brackets after the mark are allowed);
@@ -443,7 +454,8 @@ FILTER_NAMES = ("gopher_repetition", "gopher_repetition_lines", "gopher_quality"
 """The filter names; 'auto' sets list them in the order FineWeb's pipeline runs them."""
 
 AUTO_FILTERS: dict[str, tuple[str, ...]] = {
-    # The rules were designed for (and their thresholds tuned on) web crawl text.
+    # The rules were designed for (and their thresholds tuned on) web crawl text. C4's line rule
+    # assumes a paragraph per line: hard-wrapped text loses most lines (list filters without c4).
     "web": ("gopher_repetition", "gopher_quality", "c4", "fineweb"),
     # Dictionaries and encyclopedias: headwords, lists and tables are short lines without
     # punctuation by design (C4 would delete them, FineWeb's line ratios would drop the page),
@@ -560,7 +572,7 @@ class FilterStats:
             r = c["reasons"].setdefault(rule, {"documents": 0, "chars": 0})
             r["documents"] += 1
             r["chars"] += len(before)
-        elif after is not before and after != before:
+        elif after != before:
             c["documents_modified"] += 1
             c["chars_removed"] += len(before) - len(after)
 
