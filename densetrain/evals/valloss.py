@@ -1,21 +1,74 @@
-"""Token-weighted validation loss per source on the held-out split.
+"""Token-weighted validation loss and bits per byte per source on the held-out split.
 
 The held-out stream of each source is cut into consecutive windows of ``seq_len + 1`` tokens
 (overlapping by one, like training), always starting at offset 0, so every evaluation of a run
 scores the same tokens and curves are comparable across steps. The loss of a source is the sum of
 its token losses divided by its token count (not a mean of per-batch means). Windows are split
 over ranks and sums reduced, so the value does not depend on the number of processes.
+
+Bits per byte (bpb) make losses comparable across tokenizers: the same total negative
+log-likelihood, in bits, divided by the UTF-8 bytes of the text that was scored instead of by the
+token count (Gao et al. 2020, "The Pile: An 800GB Dataset of Diverse Text"; OLMo's ``bpb``)::
+
+    bpb = (sum of token losses in nats / ln 2) / bytes = loss * tokens / (ln 2 * bytes)
+
+The scored tokens of the windows are one contiguous span of the stream (window ``k`` predicts
+tokens ``k * win + 1 .. (k + 1) * win``), so ``bytes`` is the length of that span's text, decoded
+with the run's tokenizer, one document at a time (documents end with EOS, which is no text and
+counts 0 bytes; the EOS predictions still count in the loss, as they do in ``loss``). Only a
+character split by the span's two ends (a byte-level token that is part of a UTF-8 sequence) can
+be miscounted, by at most a few bytes. The count is computed once per source and span, then cached.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 import torch
 
 from densetrain.data.shards import TokenFiles
 from densetrain.parallel import all_reduce_sum
+
+
+_LN2 = math.log(2.0)
+_BYTES_CACHE: dict[tuple, int] = {}
+
+
+def text_bytes(tokenizer, ids: np.ndarray) -> int:
+    """UTF-8 bytes of the text that token ``ids`` encode, EOS tokens counting 0.
+
+    Decoded one document (the tokens between EOS tokens) at a time, so that no decode call
+    splits a character that the tokens encode whole.
+
+    Args:
+        tokenizer: a :class:`densetrain.data.tokenizer.Tokenizer` (``decode``, ``eos_id``).
+        ids: (N,) integer token ids.
+    """
+    ids = np.asarray(ids)
+    ends = [*np.flatnonzero(ids == tokenizer.eos_id).tolist(), len(ids)]
+    total, start = 0, 0
+    for end in ends:
+        if end > start:
+            total += len(tokenizer.decode(ids[start:end]).encode("utf-8"))
+        start = end + 1
+    return total
+
+
+def scored_span(stream: TokenFiles, seq_len: int, micro_batch_size: int, max_batches: int) -> tuple[int, int, int]:
+    """(window length ``win``, number of windows, end of the scored span) of :func:`evaluate_val` on
+    ``stream``: tokens ``[1, end)`` are scored, ``end = n_windows * win + 1``."""
+    win = min(seq_len, len(stream) - 1)
+    n_windows = min(max_batches * micro_batch_size, (len(stream) - 1) // win)
+    return win, n_windows, n_windows * win + 1
+
+
+def _span_bytes(stream: TokenFiles, end: int, tokenizer) -> int:
+    key = (tuple(str(f) for f in stream.files), len(stream), end, getattr(tokenizer, "sha256", id(tokenizer)))
+    if key not in _BYTES_CACHE:
+        _BYTES_CACHE[key] = text_bytes(tokenizer, stream.read(1, end - 1))
+    return _BYTES_CACHE[key]
 
 
 @torch.no_grad()
@@ -27,8 +80,11 @@ def evaluate_val(
     max_batches: int,
     device: torch.device,
     autocast: contextlib.AbstractContextManager | None = None,
-) -> dict[str, float]:
-    """Validation loss of every source: ``{source: {'loss': nats per token, 'tokens': scored tokens}}``.
+    tokenizer=None,
+) -> dict[str, dict]:
+    """Validation loss of every source: ``{source: {'loss': nats per token, 'tokens': scored tokens}}``,
+    plus ``'bytes'`` (UTF-8 bytes of the scored text) and ``'bpb'`` (bits per byte, module
+    docstring) when the run's ``tokenizer`` is given.
 
     Uses at most ``max_batches * micro_batch_size`` windows per source (fewer when the held-out
     stream is shorter; a stream shorter than one window is scored as one shorter window).
@@ -44,8 +100,7 @@ def evaluate_val(
     out = {}
     for name in sorted(streams):
         stream = streams[name]
-        win = min(seq_len, len(stream) - 1)
-        n_windows = min(max_batches * micro_batch_size, (len(stream) - 1) // win)
+        win, n_windows, end = scored_span(stream, seq_len, micro_batch_size, max_batches)
         mine = list(range(rank, n_windows, world))
         loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
         for i in range(0, len(mine), micro_batch_size):
@@ -59,6 +114,10 @@ def evaluate_val(
         all_reduce_sum(loss_sum)
         n = int(loss_sum[1])
         out[name] = {"loss": float(loss_sum[0] / n) if n else float("nan"), "tokens": n}
+        if tokenizer is not None:
+            nbytes = _span_bytes(stream, end, tokenizer)
+            out[name]["bytes"] = nbytes
+            out[name]["bpb"] = float(loss_sum[0]) / _LN2 / nbytes if nbytes else float("nan")
     model.train(was_training)
     return out
 
@@ -78,12 +137,22 @@ def unigram_entropy(streams: list[TokenFiles]) -> float:
 
 def val_table(val: dict[str, dict], streams: dict[str, TokenFiles]) -> dict[str, dict]:
     """Add the unigram-entropy baseline to :func:`evaluate_val`'s result, plus an ``'all'`` row:
-    the token-weighted loss over every source against the entropy of all held-out text together."""
+    the token-weighted loss over every source against the entropy of all held-out text together,
+    and (when the sources have ``bytes``) the byte-weighted bits per byte over every source."""
     table = {s: {**v, "unigram_entropy": unigram_entropy([streams[s]])} for s, v in val.items()}
-    n = sum(v["tokens"] for v in val.values())
-    table["all"] = {
-        "loss": sum(v["loss"] * v["tokens"] for v in val.values()) / n if n else float("nan"),
-        "tokens": n,
-        "unigram_entropy": unigram_entropy([streams[s] for s in val]),
-    }
+    table["all"] = {**val_overall(val), "unigram_entropy": unigram_entropy([streams[s] for s in val])}
     return table
+
+
+def val_overall(val: dict[str, dict]) -> dict:
+    """The ``'all'`` row of :func:`evaluate_val`'s result: ``{'loss', 'tokens'}`` over every source
+    (token-weighted), plus ``'bytes'`` and ``'bpb'`` (total bits / total bytes) when every source has
+    bytes."""
+    n = sum(v["tokens"] for v in val.values())
+    nats = sum(v["loss"] * v["tokens"] for v in val.values())
+    row = {"loss": nats / n if n else float("nan"), "tokens": n}
+    if val and all("bytes" in v for v in val.values()):
+        nbytes = sum(v["bytes"] for v in val.values())
+        row["bytes"] = nbytes
+        row["bpb"] = nats / _LN2 / nbytes if nbytes else float("nan")
+    return row
