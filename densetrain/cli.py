@@ -65,6 +65,7 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     """Write a Hugging Face LlamaForCausalLM folder (config.json + model.safetensors + tokenizer)."""
     from densetrain.checkpoint import load_checkpoint
+    from densetrain.data.tokenizer import load_tokenizer
     from densetrain.evals.offline import find_checkpoint
     from densetrain.hf import export_hf
     from densetrain.schedule import resolve_stages, stage_at
@@ -78,13 +79,18 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     # The exported RoPE base and context length are those of the stage the checkpoint was saved in.
     st = stage_at(max(state["step"] - 1, 0), resolve_stages(cfg))
     cfg.model.rope_theta = st.rope_theta
-    out = export_hf(model, cfg.model, Path(args.out), max_position_embeddings=st.seq_len)
-    tok = Path(cfg.data.shards_dir) / "tokenizer.json"
-    if tok.exists():
-        import shutil
-
-        shutil.copyfile(tok, out / "tokenizer.json")
-    print(f"exported {path} -> {out} (rope_theta {st.rope_theta:g}, max_position_embeddings {st.seq_len})")
+    tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
+    files, note = {}, ""
+    if tok.kind == "hf":
+        # tokenizer_config.json names the EOS, so HF generation stops where our documents end.
+        files = {"tokenizer.json": Path(tok.name).read_bytes(),
+                 "tokenizer_config.json": json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token,
+                                                      "model_max_length": st.seq_len}, indent=2).encode() + b"\n"}
+    else:
+        note = f"; no tokenizer files: load '{tok.name}' with tiktoken"
+    out = export_hf(model, cfg.model, Path(args.out), max_position_embeddings=st.seq_len,
+                    extra_config={"eos_token_id": tok.eos_id}, extra_files=files)
+    print(f"exported {path} -> {out} (rope_theta {st.rope_theta:g}, max_position_embeddings {st.seq_len}){note}")
     return 0
 
 

@@ -222,6 +222,7 @@ def export_hf(
     dtype: torch.dtype | None = None,
     max_position_embeddings: int = 2048,
     extra_config: dict | None = None,
+    extra_files: dict[str, bytes] | None = None,
 ) -> Path:
     """Write ``out_dir/config.json`` + ``out_dir/model.safetensors`` loadable by ``LlamaForCausalLM.from_pretrained``.
 
@@ -230,6 +231,7 @@ def export_hf(
     old or the new export, never a partial one; between the two renames the path briefly does not exist).
     ``cfg.rope_theta`` is written as is: pass the config of the *last* stage (set rope_theta to the value
     the model was last trained with). ``dtype`` casts the stored tensors (default: the model's dtype).
+    ``extra_files`` (name -> content, e.g. the tokenizer files) are written into the same atomic folder.
 
     Returns: the output directory. Raises: ValueError from :func:`to_hf_state_dict`.
     """
@@ -249,6 +251,8 @@ def export_hf(
     tmp.mkdir()
     save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name, content in (extra_files or {}).items():
+        (tmp / name).write_bytes(content)
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())

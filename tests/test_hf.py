@@ -227,6 +227,8 @@ def test_cli_export_to_transformers_and_import_back(prepared, tmp_path):
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
     assert hf_tok.decode(tok.encode(text)) == tok.decode(tok.encode(text)) == text
+    # HF knows where documents end: the tokenizer's EOS and the model config agree with ours
+    assert hf_tok.eos_token == tok.eos_token and hf_tok.eos_token_id == tok.eos_id == hf.config.eos_token_id
 
     assert main(["import-hf", str(out), "--out", str(imported)]) == 0
     cfg2 = load_config(path=imported / "config.toml")
