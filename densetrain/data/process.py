@@ -143,49 +143,69 @@ class DocumentProcessor:
     def __init__(self, spec: ProcessSpec):
         from densetrain.data.decontam import ContaminationIndex
         from densetrain.data.filters import build_filters
-        from densetrain.data.tokenizer import load_tokenizer
 
         self.spec = spec
         self.filters = build_filters(spec.filters, spec.kind, spec.filter_params, key=f"{spec.key}.filters")
-        self.tokenizer = load_tokenizer(spec.tokenizer_spec, spec.shards_dir)
         self.index = ContaminationIndex.load(spec.decontam_path) if spec.decontam_path else None
         self.dtype = np.dtype(spec.token_dtype)
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        """The tokenizer, loaded on first use (the datatrove map step never tokenizes)."""
+        if self._tokenizer is None:
+            from densetrain.data.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.spec.tokenizer_spec, self.spec.shards_dir)
+        return self._tokenizer
+
+    def select(self, texts: list[str], stats) -> tuple[list, list, list]:
+        """Clean, filter and decontaminate ``texts``: the part of the map that decides what stays.
+
+        Args:
+            texts: raw document texts.
+            stats: a :class:`densetrain.data.filters.FilterStats` that the filters count into.
+
+        Returns:
+            ``(kept, dropped, contaminated)``: ``(position, cleaned text)`` of the survivors,
+            ``(position, reason)`` of the removed documents (both ascending), and
+            ``(position, task, example index, matched n-gram)`` per contaminated document.
+        """
+        from densetrain.data.filters import apply_filters, clean_text
+
+        kept, dropped, contaminated = [], [], []
+        for pos, raw in enumerate(texts):
+            text = clean_text(raw, fix=self.spec.fix_text)
+            if not text:
+                dropped.append((pos, "empty"))
+                continue
+            text = apply_filters(text, self.filters, stats)
+            if text is None:
+                dropped.append((pos, stats.last_reason))
+                continue
+            kept.append((pos, text))
+        if self.index is not None and kept:
+            hits = self.index.contaminated([t for _, t in kept])
+            for (pos, _), hit in zip(kept, hits):
+                if hit is not None:
+                    dropped.append((pos, f"contaminated:{hit.task}"))
+                    contaminated.append((pos, hit.task, hit.example, hit.ngram))
+            kept = [k for k, hit in zip(kept, hits) if hit is None]
+        dropped.sort()
+        return kept, dropped, contaminated
 
     def __call__(self, texts: list[str]) -> ChunkResult:
         """Process one chunk of raw document texts (see :class:`ChunkResult`)."""
         from densetrain.data import dedup
-        from densetrain.data.filters import FilterStats, apply_filters, clean_text
+        from densetrain.data.filters import FilterStats
 
-        spec = self.spec
-        res = ChunkResult(filter_stats=FilterStats())
-        survivors: list[tuple[int, str]] = []
-        for pos, raw in enumerate(texts):
-            res.bytes_in += len(raw.encode("utf-8"))
-            text = clean_text(raw, fix=spec.fix_text)
-            if not text:
-                res.dropped.append((pos, "empty"))
-                continue
-            text = apply_filters(text, self.filters, res.filter_stats)
-            if text is None:
-                res.dropped.append((pos, res.filter_stats.last_reason))
-                continue
-            survivors.append((pos, text))
-        if self.index is not None and survivors:
-            hits = self.index.contaminated([t for _, t in survivors])
-            clean = []
-            for (pos, text), hit in zip(survivors, hits):
-                if hit is None:
-                    clean.append((pos, text))
-                else:
-                    res.dropped.append((pos, f"contaminated:{hit.task}"))
-                    res.contaminated.append((pos, hit.task, hit.example, hit.ngram))
-            survivors = clean
-        res.dropped.sort()
+        res = ChunkResult(filter_stats=FilterStats(), bytes_in=sum(len(t.encode("utf-8")) for t in texts))
+        survivors, res.dropped, res.contaminated = self.select(texts, res.filter_stats)
         texts_kept = [t for _, t in survivors]
         res.kept = [p for p, _ in survivors]
         res.text_bytes = [len(t.encode("utf-8")) for t in texts_kept]
-        if spec.dedup is not None:
-            res.keys, res.signatures = dedup.fingerprints(texts_kept, spec.dedup)
+        if self.spec.dedup is not None:
+            res.keys, res.signatures = dedup.fingerprints(texts_kept, self.spec.dedup)
         eos = self.tokenizer.eos_id
         for ids in self.tokenizer.encode_batch(texts_kept):
             a = np.empty(len(ids) + 1, dtype=self.dtype)
