@@ -503,3 +503,57 @@ def test_train_rejects_a_tokenizer_other_than_the_shards_one(tmp_path):
     train_bpe(texts[::-1], 320, tok_path)  # same file name, another vocabulary
     with pytest.raises(TrainError, match="tokenized with tokenizer sha256"):
         open_streams(cfg, "train")
+
+
+def test_rerun_after_kind_change_and_warning_on_shredded_wrapped_text(tmp_path, capsys):
+    """`kind` picks the 'auto' filters, so changing it re-prepares; C4's line rules on hard-wrapped
+    prose keep the documents but cut most of their text, which the log must say."""
+    if not LICENSES.is_dir():
+        pytest.skip("/usr/share/common-licenses not present")
+    root = tmp_path / "corpus"
+    root.mkdir()
+    for name in ("Apache-2.0", "GPL-3", "MPL-2.0"):
+        shutil.copy(LICENSES / name, root / name)
+    src = SourceConfig(name="lic", kind="web", paths=["."], format="text")
+    cfg = _cfg(tmp_path, root, [src], tokenizer="tiktoken:cl100k_base", vocab=100_352)
+    cfg.data.workers, cfg.data.decontam.enabled = 1, False
+    prepare(cfg)
+    out = capsys.readouterr().out
+    assert "lic: WARNING c4 line rules cut" in out
+    web = json.loads((Path(cfg.data.shards_dir) / "lic" / "manifest.json").read_text())
+    src.kind = "reference"  # 'auto' no longer includes c4
+    prepare(cfg)
+    out = capsys.readouterr().out
+    assert "up to date" not in out and "WARNING c4" not in out
+    ref = json.loads((Path(cfg.data.shards_dir) / "lic" / "manifest.json").read_text())
+    assert "c4" in web["stats"]["filters"] and "c4" not in ref["stats"]["filters"]
+    assert ref["splits"]["train"]["tokens"] + ref["splits"]["val"]["tokens"] > \
+           2 * (web["splits"]["train"]["tokens"] + web["splits"]["val"]["tokens"])
+
+
+def test_demo_corpus_never_overwrites_a_users_file(tmp_path):
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "code.jsonl").write_text(json.dumps({"text": "mine"}) + "\n")
+    with pytest.raises(DataError, match=r"code.jsonl: exists and was not written by the demo corpus builder"):
+        corpus.build_demo_corpus(root, 20_000, sources=["code"], use_packages=False)
+    assert (root / "code.jsonl").read_text() == json.dumps({"text": "mine"}) + "\n"
+    (root / "code.jsonl").unlink()
+    corpus.build_demo_corpus(root, 20_000, sources=["code"], use_packages=False)  # ours now: rebuilds are fine
+    corpus.build_demo_corpus(root, 30_000, sources=["code"], use_packages=False)
+
+
+def test_bom_symlink_loop_and_broken_link(tmp_path, capsys):
+    root = tmp_path / "c"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "first"}).encode() + b"\n" +
+                                   json.dumps({"text": "second"}).encode() + b"\n")
+    (root / "sub" / "loop").symlink_to("..")
+    (root / "dangling.txt").symlink_to(root / "missing.txt")
+    src = SourceConfig(name="s", paths=["."])
+    files = resolve_paths(src, root)
+    assert [f.name for f in files] == ["a.jsonl"]
+    assert "symlink loop" in capsys.readouterr().err
+    skips = SkipLog()
+    assert [d.text for d in iter_documents(src, root, skips, files=files)] == ["first", "second"]
+    assert skips.total == 0

@@ -771,6 +771,32 @@ def _write_jsonl(path: Path, docs: list[dict]) -> int:
     return len(body)
 
 
+def _file_stamp(path: Path) -> dict:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _refuse_foreign_files(corpus_dir: Path, names: list[str], prev: dict | None) -> None:
+    """Never overwrite a user's file: every ``<source>.jsonl`` already there must be one this
+    builder wrote (recorded, unchanged, in the marker).
+
+    Raises:
+        DataError: a file exists that the demo builder did not write (or that changed since).
+    """
+    from densetrain.data.sources import DataError
+
+    for n in names:
+        path = corpus_dir / f"{n}.jsonl"
+        if not path.exists():
+            continue
+        known = (prev or {}).get("files")
+        ours = prev is not None and (known is None or known.get(n) == _file_stamp(path))  # no "files": an older marker
+        if not ours:
+            raise DataError(f"{path}: exists and was not written by the demo corpus builder; data.demo_corpus = true "
+                            "(the tiny preset's default) would overwrite it: set --data.demo_corpus=false or use another "
+                            "data.corpus_dir")
+
+
 def build_demo_corpus(
     corpus_dir: str | os.PathLike,
     max_bytes_per_source: int = 6_000_000,
@@ -804,6 +830,7 @@ def build_demo_corpus(
         raise ValueError(f"unknown demo source(s) {bad}; known: {list(DEMO_SOURCES)}")
     params = {"version": CORPUS_VERSION, "max_bytes_per_source": int(max_bytes_per_source), "sources": names, "use_packages": use_packages}
     marker = corpus_dir / MARKER
+    prev = None
     if marker.is_file():
         try:
             prev = json.loads(marker.read_text())
@@ -812,6 +839,7 @@ def build_demo_corpus(
         if prev.get("params") == params and all((corpus_dir / f"{n}.jsonl").is_file() for n in names):
             _log(f"demo corpus up to date in {corpus_dir} (delete {MARKER} to rebuild)")
             return prev["stats"]
+    _refuse_foreign_files(corpus_dir, names, prev)
     corpus_dir.mkdir(parents=True, exist_ok=True)
     cache = Path(cache_dir) if cache_dir else corpus_dir / ".cache" / "debs"
     scratch_parent = corpus_dir / ".cache"
@@ -850,6 +878,8 @@ def build_demo_corpus(
             nbytes = sum(_nbytes(d) for d in docs)
             stats[name] = {"documents": len(docs), "bytes": nbytes, "origin": origin}
             _log(f"{name}: {len(docs)} docs, {nbytes / 1e6:.2f} MB ({origin}) [{time.time() - t1:.1f}s]")
-    atomic_write_json(marker, {"params": params, "stats": stats, "build_seconds": round(time.time() - t0, 1)})
+    written = {n: _file_stamp(corpus_dir / f"{n}.jsonl") for n in names}
+    atomic_write_json(marker, {"params": params, "stats": stats, "files": written,
+                               "build_seconds": round(time.time() - t0, 1)})
     _log(f"demo corpus built in {corpus_dir} in {time.time() - t0:.1f}s")
     return stats

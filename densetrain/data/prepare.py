@@ -231,6 +231,7 @@ def _source_params(src, cfg, token_size: int, decontam: dict | None) -> dict:
     data = cfg.data
     return {
         "prepare_version": PREPARE_VERSION,
+        "kind": src.kind,  # picks the 'auto' filters
         "format": src.format,
         "text_field": src.text_field,
         "val_fraction": data.val_fraction,
@@ -436,6 +437,7 @@ def _prepare_source(i, src, files, cfg, tok: Tokenizer, token_size: int, corpus_
         },
     }
     atomic_write_json(manifest_path, manifest)
+    _warn_heavy_edits(src.name, fstats)
     shutil.rmtree(work_dir.parent, ignore_errors=True)  # the shards are final; the chunk results are not needed
     dt = time.time() - t0
     mbps = bytes_in / 1e6 / t_map if t_map > 0 else float("inf")
@@ -448,6 +450,22 @@ def _prepare_source(i, src, files, cfg, tok: Tokenizer, token_size: int, corpus_
              f"{mbps:.1f} MB/s; {skips.total} skipped [{dt:.1f}s]")
     return {"status": "prepared" if docs_kept else "empty", "manifest": manifest,
             "timings": {"process_s": round(t_map, 2), "total_s": round(dt, 2), "process_MBps": round(mbps, 2)}}
+
+
+HEAVY_EDIT_FRACTION = 0.2
+"""Warn when a filter's line rules cut more than this fraction of the characters it saw in kept documents."""
+
+
+def _warn_heavy_edits(name: str, fstats) -> None:
+    """Line-level rules (C4's terminal punctuation) shred hard-wrapped text while keeping the
+    document, so nothing shows in removed.json: say it in the log."""
+    for flt, c in fstats.to_dict().items():
+        dropped_chars = sum(r["chars"] for r in c["reasons"].values())
+        kept_in = c["chars_in"] - dropped_chars
+        cut = c["chars_removed"] - dropped_chars
+        if kept_in > 0 and cut / kept_in > HEAVY_EDIT_FRACTION:
+            _log(f"{name}: WARNING {flt} line rules cut {cut / kept_in:.0%} of the characters of the documents it kept "
+                 f"({c['documents_modified']:,} edited; hard-wrapped text?); consider this source's filters without '{flt}'")
 
 
 def _removal_line(reasons: Counter, dedup_stats: dict | None) -> str:

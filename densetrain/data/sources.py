@@ -195,7 +195,15 @@ def _walk(directory: Path) -> list[Path]:
     its split folders.
     """
     groups: list[tuple[Path, list[Path]]] = []  # (sort key, files in their order)
+    seen_dirs: set[str] = set()
     for root, dirs, files in os.walk(directory, followlinks=True):
+        # Symlinked directories are followed once: a link back up the tree would walk forever.
+        real = os.path.realpath(root)
+        if real in seen_dirs:
+            print(f"[data] skipped {root}: symlink loop (already read as {real})", file=sys.stderr)
+            dirs[:] = []
+            continue
+        seen_dirs.add(real)
         ds_files = save_to_disk_files(Path(root))
         if ds_files is not None:
             groups.append((Path(root), ds_files))
@@ -204,7 +212,14 @@ def _walk(directory: Path) -> list[Path]:
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
         if "dataset_dict.json" in files:  # a DatasetDict: its split folders only, not the JSON file
             continue
-        groups.extend((Path(root) / f, [Path(root) / f]) for f in files if not f.startswith("."))
+        for f in files:
+            path = Path(root) / f
+            if f.startswith("."):
+                continue
+            if not path.exists():  # a dangling symlink: nothing to read, and not worth stopping for
+                print(f"[data] skipped {path}: broken symlink", file=sys.stderr)
+                continue
+            groups.append((path, [path]))
     return [f for _, fs in sorted(groups, key=lambda g: g[0]) for f in fs]
 
 
@@ -409,6 +424,8 @@ def _decode(data: bytes, name: str, first_line: int | None, skips: SkipLog) -> s
 
 
 def _jsonl_record(raw: bytes, name: str, lineno: int, text_field: str, skips: SkipLog) -> Document | None:
+    if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]  # a UTF-8 byte-order mark (Windows editors write one): not part of the record
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
