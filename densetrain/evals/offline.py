@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from densetrain.checkpoint import latest_checkpoint, load_checkpoint
@@ -30,7 +31,10 @@ def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0
     directory or a run directory, meaning its newest complete checkpoint), at the sequence length
     and RoPE base of the stage the checkpoint was saved in, plus downstream ``tasks`` (comma list or
     group, ``task:k`` for k shots; first ``limit`` examples each, 0 = all). Writes
-    ``<checkpoint>/eval.json`` and returns the same dict.
+    ``<checkpoint>/eval.json`` and returns the same dict. Tasks whose prompts were cut on the left to
+    fit the stage's ``seq_len`` (their shots partly or wholly lost) get a one-line warning, printed
+    to stderr and kept in the result's ``warnings`` list
+    (:func:`densetrain.evals.downstream.truncation_warnings`).
 
     Raises:
         FileNotFoundError: no complete checkpoint at ``path``.
@@ -52,11 +56,13 @@ def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0
                        _autocast(cfg, info.device), tok)
     result = {
         "checkpoint": str(path), "step": state["step"], "stage": st.name, "seq_len": st.seq_len,
-        "val": val_table(val, streams),
+        "val": val_table(val, streams), "warnings": [],
     }
     if tasks:
-        dm = run_downstream(model, tok, tasks, limit, st.seq_len, info.device, _autocast(cfg, info.device))
+        dm, result["warnings"] = run_downstream(model, tok, tasks, limit, st.seq_len, info.device, _autocast(cfg, info.device))
         result["downstream"] = {k[len("eval/"):]: v for k, v in dm.items()}
     if info.is_main:
+        for line in result["warnings"]:
+            print(line, file=sys.stderr, flush=True)
         atomic_write_json(path / "eval.json", result)
     return result
