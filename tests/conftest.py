@@ -55,3 +55,21 @@ def prepared(tmp_path_factory):
     shards = root / "shards"
     prepare(small_config(root, shards))
     return shards, lambda tmp, **ov: small_config(tmp, shards, **ov)
+
+
+def start_gloo_ranks(script_text: str, args: list[str], tmp: Path, world: int = 2) -> list:
+    """Start ``world`` processes running ``script_text`` as ranks of one torch.distributed job
+    (env:// rendezvous on a free local port, one thread each); returns the Popen objects."""
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp / "worker.py"
+    script.write_text(script_text)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": "1"}
+    return [subprocess.Popen([sys.executable, str(script), *args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+            for r in range(world)]

@@ -16,10 +16,6 @@ import gzip
 import importlib.util
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +29,8 @@ from densetrain.evals.downstream import (Request, build_requests, choice_metrics
 from densetrain.evals.tasks import (INSTALL_HINT, TASKS, Example, TaskDataError, load_examples, parse_spec,
                                     read_rows, resolve_tasks, result_name)
 from densetrain.model.llama import Transformer
+
+from conftest import start_gloo_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 LIGHT = ("hellaswag", "arc_challenge", "arc_easy", "piqa", "winogrande")
@@ -535,19 +533,8 @@ if dist.is_initialized():
 
 @needs_data
 def test_distributed_matches_single_process(bpe, tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "res"
-
-    def launch(rank, world, tag):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        return subprocess.Popen([sys.executable, str(script), str(ROOT), bpe.name, str(out) + tag], env=env)
-
-    procs = [launch(0, 2, "2"), launch(1, 2, "2")]
+    procs = start_gloo_ranks(_WORKER, [str(ROOT), bpe.name, str(out) + "2"], tmp_path)
     torch.manual_seed(0)  # meanwhile the same model and call in this single process
     model = Transformer(ModelConfig(vocab_size=bpe.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)).double()
     one = evaluate_tasks(model, bpe, ["winogrande", "arc_easy:2"], 13, "cpu", batch_size=4, seq_len_max=48)

