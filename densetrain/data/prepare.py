@@ -53,7 +53,7 @@ import numpy as np
 
 from densetrain.data.corpus import build_demo_corpus, demo_sources, fair_shares
 from densetrain.data.filters import clean_text
-from densetrain.data.process import CHUNK_BYTES, ProcessSpec, chunked, process_documents
+from densetrain.data.process import CHUNK_BYTES, ProcessSpec, chunked, process_documents, worker_pool
 from densetrain.data.shards import token_dtype, token_size_for, write_shard
 from densetrain.data.sources import DataError, SkipLog, display_path, iter_documents, resolve_paths
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
@@ -259,7 +259,7 @@ def _up_to_date(src_dir: Path, tok: Tokenizer, inputs: list, params: dict) -> di
     return prev if same and _shards_intact(src_dir, prev) else None
 
 
-def _read_and_process(i, src, files, spec: ProcessSpec, corpus_dir: Path, workers: int, skips: SkipLog,
+def _read_and_process(i, src, files, spec: ProcessSpec, corpus_dir: Path, pool, skips: SkipLog,
                       max_document_bytes: int, work_dir: Path):
     """Stream the source's documents through the worker map (resuming from ``work_dir``).
 
@@ -284,7 +284,7 @@ def _read_and_process(i, src, files, spec: ProcessSpec, corpus_dir: Path, worker
         _log(f"{src.name}: resuming after {resumed} finished chunks in {work_dir}")
     results = []
     with _progress(_estimated_bytes(files), f"{src.name}: clean/filter/dedup/tokenize") as bar:
-        for r in process_documents(spec, chunked(texts(), len, CHUNK_BYTES), workers, work_dir):
+        for r in process_documents(spec, chunked(texts(), len, CHUNK_BYTES), pool, work_dir):
             results.append(r)
             bar.update(r.bytes_in)
     return docs, results
@@ -331,7 +331,7 @@ def _provenance(docs, extra: list, extra_name: str = "tokens") -> dict:
 
 
 def _prepare_source(i, src, files, cfg, tok: Tokenizer, token_size: int, corpus_dir: Path, shards_dir: Path,
-                    force: bool, decontam: dict | None) -> dict:
+                    force: bool, decontam: dict | None, get_pool) -> dict:
     data = cfg.data
     src_dir = shards_dir / src.name
     manifest_path = src_dir / "manifest.json"
@@ -351,7 +351,7 @@ def _prepare_source(i, src, files, cfg, tok: Tokenizer, token_size: int, corpus_
     skips = SkipLog()
     key = hashlib.sha256(json.dumps([inputs, params, tok.sha256], sort_keys=True).encode()).hexdigest()[:16]
     work_dir = src_dir / ".work" / key
-    docs, results = _read_and_process(i, src, files, spec, corpus_dir, _workers(data), skips,
+    docs, results = _read_and_process(i, src, files, spec, corpus_dir, get_pool(), skips,
                                       data.max_document_bytes, work_dir)
     t_map = time.time() - t0
 
@@ -580,6 +580,9 @@ def prepare(cfg, force: bool = False) -> dict:
         'documents', 'dir'}, 'val': {...}, 'manifest': path}}, 'timings': {...}}``; the same
         (without status/timings) is written to ``shards_dir/manifest.json``.
 
+    Workers are spawned processes (``data.workers``): a script that calls this function must do so
+    under ``if __name__ == "__main__":``, as for any ``multiprocessing`` spawn.
+
     Raises:
         DataError: no sources, a missing input path, a tokenizer problem, or
             ``model.vocab_size`` smaller than the tokenizer's vocabulary.
@@ -606,15 +609,27 @@ def prepare(cfg, force: bool = False) -> dict:
     decontam = _decontam_index(cfg, shards_dir, timings)
     results = {}
     proc_bytes = proc_s = 0.0
-    for i, src in enumerate(sources):
-        if src.format == "datatrove":  # already tokenized: checked and registered, not re-tokenized
-            r = _register_datatrove_source(i, src, cfg, tok, corpus_dir, shards_dir, force)
-        else:
-            r = _prepare_source(i, src, inputs[src.name], cfg, tok, token_size, corpus_dir, shards_dir, force, decontam)
-        results[src.name] = r
-        if "timings" in r:
-            proc_s += r["timings"]["process_s"]
-            proc_bytes += r["manifest"]["stats"]["bytes_read"]
+    pool: list = []  # the worker pool, started by the first source that needs processing, shared by the rest
+
+    def get_pool():
+        if not pool:
+            pool.append(worker_pool(_workers(data)))
+        return pool[0]
+
+    try:
+        for i, src in enumerate(sources):
+            if src.format == "datatrove":  # already tokenized: checked and registered, not re-tokenized
+                r = _register_datatrove_source(i, src, cfg, tok, corpus_dir, shards_dir, force)
+            else:
+                r = _prepare_source(i, src, inputs[src.name], cfg, tok, token_size, corpus_dir, shards_dir, force,
+                                    decontam, get_pool)
+            results[src.name] = r
+            if "timings" in r:
+                proc_s += r["timings"]["process_s"]
+                proc_bytes += r["manifest"]["stats"]["bytes_read"]
+    finally:
+        if pool and pool[0] is not None:
+            pool[0].shutdown(cancel_futures=True)
 
     top_sources = {}
     for src in sources:

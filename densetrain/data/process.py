@@ -19,6 +19,7 @@ number of workers. With ``workers = 1`` everything runs in this process.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import multiprocessing
@@ -215,20 +216,36 @@ class DocumentProcessor:
         return res
 
 
-_WORKER: DocumentProcessor | None = None
+_PROCESSORS: dict[str, DocumentProcessor] = {}  # per worker process: one processor per source spec
 
 
-def _init_worker(spec: ProcessSpec) -> None:
-    global _WORKER
+def _spec_key(spec: ProcessSpec) -> str:
+    return json.dumps(dataclasses.asdict(spec), sort_keys=True, default=str)
+
+
+def _init_worker() -> None:
     # One process per core already: a tokenizer thread pool per worker would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
-    _WORKER = DocumentProcessor(spec)
 
 
-def _run_chunk(texts: list[str]) -> ChunkResult:
-    assert _WORKER is not None, "worker not initialised"
-    return _WORKER(texts)
+def _run_chunk(spec: ProcessSpec, texts: list[str]) -> ChunkResult:
+    key = _spec_key(spec)
+    if key not in _PROCESSORS:
+        _PROCESSORS.clear()  # the previous source is done (sources run one after another)
+        _PROCESSORS[key] = DocumentProcessor(spec)
+    return _PROCESSORS[key](texts)
+
+
+def worker_pool(workers: int) -> ProcessPoolExecutor | None:
+    """A pool of ``workers`` spawned processes for :func:`process_documents`, shared by every
+    source of a run (starting a worker costs ~0.5 CPU-s of imports); None when ``workers <= 1``."""
+    if workers <= 1:
+        return None
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_init_worker)
+    pool.workers = workers  # read by process_documents to bound the chunks in flight
+    return pool
 
 
 def chunked(items: Iterable, size_of, limit: int = CHUNK_BYTES) -> Iterator[list]:
@@ -244,7 +261,7 @@ def chunked(items: Iterable, size_of, limit: int = CHUNK_BYTES) -> Iterator[list
         yield chunk
 
 
-def process_documents(spec: ProcessSpec, chunks: Iterable[list[str]], workers: int,
+def process_documents(spec: ProcessSpec, chunks: Iterable[list[str]], pool: ProcessPoolExecutor | None,
                       work_dir: Path | None = None) -> Iterator[ChunkResult]:
     """Run :class:`DocumentProcessor` over ``chunks`` of texts, yielding results in input order.
 
@@ -252,7 +269,7 @@ def process_documents(spec: ProcessSpec, chunks: Iterable[list[str]], workers: i
         spec: the source's processing spec.
         chunks: lists of raw document texts (e.g. from :func:`chunked`); consumed lazily, at most
             ``2 * workers`` chunks in flight, so memory stays bounded on large sources.
-        workers: worker processes; 1 runs in this process.
+        pool: worker processes from :func:`worker_pool`; None runs everything in this process.
         work_dir: where finished chunks are kept (``NNNNNN.npz``), so that an interrupted run
             resumes after its last finished chunk instead of redoing the source. The caller
             names the directory after everything that determines the results (inputs, params,
@@ -277,24 +294,19 @@ def process_documents(spec: ProcessSpec, chunks: Iterable[list[str]], workers: i
             res.save(work_dir / f"{k:06d}.npz")
         return res
 
-    if workers <= 1:
-        proc = None
+    proc = DocumentProcessor(spec)  # in the pool's case: fail here, with the real error, not in a worker
+    if pool is None:
         for k, texts in enumerate(chunks):
             res = cached(k)
-            if res is None:
-                proc = proc or DocumentProcessor(spec)
-                res = keep(k, proc(texts))
-            yield res
+            yield res if res is not None else keep(k, proc(texts))
         return
-    DocumentProcessor(spec)  # fail fast here, with the real error, rather than inside a worker
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(spec,)) as pool:
-        pending: list = []  # (chunk index, finished result or future), in order
-        for k, texts in enumerate(chunks):
-            res = cached(k)
-            pending.append((k, res if res is not None else pool.submit(_run_chunk, texts)))
-            while pending and (isinstance(pending[0][1], ChunkResult) or len(pending) >= 2 * workers):
-                j, item = pending.pop(0)
-                yield item if isinstance(item, ChunkResult) else keep(j, item.result())
-        for j, item in pending:
+    in_flight = 2 * pool.workers
+    pending: list = []  # (chunk index, finished result or future), in order
+    for k, texts in enumerate(chunks):
+        res = cached(k)
+        pending.append((k, res if res is not None else pool.submit(_run_chunk, spec, texts)))
+        while pending and (isinstance(pending[0][1], ChunkResult) or len(pending) >= in_flight):
+            j, item = pending.pop(0)
             yield item if isinstance(item, ChunkResult) else keep(j, item.result())
+    for j, item in pending:
+        yield item if isinstance(item, ChunkResult) else keep(j, item.result())
