@@ -557,3 +557,15 @@ def test_bom_symlink_loop_and_broken_link(tmp_path, capsys):
     skips = SkipLog()
     assert [d.text for d in iter_documents(src, root, skips, files=files)] == ["first", "second"]
     assert skips.total == 0
+
+
+def test_repeated_document_ids_are_reported(tmp_path, capsys):
+    root = tmp_path / "c"
+    root.mkdir()
+    rows = [{"text": t, "id": "same"} for t in ("first document here", "second document there")]
+    (root / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg(tmp_path, root, [SourceConfig(name="s", kind="code", paths=["a.jsonl"])], tokenizer="tiktoken:cl100k_base",
+               vocab=100_352)
+    cfg.data.workers, cfg.data.decontam.enabled = 1, False
+    prepare(cfg)
+    assert "s: WARNING 1 document ids occur more than once (e.g. 'same')" in capsys.readouterr().out

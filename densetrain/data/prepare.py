@@ -354,6 +354,11 @@ def _prepare_source(i, src, files, cfg, tok: Tokenizer, token_size: int, corpus_
     docs, results = _read_and_process(i, src, files, spec, corpus_dir, get_pool(), skips,
                                       data.max_document_bytes, work_dir)
     t_map = time.time() - t0
+    ids = Counter(d.doc_id for d in docs)
+    repeated = [k for k, n in ids.items() if n > 1]
+    if repeated:  # provenance and duplicate reasons name documents by id: say when an id is ambiguous
+        _log(f"{src.name}: WARNING {len(repeated):,} document ids occur more than once (e.g. {repeated[0]!r}); "
+             "provenance by id is ambiguous for them (file and line still tell them apart)")
 
     # Gather the survivors of the map in document order.
     from densetrain.data.filters import FilterStats
