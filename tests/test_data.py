@@ -569,3 +569,18 @@ def test_repeated_document_ids_are_reported(tmp_path, capsys):
     cfg.data.workers, cfg.data.decontam.enabled = 1, False
     prepare(cfg)
     assert "s: WARNING 1 document ids occur more than once (e.g. 'same')" in capsys.readouterr().out
+
+
+def test_threshold_change_redoes_only_the_sources_using_that_filter(tmp_path, capsys):
+    root, sources = _resume_corpus(tmp_path)
+    (root / "prose").mkdir()
+    shutil.copy(STDLIB / "LICENSE.txt", root / "prose" / "LICENSE.txt")
+    sources.append(SourceConfig(name="prose", kind="web", paths=["prose"], format="text"))
+    cfg = _cfg(tmp_path, root, sources, tokenizer="tiktoken:cl100k_base", vocab=100_352)
+    cfg.data.workers, cfg.data.decontam.enabled = 1, False
+    prepare(cfg)
+    capsys.readouterr()
+    cfg.data.filters.c4.min_words_per_line = 4  # code runs no filters; the web source runs C4
+    prepare(cfg)
+    out = capsys.readouterr().out
+    assert "code: up to date" in out and "prose: up to date" not in out

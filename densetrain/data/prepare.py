@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from densetrain.data.corpus import build_demo_corpus, demo_sources, fair_shares
-from densetrain.data.filters import clean_text
+from densetrain.data.filters import clean_text, resolve_filter_names
 from densetrain.data.process import CHUNK_BYTES, ProcessSpec, chunked, process_documents, worker_pool
 from densetrain.data.shards import token_dtype, token_size_for, write_shard
 from densetrain.data.sources import DataError, SkipLog, display_path, iter_documents, resolve_paths
@@ -226,7 +226,7 @@ def _split(lens: np.ndarray, name: str, seed: int, val_fraction: float, max_val_
     return [k for k in perm if k not in vs], val, over
 
 
-def _source_params(src, cfg, token_size: int, decontam: dict | None) -> dict:
+def _source_params(src, cfg, token_size: int, decontam: dict | None, key: str) -> dict:
     """Everything that changes the output of a source besides its inputs and the tokenizer."""
     data = cfg.data
     return {
@@ -242,7 +242,9 @@ def _source_params(src, cfg, token_size: int, decontam: dict | None) -> dict:
         "max_document_bytes": data.max_document_bytes,
         "fix_text": src.fix_text,
         "filters": list(src.filters),
-        "filter_params": dataclasses.asdict(data.filters),
+        # Only the thresholds of the filters this source runs: tuning C4 must not redo the code source.
+        "filter_params": {n: dataclasses.asdict(getattr(data.filters, n.removesuffix("_lines")))
+                          for n in resolve_filter_names(src.filters, src.kind, f"{key}.filters")},
         "dedup": dataclasses.asdict(data.dedup) if src.dedup else None,
         "decontam": decontam,
     }
@@ -336,7 +338,7 @@ def _prepare_source(i, src, files, cfg, tok: Tokenizer, token_size: int, corpus_
     src_dir = shards_dir / src.name
     manifest_path = src_dir / "manifest.json"
     inputs = _fingerprint(files, corpus_dir)
-    params = _source_params(src, cfg, token_size, decontam)
+    params = _source_params(src, cfg, token_size, decontam, f"data.sources[{i}]")
     if not force and (prev := _up_to_date(src_dir, tok, inputs, params)) is not None:
         _log(f"{src.name}: up to date ({prev['splits']['train']['tokens']:,} train tokens)")
         return {"status": "up-to-date" if prev["stats"]["documents_kept"] else "empty", "manifest": prev}
