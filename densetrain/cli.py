@@ -89,7 +89,9 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     else:
         note = f"; no tokenizer files: load '{tok.name}' with tiktoken"
     out = export_hf(model, cfg.model, Path(args.out), max_position_embeddings=st.seq_len,
-                    extra_config={"eos_token_id": tok.eos_id}, extra_files=files)
+                    # No BOS token in our documents: like GPT-2, name the EOS (the document separator) as BOS
+                    # too, or transformers falls back to id 1 as the start of an unprompted generation.
+                    extra_config={"eos_token_id": tok.eos_id, "bos_token_id": tok.eos_id}, extra_files=files)
     print(f"exported {path} -> {out} (rope_theta {st.rope_theta:g}, max_position_embeddings {st.seq_len}){note}")
     return 0
 

@@ -652,6 +652,9 @@ def help_text() -> str:
             val = getattr(default, f.name)
             shown = json.dumps(val) if not dataclasses.is_dataclass(val) and not isinstance(val, list) else "[...]"
             lines.append(f"--{prefix}{f.name}={shown}\n      {docs.get(f.name, '')}")
+            (item,) = typing.get_args(tp) if typing.get_origin(tp) is list else (None,)
+            if dataclasses.is_dataclass(item):  # list of tables (sources, stages): document their keys
+                walk(item, f"{prefix}{f.name}.N.")
 
     walk(Config, "")
     return "\n".join(lines)

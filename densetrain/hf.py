@@ -253,7 +253,10 @@ def export_hf(
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name, content in (extra_files or {}).items():
         (tmp / name).write_bytes(content)
+    umask = os.umask(0)
+    os.umask(umask)
     for f in tmp.iterdir():
+        os.chmod(f, 0o666 & ~umask)  # safetensors writes 0600; an export is meant to be shared like any file
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     fsync_dir(tmp)

@@ -400,7 +400,8 @@ def test_fewshot_truncation_is_counted_and_reported(bpe):
     assert short["arc_challenge_3shot"]["bpb"] != full["arc_challenge_3shot"]["bpb"]  # the cut changed the score
     lines = truncation_warnings(short, 64)
     assert lines[0] == ("WARNING: arc_challenge_3shot: 5/5 prompts were cut from the left to fit the 64-token context; "
-                        "the earliest text (shots first, then the question) is missing")
+                        "the earliest text (shots first, then the question, then the start of an answer longer than the context) "
+                        "is missing")
     assert len(lines) == 1 + (expect > 0) and truncation_warnings(full, 4096) == []
     # GSM8K's 8-shot prompts, scored (gold bpb) and as generation prompts (kept: 64 - 4 new tokens)
     from densetrain.evals.generative import evaluate_generative
@@ -427,7 +428,8 @@ def test_eval_command_warns_about_cut_shots(prepared, tmp_path, capsys):
     capsys.readouterr()
     result = evaluate_checkpoint(cfg, tmp_path / "run", tasks="arc_challenge:3", limit=3)
     line = ("WARNING: arc_challenge_3shot: 3/3 prompts were cut from the left to fit the 32-token context; "
-            "the earliest text (shots first, then the question) is missing")
+            "the earliest text (shots first, then the question, then the start of an answer longer than the context) "
+            "is missing")
     assert capsys.readouterr().err.splitlines() == [line]
     assert result["warnings"] == [line] and result["downstream"]["arc_challenge_3shot/truncated"] == 3
     saved = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "eval.json").read_text())
@@ -546,3 +548,14 @@ def test_distributed_matches_single_process(bpe, tmp_path):
     assert one["arc_easy_2shot"]["truncated"] == two[0]["arc_easy_2shot"]["truncated"] == 13
     for t in one:
         assert two[0][t] == pytest.approx(one[t], abs=1e-9)
+
+
+def test_bpb_of_an_answer_longer_than_the_context_counts_only_the_scored_bytes(bpe):
+    """When even the continuation does not fit, its head is dropped: the per-byte normaliser must be
+    the bytes of the scored tokens, not of the whole answer (else bpb is understated)."""
+    answer = " def f(x):\n    return x + 1\n" * 20
+    full = encode_pair(bpe, "Question: q\nAnswer:", answer, seq_len_max=4096)
+    cut = encode_pair(bpe, "Question: q\nAnswer:", answer, seq_len_max=64)
+    assert full.n_bytes == len(answer.encode()) and full.n_truncated == 0
+    assert cut.n_scored == 64 and cut.n_truncated > 0
+    assert cut.n_bytes == len(bpe.decode(cut.tokens[cut.n_ctx:]).encode()) < full.n_bytes

@@ -229,6 +229,8 @@ def test_cli_export_to_transformers_and_import_back(prepared, tmp_path):
     assert hf_tok.decode(tok.encode(text)) == tok.decode(tok.encode(text)) == text
     # HF knows where documents end: the tokenizer's EOS and the model config agree with ours
     assert hf_tok.eos_token == tok.eos_token and hf_tok.eos_token_id == tok.eos_id == hf.config.eos_token_id
+    assert hf.config.bos_token_id == tok.eos_id
+    assert len({(f.stat().st_mode & 0o777) for f in out.iterdir()}) == 1  # weights as readable as the rest
 
     assert main(["import-hf", str(out), "--out", str(imported)]) == 0
     cfg2 = load_config(path=imported / "config.toml")

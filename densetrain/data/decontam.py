@@ -104,11 +104,19 @@ SHORT_MIN_WORDS = 8
 """Examples shorter than ``ngram`` but with at least this many words are indexed whole; shorter ones
 are skipped (GPT-3, Brown et al. 2020, App. C, used n >= 8 words: shorter n-grams collide spuriously)."""
 
+GAP_MIN_WORDS = 5
+"""Shortest question (in words) checked by the gap-tolerant ``nearby`` rule (module docstring)."""
+GAP_WINDOW = 150
+"""Words on either side of a short question in which its choices or gold answer are looked for."""
+GAP_MIN_GOLD_WORDS = 3
+"""Fewest words of a gold answer that, found near its whole question, flag a document on its own."""
+
 VIEWS = {
     "gold": "context + gold continuation",
     "question": "question alone",
     "choices": "question + choices",
     "lettered": "question + lettered choices",
+    "nearby": f"question, with its choices or gold answer within {GAP_WINDOW} words",
 }
 """The texts indexed per multiple-choice example (name: description), in indexing order; GSM8K and
 HumanEval problems have only ``gold``. Why each one, see the module docstring."""
@@ -321,6 +329,14 @@ class ContaminationIndex:
         short_prefix: (P,) uint64, sorted, hashes of the first min(8, ngram) words of those examples:
             a document is searched for them in one pass, then only their positions for the whole example.
         source_task, source_split: (T,) str, the (task, split) of each source.
+        gap_prefix: (Q,) uint64, sorted, distinct hashes of the first GAP_MIN_WORDS words of the
+            questions of the ``nearby`` rule (GAP_MIN_WORDS to ngram - 1 words).
+        gap_keys: (G,) uint64, sorted (repeats allowed), hash of each such whole question (a k-gram
+            of its word count); gap_source (G,) uint16, gap_example (G,) int32: its example.
+        gap_gold: (G,) int32, the gold choice's position among the entry's choices (-1: none usable).
+        gap_offsets: (G + 1,) int64, entry g's choices are gap_choice[gap_offsets[g]:gap_offsets[g+1]].
+        gap_choice: (C,) uint64, hash of each non-empty choice as one k-gram of its word count
+            (gap_choice_words, (C,) int32).
         stats: ``build_s``, ``distinct_ngrams`` and per ``task/split`` (``sources``): ``examples``,
             ``ngrams`` (hashes before removing repeats) and per view, the number of examples whose
             text is ``indexed`` (long enough for n-grams), indexed ``whole`` or ``skipped`` (under
@@ -339,6 +355,14 @@ class ContaminationIndex:
     short_prefix: np.ndarray
     source_task: np.ndarray
     source_split: np.ndarray
+    gap_prefix: np.ndarray
+    gap_keys: np.ndarray
+    gap_source: np.ndarray
+    gap_example: np.ndarray
+    gap_gold: np.ndarray
+    gap_offsets: np.ndarray
+    gap_choice: np.ndarray
+    gap_choice_words: np.ndarray
     stats: dict = field(default_factory=dict)
     path: Path | None = None
     sha256: str = ""
@@ -350,7 +374,7 @@ class ContaminationIndex:
         if not self.sha256:
             h = hashlib.sha256(f"ngram={self.ngram};".encode())
             for a in (self.keys, self.entry_source, self.entry_example, self.entry_view, self.short_lengths,
-                      self.short_prefix):
+                      self.short_prefix, *(getattr(self, n) for n in _GAP_ARRAYS)):
                 h.update(np.ascontiguousarray(a).tobytes())
             h.update(json.dumps([self.source_task.tolist(), self.source_split.tolist()]).encode())
             self.sha256 = h.hexdigest()
@@ -362,7 +386,7 @@ class ContaminationIndex:
     def nbytes(self) -> int:
         """Bytes held by the arrays (what a worker receives)."""
         return int(self.keys.nbytes + self.entry_source.nbytes + self.entry_example.nbytes + self.entry_view.nbytes
-                   + self.short_prefix.nbytes)
+                   + self.short_prefix.nbytes + sum(getattr(self, n).nbytes for n in _GAP_ARRAYS))
 
     # -- checking ---------------------------------------------------------------------------------
 
@@ -392,14 +416,26 @@ class ContaminationIndex:
         if not len(self.keys):
             return hits
         if self._filters is None:
-            self._filters = (_bitmap(self.keys), _bitmap(self.short_prefix))
+            self._filters = (_bitmap(self.keys), _bitmap(self.short_prefix), _bitmap(self.gap_prefix))
         words = _words(texts)
         short = set(self.short_lengths.tolist())
+        gap = set(np.unique(self.gap_choice_words[:0]).tolist())  # placeholder replaced below
+        gap = {int(k) for k in np.unique(self._gap_lengths())}
         p = min(SHORT_MIN_WORDS, self.ngram)
+        lengths = [self.ngram] + ([*short, p] if short else []) + ([*gap, GAP_MIN_WORDS] if gap else [])
         found = []  # (word positions, k, entries) of confirmed matches
-        cand = np.empty(0, dtype=np.int64)
-        for k, h in _iter_kgrams(words.hashes, [*short, p, self.ngram] if short else [self.ngram]):
+        near = []  # (word positions, k, first and end gap entry) of whole short questions, to verify
+        cand = gap_cand = np.empty(0, dtype=np.int64)
+        for k, h in _iter_kgrams(words.hashes, lengths):
             inside = words.room[: len(h)] >= k  # the k-gram lies inside one document
+            if k == GAP_MIN_WORDS and gap:
+                # Short questions are found through their first GAP_MIN_WORDS words, like short examples.
+                gap_cand, _ = _lookup(h, self.gap_prefix, self._filters[2], inside)
+            if k in gap:
+                at = gap_cand[words.room[gap_cand] >= k]
+                lo, hi = (np.searchsorted(self.gap_keys, h[at], side) for side in ("left", "right"))
+                ok = hi > lo
+                near.append((at[ok], k, lo[ok], hi[ok]))
             if k == self.ngram:
                 at, e = _lookup(h, self.keys, self._filters[0], inside)
             else:
@@ -412,11 +448,19 @@ class ContaminationIndex:
                 sub, e = _lookup(h[at], self.keys, self._filters[0])
                 at = at[sub]
             found.append((at, np.full(len(at), k), e))
-        if not found:
-            return hits
         at, ks, es = (np.concatenate(x) for x in zip(*found))
-        if not len(at):
-            return hits
+        if len(at):
+            self._report_ngram_hits(words, at, ks, es, hits)
+        self._report_nearby_hits(words, near, hits)
+        return hits
+
+    def _gap_lengths(self) -> np.ndarray:
+        """Word counts of the ``nearby`` questions, recovered from their entries (not stored twice)."""
+        if self._gap_len is None:
+            self._gap_len = np.unique(self.gap_length)
+        return self._gap_len
+
+    def _report_ngram_hits(self, words: "_Words", at: np.ndarray, ks: np.ndarray, es: np.ndarray, hits: list) -> None:
         docs = words.doc[at]
         example = (self.entry_source[es].astype(np.int64) << 32) | self.entry_example[es]
         # Report the example sharing the most matches with the document (a boilerplate n-gram that
@@ -432,7 +476,45 @@ class ContaminationIndex:
             src, ex = divmod(int(example[j]), 1 << 32)
             hits[int(docs[j])] = Hit(str(self.source_task[src]), str(self.source_split[src]), ex,
                                      words.text(int(at[j]), int(ks[j])), _VIEW_NAMES[self.entry_view[es[j]]])
-        return hits
+
+    def _report_nearby_hits(self, words: "_Words", near: list, hits: list) -> None:
+        """The ``nearby`` rule for documents without an n-gram hit: a whole short question at word
+        ``at`` (``k`` words) whose entry's choices all occur within GAP_WINDOW words of it (each as a
+        contiguous run, any order; 3 or more choices), or its gold answer of GAP_MIN_GOLD_WORDS or more
+        words. Whole-question matches are rare outside evaluation data, so this loop is short."""
+        for at, k, lo, hi in near:
+            for i, a, b in zip(at.tolist(), lo.tolist(), hi.tolist()):
+                d = int(words.doc[i])
+                if hits[d] is not None:
+                    continue
+                end = i + int(words.room[i])  # one past the document's last word
+                start = end - int(np.count_nonzero(words.doc[max(0, i - GAP_WINDOW) : i + 1] == d)) - (end - i) + 1
+                segments = (words.hashes[max(start, i - GAP_WINDOW) : i], words.hashes[i + k : min(end, i + k + GAP_WINDOW)])
+                g = self._nearby_entry(segments, a, b)
+                if g is not None:
+                    src = int(self.gap_source[g])
+                    hits[d] = Hit(str(self.source_task[src]), str(self.source_split[src]), int(self.gap_example[g]),
+                                  words.text(i, k), "nearby")
+
+    def _nearby_entry(self, segments: tuple, lo: int, hi: int) -> int | None:
+        """The first gap entry in lo..hi-1 whose choices (or gold answer) occur in ``segments`` (word
+        hash arrays around the question), else None."""
+        seen: dict[int, set] = {}  # k -> hashes of the k-grams of the segments, computed on demand
+
+        def occurs(h: int, n: int) -> bool:
+            if n not in seen:
+                seen[n] = {x for seg in segments for _, kg in _iter_kgrams(seg, [n]) for x in kg.tolist()}
+            return h in seen[n]
+
+        for g in range(lo, hi):
+            a, b = int(self.gap_offsets[g]), int(self.gap_offsets[g + 1])
+            choice, n = self.gap_choice[a:b].tolist(), self.gap_choice_words[a:b].tolist()
+            if len(choice) >= 3 and all(occurs(h, m) for h, m in zip(choice, n)):
+                return g
+            gold = int(self.gap_gold[g])
+            if gold >= 0 and occurs(choice[gold], n[gold]):
+                return g
+        return None
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -449,7 +531,8 @@ class ContaminationIndex:
         meta = {"ngram": self.ngram, "stats": self.stats, "key": self.key, "sha256": self.sha256}
         np.savez(buf, keys=self.keys, entry_source=self.entry_source, entry_example=self.entry_example,
                  entry_view=self.entry_view, short_lengths=self.short_lengths, short_prefix=self.short_prefix,
-                 source_task=self.source_task, source_split=self.source_split, meta=np.array(json.dumps(meta)))
+                 source_task=self.source_task, source_split=self.source_split,
+                 **{n: getattr(self, n) for n in _GAP_ARRAYS}, meta=np.array(json.dumps(meta)))
         atomic_write_bytes(Path(path), buf.getvalue())
         self.path = Path(path)
 
@@ -465,7 +548,7 @@ class ContaminationIndex:
             with np.load(path, allow_pickle=False) as z:
                 meta = json.loads(str(z["meta"]))
                 arrays = {k: z[k] for k in ("keys", "entry_source", "entry_example", "entry_view", "short_lengths",
-                                            "short_prefix", "source_task", "source_split")}
+                                            "short_prefix", "source_task", "source_split", *_GAP_ARRAYS)}
             return cls(ngram=int(meta["ngram"]), **arrays, stats=meta["stats"], path=path, sha256=meta["sha256"],
                        key=meta["key"])
         except FileNotFoundError:

@@ -286,8 +286,8 @@ def process_documents(spec: ProcessSpec, chunks: Iterable[list[str]], pool: Proc
             return None
         try:
             return ChunkResult.load(work_dir / f"{k:06d}.npz")
-        except (OSError, ValueError, KeyError):
-            return None  # a damaged leftover: recompute it
+        except Exception:  # noqa: BLE001 - any damage (cut zip, bad CRC, missing array): recompute it
+            return None
 
     def keep(k: int, res: ChunkResult) -> ChunkResult:
         if work_dir is not None:
@@ -307,6 +307,18 @@ def process_documents(spec: ProcessSpec, chunks: Iterable[list[str]], pool: Proc
         pending.append((k, res if res is not None else pool.submit(_run_chunk, spec, texts)))
         while pending and (isinstance(pending[0][1], ChunkResult) or len(pending) >= in_flight):
             j, item = pending.pop(0)
-            yield item if isinstance(item, ChunkResult) else keep(j, item.result())
+            yield item if isinstance(item, ChunkResult) else keep(j, _result(item))
     for j, item in pending:
-        yield item if isinstance(item, ChunkResult) else keep(j, item.result())
+        yield item if isinstance(item, ChunkResult) else keep(j, _result(item))
+
+
+def _result(future) -> ChunkResult:
+    from concurrent.futures.process import BrokenProcessPool
+
+    from densetrain.data.sources import DataError
+
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        raise DataError("a prepare worker process died (killed, e.g. out of memory); finished chunks are kept: "
+                        "re-run, with a smaller data.workers if memory is short") from None

@@ -114,9 +114,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _split(ctx_ids: list[int], whole: list[int], eos_id: int, seq_len_max: int) -> tuple[tuple[int, ...], int, int]:
-    """(tokens, n_ctx, tokens dropped on the left) from encode(context) and encode(context +
-    continuation) (see module doc)."""
+def _split(ctx_ids: list[int], whole: list[int], eos_id: int, seq_len_max: int) -> tuple[tuple[int, ...], int, int, bool]:
+    """(tokens, n_ctx, tokens dropped on the left, whether the continuation itself lost tokens) from
+    encode(context) and encode(context + continuation) (see module doc)."""
     if not whole:
         raise ValueError("context + continuation encodes to no tokens")
     n_ctx = min(_common_prefix(ctx_ids, whole), len(whole) - 1)
@@ -124,10 +124,11 @@ def _split(ctx_ids: list[int], whole: list[int], eos_id: int, seq_len_max: int) 
         whole = [eos_id, *whole]
         n_ctx = 1
     extra = max(len(whole) - 1 - seq_len_max, 0)
+    answer_cut = extra > n_ctx - 1  # the whole context went, and the head of the continuation too
     if extra:
         whole = whole[extra:]
         n_ctx = max(n_ctx - extra, 1)
-    return tuple(whole), n_ctx, extra
+    return tuple(whole), n_ctx, extra, answer_cut
 
 
 def encode_pair(tokenizer, context: str, continuation: str, seq_len_max: int = 2048) -> Request:
@@ -162,7 +163,9 @@ def build_requests(tokenizer, pairs: list[tuple[str, str]], seq_len_max: int = 2
     wholes = tokenizer.encode_batch([ctx + cont for ctx, cont in pairs])
     out = []
     for (ctx, cont), whole in zip(pairs, wholes):
-        tokens, n_ctx, cut = _split(ctx_ids[ctx], list(whole), tokenizer.eos_id, seq_len_max)
+        tokens, n_ctx, cut, answer_cut = _split(ctx_ids[ctx], list(whole), tokenizer.eos_id, seq_len_max)
+        if answer_cut:  # normalise by the text actually scored, or per-char/per-byte scores are understated
+            cont = tokenizer.decode(tokens[n_ctx:])
         out.append(Request(tokens, n_ctx, len(cont), len(cont.encode("utf-8")), cut))
     return out
 
@@ -327,12 +330,14 @@ def truncation_warnings(results: dict[str, dict], seq_len_max: int) -> list[str]
 
     Returns:
         e.g. ``'WARNING: arc_challenge_3shot: 118/120 prompts were cut from the left to fit the
-        64-token context; the earliest text (shots first, then the question) is missing'``, in the
+        64-token context; the earliest text (shots first, then the question, then the start of an answer
+        longer than the context) is missing'``, in the
         order of ``results``; empty when nothing was cut.
     """
     return [
         f"WARNING: {task}: {r['truncated']}/{r['n']} prompts were cut from the left to fit the {seq_len_max}-token "
-        "context; the earliest text (shots first, then the question) is missing"
+        "context; the earliest text (shots first, then the question, then the start of an answer longer than the "
+        "context) is missing"
         for task, r in results.items()
         if r.get("truncated", 0) > 0
     ]
