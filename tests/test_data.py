@@ -568,7 +568,25 @@ def test_repeated_document_ids_are_reported(tmp_path, capsys):
                vocab=100_352)
     cfg.data.workers, cfg.data.decontam.enabled = 1, False
     prepare(cfg)
-    assert "s: WARNING 1 document ids occur more than once (e.g. 'same')" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "s: WARNING 1 document ids occur more than once (e.g. 'same')" in out
+    assert "WARNING" not in out.replace("WARNING 1 document ids", "")
+
+
+def test_a_mostly_duplicated_source_is_called_out(tmp_path, capsys):
+    """The post-mortem failure: a corpus fed many times over. Dedup removes it and the log says so."""
+    root = tmp_path / "c"
+    root.mkdir()
+    texts = [f.read_text() for f in _stdlib_files(60_000)]
+    rows = [{"text": t, "id": f"{k}-{i}"} for k in range(3) for i, t in enumerate(texts)]  # every file 3 times
+    (root / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg(tmp_path, root, [SourceConfig(name="s", kind="code", paths=["a.jsonl"])], tokenizer="tiktoken:cl100k_base",
+               vocab=100_352)
+    cfg.data.workers, cfg.data.decontam.enabled = 1, False
+    prepare(cfg)
+    assert "s: WARNING 67% of the documents were duplicates" in capsys.readouterr().out
+    m = json.loads((Path(cfg.data.shards_dir) / "s" / "manifest.json").read_text())
+    assert m["stats"]["documents_kept"] == len(texts) and m["stats"]["removed"] == {"duplicate:exact": 2 * len(texts)}
 
 
 def test_threshold_change_redoes_only_the_sources_using_that_filter(tmp_path, capsys):

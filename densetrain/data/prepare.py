@@ -391,6 +391,9 @@ def _prepare_source(i, src, files, cfg, tok: Tokenizer, token_size: int, corpus_
                              spec.dedup)
         dedup_stats = {**dd.stats, "bytes_removed": int(np.array(nbytes, dtype=np.int64)[~dd.keep].sum())}
         _log(f"{src.name}: {dd.summary()}")
+        if dd.stats["duplicate_rate"] > HIGH_DUPLICATE_RATE:
+            _log(f"{src.name}: WARNING {dd.stats['duplicate_rate']:.0%} of the documents were duplicates: check the "
+                 "source (repeated crawls or files?); they are removed, but the source is smaller than it looks")
         for j in np.flatnonzero(~dd.keep):
             kind = "exact" if dd.reason[j] == 1 else "near"
             dropped.append((kept_idx[j], f"duplicate:{kind}:{docs[kept_idx[int(dd.cluster[j])]].doc_id}"))
@@ -459,6 +462,9 @@ def _prepare_source(i, src, files, cfg, tok: Tokenizer, token_size: int, corpus_
             "timings": {"process_s": round(t_map, 2), "total_s": round(dt, 2), "process_MBps": round(mbps, 2)}}
 
 
+HIGH_DUPLICATE_RATE = 0.3
+"""Warn when dedup removes more than this fraction of a source (the recipe's post-mortem 7.1: a
+duplicated corpus raised the loss; a high rate usually means an upstream bug, not real web text)."""
 HEAVY_EDIT_FRACTION = 0.2
 """Warn when a filter's line rules cut more than this fraction of the characters it saw in kept documents."""
 
