@@ -121,6 +121,8 @@ VIEWS = {
 """The texts indexed per multiple-choice example (name: description), in indexing order; GSM8K and
 HumanEval problems have only ``gold``. Why each one, see the module docstring."""
 _VIEW_NAMES = tuple(VIEWS)
+_GAP_ARRAYS = ("gap_lengths", "gap_prefix", "gap_keys", "gap_source", "gap_example", "gap_gold", "gap_offsets",
+               "gap_choice", "gap_choice_words")  # the ContaminationIndex arrays of the nearby rule
 
 _NON_ASCII = re.compile(r"[^\x00-\x7f]+")
 # Byte map applied last: A-Z -> a-z, other ASCII non-alphanumerics -> space, UTF-8 bytes of the
@@ -329,6 +331,7 @@ class ContaminationIndex:
         short_prefix: (P,) uint64, sorted, hashes of the first min(8, ngram) words of those examples:
             a document is searched for them in one pass, then only their positions for the whole example.
         source_task, source_split: (T,) str, the (task, split) of each source.
+        gap_lengths: (L,) int32, ascending, the word counts of the questions of the ``nearby`` rule.
         gap_prefix: (Q,) uint64, sorted, distinct hashes of the first GAP_MIN_WORDS words of the
             questions of the ``nearby`` rule (GAP_MIN_WORDS to ngram - 1 words).
         gap_keys: (G,) uint64, sorted (repeats allowed), hash of each such whole question (a k-gram
@@ -355,6 +358,7 @@ class ContaminationIndex:
     short_prefix: np.ndarray
     source_task: np.ndarray
     source_split: np.ndarray
+    gap_lengths: np.ndarray
     gap_prefix: np.ndarray
     gap_keys: np.ndarray
     gap_source: np.ndarray
@@ -419,8 +423,7 @@ class ContaminationIndex:
             self._filters = (_bitmap(self.keys), _bitmap(self.short_prefix), _bitmap(self.gap_prefix))
         words = _words(texts)
         short = set(self.short_lengths.tolist())
-        gap = set(np.unique(self.gap_choice_words[:0]).tolist())  # placeholder replaced below
-        gap = {int(k) for k in np.unique(self._gap_lengths())}
+        gap = set(self.gap_lengths.tolist())
         p = min(SHORT_MIN_WORDS, self.ngram)
         lengths = [self.ngram] + ([*short, p] if short else []) + ([*gap, GAP_MIN_WORDS] if gap else [])
         found = []  # (word positions, k, entries) of confirmed matches
@@ -454,12 +457,6 @@ class ContaminationIndex:
         self._report_nearby_hits(words, near, hits)
         return hits
 
-    def _gap_lengths(self) -> np.ndarray:
-        """Word counts of the ``nearby`` questions, recovered from their entries (not stored twice)."""
-        if self._gap_len is None:
-            self._gap_len = np.unique(self.gap_length)
-        return self._gap_len
-
     def _report_ngram_hits(self, words: "_Words", at: np.ndarray, ks: np.ndarray, es: np.ndarray, hits: list) -> None:
         docs = words.doc[at]
         example = (self.entry_source[es].astype(np.int64) << 32) | self.entry_example[es]
@@ -488,7 +485,7 @@ class ContaminationIndex:
                 if hits[d] is not None:
                     continue
                 end = i + int(words.room[i])  # one past the document's last word
-                start = end - int(np.count_nonzero(words.doc[max(0, i - GAP_WINDOW) : i + 1] == d)) - (end - i) + 1
+                start = int(np.searchsorted(words.doc, d))  # the document's first word
                 segments = (words.hashes[max(start, i - GAP_WINDOW) : i], words.hashes[i + k : min(end, i + k + GAP_WINDOW)])
                 g = self._nearby_entry(segments, a, b)
                 if g is not None:
@@ -634,9 +631,9 @@ EVAL_SPLITS = ("validation", "test", "dev")
 a benchmark's training split is allowed)."""
 
 
-def _split_sources(name: str) -> list[tuple[str, dict[str, list[str]]]]:
-    """[(split, {view: one text per example})] of one task: for a multiple-choice task its
-    :data:`VIEWS`, the scored split first (``load_examples`` order), then the other
+def _split_sources(name: str) -> list[tuple[str, dict[str, list[str]], list[tuple[tuple[str, ...], int]] | None]]:
+    """[(split, {view: one text per example}, [(choices, gold label)] or None)] of one task: for a
+    multiple-choice task its :data:`VIEWS` but ``nearby`` and each example's choices, the scored split first (``load_examples`` order), then the other
     :data:`EVAL_SPLITS` shipped next to all of its folders (rows in folder order); for GSM8K /
     HumanEval the ``gold`` view of their test problems (file order).
 
@@ -650,25 +647,27 @@ def _split_sources(name: str) -> list[tuple[str, dict[str, list[str]]]]:
     if name not in TASKS:  # resolve_tasks vetted it: a densetrain.evals.generative task
         from densetrain.evals.generative import GEN_TASKS
 
-        return [("test", {"gold": [problem_text(p, template) for p in GEN_TASKS[name].load()]})]
+        return [("test", {"gold": [problem_text(p, template) for p in GEN_TASKS[name].load()]}, None)]
     twin = name.removesuffix("_mc")
     if twin in TASKS and (TASKS[twin].folders, TASKS[twin].interleave) == (TASKS[name].folders, TASKS[name].interleave):
         name = twin
     task = TASKS[name]
 
-    def views(examples) -> dict[str, list[str]]:
+    def views(examples) -> tuple[dict[str, list[str]], list[tuple[tuple[str, ...], int]]]:
+        examples = list(examples)
         per_example = [example_views(ex, template) for ex in examples]
-        return {v: [d[v] for d in per_example] for v in VIEWS}
+        items = [(question_and_choices(ex, template)[1], ex.label) for ex in examples]
+        return {v: [d[v] for d in per_example] for v in per_example[0]}, items
 
     scored = Path(task.folders[0]).name
-    out = [(scored, views(load_examples(name)))]
+    out = [(scored, *views(load_examples(name)))]
     root = data_root()
     for split in EVAL_SPLITS:
         if split == scored:
             continue
         folders = [str(Path(f).parent / split) for f in task.folders]
         if all((root / f).is_dir() for f in folders):
-            out.append((split, views(task.make(r) for f in folders for r in read_rows(f))))
+            out.append((split, *views(task.make(r) for f in folders for r in read_rows(f))))
     return out
 
 
@@ -788,9 +787,9 @@ def _build(names: list[str], ngram: int) -> ContaminationIndex:
     t0 = time.perf_counter()
     view_ids = {v: i for i, v in enumerate(VIEWS)}
     hashes, src_ids, ex_ids, view_of, prefixes, short_lengths = [], [], [], [], [], set()
-    source_task, source_split, stats = [], [], {}
+    source_task, source_split, stats, gaps = [], [], {}, []
     for name in names:
-        for split, views in _split_sources(name):
+        for split, views, items in _split_sources(name):
             s = len(source_task)
             source_task.append(name)
             source_split.append(split)
@@ -809,6 +808,11 @@ def _build(names: list[str], ngram: int) -> ContaminationIndex:
                 short_lengths |= r["whole"]
                 st[view] = r["counts"]
                 st["ngrams"] += len(r["hashes"])
+            if items is not None:
+                g = _gap_entries(views["question"], items, ngram)
+                g["gap_source"] = np.full(len(g["gap_keys"]), s, dtype=np.uint16)
+                st["nearby"] = len(g["gap_keys"])
+                gaps.append(g)
     all_h = np.concatenate(hashes) if hashes else np.empty(0, dtype=np.uint64)
     # np.unique's return_index is the first occurrence: the earliest (task, split, view, example) wins.
     keys, first = np.unique(all_h, return_index=True)
@@ -823,5 +827,84 @@ def _build(names: list[str], ngram: int) -> ContaminationIndex:
         short_prefix=np.unique(np.concatenate(prefixes)) if prefixes else np.empty(0, dtype=np.uint64),
         source_task=np.array(source_task, dtype=str),
         source_split=np.array(source_split, dtype=str),
+        **_merge_gap_entries(gaps),
         stats={"build_s": round(time.perf_counter() - t0, 2), "distinct_ngrams": int(len(keys)), "sources": stats},
     )
+
+
+def _whole_hashes(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(N,) uint64 hash of each text as one k-gram of its own word count k (0 for an empty text),
+    equal to the k-gram hash of the same words in a document, and (N,) int64 word counts."""
+    words = _words(texts)
+    n = np.bincount(words.doc, minlength=len(texts))
+    first = np.searchsorted(words.doc, np.arange(len(texts)))
+    out = np.zeros(len(texts), dtype=np.uint64)
+    for k, h in _iter_kgrams(words.hashes, set(n[n > 0].tolist())):
+        sel = np.flatnonzero(n == k)
+        out[sel] = h[first[sel]]
+    return out, n
+
+
+def _gap_entries(questions: list[str], items: list[tuple[tuple[str, ...], int]], ngram: int) -> dict:
+    """The ``nearby`` entries of one source, in example order: the examples whose question has
+    GAP_MIN_WORDS to ngram - 1 words and that the rule can flag (3 or more non-empty choices, or a
+    gold answer of GAP_MIN_GOLD_WORDS or more words). Arrays as in :class:`ContaminationIndex`
+    (``gap_prefix`` unsorted, ``gap_offsets`` starting at 0)."""
+    q_hash, q_words = _whole_hashes(questions)
+    flat = [c for choices, _ in items for c in choices]
+    c_hash, c_words = _whole_hashes(flat)
+    c_start = np.cumsum([0] + [len(choices) for choices, _ in items])
+    keep, gold, offsets, choice, choice_words = [], [], [0], [], []
+    for i, (choices, label) in enumerate(items):
+        if not GAP_MIN_WORDS <= q_words[i] < ngram:
+            continue
+        a, b = c_start[i], c_start[i + 1]
+        nonempty = np.flatnonzero(c_words[a:b] > 0)
+        g = int(np.searchsorted(nonempty, label)) if label in nonempty else -1
+        if g >= 0 and c_words[a + label] < GAP_MIN_GOLD_WORDS:
+            g = -1
+        if len(nonempty) < 3 and g < 0:
+            continue
+        keep.append(i)
+        gold.append(g)
+        choice.append(c_hash[a + nonempty])
+        choice_words.append(c_words[a + nonempty])
+        offsets.append(offsets[-1] + len(nonempty))
+    keep = np.array(keep, dtype=np.int64)
+    prefix, _ = _whole_hashes([" ".join(normalize_words(questions[i])[:GAP_MIN_WORDS]) for i in keep.tolist()])
+    return {
+        "gap_lengths": np.unique(q_words[keep]).astype(np.int32),
+        "gap_prefix": prefix,
+        "gap_keys": q_hash[keep],
+        "gap_example": keep.astype(np.int32),
+        "gap_gold": np.array(gold, dtype=np.int32),
+        "gap_offsets": np.array(offsets, dtype=np.int64),
+        "gap_choice": np.concatenate(choice) if choice else np.empty(0, dtype=np.uint64),
+        "gap_choice_words": (np.concatenate(choice_words) if choice_words else np.empty(0, dtype=np.int64)).astype(np.int32),
+    }
+
+
+def _merge_gap_entries(parts: list[dict]) -> dict:
+    """The ``nearby`` arrays of all sources, entries sorted by question hash (stably: for equal
+    questions the earliest source and example is verified first)."""
+    cat = lambda name, dtype: np.concatenate([p[name] for p in parts]) if parts else np.empty(0, dtype=dtype)
+    keys = cat("gap_keys", np.uint64)
+    order = np.argsort(keys, kind="stable")
+    # per-entry choice runs, re-laid out in the sorted entry order
+    starts = np.concatenate([p["gap_offsets"][:-1] + base for p, base in
+                             zip(parts, np.cumsum([0] + [p["gap_offsets"][-1] for p in parts])[:-1])]) if parts else np.empty(0, np.int64)
+    sizes = np.concatenate([np.diff(p["gap_offsets"]) for p in parts]) if parts else np.empty(0, np.int64)
+    sizes, starts = sizes[order], starts[order]
+    offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    take = np.repeat(starts - offsets[:-1], sizes) + np.arange(offsets[-1])
+    return {
+        "gap_lengths": np.unique(cat("gap_lengths", np.int32)).astype(np.int32),
+        "gap_prefix": np.unique(cat("gap_prefix", np.uint64)),
+        "gap_keys": keys[order],
+        "gap_source": cat("gap_source", np.uint16)[order],
+        "gap_example": cat("gap_example", np.int32)[order],
+        "gap_gold": cat("gap_gold", np.int32)[order],
+        "gap_offsets": offsets,
+        "gap_choice": cat("gap_choice", np.uint64)[take],
+        "gap_choice_words": cat("gap_choice_words", np.int32)[take],
+    }
