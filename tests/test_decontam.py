@@ -23,7 +23,8 @@ import pytest
 from pydoc_data.topics import topics
 
 from densetrain.config import ConfigError, load_config
-from densetrain.data.decontam import ContaminationIndex, build_index, normalize_words, question_and_choices
+from densetrain.data.decontam import (GAP_MIN_GOLD_WORDS, GAP_MIN_WORDS, ContaminationIndex, build_index, normalize_words,
+                                      question_and_choices)
 from densetrain.data.sources import DataError
 from densetrain.evals.tasks import TASKS, load_examples, oe_eval_tasks_root, read_rows
 
@@ -171,6 +172,64 @@ def test_short_question_alone_is_not_indexed_but_with_its_choices_it_is(index):
     assert 4000 < st["lettered"]["indexed"] + st["lettered"]["whole"] <= 4104
 
 
+LAYOUTS = {  # the reviewer's layouts: extra words between a short question and its choices
+    "json": lambda r: json.dumps(r["row"]),
+    "numbered": lambda r: r["question"] + "\n" + "".join(f"{i + 1}. {c}\n" for i, c in enumerate(r["choices"]))
+    + f"Answer: {r['answer'] + 1}",
+    "choices_line": lambda r: lettered(r["question"] + "\nChoices:", r["choices"]),
+    "answer_gold": lambda r: r["question"] + "\nAnswer:\n" + r["choices"][r["answer"]],
+}
+
+
+def short_rows(task: str) -> list[tuple[int, dict]]:
+    """(example index, row as {question, choices, answer, row}) of the rows with 4-12-word questions:
+    MMLU test (world_religions), ARC validation (the split scored, so the row is the example)."""
+    if task == "mmlu":
+        rows = [(j, {"question": r["question"], "choices": r["choices"], "answer": r["answer"], "row": r})
+                for j, r in enumerate(mmlu_test_rows()) if r["subject"] == "world_religions"]
+    else:
+        rows = [(j, {"question": r["question"], "choices": r["choices"]["text"],
+                     "answer": r["choices"]["label"].index(r["answerKey"]), "row": r})
+                for j, r in enumerate(read_rows(TASKS[task].folders[0]))]
+    return [(j, r) for j, r in rows if GAP_MIN_WORDS <= len(normalize_words(r["question"])) < 13]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("task", ["mmlu", "arc_easy", "arc_challenge"])
+def test_short_questions_with_their_choices_or_answer_further_on_are_flagged(index, task, layout):
+    # Before the nearby rule: JSON rows 42/300 (MMLU) and 1/193 (ARC-Easy), numbered choices 43/300, ...
+    rows = short_rows(task)
+    if layout == "answer_gold":  # only a gold answer long enough to be evidence
+        rows = [(j, r) for j, r in rows if len(normalize_words(r["choices"][r["answer"]])) >= GAP_MIN_GOLD_WORDS]
+    rows = rows[:60]
+    assert len(rows) >= 25
+    hits = index.contaminated([plant(LAYOUTS[layout](r)) for _, r in rows])
+    # all but 2 (json.dumps writes "5–7 a.m." as "5\\u20137 a.m.", which no longer matches the choice);
+    # a question asked twice (MMLU repeats a few) may name its twin
+    assert sum(h is not None and (h.task, h.example) == (task, j) for (j, _), h in zip(rows, hits)) >= len(rows) - 2
+    assert all(h is None or h.task == task for h in hits)
+    assert Counter(h.view for h in hits if h)["nearby"] >= len(rows) // 2
+
+
+def test_short_question_needs_its_own_choices_or_answer_nearby(index):
+    rows = short_rows("mmlu")
+    j, r = next((j, r) for j, r in rows if "What can murtis be translated as?" in r["question"])
+    hit = index.find(plant(json.dumps(r["row"])))
+    assert (hit.task, hit.split, hit.example, hit.view, hit.ngram) == ("mmlu", "test", j, "nearby",
+                                                                      "what can murtis be translated as")
+    assert hit.reason.endswith("(question, with its choices or gold answer within 150 words)")
+    # the question alone, with another item's choices, or with all but one of its choices: not flagged
+    other = next(o for i, o in rows if i != j)["choices"]
+    docs = [plant(r["question"]), plant(r["question"] + "\n" + "\n".join(f"{i}. {c}" for i, c in enumerate(other))),
+            plant(r["question"] + " subject choices " + " ".join(r["choices"][:3]))]
+    assert index.contaminated(docs) == [None] * 3
+    # choices farther than 150 words from the question do not count (146 words + 4 choices: all within)
+    filler = " ".join(normalize_words(topics["class"])[:150])
+    assert len(filler.split()) == 150
+    assert index.find(plant(r["question"] + "\n" + filler + "\n" + "\n".join(r["choices"]))) is None
+    assert index.find(plant(r["question"] + "\n" + " ".join(filler.split()[:146]) + "\n" + "\n".join(r["choices"]))).view == "nearby"
+
+
 def test_raw_winogrande_rows_are_flagged(index):
     # Raw rows (sentence with its "_", option1, option2, answer) share no n-gram across the blank with
     # the filled-in sentence the model is scored on: the raw sentence is indexed as well.
@@ -229,6 +288,7 @@ def test_stock_choice_sets_alone_match_nothing(index):
     stock = sorted({tuple(r["choices"]) for r in rows if all(count[c] >= 10 for c in r["choices"])})
     assert len(stock) > 150 and ("True, True", "False, False", "True, False", "False, True") in stock
     docs = [plant(lettered("", ch)) for ch in stock] + [plant("\n".join(ch)) for ch in stock]
+    docs += [plant("Choices:\n" + "".join(f"{i + 1}. {c}\n" for i, c in enumerate(ch))) for ch in stock]
     assert index.contaminated(docs) == [None] * len(docs)
 
 
