@@ -73,3 +73,14 @@ def start_gloo_ranks(script_text: str, args: list[str], tmp: Path, world: int = 
            "OMP_NUM_THREADS": "1"}
     return [subprocess.Popen([sys.executable, str(script), *args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
             for r in range(world)]
+
+
+def crosscheck_module():
+    """``benchmarks/eval_crosscheck.py`` imported as a module (the olmo_eval reference and its helpers)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "eval_crosscheck.py"
+    spec = importlib.util.spec_from_file_location("eval_crosscheck", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

