@@ -9,6 +9,7 @@ over micro-batches (:func:`forward_backward`) -> clip -> update -> metrics -> ev
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import time
@@ -227,6 +228,19 @@ def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
     return streams
 
 
+def data_fingerprint(streams: dict[str, TokenFiles]) -> dict[str, str]:
+    """Per source, a short hash of its train shard files (names, sizes, modification times): saved in
+    checkpoints so that a resume notices shards rewritten underneath the sampler's positions."""
+    out = {}
+    for name, stream in streams.items():
+        h = hashlib.sha256()
+        for f in stream.files:
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+        out[name] = h.hexdigest()[:16]
+    return out
+
+
 def _check_tokenizer_identity(cfg: Config, manifest: Path, tok: dict) -> None:
     """The tokenizer ``data.tokenizer`` names must be the one the shards were made with (same sha256).
 
@@ -336,8 +350,13 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.toml")
     log = MetricsLogger(run_dir, info.rank, cfg.logging.tensorboard, resume_step=step if resume else None)
+    data_id = data_fingerprint(train_streams)
     if ckpt is not None:
         log.event(step, f"resumed from {ckpt} (step {step}, {tokens_seen} tokens)")
+        changed = sorted(k for k, v in state.get("data", {}).items() if data_id.get(k) != v)
+        if changed:  # the sampler's positions now point into other documents: never let that pass unseen
+            log.event(step, f"WARNING: the training shards of {changed} changed since {ckpt.name} (re-prepared?); "
+                            "the run continues at the saved positions, which now index different text")
     autocast = _autocast(cfg, info.device)
     from densetrain.data.tokenizer import load_tokenizer
 
@@ -461,6 +480,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         elif (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last:
             t_ck = time.perf_counter()
             trainer_state = {"step": step, "tokens": tokens_seen, "stage": st.name, "skipped_steps": skipped,
+                             "data": data_id,
                              "sampler": sampler.state_dict(), "world_size": info.world_size}
             path = save_checkpoint(run_dir, step, model, optimizer, trainer_state, cfg.checkpoint.keep)
             log.event(step, f"checkpoint {path.name} ({time.perf_counter() - t_ck:.2f}s)")

@@ -183,3 +183,22 @@ def test_resume_without_any_checkpoint_starts_over(prepared, tmp_path):
     train(cfg, resume=True)
     recs = _train_records(tmp_path / "run")
     assert [r["step"] for r in recs] == [1, 2, 3] and recs[0]["loss"] != 9.9
+
+
+def test_resume_warns_when_training_shards_changed(tmp_path):
+    """Shards rewritten between a checkpoint and its resume (a re-prepare) move the text under the
+    sampler's saved positions: the resume must say so."""
+    import os
+
+    from conftest import small_config
+    from densetrain.data.prepare import prepare
+
+    cfg = small_config(tmp_path, tmp_path / "shards", **{"checkpoint.every": 2})
+    prepare(cfg)
+    train(cfg, stop_after=2)
+    train(cfg, resume=True, stop_after=3)  # same shards: no warning
+    shard = next((tmp_path / "shards" / "json" / "train").glob("*.ds"))
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    train(cfg, resume=True, stop_after=4)
+    warnings = [r["text"] for r in read_metrics(tmp_path / "run") if "shards of" in r.get("text", "")]
+    assert len(warnings) == 1 and "['json']" in warnings[0]
