@@ -303,15 +303,12 @@ def test_config_defaults_and_source_switch():
 def test_chinese_near_duplicates_use_character_shingles():
     """Chinese has no spaces: each ideograph is a word, so a paragraph with two characters changed
     is a near duplicate (whitespace words would make each sentence one word and miss it)."""
-    from densetrain.config import DedupConfig
-    from densetrain.data.dedup import find_duplicates, fingerprints, words
-
     a = ("在Debian这种规模的项目中，很难避免遇到与你意见不和，或者难以合作的人。请接受这一事实，并保持礼貌。"
          "意见不一致并不是糟糕举止或者人身攻击的借口，而且让人感觉受到威胁显然不是健康的社区氛围。"
          "我们之中的许多贡献者都在为自由操作系统的共同目标而努力，请始终假设其他人也是如此。")
     b = a.replace("礼貌", "礼节").replace("健康", "良好")
-    assert words("中文abc 文本")[:2] == ["中", "文"] and "abc" in words("中文abc 文本")
+    assert dedup.words("中文abc 文本")[:2] == ["中", "文"] and "abc" in dedup.words("中文abc 文本")
     cfg = DedupConfig()
-    keys, sigs = fingerprints([a, b, "完全不同的另一段文字，讲的是天气和季节的变化，春天来了，花开了，鸟儿在歌唱。"], cfg)
-    res = find_duplicates(keys, sigs, cfg)
+    keys, sigs = dedup.fingerprints([a, b, "完全不同的另一段文字，讲的是天气和季节的变化，春天来了，花开了，鸟儿在歌唱。"], cfg)
+    res = dedup.find_duplicates(keys, sigs, cfg)
     assert res.keep.tolist() == [True, False, True] and res.reason[1] == 2  # a near, not exact, duplicate

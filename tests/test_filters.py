@@ -318,7 +318,7 @@ def test_fineweb_rules():
     assert fw(min_line_punct_ratio=6 / 13).apply(marks) == (marks, None)
     assert fw(min_line_punct_ratio=7 / 13).apply(marks) == (None, "fineweb:line_punct_ratio")
     # 7 of 10 lines have <= 30 characters: 0.7 > 0.67
-    short = "\n".join(["Fish for sale today." for _ in range(1)] + [f"Item {w} is cheap." for w in tokens(6)]
+    short = "\n".join(["Fish for sale today."] + [f"Item {w} is cheap." for w in tokens(6)]
                       + [line + "." for line in LONG_LINES[:3]])
     assert fw().apply(short) == (None, "fineweb:short_line_ratio")
     assert fw(max_short_line_ratio=0.7).apply(short) == (short, None)

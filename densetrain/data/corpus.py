@@ -785,13 +785,12 @@ def _refuse_foreign_files(corpus_dir: Path, names: list[str], prev: dict | None)
     """
     from densetrain.data.sources import DataError
 
+    known = None if prev is None else prev.get("files")  # a marker without "files": an older builder's
     for n in names:
         path = corpus_dir / f"{n}.jsonl"
         if not path.exists():
             continue
-        known = (prev or {}).get("files")
-        ours = prev is not None and (known is None or known.get(n) == _file_stamp(path))  # no "files": an older marker
-        if not ours:
+        if prev is None or (known is not None and known.get(n) != _file_stamp(path)):
             raise DataError(f"{path}: exists and was not written by the demo corpus builder; data.demo_corpus = true "
                             "(the tiny preset's default) would overwrite it: set --data.demo_corpus=false or use another "
                             "data.corpus_dir")

@@ -191,6 +191,8 @@ class _Words:
         hashes: (W,) uint64, a 64-bit hash per word (equal words, equal hashes; any batch).
         room: (W,) int64, words from each word to the end of its document, itself included.
         doc: (W,) int64, the document of each word.
+        first: (D + 1,) int64, the first word of each document (of the next one when it has none),
+            then W: document d holds words first[d] .. first[d + 1] - 1.
     """
 
     buf: bytes
@@ -199,6 +201,7 @@ class _Words:
     hashes: np.ndarray
     room: np.ndarray
     doc: np.ndarray
+    first: np.ndarray
 
     def text(self, i: int, k: int) -> str:
         """Words i .. i+k-1 joined by single spaces."""
@@ -241,7 +244,7 @@ def _words(texts: list[str]) -> _Words:
     counts = np.diff(first)
     doc = np.repeat(np.arange(len(texts)), counts)
     room = np.repeat(first[1:], counts) - np.arange(len(starts))
-    return _Words(buf, starts, ends, h, room, doc)
+    return _Words(buf, starts, ends, h, room, doc, first)
 
 
 def _iter_kgrams(wh: np.ndarray, lengths):
@@ -387,7 +390,7 @@ class ContaminationIndex:
     path: Path | None = None
     sha256: str = ""
     key: str = ""
-    # (_bitmap(keys), _bitmap(short_prefix)), built on first use, never saved or pickled
+    # (_bitmap(keys), _bitmap(short_prefix), _bitmap(gap_prefix)), built on first use, never saved or pickled
     _filters: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -502,7 +505,7 @@ class ContaminationIndex:
                 if hits[d] is not None:
                     continue
                 end = i + int(words.room[i])  # one past the document's last word
-                start = int(np.searchsorted(words.doc, d))  # the document's first word
+                start = int(words.first[d])  # the document's first word
                 segments = (words.hashes[max(start, i - GAP_WINDOW) : i], words.hashes[i + k : min(end, i + k + GAP_WINDOW)])
                 g = self._nearby_entry(segments, a, b)
                 if g is not None:
@@ -650,9 +653,10 @@ a benchmark's training split is allowed)."""
 
 def _split_sources(name: str) -> list[tuple[str, dict[str, list[str]], list[tuple[tuple[str, ...], int]] | None]]:
     """[(split, {view: one text per example}, [(choices, gold label)] or None)] of one task: for a
-    multiple-choice task its :data:`VIEWS` but ``nearby`` and each example's choices, the scored split first (``load_examples`` order), then the other
-    :data:`EVAL_SPLITS` shipped next to all of its folders (rows in folder order); for GSM8K /
-    HumanEval the ``gold`` view of their test problems (file order).
+    multiple-choice task its :data:`VIEWS` but ``nearby`` and each example's choices, the scored
+    split first (``load_examples`` order), then the other :data:`EVAL_SPLITS` shipped next to all of
+    its folders (rows in folder order); for GSM8K / HumanEval the ``gold`` view of their test
+    problems (file order).
 
     A lettered task ``<task>_mc`` whose cloze twin ``<task>`` reads the same folders is viewed through
     the twin's examples: the benchmark rows are the same, and the twin's contexts hold the question
@@ -766,8 +770,8 @@ def _view_hashes(texts: list[str], ngram: int, whole: bool = True, question_word
     prefix_len = min(SHORT_MIN_WORDS, ngram)
     min_words = prefix_len if whole else ngram
     words = _words(texts)
-    n_words = np.bincount(words.doc, minlength=len(texts))
-    first_word = np.searchsorted(words.doc, np.arange(len(texts)))
+    first_word = words.first[:-1]
+    n_words = np.diff(words.first)
     is_short = (n_words >= min_words) & (n_words < ngram)  # indexed whole, as one k-gram
     lengths = set(n_words[is_short].tolist())
     hashes, example, prefix = [], [], []
@@ -853,8 +857,8 @@ def _whole_hashes(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """(N,) uint64 hash of each text as one k-gram of its own word count k (0 for an empty text),
     equal to the k-gram hash of the same words in a document, and (N,) int64 word counts."""
     words = _words(texts)
-    n = np.bincount(words.doc, minlength=len(texts))
-    first = np.searchsorted(words.doc, np.arange(len(texts)))
+    first = words.first[:-1]
+    n = np.diff(words.first)
     out = np.zeros(len(texts), dtype=np.uint64)
     for k, h in _iter_kgrams(words.hashes, set(n[n > 0].tolist())):
         sel = np.flatnonzero(n == k)
