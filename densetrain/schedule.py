@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from densetrain.config import Config, ScheduleConfig, StageConfig
+from densetrain.config import Config, ScheduleConfig
 
 
 def warmup_steps(sched: ScheduleConfig, total_steps: int) -> int:

@@ -30,7 +30,7 @@ from densetrain.model.init import init_weights
 from densetrain.model.llama import Transformer
 from densetrain.monitor import MetricsLogger, flops_per_token, measure_peak_flops, memory_stats
 from densetrain.optim import build_optimizer, set_lr
-from densetrain.parallel import DistInfo, all_reduce_sum, init_distributed, parallelize
+from densetrain.parallel import all_reduce_sum, init_distributed, parallelize
 from densetrain.schedule import Stage, lr_for, resolve_stages, stage_at
 
 IGNORE_INDEX = -100
@@ -475,15 +475,15 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
             dm["time/tasks_s"] = time.perf_counter() - t_eval
             log.log(step, dm, kind="eval")
             log.console("  tasks " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in dm.items() if k.endswith("/headline")))
-        if ((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last) and nonfinite_run:
-            log.event(step, "checkpoint not saved: the last step was non-finite")
-        elif (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last:
-            t_ck = time.perf_counter()
-            trainer_state = {"step": step, "tokens": tokens_seen, "stage": st.name, "skipped_steps": skipped,
-                             "data": data_id,
-                             "sampler": sampler.state_dict(), "world_size": info.world_size}
-            path = save_checkpoint(run_dir, step, model, optimizer, trainer_state, cfg.checkpoint.keep)
-            log.event(step, f"checkpoint {path.name} ({time.perf_counter() - t_ck:.2f}s)")
+        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == last:
+            if nonfinite_run:
+                log.event(step, "checkpoint not saved: the last step was non-finite")
+            else:
+                t_ck = time.perf_counter()
+                trainer_state = {"step": step, "tokens": tokens_seen, "stage": st.name, "skipped_steps": skipped,
+                                 "data": data_id, "sampler": sampler.state_dict(), "world_size": info.world_size}
+                path = save_checkpoint(run_dir, step, model, optimizer, trainer_state, cfg.checkpoint.keep)
+                log.event(step, f"checkpoint {path.name} ({time.perf_counter() - t_ck:.2f}s)")
 
     summary = {"steps": step, "tokens": tokens_seen, "skipped_steps": skipped, "params": n_params,
                "wall_s": time.perf_counter() - t_run}

@@ -23,7 +23,7 @@ import math
 import numpy as np
 import pytest
 
-from densetrain.mup import ACT_KINDS, coord_check, format_lr_sweep, lr_sweep, text_bytes, width_config, write_coord_check
+from densetrain.mup import ACT_KINDS, coord_check, format_lr_sweep, lr_sweep, text_bytes, width_config
 
 WIDTHS = (64, 512)
 
