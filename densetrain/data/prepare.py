@@ -52,11 +52,11 @@ from pathlib import Path
 import numpy as np
 
 from densetrain.data.corpus import build_demo_corpus, demo_sources, fair_shares
-from densetrain.data.filters import clean_text, resolve_filter_names
+from densetrain.data.filters import FilterStats, clean_text, resolve_filter_names
 from densetrain.data.process import CHUNK_BYTES, ProcessSpec, chunked, process_documents, worker_pool
 from densetrain.data.shards import token_dtype, token_size_for, write_shard
 from densetrain.data.sources import DataError, SkipLog, display_path, iter_documents, resolve_paths
-from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
+from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe, usable_cpus
 from densetrain.io import atomic_write_bytes, atomic_write_json
 
 PREPARE_VERSION = 1
@@ -292,9 +292,10 @@ def _read_and_process(i, src, files, spec: ProcessSpec, corpus_dir: Path, pool, 
     return docs, results
 
 
-def _write_splits(src_dir: Path, arrays, order_by_split: dict, docs_kept, tok: Tokenizer, token_size: int):
-    """Write the train/val shards and return ``(splits, provenance)`` (see the module docstring)."""
-    lens = np.array([a.size for a in arrays], dtype=np.int64)
+def _write_splits(src_dir: Path, arrays, lens: np.ndarray, order_by_split: dict, docs_kept, tok: Tokenizer,
+                  token_size: int):
+    """Write the train/val shards and return ``(splits, provenance)`` (see the module docstring);
+    ``lens`` are the sizes of ``arrays``."""
     splits, provenance = {}, {}
     for split, order in order_by_split.items():
         d = src_dir / split
@@ -363,8 +364,6 @@ def _prepare_source(i, src, files, cfg, tok: Tokenizer, token_size: int, corpus_
              "provenance by id is ambiguous for them (file and line still tell them apart)")
 
     # Gather the survivors of the map in document order.
-    from densetrain.data.filters import FilterStats
-
     fstats = FilterStats()
     kept_idx, arrays, nbytes, keys, sigs, dropped, contaminated = [], [], [], [], [], [], []
     offset = bytes_in = 0
@@ -406,7 +405,7 @@ def _prepare_source(i, src, files, cfg, tok: Tokenizer, token_size: int, corpus_
 
     lens = np.array([a.size for a in arrays], dtype=np.int64)
     train, val, over = _split(lens, src.name, data.seed, data.val_fraction, data.max_val_tokens)
-    splits, provenance = _write_splits(src_dir, arrays, {"train": train, "val": val}, docs_kept, tok, token_size)
+    splits, provenance = _write_splits(src_dir, arrays, lens, {"train": train, "val": val}, docs_kept, tok, token_size)
     prov_bytes = json.dumps({"format": "parallel lists in shard order; source_file indexes files", **provenance},
                             ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     atomic_write_bytes(src_dir / "provenance.json", prov_bytes)
@@ -424,7 +423,7 @@ def _prepare_source(i, src, files, cfg, tok: Tokenizer, token_size: int, corpus_
                    "format": src.format, "text_field": src.text_field},
         "tokenizer": tok.identity(),
         "token_size": token_size,
-        "dtype": "uint16" if token_size == 2 else "uint32",
+        "dtype": token_dtype(token_size).name,
         "layout": "datatrove: <split>/NNNNNN.ds = flat little-endian token ids; .ds.index = uint64 LE "
                   "cumulative document end offsets (tokens) within the file; EOS ends every document",
         "params": params,
@@ -501,9 +500,7 @@ def _contamination_summary(contaminated: list, docs: list, keep: int = 20) -> di
 
 def _workers(data) -> int:
     """``data.workers``, where 0 means every CPU this process may use."""
-    if data.workers > 0:
-        return data.workers
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return data.workers if data.workers > 0 else usable_cpus()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -560,7 +557,7 @@ def _register_datatrove_source(i, src, cfg, tok: Tokenizer, corpus_dir: Path, sh
                    "format": src.format},
         "tokenizer": tok.identity(),
         "token_size": token_size,
-        "dtype": "uint16" if token_size == 2 else "uint32",
+        "dtype": token_dtype(token_size).name,
         "layout": "datatrove folder registered in place: <dir>/*.ds read in sorted name order as one stream per "
                   "split; .ds.index = uint64 LE cumulative document ends; EOS ends every document",
         "params": params,
@@ -659,7 +656,7 @@ def prepare(cfg, force: bool = False) -> dict:
         "format_version": 1,
         "tokenizer": {"spec": data.tokenizer, **tok.identity()},
         "token_size": token_size,
-        "dtype": "uint16" if token_size == 2 else "uint32",
+        "dtype": token_dtype(token_size).name,
         "sources": top_sources,
         "totals": {
             "train_tokens": sum(s["train"]["tokens"] for s in top_sources.values()),

@@ -12,8 +12,8 @@ per task, dedup is datatrove's own MinHash stages.
 
 Workers are separate processes (``data.workers``, default: the CPUs this process may use), started
 with ``spawn`` so that nothing of the parent (threads, a torch runtime) is inherited. Each worker
-builds its filters, tokenizer and contamination index once (:func:`_init_worker`) and then handles
-chunks of documents; results come back in submission order, so the output does not depend on the
+builds its filters, tokenizer and contamination index once per source (:func:`_run_chunk`) and then
+handles chunks of documents; results come back in submission order, so the output does not depend on the
 number of workers. With ``workers = 1`` everything runs in this process.
 """
 

@@ -595,13 +595,13 @@ def _check_files(d: Path, tok: Tokenizer, spec: str, vocab_size: int, identity_o
     stream = TokenFiles(files)  # token sizes agree, index ends increase up to each file's size
     stream.check_vocab(vocab_size)
     shards = []
-    for f in files:
+    # The document ends and token maps TokenFiles has already read and checked, file by file.
+    for f, ends, tokens in zip(files, stream._ends, stream._maps):
         idx = f.with_name(f.name + ".index")
-        ends = np.fromfile(idx, dtype="<u8").astype(np.int64)
         if ends.size:
             # Every document must end with our EOS (DocumentTokenizer eos_token=...): without it the
             # model would never see where one document ends. The first 65536 per file are read.
-            last = np.memmap(f, dtype=stream.dtype, mode="r")[ends[: 1 << 16] - 1]
+            last = tokens[ends[: 1 << 16] - 1]
             bad = np.flatnonzero(last != tok.eos_id)
             if bad.size:
                 raise DataError(f"{f}: document {int(bad[0])} does not end with EOS id {tok.eos_id} ({tok.eos_token}); "

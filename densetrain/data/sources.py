@@ -423,6 +423,16 @@ def _decode(data: bytes, name: str, first_line: int | None, skips: SkipLog) -> s
         return None
 
 
+def _record_document(text: str, name: str, line: int, meta: dict) -> Document:
+    """A record's Document: its non-empty string ``id`` (taken out of ``meta``) or ``name:line``."""
+    doc_id = meta.get("id")
+    if isinstance(doc_id, str) and doc_id:
+        del meta["id"]
+    else:
+        doc_id = f"{name}:{line}"
+    return Document(text=text, source_file=name, line=line, doc_id=doc_id, meta=meta)
+
+
 def _jsonl_record(raw: bytes, name: str, lineno: int, text_field: str, skips: SkipLog) -> Document | None:
     if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]  # a UTF-8 byte-order mark (Windows editors write one): not part of the record
@@ -446,12 +456,7 @@ def _jsonl_record(raw: bytes, name: str, lineno: int, text_field: str, skips: Sk
     if not isinstance(text, str):
         skips.add(name, lineno, "text field not a string", f"{text_field!r} is {type(text).__name__}")
         return None
-    doc_id = obj.get("id")
-    if isinstance(doc_id, str) and doc_id:
-        del obj["id"]
-    else:
-        doc_id = f"{name}:{lineno}"
-    return Document(text=text, source_file=name, line=lineno, doc_id=doc_id, meta=obj)
+    return _record_document(text, name, lineno, obj)
 
 
 def _iter_jsonl(path: Path, name: str, text_field: str, cap: int, skips: SkipLog) -> Iterator[Document]:
@@ -668,13 +673,7 @@ def _iter_rows(batches: Iterable, schema, name: str, text_field: str, cap: int, 
                 continue
             if text is None:
                 continue  # invalid UTF-8, already logged
-            meta = {k: v[j] for k, v in cols.items()}
-            doc_id = meta.get("id")
-            if isinstance(doc_id, str) and doc_id:
-                del meta["id"]
-            else:
-                doc_id = f"{name}:{row}"
-            yield Document(text=text, source_file=name, line=row, doc_id=doc_id, meta=meta)
+            yield _record_document(text, name, row, {k: v[j] for k, v in cols.items()})
         row0 += n
 
 

@@ -31,7 +31,8 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>")
 """Tokens accepted as EOS in a user-supplied tokenizer.json, in order of preference."""
 
 
-def _threads() -> int:
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask; ``os.cpu_count()`` where that is unknown)."""
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
@@ -139,7 +140,7 @@ class Tokenizer:
         if not texts:
             return []
         if self.kind == "tiktoken":
-            return self._impl.encode_ordinary_batch(texts, num_threads=_threads())
+            return self._impl.encode_ordinary_batch(texts, num_threads=usable_cpus())
         impl = self._impl
         # encode_batch_fast skips character offsets, which we never use (tokenizers >= 0.20).
         fn = getattr(impl, "encode_batch_fast", None) or impl.encode_batch
