@@ -250,14 +250,14 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     t0 = time.time()
     if args.checkpoint:
-        from densetrain.checkpoint import latest_checkpoint, load_checkpoint
+        from densetrain.checkpoint import load_checkpoint
         from densetrain.config import load_config, parse_overrides
         from densetrain.data.tokenizer import load_tokenizer
+        from densetrain.evals.offline import find_checkpoint
         from densetrain.train import build_model
 
         cfg = load_config(args.preset, args.config, parse_overrides([f"--{s}" for s in args.set]))
-        path = Path(args.checkpoint)
-        path = path if (path / "COMPLETE").exists() else latest_checkpoint(path)
+        path = find_checkpoint(Path(args.checkpoint))
         model = build_model(cfg, device)
         load_checkpoint(path, model, None)
         tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.shards_dir)

@@ -98,9 +98,8 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
 
 def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
     """Load a local HF Llama folder into a densetrain checkpoint (step 0) under --out RUN_DIR."""
-    import torch
-
     from densetrain.checkpoint import save_checkpoint
+    from densetrain.config import save_config
     from densetrain.hf import import_hf
     from densetrain.model.llama import Transformer
     from densetrain.optim import build_optimizer
@@ -110,8 +109,6 @@ def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
     model = Transformer(mcfg)
     model.load_state_dict(sd, strict=True)
     cfg.train.run_dir = args.out
-    from densetrain.config import save_config
-
     Path(args.out).mkdir(parents=True, exist_ok=True)
     save_config(cfg, Path(args.out) / "config.toml")
     path = save_checkpoint(Path(args.out), 0, model, build_optimizer(model, cfg), {"step": 0, "tokens": 0}, keep=0)

@@ -57,22 +57,63 @@ def prepared(tmp_path_factory):
     return shards, lambda tmp, **ov: small_config(tmp, shards, **ov)
 
 
-def start_gloo_ranks(script_text: str, args: list[str], tmp: Path, world: int = 2) -> list:
-    """Start ``world`` processes running ``script_text`` as ranks of one torch.distributed job
-    (env:// rendezvous on a free local port, one thread each); returns the Popen objects."""
+def tiny_eval_model(vocab_size: int):
+    """The model of the distributed evaluation tests: seeded, so every process builds the same weights."""
+    import torch
+
+    from densetrain.config import ModelConfig
+    from densetrain.model.llama import Transformer
+
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(vocab_size=vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)).double()
+
+
+_EVAL_WORKER = r"""
+import importlib, json, os, sys, torch, torch.distributed as dist
+root, tokenizer_file, call, call_args, out = sys.argv[1:]
+sys.path[:0] = [root, os.path.join(root, "tests")]
+from densetrain.data.tokenizer import Tokenizer
+from conftest import tiny_eval_model
+torch.set_num_threads(1)
+if int(os.environ["WORLD_SIZE"]) > 1:
+    dist.init_process_group("gloo")
+module, name = call.split(":")
+args, kwargs = json.loads(call_args)
+tok = Tokenizer.from_file(tokenizer_file)
+res = getattr(importlib.import_module(module), name)(tiny_eval_model(tok.vocab_size), tok, *args, **kwargs)
+with open(f"{out}.{os.environ['RANK']}", "w") as f:
+    json.dump(res, f)
+if dist.is_initialized():
+    dist.destroy_process_group()
+"""
+
+
+def start_eval_ranks(call: str, tokenizer_file: str, args: list, kwargs: dict, tmp: Path, world: int = 2):
+    """Start ``world`` processes, ranks of one gloo torch.distributed job (env:// rendezvous on a free
+    local port, one thread each), that each return ``call(tiny_eval_model(V), tokenizer, *args, **kwargs)``
+    (``call`` is ``'module:function'``; args and kwargs JSON values). Returns ``collect()``: waits for
+    the ranks, asserts they succeeded, and returns each rank's result (JSON-decoded), rank order."""
+    import json
     import socket
     import subprocess
     import sys
 
-    script = tmp / "worker.py"
-    script.write_text(script_text)
+    script, out = tmp / "eval_worker.py", tmp / "eval_result"
+    script.write_text(_EVAL_WORKER)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "OMP_NUM_THREADS": "1"}
-    return [subprocess.Popen([sys.executable, str(script), *args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-            for r in range(world)]
+    argv = [sys.executable, str(script), str(Path(__file__).resolve().parents[1]), str(tokenizer_file), call,
+            json.dumps([args, kwargs]), str(out)]
+    procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+
+    def collect() -> list:
+        assert all(p.wait(timeout=120) == 0 for p in procs)
+        return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+
+    return collect
 
 
 def crosscheck_module():

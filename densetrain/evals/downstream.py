@@ -183,6 +183,19 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module):
+    """Yield the plain module under ``model``'s wrappers (:func:`_unwrap`) in eval mode; its previous
+    mode is restored on exit."""
+    model = _unwrap(model)
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def score_requests(
     model: torch.nn.Module,
@@ -360,15 +373,10 @@ def evaluate_examples(
         ``{'acc', 'acc_norm', 'acc_per_byte', 'bpb', 'headline', 'n', 'truncated'}`` as in
         :func:`evaluate_tasks`.
     """
-    model = _unwrap(model)
-    was_training = model.training
-    model.eval()
-    try:
+    with _eval_mode(model) as model:
         pairs = [(c, k) for ex in examples for c, k in zip(ex.contexts, ex.continuations)]
         requests = build_requests(tokenizer, pairs, seq_len_max)
         loglik = score_requests(model, requests, device, batch_size, autocast, tokenizer.eos_id)
-    finally:
-        model.train(was_training)
     return _finish(_sums(examples, requests, loglik), headline)
 
 
@@ -427,17 +435,12 @@ def evaluate_tasks(
                   if rest else ())
         return dict((n, res[n]) if n in res else next(mc) for n in names)
     rank, world = _rank_world()
-    model = _unwrap(model)
-    was_training = model.training
-    model.eval()
-    try:
+    with _eval_mode(model) as model:
         sums = torch.zeros(len(names), 2 + len(METRICS), dtype=torch.float64)
         for t, spec in enumerate(names):
             name, shots = parse_spec(spec)
             examples, requests = _task_requests(tokenizer, name, shots, limit, seq_len_max, rank, world)
             loglik = score_requests(model, requests, device, batch_size, autocast, tokenizer.eos_id)
             sums[t] = torch.from_numpy(_sums(examples, requests, loglik))
-    finally:
-        model.train(was_training)
     sums = all_reduce_sum(sums.to(device)).cpu().numpy()
     return {result_name(spec): _finish(sums[t], TASKS[parse_spec(spec)[0]].headline) for t, spec in enumerate(names)}

