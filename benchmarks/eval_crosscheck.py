@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from densetrain.config import ModelConfig  # noqa: E402
 from densetrain.evals.downstream import METRICS, evaluate_tasks  # noqa: E402
-from densetrain.evals.tasks import MMLU_CATEGORIES, TASKS, parse_spec, resolve_tasks, result_name  # noqa: E402
 from densetrain.model.llama import Transformer  # noqa: E402
+from densetrain.registry.tasks import MMLU_CATEGORIES, TASKS, parse_spec, resolve_tasks, result_name  # noqa: E402
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 TRAIN_DIRS = ("email", "json", "http", "logging", "asyncio", "unittest", "concurrent", "importlib")
@@ -253,12 +253,12 @@ def main(argv=None) -> int:
         from densetrain.checkpoint import load_checkpoint
         from densetrain.config import load_config, parse_overrides
         from densetrain.data.tokenizer import load_tokenizer
-        from densetrain.evals.offline import find_checkpoint
-        from densetrain.train import build_model
+        from densetrain.model.init import build_model
+        from densetrain.tools.offline_eval import find_checkpoint
 
         cfg = load_config(args.preset, args.config, parse_overrides([f"--{s}" for s in args.set]))
         path = find_checkpoint(Path(args.checkpoint))
-        model = build_model(cfg, device)
+        model = build_model(cfg.model, cfg.train.seed, device)
         load_checkpoint(path, model, None)
         tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.shards_dir)
         print(f"checkpoint {path}, tokenizer {tokenizer}")

@@ -537,11 +537,19 @@ def _dt_counts(stats_file: Path) -> list[tuple[str, dict]]:
 
 def _datatrove(spec: dict, out: Path):
     from datatrove.executor import LocalPipelineExecutor
-    from datatrove.pipeline.dedup import (MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter,
-                                          MinhashDedupSignature)
+    from datatrove.pipeline.dedup import (
+        MinhashDedupBuckets,
+        MinhashDedupCluster,
+        MinhashDedupFilter,
+        MinhashDedupSignature,
+    )
     from datatrove.pipeline.dedup.minhash import MinhashConfig
-    from datatrove.pipeline.filters import (C4QualityFilter, FineWebQualityFilter, GopherQualityFilter,
-                                            GopherRepetitionFilter)
+    from datatrove.pipeline.filters import (
+        C4QualityFilter,
+        FineWebQualityFilter,
+        GopherQualityFilter,
+        GopherRepetitionFilter,
+    )
     from datatrove.pipeline.formatters import FTFYFormatter
     from datatrove.pipeline.readers import JsonlReader
     from datatrove.pipeline.tokens import DocumentTokenizer

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from densetrain.io import atomic_write_json, fsync_dir
+from densetrain.fileio import atomic_write_json, fsync_dir
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 

@@ -13,7 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from densetrain.config import Config, ConfigError, help_text, list_presets, load_config, parse_overrides
+from densetrain.config import Config, help_text, list_presets, load_config, parse_overrides
+from densetrain.errors import ConfigError
 
 
 def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
@@ -55,7 +56,7 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
-    from densetrain.evals.offline import evaluate_checkpoint
+    from densetrain.tools.offline_eval import evaluate_checkpoint
 
     result = evaluate_checkpoint(cfg, Path(args.checkpoint), tasks=args.tasks, limit=args.limit)
     print(json.dumps(result, indent=1))
@@ -64,17 +65,17 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
 
 def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     """Write a Hugging Face LlamaForCausalLM folder (config.json + model.safetensors + tokenizer)."""
-    from densetrain.checkpoint import load_checkpoint
-    from densetrain.data.tokenizer import load_tokenizer
-    from densetrain.evals.offline import find_checkpoint
-    from densetrain.hf import export_hf
-    from densetrain.schedule import resolve_stages, stage_at
-    from densetrain.train import build_model
-
     import torch
 
+    from densetrain.checkpoint import load_checkpoint
+    from densetrain.data.tokenizer import load_tokenizer
+    from densetrain.hf import export_hf
+    from densetrain.model.init import build_model
+    from densetrain.schedule import resolve_stages, stage_at
+    from densetrain.tools.offline_eval import find_checkpoint
+
     path = find_checkpoint(Path(args.checkpoint))
-    model = build_model(cfg, torch.device("cpu"))
+    model = build_model(cfg.model, cfg.train.seed, torch.device("cpu"))
     state = load_checkpoint(path, model, None)
     # The exported RoPE base and context length are those of the stage the checkpoint was saved in.
     st = stage_at(max(state["step"] - 1, 0), resolve_stages(cfg))
@@ -178,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--out", required=True, help="run directory to create")
         if name == "report":
             sp.add_argument("run_dir", help="run directory")
-    from densetrain.cli_extra import add_subcommands
+    from densetrain.tools.commands import add_subcommands
 
     add_subcommands(sub)
     return p
@@ -196,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.help_config:
         print(help_text())
         return 0
-    from densetrain.data.sources import DataError
-    from densetrain.train import TrainError
+    from densetrain.errors import DataError, TrainError
 
     try:
         if args.command == "report":

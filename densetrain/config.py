@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from densetrain.errors import ConfigError
+
 PRESET_DIR = Path(__file__).parent / "presets"
 
-
-class ConfigError(ValueError):
-    """A configuration problem, with a one-line message that names the offending key."""
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -631,7 +630,7 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
     """Write the resolved config as TOML (atomically), loadable again with ``--config``."""
     import tomli_w
 
-    from densetrain.io import atomic_write_bytes
+    from densetrain.fileio import atomic_write_bytes
 
     atomic_write_bytes(Path(path), tomli_w.dumps(to_dict(cfg)).encode())
 
@@ -778,7 +777,7 @@ def validate(cfg: Config) -> None:
     dc = cfg.data.decontam
     _check(dc.ngram >= 8, f"data.decontam.ngram must be >= 8 (shorter n-grams match common phrases), got {dc.ngram}")
     if dc.enabled:
-        from densetrain.evals.tasks import GROUPS, TASKS  # here: that module imports this one
+        from densetrain.registry.tasks import GROUPS, TASKS  # here: that module imports this one
 
         _check(bool(dc.tasks), "data.decontam.tasks is empty; name tasks or set data.decontam.enabled = false")
         valid = [*GROUPS, *TASKS]

@@ -46,7 +46,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from densetrain.config import ModelConfig
-from densetrain.io import fsync_dir
+from densetrain.fileio import fsync_dir
 
 # Per-layer weights: our name suffix after "layers.{i}." -> HF suffix after "model.layers.{i}.".
 _LAYER_MAP = {

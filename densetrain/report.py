@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from densetrain.monitor import read_metrics
+from densetrain.metrics import read_metrics
 
 
 def write_report(run_dir: Path) -> str:

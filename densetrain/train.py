@@ -9,7 +9,6 @@ over micro-batches (:func:`forward_backward`) -> clip -> update -> metrics -> ev
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import time
@@ -18,45 +17,25 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.distributed.checkpoint.api import CheckpointException
 
 from densetrain.checkpoint import list_complete, load_checkpoint, save_checkpoint
 from densetrain.config import Config, save_config
 from densetrain.data.mixture import MixtureSampler, Sample
-from densetrain.data.shards import TokenFiles
-from densetrain.io import atomic_write_json
-from densetrain.model.init import init_weights
-from densetrain.model.llama import Transformer
-from densetrain.monitor import MetricsLogger, flops_per_token, measure_peak_flops, memory_stats
+from densetrain.data.streams import data_fingerprint, open_streams
+from densetrain.errors import TrainError
+from densetrain.evals.downstream import downstream_metrics
+from densetrain.fileio import atomic_write_json
+from densetrain.loss import IGNORE_INDEX, token_losses
+from densetrain.metrics import MetricsLogger, flops_per_token, measure_peak_flops, memory_stats
+from densetrain.model.init import build_model
 from densetrain.optim import build_optimizer, set_lr
-from densetrain.parallel import all_reduce_sum, init_distributed, parallelize
+from densetrain.parallel import all_reduce_sum, autocast_for, init_distributed, parallelize
 from densetrain.schedule import Stage, lr_for, resolve_stages, stage_at
-
-IGNORE_INDEX = -100
-
-
-class TrainError(RuntimeError):
-    """A problem that stops training, with a one-line message (missing data, bad resume, ...)."""
-
 
 # --------------------------------------------------------------------------------------------------
 # Loss and one optimizer step's forward/backward
 # --------------------------------------------------------------------------------------------------
-
-
-def token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-token cross-entropy in nats, computed in at least fp32 (bf16 logits are upcast).
-
-    Args:
-        logits: (B, T, V). targets: (B, T) int64, ``IGNORE_INDEX`` where no loss is taken.
-    Returns:
-        (B, T) losses, 0 at ignored positions.
-    """
-    B, T, V = logits.shape
-    return F.cross_entropy(
-        logits.to(torch.promote_types(logits.dtype, torch.float32)).reshape(B * T, V), targets.reshape(B * T), ignore_index=IGNORE_INDEX, reduction="none"
-    ).reshape(B, T)
 
 
 @dataclass
@@ -166,106 +145,6 @@ def _resume_point(run_dir: Path, model, optimizer) -> tuple[Path | None, dict | 
     return None, None
 
 
-def build_model(cfg: Config, device: torch.device) -> Transformer:
-    """Construct on the meta device (no memory), materialise on ``device``, initialise with the run's seed."""
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    model.to_empty(device=device)
-    torch.manual_seed(cfg.train.seed)  # the same init on every rank
-    init_weights(model, cfg.model)
-    return model
-
-
-def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
-    """Token streams of the configured sources for ``split`` ('train' or 'val').
-
-    Sources that ``prepare`` found empty (e.g. the demo's Debian sources on a machine without apt)
-    are left out; the stage mixes drop them (see :func:`densetrain.schedule.resolve_stages`).
-
-    Raises:
-        TrainError: shards are missing (``densetrain prepare`` not run), were made with another
-            tokenizer, or the tokenizer's vocabulary is larger than model.vocab_size.
-    """
-    root = Path(cfg.data.shards_dir)
-    manifest = root / "manifest.json"
-    if not manifest.exists():
-        raise TrainError(f"{manifest}: no prepared data; run `densetrain prepare` with the same config first")
-    info = json.loads(manifest.read_text())
-    tok = info.get("tokenizer", {})
-    if tok.get("vocab_size", 0) > cfg.model.vocab_size:
-        raise TrainError(
-            f"{manifest}: tokenizer vocab_size {tok['vocab_size']} > model.vocab_size {cfg.model.vocab_size}"
-        )
-    if tok.get("spec") not in (None, cfg.data.tokenizer):
-        raise TrainError(
-            f"{manifest}: shards were tokenized with '{tok.get('spec')}' but data.tokenizer is '{cfg.data.tokenizer}'"
-        )
-    _check_tokenizer_identity(cfg, manifest, tok)
-    prepared = info.get("sources", {})
-    streams = {}
-    for src in cfg.data.sources:
-        if src.name not in prepared:
-            raise TrainError(f"{manifest}: source '{src.name}' was not prepared; re-run `densetrain prepare`")
-        sub = root / prepared[src.name].get("manifest", f"{src.name}/manifest.json")
-        if sub.is_file():
-            sub_sha = json.loads(sub.read_text()).get("tokenizer", {}).get("sha256")
-            if tok.get("sha256") and sub_sha and sub_sha != tok["sha256"]:
-                raise TrainError(f"{sub}: source '{src.name}' was tokenized with tokenizer {sub_sha[:12]}, the other "
-                                 f"sources with {tok['sha256'][:12]}; re-run `densetrain prepare`")
-        entry = prepared[src.name].get(split, {})
-        if entry.get("tokens", 0) == 0:
-            continue
-        # "dir" is relative to shards_dir, or absolute for a registered datatrove folder (read in place).
-        stream = TokenFiles(root / entry.get("dir", f"{src.name}/{split}"))
-        if len(stream) != entry["tokens"]:
-            raise TrainError(f"{stream.files[0].parent}: {len(stream)} tokens but the manifest says {entry['tokens']}; "
-                             f"the shards changed after `densetrain prepare`; re-run it")
-        # An id past the embedding table would index out of bounds mid-run (or silently on GPU).
-        stream.check_vocab(cfg.model.vocab_size)
-        streams[src.name] = stream
-    if not streams:
-        raise TrainError(f"{manifest}: no source has {split} tokens")
-    return streams
-
-
-def data_fingerprint(streams: dict[str, TokenFiles]) -> dict[str, str]:
-    """Per source, a short hash of its train shard files (names, sizes, modification times): saved in
-    checkpoints so that a resume notices shards rewritten underneath the sampler's positions."""
-    out = {}
-    for name, stream in streams.items():
-        h = hashlib.sha256()
-        for f in stream.files:
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
-        out[name] = h.hexdigest()[:16]
-    return out
-
-
-def _check_tokenizer_identity(cfg: Config, manifest: Path, tok: dict) -> None:
-    """The tokenizer ``data.tokenizer`` names must be the one the shards were made with (same sha256).
-
-    A trained BPE lives next to the shards, so only a tiktoken encoding or a tokenizer.json path is
-    loaded and compared; token ids from another vocabulary would train silently on garbage.
-    """
-    if cfg.data.tokenizer == "bpe" or not tok.get("sha256"):
-        return
-    from densetrain.data.tokenizer import load_tokenizer
-
-    have = load_tokenizer(cfg.data.tokenizer, cfg.data.shards_dir).sha256
-    if have != tok["sha256"]:
-        raise TrainError(f"{manifest}: shards were tokenized with tokenizer sha256 {tok['sha256'][:12]} but "
-                         f"data.tokenizer='{cfg.data.tokenizer}' has {have[:12]}; re-run `densetrain prepare`")
-
-
-def _autocast(cfg: Config, device: torch.device):
-    dtype = cfg.train.dtype
-    if dtype == "auto":
-        dtype = "bf16" if device.type == "cuda" else "fp32"
-    if dtype == "fp32":
-        return None
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
 def make_micro_batches(samples: list[Sample], micro: int, device: torch.device):
     """Group samples into (inputs, targets, sources) micro-batches of ``micro`` rows on ``device``."""
     out = []
@@ -274,16 +153,6 @@ def make_micro_batches(samples: list[Sample], micro: int, device: torch.device):
         t = torch.from_numpy(np.stack([s.tokens for s in chunk])).to(device, non_blocking=True)
         out.append((t[:, :-1], t[:, 1:], [s.source for s in chunk]))
     return out
-
-
-def run_downstream(model, tokenizer, tasks: str, limit: int, seq_len: int, device, autocast) -> tuple[dict, list[str]]:
-    """Downstream scores as flat metrics ``{'eval/<task>/<metric>': value}``, plus one warning line
-    per task whose prompts were cut to fit ``seq_len`` tokens (few-shot examples lost)."""
-    from densetrain.evals.downstream import evaluate_tasks, truncation_warnings
-
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
-    res = evaluate_tasks(model, tokenizer, names, limit or None, device, seq_len_max=seq_len, autocast=autocast)
-    return {f"eval/{task}/{k}": v for task, r in res.items() for k, v in r.items()}, truncation_warnings(res, seq_len)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -327,7 +196,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
 
     sampler = MixtureSampler(train_streams)
     val_streams = open_streams(cfg, "val")
-    model = build_model(cfg, info.device)
+    model = build_model(cfg.model, cfg.train.seed, info.device)
     dp_model = parallelize(model, info)
     if cfg.train.compile:
         dp_model = torch.compile(dp_model)
@@ -357,12 +226,12 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         if changed:  # the sampler's positions now point into other documents: never let that pass unseen
             log.event(step, f"WARNING: the training shards of {changed} changed since {ckpt.name} (re-prepared?); "
                             "the run continues at the saved positions, which now index different text")
-    autocast = _autocast(cfg, info.device)
+    autocast = autocast_for(cfg.train.dtype, info.device)
     from densetrain.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))  # val bits per byte, downstream tasks
     if cfg.eval.tasks or cfg.eval.final_tasks:
-        from densetrain.evals.tasks import data_root, resolve_tasks
+        from densetrain.registry.tasks import data_root, resolve_tasks
 
         # Fail now, not after hours of training: unknown task names or missing task data.
         resolve_tasks([t.strip() for t in f"{cfg.eval.tasks},{cfg.eval.final_tasks}".split(",") if t.strip()])
@@ -467,7 +336,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
             log.console("  val " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in vm.items() if k.endswith("/loss")))
         if cfg.eval.tasks and ((cfg.eval.tasks_every and step % cfg.eval.tasks_every == 0) or step == cfg.train.steps):
             t_eval = time.perf_counter()
-            dm, warnings = run_downstream(model, tokenizer, cfg.eval.tasks, cfg.eval.tasks_limit, st.seq_len, info.device,
+            dm, warnings = downstream_metrics(model, tokenizer, cfg.eval.tasks, cfg.eval.tasks_limit, st.seq_len, info.device,
                                           autocast)
             for line in set(warnings) - warned:  # once per run, not at every eval
                 log.event(step, line)
@@ -493,7 +362,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         summary["val"] = val_table(last_val, val_streams)
     if cfg.eval.final_tasks and step == cfg.train.steps:
         t_eval = time.perf_counter()
-        dm, warnings = run_downstream(model, tokenizer, cfg.eval.final_tasks, cfg.eval.final_limit, st.seq_len,
+        dm, warnings = downstream_metrics(model, tokenizer, cfg.eval.final_tasks, cfg.eval.final_limit, st.seq_len,
                                       info.device, autocast)
         for line in warnings:
             log.event(step, line)

@@ -6,15 +6,15 @@ import torch
 
 from densetrain.checkpoint import latest_checkpoint, list_complete, load_checkpoint, save_checkpoint
 from densetrain.config import load_config
+from densetrain.model.init import build_model
 from densetrain.optim import build_optimizer
-from densetrain.train import build_model
 
 
 def _setup(tied: bool):
     cfg = load_config("tiny", overrides=[("model.vocab_size", 300), ("model.d_model", 32), ("model.n_layers", 2),
                                          ("model.n_heads", 4), ("model.n_kv_heads", 2), ("model.d_ff", 64),
                                          ("model.tie_embeddings", tied)])
-    model = build_model(cfg, torch.device("cpu"))
+    model = build_model(cfg.model, cfg.train.seed, torch.device("cpu"))
     opt = build_optimizer(model, cfg)
     for g in opt.param_groups:
         g["lr"] = 1e-2

@@ -13,7 +13,7 @@ import pytest
 
 from densetrain.checkpoint import list_complete
 from densetrain.config import save_config
-from densetrain.monitor import read_metrics
+from densetrain.metrics import read_metrics
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from densetrain.config import ConfigError, load_config, parse_overrides, save_config
+from densetrain.config import load_config, parse_overrides, save_config
+from densetrain.errors import ConfigError
 
 
 def test_presets_load_with_published_shapes():

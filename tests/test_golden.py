@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from densetrain.monitor import read_metrics
+from densetrain.metrics import read_metrics
 from densetrain.train import train
 
 GOLDEN = Path(__file__).parent / "golden" / "trajectory.json"

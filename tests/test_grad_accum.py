@@ -3,9 +3,10 @@
 import torch
 
 from densetrain.config import ModelConfig
+from densetrain.loss import IGNORE_INDEX, token_losses
 from densetrain.model.init import init_weights
 from densetrain.model.llama import Transformer
-from densetrain.train import IGNORE_INDEX, forward_backward, token_losses
+from densetrain.train import forward_backward
 
 
 def _model():

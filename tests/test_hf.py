@@ -193,9 +193,9 @@ def test_cli_export_to_transformers_and_import_back(prepared, tmp_path):
     from densetrain.cli import main
     from densetrain.config import load_config, save_config
     from densetrain.data.tokenizer import load_tokenizer
-    from densetrain.evals.offline import find_checkpoint
+    from densetrain.model.init import build_model
     from densetrain.schedule import resolve_stages, stage_at
-    from densetrain.train import build_model
+    from densetrain.tools.offline_eval import find_checkpoint
 
     shards, make = prepared
     # 5 steps end in the long-context stage (RoPE base 1e5, seq_len 64): the export must carry both
@@ -207,7 +207,7 @@ def test_cli_export_to_transformers_and_import_back(prepared, tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
 
     # ours: the checkpoint as `densetrain eval` loads it, at the RoPE base of its stage
-    model = build_model(cfg, torch.device("cpu")).eval()
+    model = build_model(cfg.model, cfg.train.seed, torch.device("cpu")).eval()
     state = load_checkpoint(find_checkpoint(run), model, None)
     st = stage_at(state["step"] - 1, resolve_stages(cfg))
     assert (state["step"], st.name, st.rope_theta, st.seq_len) == (5, "long_context", 100000.0, 64)
@@ -235,7 +235,7 @@ def test_cli_export_to_transformers_and_import_back(prepared, tmp_path):
     assert main(["import-hf", str(out), "--out", str(imported)]) == 0
     cfg2 = load_config(path=imported / "config.toml")
     assert cfg2.model.rope_theta == 100000.0
-    model2 = build_model(cfg2, torch.device("cpu")).eval()
+    model2 = build_model(cfg2.model, cfg2.train.seed, torch.device("cpu")).eval()
     load_checkpoint(find_checkpoint(imported), model2, None)
     with torch.no_grad():
         torch.testing.assert_close(model2(ids), ours, atol=1e-5, rtol=1e-5)

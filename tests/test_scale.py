@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import STDLIB, small_config
 
 pytest.importorskip("datatrove")
@@ -54,7 +53,7 @@ def _near_copy(text: str, k: int) -> str:
 def _write_corpus(root: Path) -> dict:
     from densetrain.config import FiltersConfig
     from densetrain.data.filters import FilterStats, apply_filters, build_filters, clean_text
-    from densetrain.evals.tasks import load_examples
+    from densetrain.registry.tasks import load_examples
 
     docs = _docstrings()
     # Copies are planted of documents the filters keep, so that every copy reaches dedup.
@@ -206,7 +205,8 @@ def test_datatrove_path_agrees_with_prepare(scale_run):
 
 def test_prepare_registers_and_train_reads_datatrove_folder(scale_run):
     from densetrain.data.shards import TokenFiles
-    from densetrain.train import open_streams, train
+    from densetrain.data.streams import open_streams
+    from densetrain.train import train
 
     cfg, out, summary = scale_run["cfg"], scale_run["out"], scale_run["summary"]
     dt = summary["sources"]["dt"]
@@ -242,7 +242,7 @@ def _tokenized_folder(path: Path, tokenizer_name: str, docs: list[list[int]]) ->
 @pytest.mark.parametrize("case", ["vocab", "tokenizer", "eos"])
 def test_bad_datatrove_folder_is_a_one_line_error(scale_run, tmp_path, case):
     from densetrain.data.prepare import prepare
-    from densetrain.data.sources import DataError
+    from densetrain.errors import DataError
 
     tok, root = scale_run["tok"], scale_run["root"]
     eos = tok.eos_id
@@ -264,8 +264,8 @@ def test_bad_datatrove_folder_is_a_one_line_error(scale_run, tmp_path, case):
 def test_cluster_executors_wiring(scale_run, tmp_path):
     from datatrove.executor import RayPipelineExecutor, SlurmPipelineExecutor
 
-    from densetrain.config import ConfigError
     from densetrain.data.scale import datatrove_pipeline
+    from densetrain.errors import ConfigError
 
     cfg = scale_run["cfg"]
     bands = cfg.data.dedup.bands

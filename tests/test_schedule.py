@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from densetrain.config import ConfigError, ScheduleConfig, load_config
+from densetrain.config import ScheduleConfig, load_config
+from densetrain.errors import ConfigError
 from densetrain.schedule import lr_at, lr_for, resolve_stages, stage_at, tokens_before, warmup_steps
 
 

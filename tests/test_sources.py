@@ -19,17 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from densetrain.config import ConfigError, SourceConfig, load_config
+from densetrain.config import SourceConfig, load_config
 from densetrain.data.shards import TokenFiles, write_shard
-from densetrain.data.sources import (
-    DataError,
-    Document,
-    SkipLog,
-    file_format,
-    iter_documents,
-    resolve_paths,
-    save_to_disk_files,
-)
+from densetrain.data.sources import Document, SkipLog, file_format, iter_documents, resolve_paths, save_to_disk_files
+from densetrain.errors import ConfigError, DataError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from densetrain.checkpoint import list_complete
-from densetrain.monitor import read_metrics
+from densetrain.metrics import read_metrics
 from densetrain.train import train
 
 
@@ -143,7 +143,7 @@ def test_token_unit_batch_ramp_and_rewarmup_end_to_end(prepared, tmp_path):
 
 
 def test_corrupt_latest_checkpoint_falls_back_and_existing_run_is_protected(prepared, tmp_path):
-    from densetrain.train import TrainError
+    from densetrain.errors import TrainError
 
     _, make = prepared
     cfg = make(tmp_path, **{"train.steps": 6, "checkpoint.every": 2, "checkpoint.keep": 3, "eval.every": 0,
@@ -163,7 +163,7 @@ def test_corrupt_latest_checkpoint_falls_back_and_existing_run_is_protected(prep
 
 
 def test_model_change_on_resume_is_a_one_line_error(prepared, tmp_path):
-    from densetrain.train import TrainError
+    from densetrain.errors import TrainError
 
     _, make = prepared
     cfg = make(tmp_path, **{"train.steps": 4, "eval.every": 0, "stages": [{"name": "main", "start": 0.0}]})
@@ -191,6 +191,7 @@ def test_resume_warns_when_training_shards_changed(tmp_path):
     import os
 
     from conftest import small_config
+
     from densetrain.data.prepare import prepare
 
     cfg = small_config(tmp_path, tmp_path / "shards", **{"checkpoint.every": 2})

@@ -54,7 +54,7 @@ import zlib
 from pathlib import Path
 
 from densetrain.config import SourceConfig
-from densetrain.io import atomic_write_bytes, atomic_write_json
+from densetrain.fileio import atomic_write_bytes, atomic_write_json
 
 CORPUS_VERSION = 1
 """Bumped whenever the extraction changes the produced text (forces a rebuild)."""
@@ -783,7 +783,7 @@ def _refuse_foreign_files(corpus_dir: Path, names: list[str], prev: dict | None)
     Raises:
         DataError: a file exists that the demo builder did not write (or that changed since).
     """
-    from densetrain.data.sources import DataError
+    from densetrain.errors import DataError
 
     known = None if prev is None else prev.get("files")  # a marker without "files": an older builder's
     for n in names:

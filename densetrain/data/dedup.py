@@ -65,7 +65,7 @@ import numpy as np
 from rensa import RMinHash
 
 from densetrain.config import DedupConfig
-from densetrain.data.sources import DataError
+from densetrain.errors import DataError
 
 KEY_BYTES = 16
 """Length of an exact key (bytes): a 128-bit BLAKE2b digest."""

@@ -41,14 +41,8 @@ from operator import not_
 import ftfy
 import numpy as np
 
-from densetrain.config import (
-    C4Config,
-    ConfigError,
-    FiltersConfig,
-    FineWebConfig,
-    GopherQualityConfig,
-    GopherRepetitionConfig,
-)
+from densetrain.config import C4Config, FiltersConfig, FineWebConfig, GopherQualityConfig, GopherRepetitionConfig
+from densetrain.errors import ConfigError
 
 # --------------------------------------------------------------------------------------------------
 # Cleaning

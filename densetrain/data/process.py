@@ -99,7 +99,7 @@ class ChunkResult:
 
     def save(self, path: Path) -> None:
         """Write atomically as ``.npz`` (arrays and JSON strings only: loading never unpickles)."""
-        from densetrain.io import atomic_write_bytes
+        from densetrain.fileio import atomic_write_bytes
 
         arrays = {
             "tokens": np.concatenate(self.tokens) if self.tokens else np.zeros(0, np.uint32),
@@ -315,7 +315,7 @@ def process_documents(spec: ProcessSpec, chunks: Iterable[list[str]], pool: Proc
 def _result(future) -> ChunkResult:
     from concurrent.futures.process import BrokenProcessPool
 
-    from densetrain.data.sources import DataError
+    from densetrain.errors import DataError
 
     try:
         return future.result()

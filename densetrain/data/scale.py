@@ -73,7 +73,12 @@ from datatrove.data import DocumentsPipeline
 from datatrove.io import get_datafolder
 from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.dedup import MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter, MinhashDedupSignature
-from datatrove.pipeline.dedup.exact_dedup import ExactDedupConfig, ExactDedupFilter, ExactDedupSignature, ExactFindDedups
+from datatrove.pipeline.dedup.exact_dedup import (
+    ExactDedupConfig,
+    ExactDedupFilter,
+    ExactDedupSignature,
+    ExactFindDedups,
+)
 from datatrove.pipeline.dedup.minhash import MinhashConfig
 from datatrove.pipeline.readers import ParquetReader
 from datatrove.pipeline.tokens import DocumentTokenizer
@@ -83,13 +88,13 @@ from datatrove.utils.text import TextNormConfig
 from datatrove.utils.typeshelper import StatHints
 from datatrove.utils.word_tokenizers import WordTokenizer
 
-from densetrain.config import ConfigError
 from densetrain.data import dedup as dd
 from densetrain.data.prepare import SHARD_MAX_TOKENS
 from densetrain.data.process import CHUNK_BYTES, DocumentProcessor, ProcessSpec, chunked
 from densetrain.data.shards import TokenFiles, sha256_file, token_dtype, token_size_for
-from densetrain.data.sources import DataError, SkipLog, iter_documents, resolve_paths
+from densetrain.data.sources import SkipLog, iter_documents, resolve_paths
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
+from densetrain.errors import ConfigError, DataError
 
 IDENTITY_FILE = "tokenizer.identity.json"
 """Written next to ``train/`` by :class:`TokenizeStep`: the tokenizer's :meth:`Tokenizer.identity`,

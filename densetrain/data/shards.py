@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from densetrain.data.sources import DataError
-from densetrain.io import atomic_write_bytes
+from densetrain.errors import DataError
+from densetrain.fileio import atomic_write_bytes
 
 _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 

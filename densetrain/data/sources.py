@@ -65,11 +65,7 @@ from typing import IO, Iterable, Iterator
 import zstandard
 
 from densetrain.config import DataConfig, SourceConfig
-
-
-class DataError(ValueError):
-    """A data problem (missing input, bad shard, tokenizer mismatch) with a one-line message."""
-
+from densetrain.errors import DataError
 
 DEFAULT_MAX_DOCUMENT_BYTES: int = DataConfig.max_document_bytes
 """Default of ``data.max_document_bytes`` (64 MiB). A long novel is a few MB of text and The Stack

@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from densetrain.data.sources import DataError
-from densetrain.io import atomic_write_bytes
+from densetrain.errors import DataError
+from densetrain.fileio import atomic_write_bytes
 
 EOS_TOKEN = "<|endoftext|>"
 """The EOS token of a trained BPE (id 0) and of tiktoken encodings."""

@@ -16,7 +16,7 @@ OLMES, Gu et al. 2024, sec. 3.3):
 Ties go to the lowest choice index (``argmax``). We also report ``bpb``: bits per UTF-8 byte of the
 *correct* continuation, ``-logprob / bytes / ln 2``, averaged over questions (OLMo's ``bpb``; smooth
 where accuracies of small models sit at chance), and ``headline``: the task's headline metric
-(``acc`` or ``acc_norm``, fixed per task in :data:`densetrain.evals.tasks.TASKS`).
+(``acc`` or ``acc_norm``, fixed per task in :data:`densetrain.registry.tasks.TASKS`).
 
 Tokenization. Context and continuation are tokenized *together* (``encode(context +
 continuation)``), then split after the longest common prefix with ``encode(context)``: the tokens
@@ -59,8 +59,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from densetrain.evals.tasks import GROUPS, TASKS, Example, load_examples, parse_spec, resolve_tasks, result_name
 from densetrain.parallel import all_reduce_sum
+from densetrain.registry.tasks import GROUPS, TASKS, Example, load_examples, parse_spec, resolve_tasks, result_name
 
 __all__ = [
     "METRICS",
@@ -399,7 +399,7 @@ def evaluate_tasks(
             eval mode is set for the call and the previous mode restored. Must not be FSDP-sharded.
         tokenizer: the :class:`densetrain.data.tokenizer.Tokenizer` the model was trained with.
         task_names: task and group names (``'light'``, ``'all'``; see
-            :data:`densetrain.evals.tasks.TASKS`, :data:`densetrain.evals.tasks.GROUPS`), each
+            :data:`densetrain.registry.tasks.TASKS`, :data:`densetrain.registry.tasks.GROUPS`), each
             optionally with a shot count, ``'<name>:<k>'`` (e.g. ``'mmlu_mc:5'``); GSM8K and
             HumanEval names are evaluated by :func:`densetrain.evals.generative.evaluate_generative`
             (their results carry that function's metrics).
@@ -412,7 +412,7 @@ def evaluate_tasks(
     Returns:
         ``{task: {'acc', 'acc_norm', 'acc_per_byte', 'bpb', 'headline': float, 'n', 'truncated': int}}`` in the
         order of ``task_names`` (groups expanded); a k-shot task is reported as ``<task>_<k>shot``
-        (:func:`densetrain.evals.tasks.result_name`). Accuracies are fractions in [0, 1]; ``bpb`` is
+        (:func:`densetrain.registry.tasks.result_name`). Accuracies are fractions in [0, 1]; ``bpb`` is
         bits per byte of the correct continuation; ``headline`` repeats the task's headline metric
         (``TASKS[task].headline``); ``n`` is the number of questions and ``truncated`` the number
         of them with at least one request cut on the left to fit ``seq_len_max`` (both over all
@@ -444,3 +444,11 @@ def evaluate_tasks(
             sums[t] = torch.from_numpy(_sums(examples, requests, loglik))
     sums = all_reduce_sum(sums.to(device)).cpu().numpy()
     return {result_name(spec): _finish(sums[t], TASKS[parse_spec(spec)[0]].headline) for t, spec in enumerate(names)}
+
+
+def downstream_metrics(model, tokenizer, tasks: str, limit: int, seq_len: int, device, autocast) -> tuple[dict, list[str]]:
+    """Downstream scores as flat metrics ``{'eval/<task>/<metric>': value}``, plus one warning line
+    per task whose prompts were cut to fit ``seq_len`` tokens (few-shot examples lost)."""
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    res = evaluate_tasks(model, tokenizer, names, limit or None, device, seq_len_max=seq_len, autocast=autocast)
+    return {f"eval/{task}/{k}": v for task, r in res.items() for k, v in r.items()}, truncation_warnings(res, seq_len)

@@ -105,9 +105,9 @@ import numpy as np
 import torch
 
 from densetrain.evals.downstream import _eval_mode, _rank_world, build_requests, score_requests
-from densetrain.evals.tasks import INSTALL_HINT, TaskDataError, oe_eval_tasks_root
 from densetrain.model.llama import KVCache
 from densetrain.parallel import all_reduce_sum
+from densetrain.registry.tasks import INSTALL_HINT, TaskDataError, oe_eval_tasks_root
 
 __all__ = [
     "GEN_TASKS",

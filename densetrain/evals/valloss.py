@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from densetrain.data.shards import TokenFiles
+from densetrain.loss import token_losses
 from densetrain.parallel import all_reduce_sum
-
 
 _LN2 = math.log(2.0)
 _BYTES_CACHE: dict[tuple, int] = {}
@@ -90,8 +90,6 @@ def evaluate_val(
     stream is shorter; a stream shorter than one window is scored as one shorter window).
     """
     import torch.distributed as dist
-
-    from densetrain.train import token_losses
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1

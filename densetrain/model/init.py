@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from densetrain.config import ModelConfig
+from densetrain.model.llama import Transformer
 
 # Parameter-name fragments (torchtitan naming, see llama.py) of the hidden matrices and of the two
 # residual output projections.
@@ -113,3 +114,20 @@ def mup_lr_scale(param_name: str, cfg: ModelConfig) -> float:
     if any(f in param_name for f in _HIDDEN):
         return 1.0 / width_mult(cfg)
     return 1.0
+
+
+def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Transformer:
+    """The one way to make a model: construct on the meta device (no memory, no RNG draws),
+    materialise on ``device``, initialise with :func:`init_weights` from ``seed``.
+
+    The same seed gives the same weights on every rank and in every tool (training, μP sweeps,
+    export). The global CPU RNG is seeded inside ``torch.random.fork_rng``, so the caller's CPU RNG
+    state is untouched.
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        init_weights(model, cfg)
+    return model

@@ -23,7 +23,6 @@ Distributed wrapping (FSDP, compile, activation checkpointing) lives elsewhere; 
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn

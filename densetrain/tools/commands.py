@@ -50,7 +50,7 @@ def _error(msg: str) -> int:
 
 def cmd_mup_check(args: argparse.Namespace) -> int:
     """Run the coordinate check under μP and standard init; write PNG, markdown and JSON into ``--out``."""
-    from densetrain.mup import write_coord_check
+    from densetrain.tools.mup import write_coord_check
 
     if len(args.widths) < 2:
         return _error("--widths needs at least two widths")
@@ -69,8 +69,8 @@ def cmd_mup_check(args: argparse.Namespace) -> int:
 
 
 def cmd_lr_sweep(args: argparse.Namespace) -> int:
-    """Run :func:`densetrain.mup.lr_sweep` for one or both inits and print a loss table per init."""
-    from densetrain.mup import format_lr_sweep, lr_sweep
+    """Run :func:`densetrain.tools.mup.lr_sweep` for one or both inits and print a loss table per init."""
+    from densetrain.tools.mup import format_lr_sweep, lr_sweep
 
     inits = ("mup", "standard") if args.init == "both" else (args.init,)
     results = []
@@ -98,7 +98,7 @@ def cmd_lr_sweep(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the Chinchilla plan (and its JSON with ``--json``)."""
-    from densetrain.plan import format_plan, plan
+    from densetrain.tools.plan import format_plan, plan
 
     try:
         res = plan(

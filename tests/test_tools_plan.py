@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from densetrain.plan import CHINCHILLA_TABLE3, format_plan, nearest_preset, plan, preset_shapes
+from densetrain.tools.plan import CHINCHILLA_TABLE3, format_plan, nearest_preset, plan, preset_shapes
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def test_format_and_cli(capsys, presets):
     text = format_plan(plan(flops=1.21e20, peak_flops=1e15, presets=presets))
     assert "1.004e+09" in text and "1 Billion" in text and "nearest preset" in text and "h (" in text
 
-    from densetrain.cli_extra import add_subcommands
+    from densetrain.tools.commands import add_subcommands
 
     parser = argparse.ArgumentParser(prog="densetrain")
     add_subcommands(parser.add_subparsers(dest="command", required=True))

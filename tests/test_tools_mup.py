@@ -23,7 +23,7 @@ import math
 import numpy as np
 import pytest
 
-from densetrain.mup import ACT_KINDS, coord_check, format_lr_sweep, lr_sweep, text_bytes, width_config
+from densetrain.tools.mup import ACT_KINDS, coord_check, format_lr_sweep, lr_sweep, text_bytes, width_config
 
 WIDTHS = (64, 512)
 
@@ -78,11 +78,11 @@ def test_result_shape(mup_result):
 
 def test_optimizer_groups_carry_mup_scale():
     """The check runs through build_optimizer: hidden matrices get lr/m, the rest lr (m = 512/64 = 8)."""
-    from densetrain.mup import build_model
+    from densetrain.model.init import build_model
     from densetrain.optim import build_optimizer, set_lr
 
     cfg = width_config(512, "mup", base_d_model=64)
-    opt = build_optimizer(build_model(cfg, 0), cfg)
+    opt = build_optimizer(build_model(cfg.model, 0), cfg)
     set_lr(opt, 1.0)
     by_name = {n: g["lr"] for g in opt.param_groups for n in g["names"]}
     assert by_name["layers.0.attention.wq.weight"] == pytest.approx(1 / 8)
@@ -92,7 +92,7 @@ def test_optimizer_groups_carry_mup_scale():
 
 def test_mup_check_cli_writes_png_table_json(tmp_path, capsys):
     """``densetrain mup-check`` (through write_coord_check) on a seconds-scale setting."""
-    from densetrain.cli_extra import add_subcommands
+    from densetrain.tools.commands import add_subcommands
 
     parser = argparse.ArgumentParser(prog="densetrain")
     add_subcommands(parser.add_subparsers(dest="command", required=True))
@@ -135,7 +135,7 @@ def test_lr_sweep_tiny(capsys):
     text = format_lr_sweep(r)
     assert "best lr" in text and "*" in text
 
-    from densetrain.cli_extra import add_subcommands
+    from densetrain.tools.commands import add_subcommands
 
     parser = argparse.ArgumentParser(prog="densetrain")
     add_subcommands(parser.add_subparsers(dest="command", required=True))

@@ -7,8 +7,14 @@ from pathlib import Path
 
 from densetrain.checkpoint import latest_checkpoint, load_checkpoint
 from densetrain.config import Config
+from densetrain.data.streams import open_streams
+from densetrain.data.tokenizer import load_tokenizer
+from densetrain.evals.downstream import downstream_metrics
 from densetrain.evals.valloss import evaluate_val, val_table
-from densetrain.io import atomic_write_json
+from densetrain.fileio import atomic_write_json
+from densetrain.model.init import build_model
+from densetrain.parallel import autocast_for, init_distributed
+from densetrain.schedule import resolve_stages, stage_at
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -39,27 +45,23 @@ def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0
     Raises:
         FileNotFoundError: no complete checkpoint at ``path``.
     """
-    from densetrain.data.tokenizer import load_tokenizer
-    from densetrain.parallel import init_distributed
-    from densetrain.schedule import resolve_stages, stage_at
-    from densetrain.train import _autocast, build_model, open_streams, run_downstream
 
     path = find_checkpoint(path)
     info = init_distributed(cfg.train.device)
-    model = build_model(cfg, info.device)
+    model = build_model(cfg.model, cfg.train.seed, info.device)
     state = load_checkpoint(path, model, None)
     st = stage_at(max(state["step"] - 1, 0), resolve_stages(cfg))
     model.set_rope_theta(st.rope_theta)
     tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
     streams = open_streams(cfg, "val")
     val = evaluate_val(model, streams, st.seq_len, st.micro_batch_size, cfg.eval.max_batches, info.device,
-                       _autocast(cfg, info.device), tok)
+                       autocast_for(cfg.train.dtype, info.device), tok)
     result = {
         "checkpoint": str(path), "step": state["step"], "stage": st.name, "seq_len": st.seq_len,
         "val": val_table(val, streams), "warnings": [],
     }
     if tasks:
-        dm, result["warnings"] = run_downstream(model, tok, tasks, limit, st.seq_len, info.device, _autocast(cfg, info.device))
+        dm, result["warnings"] = downstream_metrics(model, tok, tasks, limit, st.seq_len, info.device, autocast_for(cfg.train.dtype, info.device))
         result["downstream"] = {k[len("eval/"):]: v for k, v in dm.items()}
     if info.is_main:
         for line in result["warnings"]:

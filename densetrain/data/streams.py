@@ -1,0 +1,92 @@
+"""Opening the prepared token streams of a config for training or evaluation, with the checks that
+keep a run from training on the wrong data (missing shards, another tokenizer, changed files)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from densetrain.config import Config
+from densetrain.data.shards import TokenFiles
+from densetrain.data.tokenizer import load_tokenizer
+from densetrain.errors import DataError
+
+
+def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
+    """Token streams of the configured sources for ``split`` ('train' or 'val').
+
+    Sources that ``prepare`` found empty (e.g. the demo's Debian sources on a machine without apt)
+    are left out; the stage mixes drop them (see :func:`densetrain.schedule.resolve_stages`).
+
+    Raises:
+        DataError: shards are missing (``densetrain prepare`` not run), were made with another
+            tokenizer, or the tokenizer's vocabulary is larger than model.vocab_size.
+    """
+    root = Path(cfg.data.shards_dir)
+    manifest = root / "manifest.json"
+    if not manifest.exists():
+        raise DataError(f"{manifest}: no prepared data; run `densetrain prepare` with the same config first")
+    info = json.loads(manifest.read_text())
+    tok = info.get("tokenizer", {})
+    if tok.get("vocab_size", 0) > cfg.model.vocab_size:
+        raise DataError(
+            f"{manifest}: tokenizer vocab_size {tok['vocab_size']} > model.vocab_size {cfg.model.vocab_size}"
+        )
+    if tok.get("spec") not in (None, cfg.data.tokenizer):
+        raise DataError(
+            f"{manifest}: shards were tokenized with '{tok.get('spec')}' but data.tokenizer is '{cfg.data.tokenizer}'"
+        )
+    _check_tokenizer_identity(cfg, manifest, tok)
+    prepared = info.get("sources", {})
+    streams = {}
+    for src in cfg.data.sources:
+        if src.name not in prepared:
+            raise DataError(f"{manifest}: source '{src.name}' was not prepared; re-run `densetrain prepare`")
+        sub = root / prepared[src.name].get("manifest", f"{src.name}/manifest.json")
+        if sub.is_file():
+            sub_sha = json.loads(sub.read_text()).get("tokenizer", {}).get("sha256")
+            if tok.get("sha256") and sub_sha and sub_sha != tok["sha256"]:
+                raise DataError(f"{sub}: source '{src.name}' was tokenized with tokenizer {sub_sha[:12]}, the other "
+                                 f"sources with {tok['sha256'][:12]}; re-run `densetrain prepare`")
+        entry = prepared[src.name].get(split, {})
+        if entry.get("tokens", 0) == 0:
+            continue
+        # "dir" is relative to shards_dir, or absolute for a registered datatrove folder (read in place).
+        stream = TokenFiles(root / entry.get("dir", f"{src.name}/{split}"))
+        if len(stream) != entry["tokens"]:
+            raise DataError(f"{stream.files[0].parent}: {len(stream)} tokens but the manifest says {entry['tokens']}; "
+                             f"the shards changed after `densetrain prepare`; re-run it")
+        # An id past the embedding table would index out of bounds mid-run (or silently on GPU).
+        stream.check_vocab(cfg.model.vocab_size)
+        streams[src.name] = stream
+    if not streams:
+        raise DataError(f"{manifest}: no source has {split} tokens")
+    return streams
+
+
+def data_fingerprint(streams: dict[str, TokenFiles]) -> dict[str, str]:
+    """Per source, a short hash of its train shard files (names, sizes, modification times): saved in
+    checkpoints so that a resume notices shards rewritten underneath the sampler's positions."""
+    out = {}
+    for name, stream in streams.items():
+        h = hashlib.sha256()
+        for f in stream.files:
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+        out[name] = h.hexdigest()[:16]
+    return out
+
+
+def _check_tokenizer_identity(cfg: Config, manifest: Path, tok: dict) -> None:
+    """The tokenizer ``data.tokenizer`` names must be the one the shards were made with (same sha256).
+
+    A trained BPE lives next to the shards, so only a tiktoken encoding or a tokenizer.json path is
+    loaded and compared; token ids from another vocabulary would train silently on garbage.
+    """
+    if cfg.data.tokenizer == "bpe" or not tok.get("sha256"):
+        return
+    have = load_tokenizer(cfg.data.tokenizer, cfg.data.shards_dir).sha256
+    if have != tok["sha256"]:
+        raise DataError(f"{manifest}: shards were tokenized with tokenizer sha256 {tok['sha256'][:12]} but "
+                         f"data.tokenizer='{cfg.data.tokenizer}' has {have[:12]}; re-run `densetrain prepare`")

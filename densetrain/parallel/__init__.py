@@ -1,0 +1,34 @@
+"""The parallel layer: process group, device, data-parallel rank/size, gradient sync, grad norm and
+clipping, even splits of evaluation work, precision.
+
+The model code knows nothing of parallelism; this package applies it afterwards (torchtitan's split),
+and the training loop and the evals ask it, never testing for DDP themselves. Under ``torchrun``
+``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` are set and a process group is created (NCCL on GPUs, gloo on
+CPUs); a plain ``python`` run is world size 1 with no process group, through the same code.
+
+Vocabulary: the *global* rank/size count every process; the *data-parallel* rank/size count the
+groups of processes that see different data (equal to the global ones while every rank is a data
+replica or shard; they differ once a rank is also one of several tensor-parallel ranks that see the
+same batch).
+"""
+
+from densetrain.parallel.dist import (
+    DistInfo,
+    all_reduce_max,
+    all_reduce_sum,
+    dp_rank_size,
+    even_split,
+    init_distributed,
+)
+from densetrain.parallel.wrap import (
+    autocast_for,
+    clip_grad_norm,
+    grad_sync,
+    parallelize,
+    unwrap,
+)
+
+__all__ = [
+    "DistInfo", "all_reduce_max", "all_reduce_sum", "autocast_for", "clip_grad_norm", "dp_rank_size", "even_split",
+    "grad_sync", "init_distributed", "parallelize", "unwrap",
+]

@@ -1,0 +1,72 @@
+"""Applying parallelism to a built model, and the operations whose meaning depends on it: gradient
+sync during accumulation, the global grad norm and clipping, unwrapping for evaluation, precision."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from densetrain.parallel.dist import DistInfo
+
+
+def parallelize(model: nn.Module, info: DistInfo) -> nn.Module:
+    """Wrap ``model`` for data parallelism (DDP) when ``world_size > 1``; identity otherwise.
+
+    DDP averages gradients over the data-parallel ranks; :func:`densetrain.train.step.forward_backward`
+    multiplies each rank's objective by ``dp_size`` to turn that mean back into the global sum.
+    """
+    if info.world_size == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # The only buffers are the RoPE cos/sin cache, computed identically on every rank: no need to
+    # broadcast them before each forward (DDP's default).
+    return DDP(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None, broadcast_buffers=False)
+
+
+def grad_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    """Context for one micro-batch's backward: gradients are reduced over ranks only when ``enabled``
+    (the last micro-batch of a step); earlier ones accumulate locally (DDP's ``no_sync``)."""
+    if not enabled and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the gradients of ``model`` to total L2 norm ``max_norm`` (``inf``: measure only); return the
+    norm of the *full* gradient before clipping as a 0-d tensor, identical on every rank.
+
+    Gradients are already reduced (DDP) when this runs; sharded (DTensor) gradients are handled by
+    ``torch.nn.utils.clip_grad_norm_``, whose DTensor norm is materialised here with ``full_tensor``.
+    """
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain module under DDP / torch.compile wrappers (their forward may sync or recompile)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def autocast_for(dtype: str, device: torch.device) -> contextlib.AbstractContextManager | None:
+    """The autocast context of ``train.dtype`` on ``device`` (None for fp32).
+
+    'auto' is bf16 on CUDA and fp32 on CPU.
+    """
+    if dtype == "auto":
+        dtype = "bf16" if device.type == "cuda" else "fp32"
+    if dtype == "fp32":
+        return None
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
