@@ -12,3 +12,9 @@ class DataError(ValueError):
 
 class TrainError(RuntimeError):
     """A problem that stops training, with a one-line message (missing data, bad resume, ...)."""
+
+
+def check_config(cond: bool, msg: str) -> None:
+    """Raise :class:`ConfigError` with ``msg`` (which names the key) unless ``cond`` holds."""
+    if not cond:
+        raise ConfigError(msg)

@@ -27,7 +27,6 @@ from densetrain.config import (
     load_config,
 )
 from densetrain.data.filters import (
-    AUTO_FILTERS,
     FTFY_CONFIG,
     C4Filter,
     FilterStats,
@@ -40,6 +39,7 @@ from densetrain.data.filters import (
     clean_text,
 )
 from densetrain.errors import ConfigError
+from densetrain.registry.filters import AUTO_FILTERS
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

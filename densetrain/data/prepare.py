@@ -52,13 +52,14 @@ from pathlib import Path
 import numpy as np
 
 from densetrain.data.corpus import build_demo_corpus, demo_sources, fair_shares
-from densetrain.data.filters import FilterStats, clean_text, resolve_filter_names
+from densetrain.data.filters import FilterStats, clean_text
 from densetrain.data.process import CHUNK_BYTES, ProcessSpec, chunked, process_documents, worker_pool
 from densetrain.data.shards import token_dtype, token_size_for, write_shard
 from densetrain.data.sources import SkipLog, display_path, iter_documents, resolve_paths
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe, usable_cpus
 from densetrain.errors import DataError
 from densetrain.fileio import atomic_write_bytes, atomic_write_json
+from densetrain.registry.filters import resolve_filter_names
 
 PREPARE_VERSION = 1
 """Bumped when cleaning/splitting/layout changes, which invalidates existing manifests."""

@@ -1,0 +1,204 @@
+"""The configuration tree's sections other than ``data``: model, optimizer, schedule, stages, training,
+checkpoints, logging, evaluation, and the whole :class:`Config`. Each field's docstring (the string
+literal right below it) is its ``--help-config`` text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from densetrain.config.data import DataConfig
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the Llama-style decoder (pre-norm RMSNorm, RoPE, GQA, SwiGLU, no biases)."""
+
+    vocab_size: int = 8192
+    """Vocabulary size (tokens). Must be >= the tokenizer's vocabulary; extra rows are never targets."""
+    d_model: int = 256
+    """Residual stream width."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Query heads; head_dim = d_model / n_heads."""
+    n_kv_heads: int = 4
+    """Key/value heads (grouped-query attention); must divide n_heads. Equal to n_heads is MHA."""
+    d_ff: int = 768
+    """Hidden width of the SwiGLU MLP (each of the gate and up projections is d_model x d_ff)."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency for the first stage; a stage may change it (long-context extension)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = False
+    """Share the input embedding matrix with the output projection."""
+    init: str = "standard"
+    """Initialisation: 'standard' (normal std init_std, residual projections / sqrt(2 n_layers)) or 'mup'."""
+    init_std: float = 0.02
+    """Std of the normal init for matmul weights and embeddings (GPT-2 / Llama convention)."""
+    base_d_model: int = 256
+    """μP base width: width_mult = d_model / base_d_model (only read when init = 'mup')."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with weight decay on 2-D matmul weights only, global-norm clipping, optional z-loss."""
+
+    peak_lr: float = 1e-3
+    """Learning rate at the end of warmup."""
+    min_lr: float = 1e-4
+    """Final learning rate of the decay."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay applied to 2-D matmul weights (not norms, not embeddings by default)."""
+    decay_embeddings: bool = False
+    """Also apply weight decay to the embedding matrix."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    z_loss: float = 0.0
+    """Coefficient of the z-loss (log^2 of the softmax normaliser, PaLM 2022); 0 disables."""
+
+
+@dataclass
+class ScheduleConfig:
+    """Learning-rate schedule lr(step): linear warmup, then cosine / WSD / constant."""
+
+    kind: str = "cosine"
+    """'cosine' (to min_lr at the last step), 'wsd' (warmup-stable-decay) or 'constant'."""
+    unit: str = "steps"
+    """What progress is counted in: 'steps' (optimizer updates) or 'tokens' (tokens consumed; stage starts, warmup_fraction, decay_fraction and the lr curve are then fractions of the run's tokens, which differs from steps only when stages have different batch_tokens)."""
+    warmup_steps: int = -1
+    """Warmup length in optimizer steps (unit='tokens': the tokens of the first warmup_steps steps); -1 means warmup_fraction of the total (at least one step)."""
+    warmup_fraction: float = 0.005
+    """Warmup length as a fraction of total steps (or of total tokens when unit='tokens') when warmup_steps is -1."""
+    decay_fraction: float = 0.15
+    """WSD: fraction of total steps (or of total tokens when unit='tokens') spent in the final decay."""
+    decay_shape: str = "linear"
+    """WSD decay shape: 'linear', 'cosine' or '1-sqrt' (Hägele et al. 2024)."""
+
+
+@dataclass
+class StageConfig:
+    """One row of the stage table. Unset fields (0 / empty) inherit from the previous stage."""
+
+    name: str = ""
+    """Stage name, shown in logs, metrics and the report."""
+    start: float = 0.0
+    """Start as a fraction of train.steps, or of the run's tokens when schedule.unit='tokens' (the first stage must start at 0)."""
+    mix: dict[str, float] = field(default_factory=dict)
+    """Source name -> sampling weight (normalised); empty inherits the previous stage's mix."""
+    seq_len: int = 0
+    """Sequence length in tokens; 0 inherits. Tokens per step stay as batch_tokens (fewer, longer sequences)."""
+    batch_tokens: int = 0
+    """Global batch in tokens per optimizer step (sequences per step = batch_tokens / seq_len, must divide); 0 inherits; the first stage's default is train.batch_size * train.seq_len."""
+    rope_theta: float = 0.0
+    """RoPE base for this stage; 0 inherits."""
+    lr_mult: float = 1.0
+    """Multiplier on the scheduled learning rate during this stage (not inherited)."""
+    rewarmup_steps: int = 0
+    """Re-warm the lr over the stage's first N steps: the k-th step (0-based) uses scheduled lr * (k+1)/N (Gupta et al. 2023); 0 disables; not inherited; must be 0 on the first stage."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    run_dir: str = "runs/default"
+    """Run directory: resolved config, checkpoints, metrics, TensorBoard events, report."""
+    steps: int = 100
+    """Total optimizer steps."""
+    seq_len: int = 256
+    """Sequence length (tokens) of the first stage."""
+    batch_size: int = 16
+    """Sequences per optimizer step at train.seq_len (global, across all ranks)."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward per rank at train.seq_len; grad accumulation is derived."""
+    device: str = "auto"
+    """'auto' (cuda if available, else cpu), 'cpu' or 'cuda'."""
+    dtype: str = "auto"
+    """Autocast dtype: 'auto' (bf16 on GPU, fp32 on CPU), 'bf16' or 'fp32'."""
+    compile: bool = False
+    """Wrap the model with torch.compile."""
+    seed: int = 0
+    """Seed of model init and of all training randomness."""
+    threads: int = 0
+    """torch intra-op threads on CPU; 0 keeps torch's default."""
+    max_nonfinite_steps: int = 10
+    """Stop with an error after this many consecutive steps with a non-finite loss or gradient."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpointing and retention."""
+
+    every: int = 50
+    """Save every N optimizer steps (and at the end); 0 saves only at the end."""
+    keep: int = 3
+    """Keep the newest N complete checkpoints (older ones are deleted); 0 keeps all."""
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics sinks."""
+
+    every: int = 1
+    """Console line every N steps (metrics.jsonl and TensorBoard get every step)."""
+    mfu_every: int = 10
+    """Compute mfu and memory every N steps."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device for mfu; 0 measures it once with a matmul probe at start."""
+    tensorboard: bool = True
+    """Write TensorBoard event files under RUN_DIR/tb."""
+
+
+@dataclass
+class EvalConfig:
+    """In-loop evaluation."""
+
+    every: int = 50
+    """Validation loss every N steps (and at the end); 0 only at the end."""
+    max_batches: int = 8
+    """Validation micro-batches per source per evaluation."""
+    tasks: str = ""
+    """Downstream multiple-choice tasks run in the loop: comma list or group ('light', 'all'), 'task:k' for k
+    shots (e.g. 'arc_challenge_mc:5', reported as arc_challenge_mc_5shot); '' disables."""
+    tasks_every: int = 0
+    """Run eval.tasks every N steps (and at the end); 0 only at the end."""
+    tasks_limit: int = 200
+    """Examples per task for in-loop evaluation (the first N rows, a fixed subset); 0 = all."""
+    final_tasks: str = ""
+    """Tasks evaluated once after the last step (e.g. 'all'); '' disables."""
+    final_limit: int = 0
+    """Examples per task for final_tasks; 0 = all."""
+
+
+@dataclass
+class Config:
+    """The whole recipe."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Architecture."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Data preparation."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Learning-rate schedule."""
+    stages: list[StageConfig] = field(default_factory=lambda: [StageConfig(name="main")])
+    """The stage table (main, anneal, long_context, ...)."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Training loop."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation."""
