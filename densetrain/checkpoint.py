@@ -12,8 +12,14 @@ Layout of ``RUN_DIR/checkpoints/step_00000050/``:
 
 Atomicity: everything is written to ``step_XXXXXXXX.tmp/``, files are fsynced, the marker is
 written, then the directory is renamed to its final name and the parent fsynced. A crash at any
-point leaves either no checkpoint or a complete one. Loading uses DCP's reader (tensor payloads are
-not unpickled as arbitrary objects) and ``json``; nothing from ``torch.load`` with pickle.
+point leaves either no checkpoint or a complete one. Deleting (retention) or replacing a checkpoint
+first renames it to ``step_XXXXXXXX.retired`` (never listed), then deletes it. A failed write (disk
+full, read-only, I/O error) raises :class:`CheckpointError` and removes its temporary directory.
+Loading uses DCP's reader (tensor payloads are not unpickled as arbitrary objects) and ``json``;
+nothing from ``torch.load`` with pickle.
+
+:class:`Checkpointer` is what the training loop talks to: the interval, the veto after a non-finite
+step, retention, and resuming from the newest checkpoint that loads.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ import json
 import os
 import re
 import shutil
+import time
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -36,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from densetrain.errors import TrainError
 from densetrain.fileio import atomic_write_json, fsync_dir
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -101,41 +110,127 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([dec(s) for s in state["cuda"]])
 
 
+class CheckpointError(TrainError):
+    """A checkpoint could not be written (disk full, permission denied, I/O error): one line, naming
+    the directory and the OS error. The previous checkpoints are intact and no temporary directory is
+    left behind."""
+
+
+def _agree(ok: bool) -> bool:
+    """True on every rank iff ``ok`` on every rank (one collective; a single process just returns ok)."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([int(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _retire(path: Path) -> None:
+    """Remove a checkpoint directory so that it is never seen half-deleted: it is first renamed out of
+    the ``step_XXXXXXXX`` namespace (one atomic rename, made durable), then deleted. A kill -9 in
+    between leaves a ``.retired`` directory that :func:`sweep` removes later; no lister can choose it."""
+    gone = path.with_name(f"{path.name}.retired")
+    shutil.rmtree(gone, ignore_errors=True)
+    os.replace(path, gone)
+    fsync_dir(path.parent)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def sweep(run_dir: Path) -> None:
+    """Delete what interrupted saves and retentions left (``*.tmp``, ``*.retired``); rank 0 only."""
+    root = checkpoint_dir(run_dir)
+    if _rank() == 0 and root.is_dir():
+        for p in root.iterdir():
+            if p.is_dir() and p.suffix in (".tmp", ".retired") and _STEP_DIR.match(p.stem):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _one_line(e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    # DCP wraps a rank's OSError in CheckpointException; name the underlying error when there is one.
+    errno_text = next((f"[Errno {x.errno}] {x.strerror}" for x in _causes(e) if isinstance(x, OSError) and x.errno), "")
+    return errno_text or f"{type(e).__name__}: {first[:200]}"
+
+
+def _causes(e: BaseException):
+    seen = 0
+    while e is not None and seen < 10:
+        yield e
+        if isinstance(e, CheckpointException):
+            for failure in getattr(e, "failures", {}).values():
+                yield failure
+        e = e.__cause__ or e.__context__
+        seen += 1
+
+
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     trainer_state: dict, keep: int = 3) -> Path:
     """Save a complete checkpoint for optimizer step ``step``; all ranks must call it.
+
+    Protocol (module docstring): write into ``step_XXXXXXXX.tmp/``, fsync, marker, rename. Replacing
+    an existing checkpoint of the same step and retention go through :func:`_retire`, so at no instant
+    is a directory that is being deleted or replaced listed as complete.
 
     Args:
         trainer_state: JSON-serialisable dict (step, stage, sampler state, ...), written by rank 0.
         keep: retention; older complete checkpoints beyond the newest ``keep`` are deleted (0 keeps all).
     Returns:
         The final checkpoint directory.
+    Raises:
+        CheckpointError: the write failed on some rank (every rank raises; the temporary directory is
+            removed, earlier checkpoints are untouched).
     """
     root = checkpoint_dir(run_dir)
     final = root / f"step_{step:08d}"
     tmp = root / f"step_{step:08d}.tmp"
     rank = _rank()
-    if rank == 0:
+    error = ""
+
+    def attempt(fn) -> None:
+        nonlocal error
+        if not error:
+            try:
+                fn()
+            except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+                error = _one_line(e)
+
+    def start() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed.*")  # single-process DCP warns
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    atomic_write_json(tmp / f"rng_{rank}.json", _rng_state())
-    _barrier()
-    if rank == 0:
+
+    def write_shards() -> None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed.*")  # single-process DCP warns
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        atomic_write_json(tmp / f"rng_{rank}.json", _rng_state())
+
+    def finish() -> None:
         atomic_write_json(tmp / "trainer_state.json", trainer_state)
         _fsync_tree(tmp)
         atomic_write_json(tmp / "COMPLETE", {"step": step})
         if final.exists():  # re-saving the same step (e.g. after a rollback): replace it
-            shutil.rmtree(final)
+            _retire(final)
         os.replace(tmp, final)
         fsync_dir(root)
-        if keep > 0:
-            for _, old in list_complete(run_dir)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+
+    if rank == 0:
+        attempt(start)
+    ok = _agree(not error)
+    if ok:
+        attempt(write_shards)  # DCP itself runs collectives: every rank enters it
+        ok = _agree(not error)
+    if ok and rank == 0:
+        attempt(finish)
+    ok = _agree(not error)
+    if not ok:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{tmp}: checkpoint of step {step} not written ({error or 'failed on another rank'}); "
+                              "the earlier checkpoints are intact")
+    if rank == 0 and keep > 0:
+        for _, old in list_complete(run_dir)[:-keep]:
+            _retire(old)
     _barrier()
     return final
 
@@ -167,3 +262,63 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     if rng.exists():
         _set_rng_state(json.loads(rng.read_text()))
     return json.loads((path / "trainer_state.json").read_text())
+
+
+class Checkpointer:
+    """The training loop's checkpoints: when to save, when not to, how many to keep, where to resume.
+
+    Args:
+        run_dir: the run directory (checkpoints live in ``run_dir/checkpoints``).
+        every: save after every ``every`` optimizer steps (0: only at ``last_step``).
+        keep: retention, see :func:`save_checkpoint`.
+        last_step: the step this invocation stops at (always saved, so a stopped run can resume).
+    """
+
+    def __init__(self, run_dir: Path, every: int, keep: int, last_step: int):
+        self.run_dir, self.every, self.keep, self.last_step = Path(run_dir), every, keep, last_step
+        sweep(self.run_dir)
+
+    def due(self, step: int) -> bool:
+        return bool(self.every and step % self.every == 0) or step == self.last_step
+
+    def save_if_due(self, step: int, model, optimizer, state: dict, finite: bool, log) -> Path | None:
+        """Save when :meth:`due`, unless the step just taken was non-finite (its weights are the
+        previous step's, but a checkpoint named after it would claim otherwise; the next due step
+        saves instead). ``log`` gets one event either way.
+
+        Raises:
+            CheckpointError: the write failed (see :func:`save_checkpoint`).
+        """
+        if not self.due(step):
+            return None
+        if not finite:
+            log.event(step, "checkpoint not saved: the last step was non-finite")
+            return None
+        t0 = time.perf_counter()
+        path = save_checkpoint(self.run_dir, step, model, optimizer, state, self.keep)
+        log.event(step, f"checkpoint {path.name} ({time.perf_counter() - t0:.2f}s)")
+        return path
+
+    def load_latest(self, model, optimizer) -> tuple[Path | None, dict | None]:
+        """Load the newest complete checkpoint that loads cleanly; fall back to older ones, saying why.
+
+        Returns:
+            (path, trainer_state), or (None, None) when the run has no complete checkpoint.
+        Raises:
+            TrainError: checkpoints exist but none loads (corrupt, or made for another model shape).
+        """
+        done = list_complete(self.run_dir)
+        errors = []
+        for _, path in reversed(done):
+            try:
+                return path, load_checkpoint(path, model, optimizer)
+            # A corrupt file or a shape mismatch after a model.* change; DCP wraps failures in
+            # CheckpointException, which derives from BaseException, hence listed explicitly.
+            except (Exception, CheckpointException) as e:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                errors.append(f"{path.name}: {type(e).__name__}: {first}")
+                print(f"densetrain: warning: cannot load {path} ({type(e).__name__}: {first}); trying an older one")
+        if done:
+            raise TrainError(f"{self.run_dir}: no checkpoint could be loaded ({'; '.join(errors)}); "
+                             f"model.* settings cannot change on --resume")
+        return None, None

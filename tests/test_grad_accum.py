@@ -6,7 +6,7 @@ from densetrain.config import ModelConfig
 from densetrain.loss import IGNORE_INDEX, token_losses
 from densetrain.model.init import init_weights
 from densetrain.model.llama import Transformer
-from densetrain.train import forward_backward
+from densetrain.train.step import forward_backward
 
 
 def _model():
