@@ -157,8 +157,8 @@ def _causes(e: BaseException):
     while e is not None and seen < 10:
         yield e
         if isinstance(e, CheckpointException):
-            for failure in getattr(e, "failures", {}).values():
-                yield failure
+            for failure in getattr(e, "failures", {}).values():  # rank -> (exception, traceback)
+                yield failure[0] if isinstance(failure, tuple) else failure
         e = e.__cause__ or e.__context__
         seen += 1
 
@@ -195,6 +195,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
                 error = _one_line(e)
 
     def start() -> None:
+        sweep(run_dir)  # what an interrupted save or retention left
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
 
@@ -276,7 +277,6 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, every: int, keep: int, last_step: int):
         self.run_dir, self.every, self.keep, self.last_step = Path(run_dir), every, keep, last_step
-        sweep(self.run_dir)
 
     def due(self, step: int) -> bool:
         return bool(self.every and step % self.every == 0) or step == self.last_step
