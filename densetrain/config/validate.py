@@ -7,6 +7,7 @@ import difflib
 from densetrain.config.filters import validate_filters
 from densetrain.config.schema import Config
 from densetrain.errors import check_config
+from densetrain.registry.gen_tasks import GEN_TASKS
 from densetrain.registry.tasks import GROUPS, TASKS
 
 # --------------------------------------------------------------------------------------------------
@@ -91,11 +92,7 @@ def validate(cfg: Config) -> None:
     check_config(dc.ngram >= 8, f"data.decontam.ngram must be >= 8 (shorter n-grams match common phrases), got {dc.ngram}")
     if dc.enabled:
         check_config(bool(dc.tasks), "data.decontam.tasks is empty; name tasks or set data.decontam.enabled = false")
-        valid = [*GROUPS, *TASKS]
-        if not set(dc.tasks) <= set(valid):  # GSM8K / HumanEval: their module imports torch, so only now
-            from densetrain.evals.generative import GEN_TASKS
-
-            valid += list(GEN_TASKS)
+        valid = [*GROUPS, *TASKS, *GEN_TASKS]
         for name in dc.tasks:
             close = difflib.get_close_matches(name, valid, n=1)
             hint = f"; did you mean '{close[0]}'?" if close else f" (valid: {', '.join(valid)})"
