@@ -134,8 +134,10 @@ def build_input(args, work: Path) -> dict:
         ``{'dir', 'files', 'documents', 'bytes', 'origins': {name: {'documents', 'bytes'}}}``
         (bytes = UTF-8 bytes of the raw texts).
     """
-    from densetrain.data.corpus import _spread, fair_shares
-    from densetrain.data.sources import SkipLog, iter_documents, resolve_paths
+    from densetrain.data.documents import SkipLog
+    from densetrain.data.paths import resolve_paths
+    from densetrain.data.sampling import fair_shares, spread
+    from densetrain.data.sources import iter_documents
 
     origins = _origins(args, work)
     n_files = 4 * args.workers
@@ -154,7 +156,7 @@ def build_input(args, work: Path) -> dict:
 
     # Read each origin up to the whole target (a big --input is not read to its end).
     texts: list[list[str]] = []
-    for name, src, base in origins:
+    for _, src, base in origins:
         got, n = [], 0
         skips = SkipLog(print_first=3)
         for doc in iter_documents(src, base, skips):
@@ -169,7 +171,7 @@ def build_input(args, work: Path) -> dict:
     shares = fair_shares([sum(d[2] for d in p) for p in pool], args.target_bytes)
     docs, per_origin = [], {}
     for (name, _, _), p, share in zip(origins, pool, shares):
-        picked = _spread(p, share, size=lambda d: d[2])  # evenly through the origin
+        picked = spread(p, share, size=lambda d: d[2])  # evenly through the origin
         docs.extend(picked)
         per_origin[name] = {"documents": len(picked), "bytes": sum(d[2] for d in picked)}
     del texts, pool

@@ -18,11 +18,13 @@ import numpy as np
 import pytest
 
 from densetrain.config import Config, DataConfig, SourceConfig
-from densetrain.data import corpus
+from densetrain.data import corpus, corpus_texts, prepare_source
+from densetrain.data.documents import SkipLog
 from densetrain.data.filters import FilterStats, apply_filters, build_filters, clean_text
+from densetrain.data.paths import resolve_paths
 from densetrain.data.prepare import prepare
 from densetrain.data.shards import TokenFiles, sha256_file, token_size_for, write_shard
-from densetrain.data.sources import SkipLog, iter_documents, resolve_paths
+from densetrain.data.sources import iter_documents
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from densetrain.errors import DataError
 
@@ -92,10 +94,12 @@ def test_jsonl_bad_records_are_counted_with_location(tmp_path, name):
     ]
     assert skips.total == 5
     assert dict(skips.counts) == {
-        "malformed JSON": 1, "invalid UTF-8": 1, "missing text field": 1, "text field not a string": 1, "not a JSON object": 1,
+        "malformed JSON": 1, "invalid UTF-8": 1, "missing text field": 1, "text field not a string": 1,
+        "not a JSON object": 1,
     }
     ex = "\n".join(skips.examples)
-    for line, reason in [(2, "malformed JSON"), (3, "invalid UTF-8"), (4, "missing text field"), (5, "text field not a string"), (7, "not a JSON object")]:
+    for line, reason in [(2, "malformed JSON"), (3, "invalid UTF-8"), (4, "missing text field"),
+                         (5, "text field not a string"), (7, "not a JSON object")]:
         assert f"{name}:{line}: {reason}" in ex
     assert skips.summary()["total"] == 5
 
@@ -108,9 +112,10 @@ def test_text_paragraphs_dirs_globs(tmp_path):
     (tmp_path / "d" / "bad.txt").write_bytes(b"line one\nline \xfe two\n")
     skips = SkipLog(print_first=0)
     docs = list(iter_documents(SourceConfig(name="t", paths=["d"], format="text"), tmp_path, skips))
-    assert [d.source_file for d in docs] == ["d/b.txt", "d/sub/a.txt"]  # sorted, hidden skipped, bad one skipped
+    assert [d.source_file for d in docs] == ["d/b.txt", "d/bad.txt", "d/sub/a.txt"]  # sorted, hidden skipped
     assert docs[0].text == "second file\n" and docs[0].line is None
-    assert skips.examples == ["d/bad.txt:2: invalid UTF-8: byte 0xfe at offset 14"]
+    assert docs[1].text == "line one\n"  # only the line with the bad byte is dropped
+    assert skips.examples == ["d/bad.txt:2: invalid UTF-8: byte 0xfe at column 6; line dropped"]
 
     paras = list(iter_documents(SourceConfig(name="p", paths=["d/sub/*.txt"], format="paragraphs"), tmp_path))
     assert [(p.text, p.line) for p in paras] == [("first", 1), ("para two\nline two", 4)]
@@ -196,7 +201,8 @@ def test_token_size_rule():
 
 def test_shards_layout_read_across_files_and_vocab_check(tmp_path):
     rng = np.random.default_rng(0)
-    files_docs = [[rng.integers(0, 60000, size=n) for n in (5, 1, 17)], [rng.integers(0, 60000, size=n) for n in (9, 3)]]
+    files_docs = [[rng.integers(0, 60000, size=n) for n in (5, 1, 17)],
+                  [rng.integers(0, 60000, size=n) for n in (9, 3)]]
     for j, docs in enumerate(files_docs):
         info = write_shard(tmp_path / f"{j:06d}", docs, 2, tokenizer_name="test-tok")
         ds = tmp_path / f"{j:06d}.ds"
@@ -318,7 +324,8 @@ def test_prepare_bpe_roundtrip_skip_and_redo(tmp_path):
     for i, src in enumerate(sources):
         _check_source_shards(cfg, i, src, tok)
     notes = json.loads((Path(cfg.data.shards_dir) / "notes" / "manifest.json").read_text())["stats"]
-    assert notes["skipped"]["counts"] == {"malformed JSON": 1, "missing text field": 1} and notes["empty_after_cleaning"] == 1
+    assert notes["skipped"]["counts"] == {"malformed JSON": 1, "missing text field": 1}
+    assert notes["empty_after_cleaning"] == 1
     top = json.loads((Path(cfg.data.shards_dir) / "manifest.json").read_text())
     assert set(top["sources"]) == {src.name for src in sources} and top["tokenizer"]["sha256"] == tok.sha256
 
@@ -331,7 +338,8 @@ def test_prepare_bpe_roundtrip_skip_and_redo(tmp_path):
 
     # force: everything redone; BPE training is deterministic, so the tokenizer is the same
     s_force = prepare(cfg, force=True)
-    assert all(v["status"] == "prepared" for v in s_force["sources"].values()) and s_force["tokenizer"]["sha256"] == tok.sha256
+    assert all(v["status"] == "prepared" for v in s_force["sources"].values())
+    assert s_force["tokenizer"]["sha256"] == tok.sha256
 
     # an input changes: only that source is redone
     victim = sorted((root / "code").iterdir())[3]
@@ -358,12 +366,11 @@ def test_prepare_tiktoken_uint32_multi_shard(tmp_path, monkeypatch):
     (root / "c.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in docs).encode()))
     src = SourceConfig(name="c", kind="code", paths=["c.jsonl.gz"])
     cfg = _cfg(tmp_path, root, [src], tokenizer="tiktoken:cl100k_base", vocab=8192)
-    with pytest.raises(DataError, match=r"model\.vocab_size \(8192\) must be >= the tokenizer vocabulary \(100277, data\.tokenizer="):
+    with pytest.raises(DataError, match=r"model\.vocab_size \(8192\) must be >= the tokenizer vocabulary "
+                                        r"\(100277, data\.tokenizer="):
         prepare(cfg)
     cfg.model.vocab_size = 100352
-    import densetrain.data.prepare as prep
-
-    monkeypatch.setattr(prep, "SHARD_MAX_TOKENS", 8000)  # force several train shard files
+    monkeypatch.setattr(prepare_source, "SHARD_MAX_TOKENS", 8000)  # force several train shard files
     s = prepare(cfg)
     assert s["token_size"] == 4 and s["dtype"] == "uint32"
     train_dir = Path(cfg.data.shards_dir) / "c" / "train"
@@ -387,32 +394,42 @@ def test_prepare_missing_source_path(tmp_path):
 
 
 def test_corpus_parsers_on_small_inputs():
-    recs = corpus.fortune_records(b"Hello _\x08w_\x08o_\x08r_\x08l_\x08d\n%\n\x1b[33mcolour\x1b[m\n%\n" + "你好".encode("gb18030") + b"\n%\n")
+    recs = corpus_texts.fortune_records(b"Hello _\x08w_\x08o_\x08r_\x08l_\x08d\n%\n\x1b[33mcolour\x1b[m\n%\n"
+                                        + "你好".encode("gb18030") + b"\n%\n")
     assert recs == ["Hello world", "colour", "你好"]
-    kjv = corpus.kjv_documents(["Ge1:1 In the beginning.", "Ge1:2 And the earth.", "Ge2:1 Thus.", "Exo1:1 Now these."], "x")
-    assert [d["text"] for d in kjv] == ["Ge\n\nChapter 1\n\n1 In the beginning.\n2 And the earth.\n\nChapter 2\n\n1 Thus.", "Exo\n\nChapter 1\n\n1 Now these."]
+    kjv = corpus_texts.kjv_documents(["Ge1:1 In the beginning.", "Ge1:2 And the earth.", "Ge2:1 Thus.",
+                                      "Exo1:1 Now these."], "x")
+    assert [d["text"] for d in kjv] == [
+        "Ge\n\nChapter 1\n\n1 In the beginning.\n2 And the earth.\n\nChapter 2\n\n1 Thus.",
+        "Exo\n\nChapter 1\n\n1 Now these."]
     osis = ('<title type="main">Genesis</title><chapter n="1" sID="Gen.1"/><w lemma="x">In</w> the '
-            '<w>beginning</w>, God<note placement="foot">a note</note><w>created</w> &amp; <l sID="a"/>line one<l eID="a"/>'
+            '<w>beginning</w>, God<note placement="foot">a note</note><w>created</w> &amp; '
+            '<l sID="a"/>line one<l eID="a"/>'
             '<l sID="b"/>line two<l eID="b"/>')
-    assert corpus.osis_to_text(osis) == "Genesis\n\nChapter 1\n\nIn the beginning, God created &\nline one\nline two"
-    entry = 'Caloric \\Ca*lor"ic\\, n. [F. calorique.]\n   The principle of heat; 0[deg] to 1[deg]; {Foot\n   pound}. [=a]\n   [1913 Webster]'
-    assert corpus.gcide_clean(entry) == "Caloric, n. [F. calorique.] The principle of heat; 0° to 1°; Foot pound. ā"
+    want = "Genesis\n\nChapter 1\n\nIn the beginning, God created &\nline one\nline two"
+    assert corpus_texts.osis_to_text(osis) == want
+    entry = ('Caloric \\Ca*lor"ic\\, n. [F. calorique.]\n   The principle of heat; 0[deg] to 1[deg]; {Foot\n'
+             '   pound}. [=a]\n   [1913 Webster]')
+    want = "Caloric, n. [F. calorique.] The principle of heat; 0° to 1°; Foot pound. ā"
+    assert corpus_texts.gcide_clean(entry) == want
 
 
 def test_demo_corpus_stdlib_fallback_and_marker(tmp_path, capsys):
-    stats = corpus.build_demo_corpus(tmp_path, max_bytes_per_source=300_000, sources=["code", "technical", "web"], use_packages=False)
+    stats = corpus.build_demo_corpus(tmp_path, max_bytes_per_source=300_000, sources=["code", "technical", "web"],
+                                     use_packages=False)
     assert "falling back to the Python standard library" in capsys.readouterr().out
     assert stats["web"]["documents"] == 0 and "unavailable" in stats["web"]["origin"]
     for name in ("code", "technical"):
         assert 0 < stats[name]["bytes"] <= 300_000
-        rows = [json.loads(l) for l in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        rows = [json.loads(row) for row in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
         assert len(rows) == stats[name]["documents"] and all(set(r) == {"text", "id", "source_file"} for r in rows)
         assert sum(len(r["text"].encode()) for r in rows) == stats[name]["bytes"]
-    code = [json.loads(l) for l in (tmp_path / "code.jsonl").read_text().splitlines()]
+    code = [json.loads(row) for row in (tmp_path / "code.jsonl").read_text().splitlines()]
     assert all(r["id"].startswith("stdlib/") and "/test/" not in r["id"] for r in code)
     assert any("def " in r["text"] for r in code)
     mtime = (tmp_path / "code.jsonl").stat().st_mtime_ns
-    assert corpus.build_demo_corpus(tmp_path, max_bytes_per_source=300_000, sources=["code", "technical", "web"], use_packages=False) == stats
+    assert corpus.build_demo_corpus(tmp_path, max_bytes_per_source=300_000, sources=["code", "technical", "web"],
+                                    use_packages=False) == stats
     assert (tmp_path / "code.jsonl").stat().st_mtime_ns == mtime
     assert [s.name for s in corpus.demo_sources()] == ["books", "reference", "technical", "web", "zh", "code"]
 
@@ -425,7 +442,7 @@ def test_demo_corpus_from_packages(tmp_path):
     stats = corpus.build_demo_corpus(tmp_path, max_bytes_per_source=200_000, sources=["web"])
     if stats["web"]["documents"] == 0:
         pytest.skip(f"fortunes packages could not be downloaded: {stats['web']['origin']}")
-    rows = [json.loads(l) for l in (tmp_path / "web.jsonl").read_text().splitlines()]
+    rows = [json.loads(row) for row in (tmp_path / "web.jsonl").read_text().splitlines()]
     assert 0 < stats["web"]["bytes"] <= 200_000 and len(rows) == stats["web"]["documents"]
     assert all(r["source_file"].startswith(("fortunes:", "fortunes-min:")) for r in rows)
     assert not any("\n%\n" in r["text"] or "\x08" in r["text"] for r in rows)
@@ -444,8 +461,9 @@ _PREPARE_SCRIPT = """
 import sys
 from pathlib import Path
 import densetrain.data.prepare as P
+import densetrain.data.prepare_source as PS
 from densetrain.config import Config, DataConfig, SourceConfig
-P.CHUNK_BYTES = 1 << 16  # many small work items, so that the kill lands in the middle
+PS.CHUNK_BYTES = 1 << 16  # many small work items, so that the kill lands in the middle
 cfg = Config()
 cfg.data = DataConfig(corpus_dir=sys.argv[1], shards_dir=sys.argv[2], tokenizer="tiktoken:cl100k_base", workers=1,
                       sources=[SourceConfig(name="code", kind="code", paths=["code"], format="text")])
@@ -566,8 +584,8 @@ def test_repeated_document_ids_are_reported(tmp_path, capsys):
     root.mkdir()
     rows = [{"text": t, "id": "same"} for t in ("first document here", "second document there")]
     (root / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = _cfg(tmp_path, root, [SourceConfig(name="s", kind="code", paths=["a.jsonl"])], tokenizer="tiktoken:cl100k_base",
-               vocab=100_352)
+    cfg = _cfg(tmp_path, root, [SourceConfig(name="s", kind="code", paths=["a.jsonl"])],
+               tokenizer="tiktoken:cl100k_base", vocab=100_352)
     cfg.data.workers, cfg.data.decontam.enabled = 1, False
     prepare(cfg)
     out = capsys.readouterr().out
@@ -582,8 +600,8 @@ def test_a_mostly_duplicated_source_is_called_out(tmp_path, capsys):
     texts = [f.read_text() for f in _stdlib_files(60_000)]
     rows = [{"text": t, "id": f"{k}-{i}"} for k in range(3) for i, t in enumerate(texts)]  # every file 3 times
     (root / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = _cfg(tmp_path, root, [SourceConfig(name="s", kind="code", paths=["a.jsonl"])], tokenizer="tiktoken:cl100k_base",
-               vocab=100_352)
+    cfg = _cfg(tmp_path, root, [SourceConfig(name="s", kind="code", paths=["a.jsonl"])],
+               tokenizer="tiktoken:cl100k_base", vocab=100_352)
     cfg.data.workers, cfg.data.decontam.enabled = 1, False
     prepare(cfg)
     assert "s: WARNING 67% of the documents were duplicates" in capsys.readouterr().out

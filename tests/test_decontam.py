@@ -23,14 +23,10 @@ import numpy as np
 import pytest
 
 from densetrain.config import load_config
-from densetrain.data.decontam import (
-    GAP_MIN_GOLD_WORDS,
-    GAP_MIN_WORDS,
-    ContaminationIndex,
-    build_index,
-    normalize_words,
-    question_and_choices,
-)
+from densetrain.data.decontam import build_index
+from densetrain.data.decontam_index import GAP_MIN_GOLD_WORDS, GAP_MIN_WORDS, ContaminationIndex
+from densetrain.data.decontam_views import question_and_choices
+from densetrain.data.ngram_hash import normalize_words
 from densetrain.errors import ConfigError, DataError
 from densetrain.registry.tasks import TASKS, load_examples, oe_eval_tasks_root, read_rows
 
@@ -233,7 +229,8 @@ def test_short_question_needs_its_own_choices_or_answer_nearby(index):
     filler = " ".join(normalize_words(topics["class"])[:150])
     assert len(filler.split()) == 150
     assert index.find(plant(r["question"] + "\n" + filler + "\n" + "\n".join(r["choices"]))) is None
-    assert index.find(plant(r["question"] + "\n" + " ".join(filler.split()[:146]) + "\n" + "\n".join(r["choices"]))).view == "nearby"
+    doc = r["question"] + "\n" + " ".join(filler.split()[:146]) + "\n" + "\n".join(r["choices"])
+    assert index.find(plant(doc)).view == "nearby"
 
 
 def test_raw_winogrande_rows_are_flagged(index):
@@ -299,7 +296,7 @@ def test_stock_choice_sets_alone_match_nothing(index):
 
 
 def test_gsm8k_and_humaneval_problems_are_flagged():
-    from densetrain.evals.generative import GEN_TASKS
+    from densetrain.registry.gen_tasks import GEN_TASKS
 
     index = build_index(["gsm8k", "humaneval"], 13)
     assert index.stats["sources"]["gsm8k/test"]["examples"] == 1319
@@ -318,7 +315,8 @@ def test_short_examples_are_matched_whole(index):
     st = index.stats["sources"]["piqa/validation"]["gold"]
     assert st["whole"] > 100 and st["skipped"] > 0 and st["indexed"] + st["whole"] + st["skipped"] == 1838
     examples = load_examples("piqa")
-    text = lambda ex: ex.contexts[ex.label].removeprefix("Question: ").removesuffix("\nAnswer:") + ex.continuations[ex.label]
+    text = lambda ex: (ex.contexts[ex.label].removeprefix("Question: ").removesuffix("\nAnswer:")
+                       + ex.continuations[ex.label])
     i = next(i for i, ex in enumerate(examples) if len(normalize_words(text(ex))) == 10)
     words = normalize_words(text(examples[i]))
     hit = index.find(plant(text(examples[i])))
@@ -328,7 +326,8 @@ def test_short_examples_are_matched_whole(index):
 
 def test_batch_equals_one_by_one_and_ngrams_never_span_documents(index):
     words = normalize_words(hellaswag_raw(3001))
-    docs = [BEFORE, plant(hellaswag_raw(5000)), BEFORE + " " + " ".join(words[:7]), " ".join(words[7:20]) + "\n" + AFTER,
+    docs = [BEFORE, plant(hellaswag_raw(5000)), BEFORE + " " + " ".join(words[:7]),
+            " ".join(words[7:20]) + "\n" + AFTER,
             "", plant(hellaswag_raw(3001)), "short"]
     batch = index.contaminated(docs)
     assert batch == [index.find(d) for d in docs]
@@ -376,7 +375,8 @@ def test_config_defaults_and_validation():
     assert cfg.data.decontam.tasks == ["light", "mmlu_stem"] and cfg.data.decontam.ngram == 8
     cases = [
         ([("data.decontam.ngram", 5)], "data.decontam.ngram must be >= 8"),
-        ([("data.decontam.tasks", ["hellaswg"])], "data.decontam.tasks: unknown task 'hellaswg'; did you mean 'hellaswag'?"),
+        ([("data.decontam.tasks", ["hellaswg"])],
+         "data.decontam.tasks: unknown task 'hellaswg'; did you mean 'hellaswag'?"),
         ([("data.decontam.tasks", [])], "data.decontam.tasks is empty"),
         ([("data.decontam.tasks", "hellaswag")], "data.decontam.tasks: expected a list"),
     ]
@@ -385,4 +385,5 @@ def test_config_defaults_and_validation():
             load_config("tiny", overrides=overrides)
         assert msg in str(e.value) and "\n" not in str(e.value)
     load_config("tiny", overrides=[("data.decontam.enabled", False), ("data.decontam.tasks", [])])
-    assert load_config("tiny", overrides=[("data.decontam.tasks", ["all", "gsm8k"])]).data.decontam.tasks == ["all", "gsm8k"]
+    overrides = [("data.decontam.tasks", ["all", "gsm8k"])]
+    assert load_config("tiny", overrides=overrides).data.decontam.tasks == ["all", "gsm8k"]

@@ -188,7 +188,8 @@ def test_library_lsh_finds_no_pair_we_miss(planted, result):
     res = result[0]
     cfg = DedupConfig()
     texts = planted["texts"]
-    minhashes = RMinHash.from_token_sets([dedup.shingles(dedup.words(t), cfg.ngram) for t in texts], cfg.num_perm, cfg.seed)
+    minhashes = RMinHash.from_token_sets([dedup.shingles(dedup.words(t), cfg.ngram) for t in texts], cfg.num_perm,
+                                         cfg.seed)
     assert np.array_equal(np.array(minhashes[7].digest(), np.uint32), result[2][7])
     lsh = RMinHashLSH(cfg.threshold, cfg.num_perm, cfg.bands)
     lsh.insert_many(minhashes)
@@ -238,8 +239,10 @@ def test_small_cases_and_switches():
     assert res.cluster.tolist() == [0, 1, 2, 2, 2, 5, 5, 0]
     assert res.reason.tolist() == [0, 0, 0, 1, 2, 0, 1, 1]
     ps = res.stats["per_source"]
-    assert (ps["a"]["documents_removed"], ps["b"]["exact_duplicates_removed"], ps["b"]["near_duplicates_removed"]) == (0, 3, 1)
-    assert res.stats["largest_cluster"] == 3 and res.stats["examples"][0] == {"keep": 2, "size": 3, "members": [2, 3, 4]}
+    removed = (ps["a"]["documents_removed"], ps["b"]["exact_duplicates_removed"], ps["b"]["near_duplicates_removed"])
+    assert removed == (0, 3, 1)
+    assert res.stats["largest_cluster"] == 3
+    assert res.stats["examples"][0] == {"keep": 2, "size": 3, "members": [2, 3, 4]}
     # Switches: exact only, near only.
     only_exact = DedupConfig(near=False)
     k2, s2 = dedup.fingerprints(texts, only_exact)
@@ -268,7 +271,8 @@ def test_components():
     rng = np.random.default_rng(1)
     u, v = rng.integers(0, 5000, size=(2, 4000))
     ours = dedup.components(5000, u, v)
-    n, ref = csgraph.connected_components(sparse.coo_matrix((np.ones(4000), (u, v)), shape=(5000, 5000)), directed=False)
+    graph = sparse.coo_matrix((np.ones(4000), (u, v)), shape=(5000, 5000))
+    n, ref = csgraph.connected_components(graph, directed=False)
     assert len(np.unique(ours)) == n
     # Same partition: the map between the two labelings is one-to-one.
     assert len(set(zip(ours.tolist(), ref.tolist()))) == n
@@ -278,7 +282,8 @@ def test_components():
 @pytest.mark.parametrize(
     "overrides,msg",
     [
-        ([("data.dedup.bands", 10)], "data.dedup.bands * data.dedup.rows (10 * 7 = 70) must equal data.dedup.num_perm (112)"),
+        ([("data.dedup.bands", 10)],
+         "data.dedup.bands * data.dedup.rows (10 * 7 = 70) must equal data.dedup.num_perm (112)"),
         ([("data.dedup.threshold", 1.5)], "data.dedup.threshold must be in (0, 1], got 1.5"),
         ([("data.dedup.ngram", 0)], "data.dedup.ngram must be >= 1, got 0"),
         ([("data.dedup.seed", -1)], "data.dedup.seed must be in [0, 2**64), got -1"),
@@ -292,7 +297,8 @@ def test_config_validation(overrides, msg):
 
 
 def test_config_defaults_and_source_switch():
-    cfg = load_config("tiny", overrides=[("data.dedup.num_perm", 128), ("data.dedup.bands", 16), ("data.dedup.rows", 8)])
+    cfg = load_config("tiny", overrides=[("data.dedup.num_perm", 128), ("data.dedup.bands", 16),
+                                         ("data.dedup.rows", 8)])
     assert (cfg.data.dedup.num_perm, cfg.data.dedup.bands, cfg.data.dedup.rows) == (128, 16, 8)
     d = DedupConfig()
     assert (d.exact, d.near, d.ngram, d.num_perm, d.bands, d.rows, d.threshold) == (True, True, 5, 112, 16, 7, 0.8)
@@ -309,6 +315,7 @@ def test_chinese_near_duplicates_use_character_shingles():
     b = a.replace("礼貌", "礼节").replace("健康", "良好")
     assert dedup.words("中文abc 文本")[:2] == ["中", "文"] and "abc" in dedup.words("中文abc 文本")
     cfg = DedupConfig()
-    keys, sigs = dedup.fingerprints([a, b, "完全不同的另一段文字，讲的是天气和季节的变化，春天来了，花开了，鸟儿在歌唱。"], cfg)
+    other = "完全不同的另一段文字，讲的是天气和季节的变化，春天来了，花开了，鸟儿在歌唱。"
+    keys, sigs = dedup.fingerprints([a, b, other], cfg)
     res = dedup.find_duplicates(keys, sigs, cfg)
     assert res.keep.tolist() == [True, False, True] and res.reason[1] == 2  # a near, not exact, duplicate

@@ -141,7 +141,7 @@ def _stats(work: Path, stage: str) -> dict:
 
 def test_datatrove_output_is_the_cleaned_deduplicated_corpus(scale_run):
     from densetrain.data import dedup
-    from densetrain.data.scale import IDENTITY_FILE
+    from densetrain.data.datatrove_folder import IDENTITY_FILE
 
     tok, out, work = scale_run["tok"], scale_run["out"], Path(scale_run["pipe"].work_dir)
     got = _decoded(tok, out / "train") + _decoded(tok, out / "val")

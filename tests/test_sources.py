@@ -20,8 +20,10 @@ import pytest
 import zstandard
 
 from densetrain.config import SourceConfig, load_config
+from densetrain.data.documents import Document, SkipLog
+from densetrain.data.paths import file_format, resolve_paths, save_to_disk_files
 from densetrain.data.shards import TokenFiles, write_shard
-from densetrain.data.sources import Document, SkipLog, file_format, iter_documents, resolve_paths, save_to_disk_files
+from densetrain.data.sources import iter_documents
 from densetrain.errors import ConfigError, DataError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -199,6 +201,34 @@ def test_dataset_dict_folder_and_truncated_arrow(tmp_path):
 
 def _jsonl(texts: list[str]) -> bytes:
     return "".join(json.dumps({"text": t, "id": f"d{i}", "url": f"u{i}", "n": i}) + "\n" for i, t in enumerate(texts)).encode()
+
+
+def test_text_file_with_one_invalid_byte_loses_only_that_line(tmp_path):
+    """Issue 14: one Latin-1 byte in a UTF-8 text file drops its line, not the file; the skip log names
+    file:line (plain and gzip text, and the paragraph reader, which keeps the rest of the paragraph)."""
+    lines = (STDLIB / "textwrap.py").read_text(encoding="utf-8").split("\n")
+    bad = next(i for i, line in enumerate(lines) if i > 100 and line.strip() and lines[i + 1].strip())
+    raw = [line.encode("utf-8") for line in lines]
+    raw[bad] = raw[bad] + b" caf\xe9"  # a Latin-1 e-acute pasted into a UTF-8 file
+    data = b"\n".join(raw)
+    (tmp_path / "plain.txt").write_bytes(data)
+    (tmp_path / "packed.txt").write_bytes(gzip.compress(data))
+    want = "\n".join(lines[:bad] + lines[bad + 1 :])
+    for name in ("plain.txt", "packed.txt"):
+        skips = SkipLog(print_first=0)
+        docs = list(iter_documents(SourceConfig(name="t", paths=[name], format="text"), tmp_path, skips))
+        assert [d.text for d in docs] == [want], name
+        column = len(raw[bad])  # the last byte of the line
+        assert skips.examples == [f"{name}:{bad + 1}: invalid UTF-8: byte 0xe9 at column {column}; line dropped"]
+        assert skips.counts == {"invalid UTF-8": 1}
+
+    skips = SkipLog(print_first=0)
+    paras = list(iter_documents(SourceConfig(name="p", paths=["plain.txt"], format="paragraphs"), tmp_path, skips))
+    assert skips.examples == [f"plain.txt:{bad + 1}: invalid UTF-8: byte 0xe9 at column {column}; line dropped"]
+    holder = [p for p in paras if p.line <= bad + 1][-1]  # the paragraph that held the bad line
+    end = next(i for i in range(bad, len(lines)) if not lines[i].strip())
+    assert holder.text == "\n".join(lines[holder.line - 1 : bad] + lines[bad + 1 : end])
+    assert sum(len(p.text.split("\n")) for p in paras) == sum(1 for ln in lines if ln.strip()) - 1
 
 
 def test_zstd_jsonl_and_text_by_magic_bytes(tmp_path):

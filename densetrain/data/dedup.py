@@ -112,7 +112,8 @@ def _key(normalized: str, text: str) -> bytes:
     # Separate BLAKE2b personalisations keep the raw-text keys of wordless documents apart
     # from the keys of normalised texts.
     if normalized:
-        return hashlib.blake2b(normalized.encode("utf-8", "surrogatepass"), digest_size=KEY_BYTES, person=b"norm").digest()
+        return hashlib.blake2b(normalized.encode("utf-8", "surrogatepass"), digest_size=KEY_BYTES,
+                               person=b"norm").digest()
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=KEY_BYTES, person=b"raw").digest()
 
 
@@ -322,10 +323,12 @@ def find_duplicates(
             raise DataError("dedup: data.dedup.near is on but no signatures were given")
         sig = np.asarray(signatures)
         if sig.shape != (n, cfg.num_perm) or sig.dtype != np.uint32:
-            raise DataError(f"dedup: signatures have shape {sig.shape} and dtype {sig.dtype}, expected ({n}, {cfg.num_perm}) uint32")
+            raise DataError(f"dedup: signatures have shape {sig.shape} and dtype {sig.dtype}, "
+                            f"expected ({n}, {cfg.num_perm}) uint32")
         # Near matching runs on one representative per exact group (the rest are settled) and
         # leaves out wordless documents, whose empty-set signatures would all look identical.
-        active = np.flatnonzero((exact_rep == np.arange(n)) & (sig.min(axis=1) != EMPTY)) if n else np.empty(0, np.int64)
+        active = (np.flatnonzero((exact_rep == np.arange(n)) & (sig.min(axis=1) != EMPTY)) if n
+                  else np.empty(0, np.int64))
         sub = sig if len(active) == n else sig[active]
         pairs = _band_pairs(sub, cfg.bands, cfg.rows)
         candidates = len(pairs)

@@ -25,11 +25,19 @@ import json
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
+
+from densetrain.data import dedup
+from densetrain.data.decontam_index import ContaminationIndex
+from densetrain.data.filters import FilterStats, apply_filters, build_filters, clean_text
+from densetrain.data.tokenizer import load_tokenizer
+from densetrain.errors import DataError
+from densetrain.fileio import atomic_write_bytes
 
 CHUNK_BYTES = 1 << 21
 """Text bytes per work item (2 MiB): small enough to keep every worker busy and memory bounded,
@@ -99,8 +107,6 @@ class ChunkResult:
 
     def save(self, path: Path) -> None:
         """Write atomically as ``.npz`` (arrays and JSON strings only: loading never unpickles)."""
-        from densetrain.fileio import atomic_write_bytes
-
         arrays = {
             "tokens": np.concatenate(self.tokens) if self.tokens else np.zeros(0, np.uint32),
             "lengths": np.array([a.size for a in self.tokens], np.int64),
@@ -120,8 +126,6 @@ class ChunkResult:
     @classmethod
     def load(cls, path: Path) -> "ChunkResult":
         """Read a chunk written by :meth:`save` (raises OSError/ValueError/KeyError when damaged)."""
-        from densetrain.data.filters import FilterStats
-
         with np.load(path, allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
             ends = np.cumsum(z["lengths"])
@@ -129,7 +133,8 @@ class ChunkResult:
             return cls(kept=z["kept"].tolist(), tokens=np.split(tokens, ends[:-1]) if ends.size else [],
                        text_bytes=z["text_bytes"].tolist(), keys=z["keys"] if "keys" in z else None,
                        signatures=z["signatures"] if "signatures" in z else None,
-                       dropped=[tuple(d) for d in meta["dropped"]], contaminated=[tuple(c) for c in meta["contaminated"]],
+                       dropped=[tuple(d) for d in meta["dropped"]],
+                       contaminated=[tuple(c) for c in meta["contaminated"]],
                        filter_stats=FilterStats(per_filter=meta["filter_stats"]), bytes_in=meta["bytes_in"])
 
 
@@ -142,9 +147,6 @@ class DocumentProcessor:
     """
 
     def __init__(self, spec: ProcessSpec):
-        from densetrain.data.decontam import ContaminationIndex
-        from densetrain.data.filters import build_filters
-
         self.spec = spec
         self.filters = build_filters(spec.filters, spec.kind, spec.filter_params, key=f"{spec.key}.filters")
         self.index = ContaminationIndex.load(spec.decontam_path) if spec.decontam_path else None
@@ -155,8 +157,6 @@ class DocumentProcessor:
     def tokenizer(self):
         """The tokenizer, loaded on first use (the datatrove map step never tokenizes)."""
         if self._tokenizer is None:
-            from densetrain.data.tokenizer import load_tokenizer
-
             self._tokenizer = load_tokenizer(self.spec.tokenizer_spec, self.spec.shards_dir)
         return self._tokenizer
 
@@ -172,8 +172,6 @@ class DocumentProcessor:
             ``(position, reason)`` of the removed documents (both ascending), and
             ``(position, task, example index, matched n-gram)`` per contaminated document.
         """
-        from densetrain.data.filters import apply_filters, clean_text
-
         kept, dropped, contaminated = [], [], []
         for pos, raw in enumerate(texts):
             text = clean_text(raw, fix=self.spec.fix_text)
@@ -197,9 +195,6 @@ class DocumentProcessor:
 
     def __call__(self, texts: list[str]) -> ChunkResult:
         """Process one chunk of raw document texts (see :class:`ChunkResult`)."""
-        from densetrain.data import dedup
-        from densetrain.data.filters import FilterStats
-
         res = ChunkResult(filter_stats=FilterStats(), bytes_in=sum(len(t.encode("utf-8")) for t in texts))
         survivors, res.dropped, res.contaminated = self.select(texts, res.filter_stats)
         texts_kept = [t for _, t in survivors]
@@ -313,10 +308,6 @@ def process_documents(spec: ProcessSpec, chunks: Iterable[list[str]], pool: Proc
 
 
 def _result(future) -> ChunkResult:
-    from concurrent.futures.process import BrokenProcessPool
-
-    from densetrain.errors import DataError
-
     try:
         return future.result()
     except BrokenProcessPool:

@@ -61,17 +61,10 @@ output and work folders).
 
 from __future__ import annotations
 
-import json
-import zlib
+import argparse
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 
-import numpy as np
-from datatrove.data import Document as DTDocument
-from datatrove.data import DocumentsPipeline
-from datatrove.io import get_datafolder
-from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.dedup import MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupFilter, MinhashDedupSignature
 from datatrove.pipeline.dedup.exact_dedup import (
     ExactDedupConfig,
@@ -79,293 +72,28 @@ from datatrove.pipeline.dedup.exact_dedup import (
     ExactDedupSignature,
     ExactFindDedups,
 )
-from datatrove.pipeline.dedup.minhash import MinhashConfig
-from datatrove.pipeline.readers import ParquetReader
-from datatrove.pipeline.tokens import DocumentTokenizer
-from datatrove.pipeline.writers import ParquetWriter
-from datatrove.utils.hashing import HashConfig
-from datatrove.utils.text import TextNormConfig
-from datatrove.utils.typeshelper import StatHints
-from datatrove.utils.word_tokenizers import WordTokenizer
 
-from densetrain.data import dedup as dd
-from densetrain.data.prepare import SHARD_MAX_TOKENS
-from densetrain.data.process import CHUNK_BYTES, DocumentProcessor, ProcessSpec, chunked
-from densetrain.data.shards import TokenFiles, sha256_file, token_dtype, token_size_for
-from densetrain.data.sources import SkipLog, iter_documents, resolve_paths
-from densetrain.data.tokenizer import Tokenizer, load_tokenizer
+from densetrain.config import load_config, parse_overrides
+from densetrain.data.decontam import build_index
+from densetrain.data.paths import resolve_paths
+from densetrain.data.process import ProcessSpec
+from densetrain.data.scale_steps import (
+    HASH_CONFIG,
+    DedupWordTokenizer,
+    DocumentMap,
+    HoldOut,
+    SourceReader,
+    TaskFileReader,
+    TokenizeStep,
+    document_writer,
+    exact_content,
+    minhash_config,
+)
+from densetrain.data.shards import SHARD_MAX_TOKENS, token_dtype, token_size_for
+from densetrain.data.tokenizer import load_tokenizer
 from densetrain.errors import ConfigError, DataError
 
-IDENTITY_FILE = "tokenizer.identity.json"
-"""Written next to ``train/`` by :class:`TokenizeStep`: the tokenizer's :meth:`Tokenizer.identity`,
-so a folder is matched to ``data.tokenizer`` by content hash, wherever the tokenizer file was."""
-
 EXECUTORS = ("local", "slurm", "ray")
-
-VAL_TASKS = 8
-"""Tasks of the tokenize stage that hold out validation documents (see :class:`HoldOut`)."""
-
-HASH_CONFIG = HashConfig(precision=64, hash_fc="sha1")
-"""Hash of shingles and exact-dedup texts. datatrove's default xxhash fails with xxhash >= 4 (it
-passes str, which xxhash 4 rejects: huggingface/datatrove#508, pinned ``xxhash<4`` only in its
-``processing`` extra); sha1 works with every version."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Pipeline steps
-# --------------------------------------------------------------------------------------------------
-
-
-class SourceReader(PipelineStep):
-    """Reads ``data.sources[i]`` with :func:`iter_documents`; task ``rank`` takes ``files[rank::world_size]``.
-
-    Yields datatrove ``Document`` s with ``id`` = our ``doc_id`` and ``metadata`` = the record's
-    other fields (``Document.meta``) plus ``source_file`` and ``line`` (provenance). Skipped records
-    are counted in the step's stats as ``skipped_<reason>`` and their first examples logged.
-    """
-
-    name = "densetrain reader"
-    type = "📖 - READER"
-
-    def __init__(self, src, corpus_dir: str, source_index: int, max_document_bytes: int):
-        super().__init__()
-        self.src = src
-        self.corpus_dir = str(corpus_dir)
-        self.source_index = source_index
-        self.max_document_bytes = max_document_bytes
-
-    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        if data:
-            yield from data
-        corpus = Path(self.corpus_dir)
-        files = resolve_paths(self.src, corpus, self.source_index)[rank::world_size]
-        skips = SkipLog()
-        for doc in iter_documents(self.src, corpus, skips, self.source_index, files, self.max_document_bytes):
-            with self.track_time():
-                self.stat_update(StatHints.total)
-                meta = dict(doc.meta or {})
-                meta["source_file"] = doc.source_file
-                meta["line"] = doc.line
-                out = DTDocument(text=doc.text, id=doc.doc_id, metadata=meta)
-                self.update_doc_stats(out)
-            yield out
-        for reason, n in skips.counts.items():
-            self.stat_update(f"skipped_{reason}", value=n)
-
-
-class DocumentMap(PipelineStep):
-    """densetrain's per-document map without tokenization: clean (ftfy, NFC, strip) -> quality
-    filters -> decontamination, in chunks of ~2 MB of text (the same code as ``prepare``).
-
-    A kept document continues with its cleaned (and, for C4, line-filtered) text. A removed one is
-    counted as ``dropped`` and ``dropped_<reason>`` (reasons as in ``removed.json``: ``empty``,
-    ``<filter>:<rule>``, ``contaminated:<task>``) and, with an ``exclusion_writer``, written there
-    with ``metadata['removed_reason']``.
-
-    Args:
-        spec: the source's :class:`ProcessSpec` (its ``dedup`` and tokenizer fields are unused).
-        exclusion_writer: where removed documents go (e.g. :func:`document_writer`), or None.
-    """
-
-    name = "densetrain clean/filter/decontaminate"
-    type = "🔻 - FILTER"
-
-    def __init__(self, spec: ProcessSpec, exclusion_writer=None):
-        super().__init__()
-        self.spec = spec
-        self.exclusion_writer = exclusion_writer
-
-    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from contextlib import nullcontext
-
-        from densetrain.data.filters import FilterStats
-
-        proc = DocumentProcessor(self.spec)
-        stats = FilterStats()
-        with self.exclusion_writer or nullcontext() as excluded:
-            for batch in chunked(data, lambda d: len(d.text), CHUNK_BYTES):
-                with self.track_time(unit="batch"):
-                    self.stat_update(StatHints.total, value=len(batch))
-                    survivors, removed, _ = proc.select([d.text for d in batch], stats)
-                    kept = []
-                    for pos, text in survivors:
-                        batch[pos].text = text
-                        kept.append(batch[pos])
-                    dropped = [(batch[pos], why) for pos, why in removed]
-                    for doc, why in dropped:
-                        self.stat_update(StatHints.dropped, f"dropped_{why}")
-                        if excluded:
-                            doc.metadata["removed_reason"] = why
-                            excluded.write(doc, rank)
-                for doc in kept:
-                    self.stat_update(StatHints.forwarded)
-                    self.update_doc_stats(doc)
-                    yield doc
-
-
-class DedupWordTokenizer(WordTokenizer):
-    """datatrove word tokenizer that splits words exactly as :func:`densetrain.data.dedup.words`
-    (lowercase, Unicode punctuation/symbols -> space, split on whitespace).
-
-    Used by ``MinhashDedupSignature`` instead of datatrove's spaCy/NLTK tokenizers; pair it with an
-    all-off ``TextNormConfig`` so the words are ours alone. Sentence splitting is not defined.
-    """
-
-    def __init__(self):
-        super().__init__("densetrain")
-
-    def word_tokenize(self, text: str) -> list[str]:
-        return dd.words(text)
-
-    def sent_tokenize(self, text: str) -> list[str]:
-        raise NotImplementedError("DedupWordTokenizer splits words only (for MinHash shingles)")
-
-    def span_tokenize(self, text: str) -> list[tuple[int, int]]:
-        raise NotImplementedError("DedupWordTokenizer splits words only (for MinHash shingles)")
-
-
-def exact_content(doc: DTDocument) -> str:
-    """What datatrove's exact dedup hashes: our normalised text (raw text when it has no words),
-    the input of :func:`densetrain.data.dedup.exact_key`."""
-    return dd.normalize(doc.text) or doc.text
-
-
-def minhash_config(dedup_cfg) -> MinhashConfig:
-    """datatrove's ``MinhashConfig`` for ``data.dedup``: ``n_grams = ngram``, ``num_buckets = bands``,
-    ``hashes_per_bucket = rows``, ``seed``; shingles hashed with :data:`HASH_CONFIG`.
-
-    Raises:
-        ConfigError: ``data.dedup.seed`` is not below 2**32 (datatrove seeds numpy's RandomState).
-    """
-    if not 0 <= dedup_cfg.seed < 2**32:
-        raise ConfigError(f"data.dedup.seed must be < 2**32 for the datatrove pipeline, got {dedup_cfg.seed}")
-    off = TextNormConfig(lowercase=False, norm_whitespace=False, remove_punctuation=False,
-                         norm_unicode_diacritics=False, norm_numbers=False)
-    return MinhashConfig(n_grams=dedup_cfg.ngram, num_buckets=dedup_cfg.bands, hashes_per_bucket=dedup_cfg.rows,
-                         seed=int(dedup_cfg.seed), norm_config=off, hash_config=HASH_CONFIG)
-
-
-def _row(writer, doc: DTDocument) -> dict:
-    # One fixed schema (metadata as a JSON string): fields that differ between documents (a null
-    # line, extra JSONL fields) would otherwise break the schema parquet infers from the first row.
-    # datatrove's readers parse a string metadata column back into a dict.
-    return {"text": doc.text, "id": doc.id, "metadata": json.dumps(doc.metadata, ensure_ascii=False)}
-
-
-def document_writer(folder: str) -> ParquetWriter:
-    """A ParquetWriter of ``<rank:05d>.parquet`` files (zstd) for documents between stages and removed ones.
-
-    Parquet rather than JSONL: pyarrow is already a dependency, datatrove's JSONL writer needs orjson.
-    """
-    import pyarrow as pa
-
-    schema = pa.schema([("text", pa.string()), ("id", pa.string()), ("metadata", pa.string())])
-    return ParquetWriter(folder, output_filename="${rank}.parquet", compression="zstd", adapter=_row, schema=schema,
-                         max_file_size=-1)
-
-
-class TaskFileReader(ParquetReader):
-    """Reads ``<rank:05d>.parquet`` of a folder written by :func:`document_writer` in an earlier
-    stage: the documents of the SAME task, in the same order.
-
-    datatrove's dedup filters find documents by their position in the task that signed them, so a
-    task must read exactly what that task wrote; ParquetReader's ``files[rank::world_size]`` would
-    shift every task after one that wrote no file.
-    """
-
-    name = "densetrain task file"
-
-    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        if data:
-            yield from data
-        name = f"{rank:05d}.parquet"
-        if not self.data_folder.exists(name):
-            return  # the task wrote nothing (all its documents were removed, or it had no files)
-        for doc in self.read_files_shard([name]):
-            self.update_doc_stats(doc)
-            yield doc
-
-
-class TokenizeStep(DocumentTokenizer):
-    """datatrove's ``DocumentTokenizer`` with our tokenizer rules and a tokenizer identity file.
-
-    * Text that looks like a special token (``<|endoftext|>`` in a web page) is encoded as plain
-      text, as :class:`densetrain.data.tokenizer.Tokenizer` does; only the appended EOS is special.
-    * Task 0 writes ``identity`` (:meth:`Tokenizer.identity`) as ``IDENTITY_FILE`` into
-      ``identity_folder``, so the output is checked by content hash (see :func:`check_datatrove_folder`).
-    """
-
-    def __init__(self, *args, identity: dict | None = None, identity_folder=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.identity = identity
-        self.identity_folder = get_datafolder(identity_folder) if identity_folder else None
-
-    @cached_property
-    def tokenizer(self):
-        tok = DocumentTokenizer.tokenizer.func(self)
-        tok.encode_special_tokens = True
-        return tok
-
-    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        if rank == 0 and self.identity_folder is not None and self.identity:
-            with self.identity_folder.open(IDENTITY_FILE, "wt") as f:
-                json.dump(self.identity, f, indent=1)
-        return super().run(data, rank, world_size)
-
-
-class HoldOut(PipelineStep):
-    """Holds out a validation split in the first ``min(world_size, VAL_TASKS)`` tasks: a
-    deterministic ``fraction`` of their documents (by a hash of ``seed`` and the document id), up to
-    an equal share of ``max_tokens`` per task, tokenized by ``val_tokenizer`` into its own folder.
-    Every other document passes on.
-
-    Why not every task: there is no global view, so a per-task share of ``max_tokens`` over
-    thousands of tasks would be smaller than one document. The first tasks read every
-    ``world_size``-th input file (``files[rank::world_size]``), a spread sample of the source.
-    Unlike ``prepare`` (a seeded shuffle of the whole source) the choice depends on the document id
-    only, not on the order of documents.
-    """
-
-    name = "densetrain val split"
-    type = "✂️ - SPLIT"
-
-    def __init__(self, val_tokenizer: TokenizeStep, fraction: float, max_tokens: int, seed: int):
-        super().__init__()
-        self.val_tokenizer = val_tokenizer
-        self.fraction = fraction
-        self.max_tokens = max_tokens
-        self.seed = seed
-
-    def selected(self, doc_id: str) -> bool:
-        """True when the document with this id is a validation candidate (before the token cap)."""
-        return zlib.crc32(f"{self.seed}\0{doc_id}".encode()) < self.fraction * 2**32
-
-    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        k = min(world_size, VAL_TASKS)
-        if rank >= k:
-            yield from data
-            return
-        cap = self.max_tokens // k
-        held, used = [], 0
-        for doc in data:
-            if self.selected(doc.id):
-                n = len(self.val_tokenizer.tokenizer.encode(doc.text).ids)  # EOS included
-                if used + n <= cap:
-                    held.append(doc)
-                    used += n
-                    self.stat_update("held_out")
-                    self.stat_update("held_out_tokens", value=n)
-                    continue
-                self.stat_update("over_val_cap")
-            self.stat_update(StatHints.forwarded)
-            yield doc
-        if held:
-            self.val_tokenizer.run(iter(held), rank, world_size)
-
-
-# --------------------------------------------------------------------------------------------------
-# The pipeline
-# --------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -393,6 +121,7 @@ class ScaleOutPipeline:
 
 
 def _executor_class(executor: str):
+    # Imported on demand: the Slurm and Ray executors pull in their own optional dependencies (ray).
     if executor == "local":
         from datatrove.executor import LocalPipelineExecutor
 
@@ -463,8 +192,8 @@ def datatrove_pipeline(
         raise ConfigError(f"executor 'slurm' needs {' and '.join(missing)}= (e.g. time='4:00:00', partition='cpu')")
     tok = load_tokenizer(data.tokenizer, data.shards_dir)
     if tok.kind != "hf":
-        raise ConfigError(f"data.tokenizer='{data.tokenizer}': the datatrove pipeline tokenizes with DocumentTokenizer, "
-                          "which needs a tokenizer.json ('bpe' after a first prepare, or a path)")
+        raise ConfigError(f"data.tokenizer='{data.tokenizer}': the datatrove pipeline tokenizes with "
+                          "DocumentTokenizer, which needs a tokenizer.json ('bpe' after a first prepare, or a path)")
     resolve_paths(src, Path(data.corpus_dir), source_index)  # missing inputs fail here, not in a task
 
     # Plain "/"-joined strings: local paths (made absolute: tasks may start in another directory)
@@ -475,13 +204,12 @@ def datatrove_pipeline(
 
     decontam = None
     if data.decontam.enabled:
-        from densetrain.data.decontam import build_index
-
         # Built once here; tasks load the cache file, so work_dir must be visible to every node.
         decontam = str(build_index(data.decontam.tasks, data.decontam.ngram, cache_dir=w("decontam")).path)
     spec = ProcessSpec(kind=src.kind, filters=list(src.filters), fix_text=src.fix_text, filter_params=data.filters,
-                       dedup=None, decontam_path=decontam, tokenizer_spec=data.tokenizer, shards_dir=str(data.shards_dir),
-                       token_dtype=token_dtype(token_size_for(tok.vocab_size)).str, key=key)
+                       dedup=None, decontam_path=decontam, tokenizer_spec=data.tokenizer,
+                       shards_dir=str(data.shards_dir), token_dtype=token_dtype(token_size_for(tok.vocab_size)).str,
+                       key=key)
 
     dcfg = data.dedup
     exact = src.dedup and dcfg.exact
@@ -501,10 +229,12 @@ def datatrove_pipeline(
     plan: list[tuple[str, list, int]] = []
     if exact:
         map_steps.append(ExactDedupSignature(w("exact/signatures"), config=ex))
-        plan += [("map", map_steps, tasks), ("exact_find", [ExactFindDedups(w("exact/signatures"), w("exact/duplicates"), config=ex)], 1)]
+        find = ExactFindDedups(w("exact/signatures"), w("exact/duplicates"), config=ex)
+        plan += [("map", map_steps, tasks), ("exact_find", [find], 1)]
         if near:
-            plan.append(("minhash_signatures", [documents(), ExactDedupFilter(w("exact/duplicates"), config=ex),
-                                                MinhashDedupSignature(w("minhash/signatures"), config=mh, language=words)], tasks))
+            sign = MinhashDedupSignature(w("minhash/signatures"), config=mh, language=words)
+            plan.append(("minhash_signatures", [documents(), ExactDedupFilter(w("exact/duplicates"), config=ex), sign],
+                         tasks))
     elif near:
         map_steps.append(MinhashDedupSignature(w("minhash/signatures"), config=mh, language=words))
         plan.append(("map", map_steps, tasks))
@@ -525,7 +255,8 @@ def datatrove_pipeline(
         final.append(ExactDedupFilter(w("exact/duplicates"), config=ex, exclusion_writer=removed("exact")))
     if near:
         final.append(MinhashDedupFilter(w("minhash/remove"), exclusion_writer=removed("near")))
-    final += [HoldOut(tokenizer("val", False), data.val_fraction, data.max_val_tokens, data.seed), tokenizer("train", True)]
+    final += [HoldOut(tokenizer("val", False), data.val_fraction, data.max_val_tokens, data.seed),
+              tokenizer("train", True)]
     plan.append(("tokenize", final, tasks))
 
     stage_kwargs = stage_kwargs or {}
@@ -548,116 +279,6 @@ def _absolute(path: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------------
-# Checking a datatrove-tokenized folder (format = "datatrove")
-# --------------------------------------------------------------------------------------------------
-
-
-def datatrove_split_dirs(folder: Path) -> dict[str, Path | None]:
-    """``{'train': dir, 'val': dir or None}`` of a tokenized folder.
-
-    With a ``train/`` subfolder (what :func:`datatrove_pipeline` writes): ``train/`` and, when it
-    holds ``.ds`` files, ``val/``. Otherwise the folder itself is the train split (plain
-    ``DocumentTokenizer`` output) and there is no validation split.
-    """
-    if (folder / "train").is_dir():
-        val = folder / "val"
-        return {"train": folder / "train", "val": val if val.is_dir() and any(val.glob("*.ds")) else None}
-    return {"train": folder, "val": None}
-
-
-def _same_tokenizer(name: str, tok: Tokenizer, spec: str) -> bool:
-    """Whether a ``.ds.metadata`` tokenizer name denotes ``tok``: the same name or spec, the same
-    resolved path, or a readable file with the same sha256."""
-    if name in (tok.name, spec):
-        return True
-    p = Path(name).expanduser()
-    try:
-        return p.is_file() and (p.resolve() == Path(tok.name).resolve() or sha256_file(p) == tok.sha256)
-    except OSError:
-        return False
-
-
-def _check_files(d: Path, tok: Tokenizer, spec: str, vocab_size: int, identity_ok: bool) -> dict:
-    files = sorted(f for f in d.glob("*.ds") if f.is_file() and not f.name.startswith("."))
-    if not files:
-        raise DataError(f"{d}: no .ds token files (format 'datatrove')")
-    for f in files:
-        meta, idx = f.with_name(f.name + ".metadata"), f.with_name(f.name + ".index")
-        if not meta.is_file():
-            raise DataError(f"{meta}: missing; without it the tokenizer cannot be checked (datatrove writes it)")
-        if not idx.is_file():
-            raise DataError(f"{idx}: missing; the document boundaries are needed (DocumentTokenizer save_index=True)")
-        lines = meta.read_text(errors="replace").splitlines()
-        name, _, size = (lines[0] if lines else "").rpartition("|")
-        if size.strip() not in ("2", "4"):
-            raise DataError(f"{meta}:1: expected '<tokenizer>|<2 or 4>', got '{lines[0] if lines else ''}'")
-        if not identity_ok and not _same_tokenizer(name, tok, spec):
-            raise DataError(f"{meta}:1: tokenized with '{name}' but data.tokenizer is '{spec}' ({tok.name}); "
-                            "set data.tokenizer to the tokenizer that made these files")
-        n = f.stat().st_size // int(size)
-        if len(lines) > 1 and lines[1].strip().isdigit() and int(lines[1]) != n:
-            raise DataError(f"{meta}:2: token count {int(lines[1])} but {f.name} holds {n} tokens (truncated?)")
-    stream = TokenFiles(files)  # token sizes agree, index ends increase up to each file's size
-    stream.check_vocab(vocab_size)
-    shards = []
-    # The document ends and token maps TokenFiles has already read and checked, file by file.
-    for f, ends, tokens in zip(files, stream._ends, stream._maps):
-        idx = f.with_name(f.name + ".index")
-        if ends.size:
-            # Every document must end with our EOS (DocumentTokenizer eos_token=...): without it the
-            # model would never see where one document ends. The first 65536 per file are read.
-            last = tokens[ends[: 1 << 16] - 1]
-            bad = np.flatnonzero(last != tok.eos_id)
-            if bad.size:
-                raise DataError(f"{f}: document {int(bad[0])} does not end with EOS id {tok.eos_id} ({tok.eos_token}); "
-                                "tokenize with DocumentTokenizer(eos_token=...)")
-        shards.append({"path": str(f), "tokens": int(ends[-1]) if ends.size else 0, "documents": int(ends.size),
-                       "index_sha256": sha256_file(idx)})
-    return {"tokens": len(stream), "documents": stream.n_docs, "token_size": stream.token_size, "shards": shards}
-
-
-def check_datatrove_folder(folder: str | Path, tok: Tokenizer, spec: str, vocab_size: int, key: str = "data.sources") -> dict:
-    """Check a datatrove-tokenized folder before training on it.
-
-    Checks, per split (:func:`datatrove_split_dirs`): every ``.ds`` has a ``.ds.metadata`` (token
-    size 2 or 4, token count = file size) and a ``.ds.index`` consistent with it; the tokenizer is
-    ``tok`` (``IDENTITY_FILE`` sha256 when present, else the metadata's tokenizer name: the same
-    name/path or a file with the same sha256); every id < ``vocab_size``
-    (:meth:`TokenFiles.check_vocab`); documents end with ``tok.eos_id`` (the first 65536).
-
-    Args:
-        folder: the tokenized folder.
-        tok: the tokenizer of ``data.tokenizer``; spec: ``data.tokenizer`` as written.
-        vocab_size: ``model.vocab_size``.
-        key: config key for messages.
-
-    Returns:
-        ``{'train': {'dir', 'tokens', 'documents', 'token_size', 'shards'}, 'val': {...} or None}``.
-
-    Raises:
-        DataError: one line naming the file (and line of a metadata file) and what is wrong.
-    """
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise DataError(f"{folder}: no such folder of datatrove token files ({key}.paths)")
-    identity_ok = False
-    ident = folder / IDENTITY_FILE
-    if ident.is_file():
-        try:
-            sha = json.loads(ident.read_text()).get("sha256")
-        except (OSError, json.JSONDecodeError, AttributeError) as e:
-            raise DataError(f"{ident}: unreadable ({type(e).__name__})") from None
-        if sha != tok.sha256:
-            raise DataError(f"{ident}: tokenized with tokenizer sha256 {str(sha)[:12]} but data.tokenizer='{spec}' "
-                            f"has {tok.sha256[:12]}")
-        identity_ok = True
-    out = {}
-    for split, d in datatrove_split_dirs(folder).items():
-        out[split] = None if d is None else {"dir": str(d.resolve()), **_check_files(d, tok, spec, vocab_size, identity_ok)}
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------------
 
@@ -670,10 +291,6 @@ def main(argv: list[str] | None = None) -> None:
     --executor.time=4:00:00``); ``--stage.NAME.KEY=VALUE`` for one stage
     (``--stage.minhash_cluster.mem_per_cpu_gb=16``). Values are TOML, else strings.
     """
-    import argparse
-
-    from densetrain.config import load_config, parse_overrides
-
     p = argparse.ArgumentParser(prog="python -m densetrain.data.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny", help="preset under the config file (default tiny)")
     p.add_argument("--config", help="TOML config file (applied over the preset)")

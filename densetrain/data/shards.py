@@ -27,6 +27,10 @@ import numpy as np
 from densetrain.errors import DataError
 from densetrain.fileio import atomic_write_bytes
 
+SHARD_MAX_TOKENS = 1 << 26
+"""Max tokens per train shard file (64 Mi) that ``prepare`` and the datatrove pipeline write; a longer
+single document gets a shard of its own."""
+
 _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 

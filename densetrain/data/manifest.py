@@ -1,0 +1,53 @@
+"""When a prepared source is still valid: the fingerprint of its inputs and the test of its manifest
+against inputs, parameters, tokenizer and shard files (``<shards_dir>/<source>/manifest.json``), shared
+by :mod:`densetrain.data.prepare_source` and :mod:`densetrain.data.datatrove_folder`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from densetrain.data.paths import display_path
+from densetrain.data.tokenizer import Tokenizer
+
+PREPARE_VERSION = 1
+"""Bumped when cleaning/splitting/layout changes, which invalidates existing manifests."""
+
+
+def log(msg: str) -> None:
+    """One ``[prepare]`` progress line."""
+    print(f"[prepare] {msg}", flush=True)
+
+
+def fingerprint(files: list[Path], corpus_dir: Path) -> list[dict]:
+    """``[{'path', 'size', 'mtime_ns'}]`` of the input files (path as in provenance): what a manifest
+    records of its inputs, compared on every run to decide whether the source is up to date."""
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append({"path": display_path(f, corpus_dir), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+    return out
+
+
+def shards_intact(src_dir: Path, manifest: dict) -> bool:
+    ts = manifest.get("token_size")
+    for split in manifest.get("splits", {}).values():
+        for sh in split.get("shards", []):
+            ds = src_dir / sh["path"]
+            idx = ds.with_name(ds.name + ".index")
+            if not (ds.is_file() and idx.is_file()) or ds.stat().st_size != sh["tokens"] * ts:
+                return False
+            if idx.stat().st_size != sh["documents"] * 8:
+                return False
+    return True
+
+
+def up_to_date(src_dir: Path, tok: Tokenizer, inputs: list, params: dict) -> dict | None:
+    """The previous manifest of a source when it still describes these inputs, params and shards."""
+    try:
+        prev = json.loads((src_dir / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    same = (prev.get("tokenizer", {}).get("sha256") == tok.sha256 and prev.get("inputs") == inputs
+            and prev.get("params") == params)
+    return prev if same and shards_intact(src_dir, prev) else None
