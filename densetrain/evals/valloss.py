@@ -3,8 +3,11 @@
 The held-out stream of each source is cut into consecutive windows of ``seq_len + 1`` tokens
 (overlapping by one, like training), always starting at offset 0, so every evaluation of a run
 scores the same tokens and curves are comparable across steps. The loss of a source is the sum of
-its token losses divided by its token count (not a mean of per-batch means). Windows are split
-over ranks and sums reduced, so the value does not depend on the number of processes.
+its token losses divided by its token count (not a mean of per-batch means). Windows are dealt to
+the data-parallel ranks by :func:`densetrain.parallel.even_split` (a rank one window short scores
+window 0 in its place and drops its losses, so every rank runs the same forward calls, as sharded
+parameters need) and the sums are added over ranks, so the value does not depend on the number of
+processes.
 
 Bits per byte (bpb) make losses comparable across tokenizers: the same total negative
 log-likelihood, in bits, divided by the UTF-8 bytes of the text that was scored instead of by the
@@ -29,8 +32,10 @@ import numpy as np
 import torch
 
 from densetrain.data.shards import TokenFiles
+from densetrain.evals.scoring import eval_mode
 from densetrain.loss import token_losses
-from densetrain.parallel import all_reduce_sum
+from densetrain.model.masks import document_ids
+from densetrain.parallel import all_reduce_sum, dp_rank_size, even_split
 
 _LN2 = math.log(2.0)
 _BYTES_CACHE: dict[tuple, int] = {}
@@ -81,42 +86,56 @@ def evaluate_val(
     device: torch.device,
     autocast: contextlib.AbstractContextManager | None = None,
     tokenizer=None,
+    eos_id: int | None = None,
+    reset_positions: bool = False,
 ) -> dict[str, dict]:
     """Validation loss of every source: ``{source: {'loss': nats per token, 'tokens': scored tokens}}``,
     plus ``'bytes'`` (UTF-8 bytes of the scored text) and ``'bpb'`` (bits per byte, module
     docstring) when the run's ``tokenizer`` is given.
 
     Uses at most ``max_batches * micro_batch_size`` windows per source (fewer when the held-out
-    stream is shorter; a stream shorter than one window is scored as one shorter window).
+    stream is shorter; a stream shorter than one window is scored as one shorter window). All
+    data-parallel ranks must call this together; each runs the same number of forward calls
+    (module docstring) and returns the same numbers. The model's wrappers are removed and eval mode
+    is set for the call (:func:`densetrain.evals.scoring.eval_mode`). With ``eos_id`` (a stage with
+    document masking) windows are scored as training sees them: attention within documents, and with
+    ``reset_positions`` RoPE positions restarting per document (:func:`densetrain.model.masks.document_ids`).
     """
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    was_training = model.training
-    model.eval()
+    rank, size = dp_rank_size()
     out = {}
-    for name in sorted(streams):
-        stream = streams[name]
-        win, n_windows, end = scored_span(stream, seq_len, micro_batch_size, max_batches)
-        mine = list(range(rank, n_windows, world))
-        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
-        for i in range(0, len(mine), micro_batch_size):
-            rows = [stream.read(k * win, win + 1) for k in mine[i : i + micro_batch_size]]
-            t = torch.from_numpy(np.stack(rows)).to(device)
-            with autocast or contextlib.nullcontext():
-                logits = model(t[:, :-1])
-            losses = token_losses(logits, t[:, 1:])
-            loss_sum[0] += losses.sum().double()
-            loss_sum[1] += losses.numel()
-        all_reduce_sum(loss_sum)
-        n = int(loss_sum[1])
-        out[name] = {"loss": float(loss_sum[0] / n) if n else float("nan"), "tokens": n}
-        if tokenizer is not None:
-            nbytes = _span_bytes(stream, end, tokenizer)
-            out[name]["bytes"] = nbytes
-            out[name]["bpb"] = float(loss_sum[0]) / _LN2 / nbytes if nbytes else float("nan")
-    model.train(was_training)
+    with eval_mode(model) as model:
+        for name in sorted(streams):
+            stream = streams[name]
+            win, n_windows, end = scored_span(stream, seq_len, micro_batch_size, max_batches)
+            mine = even_split(n_windows, rank, size)
+            loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
+            for i in range(0, len(mine), micro_batch_size):
+                part = mine[i : i + micro_batch_size]
+                # None: window 0 stands in (same forward as the other ranks), its losses are dropped
+                rows = [stream.read((0 if k is None else k) * win, win + 1) for k in part]
+                rows = np.stack(rows)  # (B, win + 1)
+                t = torch.from_numpy(rows).to(device)
+                inputs = {}
+                if eos_id is not None:
+                    doc, pos = document_ids(rows[:, :-1], eos_id)  # on the host, as in training
+                    inputs["doc_ids"] = torch.from_numpy(doc).to(device)
+                    if reset_positions:
+                        inputs["positions"] = torch.from_numpy(pos).to(device)
+                with autocast or contextlib.nullcontext():
+                    logits = model(t[:, :-1], **inputs)
+                losses = token_losses(logits, t[:, 1:])  # (B, win)
+                real = [j for j, k in enumerate(part) if k is not None]
+                if len(real) < len(part):
+                    losses = losses[real]
+                loss_sum[0] += losses.sum().double()
+                loss_sum[1] += losses.numel()
+            all_reduce_sum(loss_sum)
+            n = int(loss_sum[1])
+            out[name] = {"loss": float(loss_sum[0] / n) if n else float("nan"), "tokens": n}
+            if tokenizer is not None:
+                nbytes = _span_bytes(stream, end, tokenizer)
+                out[name]["bytes"] = nbytes
+                out[name]["bpb"] = float(loss_sum[0]) / _LN2 / nbytes if nbytes else float("nan")
     return out
 
 

