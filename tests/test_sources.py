@@ -100,7 +100,8 @@ def test_parquet_text_field_invalid_utf8_and_missing_column(tmp_path):
     pq.write_table(pa.table({"body": arr, "n": [1, 2, 3, 4]}), tmp_path / "u.parquet")
     docs, skips = _read(SourceConfig(name="u", paths=["u.parquet"], format="parquet", text_field="body"), tmp_path)
     assert [(d.text, d.line, d.doc_id, d.meta) for d in docs] == [
-        (good[0], 1, "u.parquet:1", {"n": 1}), (good[1], 2, "u.parquet:2", {"n": 2}), (good[2], 4, "u.parquet:4", {"n": 4}),
+        (good[0], 1, "u.parquet:1", {"n": 1}), (good[1], 2, "u.parquet:2", {"n": 2}),
+        (good[2], 4, "u.parquet:4", {"n": 4}),
     ]
     assert skips.examples == ["u.parquet:3: invalid UTF-8: byte 0xe9 at offset 3"]
 
@@ -136,15 +137,18 @@ def test_save_to_disk_folder_is_one_dataset_in_state_json_order(tmp_path):
     datasets = pytest.importorskip("datasets")
     datasets.disable_progress_bars()
     texts = _lines("argparse.py", 10)
-    ds = datasets.Dataset.from_dict({"text": texts, "id": [f"ex-{i}" for i in range(10)], "score": [i / 4 for i in range(10)]})
+    ds = datasets.Dataset.from_dict({"text": texts, "id": [f"ex-{i}" for i in range(10)],
+                                     "score": [i / 4 for i in range(10)]})
     ds.save_to_disk(str(tmp_path / "corpus" / "hf"), num_shards=3)
     folder = tmp_path / "corpus" / "hf"
-    (folder / "cache-0123.arrow").write_bytes((folder / "data-00000-of-00003.arrow").read_bytes())  # stale cache: not data
+    stale = (folder / "data-00000-of-00003.arrow").read_bytes()
+    (folder / "cache-0123.arrow").write_bytes(stale)  # stale cache: not data
     (tmp_path / "corpus" / "notes.txt").write_text(texts[0])
 
     src = SourceConfig(name="hf", paths=["."])
     files = resolve_paths(src, tmp_path / "corpus")
-    assert [f.name for f in files] == ["data-00000-of-00003.arrow", "data-00001-of-00003.arrow", "data-00002-of-00003.arrow", "notes.txt"]
+    assert [f.name for f in files] == ["data-00000-of-00003.arrow", "data-00001-of-00003.arrow",
+                                       "data-00002-of-00003.arrow", "notes.txt"]
     docs, skips = _read(src, tmp_path / "corpus")
     assert skips.total == 0
     assert [d.text for d in docs] == texts + [texts[0]]
@@ -152,7 +156,8 @@ def test_save_to_disk_folder_is_one_dataset_in_state_json_order(tmp_path):
     assert [d.doc_id for d in hf] == [f"ex-{i}" for i in range(10)]
     assert [d.meta for d in hf] == [{"score": i / 4} for i in range(10)]
     # rows are numbered within each arrow file (4 + 3 + 3 rows)
-    assert [(d.source_file, d.line) for d in hf][3:5] == [("hf/data-00000-of-00003.arrow", 4), ("hf/data-00001-of-00003.arrow", 1)]
+    assert [(d.source_file, d.line) for d in hf][3:5] == [("hf/data-00000-of-00003.arrow", 4),
+                                                          ("hf/data-00001-of-00003.arrow", 1)]
 
     # the order is state.json's, not the file names'
     state = json.loads((folder / "state.json").read_text())
@@ -178,9 +183,11 @@ def test_dataset_dict_folder_and_truncated_arrow(tmp_path):
     })
     dd.save_to_disk(str(tmp_path / "dd"))
     files = resolve_paths(SourceConfig(name="dd", paths=["dd"]), tmp_path)
-    assert [f.relative_to(tmp_path).as_posix() for f in files] == ["dd/test/data-00000-of-00001.arrow", "dd/train/data-00000-of-00001.arrow"]
+    assert [f.relative_to(tmp_path).as_posix() for f in files] == ["dd/test/data-00000-of-00001.arrow",
+                                                                   "dd/train/data-00000-of-00001.arrow"]
     docs, skips = _read(SourceConfig(name="dd", paths=["dd/train"], format="arrow"), tmp_path)
-    assert [d.text for d in docs] == texts[:50] and skips.total == 0 and docs[-1].doc_id == "dd/train/data-00000-of-00001.arrow:50"
+    assert [d.text for d in docs] == texts[:50] and skips.total == 0
+    assert docs[-1].doc_id == "dd/train/data-00000-of-00001.arrow:50"
 
     # an Arrow stream of several batches cut short: the complete batches are kept
     table = pa.table({"text": texts})
@@ -191,7 +198,8 @@ def test_dataset_dict_folder_and_truncated_arrow(tmp_path):
     (tmp_path / "s.arrow").write_bytes(blob[: len(blob) - 300])
     docs, skips = _read(SourceConfig(name="s", paths=["s.arrow"]), tmp_path)
     assert [d.text for d in docs] == texts[:40]
-    assert dict(skips.counts) == {"unreadable Arrow": 1} and skips.examples[0].startswith("s.arrow:41: unreadable Arrow: ")
+    assert dict(skips.counts) == {"unreadable Arrow": 1}
+    assert skips.examples[0].startswith("s.arrow:41: unreadable Arrow: ")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -200,7 +208,8 @@ def test_dataset_dict_folder_and_truncated_arrow(tmp_path):
 
 
 def _jsonl(texts: list[str]) -> bytes:
-    return "".join(json.dumps({"text": t, "id": f"d{i}", "url": f"u{i}", "n": i}) + "\n" for i, t in enumerate(texts)).encode()
+    rows = ({"text": t, "id": f"d{i}", "url": f"u{i}", "n": i} for i, t in enumerate(texts))
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
 
 
 def test_text_file_with_one_invalid_byte_loses_only_that_line(tmp_path):
@@ -236,7 +245,8 @@ def test_zstd_jsonl_and_text_by_magic_bytes(tmp_path):
     raw = _jsonl(texts)
     cctx = zstandard.ZstdCompressor(level=3)
     half = raw.index(b"\n", len(raw) // 2) + 1
-    (tmp_path / "a.jsonl.zst").write_bytes(cctx.compress(raw[:half]) + cctx.compress(raw[half:]))  # two frames (pzstd-style)
+    # two frames (pzstd-style)
+    (tmp_path / "a.jsonl.zst").write_bytes(cctx.compress(raw[:half]) + cctx.compress(raw[half:]))
     (tmp_path / "b.jsonl").write_bytes(cctx.compress(raw[:half]))  # no .zst suffix: detected by magic bytes
     page = (STDLIB / "json" / "encoder.py").read_text(encoding="utf-8")
     (tmp_path / "c.txt.zst").write_bytes(cctx.compress(page.encode()))
@@ -296,7 +306,8 @@ def test_corrupt_streams_are_logged(tmp_path):
     assert skips.examples[0].startswith("crc.jsonl.gz:301: corrupt gzip: CRC check failed")
     # a flipped byte inside the compressed data (deflate may decode it into garbage that the CRC
     # catches at the end, zstd fails at the block); the next file is still read
-    for name, blob in (("mid.jsonl.gz", gzip.compress(raw)), ("mid.jsonl.zst", zstandard.ZstdCompressor().compress(raw))):
+    blobs = (("mid.jsonl.gz", gzip.compress(raw)), ("mid.jsonl.zst", zstandard.ZstdCompressor().compress(raw)))
+    for name, blob in blobs:
         bad = bytearray(blob)
         bad[len(bad) // 2] ^= 0xFF
         (tmp_path / name).write_bytes(bytes(bad))
@@ -305,7 +316,8 @@ def test_corrupt_streams_are_logged(tmp_path):
     assert [d.source_file for d in docs][-300:] == ["ok.jsonl"] * 300
     assert sum(d.source_file == "ok.jsonl" for d in docs) == 300
     assert skips.counts["corrupt gzip"] == 1 and skips.counts["corrupt zstd"] == 1
-    assert "mid.jsonl.zst:1: corrupt zstd: zstd decompressor error: Data corruption detected; reading of the file stops here" in skips.examples
+    assert ("mid.jsonl.zst:1: corrupt zstd: zstd decompressor error: Data corruption detected; reading of the file "
+            "stops here") in skips.examples
 
 
 # --------------------------------------------------------------------------------------------------
@@ -339,7 +351,8 @@ def test_huge_documents_are_skipped_with_their_size(tmp_path):
     ]
     (tmp_path / "d.txt").write_text(f"short one\n\n{big}\n\nshort two\n")
     docs, skips = _read(SourceConfig(name="p", paths=["d.txt"], format="paragraphs"), tmp_path, max_document_bytes=cap)
-    assert [(d.text, d.line) for d in docs] == [("short one", 1), ("short two", 3 + big.count("\n") + 2)]  # 3: big's first line
+    # 3: big's first line
+    assert [(d.text, d.line) for d in docs] == [("short one", 1), ("short two", 3 + big.count("\n") + 2)]
     assert skips.examples == ["d.txt:3: document too large: paragraph of 5,000 bytes > data.max_document_bytes (1,000)"]
     pq.write_table(_fineweb_table(["short", big, "é" * 600]), tmp_path / "e.parquet")
     docs, skips = _read(SourceConfig(name="q", paths=["e.parquet"]), tmp_path, max_document_bytes=cap)
@@ -357,13 +370,15 @@ def test_huge_documents_are_skipped_with_their_size(tmp_path):
 
 def test_auto_format_detection(tmp_path):
     for name, fmt in [("a.jsonl", "jsonl"), ("a.JSONL.GZ", "jsonl"), ("a.json.zst", "jsonl"), ("a.jsonl.zst", "jsonl"),
-                      ("a.parquet", "parquet"), ("data-00000-of-00001.arrow", "arrow"), ("a.txt.zst", "text"), ("a.json", "text")]:
+                      ("a.parquet", "parquet"), ("data-00000-of-00001.arrow", "arrow"), ("a.txt.zst", "text"),
+                      ("a.json", "text")]:
         assert file_format(Path(name), "auto") == fmt, name
     assert file_format(Path("a.parquet"), "text") == "text"
     texts = _lines("json/scanner.py", 6)
     (tmp_path / "1.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(_jsonl(texts[:1])))
     pq.write_table(pa.table({"text": texts[1:2]}), tmp_path / "2.parquet")
-    with pa.OSFile(str(tmp_path / "3.arrow"), "wb") as sink, pa.ipc.new_file(sink, pa.schema([("text", pa.string())])) as w:
+    schema = pa.schema([("text", pa.string())])
+    with pa.OSFile(str(tmp_path / "3.arrow"), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
         w.write_table(pa.table({"text": texts[2:3]}))  # Arrow *file* format (Feather v2)
     (tmp_path / "4.txt").write_text(texts[3])
     (tmp_path / "5.json.gz").write_bytes(gzip.compress(_jsonl(texts[4:6])))
@@ -379,7 +394,8 @@ def test_auto_format_detection(tmp_path):
 def test_config_accepts_new_formats_and_checks_max_document_bytes():
     sources = [{"name": "web", "paths": ["x"], "format": "parquet"}, {"name": "hf", "paths": ["y"], "format": "arrow"}]
     stages = [{"name": "main", "start": 0.0, "mix": {"web": 1.0}}]
-    cfg = load_config(preset="tiny", overrides=[("data.sources", sources), ("stages", stages), ("data.max_document_bytes", 1 << 20)])
+    cfg = load_config(preset="tiny", overrides=[("data.sources", sources), ("stages", stages),
+                                                ("data.max_document_bytes", 1 << 20)])
     assert [s.format for s in cfg.data.sources] == ["parquet", "arrow"] and cfg.data.max_document_bytes == 1 << 20
     with pytest.raises(ConfigError, match=r"data\.sources\[0\]\.format must be .*parquet.*arrow.*got 'xml'"):
         load_config(preset="tiny", overrides=[("data.sources", [{"name": "web", "paths": ["x"], "format": "xml"}])])
@@ -427,7 +443,8 @@ def test_torn_shard_and_index_mismatch_are_one_line_errors(tmp_path):
     ds.write_bytes(good_ds + b"\x07\x00")  # one token more than the index describes
     with pytest.raises(DataError) as e:
         TokenFiles(tmp_path)
-    assert _one_line(e) == f"{idx}: document ends do not match 000000.ds: last document end is 5 but the file holds 6 tokens"
+    assert _one_line(e) == (f"{idx}: document ends do not match 000000.ds: last document end is 5 but the file "
+                            "holds 6 tokens")
 
     ds.write_bytes(good_ds)
     idx.write_bytes(good_idx[:-3])

@@ -29,6 +29,9 @@ Steps (per source, in ``data.sources`` order):
          <source>/train/000000.ds  (+ .ds.index, .ds.metadata), 000001.ds, ... (<= 64 Mi tokens each)
          <source>/val/000000.ds    (+ .ds.index, .ds.metadata)
 
+Steps 4-7 of one source are :mod:`densetrain.data.prepare_source`; a ``format = "datatrove"`` source
+(already tokenized) is checked and registered instead (:mod:`densetrain.data.datatrove_folder`).
+
 A source is skipped when its manifest matches the tokenizer hash, the input files (path, size,
 mtime) and the parameters, unless ``force``. The manifest is deleted before a source is
 rewritten and written last, so a crash never leaves a manifest describing other shards.

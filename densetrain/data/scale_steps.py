@@ -214,7 +214,8 @@ class TokenizeStep(DocumentTokenizer):
     * Text that looks like a special token (``<|endoftext|>`` in a web page) is encoded as plain
       text, as :class:`densetrain.data.tokenizer.Tokenizer` does; only the appended EOS is special.
     * Task 0 writes ``identity`` (:meth:`Tokenizer.identity`) as ``IDENTITY_FILE`` into
-      ``identity_folder``, so the output is checked by content hash (see :func:`check_datatrove_folder`).
+      ``identity_folder``, so the output is checked by content hash
+      (:func:`~densetrain.data.datatrove_folder.check_datatrove_folder`).
     """
 
     def __init__(self, *args, identity: dict | None = None, identity_folder=None, **kwargs):
