@@ -143,6 +143,8 @@ class CheckpointConfig:
     """Save every N optimizer steps (and at the end); 0 saves only at the end."""
     keep: int = 3
     """Keep the newest N complete checkpoints (older ones are deleted); 0 keeps all."""
+    async_save: bool = False
+    """Write checkpoints in the background (torch.distributed.checkpoint.async_save over its own gloo group): training continues while the shards are written; at most one save in flight; the COMPLETE marker is written only after the write finished; the last step's save is waited for."""
 
 
 @dataclass
@@ -181,6 +183,24 @@ class EvalConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the processes of a job split the work: one torch.distributed DeviceMesh (dp_replicate, dp_shard, tp), row-major, tp innermost (the fastest link). dp_replicate * dp_shard * tp = world size."""
+
+    dp_replicate: int = -1
+    """Data-parallel replicas: DDP when dp_shard = tp = 1, else the replicate dimension of HSDP; -1 fills the world size."""
+    dp_shard: int = 1
+    """Data-parallel shards: FSDP2 fully_shard of parameters, gradients and optimizer state over this many ranks; -1 fills the world size."""
+    tp: int = 1
+    """Tensor-parallel degree (Megatron-style: q/k/v and gate/up column-wise, o/down row-wise); must divide model.n_kv_heads, model.d_ff and model.vocab_size; -1 fills."""
+    cp: int = 1
+    """Context-parallel degree; only 1 is supported (an error names the layouts that fit otherwise)."""
+    activation_checkpointing: str = "none"
+    """Recompute activations in the backward per block: 'none', 'full' (keep only each block's input) or 'selective' (keep matmul and attention outputs, recompute norms and pointwise ops)."""
+    compile_blocks: bool = False
+    """torch.compile each transformer block separately (after tensor parallel and activation checkpointing, before FSDP2)."""
+
+
+@dataclass
 class Config:
     """The whole recipe."""
 
@@ -202,3 +222,5 @@ class Config:
     """Metrics."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Evaluation."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout: data-parallel replicas and shards, tensor parallel, activation checkpointing."""

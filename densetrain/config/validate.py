@@ -6,7 +6,7 @@ import difflib
 
 from densetrain.config.filters import validate_filters
 from densetrain.config.schema import Config
-from densetrain.errors import check_config
+from densetrain.errors import ConfigError, check_config
 from densetrain.registry.gen_tasks import GEN_TASKS
 from densetrain.registry.tasks import GROUPS, TASKS
 
@@ -65,6 +65,7 @@ def validate(cfg: Config) -> None:
         check_config(getattr(cfg.logging, k) >= 1, f"logging.{k} must be >= 1, got {getattr(cfg.logging, k)}")
     for k in ("every", "keep"):
         check_config(getattr(cfg.checkpoint, k) >= 0, f"checkpoint.{k} must be >= 0, got {getattr(cfg.checkpoint, k)}")
+    validate_parallel(cfg)
 
     names = [src.name for src in cfg.data.sources]
     for i, src in enumerate(cfg.data.sources):
@@ -130,3 +131,49 @@ def validate(cfg: Config) -> None:
             what = "train.batch_size*train.seq_len" if batch_tokens == t.batch_size * t.seq_len else "the inherited batch_tokens"
             check_config(batch_tokens % seq_len == 0 and batch_tokens // seq_len >= 1,
                    f"stages[{i}].seq_len ({st.seq_len}) must divide {what} ({batch_tokens})")
+
+
+def validate_parallel(cfg: Config) -> None:
+    """The ``parallel`` section on its own (the world size is checked at launch, where it is known):
+    degrees >= 1 or -1 (fill, at most one), tensor parallel dividing the head counts, d_ff and the
+    vocabulary (each rank holds whole heads and equal slices), no context parallelism."""
+    p, m = cfg.parallel, cfg.model
+    degrees = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp}
+    for k, v in degrees.items():
+        check_config(v >= 1 or v == -1, f"parallel.{k} must be >= 1 or -1 (fill the world size), got {v}")
+    check_config(sum(v == -1 for v in degrees.values()) <= 1,
+                 f"parallel: at most one of dp_replicate, dp_shard, tp may be -1, got {degrees}")
+    check_config(p.activation_checkpointing in ("none", "full", "selective"),
+                 f"parallel.activation_checkpointing must be none, full or selective, got '{p.activation_checkpointing}'")
+    if p.tp > 1:
+        for k in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+            check_config(getattr(m, k) % p.tp == 0,
+                         f"parallel.tp ({p.tp}) must divide model.{k} ({getattr(m, k)}): each tensor-parallel rank "
+                         f"holds whole heads and equal slices")
+    if p.cp != 1:
+        tps = [t for t in (2, 4, 8) if m.n_kv_heads % t == 0 and m.d_ff % t == 0 and m.vocab_size % t == 0]
+        raise ConfigError(f"parallel.cp = {p.cp}: context parallelism is not supported; split long sequences' work "
+                          f"with tensor parallelism instead (parallel.tp in {tps or [1]} fits this model) and "
+                          f"fewer data-parallel ranks (dp_replicate * dp_shard must divide every stage's batch of "
+                          f"sequences); `densetrain plan` lists the layouts that fit")
+
+
+ROPE_SCALING_TYPES = ("none", "linear", "llama3", "yarn")
+
+
+def validate_rope_scaling(rs, key: str, inherit: bool) -> None:
+    """One ``rope_scaling`` table (a :class:`RopeScalingConfig`); ``inherit``: type '' is allowed (a stage)."""
+    types = ("", *ROPE_SCALING_TYPES) if inherit else ROPE_SCALING_TYPES
+    check_config(rs.type in types, f"{key}.type must be one of {', '.join(repr(t) for t in types)}, got '{rs.type}'")
+    if rs.type in ("", "none"):
+        return
+    check_config(rs.factor >= 1, f"{key}.factor must be >= 1 (a context extension), got {rs.factor}")
+    check_config(rs.original_max_position_embeddings > 0,
+                 f"{key}.original_max_position_embeddings must be positive, got {rs.original_max_position_embeddings}")
+    if rs.type == "llama3":
+        check_config(0 < rs.low_freq_factor < rs.high_freq_factor,
+                     f"{key}: need 0 < low_freq_factor < high_freq_factor, got {rs.low_freq_factor}, {rs.high_freq_factor}")
+    if rs.type == "yarn":
+        check_config(0 < rs.beta_slow < rs.beta_fast,
+                     f"{key}: need 0 < beta_slow < beta_fast, got {rs.beta_slow}, {rs.beta_fast}")
+        check_config(rs.attention_factor >= 0, f"{key}.attention_factor must be >= 0 (0: YaRN's default), got {rs.attention_factor}")

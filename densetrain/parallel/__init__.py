@@ -1,5 +1,6 @@
-"""The parallel layer: process group, device, data-parallel rank/size, gradient sync, grad norm and
-clipping, even splits of evaluation work, precision.
+"""The parallel layer: process group and device mesh, device, data-parallel rank/size, parallelising a
+model (DDP, FSDP2, tensor parallel, activation checkpointing, per-block compile), gradient sync, grad
+norm and clipping, even splits of evaluation work, precision.
 
 The model code knows nothing of parallelism; this package applies it afterwards (torchtitan's split),
 and the training loop and the evals ask it, never testing for DDP themselves. Under ``torchrun``
@@ -7,9 +8,8 @@ and the training loop and the evals ask it, never testing for DDP themselves. Un
 CPUs); a plain ``python`` run is world size 1 with no process group, through the same code.
 
 Vocabulary: the *global* rank/size count every process; the *data-parallel* rank/size count the
-groups of processes that see different data (equal to the global ones while every rank is a data
-replica or shard; they differ once a rank is also one of several tensor-parallel ranks that see the
-same batch).
+groups of processes that see different data (``dp_replicate * dp_shard``); the tensor-parallel ranks
+of one data-parallel rank see the same batch. See docs/distributed.md.
 """
 
 from densetrain.parallel.dist import (
@@ -20,6 +20,8 @@ from densetrain.parallel.dist import (
     even_split,
     init_distributed,
 )
+from densetrain.parallel.mesh import Layout, resolve_layout
+from densetrain.parallel.parallelize import build_parallel_model
 from densetrain.parallel.wrap import (
     autocast_for,
     clip_grad_norm,
@@ -29,6 +31,7 @@ from densetrain.parallel.wrap import (
 )
 
 __all__ = [
-    "DistInfo", "all_reduce_max", "all_reduce_sum", "autocast_for", "clip_grad_norm", "dp_rank_size", "even_split",
-    "grad_sync", "init_distributed", "parallelize", "unwrap",
+    "DistInfo", "Layout", "all_reduce_max", "all_reduce_sum", "autocast_for", "build_parallel_model",
+    "clip_grad_norm", "dp_rank_size", "even_split", "grad_sync", "init_distributed", "parallelize",
+    "resolve_layout", "unwrap",
 ]

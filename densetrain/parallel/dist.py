@@ -1,4 +1,4 @@
-"""Process group and ranks: where this process sits, reductions, and even splits of work."""
+"""Process group, device mesh and ranks: where this process sits, reductions, and even splits of work."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from densetrain.parallel.mesh import Layout, build_mesh, resolve_layout
 
 
 @dataclass(frozen=True)
@@ -17,7 +19,11 @@ class DistInfo:
         rank, world_size: global rank and number of processes.
         local_rank: rank on this node (the CUDA device index).
         device: the device it computes on.
-        dp_rank, dp_size: data-parallel rank and degree (module docstring of :mod:`densetrain.parallel`).
+        dp_rank, dp_size: data-parallel rank and degree (``dp_replicate * dp_shard``): the processes that
+            see different data. Tensor-parallel ranks of one data-parallel rank share its batch.
+        tp_rank, tp_size: coordinate and degree along the tensor-parallel dimension.
+        layout: the resolved :class:`~densetrain.parallel.mesh.Layout` (degrees whose product is the world).
+        mesh: the ``DeviceMesh`` (dims ``dp_replicate, dp_shard, tp``), None in a single process.
     """
 
     rank: int
@@ -26,19 +32,30 @@ class DistInfo:
     device: torch.device
     dp_rank: int = 0
     dp_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    layout: Layout = Layout(1, 1, 1)
+    mesh: object = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def init_distributed(device: str = "auto") -> DistInfo:
-    """Initialise torch.distributed when launched by torchrun; pick the device.
+# The layout of this process, set once by init_distributed: the reductions below and dp_rank_size need
+# the tensor-parallel coordinate, and the evals call them without a DistInfo at hand.
+_CURRENT = {"tp_rank": 0, "tp_size": 1}
+
+
+def init_distributed(device: str = "auto", parallel=None) -> DistInfo:
+    """Initialise torch.distributed when launched by torchrun, pick the device, build the mesh.
 
     Args:
         device: 'auto' (cuda when available), 'cpu' or 'cuda'.
+        parallel: a :class:`~densetrain.config.schema.ParallelConfig` (None: every rank a DDP replica).
     Raises:
         RuntimeError: 'cuda' requested but not available.
+        ConfigError: the layout's degrees do not multiply to the world size (the message lists layouts that do).
     """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,33 +64,58 @@ def init_distributed(device: str = "auto") -> DistInfo:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if parallel is None:
+        layout = resolve_layout(-1, 1, 1, world)
+    else:
+        layout = resolve_layout(parallel.dp_replicate, parallel.dp_shard, parallel.tp, world)
     if device == "cuda":
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
-    # Every rank is a data-parallel rank until tensor parallelism exists (it would divide dp_size).
-    return DistInfo(rank, world, local_rank, dev, dp_rank=rank, dp_size=world)
+    mesh = None
+    if world > 1:
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+        mesh = build_mesh(layout, dev.type)
+    # Row-major mesh with tp innermost: rank = dp_rank * tp + tp_rank (init_device_mesh's arange layout).
+    tp_rank, dp_rank = rank % layout.tp, rank // layout.tp
+    _CURRENT.update(tp_rank=tp_rank, tp_size=layout.tp)
+    return DistInfo(rank, world, local_rank, dev, dp_rank=dp_rank, dp_size=layout.dp_size, tp_rank=tp_rank,
+                    tp_size=layout.tp, layout=layout, mesh=mesh)
 
 
 def dp_rank_size() -> tuple[int, int]:
-    """(data-parallel rank, data-parallel size) of this process: (0, 1) without a process group."""
+    """(data-parallel rank, data-parallel size) of this process: (0, 1) without a process group.
+
+    Tensor-parallel ranks of one data-parallel rank get the same answer, so they take the same share of
+    evaluation work and run the same forward calls (each forward is a collective among them).
+    """
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        tp = _CURRENT["tp_size"]
+        return dist.get_rank() // tp, dist.get_world_size() // tp
     return 0, 1
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """In-place sum over ranks (no-op without a process group); returns ``t``."""
+    """In-place sum over the data-parallel ranks (no-op without a process group); returns ``t``.
+
+    ``t`` is a per-batch quantity (token counts, loss sums), the same on the tensor-parallel ranks of
+    one data-parallel rank, which share a batch. So only tensor-parallel rank 0 contributes (the others
+    add zeros) and one world-wide all-reduce gives every rank the data-parallel sum; summing copies
+    would count each batch ``tp`` times. A flag set by global rank 0 only (tensor-parallel rank 0)
+    reaches every rank, too.
+    """
     if dist.is_available() and dist.is_initialized():
+        if _CURRENT["tp_rank"] != 0:
+            t.zero_()
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
 def all_reduce_max(t: torch.Tensor) -> torch.Tensor:
-    """In-place maximum over ranks (no-op without a process group); returns ``t``."""
+    """In-place maximum over ranks (no-op without a process group); returns ``t``. Copies held by
+    tensor-parallel ranks do not change a maximum."""
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t

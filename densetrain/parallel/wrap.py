@@ -28,23 +28,52 @@ def parallelize(model: nn.Module, info: DistInfo) -> nn.Module:
 
 def grad_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
     """Context for one micro-batch's backward: gradients are reduced over ranks only when ``enabled``
-    (the last micro-batch of a step); earlier ones accumulate locally (DDP's ``no_sync``)."""
-    if not enabled and hasattr(model, "no_sync"):
+    (the last micro-batch of a step); earlier ones accumulate locally: DDP's ``no_sync``, FSDP2's
+    ``set_requires_gradient_sync(False)`` (unsharded gradients kept until the last backward, which
+    reduce-scatters their sum). Tensor-parallel collectives are part of the math and always run."""
+    if enabled:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):
         return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDPModule
+        return _fsdp_no_sync(model)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the gradients of ``model`` to total L2 norm ``max_norm`` (``inf``: measure only); return the
     norm of the *full* gradient before clipping as a 0-d tensor, identical on every rank.
 
-    Gradients are already reduced (DDP) when this runs; sharded (DTensor) gradients are handled by
-    ``torch.nn.utils.clip_grad_norm_``, whose DTensor norm is materialised here with ``full_tensor``.
+    Plain tensors (single process; DDP after its all-reduce) go through ``torch.nn.utils.clip_grad_norm_``
+    (the golden trajectory's arithmetic). With DTensor gradients (FSDP2 shards, tensor-parallel slices)
+    each gradient's norm is reduced over its mesh (``full_tensor`` of the DTensor norm: the shards'
+    squares summed; a replicated one counted once), then combined as torch does: the L2 norm of the
+    per-parameter norms, clip coefficient ``min(1, max_norm / (norm + 1e-6))``.
     """
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return norm
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not any(isinstance(p.grad, DTensor) for p in params):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norms = []
+    for p in params:
+        n = torch.linalg.vector_norm(p.grad, 2, dtype=torch.float32)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    total = torch.linalg.vector_norm(torch.stack(norms), 2)
+    if max_norm != float("inf"):
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in params:
+            p.grad.mul_(coef.to(p.grad.dtype))  # DTensor times a plain 0-d tensor: scales each shard
+    return total
 
 
 def unwrap(model: nn.Module) -> nn.Module:

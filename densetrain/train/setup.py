@@ -19,10 +19,9 @@ from densetrain.data.streams import data_fingerprint, open_streams
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
 from densetrain.errors import TrainError
 from densetrain.metrics import MetricsLogger, measure_peak_flops
-from densetrain.model.init import build_model
 from densetrain.model.llama import Transformer
 from densetrain.optim import build_optimizer
-from densetrain.parallel import DistInfo, all_reduce_sum, autocast_for, init_distributed, parallelize
+from densetrain.parallel import DistInfo, all_reduce_sum, autocast_for, build_parallel_model, init_distributed
 from densetrain.registry.tasks import data_root, resolve_tasks
 from densetrain.schedule import Stage, resolve_stages
 from densetrain.train.state import TrainState
@@ -105,7 +104,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None) -> R
     Raises:
         TrainError / DataError: one line (no data, batch not divisible by ranks, existing run, ...).
     """
-    info = init_distributed(cfg.train.device)
+    info = init_distributed(cfg.train.device, cfg.parallel)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
     run_dir = Path(cfg.train.run_dir)
@@ -115,10 +114,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None) -> R
     except ValueError as e:
         raise TrainError(str(e)) from None
     check_stages(stages, train_streams, info.dp_size)
-    model = build_model(cfg.model, cfg.train.seed, info.device)
-    dp_model = parallelize(model, info)
-    if cfg.train.compile:
-        dp_model = torch.compile(dp_model)
+    model, dp_model = build_parallel_model(cfg, info)  # meta -> TP -> AC -> compile -> FSDP2 -> init (or DDP)
     optimizer = build_optimizer(model, cfg)
     last = min(cfg.train.steps, stop_after) if stop_after else cfg.train.steps
     checkpointer = Checkpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep, last)

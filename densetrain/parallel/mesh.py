@@ -1,0 +1,98 @@
+"""The parallel layout: degrees ``dp_replicate x dp_shard x tp`` resolved against the world size, and
+the one ``DeviceMesh`` built from them.
+
+The mesh is row-major with ``tp`` innermost, so the ranks of one tensor-parallel group are
+consecutive (on one node, over the fastest link: NVLink), then the FSDP shard group, then replicas
+(HSDP's all-reduce crosses nodes the least often). Global rank ``r`` sits at
+``(r // (dp_shard * tp), (r // tp) % dp_shard, r % tp)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from densetrain.errors import ConfigError
+
+DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Resolved degrees (each >= 1); their product is the world size."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: processes that see different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def uses_fsdp(self) -> bool:
+        """FSDP2 (``fully_shard``) applies: parameters are sharded, or tensor parallel needs its DTensor
+        parameters reduced over data-parallel ranks (DDP does not take DTensors)."""
+        return self.dp_shard > 1 or (self.tp > 1 and self.dp_size > 1)
+
+    def __str__(self) -> str:
+        return f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp}"
+
+
+def divisor_layouts(world: int, max_tp: int = 8) -> list[Layout]:
+    """Every layout of ``world`` ranks without replication beyond FSDP: ``(1, world / tp, tp)`` for the
+    tensor-parallel degrees ``tp`` (powers of two up to ``max_tp``) that divide ``world``."""
+    out, tp = [], 1
+    while tp <= min(max_tp, world):
+        if world % tp == 0:
+            out.append(Layout(1, world // tp, tp))
+        tp *= 2
+    return out
+
+
+def resolve_layout(dp_replicate: int, dp_shard: int, tp: int, world: int) -> Layout:
+    """Fill the one ``-1`` degree (if any) and check that the product is ``world``.
+
+    Raises:
+        ConfigError: more than one -1, a degree that does not divide, or a product other than ``world``;
+            the message names layouts that fit.
+    """
+    given = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+    fill = [k for k, v in given.items() if v == -1]
+    fits = ", ".join(f"({lay})" for lay in divisor_layouts(world))
+    if len(fill) > 1:
+        raise ConfigError(f"parallel: at most one of dp_replicate, dp_shard, tp may be -1, got {given}")
+    known = 1
+    for k, v in given.items():
+        if k not in fill:
+            known *= v
+    if fill:
+        if world % known:
+            raise ConfigError(f"parallel: the fixed degrees {given} (product {known}) do not divide the world size "
+                              f"{world}; layouts that fit: {fits}")
+        given[fill[0]] = world // known
+    layout = Layout(**given)
+    if layout.world != world:
+        raise ConfigError(f"parallel: dp_replicate * dp_shard * tp = {layout.dp_replicate} * {layout.dp_shard} * "
+                          f"{layout.tp} = {layout.world}, but the world size is {world}; layouts that fit: {fits}")
+    return layout
+
+
+def build_mesh(layout: Layout, device_type: str):
+    """The job's ``DeviceMesh`` with dims ``("dp_replicate", "dp_shard", "tp")`` (size-1 dims included,
+    so every rank can name every dim); the process group must exist."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (layout.dp_replicate, layout.dp_shard, layout.tp), mesh_dim_names=DIMS)
+
+
+def dp_mesh(mesh, layout: Layout):
+    """The sub-mesh FSDP2 reduces gradients over: 2-D ``(dp_replicate, dp_shard)`` for HSDP (replicate
+    across, shard within), else the 1-D shard dim (or the replicate dim when only it is > 1)."""
+    if layout.dp_replicate > 1 and layout.dp_shard > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_replicate"] if layout.dp_replicate > 1 else mesh["dp_shard"]

@@ -1,0 +1,212 @@
+"""Parallelism applied to the model from outside, in torchtitan's order:
+
+    build on meta -> tensor parallel -> activation checkpointing -> compile per block -> FSDP2
+    fully_shard per block and at the root -> materialise (to_empty) -> initialise -> (optimizer: caller)
+
+The model file knows nothing of this. Tensor parallel needs one fact from it: attention reshapes by
+``n_heads`` / ``n_kv_heads``, which this step sets to the per-rank (local) head counts.
+
+Initialisation gives the weights of a single process with the same seed: the full model is
+initialised on the CPU with :func:`densetrain.model.init.build_model` and each rank takes its shards
+(``set_model_state_dict`` with a full state dict, which calls ``distribute_tensor`` per parameter).
+That costs one full fp32 copy in host memory per rank while it lasts (32 GB for 8B parameters).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from densetrain.model.init import build_model
+from densetrain.model.llama import Transformer
+from densetrain.parallel.dist import DistInfo
+from densetrain.parallel.mesh import dp_mesh
+from densetrain.parallel.wrap import parallelize
+
+
+def build_parallel_model(cfg, info: DistInfo) -> tuple[Transformer, nn.Module]:
+    """The model of ``cfg`` laid out as ``cfg.parallel`` says on the mesh of ``info``.
+
+    Args:
+        cfg: the :class:`~densetrain.config.Config` (reads ``model``, ``parallel``, ``train``).
+    Returns:
+        ``(model, step_model)``: ``model`` is the module evals, checkpoints and the optimizer use (under
+        FSDP2/TP the same object, its parameters DTensors); ``step_model`` is what the step runs (DDP or
+        whole-model compile wrapper, else ``model``).
+    """
+    par, layout = cfg.parallel, info.layout
+    if layout.tp == 1 and not layout.uses_fsdp:
+        # Single process or DDP: the real model straight away (this path is the golden trajectory's).
+        model = build_model(cfg.model, cfg.train.seed, info.device)
+        apply_activation_checkpointing(model, par.activation_checkpointing)
+        if par.compile_blocks:
+            compile_blocks(model)
+        step_model = parallelize(model, info)
+        return model, torch.compile(step_model) if cfg.train.compile else step_model
+
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    if layout.tp > 1:
+        apply_tensor_parallel(model, info.mesh["tp"])
+    apply_activation_checkpointing(model, par.activation_checkpointing)
+    if par.compile_blocks or cfg.train.compile:
+        compile_blocks(model)
+    if layout.uses_fsdp:
+        bf16 = info.device.type == "cuda" and cfg.train.dtype in ("auto", "bf16")
+        apply_fsdp(model, dp_mesh(info.mesh, layout), bf16)
+    model.to_empty(device=info.device)
+    load_reference_weights(model, cfg, info.device)
+    return model, model
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
+    """Megatron-style tensor parallel (Shoeybi et al. 2019) on the 1-D ``tp_mesh``, in place.
+
+    Plan: ``wq, wk, wv, w1, w3`` column-wise (each rank computes a slice of heads / of the hidden
+    width; its input is replicated), ``wo, w2`` row-wise (each rank multiplies its slice; the partial
+    outputs are all-reduced), the embedding row-wise over the vocabulary (each rank looks up its rows,
+    zeros elsewhere, all-reduced), the output head column-wise over the vocabulary with the logits
+    gathered (replicated), so the loss is computed on full logits identically on every rank and is
+    not scaled by the degree. Norm gains are replicated (``Replicate`` DTensors, local arithmetic); their
+    gradients are complete on every rank because column-wise layers all-reduce the gradient of their
+    replicated input.
+
+    Tied embeddings: the embedding (row-wise) and the head (column-wise) both shard the (vocab,
+    d_model) matrix on dim 0, so after both are distributed the head takes the embedding's parameter
+    again: one parameter.
+    """
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    })
+    if model.cfg.tie_embeddings:
+        model.tie_weights()
+    _replicate(model.norm, tp_mesh)
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        })
+        for norm in (block.attention_norm, block.ffn_norm):
+            _replicate(norm, tp_mesh)
+        attn = block.attention
+        if attn.n_kv_heads % tp:
+            raise ValueError(f"tensor parallel degree {tp} must divide n_kv_heads ({attn.n_kv_heads})")
+        # Local heads: rank r holds query heads [r H/tp, (r+1) H/tp) and KV heads [r K/tp, (r+1) K/tp);
+        # query head h uses KV head h // (H/K), which stays on the same rank, so GQA needs no exchange.
+        attn.n_heads //= tp
+        attn.n_kv_heads //= tp
+
+
+def _replicate(module: nn.Module, mesh) -> None:
+    """Make ``module`` (a norm) run on replicated DTensors over ``mesh``: its parameters become
+    ``Replicate`` DTensors, its input is wrapped, its output unwrapped. The arithmetic is the local one;
+    the point is that every parameter of a tensor-parallel model is a DTensor, as the optimizer's
+    foreach kernels require within a parameter group."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+
+    def params(name, mod, mesh):
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Replicate()])))
+
+    def wrap_input(mod, inputs, mesh):
+        return tuple(DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in inputs)
+
+    distribute_module(module, mesh, partition_fn=params, input_fn=wrap_input,
+                      output_fn=lambda mod, out, mesh: out.to_local())
+
+
+def _selective_policy():
+    """Selective activation checkpointing (Korthikanti et al. 2022, "Reducing Activation Recomputation"):
+    keep what is expensive to recompute (matmuls, attention, collectives), recompute the cheap pointwise
+    ops and norms, which hold most of the activation bytes per FLOP."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten.addmm.default, aten.bmm.default,
+            aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_cudnn_attention.default}
+    funcol = getattr(torch.ops, "_c10d_functional", None)
+    if funcol is not None:
+        save |= {funcol.all_reduce.default, funcol.reduce_scatter_tensor.default, funcol.all_gather_into_tensor.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
+    """Recompute each block's activations in the backward (``mode`` 'full' or 'selective'; 'none' is a
+    no-op). The block's ``forward`` is replaced on the instance, so parameter names (checkpoints, the
+    optimizer's groups) do not change, unlike a wrapper module.
+
+    Raises: ValueError for another mode.
+    """
+    if mode == "none":
+        return
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation checkpointing must be none, full or selective, got '{mode}'")
+    from torch.utils.checkpoint import checkpoint, noop_context_fn
+
+    context_fn = _selective_policy() if mode == "selective" else noop_context_fn
+    for block in model.layers:
+        inner = block.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+        block.forward = forward
+
+
+def compile_blocks(model: Transformer) -> None:
+    """``torch.compile`` each block in place (``nn.Module.compile``: names unchanged); blocks have the
+    same code, so one compiled graph serves them all."""
+    for block in model.layers:
+        block.compile()
+
+
+def apply_fsdp(model: Transformer, mesh, bf16: bool) -> None:
+    """FSDP2 ``fully_shard`` on each block, then the root (embedding, final norm, head: one group, so a
+    tied embedding is one sharded parameter). With ``bf16`` (GPU) parameters are all-gathered in bf16
+    and gradients reduced in fp32 (``MixedPrecisionPolicy``); the sharded master weights stay fp32.
+
+    Gradients are averaged over the mesh's ranks (FSDP2's default, as DDP's), which
+    :func:`densetrain.train.step.forward_backward` turns back into the global sum with ``grad_scale``.
+    The last block is not resharded after the forward: the backward needs it first.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    n = len(model.layers)
+    for i, block in enumerate(model.layers):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+@torch.no_grad()
+def load_reference_weights(model: Transformer, cfg, device: torch.device) -> None:
+    """Give the materialised, distributed ``model`` the single-process initial weights of ``cfg``
+    (:func:`~densetrain.model.init.build_model` on the CPU with ``train.seed``), shard by shard, plus
+    the init's scalar attributes (μP attention scale, logit multiplier)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    ref = build_model(cfg.model, cfg.train.seed, torch.device("cpu"))
+    full = {k: v.to(device) for k, v in ref.state_dict().items()}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=True))
+    if cfg.model.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
+        raise RuntimeError("tied embeddings became two parameters while parallelising")
+    model.attn_scale = ref.attn_scale
+    model.logit_mult = ref.logit_mult
+    model.reset_rope_cache()
