@@ -68,8 +68,6 @@ __all__ = [
     "render_shot", "resolve_tasks", "result_name", "with_shots",
 ]
 
-_question_answer = prompts.question_answer  # the name data/decontam.py imports; prompts.question_answer is the home
-
 
 @dataclass(frozen=True)
 class Task:
