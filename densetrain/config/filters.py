@@ -19,7 +19,7 @@ class GopherQualityConfig:
     """Gopher quality rules (Rae et al. 2021, Gopher, App. A); defaults are the paper's."""
 
     min_words: int = 50
-    """Drop documents with fewer words (whitespace-separated, punctuation-only tokens not counted); Gopher: 50."""
+    """Drop documents with fewer words (word tokens holding a non-punctuation character); Gopher: 50."""
     max_words: int = 100_000
     """Drop documents with more words; Gopher: 100,000."""
     min_mean_word_length: float = 3.0
@@ -27,27 +27,28 @@ class GopherQualityConfig:
     max_mean_word_length: float = 10.0
     """Drop documents whose mean word length is above this; Gopher: 10."""
     max_hash_ratio: float = 0.1
-    """Drop documents with more '#' characters per word; Gopher symbol-to-word ratio: 0.1."""
+    """Drop documents with more '#' characters per token; Gopher symbol-to-word ratio: 0.1."""
     max_ellipsis_ratio: float = 0.1
-    """Drop documents with more ellipses ('...' or '…') per word; Gopher symbol-to-word ratio: 0.1."""
+    """Drop documents with more ellipses ('...' or '…') per token; Gopher symbol-to-word ratio: 0.1."""
     max_bullet_lines: float = 0.9
-    """Drop documents where a larger fraction of non-blank lines starts with a bullet; Gopher: 0.9."""
+    """Drop documents where a larger fraction of lines starts with '•' or '-'; Gopher: 0.9."""
     max_ellipsis_lines: float = 0.3
-    """Drop documents where a larger fraction of non-blank lines ends with an ellipsis; Gopher: 0.3."""
+    """Drop documents where a larger fraction of lines ends with an ellipsis; Gopher: 0.3."""
     min_alpha_words: float = 0.8
-    """Drop documents where a smaller fraction of words contains an alphabetic character; Gopher: 0.8."""
+    """Drop documents where a smaller fraction of word tokens contains an alphabetic character; Gopher: 0.8."""
     min_stop_words: int = 2
-    """Drop documents with fewer distinct stop words (case-insensitive); Gopher: 2."""
+    """Drop documents with fewer distinct stop words among the tokens (exact case, as datatrove); Gopher: 2."""
     stop_words: list[str] = field(default_factory=lambda: ["the", "be", "to", "of", "and", "that", "have", "with"])
-    """The stop words; Gopher's eight English ones."""
+    """The stop words; Gopher's eight English ones (lowercase)."""
 
 
 @dataclass
 class GopherRepetitionConfig:
-    """Gopher repetition rules (Rae et al. 2021, Gopher, App. A); defaults are Table A1's. 1.0 disables a rule."""
+    """Gopher repetition rules (Rae et al. 2021, Gopher, App. A); defaults are Table A1's. 1.0 disables a rule.
+    Fractions are of the document's characters, as datatrove (FineWeb) computes them."""
 
     max_dup_line_frac: float = 0.30
-    """Max fraction of non-blank lines that repeat an earlier line; Table A1: 0.30."""
+    """Max fraction of lines that repeat an earlier line; Table A1: 0.30."""
     max_dup_para_frac: float = 0.30
     """Max fraction of paragraphs (blank-line separated) that repeat an earlier one; Table A1: 0.30."""
     max_dup_line_char_frac: float = 0.20
@@ -55,13 +56,13 @@ class GopherRepetitionConfig:
     max_dup_para_char_frac: float = 0.20
     """Max fraction of the document's characters in repeated paragraphs; Table A1: 0.20."""
     max_top_2gram_char_frac: float = 0.20
-    """Max fraction of word characters covered by the most frequent word 2-gram; Table A1: 0.20."""
+    """Max fraction of characters covered by the most frequent word 2-gram (count x length); Table A1: 0.20."""
     max_top_3gram_char_frac: float = 0.18
     """Same for the most frequent 3-gram; Table A1: 0.18."""
     max_top_4gram_char_frac: float = 0.16
     """Same for the most frequent 4-gram; Table A1: 0.16."""
     max_dup_5gram_char_frac: float = 0.15
-    """Max fraction of word characters inside word 5-grams that occur more than once; Table A1: 0.15."""
+    """Max fraction of characters in word 5-grams repeating an earlier one (overlaps once); Table A1: 0.15."""
     max_dup_6gram_char_frac: float = 0.14
     """Same for 6-grams; Table A1: 0.14."""
     max_dup_7gram_char_frac: float = 0.13
@@ -76,10 +77,12 @@ class GopherRepetitionConfig:
 
 @dataclass
 class C4Config:
-    """C4 page cleaning (Raffel et al. 2020, T5, §2.2, and its reference code, TFDS c4_utils.clean_page)."""
+    """C4 page cleaning (Raffel et al. 2020, T5, §2.2, and its reference code, TFDS c4_utils.clean_page).
+    ``data.filters.c4`` holds C4's own settings, ``data.filters.c4_fineweb`` FineWeb's (Penedo et al. 2024,
+    datatrove C4QualityFilter(filter_no_terminal_punct=False): 3 words per line, 5 sentences)."""
 
     remove_no_terminal_punct: bool = True
-    """Remove lines that do not end in '.', '?', '!' or a closing quote, or that end in '...' (C4). FineWeb turns this off."""
+    """Remove lines that do not end in '.', '?', '!' or a closing quote, or that end in '...' (C4); FineWeb: off."""
     min_words_per_line: int = 5
     """Remove lines with fewer words; C4: 5 (datatrove's default is 3)."""
     min_sentences: int = 3
@@ -96,11 +99,13 @@ class C4Config:
     """Drop pages containing 'lorem ipsum' (C4)."""
     drop_curly_brace: bool = True
     """Drop pages containing '{' (C4: likely code); turn off for text that quotes code."""
+    keep_blank_lines: bool = True
+    """Keep one blank line where blank lines separated kept lines; C4's code and datatrove drop them."""
 
 
 @dataclass
 class FineWebConfig:
-    """FineWeb's custom filters (Penedo et al. 2024, The FineWeb Datasets, arXiv:2406.17557); defaults are the paper's."""
+    """FineWeb's custom filters (Penedo et al. 2024, arXiv:2406.17557); defaults are its code's (datatrove 0.10)."""
 
     min_line_punct_ratio: float = 0.12
     """Drop documents where a smaller fraction of non-blank lines ends in terminal punctuation; FineWeb: 0.12."""
@@ -108,20 +113,27 @@ class FineWebConfig:
     """Drop documents where a larger fraction of non-blank lines is short (<= short_line_length); FineWeb: 0.67."""
     short_line_length: int = 30
     """Characters at or below which a line is short; FineWeb: 30."""
-    max_dup_line_char_ratio: float = 0.1
-    """Drop documents where repeated lines hold a larger fraction of the characters (newlines excluded); FineWeb paper: 0.1 (datatrove default 0.01)."""
+    max_dup_line_char_ratio: float = 0.01
+    """Drop documents where repeated lines hold a larger fraction of the characters (newlines excluded);
+    FineWeb's code: 0.01 (its paper says 0.1)."""
+    max_newline_ratio: float = 0.3
+    """Drop documents with more newlines per word token (list-like pages); FineWeb's code (new_line_ratio): 0.3."""
 
 
 @dataclass
 class FiltersConfig:
-    """Thresholds of the document quality filters (``densetrain.data.filters``); a source picks filters with ``filters``."""
+    """Thresholds of the document quality filters (``densetrain.data.filters``); sources pick filters by name."""
 
     gopher_quality: GopherQualityConfig = field(default_factory=GopherQualityConfig)
     """Gopher quality rules (Rae et al. 2021, App. A)."""
     gopher_repetition: GopherRepetitionConfig = field(default_factory=GopherRepetitionConfig)
     """Gopher repetition rules (Rae et al. 2021, Table A1)."""
     c4: C4Config = field(default_factory=C4Config)
-    """C4 line and page rules (Raffel et al. 2020, §2.2)."""
+    """C4 line and page rules (Raffel et al. 2020, §2.2), filter 'c4'."""
+    c4_fineweb: C4Config = field(default_factory=lambda: C4Config(
+        remove_no_terminal_punct=False, min_words_per_line=3, min_sentences=5, keep_blank_lines=False))
+    """C4's rules as FineWeb ran them (Penedo et al. 2024; datatrove C4QualityFilter without the
+    terminal-punctuation rule), filter 'c4_fineweb'."""
     fineweb: FineWebConfig = field(default_factory=FineWebConfig)
     """FineWeb line rules (Penedo et al. 2024, arXiv:2406.17557)."""
 
@@ -140,17 +152,20 @@ def validate_filters(data: DataConfig) -> None:
         check_config(0 <= getattr(g, k) <= 1, f"data.filters.gopher_quality.{k} must be in [0, 1], got {getattr(g, k)}")
     n_stop = len({w.lower() for w in g.stop_words})
     check_config(0 <= g.min_stop_words <= n_stop,
-           f"data.filters.gopher_quality.min_stop_words must be in [0, {n_stop}] (distinct stop_words), got {g.min_stop_words}")
+           f"data.filters.gopher_quality.min_stop_words must be in [0, {n_stop}] (distinct stop_words), "
+           f"got {g.min_stop_words}")
     r = data.filters.gopher_repetition
     for f in dataclasses.fields(r):
         v = getattr(r, f.name)
         check_config(0 <= v <= 1, f"data.filters.gopher_repetition.{f.name} must be in [0, 1] (1 disables), got {v}")
-    c = data.filters.c4
-    for k in ("min_words_per_line", "min_sentences", "max_word_length"):
-        check_config(getattr(c, k) >= 0, f"data.filters.c4.{k} must be >= 0, got {getattr(c, k)}")
+    for name in ("c4", "c4_fineweb"):
+        c = getattr(data.filters, name)
+        for k in ("min_words_per_line", "min_sentences", "max_word_length"):
+            check_config(getattr(c, k) >= 0, f"data.filters.{name}.{k} must be >= 0, got {getattr(c, k)}")
     fw = data.filters.fineweb
     for k in ("min_line_punct_ratio", "max_short_line_ratio", "max_dup_line_char_ratio"):
         check_config(0 <= getattr(fw, k) <= 1, f"data.filters.fineweb.{k} must be in [0, 1], got {getattr(fw, k)}")
-    check_config(fw.short_line_length >= 0, f"data.filters.fineweb.short_line_length must be >= 0, got {fw.short_line_length}")
+    for k in ("max_newline_ratio", "short_line_length"):
+        check_config(getattr(fw, k) >= 0, f"data.filters.fineweb.{k} must be >= 0, got {getattr(fw, k)}")
     for i, src in enumerate(data.sources):
         resolve_filter_names(src.filters, src.kind, key=f"data.sources[{i}].filters")
