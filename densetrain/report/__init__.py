@@ -1,0 +1,48 @@
+"""``densetrain report RUN_DIR``: ``report.html`` (interactive, self-contained, opens offline),
+``report.png`` (the same panels, static) and a printed summary.
+
+Reads only files of the run directory (``metrics.jsonl``, ``events.jsonl``, ``summary.json``,
+``config.toml``), so it works on a finished, running or killed run. :mod:`.run` reads them,
+:mod:`.png` and :mod:`.html` draw the same series.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from densetrain.report.html import PANELS, write_html
+from densetrain.report.png import write_png
+from densetrain.report.run import RunData, load_run, read_events
+
+__all__ = ["PANELS", "RunData", "load_run", "read_events", "write_report"]
+
+
+def write_report(run_dir: Path) -> str:
+    """Write ``RUN_DIR/report.png`` and ``RUN_DIR/report.html``; return a short text summary.
+
+    Raises:
+        FileNotFoundError: the run directory has no training records in metrics.jsonl.
+    """
+    data = load_run(Path(run_dir))
+    png = write_png(data, data.run_dir / "report.png")
+    page = write_html(data, data.run_dir / "report.html")
+    lines = [f"report: {page} (open in a browser; works offline)", f"        {png}"]
+    s = data.summary
+    if s:
+        lines.append(f"steps {s['steps']}, tokens {s['tokens']}, wall {s['wall_s']:.0f}s")
+        for src, v in s.get("val", {}).items():
+            lines.append(f"  {src:<12} val loss {v['loss']:.3f}   unigram entropy {v['unigram_entropy']:.3f}")
+        heads = {k.split("/")[0]: v for k, v in s.get("downstream", {}).items() if k.endswith("/headline")}
+        if heads:
+            lines.append("  downstream (headline metric): " + ", ".join(f"{t} {v:.3f}" for t, v in heads.items()))
+    for b in data.boundaries:
+        if b.eval_before and b.eval_after:
+            lines.append(f"  stage {b.before} -> {b.after} at step {b.step}: val loss "
+                         f"{b.eval_before['val/all/loss']:.3f} (step {b.eval_before['step']}) -> "
+                         f"{b.eval_after['val/all/loss']:.3f} (step {b.eval_after['step']})")
+    if data.events:
+        kinds: dict[str, int] = {}
+        for e in data.events:
+            kinds[e.kind] = kinds.get(e.kind, 0) + 1
+        lines.append("  events: " + ", ".join(f"{k} {n}" for k, n in kinds.items()))
+    return "\n".join(lines)
