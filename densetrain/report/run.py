@@ -205,7 +205,7 @@ def loss_at(train: list[dict], step: int) -> float | None:
 EVENT_COLORS = {
     "stage": "#4c4c4c", "checkpoint": "#2ca02c", "loss_spike": "#d62728", "nonfinite": "#9467bd",
     "rollback": "#ff7f0e", "throughput": "#8c564b", "data_probe": "#e377c2", "fault": "#000000",
-    "resume": "#17becf", "note": "#7f7f7f",
+    "resume": "#17becf", "epoch": "#bcbd22", "note": "#7f7f7f",
 }
 # Series colours (matplotlib's tab10) and the stage-band fills.
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
