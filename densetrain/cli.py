@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -207,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg.train.run_dir = str(args.resume)
         return COMMANDS[args.command][0](cfg, args)
     except (ConfigError, DataError, TrainError, FileNotFoundError) as e:
-        print(f"densetrain: error: {e}", file=sys.stderr)
+        # Under torchrun every rank meets the same error: rank 0 says it, every rank exits non-zero.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"densetrain: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("densetrain: interrupted", file=sys.stderr)
