@@ -49,6 +49,10 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
+    if getattr(args, "dry_run", False):  # the memory and layout plan only: no data, no process group
+        from densetrain.tools.commands import print_dry_run
+
+        return print_dry_run(cfg)
     from densetrain.train import train
 
     summary = train(cfg, resume=bool(args.resume))
@@ -163,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--help-config", action="store_true", help="list every config key with its meaning")
         if name == "train":
             sp.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint")
+            sp.add_argument("--dry-run", action="store_true", help="resolve the config, build the model on the meta "
+                            "device and print the memory and layout plan (densetrain plan); no data is read")
         if name == "prepare":
             sp.add_argument("--force", action="store_true", help="redo sources whose shards are up to date")
         if name in ("eval", "export"):

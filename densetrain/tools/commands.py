@@ -10,6 +10,8 @@ Examples::
     densetrain lr-sweep --init both --widths 64,256 --lrs 5e-4,1e-3,2e-3,4e-3,8e-3 --steps 100
     densetrain plan --flops 1.21e20 --peak-flops 8e15 --mfu 0.4
     densetrain plan --hours 24 --tokens-per-sec 2.5e5
+    densetrain plan --preset llama3-8b --gpus 64 --gpu-memory-gib 80
+    densetrain plan --params 1.2e9 --tokens 2.4e10 --gpus 8 --gpu-memory-gib 40
 """
 
 from __future__ import annotations
@@ -97,9 +99,17 @@ def cmd_lr_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Print the Chinchilla plan (and its JSON with ``--json``)."""
+    """Print the Chinchilla plan (one of --flops/--params/--tokens/--hours), or, with ``--gpus``, the
+    memory and layout plan of a preset / config (``--params N --tokens D`` may replace its size and
+    length); ``--json`` prints the result as JSON."""
     from densetrain.tools.plan import format_plan, plan
 
+    if args.gpus is not None or args.preset or args.config:
+        return _layout_plan(args)
+    given = [k for k in ("flops", "params", "tokens", "hours") if getattr(args, k) is not None]
+    if len(given) != 1:
+        return _error(f"give exactly one of --flops, --params, --tokens, --hours (got {', '.join(given) or 'none'}), "
+                      "or --gpus with --preset/--config (or --params and --tokens) for the memory plan")
     try:
         res = plan(
             flops=args.flops, params=args.params, tokens=args.tokens, hours=args.hours,
@@ -112,11 +122,59 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _layout_plan(args: argparse.Namespace) -> int:
+    from densetrain.config import load_config
+    from densetrain.errors import ConfigError
+    from densetrain.tools.plan import format_layout_plan, layout_plan, nearest_preset
+
+    if args.gpus is None or args.gpu_memory_gib is None:
+        return _error("the memory plan needs --gpus and --gpu-memory-gib")
+    if args.flops is not None or args.hours is not None:
+        return _error("--flops / --hours belong to the Chinchilla plan, not to the memory plan (--gpus)")
+    preset, note = args.preset, ""
+    if not preset and not args.config:
+        if args.params is None or args.tokens is None:
+            return _error("the memory plan needs --preset/--config, or --params and --tokens together")
+        preset = nearest_preset(args.params)["name"]
+        note = f"(shape of preset '{preset}', the nearest to {args.params:.3g} parameters, for the activations)\n"
+    try:
+        cfg = load_config(preset=preset or "tiny", path=args.config)
+        res = layout_plan(cfg, args.gpus, args.gpu_memory_gib, gpu_peak_flops=args.gpu_peak_flops, mfu=args.mfu,
+                          tokens=args.tokens, params=args.params, gpus_per_node=args.gpus_per_node)
+    except (ValueError, ConfigError) as e:
+        return _error(str(e))
+    if args.json:
+        print(json.dumps(res, indent=1, default=str))
+    else:
+        print(note + format_layout_plan(res, show=0 if args.all_layouts else 12))
+    return 0
+
+
+def print_dry_run(cfg) -> int:
+    """``densetrain train --dry-run``: the memory and layout plan of ``cfg`` for this launch (``WORLD_SIZE``
+    GPUs, this GPU's memory, or 80 GiB without one), from the model built on the meta device; no data
+    is read and no process group is created."""
+    import os
+
+    import torch
+
+    from densetrain.tools.plan import format_layout_plan, layout_plan
+
+    gpus = int(os.environ.get("WORLD_SIZE", "1"))
+    mem = torch.cuda.get_device_properties(0).total_memory / 1024**3 if torch.cuda.is_available() else 80.0
+    res = layout_plan(cfg, gpus, mem, mixed_precision=cfg.train.dtype != "fp32")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"dry run: {gpus} process(es), {mem:.0f} GiB per GPU{'' if torch.cuda.is_available() else ' (assumed)'}")
+        print(format_layout_plan(res))
+    return 0
+
+
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Add ``mup-check``, ``lr-sweep`` and ``plan`` to ``subparsers`` (each with ``func(args) -> int``)."""
     h = "μP coordinate check: activation size vs width after a few Adam steps (μP vs standard init)"
     p = subparsers.add_parser("mup-check", help=h, description=h)
-    p.add_argument("--out", default="runs/mup-check", help="output directory (coord_check.png/.md/.json); default %(default)s")
+    p.add_argument("--out", default="runs/mup-check",
+                   help="output directory (coord_check.png/.md/.json); default %(default)s")
     p.add_argument("--steps", type=int, default=10, help="Adam steps per width (default %(default)s)")
     p.add_argument("--widths", type=_ints, default=[64, 128, 256, 512],
                    help="comma-separated d_model values (default 64,128,256,512)")
@@ -130,24 +188,37 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--lrs", type=_floats, default=[5e-4, 1e-3, 2e-3, 4e-3, 8e-3],
                    help="comma-separated base lrs (default 5e-4,1e-3,2e-3,4e-3,8e-3)")
     p.add_argument("--widths", type=_ints, default=[64, 256], help="comma-separated d_model values (default 64,256)")
-    p.add_argument("--init", choices=("mup", "standard", "both"), default="both", help="parameterisation (default %(default)s)")
+    p.add_argument("--init", choices=("mup", "standard", "both"), default="both",
+                   help="parameterisation (default %(default)s)")
     p.add_argument("--steps", type=int, default=100, help="training steps per run (default %(default)s)")
     p.add_argument("--base-d-model", type=int, default=64, help="μP base width (default %(default)s)")
     p.add_argument("--out", help="also write the results as JSON to this file")
     p.add_argument("-v", "--verbose", action="store_true", help="print one line per finished run")
     p.set_defaults(func=cmd_lr_sweep)
 
-    h = "Chinchilla-optimal params / tokens / compute / wall time (Hoffmann et al. 2022)"
-    p = subparsers.add_parser("plan", help=h, description=h + ". Give exactly one of --flops, --params, --tokens, --hours.")
-    g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--flops", type=float, help="training compute budget, FLOPs")
-    g.add_argument("--params", type=float, help="model parameters (all, incl. embeddings)")
-    g.add_argument("--tokens", type=float, help="training tokens")
-    g.add_argument("--hours", type=float, help="wall-clock hours (needs --tokens-per-sec or --peak-flops)")
-    p.add_argument("--tokens-per-sec", type=float, help="measured/declared training throughput of the whole job, tokens/s")
+    h = ("Chinchilla-optimal params / tokens / compute / wall time (Hoffmann et al. 2022); with --gpus the per-GPU "
+         "memory and parallel-layout plan of a preset or config")
+    p = subparsers.add_parser("plan", help=h, description=h + ". Chinchilla: give exactly one of --flops, --params, "
+                              "--tokens, --hours. Memory: --preset/--config (or --params with --tokens) and --gpus.")
+    p.add_argument("--flops", type=float, help="training compute budget, FLOPs")
+    p.add_argument("--params", type=float, help="model parameters (all, incl. embeddings)")
+    p.add_argument("--tokens", type=float, help="training tokens")
+    p.add_argument("--hours", type=float, help="wall-clock hours (needs --tokens-per-sec or --peak-flops)")
+    p.add_argument("--tokens-per-sec", type=float,
+                   help="measured/declared training throughput of the whole job, tokens/s")
     p.add_argument("--peak-flops", type=float, help="peak FLOP/s of the whole job (all accelerators)")
-    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation used with --peak-flops (default %(default)s)")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation used with --peak-flops / "
+                   "--gpu-peak-flops (default %(default)s)")
     p.add_argument("--tokens-per-param", type=float, default=20.0,
                    help="compute-optimal tokens per parameter (default %(default)s)")
+    p.add_argument("--preset", help="memory plan: preset name (e.g. llama3-8b)")
+    p.add_argument("--config", help="memory plan: TOML config file")
+    p.add_argument("--gpus", type=int, help="memory plan: number of GPUs")
+    p.add_argument("--gpu-memory-gib", type=float, help="memory plan: memory per GPU, GiB")
+    p.add_argument("--gpu-peak-flops", type=float, default=989e12,
+                   help="memory plan: peak FLOP/s per GPU (default %(default)g, H100 SXM dense bf16)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="memory plan: tensor parallel stays within a node "
+                   "(default %(default)s)")
+    p.add_argument("--all-layouts", action="store_true", help="memory plan: list every layout")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
     p.set_defaults(func=cmd_plan)

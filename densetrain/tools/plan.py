@@ -183,7 +183,8 @@ def plan(
         ValueError: not exactly one of flops/params/tokens/hours; a non-positive or non-finite value;
         ``hours`` without a throughput; ``mfu`` outside (0, 1].
     """
-    given = {k: v for k, v in (("flops", flops), ("params", params), ("tokens", tokens), ("hours", hours)) if v is not None}
+    given = {k: v for k, v in (("flops", flops), ("params", params), ("tokens", tokens), ("hours", hours))
+             if v is not None}
     if len(given) != 1:
         raise ValueError(
             f"give exactly one of flops, params, tokens, hours; got {', '.join(given) if given else 'none'}"
@@ -282,7 +283,8 @@ def format_plan(result: dict) -> str:
     """Readable multi-line summary of a :func:`plan` result."""
     r = result
     lines = [
-        f"Chinchilla-optimal plan (Hoffmann et al. 2022: C = 6 N D, D = {r['tokens_per_param']:g} N), from {r['given']}",
+        f"Chinchilla-optimal plan (Hoffmann et al. 2022: C = 6 N D, D = {r['tokens_per_param']:g} N), "
+        f"from {r['given']}",
         f"  compute   {r['flops']:.3e} FLOPs",
         f"  params    {r['params']:.3e}  ({human(r['params'])}, all parameters incl. embeddings)",
         f"  tokens    {r['tokens']:.3e}  ({human(r['tokens'])})",
@@ -309,4 +311,256 @@ def format_plan(result: dict) -> str:
         f"  paper Table 3 nearest row: {tb['label']} params, {tb['flops']:.3g} FLOPs, {human(tb['tokens'])} tokens "
         f"(plan/row: params {tb['params_ratio']:.3f}, FLOPs {tb['flops_ratio']:.3g})"
     )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# Memory and layout planner
+# --------------------------------------------------------------------------------------------------
+
+GIB = 1024**3
+H100_BF16_DENSE_FLOPS = 989e12
+"""Peak dense bf16 FLOP/s of one H100 SXM (NVIDIA datasheet, without sparsity): the default denominator."""
+
+USABLE_FRACTION, RESERVED_GIB = 0.92, 1.0
+"""A layout fits when its estimate is at most ``USABLE_FRACTION * memory - RESERVED_GIB`` per GPU: the CUDA
+context, NCCL buffers and allocator fragmentation take the rest (a rule of thumb, not a measurement)."""
+
+AC_MODES = ("none", "selective", "full")
+
+
+def activation_bytes_per_token(m, tp: int = 1, ac: str = "none", act_bytes: int = 2) -> dict:
+    """Bytes held for the backward per token of one micro-batch, by part, for densetrain's Llama
+    (:mod:`densetrain.model.llama`; eager PyTorch, SDPA without the (T, T) matrix, fp32 residual stream).
+
+    Counted from the tensors autograd saves (``act_bytes`` = 2 under bf16 autocast, 4 in fp32; norm and
+    RoPE arithmetic is fp32 whatever the autocast), with ``d = d_model``, ``kv = n_kv_heads * head_dim``,
+    ``f = d_ff``, ``V = vocab_size``, ``a = act_bytes``:
+
+    * per block, ``ac='none'``: two RMSNorms ``(4 + 2a) d`` each (fp32 input, cast normalised input,
+      matmul input; replicated under TP); attention ``4 a d`` (q, repeated k and v, SDPA output; the
+      fused kernels return it in (B, T, H, D) order, so the reshape before ``wo`` is a view; RoPE saves
+      only its cos/sin tables, which do not require grad); SwiGLU ``4 a f``; all but the norms divided
+      by ``tp``;
+    * ``'full'``: the block input ``4 d`` per block, plus one block's ``'none'`` activations (recomputed
+      in its backward);
+    * ``'selective'``: the block input, the matmul and attention outputs ``a (d + 2 kv + d + 2 f) / tp +
+      2 a d`` (wo and w2 outputs are replicated after their all-reduce), plus one block's recomputed rest;
+    * head (never checkpointed): final norm ``(4 + 2a) d`` and logits ``(a + 4) V`` (the logits and
+      cross-entropy's fp32 log-softmax; gathered, so not divided by ``tp``).
+
+    Returns:
+        ``{"per_block", "blocks", "head", "total"}`` in bytes per token; ``blocks`` is all layers.
+    Raises:
+        ValueError: unknown ``ac``.
+    """
+    if ac not in AC_MODES:
+        raise ValueError(f"activation checkpointing must be one of {AC_MODES}, got '{ac}'")
+    d, kv, f, V, L, a = m.d_model, m.n_kv_heads * m.head_dim, m.d_ff, m.vocab_size, m.n_layers, act_bytes
+    norms = 2 * (4 + 2 * a) * d
+    split = (4 * a * d + 4 * a * f) / tp
+    full_block = norms + split
+    if ac == "none":
+        per_block, blocks = full_block, L * full_block
+    elif ac == "full":
+        per_block, blocks = 4 * d, L * 4 * d + full_block
+    else:
+        kept = 4 * d + a * (2 * d + 2 * kv + 2 * f) / tp + 2 * a * d
+        per_block, blocks = kept, L * kept + (full_block - kept)
+    head = (4 + 2 * a) * d + (a + 4) * V
+    return {"per_block": per_block, "blocks": blocks, "head": head, "total": blocks + head}
+
+
+def model_counts(m) -> dict:
+    """Parameter counts of ``m`` (a ModelConfig) from the real model built on the meta device: ``params``
+    (shared once), ``norm`` (RMSNorm gains: replicated under TP), ``block`` (one block), ``root``
+    (embedding, final norm and head: FSDP2's root group)."""
+    import torch
+
+    from densetrain.model.llama import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(m)
+    total = model.num_params()
+    norm = sum(p.numel() for n, p in model.named_parameters() if n.endswith("norm.weight"))
+    block = sum(p.numel() for p in model.layers[0].parameters())
+    return {"params": total, "norm": norm, "block": block, "root": total - m.n_layers * block}
+
+
+def layout_memory(counts: dict, m, seq_len: int, micro: int, layout, ac: str, mixed_precision: bool = True) -> dict:
+    """Estimated bytes per GPU of one layout (an object with ``dp_replicate, dp_shard, tp``) at one stage.
+
+    * parameters fp32, gradients fp32, AdamW's two fp32 moments: ``4 + 4 + 8`` bytes per parameter this
+      rank holds: matmul weights and embeddings ``/ tp``, norms whole, all ``/ dp_shard`` (FSDP2);
+    * transient (FSDP2 only): the all-gathered parameters of two blocks (the one running and the one
+      prefetched) in bf16 (fp32 without mixed precision), one block's unsharded fp32 gradients, and the
+      root group's gathered parameters;
+    * activations: :func:`activation_bytes_per_token` x ``micro * seq_len`` tokens.
+
+    Returns:
+        bytes: ``{"params", "grads", "optim", "transient", "activations", "total"}``.
+    """
+    tp, shard = layout.tp, layout.dp_shard
+    local = (counts["params"] - counts["norm"]) / tp + counts["norm"]
+    held = local / shard
+    transient = 0.0
+    if shard > 1 or (tp > 1 and layout.dp_replicate * shard > 1):
+        gathered = 2 if mixed_precision else 4
+        transient = (2 * gathered + 4) * counts["block"] / tp + gathered * counts["root"] / tp
+    act = activation_bytes_per_token(m, tp, ac, 2 if mixed_precision else 4)["total"] * micro * seq_len
+    out = {"params": 4 * held, "grads": 4 * held, "optim": 8 * held, "transient": transient, "activations": act}
+    out["total"] = sum(out.values())
+    return out
+
+
+def candidate_layouts(gpus: int, m, gpus_per_node: int = 8) -> list:
+    """Layouts of ``gpus`` ranks worth comparing: tensor parallel within a node (a power of two dividing
+    ``n_kv_heads``, ``d_ff`` and the vocabulary), then every split of the data-parallel ranks into
+    replicas x shards (powers of two and the whole)."""
+    from densetrain.parallel.mesh import Layout
+
+    out = []
+    tp = 1
+    while tp <= min(gpus, gpus_per_node):
+        if gpus % tp == 0 and m.n_kv_heads % tp == 0 and m.d_ff % tp == 0 and m.vocab_size % tp == 0:
+            dp = gpus // tp
+            shards = sorted({s for s in [2**i for i in range(dp.bit_length())] + [dp] if dp % s == 0})
+            out += [Layout(dp // s, s, tp) for s in shards]
+        tp *= 2
+    return out
+
+
+def layout_plan(cfg, gpus: int, gpu_memory_gib: float, gpu_peak_flops: float = H100_BF16_DENSE_FLOPS,
+                mfu: float = 0.4, tokens: float | None = None, params: float | None = None,
+                gpus_per_node: int = 8, mixed_precision: bool = True) -> dict:
+    """Which layouts of ``gpus`` GPUs of ``gpu_memory_gib`` GiB run every stage of ``cfg``, the suggested
+    one, and step time and total days at ``mfu`` of ``gpu_peak_flops`` (FLOP/s per GPU).
+
+    A layout runs a stage when its data-parallel degree divides the stage's batch of sequences into
+    whole micro-batches and some activation-checkpointing mode fits the memory (the cheapest that fits
+    is chosen: none, then selective, then full). Suggested: the layout that runs every stage with the
+    smallest tensor-parallel degree, then the least recomputation, then the fewest shards (less
+    communication). Time per step: ``flops_per_token(seq_len) * batch_tokens / (gpus * peak * mfu)``.
+
+    ``tokens`` replaces the run's length (the stages keep their fractions); ``params`` replaces the
+    parameter count for the static memory and ``6 N D`` compute (the shape, for activations, stays
+    that of ``cfg.model``).
+
+    Returns:
+        dict: ``model`` (counts), ``stages`` (name, seq_len, batch, micro, steps, step_s), ``layouts``
+        (per layout: per stage ``{"ac", "bytes", "fits", "reason"}``, ``runs_all``), ``suggested``,
+        ``configured`` (cfg.parallel resolved, or None), ``days``, ``usable_bytes``, inputs.
+    Raises:
+        ValueError: non-positive gpus, memory, peak or mfu outside (0, 1].
+    """
+    from densetrain.metrics import flops_per_token
+    from densetrain.parallel.mesh import resolve_layout
+    from densetrain.schedule import resolve_stages
+
+    _positive("gpus", gpus)
+    _positive("gpu_memory_gib", gpu_memory_gib)
+    _positive("gpu_peak_flops", gpu_peak_flops)
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu must be in (0, 1], got {mfu!r}")
+    m = cfg.model
+    counts = model_counts(m)
+    if params is not None:
+        _positive("params", params)
+        scale = params / counts["params"]
+        counts = {k: v * scale for k, v in counts.items()}
+    stages = resolve_stages(cfg)
+    total_steps = cfg.train.steps
+    run_tokens = sum(st.batch_tokens * (_end(stages, i, total_steps) - st.start_step) for i, st in enumerate(stages))
+    step_scale = tokens / run_tokens if tokens else 1.0
+    flops_job = gpus * gpu_peak_flops * mfu
+    rows = []
+    for i, st in enumerate(stages):
+        steps = (_end(stages, i, total_steps) - st.start_step) * step_scale
+        fpt = 6.0 * params if params is not None else flops_per_token(m, st.seq_len)
+        step_s = fpt * st.batch_tokens / flops_job
+        rows.append({"name": st.name, "seq_len": st.seq_len, "batch": st.batch_size, "micro": st.micro_batch_size,
+                     "batch_tokens": st.batch_tokens, "steps": steps, "step_s": step_s})
+    usable = USABLE_FRACTION * gpu_memory_gib * GIB - RESERVED_GIB * GIB
+    layouts = []
+    for lay in candidate_layouts(gpus, m, gpus_per_node):
+        per_stage = []
+        for st in rows:
+            if st["batch"] % (lay.dp_size * st["micro"]):
+                per_stage.append({"ac": None, "bytes": None, "fits": False,
+                                  "reason": f"{st['batch']} sequences do not split into {lay.dp_size} data-parallel "
+                                            f"ranks x micro-batch {st['micro']}"})
+                continue
+            best = None
+            for ac in AC_MODES:
+                b = layout_memory(counts, m, st["seq_len"], st["micro"], lay, ac, mixed_precision)
+                best = {"ac": ac, "bytes": b, "fits": b["total"] <= usable, "reason": ""}
+                if best["fits"]:
+                    break
+            if not best["fits"]:
+                best["reason"] = f"needs {best['bytes']['total'] / GIB:.1f} GiB even with full recomputation"
+            per_stage.append(best)
+        layouts.append({"layout": lay, "stages": per_stage, "runs_all": all(s["fits"] for s in per_stage)})
+    ok = [x for x in layouts if x["runs_all"]]
+    rank = lambda x: (x["layout"].tp, sum(AC_MODES.index(s["ac"]) for s in x["stages"]), x["layout"].dp_shard)
+    suggested = min(ok, key=rank) if ok else None
+    try:
+        p = cfg.parallel
+        configured = resolve_layout(p.dp_replicate, p.dp_shard, p.tp, gpus)
+    except ValueError:
+        configured = None
+    seconds = sum(r["steps"] * r["step_s"] for r in rows)
+    return {"gpus": gpus, "gpu_memory_gib": gpu_memory_gib, "gpu_peak_flops": gpu_peak_flops, "mfu": mfu,
+            "usable_bytes": usable, "model": counts, "stages": rows, "layouts": layouts, "suggested": suggested,
+            "configured": configured, "seconds": seconds, "days": seconds / 86400,
+            "logit_bytes_per_token": ((2 if mixed_precision else 4) + 4) * m.vocab_size}
+
+
+def _end(stages, i: int, total_steps: int) -> int:
+    return stages[i + 1].start_step if i + 1 < len(stages) else total_steps
+
+
+def format_layout_plan(r: dict, show: int = 12) -> str:
+    """Readable table of a :func:`layout_plan` result: the model, the stages, the suggested layout's
+    memory per stage, then every layout with the checkpointing mode per stage (or why it cannot run)."""
+    g = lambda b: f"{b / GIB:.1f}"
+    c = r["model"]
+    lines = [f"model: {human(c['params'])} parameters ({human(c['block'])} per block, {human(c['root'])} embedding"
+             f"+head); {r['gpus']} GPUs x {r['gpu_memory_gib']:g} GiB (usable {g(r['usable_bytes'])} GiB each); "
+             f"time at mfu {r['mfu']:g} of {r['gpu_peak_flops'] / 1e12:g} TFLOP/s per GPU",
+             "stages:"]
+    for s in r["stages"]:
+        lines.append(f"  {s['name']:<13} seq_len {s['seq_len']:>7}  batch {s['batch']:>5} seqs  micro {s['micro']}  "
+                     f"{human(s['steps'])} steps x {s['step_s']:.2f} s = {s['steps'] * s['step_s'] / 86400:.2f} days")
+    lines.append(f"total: {r['days']:.1f} days")
+    sug = r["suggested"]
+    if sug is None:
+        lines.append("no layout runs every stage (see the reasons below)")
+    else:
+        lines.append(f"suggested: {sug['layout']}  (parallel.dp_replicate={sug['layout'].dp_replicate} "
+                     f"parallel.dp_shard={sug['layout'].dp_shard} parallel.tp={sug['layout'].tp})")
+        lines.append("  stage           ac         params  grads  optim  transient  activations  total GiB/GPU")
+        for s, x in zip(r["stages"], sug["stages"]):
+            b = x["bytes"]
+            lines.append(f"  {s['name']:<15} {x['ac']:<10} {g(b['params']):>6} {g(b['grads']):>6} {g(b['optim']):>6} "
+                         f"{g(b['transient']):>10} {g(b['activations']):>12} {g(b['total']):>9}")
+    if r["configured"] is not None:
+        conf = next((x for x in r["layouts"] if x["layout"] == r["configured"]), None)
+        verdict = "not among the candidates" if conf is None else ("runs every stage" if conf["runs_all"] else
+                                                                   "does NOT run every stage")
+        lines.append(f"configured layout ({r['configured']}): {verdict}")
+    lines.append("layouts (activation checkpointing per stage, or why not):")
+    for x in r["layouts"][:show] if show else r["layouts"]:
+        cells = [f"{s['ac']} {g(s['bytes']['total'])}G" if s["fits"] else f"no: {s['reason']}" for s in x["stages"]]
+        lines.append(f"  {'*' if x['runs_all'] else ' '} {str(x['layout']):<40} " + " | ".join(cells))
+    if show and len(r["layouts"]) > show:
+        lines.append(f"  ... {len(r['layouts']) - show} more (--all-layouts)")
+    for i, s in enumerate(r["stages"]):
+        tried = [x["stages"][i] for x in r["layouts"] if x["stages"][i]["bytes"] is not None]
+        if tried and not any(t["fits"] for t in tried):
+            low = min(tried, key=lambda t: t["bytes"]["total"])["bytes"]
+            logits = r["logit_bytes_per_token"] * s["seq_len"] * s["micro"]
+            lines.append(f"stage '{s['name']}' fits no layout: the least memory is {g(low['total'])} GiB per GPU, of "
+                         f"which the logits and their fp32 log-softmax are {g(logits)} GiB (gathered on every "
+                         f"tensor-parallel rank, so no layout splits them); it needs a chunked or loss-parallel "
+                         f"cross-entropy (not implemented), more memory per GPU, or a shorter seq_len")
     return "\n".join(lines)
