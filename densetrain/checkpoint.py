@@ -32,6 +32,7 @@ import shutil
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -164,7 +165,7 @@ def _causes(e: BaseException):
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict, keep: int = 3) -> Path:
+                    trainer_state: dict, keep: int = 3, on_written: Callable[[], None] | None = None) -> Path:
     """Save a complete checkpoint for optimizer step ``step``; all ranks must call it.
 
     Protocol (module docstring): write into ``step_XXXXXXXX.tmp/``, fsync, marker, rename. Replacing
@@ -174,6 +175,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     Args:
         trainer_state: JSON-serialisable dict (step, stage, sampler state, ...), written by rank 0.
         keep: retention; older complete checkpoints beyond the newest ``keep`` are deleted (0 keeps all).
+        on_written: called on every rank after the shards are written, before the marker (fault
+            injection: a kill there must leave the previous checkpoint as the newest complete one).
     Returns:
         The final checkpoint directory.
     Raises:
@@ -220,6 +223,8 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     ok = _agree(not error)
     if ok:
         attempt(write_shards)  # DCP itself runs collectives: every rank enters it
+        if on_written is not None:
+            on_written()
         ok = _agree(not error)
     if ok and rank == 0:
         attempt(finish)
@@ -265,6 +270,31 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     return json.loads((path / "trainer_state.json").read_text())
 
 
+def set_aside(run_dir: Path, after_step: int) -> list[Path]:
+    """Move the complete checkpoints later than ``after_step`` out of the checkpoint directory into
+    ``RUN_DIR/checkpoints_set_aside/`` (kept, never listed, never deleted by retention); rank 0 moves,
+    every rank waits. Used by rollbacks: those checkpoints hold the trouble rolled back from.
+
+    Returns:
+        The new paths.
+    """
+    moved = []
+    if _rank() == 0:
+        aside = Path(run_dir) / "checkpoints_set_aside"
+        aside.mkdir(parents=True, exist_ok=True)
+        for step, path in list_complete(run_dir):
+            if step > after_step:
+                dest = aside / path.name
+                k = 1
+                while dest.exists():  # a second rollback past the same step
+                    dest, k = aside / f"{path.name}.{k}", k + 1
+                os.replace(path, dest)
+                moved.append(dest)
+        fsync_dir(checkpoint_dir(run_dir))
+    _barrier()
+    return moved
+
+
 class Checkpointer:
     """The training loop's checkpoints: when to save, when not to, how many to keep, where to resume.
 
@@ -277,6 +307,8 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path, every: int, keep: int, last_step: int):
         self.run_dir, self.every, self.keep, self.last_step = Path(run_dir), every, keep, last_step
+        self.on_written: Callable[[], None] | None = None  # see save_checkpoint (fault injection)
+        self.seconds = 0.0  # time spent blocked in saves (the watchdog's 'checkpoint' phase)
 
     def due(self, step: int) -> bool:
         return bool(self.every and step % self.every == 0) or step == self.last_step
@@ -292,11 +324,13 @@ class Checkpointer:
         if not self.due(step):
             return None
         if not finite:
-            log.event(step, "checkpoint not saved: the last step was non-finite")
+            log.event(step, "checkpoint not saved: the last step was non-finite", kind="checkpoint", action="veto")
             return None
         t0 = time.perf_counter()
-        path = save_checkpoint(self.run_dir, step, model, optimizer, state, self.keep)
-        log.event(step, f"checkpoint {path.name} ({time.perf_counter() - t0:.2f}s)")
+        path = save_checkpoint(self.run_dir, step, model, optimizer, state, self.keep, self.on_written)
+        dt = time.perf_counter() - t0
+        self.seconds += dt
+        log.event(step, f"checkpoint {path.name} ({dt:.2f}s)", kind="checkpoint", values={"seconds": dt})
         return path
 
     def load_latest(self, model, optimizer) -> tuple[Path | None, dict | None]:

@@ -1,5 +1,5 @@
 """Command line: ``densetrain prepare | train | eval | export | import-hf | report | demo``, plus
-``mup-check | lr-sweep | plan`` (argument handling in :mod:`densetrain.cli_extra`).
+``mup-check | lr-sweep | plan`` (argument handling in :mod:`densetrain.tools.commands`).
 
 Every command takes ``--preset NAME`` and/or ``--config FILE`` plus ``--section.key=value``
 overrides (see ``densetrain train --help-config``). Errors in user input end with one line
@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 
 from densetrain.config import Config, help_text, list_presets, load_config, parse_overrides
-from densetrain.errors import ConfigError
+from densetrain.config.smoke import scale_down
+from densetrain.errors import ConfigError, DataError, TrainError
+from densetrain.hf import tokenizer_files
 
 
 def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
@@ -55,8 +57,23 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
         return print_dry_run(cfg)
     from densetrain.train import train
 
-    summary = train(cfg, resume=bool(args.resume))
+    if (args.rollback_to is not None or args.skip_batches) and not args.resume:
+        raise ConfigError("--rollback-to / --skip-batches need --resume RUN_DIR")
+    summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches)
     print(json.dumps(summary, indent=1))
+    return 0
+
+
+def cmd_blame(cfg: Config, args: argparse.Namespace) -> int:
+    """The documents of the global batch of one step (``densetrain.tools.blame``)."""
+    from densetrain.tools.blame import blame, format_blame
+
+    res = blame(Path(args.run_dir), args.step)
+    if args.json:
+        print(json.dumps({**res, "samples": [{k: v for k, v in s.items() if k != "tokens"} for s in res["samples"]]},
+                         indent=1))
+    else:
+        print(format_blame(res))
     return 0
 
 
@@ -86,18 +103,16 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     st = stage_at(max(state["step"] - 1, 0), resolve_stages(cfg))
     cfg.model.rope_theta = st.rope_theta
     tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
-    files, note = {}, ""
-    if tok.kind == "hf":
-        # tokenizer_config.json names the EOS, so HF generation stops where our documents end.
-        files = {"tokenizer.json": Path(tok.name).read_bytes(),
-                 "tokenizer_config.json": json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token,
-                                                      "model_max_length": st.seq_len}, indent=2).encode() + b"\n"}
-    else:
-        note = f"; no tokenizer files: load '{tok.name}' with tiktoken"
+    try:  # tokenizer.json + tokenizer_config.json with the same ids in transformers
+        files, note = tokenizer_files(tok, st.seq_len), ""
+    except DataError as e:  # e.g. tiktoken:cl100k_base (gaps in its special ids)
+        files, note = {}, f"; no tokenizer files ({e})"
     out = export_hf(model, cfg.model, Path(args.out), max_position_embeddings=st.seq_len,
-                    # No BOS token in our documents: like GPT-2, name the EOS (the document separator) as BOS
-                    # too, or transformers falls back to id 1 as the start of an unprompted generation.
-                    extra_config={"eos_token_id": tok.eos_id, "bos_token_id": tok.eos_id}, extra_files=files)
+                    # Without a BOS token (GPT-2 style), name the EOS (the document separator) as BOS too,
+                    # or transformers falls back to id 1 as the start of an unprompted generation.
+                    extra_config={"eos_token_id": tok.eos_id,
+                                  "bos_token_id": tok.bos_id if tok.bos_id is not None else tok.eos_id},
+                    extra_files=files)
     print(f"exported {path} -> {out} (rope_theta {st.rope_theta:g}, max_position_embeddings {st.seq_len}){note}")
     return 0
 
@@ -147,7 +162,8 @@ COMMANDS = {
     "eval": (cmd_eval, "evaluate a checkpoint: validation loss per source and downstream tasks"),
     "export": (cmd_export, "export a checkpoint as a Hugging Face LlamaForCausalLM folder"),
     "import-hf": (cmd_import_hf, "import a local Hugging Face Llama folder as a densetrain checkpoint"),
-    "report": (cmd_report, "write RUN_DIR/report.png and summary"),
+    "report": (cmd_report, "write RUN_DIR/report.html, report.png and summary"),
+    "blame": (cmd_blame, "list the documents (source, file, line, id) whose tokens made the batch of a step"),
     "demo": (cmd_demo, "prepare + train + report with the tiny preset on the demo corpus"),
 }
 
@@ -169,6 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint")
             sp.add_argument("--dry-run", action="store_true", help="resolve the config, build the model on the meta "
                             "device and print the memory and layout plan (densetrain plan); no data is read")
+            sp.add_argument("--rollback-to", type=int, metavar="STEP", help="with --resume: set the checkpoints "
+                            "after STEP aside (moved to RUN_DIR/checkpoints_set_aside) and continue from STEP")
+            sp.add_argument("--skip-batches", type=int, default=0, metavar="N",
+                            help="with --rollback-to: skip the next N global batches of data")
+        if name in ("train", "prepare", "eval", "demo"):
+            sp.add_argument("--smoke", action="store_true", help="the same recipe scaled down to a few CPU steps "
+                            "with every stage (run dir gets a -smoke suffix): a check before a long run")
+        if name == "blame":
+            sp.add_argument("run_dir", help="run directory")
+            sp.add_argument("step", type=int, help="step as in metrics.jsonl (the STEP-th optimizer update)")
+            sp.add_argument("--json", action="store_true", help="print JSON instead of one line per document")
         if name == "prepare":
             sp.add_argument("--force", action="store_true", help="redo sources whose shards are up to date")
         if name in ("eval", "export"):
@@ -193,31 +220,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; user errors print one line (on rank 0 only under torchrun) and return 2 on every rank."""
     import densetrain  # noqa: F401  (sets CPU threading defaults before torch loads)
 
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if hasattr(args, "func"):  # mup-check | lr-sweep | plan: own flags, no config tree
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        return args.func(args)
-    if args.help_config:
-        print(help_text())
-        return 0
-    from densetrain.errors import DataError, TrainError
-
     try:
-        if args.command == "report":
-            return cmd_report(None, args)
+        if hasattr(args, "func"):  # mup-check | lr-sweep | plan: own flags, no config tree
+            if rest:
+                parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            return args.func(args)
+        if args.command in ("report", "blame") and not args.help_config:
+            return COMMANDS[args.command][0](None, args)
         cfg = _config_from(args, rest)
+        if getattr(args, "smoke", False):
+            cfg = scale_down(cfg)
+        if args.help_config:  # the keys with the values of this preset / file / overrides
+            print(help_text(cfg))
+            return 0
         if getattr(args, "resume", None):
             cfg.train.run_dir = str(args.resume)
         return COMMANDS[args.command][0](cfg, args)
     except (ConfigError, DataError, TrainError, FileNotFoundError) as e:
-        # Under torchrun every rank meets the same error: rank 0 says it, every rank exits non-zero.
-        if os.environ.get("RANK", "0") == "0":
+        if int(os.environ.get("RANK", "0")) == 0:  # torchrun: one line, not one per rank
             print(f"densetrain: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `densetrain ... | head`: the reader left; not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except KeyboardInterrupt:
         print("densetrain: interrupted", file=sys.stderr)
         return 130

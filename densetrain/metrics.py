@@ -14,8 +14,10 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils.tensorboard import SummaryWriter
 
 from densetrain.config import ModelConfig
+from densetrain.fileio import atomic_write_bytes
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -83,40 +85,53 @@ def memory_stats(device: torch.device) -> dict[str, float]:
 
 
 class MetricsLogger:
-    """Writes metric records to ``RUN_DIR/metrics.jsonl``, TensorBoard (``RUN_DIR/tb``) and the console.
+    """Writes metric records to ``RUN_DIR/metrics.jsonl``, TensorBoard (``RUN_DIR/tb``) and the console,
+    and structured events to ``RUN_DIR/events.jsonl``.
 
-    Only rank 0 writes. On resume the JSONL file is appended to, and records at or after the resumed
-    step are dropped first so a killed-and-resumed run leaves one record per step.
+    Only rank 0 writes metrics. On resume the JSONL file is appended to, and records at or after the
+    resumed step are dropped first so a killed-and-resumed run leaves one record per step. Events are
+    never rewritten: ``events.jsonl`` is the history of what happened, rollbacks included.
     """
 
     def __init__(self, run_dir: Path, rank: int = 0, tensorboard: bool = True, resume_step: int | None = None):
         self.enabled = rank == 0
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.rank = rank
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.tensorboard = tensorboard
         self.tb = None
         if not self.enabled:
             return
         if resume_step is not None and self.path.exists():
-            self._truncate_after(resume_step)
+            self._truncate_after(resume_step, keep_events=False)
+        self._open(None if resume_step is None else resume_step + 1)
+
+    def _open(self, purge_step: int | None) -> None:
         self.f = open(self.path, "a", buffering=1)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        self.events = open(self.run_dir / "events.jsonl", "a", buffering=1)
+        if self.tensorboard:
+            # purge_step drops events after the checkpoint's step left by a killed run (or a rollback).
+            self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge_step)
 
-            # purge_step drops events after the checkpoint's step left by a killed run.
-            purge = None if resume_step is None else resume_step + 1
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=purge)
-
-    def _truncate_after(self, step: int) -> None:
+    def _truncate_after(self, step: int, keep_events: bool) -> None:
         keep = []
         for line in self.path.read_text().splitlines():
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a torn last line from a kill -9
-            if rec.get("step", 0) <= step:
+            if rec.get("step", 0) <= step or (keep_events and rec.get("kind") == "event"):
                 keep.append(line)
-        from densetrain.fileio import atomic_write_bytes
-
         atomic_write_bytes(self.path, ("\n".join(keep) + "\n" if keep else "").encode())
+
+    def rewind(self, step: int) -> None:
+        """After a rollback to ``step``: drop metric records past it from metrics.jsonl and TensorBoard,
+        so the logs show one trajectory (events are kept: they say what happened)."""
+        if not self.enabled:
+            return
+        self.close()
+        self._truncate_after(step, keep_events=True)
+        self._open(step + 1)
 
     def log(self, step: int, metrics: dict, kind: str = "train") -> None:
         """Record ``metrics`` (name -> number or string) at ``step`` in all sinks."""
@@ -129,25 +144,45 @@ class MetricsLogger:
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
                     self.tb.add_scalar(k, v, step)
 
-    def event(self, step: int, text: str) -> None:
-        """A notable event (stage switch, epoch wrap, checkpoint, skipped step): console + JSONL + TB text."""
-        if not self.enabled:
+    def event(self, step: int, text: str, kind: str = "note", action: str | None = None, values: dict | None = None,
+              all_ranks: bool = False) -> None:
+        """A notable event: ``events.jsonl`` (``{kind, step, rank, time, text, action, values}``), the
+        console, TensorBoard text and a ``kind="event"`` record in metrics.jsonl.
+
+        Args:
+            kind: what happened ('stage', 'checkpoint', 'loss_spike', 'nonfinite', 'rollback',
+                'throughput', 'data_probe', 'fault', 'resume', 'note', ...).
+            action: what the run did about it ('skip', 'rollback', 'stop', None).
+            values: the numbers behind it (JSON values).
+            all_ranks: record it from every rank (e.g. a fault injected on one rank); rank 0 otherwise.
+        """
+        if not (self.enabled or all_ranks):
             return
-        print(f"[step {step}] {text}", flush=True)
-        self.f.write(json.dumps({"kind": "event", "step": step, "time": time.time(), "text": text}) + "\n")
+        rec = {"kind": kind, "step": step, "rank": self.rank, "time": time.time(), "text": text, "action": action,
+               "values": values or {}}
+        print(f"[step {step}]{f' [rank {self.rank}]' if self.rank else ''} {text}", flush=True)
+        if not self.enabled:  # another rank: its own file, merged by readers
+            with open(self.run_dir / f"events_rank{self.rank}.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            return
+        self.events.write(json.dumps(rec) + "\n")
+        self.f.write(json.dumps({"kind": "event", "step": step, "time": rec["time"], "text": text,
+                                 "event": kind}) + "\n")
         if self.tb is not None:
-            self.tb.add_text("events", text, step)
+            self.tb.add_text("events", f"[{kind}] {text}", step)
 
     def console(self, line: str) -> None:
         if self.enabled:
             print(line, flush=True)
 
     def close(self) -> None:
-        if not self.enabled:
+        if not self.enabled or self.f.closed:
             return
         self.f.close()
+        self.events.close()
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -162,3 +197,16 @@ def read_metrics(run_dir: Path) -> list[dict]:
         except json.JSONDecodeError:
             pass
     return out
+
+
+def read_events(run_dir: Path) -> list[dict]:
+    """All structured events of a run (``events.jsonl`` and other ranks' ``events_rank<r>.jsonl``),
+    ordered by time; torn lines skipped."""
+    out = []
+    for path in sorted(Path(run_dir).glob("events*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return sorted(out, key=lambda e: e.get("time", 0))

@@ -10,14 +10,45 @@ from densetrain.errors import ConfigError
 
 
 def test_presets_load_with_published_shapes():
+    import torch
+
+    from densetrain.model.llama import Transformer
+
     g = load_config("gpt2-124m")
-    assert (g.model.n_layers, g.model.d_model, g.model.n_heads, g.model.d_ff) == (12, 768, 12, 3072)
+    # SwiGLU width 2048 gives the MLP GPT-2's parameters (3 * 768 * 2048 = 2 * 768 * 3072).
+    assert (g.model.n_layers, g.model.d_model, g.model.n_heads, g.model.d_ff) == (12, 768, 12, 2048)
     assert (g.train.seq_len, g.train.batch_size, g.optim.peak_lr, g.optim.min_lr, g.schedule.warmup_steps) == (
         1024, 64, 6e-4, 6e-5, 100)
-    assert g.data.tokenizer_vocab_size == 50257
+    assert g.data.tokenizer == "gpt2" and [(s.kind, s.format) for s in g.data.sources] == [("web", "parquet")]
+    assert g.train.steps * g.train.batch_size * g.train.seq_len == pytest.approx(10e9, rel=1e-6)  # 10B tokens
     ll = load_config("llama3-8b")
     assert (ll.model.n_layers, ll.model.d_model, ll.model.n_heads, ll.model.n_kv_heads) == (32, 4096, 32, 8)
     assert (ll.model.d_ff, ll.model.vocab_size, ll.model.rope_theta) == (14336, 128256, 500000.0)
+    assert ll.data.tokenizer == "llama3"
+    assert ll.train.steps * ll.train.batch_size * ll.train.seq_len == pytest.approx(15e12, rel=1e-5)  # 15T tokens
+    with torch.device("meta"):
+        assert Transformer(g.model).num_params() == pytest.approx(124e6, rel=0.01)  # GPT-2 small: 124M
+        assert Transformer(ll.model).num_params() == pytest.approx(8.03e9, rel=0.001)  # Llama 3 8B: 8.03B
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gpt2-124m", "llama3-8b"])
+def test_smoke_keeps_the_recipe_at_laptop_scale(preset):
+    from densetrain.config.smoke import scale_down
+    from densetrain.schedule import resolve_stages
+
+    full = load_config(preset)
+    small = scale_down(full)
+    assert small.train.run_dir == full.train.run_dir.rstrip("/") + "-smoke"
+    assert small.model.vocab_size == full.model.vocab_size and small.data == full.data
+    assert small.model.n_heads // small.model.n_kv_heads == min(4, full.model.n_heads // full.model.n_kv_heads)
+    stages = resolve_stages(small, available={s.name for s in full.data.sources} or None)
+    assert [st.name for st in stages] == [st.name for st in full.stages]  # every stage, in order
+    lengths = [st.end_step - st.start_step if hasattr(st, "end_step") else None for st in stages]
+    starts = [st.start_step for st in stages] + [small.train.steps]
+    assert all(b > a for a, b in zip(starts, starts[1:])), (starts, lengths)  # each stage runs >= 1 step
+    full_seq = [st.seq_len for st in resolve_stages(full, available={s.name for s in full.data.sources} or None)]
+    assert [st.seq_len / stages[0].seq_len for st in stages] == [q / full_seq[0] for q in full_seq]
+    assert small.train.steps <= 40 and max(st.batch_tokens for st in stages) <= 4 * max(st.seq_len for st in stages)
 
 
 def test_overrides_parse_toml_values():

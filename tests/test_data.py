@@ -534,17 +534,17 @@ def test_rerun_after_kind_change_and_warning_on_shredded_wrapped_text(tmp_path, 
     root.mkdir()
     for name in ("Apache-2.0", "GPL-3", "MPL-2.0"):
         shutil.copy(LICENSES / name, root / name)
-    src = SourceConfig(name="lic", kind="web", paths=["."], format="text")
+    src = SourceConfig(name="lic", kind="c4", paths=["."], format="text")  # C4's own line rules
     cfg = _cfg(tmp_path, root, [src], tokenizer="tiktoken:cl100k_base", vocab=100_352)
     cfg.data.workers, cfg.data.decontam.enabled = 1, False
     prepare(cfg)
     out = capsys.readouterr().out
-    assert "lic: WARNING c4 line rules cut" in out
+    assert "lic: WARNING source 'lic': filters" in out and "c4:lines removed" in out
     web = json.loads((Path(cfg.data.shards_dir) / "lic" / "manifest.json").read_text())
     src.kind = "reference"  # 'auto' no longer includes c4
     prepare(cfg)
     out = capsys.readouterr().out
-    assert "up to date" not in out and "WARNING c4" not in out
+    assert "up to date" not in out and "c4:lines removed" not in out
     ref = json.loads((Path(cfg.data.shards_dir) / "lic" / "manifest.json").read_text())
     assert "c4" in web["stats"]["filters"] and "c4" not in ref["stats"]["filters"]
     assert ref["splits"]["train"]["tokens"] + ref["splits"]["val"]["tokens"] > \
@@ -613,7 +613,7 @@ def test_threshold_change_redoes_only_the_sources_using_that_filter(tmp_path, ca
     root, sources = _resume_corpus(tmp_path)
     (root / "prose").mkdir()
     shutil.copy(STDLIB / "LICENSE.txt", root / "prose" / "LICENSE.txt")
-    sources.append(SourceConfig(name="prose", kind="web", paths=["prose"], format="text"))
+    sources.append(SourceConfig(name="prose", kind="c4", paths=["prose"], format="text"))
     cfg = _cfg(tmp_path, root, sources, tokenizer="tiktoken:cl100k_base", vocab=100_352)
     cfg.data.workers, cfg.data.decontam.enabled = 1, False
     prepare(cfg)

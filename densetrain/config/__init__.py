@@ -23,6 +23,7 @@ from densetrain.config.loading import (
     save_config,
     to_dict,
 )
+from densetrain.config.recovery import FaultConfig, GuardConfig, ProbeConfig, WatchdogConfig
 from densetrain.config.schema import (
     CheckpointConfig,
     Config,
@@ -38,7 +39,7 @@ from densetrain.config.validate import validate
 
 __all__ = [
     "PRESET_DIR", "C4Config", "CheckpointConfig", "Config", "DataConfig", "DecontamConfig", "DedupConfig",
-    "EvalConfig", "FiltersConfig", "FineWebConfig", "GopherQualityConfig", "GopherRepetitionConfig",
+    "EvalConfig", "FaultConfig", "FiltersConfig", "GuardConfig", "ProbeConfig", "WatchdogConfig", "FineWebConfig", "GopherQualityConfig", "GopherRepetitionConfig",
     "LoggingConfig", "ModelConfig", "OptimConfig", "ScheduleConfig", "SourceConfig", "StageConfig",
     "TrainConfig", "help_text", "list_presets", "load_config", "parse_overrides", "save_config", "to_dict",
     "validate",

@@ -14,7 +14,7 @@ class SourceConfig:
     name: str = ""
     """Name used by stage mixes and per-source metrics (letters, digits, '_' and '-')."""
     kind: str = "web"
-    """What the text is: web, books, reference, technical, code, math, zh, ... (used by mixtures)."""
+    """What the text is: web, c4, books, reference, technical, code, math, zh, ... (picks the auto filters; used by mixtures)."""
     paths: list[str] = field(default_factory=list)
     """Files, directories or globs; relative paths are resolved against data.corpus_dir."""
     format: str = "auto"
@@ -26,7 +26,7 @@ class SourceConfig:
     dedup: bool = True
     """Take part in deduplication (data.dedup); false keeps every document of this source."""
     filters: list[str] = field(default_factory=lambda: ["auto"])
-    """Quality filters, run in the order given: gopher_repetition, gopher_repetition_lines, gopher_quality, c4, fineweb; ['auto'] picks by kind (densetrain.data.filters.AUTO_FILTERS); ['none'] disables."""
+    """Quality filters, run in the order given: gopher_repetition, gopher_repetition_lines, gopher_quality, c4, c4_fineweb, fineweb; ['auto'] picks by kind (densetrain.data.filters.AUTO_FILTERS); ['none'] disables."""
     fix_text: bool = True
     """Repair mojibake and broken Unicode with ftfy before filtering (NFC and stripping always apply)."""
 
@@ -93,6 +93,9 @@ class DataConfig:
     """Cap on held-out tokens per source (keeps evaluation cheap)."""
     seed: int = 1234
     """Seed of the document shuffle and split."""
+    shuffle: bool = True
+    """Training order: each source's windows in a fresh seeded permutation per epoch (seed train.seed;
+    densetrain/data/mixture.py); false reads each source front to back in file order."""
     max_document_bytes: int = 64 << 20
     """Documents larger than this (bytes of the JSONL line, file, paragraph or Parquet/Arrow text value) are skipped and logged; 64 MiB, far above any real document (see densetrain.data.sources)."""
     workers: int = 0

@@ -221,25 +221,26 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
     atomic_write_bytes(Path(path), tomli_w.dumps(to_dict(cfg)).encode())
 
 
-def help_text() -> str:
-    """All keys with their defaults and docstrings, for ``--help-config``."""
+def help_text(cfg: Config | None = None) -> str:
+    """Every key with its value in ``cfg`` (the defaults when None) and its docstring, for ``--help-config``;
+    list tables (sources, stages) are shown item by item (``--stages.2.seq_len``)."""
     lines = []
 
-    def walk(cls: type, prefix: str) -> None:
+    def walk(cls: type, prefix: str, obj) -> None:
         docs = _field_docs(cls)
         hints = typing.get_type_hints(cls)
-        default = cls()
         for f in dataclasses.fields(cls):
-            tp = hints[f.name]
+            tp, val = hints[f.name], getattr(obj, f.name)
             if dataclasses.is_dataclass(tp):
-                walk(tp, f"{prefix}{f.name}.")
+                walk(tp, f"{prefix}{f.name}.", val)
                 continue
-            val = getattr(default, f.name)
-            shown = json.dumps(val) if not dataclasses.is_dataclass(val) and not isinstance(val, list) else "[...]"
-            lines.append(f"--{prefix}{f.name}={shown}\n      {docs.get(f.name, '')}")
             (item,) = typing.get_args(tp) if typing.get_origin(tp) is list else (None,)
-            if dataclasses.is_dataclass(item):  # list of tables (sources, stages): document their keys
-                walk(item, f"{prefix}{f.name}.N.")
+            if dataclasses.is_dataclass(item):  # list of tables: each item's keys, or the keys of an item
+                lines.append(f"--{prefix}{f.name}=[{len(val)} tables]\n      {docs.get(f.name, '')}")
+                for i, v in enumerate(val or [item()]):
+                    walk(item, f"{prefix}{f.name}.{i if val else 'N'}.", v)
+                continue
+            lines.append(f"--{prefix}{f.name}={json.dumps(val)}\n      {docs.get(f.name, '')}")
 
-    walk(Config, "")
+    walk(Config, "", cfg if cfg is not None else Config())
     return "\n".join(lines)

@@ -7,6 +7,34 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from densetrain.config.data import DataConfig
+from densetrain.config.recovery import FaultConfig, GuardConfig, ProbeConfig, WatchdogConfig
+
+
+@dataclass
+class RopeScalingConfig:
+    """RoPE frequency scaling for context extension, applied to the fp32 inverse frequencies
+    (formulas and sources in densetrain/model/rope.py)."""
+
+    type: str = "none"
+    """'none'; 'linear' (position interpolation, Chen et al. 2023: every frequency / factor); 'llama3' (Llama
+    3.1: wavelengths above original_max_position_embeddings / low_freq_factor divided by factor, below
+    original / high_freq_factor unchanged, smooth in between); 'yarn' (Peng et al. 2023: NTK-by-parts ramp
+    over beta_fast..beta_slow rotations plus an attention temperature). On a stage, '' (the stage default)
+    inherits the previous stage's scaling."""
+    factor: float = 1.0
+    """Context extension factor s (new context / original_max_position_embeddings); >= 1."""
+    original_max_position_embeddings: int = 8192
+    """Context length L (tokens) the unscaled frequencies were trained for (llama3, yarn)."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths longer than L / low_freq_factor are divided by factor."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths shorter than L / high_freq_factor are unchanged (must exceed low_freq_factor)."""
+    beta_fast: float = 32.0
+    """yarn: dimensions turning more than beta_fast times over L keep their frequency."""
+    beta_slow: float = 1.0
+    """yarn: dimensions turning fewer than beta_slow times over L are divided by factor."""
+    attention_factor: float = 0.0
+    """yarn: multiplier of cos and sin (so of every q.k by its square); 0 means 0.1 ln(factor) + 1 (YaRN eq. 22)."""
 
 
 @dataclass
@@ -27,6 +55,12 @@ class ModelConfig:
     """Hidden width of the SwiGLU MLP (each of the gate and up projections is d_model x d_ff)."""
     rope_theta: float = 10000.0
     """RoPE base frequency for the first stage; a stage may change it (long-context extension)."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """RoPE frequency scaling of the first stage (e.g. { type = "llama3", factor = 8.0 }); a stage may change it."""
+    document_mask: bool = True
+    """Document-masked attention in long stages: in every stage whose seq_len exceeds train.seq_len, each
+    token attends only to earlier tokens of its own document (documents end at EOS), not to the unrelated
+    documents packed before it (Llama 3 report, sec. 3.2). false: never, except stages that set document_mask."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
@@ -101,6 +135,11 @@ class StageConfig:
     """Global batch in tokens per optimizer step (sequences per step = batch_tokens / seq_len, must divide); 0 inherits; the first stage's default is train.batch_size * train.seq_len."""
     rope_theta: float = 0.0
     """RoPE base for this stage; 0 inherits."""
+    rope_scaling: RopeScalingConfig = field(default_factory=lambda: RopeScalingConfig(type=""))
+    """RoPE frequency scaling for this stage (model.rope_scaling keys); type '' inherits, 'none' switches it off."""
+    document_mask: bool = False
+    """Document-masked attention in this stage even if it is not longer than train.seq_len (not inherited);
+    longer stages have it whenever model.document_mask is true."""
     lr_mult: float = 1.0
     """Multiplier on the scheduled learning rate during this stage (not inherited)."""
     rewarmup_steps: int = 0
@@ -124,13 +163,18 @@ class TrainConfig:
     device: str = "auto"
     """'auto' (cuda if available, else cpu), 'cpu' or 'cuda'."""
     dtype: str = "auto"
-    """Autocast dtype: 'auto' (bf16 on GPU, fp32 on CPU), 'bf16' or 'fp32'."""
+    """Autocast dtype: 'auto' (bf16 on GPU and on CPUs with AVX512-BF16/AMX-BF16, else fp32), 'bf16' or 'fp32';
+    parameters, gradients and AdamW state stay fp32. 'fp32' also keeps the foreach AdamW kernel (the recorded
+    golden trajectory); otherwise the fused kernel is used."""
     compile: bool = False
     """Wrap the model with torch.compile."""
     seed: int = 0
     """Seed of model init and of all training randomness."""
     threads: int = 0
     """torch intra-op threads on CPU; 0 keeps torch's default."""
+    reset_positions: bool = True
+    """With document masking, restart RoPE positions at 0 at each document in the window (false: positions
+    count from the window start)."""
     max_nonfinite_steps: int = 10
     """Stop with an error after this many consecutive steps with a non-finite loss or gradient."""
 
@@ -144,7 +188,7 @@ class CheckpointConfig:
     keep: int = 3
     """Keep the newest N complete checkpoints (older ones are deleted); 0 keeps all."""
     async_save: bool = False
-    """Write checkpoints in the background (torch.distributed.checkpoint.async_save over its own gloo group): training continues while the shards are written; at most one save in flight; the COMPLETE marker is written only after the write finished; the last step's save is waited for."""
+    """Reserved for background checkpoint writes (torch.distributed.checkpoint.async_save); not implemented yet: true is a config error."""
 
 
 @dataclass
@@ -180,6 +224,14 @@ class EvalConfig:
     """Tasks evaluated once after the last step (e.g. 'all'); '' disables."""
     final_limit: int = 0
     """Examples per task for final_tasks; 0 = all."""
+    position_buckets: list[int] = field(default_factory=lambda: [0, 256, 1024])
+    """Validation loss by position in the document (densetrain/evals/position_loss.py), before each stage that
+    is longer than train.seq_len and at the end: lower edges of the buckets in tokens, increasing from 0 ([0,
+    256, 1024] reports 0-255, 256-1023, 1024+); [] disables."""
+    position_len: int = 0
+    """Tokens scored per long document by the position-bucket evaluation; 0 = the longest stage's seq_len."""
+    position_docs: int = 16
+    """Documents per long-document source (data.sources[i].long_docs) scored by the position-bucket evaluation."""
 
 
 @dataclass
@@ -224,3 +276,11 @@ class Config:
     """Evaluation."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel layout: data-parallel replicas and shards, tensor parallel, activation checkpointing."""
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    """Non-finite and loss-spike handling: skip, roll back."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Throughput drops per rank and phase; hang detection."""
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    """Data quality while training: duplicate rate and per-source loss trend."""
+    faults: list[FaultConfig] = field(default_factory=list)
+    """Injected faults ([[faults]] tables) for rehearsals and tests."""

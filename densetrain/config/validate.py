@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 
 from densetrain.config.filters import validate_filters
+from densetrain.config.recovery import validate_recovery
 from densetrain.config.schema import Config
 from densetrain.errors import ConfigError, check_config
 from densetrain.registry.gen_tasks import GEN_TASKS
@@ -27,6 +28,7 @@ def validate(cfg: Config) -> None:
     )
     check_config(m.head_dim % 2 == 0, f"model.d_model / model.n_heads = {m.head_dim} must be even for RoPE")
     check_config(m.rope_theta > 0, f"model.rope_theta must be positive, got {m.rope_theta}")
+    validate_rope_scaling(m.rope_scaling, "model.rope_scaling", inherit=False)
     check_config(m.norm_eps > 0, f"model.norm_eps must be positive, got {m.norm_eps}")
     check_config(m.init in ("standard", "mup"), f"model.init must be 'standard' or 'mup', got '{m.init}'")
     check_config(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
@@ -60,12 +62,19 @@ def validate(cfg: Config) -> None:
     check_config(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'")
     check_config(t.dtype in ("auto", "bf16", "fp32"), f"train.dtype must be auto, bf16 or fp32, got '{t.dtype}'")
     check_config(t.threads >= 0, f"train.threads must be >= 0 (0 keeps torch's default), got {t.threads}")
+    e = cfg.eval
+    check_config(e.position_buckets == sorted(set(e.position_buckets)) and e.position_buckets[:1] in ([], [0]),
+                 f"eval.position_buckets must increase strictly from 0 (e.g. [0, 256, 1024]), got {e.position_buckets}")
+    check_config(e.position_len >= 0 and e.position_docs >= 1,
+                 f"eval.position_len must be >= 0 and eval.position_docs >= 1, got {e.position_len}, {e.position_docs}")
     check_config(t.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}")
     for k in ("every", "mfu_every"):
         check_config(getattr(cfg.logging, k) >= 1, f"logging.{k} must be >= 1, got {getattr(cfg.logging, k)}")
     for k in ("every", "keep"):
         check_config(getattr(cfg.checkpoint, k) >= 0, f"checkpoint.{k} must be >= 0, got {getattr(cfg.checkpoint, k)}")
     validate_parallel(cfg)
+    check_config(not cfg.checkpoint.async_save, "checkpoint.async_save = true is not implemented yet; "
+                 "checkpoints are written synchronously (set checkpoint.async_save = false)")
 
     names = [src.name for src in cfg.data.sources]
     for i, src in enumerate(cfg.data.sources):
@@ -89,6 +98,7 @@ def validate(cfg: Config) -> None:
     check_config(0 <= dd.seed < 2**64, f"data.dedup.seed must be in [0, 2**64), got {dd.seed}")
 
     validate_filters(cfg.data)
+    validate_recovery(cfg.guard, cfg.watchdog, cfg.probe, cfg.faults, [s.name for s in cfg.data.sources])
     dc = cfg.data.decontam
     check_config(dc.ngram >= 8, f"data.decontam.ngram must be >= 8 (shorter n-grams match common phrases), got {dc.ngram}")
     if dc.enabled:
@@ -119,6 +129,7 @@ def validate(cfg: Config) -> None:
             check_config(sum(st.mix.values()) > 0, f"stages[{i}].mix: weights sum to 0")
         check_config(st.batch_tokens >= 0, f"stages[{i}].batch_tokens must be >= 0 (0 inherits), got {st.batch_tokens}")
         check_config(st.rewarmup_steps >= 0, f"stages[{i}].rewarmup_steps must be >= 0, got {st.rewarmup_steps}")
+        validate_rope_scaling(st.rope_scaling, f"stages[{i}].rope_scaling", inherit=True)
         check_config(i > 0 or st.rewarmup_steps == 0,
                "stages[0].rewarmup_steps must be 0 (the first stage is warmed up by schedule.warmup_steps)")
         seq_len = st.seq_len or seq_len
@@ -172,8 +183,10 @@ def validate_rope_scaling(rs, key: str, inherit: bool) -> None:
                  f"{key}.original_max_position_embeddings must be positive, got {rs.original_max_position_embeddings}")
     if rs.type == "llama3":
         check_config(0 < rs.low_freq_factor < rs.high_freq_factor,
-                     f"{key}: need 0 < low_freq_factor < high_freq_factor, got {rs.low_freq_factor}, {rs.high_freq_factor}")
+                     f"{key}: need 0 < low_freq_factor < high_freq_factor, "
+                     f"got {rs.low_freq_factor}, {rs.high_freq_factor}")
     if rs.type == "yarn":
         check_config(0 < rs.beta_slow < rs.beta_fast,
                      f"{key}: need 0 < beta_slow < beta_fast, got {rs.beta_slow}, {rs.beta_fast}")
-        check_config(rs.attention_factor >= 0, f"{key}.attention_factor must be >= 0 (0: YaRN's default), got {rs.attention_factor}")
+        check_config(rs.attention_factor >= 0,
+                     f"{key}.attention_factor must be >= 0 (0: YaRN's default), got {rs.attention_factor}")

@@ -14,11 +14,33 @@ draw is needed: the whole state is a handful of integers that go into checkpoint
 Global samples are numbered 0, 1, 2, ... in consumption order independent of the number of ranks:
 every rank runs the same sampler and keeps its own contiguous slice of each global batch, so a
 1-process and an N-process run see exactly the same data per optimizer step.
+
+**Order within a source.** Without a shuffle seed a source is read front to back (window ``k``
+starts at token ``k * seq_len``) and every epoch repeats the last. With ``shuffle_seed`` (the
+default ``data.shuffle = true``; the seed is ``train.seed``) an epoch of a source is one pass over
+its grid of ``W = (n - 1 - o) // seq_len`` windows, with window ``j`` of the epoch starting at
+``o + perm(j) * seq_len``, where ``perm`` is a pseudo-random permutation of ``0 .. W-1`` (a
+balanced Feistel network with cycle walking, :class:`WindowPermutation`) and ``o`` a start offset,
+both keyed by (seed, source, epoch, seq_len) and computed on demand, so the state stays a few
+integers per source. Every window is drawn exactly once per epoch and each epoch has another
+permutation. The grid leaves ``R = (n - 1) - W * seq_len`` tokens out (``R < seq_len``); the offset
+``o`` is drawn from ``0 .. R`` per epoch, so which tokens are left out changes with the epoch and no
+token is lost for good (in file order the same tail is never a target).
+
+Windows, not documents, are permuted: a window is still a contiguous span of the stream (documents
+inside it stay whole and in order, and document masking sees real boundaries), consecutive samples
+of a source come from unrelated places (a 100k-token book is spread over the whole epoch, not fed as
+100 consecutive windows), and nothing per document is needed (permuting documents, then packing
+them, needs the prefix sums of the permuted lengths: O(documents) memory per source). The price is
+the grid: it depends on seq_len, so a stage that changes a source's seq_len ends that source's
+current epoch early (logged; its unvisited windows come back in the next epochs' permutations),
+whereas a document-level order would carry a token cursor across the change.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,11 +50,60 @@ from densetrain.data.shards import TokenFiles
 
 @dataclass
 class Sample:
-    """One training sequence. ``tokens``: int64 array of shape ``(seq_len + 1,)``."""
+    """One training sequence. ``tokens``: int64 array of shape ``(seq_len + 1,)``; ``start``: token
+    offset of the window in its source's train stream (provenance: ``densetrain blame``)."""
 
     index: int
     source: str
     tokens: np.ndarray
+    start: int = -1
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser (Steele et al. 2014): a bijective 64-bit avalanche mix."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+class WindowPermutation:
+    """A pseudo-random permutation of ``0 .. size-1`` evaluated one index at a time, nothing stored.
+
+    A balanced Feistel network (Luby & Rackoff 1988) on ``2b``-bit integers, ``4^b >= size``, with
+    six rounds whose round function is :func:`_mix64` of the half and a round key, is a bijection of
+    ``0 .. 4^b - 1``; *cycle walking* (apply it again while the result is ``>= size``; Black &
+    Rogaway 2002) restricts it to a bijection of ``0 .. size-1``, in fewer than 4 applications on
+    average since ``4^b < 4 size``. Keys come from blake2b of ``key`` (a str), so the permutation is
+    the same in every process and Python version.
+    """
+
+    ROUNDS = 6
+
+    def __init__(self, size: int, key: str):
+        if size < 1:
+            raise ValueError(f"cannot permute {size} windows")
+        self.size = size
+        self.half = max(1, ((size - 1).bit_length() + 1) // 2)  # bits per half: 4^half >= size
+        digest = hashlib.blake2b(key.encode(), digest_size=8 * (self.ROUNDS + 1)).digest()
+        words = [int.from_bytes(digest[8 * i : 8 * i + 8], "little") for i in range(self.ROUNDS + 1)]
+        self.keys, self.extra = words[: self.ROUNDS], words[self.ROUNDS]  # extra: free bits for the caller
+
+    def _feistel(self, x: int) -> int:
+        m = (1 << self.half) - 1
+        left, right = x >> self.half, x & m
+        for k in self.keys:
+            left, right = right, left ^ (_mix64(right ^ k) & m)
+        return (left << self.half) | right
+
+    def __call__(self, i: int) -> int:
+        """The image of ``i`` (``0 <= i < size``)."""
+        x = self._feistel(i)
+        while x >= self.size:
+            x = self._feistel(x)
+        return x
 
 
 class MixtureSampler:
@@ -43,7 +114,10 @@ class MixtureSampler:
 
     State (``state_dict()``; plain ints, JSON-serialisable):
         ``samples_seen``: global samples drawn so far.
-        ``cursor[src]``: token offset of the next window in each source; ``epoch[src]``: completed passes.
+        ``cursor[src]``: file order: token offset of the next window; shuffled: unused (0).
+        ``epoch[src]``: completed passes. ``window[src]`` / ``grid[src]``: shuffled order: windows
+        drawn in the current epoch and the seq_len of its window grid (0: none yet).
+        ``shuffle_seed``: the order of the draws so far (None: file order; set by the first draw).
         ``stage``: stage the per-stage counts refer to; ``stage_drawn[src]`` / ``stage_total``:
         samples drawn in that stage (the deficit scheduler's memory).
     """
@@ -55,11 +129,15 @@ class MixtureSampler:
             "samples_seen": 0,
             "cursor": {n: 0 for n in names},
             "epoch": {n: 0 for n in names},
+            "window": {n: 0 for n in names},
+            "grid": {n: 0 for n in names},
+            "shuffle_seed": None,
             "stage": None,
             "stage_drawn": {n: 0 for n in names},
             "stage_total": 0,
         }
         self.events: list[str] = []  # human-readable notes (epoch wrap-arounds), drained by the loop
+        self._perms: dict[tuple, tuple[WindowPermutation, int]] = {}
 
     def state_dict(self) -> dict:
         return copy.deepcopy(self.state)
@@ -68,7 +146,26 @@ class MixtureSampler:
         missing = set(self.streams) - set(state["cursor"])
         if missing:
             raise ValueError(f"sampler state has no position for sources {sorted(missing)} (config changed?)")
-        self.state = copy.deepcopy(state)
+        state = copy.deepcopy(state)
+        for key in ("window", "grid"):  # checkpoints from before shuffling: file order, nothing drawn shuffled
+            state.setdefault(key, {n: 0 for n in state["cursor"]})
+        state.setdefault("shuffle_seed", None)
+        self.state = state
+
+    def epoch_order(self, name: str, epoch: int, seq_len: int, seed: int) -> tuple[WindowPermutation, int]:
+        """(permutation of the window indices, start offset) of epoch ``epoch`` of source ``name``
+        on the grid of ``seq_len``-token windows: window ``j`` of the epoch starts at token
+        ``offset + perm(j) * seq_len`` (module docstring)."""
+        key = (name, epoch, seq_len, seed)
+        if key not in self._perms:
+            n = len(self.streams[name])
+            n_windows = (n - 1) // seq_len
+            perm = WindowPermutation(n_windows, f"densetrain-order:{seed}:{name}:{epoch}:{seq_len}")
+            offset = perm.extra % (n - 1 - n_windows * seq_len + 1)  # 0 .. R, the tokens the grid leaves out
+            if len(self._perms) > 64:
+                self._perms.clear()
+            self._perms[key] = (perm, offset)
+        return self._perms[key]
 
     def _choose(self, mix: dict[str, float]) -> str:
         st = self.state
@@ -95,21 +192,54 @@ class MixtureSampler:
         st["cursor"][name] = start + seq_len
         return start
 
+    def _advance_shuffled(self, name: str, seq_len: int, seed: int) -> int:
+        """Reserve the next window of ``name`` in its epoch's permutation; return its start offset."""
+        stream = self.streams[name]
+        st = self.state
+        if len(stream) < seq_len + 1:
+            raise ValueError(f"source '{name}' has {len(stream)} tokens, fewer than one sequence of {seq_len + 1}")
+        grid = st["grid"][name]
+        if grid != seq_len:
+            if grid:  # a stage changed the window length mid-epoch: a new grid, a new epoch
+                n_windows = (len(stream) - 1) // grid
+                st["epoch"][name] += 1
+                self.events.append(f"source '{name}': window length {grid} -> {seq_len}; epoch "
+                                   f"{st['epoch'][name] - 1} ends after {st['window'][name]} of {n_windows} windows, "
+                                   f"epoch {st['epoch'][name]} starts at sample {st['samples_seen']}")
+            st["grid"][name], st["window"][name] = seq_len, 0
+        elif st["window"][name] == (len(stream) - 1) // seq_len:  # every window of the epoch drawn
+            st["epoch"][name] += 1
+            st["window"][name] = 0
+            self.events.append(f"source '{name}' starts epoch {st['epoch'][name]} at sample {st['samples_seen']}")
+        perm, offset = self.epoch_order(name, st["epoch"][name], seq_len, seed)
+        start = offset + perm(st["window"][name]) * seq_len
+        st["window"][name] += 1
+        return start
+
     def next_samples(
-        self, n: int, stage_name: str, mix: dict[str, float], seq_len: int, keep: range | None = None
+        self, n: int, stage_name: str, mix: dict[str, float], seq_len: int, keep: range | None = None,
+        shuffle_seed: int | None = None,
     ) -> list[Sample]:
         """Draw the next ``n`` global samples for stage ``stage_name`` with weights ``mix``.
 
         All ``n`` samples advance the state; only those whose position in this draw is in ``keep``
         (default: all) are read from disk and returned, so each rank reads just its own slice.
+        ``shuffle_seed`` None reads each source in file order, an int in seeded per-epoch
+        permutations (module docstring); it must stay the same for the whole run.
 
         Raises:
-            ValueError: a mix names an unknown source, or a source is shorter than one sequence.
+            ValueError: a mix names an unknown source, a source is shorter than one sequence, or
+                ``shuffle_seed`` differs from the one the state was drawn with.
         """
         unknown = set(mix) - set(self.streams)
         if unknown:
             raise ValueError(f"mix names sources without data: {sorted(unknown)}")
         st = self.state
+        if st["samples_seen"] == 0:
+            st["shuffle_seed"] = shuffle_seed
+        elif st["shuffle_seed"] != shuffle_seed:
+            raise ValueError(f"the sampler state was drawn with shuffle seed {st['shuffle_seed']}, not {shuffle_seed} "
+                             "(data.shuffle or train.seed changed since the checkpoint?)")
         if st["stage"] != stage_name:  # new stage: the deficit scheduler starts afresh
             st["stage"] = stage_name
             st["stage_drawn"] = {k: 0 for k in st["stage_drawn"]}
@@ -118,9 +248,12 @@ class MixtureSampler:
         keep = range(n) if keep is None else keep
         for i in range(n):
             name = self._choose(mix)
-            start = self._advance(name, seq_len)
+            if shuffle_seed is None:
+                start = self._advance(name, seq_len)
+            else:
+                start = self._advance_shuffled(name, seq_len, shuffle_seed)
             if i in keep:
-                out.append(Sample(st["samples_seen"], name, self.streams[name].read(start, seq_len + 1)))
+                out.append(Sample(st["samples_seen"], name, self.streams[name].read(start, seq_len + 1), start))
             st["stage_drawn"][name] = st["stage_drawn"].get(name, 0) + 1
             st["stage_total"] += 1
             st["samples_seen"] += 1

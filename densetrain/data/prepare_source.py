@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from densetrain.data.dedup import find_duplicates
 from densetrain.data.documents import SkipLog
-from densetrain.data.filters import FilterStats
+from densetrain.data.filters import FilterStats, filter_warnings
 from densetrain.data.manifest import PREPARE_VERSION, fingerprint, log, up_to_date
 from densetrain.data.paths import estimated_text_bytes
 from densetrain.data.process import CHUNK_BYTES, ProcessSpec, chunked, process_documents
@@ -31,7 +31,6 @@ from densetrain.registry.filters import resolve_filter_names
 HIGH_DUPLICATE_RATE = 0.3
 """Warn when dedup removes more than this fraction of a source (the recipe's post-mortem 7.1: a
 duplicated corpus raised the loss; a high rate usually means an upstream bug, not real web text)."""
-HEAVY_EDIT_FRACTION = 0.2
 """Warn when a filter's line rules cut more than this fraction of the characters it saw in kept documents."""
 
 
@@ -299,16 +298,10 @@ def prepare_source(i, src, files, cfg, tok: Tokenizer, token_size: int, corpus_d
 
 
 def _warn_heavy_edits(name: str, fstats) -> None:
-    """Line-level rules (C4's terminal punctuation) shred hard-wrapped text while keeping the
-    document, so nothing shows in removed.json: say it in the log."""
-    for flt, c in fstats.to_dict().items():
-        dropped_chars = sum(r["chars"] for r in c["reasons"].values())
-        kept_in = c["chars_in"] - dropped_chars
-        cut = c["chars_removed"] - dropped_chars
-        if kept_in > 0 and cut / kept_in > HEAVY_EDIT_FRACTION:
-            log(f"{name}: WARNING {flt} line rules cut {cut / kept_in:.0%} of the characters of the documents it "
-                f"kept ({c['documents_modified']:,} edited; hard-wrapped text?); consider this source's filters "
-                f"without '{flt}'")
+    """Filters that remove or edit more than 5% of a source (line rules shred hard-wrapped text while
+    keeping the document, so nothing shows in removed.json): say it in the log, naming the top rules."""
+    for line in filter_warnings(fstats, name):
+        log(f"{name}: WARNING {line}")
 
 
 def _removal_line(reasons: Counter, dedup_stats: dict | None) -> str:

@@ -14,8 +14,11 @@ import time
 
 import torch
 
+from densetrain.checkpoint import list_complete, load_checkpoint, set_aside
 from densetrain.config import Config
+from densetrain.errors import TrainError
 from densetrain.evals.downstream import downstream_metrics
+from densetrain.evals.position_loss import position_eval
 from densetrain.evals.valloss import evaluate_val, val_overall, val_table
 from densetrain.fileio import atomic_write_json
 from densetrain.metrics import flops_per_token, memory_stats
@@ -26,7 +29,8 @@ from densetrain.train.step import StepResult, compute_step
 from densetrain.train.watchers import Verdict, decide
 
 
-def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> dict:
+def train(cfg: Config, resume: bool = False, stop_after: int | None = None, rollback_to: int | None = None,
+          skip_batches: int = 0) -> dict:
     """Run (or resume) the whole staged recipe described by ``cfg``; return the final summary.
 
     Args:
@@ -34,32 +38,40 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
             when there is none).
         stop_after: stop after this many optimizer steps in total (for tests that interrupt a run);
             the schedule still refers to ``cfg.train.steps``.
+        rollback_to, skip_batches: a manual rollback (see :func:`densetrain.train.setup.setup`).
     Raises:
         TrainError: a one-line explanation (no data, batch not divisible by ranks, ...).
     """
-    run = setup(cfg, resume, stop_after)
+    run = setup(cfg, resume, stop_after, rollback_to, skip_batches)
     if run.state.step >= cfg.train.steps:
         return already_complete(run)
     stage = None
-    while run.state.step < run.last_step:
-        t0 = time.perf_counter()
-        st = stage_at(run.state.step, run.stages)
-        if st != stage:
-            enter_stage(run, st)
-            stage = st
-        lr = lr_for(run.state.step, cfg, run.stages)
-        set_lr(run.optimizer, lr)
+    try:
+        while run.state.step < run.last_step:
+            t0 = time.perf_counter()
+            st = stage_at(run.state.step, run.stages)
+            if st != stage:
+                enter_stage(run, st)
+                stage = st
+            for w in run.watchers:
+                w.before_step(run)
+            lr = lr_for(run.state.step, cfg, run.stages) * run.lr_scale
+            set_lr(run.optimizer, lr)
+            result = compute_step(run, st, lr)  # loss, gradients, global grad norm: nothing applied yet
+            verdict = decide(run.watchers, run, result)  # the one decision point: apply / skip / roll back
+            commit(run, result, verdict)
+            for w in run.watchers:
+                w.after_step(run, result, verdict)
+            if verdict == Verdict.ROLLBACK:
+                continue
+            log_step(run, result, time.perf_counter() - t0)
+            evaluate(run, st)
+            run.checkpointer.save_if_due(run.state.step, run.model, run.optimizer, run.state_dict(), result.finite,
+                                         run.log)
+        return finish(run, stage)
+    finally:
         for w in run.watchers:
-            w.before_step(run)
-        result = compute_step(run, st, lr)
-        verdict = decide(run.watchers, run, result)
-        commit(run, result, verdict)
-        for w in run.watchers:
-            w.after_step(run, result, verdict)
-        log_step(run, result, time.perf_counter() - t0)
-        evaluate(run, st)
-        run.checkpointer.save_if_due(run.state.step, run.model, run.optimizer, run.state_dict(), result.finite, run.log)
-    return finish(run, stage)
+            w.close()
 
 
 def enter_stage(run: Run, st: Stage) -> None:
@@ -68,23 +80,56 @@ def enter_stage(run: Run, st: Stage) -> None:
     run.log.event(run.state.step, f"stage '{st.name}': seq_len {st.seq_len}, rope_theta {st.rope_theta:g}, "
                                   f"batch {st.batch_size} seqs ({st.batch_tokens} tokens), "
                                   + (f"lr re-warmup {st.rewarmup_steps} steps, " if st.rewarmup_steps else "")
-                                  + f"mix {{{', '.join(f'{k}: {v:.2f}' for k, v in st.mix.items())}}}")
+                                  + f"mix {{{', '.join(f'{k}: {v:.2f}' for k, v in st.mix.items())}}}",
+                  kind="stage", values={"stage": st.name, "index": st.index, "seq_len": st.seq_len})
 
 
 def commit(run: Run, result: StepResult, verdict: Verdict) -> None:
-    """Carry out ``verdict``: step the optimizer (APPLY) or not (SKIP); clear gradients; count the step."""
+    """Carry out ``verdict``: step the optimizer (APPLY), or not (SKIP: parameters and optimizer state,
+    its step count included, stay exactly as they were), or go back to a checkpoint (ROLLBACK);
+    clear gradients; count the step."""
+    t0 = time.perf_counter()
     if verdict == Verdict.APPLY:
         run.optimizer.step()
-    elif verdict == Verdict.SKIP:
-        run.state.skipped_steps += 1
-    else:
-        raise NotImplementedError(f"verdict {verdict.name}")  # rollback arrives with the recovery watchers
     run.optimizer.zero_grad(set_to_none=True)
+    run.optimizer_seconds = time.perf_counter() - t0
+    if verdict == Verdict.ROLLBACK:
+        rollback(run, result)
+        return
+    if verdict == Verdict.SKIP:
+        run.state.skipped_steps += 1
     if run.info.device.type == "cuda":  # step time below measures the work, not its launch
         torch.cuda.synchronize(run.info.device)
     run.state.step += 1
     run.state.tokens += result.stats.n_tokens
     run.state.stage = result.stage.name
+
+
+def rollback(run: Run, result: StepResult) -> None:
+    """Go back to the newest complete checkpoint at or before ``result.rollback_before`` (where the
+    trouble began): model, optimizer, RNG and counters restored, later checkpoints set aside, the
+    sampler left where it is, so the data that led to the trouble is skipped; the metrics past the
+    checkpoint are rewritten, the event says what was skipped.
+
+    Raises:
+        TrainError: no checkpoint that old.
+    """
+    before = result.rollback_before if result.rollback_before is not None else result.index
+    done = [(s, p) for s, p in list_complete(run.run_dir) if s <= before]
+    if not done:
+        raise TrainError(f"step {result.index}: trouble since step {before} and no checkpoint at or before it to "
+                         f"roll back to; lower optim.peak_lr or save checkpoints more often (checkpoint.every)")
+    step, path = done[-1]
+    set_aside(run.run_dir, step)
+    saved = load_checkpoint(path, run.model, run.optimizer)
+    skipped = [saved["sampler"]["samples_seen"], run.sampler.state["samples_seen"]]
+    from_step = run.state.step
+    run.state.load_state_dict(saved)
+    run.log.rewind(step)
+    run.log.event(step, f"rolled back from step {from_step} to checkpoint {path.name}; the data of samples "
+                        f"{skipped[0]}..{skipped[1]} is skipped", kind="rollback", action="rollback",
+                  values={"from_step": from_step, "to_step": step, "trouble_since": before,
+                          "skipped_samples": skipped, **run.batch_documents(result)})
 
 
 def log_step(run: Run, r: StepResult, seconds: float) -> None:
@@ -118,15 +163,23 @@ def evaluate(run: Run, st: Stage) -> None:
     if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.train.steps:
         t0 = time.perf_counter()
         val = run.last_val = evaluate_val(run.model, run.val_streams, st.seq_len, st.micro_batch_size,
-                                          cfg.eval.max_batches, run.info.device, run.autocast, run.tokenizer)
+                                          cfg.eval.max_batches, run.info.device, run.autocast, run.tokenizer,
+                                          run.tokenizer.eos_id if st.document_mask else None, st.reset_positions)
         vm = {f"val/{s}/{k}": v[k] for s, v in {**val, "all": val_overall(val)}.items() for k in ("loss", "bpb")}
         vm["time/eval_s"] = time.perf_counter() - t0
+        run.eval_seconds += vm["time/eval_s"]
         run.log.log(step, vm, kind="eval")
         run.log.console("  val " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in vm.items() if k.endswith("/loss")))
+    pm = position_eval(run.model, cfg, run.stages, run.val_streams, step, run.info.device, run.autocast)
+    if pm:  # loss by position in long documents, before each long stage and at the end
+        run.log.log(step, pm, kind="eval")
+        run.log.console(f"  val by position ({pm['position_eval']}) " + " ".join(
+            f"{k.split('/')[2]} {v:.3f}" for k, v in pm.items() if k.startswith("val_pos/all/") and k.endswith("loss")))
     if cfg.eval.tasks and ((cfg.eval.tasks_every and step % cfg.eval.tasks_every == 0) or step == cfg.train.steps):
         t0 = time.perf_counter()
         dm = run_tasks(run, st, cfg.eval.tasks, cfg.eval.tasks_limit)
         dm["time/tasks_s"] = time.perf_counter() - t0
+        run.eval_seconds += dm["time/tasks_s"]
         run.log.log(step, dm, kind="eval")
         run.log.console("  tasks " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in dm.items()
                                                if k.endswith("/headline")))

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
-from densetrain.checkpoint import Checkpointer, list_complete
+from densetrain.checkpoint import Checkpointer, list_complete, set_aside
 from densetrain.config import Config, save_config
 from densetrain.data.mixture import MixtureSampler
+from densetrain.data.provenance import window_documents
 from densetrain.data.shards import TokenFiles
 from densetrain.data.streams import data_fingerprint, open_streams
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
@@ -23,9 +24,13 @@ from densetrain.model.llama import Transformer
 from densetrain.optim import build_optimizer
 from densetrain.parallel import DistInfo, all_reduce_sum, autocast_for, build_parallel_model, init_distributed
 from densetrain.registry.tasks import data_root, resolve_tasks
-from densetrain.schedule import Stage, resolve_stages
+from densetrain.schedule import Stage, resolve_stages, stage_at
+from densetrain.train.faults import FaultInjector
+from densetrain.train.guard import Guard
+from densetrain.train.probe import DataProbe
 from densetrain.train.state import TrainState
-from densetrain.train.watchers import Watcher, default_watchers
+from densetrain.train.watchdog import Watchdog
+from densetrain.train.watchers import Watcher
 
 
 @dataclass
@@ -54,6 +59,20 @@ class Run:
     last_val: dict[str, dict] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)  # truncation warnings already logged
     t_start: float = field(default_factory=time.perf_counter)
+    lr_scale: float = 1.0  # set by the guard after a rollback (guard.lr_factor)
+    optimizer_seconds: float = 0.0  # the last step's optimizer time (the watchdog's 'optimizer' phase)
+    eval_seconds: float = 0.0  # total time in in-loop evals (the watchdog's 'eval' phase)
+
+    def batch_documents(self, result, source: str | None = None, limit: int = 20) -> dict:
+        """Provenance of a step's batch for events: the global sample range, and the documents of this
+        rank's samples (all of them in one process; ``densetrain blame`` lists the whole batch)."""
+        docs = []
+        for smp in result.samples:
+            if source is None or smp.source == source:
+                docs += window_documents(self.cfg.data.shards_dir, smp.source, self.train_streams[smp.source],
+                                         smp.start, len(smp.tokens))
+        return {"samples": [result.first_sample, result.first_sample + result.stage.batch_size],
+                "documents": docs[:limit], "more": max(0, len(docs) - limit)}
 
     @property
     def source_names(self) -> list[str]:
@@ -96,13 +115,29 @@ def _refuse_existing_run(run_dir: Path, info: DistInfo) -> None:
                          f"or choose another --train.run_dir")
 
 
-def setup(cfg: Config, resume: bool = False, stop_after: int | None = None) -> Run:
+def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
+    """The watchers of a run (the decision point's inputs); fault injection only when faults are configured."""
+    # Faults first: the others must see the batch and gradients as the fault left them.
+    watchers: list[Watcher] = [FaultInjector(cfg.faults, info.rank)] if cfg.faults else []
+    watchers.append(Guard(cfg.guard, cfg.train.max_nonfinite_steps))
+    if cfg.watchdog.every or cfg.watchdog.hang_seconds:
+        watchers.append(Watchdog(cfg.watchdog, info.rank, info.world_size, run_dir))
+    if cfg.probe.every:
+        watchers.append(DataProbe(cfg.probe, [s.name for s in cfg.data.sources]))
+    return watchers
+
+
+def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, rollback_to: int | None = None,
+          skip_batches: int = 0) -> Run:
     """Build the :class:`Run` of ``cfg``; with ``resume``, restored from the newest loadable checkpoint
     (a fresh start when there is none). ``stop_after`` ends this invocation after that many steps in
-    total (the schedule still refers to ``cfg.train.steps``).
+    total (the schedule still refers to ``cfg.train.steps``). ``rollback_to`` (with ``resume``): set the
+    checkpoints after that step aside (moved, not deleted) and resume from it; ``skip_batches``: then
+    advance the sampler past that many global batches without training on them.
 
     Raises:
-        TrainError / DataError: one line (no data, batch not divisible by ranks, existing run, ...).
+        TrainError / DataError: one line (no data, batch not divisible by ranks, existing run, no
+            checkpoint at ``rollback_to``, ...).
     """
     info = init_distributed(cfg.train.device, cfg.parallel)
     if cfg.train.threads > 0:
@@ -118,6 +153,11 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None) -> R
     optimizer = build_optimizer(model, cfg)
     last = min(cfg.train.steps, stop_after) if stop_after else cfg.train.steps
     checkpointer = Checkpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep, last)
+    if rollback_to is not None:
+        if rollback_to not in [s for s, _ in list_complete(run_dir)]:
+            raise TrainError(f"{run_dir}: no complete checkpoint at step {rollback_to} to roll back to "
+                             f"(have: {[s for s, _ in list_complete(run_dir)]})")
+        set_aside(run_dir, rollback_to)
     ckpt, saved = checkpointer.load_latest(model, optimizer) if resume else (None, None)
     if not resume:
         _refuse_existing_run(run_dir, info)  # (resume without a checkpoint yet, e.g. killed early: start over)
@@ -131,13 +171,15 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None) -> R
               val_streams=open_streams(cfg, "val"), sampler=MixtureSampler(train_streams), model=model,
               dp_model=dp_model, optimizer=optimizer,
               tokenizer=load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir)),  # val bpb, downstream tasks
-              log=log, checkpointer=checkpointer, watchers=default_watchers(cfg), autocast=autocast,
+              log=log, checkpointer=checkpointer, watchers=make_watchers(cfg, info, run_dir), autocast=autocast,
               peak_flops=cfg.logging.peak_flops or measure_peak_flops(info.device,
                                                                       torch.bfloat16 if autocast else torch.float32),
               last_step=last, data_id=data_fingerprint(train_streams))
     if saved:
         run.load_state_dict(saved)
         _log_resume(run, ckpt, saved)
+    if rollback_to is not None:
+        skip_data(run, skip_batches, f"manual rollback to step {rollback_to}")
     if cfg.eval.tasks or cfg.eval.final_tasks:
         # Fail now, not after hours of training: unknown task names or missing task data.
         resolve_tasks([t.strip() for t in f"{cfg.eval.tasks},{cfg.eval.final_tasks}".split(",") if t.strip()])
@@ -151,9 +193,21 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None) -> R
     return run
 
 
+def skip_data(run: Run, n_batches: int, why: str) -> None:
+    """Advance the sampler past ``n_batches`` global batches of the current stage without reading them."""
+    first = run.sampler.state["samples_seen"]
+    st = stage_at(run.state.step, run.stages)
+    for _ in range(n_batches):
+        run.sampler.next_samples(st.batch_size, st.name, st.mix, st.seq_len, keep=range(0))
+    run.sampler.events.clear()
+    run.log.event(run.state.step, f"{why}: skipped {n_batches} batches (samples {first}.."
+                                  f"{run.sampler.state['samples_seen']})", kind="rollback", action="skip_data",
+                  values={"skipped_samples": [first, run.sampler.state["samples_seen"]]})
+
+
 def _log_resume(run: Run, ckpt: Path, saved: dict) -> None:
     step = run.state.step
-    run.log.event(step, f"resumed from {ckpt} (step {step}, {run.state.tokens} tokens)")
+    run.log.event(step, f"resumed from {ckpt} (step {step}, {run.state.tokens} tokens)", kind="resume")
     changed = sorted(k for k, v in saved.get("data", {}).items() if run.data_id.get(k) != v)
     if changed:  # the sampler's positions now point into other documents: never let that pass unseen
         run.log.event(step, f"WARNING: the training shards of {changed} changed since {ckpt.name} (re-prepared?); "

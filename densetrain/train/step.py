@@ -15,6 +15,7 @@ import torch
 
 from densetrain.data.mixture import Sample
 from densetrain.loss import IGNORE_INDEX, token_losses, z_loss_sum
+from densetrain.model.masks import document_ids
 from densetrain.parallel import all_reduce_sum, clip_grad_norm, grad_sync
 from densetrain.schedule import Stage
 
@@ -27,6 +28,9 @@ class StepStats:
     z_loss_sum: float = 0.0
     n_tokens: int = 0
     per_source: dict[str, list[float]] = field(default_factory=dict)  # name -> [loss_sum, n_tokens]
+    nonfinite_ranks: int = 0  # ranks whose local loss or gradient norm was not finite (after reduction)
+    forward_s: float = 0.0  # this rank's seconds in forward passes (no collectives there under DDP/FSDP
+    backward_s: float = 0.0  # prefetch aside); backward includes DDP's gradient all-reduce
 
 
 @dataclass
@@ -38,7 +42,8 @@ class StepResult:
         loss: nats per target token over the whole global batch. grad_norm: L2 norm of the full
             gradient before clipping. lr: the learning rate the update would use.
         first_sample: global sample index of the batch's first sequence (provenance, resume checks).
-        data_s: seconds spent drawing and copying the batch.
+        data_s: seconds spent drawing and copying the batch; sync_s: clipping and reductions.
+        rollback_before: set by a watcher that returns ROLLBACK: the update index the trouble began at.
     """
 
     index: int
@@ -49,20 +54,63 @@ class StepResult:
     stats: StepStats
     first_sample: int
     data_s: float
+    sync_s: float = 0.0
+    samples: list[Sample] = field(default_factory=list)
+    rollback_before: int | None = None
 
     @property
     def finite(self) -> bool:
-        return math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+        """Loss and gradients finite on every rank (one rank's NaN makes every rank skip)."""
+        return math.isfinite(self.loss) and math.isfinite(self.grad_norm) and self.stats.nonfinite_ranks == 0
 
 
-def make_micro_batches(samples: list[Sample], micro: int, device: torch.device):
-    """Group samples into (inputs (b, T), targets (b, T), sources) micro-batches of ``micro`` rows on ``device``."""
+def make_micro_batches(samples: list[Sample], micro: int, device: torch.device, eos_id: int | None = None,
+                       reset_positions: bool = False):
+    """Group samples into (inputs (b, T), targets (b, T), sources, model inputs) micro-batches of
+    ``micro`` rows on ``device``.
+
+    With ``eos_id`` (a stage with document masking) the model inputs are ``doc_ids`` (b, T) int64,
+    the document of every input token from the EOS positions of the window, computed here on the
+    host once per batch (:func:`densetrain.model.masks.document_ids`), and with ``reset_positions``
+    also ``positions`` (b, T), RoPE positions restarting per document; otherwise they are empty.
+    """
     out = []
     for i in range(0, len(samples), micro):
         chunk = samples[i : i + micro]
-        t = torch.from_numpy(np.stack([s.tokens for s in chunk])).to(device, non_blocking=True)
-        out.append((t[:, :-1], t[:, 1:], [s.source for s in chunk]))
+        rows = np.stack([s.tokens for s in chunk])
+        t = torch.from_numpy(rows).to(device, non_blocking=True)
+        inputs = {}
+        if eos_id is not None:
+            doc, pos = document_ids(rows[:, :-1], eos_id)
+            inputs["doc_ids"] = torch.from_numpy(doc).to(device, non_blocking=True)
+            if reset_positions:
+                inputs["positions"] = torch.from_numpy(pos).to(device, non_blocking=True)
+        out.append((t[:, :-1], t[:, 1:], [s.source for s in chunk], inputs))
     return out
+
+
+_compiled_losses = None  # torch.compile(token_losses), built on first use; False after a failed compile
+
+
+def training_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """:func:`densetrain.loss.token_losses` (same values, (B, T) fp32 nats), compiled for bf16 logits on CPU.
+
+    Eager, the bf16 -> fp32 upcast, log-softmax and its backward are separate passes over the (B, T, vocab)
+    logits: ~150 ms CPU per step at B*T = 2048, vocab 8192 (16% of a bf16 step, torch.profiler); the
+    compiled kernel fuses them (~28 ms; ~8 s to compile once per shape). fp32 logits (the golden
+    trajectory) and CUDA stay eager. If compiling fails (no C++ compiler), eager is used, said once.
+    """
+    global _compiled_losses
+    if logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or _compiled_losses is False:
+        return token_losses(logits, targets)
+    if _compiled_losses is None:
+        _compiled_losses = torch.compile(token_losses)
+    try:
+        return _compiled_losses(logits, targets)
+    except Exception as e:  # inductor needs a working C++ toolchain
+        print(f"compiled cross-entropy unavailable ({type(e).__name__}); eager from now on", flush=True)
+        _compiled_losses = False
+        return token_losses(logits, targets)
 
 
 def forward_backward(
@@ -83,7 +131,8 @@ def forward_backward(
     back into the global sum.
 
     Args:
-        micro_batches: list of (inputs (b, T) int64, targets (b, T) int64, source name per row).
+        micro_batches: list of (inputs (b, T) int64, targets (b, T) int64, source name per row[, dict of
+            further model inputs: ``doc_ids``, ``positions``, see :func:`make_micro_batches`]).
         n_tokens_global: number of targets != IGNORE_INDEX in the whole step (all ranks).
         grad_scale: the data-parallel degree (not the tensor-parallel one: TP ranks share a batch).
         z_loss: coefficient of ``log(Z)^2`` per token (PaLM, Chowdhery et al. 2022, sec. 5).
@@ -95,22 +144,26 @@ def forward_backward(
     # Per-row sums stay on the device until the end of the step: one host sync per step, not per
     # micro-batch (each .tolist()/float() on a GPU tensor waits for the GPU).
     row_losses, row_tokens, z_sums, row_sources = [], [], [], []
-    for i, (x, y, sources) in enumerate(micro_batches):
+    t_forward = t_backward = 0.0
+    for i, (x, y, sources, *more) in enumerate(micro_batches):
         with grad_sync(model, enabled=i == n_micro - 1):  # reduce gradients after the last micro-batch only
+            t0 = time.perf_counter()
             with autocast or contextlib.nullcontext():
-                logits = model(x)
-            losses = token_losses(logits, y)
+                logits = model(x, **(more[0] if more else {}))
+            losses = training_token_losses(logits, y)
             mask = y != IGNORE_INDEX
             objective = losses.sum()
             if z_loss > 0:
                 zl = z_loss_sum(logits, mask)
                 objective = objective + z_loss * zl
                 z_sums.append(zl.detach())
+            t1 = time.perf_counter()
             (objective * scale).backward()
+            t_forward, t_backward = t_forward + t1 - t0, t_backward + time.perf_counter() - t1
         row_losses.append(losses.detach().sum(dim=1).double())
         row_tokens.append(mask.sum(dim=1))
         row_sources += sources
-    stats = StepStats()
+    stats = StepStats(forward_s=t_forward, backward_s=t_backward)
     if z_sums:
         stats.z_loss_sum = float(torch.stack(z_sums).sum())
     for src, lsum, ntok in zip(row_sources, torch.cat(row_losses).tolist(), torch.cat(row_tokens).tolist()):
@@ -123,13 +176,13 @@ def forward_backward(
 
 
 def reduce_stats(stats: StepStats, sources: list[str], device: torch.device) -> StepStats:
-    """Sum :class:`StepStats` over ranks (identity in a single process)."""
-    vec = [stats.loss_sum, stats.z_loss_sum, float(stats.n_tokens)]
+    """Sum :class:`StepStats` over ranks (identity in a single process); the phase times stay local."""
+    vec = [stats.loss_sum, stats.z_loss_sum, float(stats.n_tokens), float(stats.nonfinite_ranks)]
     for s in sources:
         vec += stats.per_source.get(s, [0.0, 0])
     t = all_reduce_sum(torch.tensor(vec, dtype=torch.float64, device=device)).tolist()
-    per = {s: [t[3 + 2 * i], int(t[4 + 2 * i])] for i, s in enumerate(sources) if t[4 + 2 * i] > 0}
-    return StepStats(t[0], t[1], int(t[2]), per)
+    per = {s: [t[4 + 2 * i], int(t[5 + 2 * i])] for i, s in enumerate(sources) if t[5 + 2 * i] > 0}
+    return StepStats(t[0], t[1], int(t[2]), per, int(t[3]), stats.forward_s, stats.backward_s)
 
 
 def compute_step(run, stage: Stage, lr: float) -> StepResult:
@@ -145,11 +198,16 @@ def compute_step(run, stage: Stage, lr: float) -> StepResult:
     per_rank = stage.batch_size // info.dp_size
     keep = range(info.dp_rank * per_rank, (info.dp_rank + 1) * per_rank)
     first_sample = sampler.state["samples_seen"]
-    samples = sampler.next_samples(stage.batch_size, stage.name, stage.mix, stage.seq_len, keep)
+    samples = sampler.next_samples(stage.batch_size, stage.name, stage.mix, stage.seq_len, keep,
+                                   shuffle_seed=stage.shuffle_seed)
     for ev in sampler.events:
-        run.log.event(run.state.step, ev)
+        run.log.event(run.state.step, ev, kind="epoch")
     sampler.events.clear()
-    micro_batches = make_micro_batches(samples, stage.micro_batch_size, info.device)
+    for w in run.watchers:  # fault injection may alter the batch; the data probe looks at it
+        samples = w.on_batch(run, samples)
+    run.model.set_rope(stage.rope_theta, stage.rope_scaling)  # no-op within a stage
+    eos_id = run.tokenizer.eos_id if stage.document_mask else None
+    micro_batches = make_micro_batches(samples, stage.micro_batch_size, info.device, eos_id, stage.reset_positions)
     # Counted on the host copy: counting on the device would wait for the GPU once per micro-batch.
     n_local = sum(int((smp.tokens[1:] != IGNORE_INDEX).sum()) for smp in samples)
     n_global = int(all_reduce_sum(torch.tensor([n_local], device=info.device)).item())
@@ -157,7 +215,12 @@ def compute_step(run, stage: Stage, lr: float) -> StepResult:
 
     cfg = run.cfg
     stats = forward_backward(run.dp_model, micro_batches, n_global, info.dp_size, cfg.optim.z_loss, run.autocast)
+    t0 = time.perf_counter()
+    for w in run.watchers:  # fault injection (a NaN gradient on one rank, a loss spike)
+        w.on_grads(run, stats)
     grad_norm = float(clip_grad_norm(run.model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")))
+    stats.nonfinite_ranks = int(not (math.isfinite(grad_norm) and math.isfinite(stats.loss_sum)))
     stats = reduce_stats(stats, run.source_names, info.device)
     loss = stats.loss_sum / max(stats.n_tokens, 1)
-    return StepResult(run.state.step, stage, lr, loss, grad_norm, stats, first_sample, data_s)
+    return StepResult(run.state.step, stage, lr, loss, grad_norm, stats, first_sample, data_s,
+                      time.perf_counter() - t0, samples)

@@ -1,0 +1,117 @@
+"""The guard: non-finite steps and loss spikes are skipped; repeated trouble rolls the run back.
+
+Rules (config ``[guard]``; the numbers are reduced over ranks, so every rank decides the same):
+
+- A non-finite loss or gradient on any rank: skip the update (parameters and optimizer state,
+  moments and step count included, are untouched). ``train.max_nonfinite_steps`` in a row: roll back
+  (or stop with an error when ``guard.rollback = false`` or there is no checkpoint to go back to).
+- A loss spike: a robust z-score ``(loss - median) / (1.4826 * MAD)`` over the last ``guard.window``
+  accepted losses above ``guard.spike_zscore`` (and the loss above ``guard.min_ratio x median``).
+  One spike: skip. ``guard.patience`` spikes within ``guard.window`` steps: roll back to the newest
+  checkpoint at or before the first of them. Spikes and non-finite losses never enter the window.
+  (1.4826 makes the MAD a consistent estimate of the standard deviation of normal data.)
+
+The lr schedule is a function of the step counter, which counts skipped steps: a skipped step uses up
+its lr as if it had been applied (as OLMo-core and torchtitan do), so a run with skips ends at the
+same step with the same final lr. A rollback restores the counter of the checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from densetrain.config.recovery import GuardConfig
+from densetrain.errors import TrainError
+from densetrain.train.watchers import Verdict, Watcher
+
+
+def robust_z(loss: float, history) -> tuple[float, float, float]:
+    """(z, median, mad) of ``loss`` against ``history`` (at least one value)."""
+    h = np.asarray(history, dtype=np.float64)
+    med = float(np.median(h))
+    mad = float(np.median(np.abs(h - med)))
+    return (loss - med) / (1.4826 * mad + 1e-12), med, mad
+
+
+class Guard(Watcher):
+    """Skip / roll back on non-finite steps and loss spikes (module docstring)."""
+
+    name = "guard"
+
+    def __init__(self, cfg: GuardConfig, max_nonfinite: int):
+        self.cfg, self.max_nonfinite = cfg, max_nonfinite
+        self.history: deque[float] = deque(maxlen=cfg.window)
+        self.spikes: list[int] = []  # update indices of recent spikes
+        self.streak = 0  # consecutive non-finite steps
+        self.streak_start = 0
+        self.rollbacks = 0
+        self.lr_scale_until = -1  # steps < this use guard.lr_factor (after a rollback)
+
+    def _spike(self, loss: float) -> tuple[bool, float, float]:
+        if self.cfg.spike_zscore <= 0 or len(self.history) < self.cfg.min_history:
+            return False, 0.0, 0.0
+        z, med, _ = robust_z(loss, self.history)
+        return z > self.cfg.spike_zscore and loss > self.cfg.min_ratio * med, z, med
+
+    def before_step(self, run) -> None:
+        run.lr_scale = self.cfg.lr_factor if run.state.step < self.lr_scale_until else 1.0
+
+    def judge(self, run, result) -> Verdict:
+        if not result.finite:
+            if self.streak + 1 < self.max_nonfinite:
+                return Verdict.SKIP
+            result.rollback_before = self.streak_start if self.streak else result.index
+            return self._rollback_or_stop(result, f"{self.streak + 1} consecutive non-finite steps")
+        spike, _, _ = self._spike(result.loss)
+        if not spike:
+            return Verdict.APPLY
+        recent = [s for s in self.spikes if result.index - s < self.cfg.window] + [result.index]
+        if len(recent) < self.cfg.patience:
+            return Verdict.SKIP
+        result.rollback_before = recent[0]
+        return self._rollback_or_stop(result, f"{len(recent)} loss spikes within {self.cfg.window} steps", stop=False)
+
+    def _rollback_or_stop(self, result, why: str, stop: bool = True) -> Verdict:
+        if self.cfg.rollback and self.rollbacks < self.cfg.max_rollbacks:
+            return Verdict.ROLLBACK
+        if stop:
+            raise TrainError(f"{why} (last at step {result.index}): the weights or the lr are broken; "
+                             + ("rollbacks are off (guard.rollback = false); " if not self.cfg.rollback else
+                                f"{self.rollbacks} rollbacks did not help; ")
+                             + "resume from an earlier checkpoint with a lower optim.peak_lr")
+        return Verdict.SKIP  # spikes without a rollback left: keep skipping them
+
+    def after_step(self, run, result, verdict: Verdict) -> None:
+        vals = {"loss": result.loss, "grad_norm": result.grad_norm, "sample_index": result.first_sample}
+        if verdict == Verdict.APPLY:
+            self.streak = 0
+            self.history.append(result.loss)
+            return
+        if verdict == Verdict.ROLLBACK:
+            self.rollbacks += 1
+            self.streak, self.spikes = 0, []
+            if self.cfg.lr_factor_steps:
+                self.lr_scale_until = run.state.step + self.cfg.lr_factor_steps
+            return
+        if not result.finite:
+            if self.streak == 0:
+                self.streak_start = result.index
+            self.streak += 1
+            run.log.event(result.index, f"non-finite loss {result.loss} / grad_norm {result.grad_norm}: update "
+                          f"skipped ({run.state.skipped_steps} so far)", kind="nonfinite", action="skip",
+                          values={**vals, **run.batch_documents(result)})
+            return
+        spike, z, med = self._spike(result.loss)
+        self.spikes = [s for s in self.spikes if result.index - s < self.cfg.window] + [result.index]
+        run.log.event(result.index, f"loss spike {result.loss:.4f} (median {med:.4f}, z {z:.1f}): update skipped",
+                      kind="loss_spike", action="skip",
+                      values={**vals, "z": z, "median": med, **run.batch_documents(result)})
+
+    def state_dict(self) -> dict:
+        return {"history": list(self.history), "spikes": self.spikes}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.history.extend(d.get("history", []))
+        self.spikes = list(d.get("spikes", []))

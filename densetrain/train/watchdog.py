@@ -1,0 +1,168 @@
+"""The throughput watchdog (the seed's post-mortem 7.2: MFU fell from 50% to 35% over weeks because
+two GPUs had degraded memory bandwidth) and the hang detector.
+
+Every ``watchdog.every`` steps each rank's mean phase times over the window (data wait, forward,
+backward (which under DDP includes waiting for the gradient all-reduce), sync (clipping and
+reductions), optimizer, checkpoint, eval) are gathered on every rank with one all-reduce. Each rank's
+step time is compared with its own baseline: the median of its first good windows. A rank is *slow*
+when its step time is ``watchdog.threshold`` above baseline for ``watchdog.sustain`` windows in a row;
+the phase named is the rank's phase that grew most **among the phases without collectives**
+(data, forward, optimizer): a slow device makes every rank's step slower, because the others wait
+for it in the all-reduce, but only its own local phases grew. MFU is reported beside it.
+
+The heartbeat thread: when no step completes for ``watchdog.hang_seconds``, every rank dumps its
+Python stacks with ``faulthandler`` to stderr and ``RUN_DIR/hang_rank<r>.txt`` (once per hang),
+before the collective timeout kills the job, so the stack of the rank that is stuck can be read.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+from densetrain.config.recovery import WatchdogConfig
+from densetrain.metrics import flops_per_token
+from densetrain.parallel import all_reduce_sum
+from densetrain.train.watchers import Verdict, Watcher
+
+PHASES = ("data", "forward", "backward", "sync", "optimizer", "checkpoint", "eval")
+LOCAL = ("data", "forward", "optimizer")  # phases with no collective: only a rank's own speed shows there
+
+
+class Heartbeat:
+    """A daemon thread that dumps all Python stacks when :meth:`beat` is not called for ``seconds``."""
+
+    def __init__(self, seconds: float, path, log=None):
+        self.seconds, self.path, self.log = seconds, path, log
+        self.last = time.monotonic()
+        self.dumped = False
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="densetrain-heartbeat", daemon=True)
+        self.thread.start()
+
+    def beat(self) -> None:
+        self.last, self.dumped = time.monotonic(), False
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(5.0, self.seconds / 4)):
+            idle = time.monotonic() - self.last
+            if idle >= self.seconds and not self.dumped:
+                self.dumped = True
+                print(f"densetrain: no step completed for {idle:.0f}s: Python stacks of every thread follow "
+                      f"(also in {self.path})", file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                with open(self.path, "w") as f:
+                    faulthandler.dump_traceback(file=f, all_threads=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Watchdog(Watcher):
+    """Per-rank phase times against a baseline; events naming slow ranks and phases (module docstring)."""
+
+    name = "watchdog"
+
+    def __init__(self, cfg: WatchdogConfig, rank: int, world_size: int, run_dir):
+        self.cfg, self.rank, self.world = cfg, rank, world_size
+        self.acc = np.zeros(len(PHASES) + 1)  # phase sums + step-time sum over the current window
+        self.n = 0
+        self.windows = 0  # windows seen since the last reset
+        self.baseline: np.ndarray | None = None  # (world, phases + 1) mean seconds per step
+        self.early: list[np.ndarray] = []
+        self.slow_streak = np.zeros(world_size, dtype=int)
+        self.flagged: set[int] = set()
+        self.marks: tuple[float, float] = (0.0, 0.0)
+        self.stage_index = -1
+        self.tokens = 0
+        self.heartbeat = Heartbeat(cfg.hang_seconds, run_dir / f"hang_rank{rank}.txt") if cfg.hang_seconds else None
+
+    def before_step(self, run) -> None:
+        # Checkpoint and eval time since the last step began (they follow a step's after_step): recorded
+        # per phase, but not part of the step time compared with the baseline (evals come in bursts).
+        ck, ev = run.checkpointer.seconds, run.eval_seconds
+        self.acc[PHASES.index("checkpoint")] += ck - self.marks[0]
+        self.acc[PHASES.index("eval")] += ev - self.marks[1]
+        self.marks = (ck, ev)
+        self.t0 = time.perf_counter()
+
+    def after_step(self, run, result, verdict: Verdict) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.beat()
+        if verdict == Verdict.ROLLBACK:
+            return
+        if result.stage.index != self.stage_index:  # another seq_len / batch: another cost per step
+            self.reset()
+            self.stage_index = result.stage.index
+        s = result.stats
+        self.acc += [result.data_s, s.forward_s, s.backward_s, result.sync_s, run.optimizer_seconds, 0.0, 0.0,
+                     time.perf_counter() - self.t0]
+        self.n += 1
+        self.tokens += s.n_tokens
+        if self.n >= self.cfg.every:
+            self._window(run, result)
+
+    def reset(self) -> None:
+        """Start a new baseline (a stage switch changes seq_len and the cost per step)."""
+        self.acc[:] = 0
+        self.n = self.windows = 0
+        self.baseline, self.early = None, []
+        self.slow_streak[:] = 0
+
+    def _window(self, run, result) -> None:
+        table = torch.zeros(self.world, len(PHASES) + 1, dtype=torch.float64)
+        table[self.rank] = torch.from_numpy(self.acc / self.n)
+        table = all_reduce_sum(table).numpy()  # every rank's row, on every rank
+        tokens_per_step = self.tokens / self.n
+        self.acc[:] = 0
+        self.n = self.tokens = 0
+        flops = flops_per_token(run.cfg.model, result.stage.seq_len) * tokens_per_step / self.world
+        for r in range(self.world):  # one perf record per rank: the report plots tokens/s and mfu per rank
+            run.log.log(run.state.step, {"rank": r, "step_s": table[r, -1], "tokens_per_sec":
+                                         tokens_per_step / self.world / table[r, -1],
+                                         "mfu": flops / table[r, -1] / run.peak_flops,
+                                         **{f"time/{p}_s": table[r, i] for i, p in enumerate(PHASES)}}, kind="perf")
+        self.windows += 1
+        if self.windows <= self.cfg.warmup:
+            return
+        if self.baseline is None:
+            self.early.append(table)
+            if len(self.early) >= 3:
+                self.baseline = np.median(np.stack(self.early), axis=0)
+            return
+        base = self.baseline
+        slow = table[:, -1] > base[:, -1] * (1 + self.cfg.threshold)
+        self.slow_streak = np.where(slow, self.slow_streak + 1, 0)
+        if not slow.any():
+            self.flagged.clear()
+            self.baseline = 0.9 * base + 0.1 * table  # drift slowly with healthy windows
+            return
+        growth = table - base
+        # One process waits for nobody: any phase can be its own. Several: only the local phases tell.
+        local = [PHASES.index(p) for p in (LOCAL if self.world > 1 else PHASES[:5])]
+        culprits = [r for r in range(self.world) if self.slow_streak[r] >= self.cfg.sustain
+                    and growth[r, local].max() > self.cfg.threshold * base[r, -1]]
+        if self.world > 1 and not culprits:
+            return  # everyone slower, no rank's own phases grew: waiting on something shared
+        new = [r for r in (culprits or [0]) if r not in self.flagged]
+        if not new or (self.world == 1 and self.slow_streak[0] < self.cfg.sustain):
+            return
+        self.flagged |= set(new)
+        parts = []
+        for r in new:
+            phase = PHASES[max(local, key=lambda i: growth[r, i])]
+            parts.append(f"rank {r} {table[r, -1] * 1e3:.0f} ms/step vs {base[r, -1] * 1e3:.0f} ms baseline, "
+                         f"phase '{phase}' +{growth[r, PHASES.index(phase)] * 1e3:.0f} ms")
+        run.log.event(run.state.step, "throughput drop: " + "; ".join(parts), kind="throughput", action="report",
+                      values={"ranks": new, "phases": {str(r): PHASES[max(local, key=lambda i: growth[r, i])]
+                                                       for r in new},
+                              "step_s": table[:, -1].tolist(), "baseline_step_s": base[:, -1].tolist()})
+
+    def close(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
