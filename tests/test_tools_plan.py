@@ -254,9 +254,9 @@ def test_activation_estimate_against_measured_cpu(ac, tmp_path):
     blocks_seen = est["blocks"] if ac == "none" else m.n_layers * 4 * m.d_model
     predicted_saved = (blocks_seen + est["head"] - 4 * m.vocab_size) * B * T
     ratio = predicted_saved / got["saved"]
-    rss_ratio = est["total"] * B * T / got["rss_forward"]
+    # Peak RSS (a high-water mark since the process started) also holds the forward's temporaries and
+    # the allocator's slack, and grows only past earlier peaks: reported, not asserted.
+    rss = {k: est["total"] * B * T / got[k] if got[k] > 0 else float("nan") for k in ("rss_forward", "rss_peak")}
     print(f"ac={ac}: estimate/saved-by-autograd {ratio:.3f}, estimate/peak-RSS growth over the forward "
-          f"{rss_ratio:.3f}, over forward+backward {est['total'] * B * T / got['rss_peak']:.3f}")
+          f"{rss['rss_forward']:.3f}, over forward+backward {rss['rss_peak']:.3f}")
     assert 0.9 < ratio < 1.1, (ac, got, predicted_saved)
-    # Peak RSS also holds the forward's temporaries and the allocator's slack: a loose check only.
-    assert 0.3 < rss_ratio < 1.5, (ac, got, est)
