@@ -15,6 +15,10 @@ Name mapping (ours, torchtitan style  <->  HF Llama):
     norm.weight                               model.norm.weight
     output.weight                             lm_head.weight   (absent when tie_word_embeddings)
 
+RoPE scaling (``model.rope_scaling``: linear, llama3, yarn; densetrain/model/rope.py) is written as
+HF's ``rope_parameters`` / ``rope_scaling`` with the same field names and read back from them, so a
+Llama-3.1-style checkpoint imports with its scaled frequencies.
+
 No q/k row permutation is needed: our RoPE uses the same half-split pairing as HF ``rotate_half``
 (dimension i with i + head_dim/2; see densetrain/model/llama.py). Converting *Meta's* original Llama
 checkpoints (adjacent pairing) would need that permutation; this module does not read those.
@@ -47,6 +51,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from densetrain.config import ModelConfig
+from densetrain.config.schema import RopeScalingConfig
 from densetrain.fileio import fsync_dir
 
 if TYPE_CHECKING:
@@ -99,6 +104,53 @@ def _expected_names(cfg: ModelConfig) -> set[str]:
     return names
 
 
+# Fields of each scaled RoPE type, named as in RopeScalingConfig and in HF's rope_parameters.
+_ROPE_FIELDS = {
+    "linear": ("factor",),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor"),
+}
+
+
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """HF ``rope_parameters`` of ``cfg``: ``rope_type``, ``rope_theta`` and the scaling fields of the
+    type (``attention_factor`` only when set, else HF derives YaRN's default as we do)."""
+    rs = cfg.rope_scaling
+    kind = "default" if rs.type in ("", "none") else rs.type
+    d: dict = {"rope_type": kind, "rope_theta": float(cfg.rope_theta)}
+    for k in _ROPE_FIELDS.get(kind, ()):
+        v = getattr(rs, k)
+        if k != "attention_factor" or v > 0:
+            d[k] = int(v) if k == "original_max_position_embeddings" else float(v)
+    return d
+
+
+def rope_scaling_from_hf(rope: dict, max_position_embeddings: int | None, where: str) -> RopeScalingConfig:
+    """Our :class:`RopeScalingConfig` from HF ``rope_parameters`` / ``rope_scaling`` (``rope_type`` or
+    legacy ``type``).
+
+    Raises: ValueError for a type other than default, linear, llama3 and yarn, or YaRN variants we do
+    not compute (``mscale``/``mscale_all_dim``, ``truncate = false``), or partial rotary dimensions.
+    """
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", *_ROPE_FIELDS):
+        raise ValueError(f"{where}: RoPE type {kind!r} is not supported (default, linear, llama3, yarn)")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"{where}: partial_rotary_factor {rope['partial_rotary_factor']} is not supported")
+    if kind == "default":
+        return RopeScalingConfig()
+    if kind == "yarn" and (rope.get("mscale") or rope.get("mscale_all_dim") or rope.get("truncate") is False):
+        raise ValueError(f"{where}: YaRN with mscale, mscale_all_dim or truncate = false is not supported")
+    fields = {k: rope[k] for k in _ROPE_FIELDS[kind] if rope.get(k) is not None}
+    if "factor" not in fields and kind == "yarn" and max_position_embeddings:  # HF: context / original context
+        fields["factor"] = max_position_embeddings / rope["original_max_position_embeddings"]
+    for k in ("beta_fast", "beta_slow"):
+        if k in fields and not fields[k]:
+            del fields[k]  # HF reads 0 / null as the paper's default
+    return RopeScalingConfig(type=kind, **{k: (int(v) if k == "original_max_position_embeddings" else float(v))
+                                           for k, v in fields.items()})
+
+
 def hf_config_dict(
     cfg: ModelConfig,
     *,
@@ -115,7 +167,8 @@ def hf_config_dict(
         extra: keys merged last (e.g. ``bos_token_id``, ``eos_token_id`` of the tokenizer).
 
     RoPE is written both as ``rope_parameters`` (what transformers >= 5 reads) and as top-level
-    ``rope_theta`` (what transformers 4.x reads); v5 gives ``rope_parameters`` priority, so they agree.
+    ``rope_theta`` plus, when scaled, ``rope_scaling`` (what transformers 4.x reads); v5 gives
+    ``rope_parameters`` priority, so they agree.
     Likewise ``dtype`` (v5) and ``torch_dtype`` (v4). ``head_dim`` is written explicitly.
     """
     d = {
@@ -131,7 +184,7 @@ def hf_config_dict(
         "hidden_act": "silu",
         "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": cfg.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+        "rope_parameters": rope_parameters(cfg),
         "rope_theta": float(cfg.rope_theta),
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -142,6 +195,8 @@ def hf_config_dict(
         "dtype": dtype,
         "torch_dtype": dtype,
     }
+    if d["rope_parameters"]["rope_type"] != "default":
+        d["rope_scaling"] = {k: v for k, v in d["rope_parameters"].items() if k != "rope_theta"}
     d.update(extra or {})
     return d
 
@@ -253,8 +308,9 @@ def export_hf(
     Atomic at directory level: everything is written and fsynced in a sibling temp directory, then renamed
     to ``out_dir``; an existing ``out_dir`` is moved aside first and deleted afterwards (so readers see the
     old or the new export, never a partial one; between the two renames the path briefly does not exist).
-    ``cfg.rope_theta`` is written as is: pass the config of the *last* stage (set rope_theta to the value
-    the model was last trained with). ``dtype`` casts the stored tensors (default: the model's dtype).
+    ``cfg.rope_theta`` and ``cfg.rope_scaling`` are written as is: pass the config of the *last* stage
+    (set them to the values the model was last trained with). ``dtype`` casts the stored tensors
+    (default: the model's dtype).
     ``extra_files`` (name -> content, e.g. the tokenizer files) are written into the same atomic folder.
 
     Returns: the output directory. Raises: ValueError from :func:`to_hf_state_dict`.
@@ -304,8 +360,8 @@ def import_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
 
     Raises:
         FileNotFoundError: no config.json or no *.safetensors file.
-        ValueError: not a plain Llama (model_type, biases, activation, scaled RoPE, odd head_dim), or
-            tensors that do not match the config.
+        ValueError: not a plain Llama (model_type, biases, activation, a RoPE type other than default,
+            linear, llama3 or yarn, odd head_dim), or tensors that do not match the config.
     """
     path = Path(path)
     conf_path = path / "config.json"
@@ -319,9 +375,7 @@ def import_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
     if hc.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{conf_path}: hidden_act {hc['hidden_act']!r} is not supported (need silu)")
     rope = hc.get("rope_parameters") or hc.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"{conf_path}: RoPE type {rope_type!r} is not supported (only plain RoPE)")
+    scaling = rope_scaling_from_hf(rope, hc.get("max_position_embeddings"), str(conf_path))
     theta = rope.get("rope_theta", hc.get("rope_theta", 10000.0))
     n_heads = hc["num_attention_heads"]
     head_dim = hc.get("head_dim") or hc["hidden_size"] // n_heads
@@ -335,6 +389,7 @@ def import_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         n_kv_heads=hc.get("num_key_value_heads") or n_heads,
         d_ff=hc["intermediate_size"],
         rope_theta=float(theta),
+        rope_scaling=scaling,
         norm_eps=float(hc.get("rms_norm_eps", 1e-6)),  # 1e-6 is LlamaConfig's default
         tie_embeddings=bool(hc.get("tie_word_embeddings", False)),
         init_std=float(hc.get("initializer_range", 0.02)),

@@ -18,11 +18,13 @@ Step convention: ``step`` is the 0-based index of the optimizer update about to 
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 from densetrain.config import Config, ScheduleConfig
+from densetrain.config.schema import RopeScalingConfig
 
 
 def warmup_steps(sched: ScheduleConfig, total_steps: int) -> int:
@@ -105,6 +107,12 @@ class Stage:
         batch_tokens: tokens per optimizer step (global batch in tokens).
         rewarmup_steps: lr re-warmup length at the stage's start (0: none).
         start_tokens: planned tokens consumed before the stage's first step.
+        rope_scaling: RoPE frequency scaling (type 'none' or a resolved table; never '').
+        document_mask: attention stays within documents (the stage sets it, or it is longer than
+            ``train.seq_len`` and ``model.document_mask`` is on). reset_positions: RoPE positions
+            restart per document (``document_mask and train.reset_positions``).
+        shuffle_seed: seed of the per-epoch window permutation (``train.seed`` when ``data.shuffle``),
+            None for file order (:class:`densetrain.data.mixture.MixtureSampler`).
     """
 
     index: int
@@ -119,6 +127,10 @@ class Stage:
     batch_tokens: int = 0
     rewarmup_steps: int = 0
     start_tokens: int = 0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    document_mask: bool = False
+    reset_positions: bool = False
+    shuffle_seed: int | None = None
 
 
 def stage_start_steps(cfg: Config, batch_tokens: list[int]) -> list[int]:
@@ -158,7 +170,9 @@ def resolve_stages(cfg: Config, available: set[str] | None = None) -> list[Stage
     a stage with larger batch_tokens takes more micro-batches (gradient accumulation). A stage with an
     empty mix in the first row means "all sources, equal weight". Sources not in ``available`` (when
     given: those with prepared data) are dropped from every mix and the remaining weights
-    renormalised. Start steps follow :func:`stage_start_steps` (in steps or in tokens).
+    renormalised. Start steps follow :func:`stage_start_steps` (in steps or in tokens). A
+    rope_scaling of type '' inherits the previous stage's; document masking is on in a stage that
+    sets it and, with ``model.document_mask``, in every stage longer than ``train.seq_len``.
 
     Raises:
         ValueError: two stages would start at the same step (too few steps for the table), a
@@ -170,21 +184,27 @@ def resolve_stages(cfg: Config, available: set[str] | None = None) -> list[Stage
     default_mix = {s.name: 1.0 for s in cfg.data.sources}
     rows = []
     mix, seq_len, theta, batch_tokens = default_mix, t.seq_len, cfg.model.rope_theta, t.batch_size * t.seq_len
+    scaling, scalings = cfg.model.rope_scaling, []
     for i, st in enumerate(cfg.stages):
         mix = dict(st.mix) if st.mix else mix
         seq_len = st.seq_len or seq_len
         theta = st.rope_theta or theta
+        scaling = st.rope_scaling if st.rope_scaling.type else scaling
+        scalings.append(dataclasses.replace(scaling))
         batch_tokens = st.batch_tokens or batch_tokens
         usable = {k: v for k, v in mix.items() if v > 0 and (available is None or k in available)}
         if not usable:
             raise ValueError(f"stages[{i}] '{st.name}': no source of its mix {sorted(mix)} has data")
         if batch_tokens % seq_len:
-            raise ValueError(f"stages[{i}] '{st.name}': batch_tokens {batch_tokens} is not a multiple of seq_len {seq_len}")
+            raise ValueError(f"stages[{i}] '{st.name}': batch_tokens {batch_tokens} is not a multiple of "
+                             f"seq_len {seq_len}")
         total_w = sum(usable.values())
         rows.append(({k: v / total_w for k, v in usable.items()}, seq_len, theta, batch_tokens))
     starts = stage_start_steps(cfg, [r[3] for r in rows])
     ends = starts[1:] + [t.steps]
-    unit = " (schedule.unit='tokens': starts are fractions of the run's tokens)" if cfg.schedule.unit == "tokens" else ""
+    unit = ""
+    if cfg.schedule.unit == "tokens":
+        unit = " (schedule.unit='tokens': starts are fractions of the run's tokens)"
     out: list[Stage] = []
     start_tokens = 0
     for i, (st, (norm_mix, seq_len, theta, batch_tokens)) in enumerate(zip(cfg.stages, rows)):
@@ -197,7 +217,8 @@ def resolve_stages(cfg: Config, available: set[str] | None = None) -> list[Stage
         if start >= t.steps:  # a stage that never runs is a config mistake, not something to drop silently
             share = f"its token share is less than half a step at batch_tokens {batch_tokens}" if unit else \
                 f"start {st.start} x {t.steps} steps rounds to the end of the run"
-            raise ValueError(f"stages[{i}] '{st.name}' would start at step {start} >= train.steps={t.steps}: {share}{unit}")
+            raise ValueError(f"stages[{i}] '{st.name}' would start at step {start} >= train.steps={t.steps}: "
+                             f"{share}{unit}")
         if st.rewarmup_steps > ends[i] - start:
             raise ValueError(f"stages[{i}] '{st.name}': rewarmup_steps ({st.rewarmup_steps}) is longer than the "
                              f"stage ({ends[i] - start} steps, {start}..{ends[i] - 1})")
@@ -208,8 +229,12 @@ def resolve_stages(cfg: Config, available: set[str] | None = None) -> list[Stage
         micro = min(micro, batch)
         while batch % micro:  # keep an integer number of micro-batches
             micro -= 1
+        masked = st.document_mask or (cfg.model.document_mask and seq_len > t.seq_len)
         out.append(Stage(i, st.name, start, norm_mix, seq_len, theta, batch, micro, st.lr_mult,
-                         batch_tokens=batch_tokens, rewarmup_steps=st.rewarmup_steps, start_tokens=start_tokens))
+                         batch_tokens=batch_tokens, rewarmup_steps=st.rewarmup_steps, start_tokens=start_tokens,
+                         rope_scaling=scalings[i], document_mask=masked,
+                         reset_positions=masked and t.reset_positions,
+                         shuffle_seed=t.seed if cfg.data.shuffle else None))
     return out
 
 

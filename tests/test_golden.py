@@ -24,9 +24,12 @@ from densetrain.train import train
 
 GOLDEN = Path(__file__).parent / "golden" / "trajectory.json"
 # 24 updates: main 0-11, anneal 12-18, long_context (seq_len 64, rope_theta 1e5) 19-23; z-loss on,
-# clipping active, grad accumulation over 4 micro-batches.
+# clipping active, grad accumulation over 4 micro-batches. Recorded in file order without document masking
+# (data.shuffle and model.document_mask off; both became defaults later): the unmasked, unshuffled math must
+# not move.
 SETTINGS = {"train.steps": 24, "train.dtype": "fp32", "train.threads": 1, "eval.every": 0, "checkpoint.every": 12,
-            "logging.tensorboard": False, "optim.z_loss": 1e-4, "optim.grad_clip": 1.0}
+            "logging.tensorboard": False, "optim.z_loss": 1e-4, "optim.grad_clip": 1.0,
+            "data.shuffle": False, "model.document_mask": False}
 
 
 def _input_fingerprint(shards: Path) -> dict:

@@ -172,11 +172,12 @@ def test_state_dict_names_and_errors():
         from_hf_state_dict(missing, cfg)
 
 
-def test_import_rejects_scaled_rope_and_missing_files(tmp_path):
+def test_import_rejects_unsupported_rope_and_missing_files(tmp_path):
     cfg = tiny_cfg()
     out = export_hf(build(cfg), cfg, tmp_path / "x")
     conf = json.loads((out / "config.json").read_text())
-    conf["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    # linear, llama3 and yarn import (tests/test_rope_scaling.py); dynamic NTK scaling is not computed here.
+    conf["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 500000.0, "factor": 8.0}
     (out / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ValueError, match="RoPE"):
         import_hf(out)

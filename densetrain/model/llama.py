@@ -23,11 +23,16 @@ Distributed wrapping (FSDP, compile, activation checkpointing) lives elsewhere; 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from densetrain.config import ModelConfig
+from densetrain.config.schema import RopeScalingConfig
+from densetrain.model.masks import DocumentMask
+from densetrain.model.rope import attention_factor, plain_inv_freq, rope_frequencies
 
 
 class RMSNorm(nn.Module):
@@ -58,30 +63,27 @@ class RMSNorm(nn.Module):
 # --------------------------------------------------------------------------------------------------
 
 
-def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> torch.Tensor:
-    """Inverse frequencies ``1 / theta^(2i/head_dim)``, i = 0 .. head_dim/2 - 1 (RoFormer eq. 15).
-
-    Returns: (head_dim // 2,) float32, in radians per position.
-    Raises: ValueError if head_dim is odd.
-    """
-    if head_dim % 2:
-        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    return 1.0 / (theta**exponent)
+rope_inv_freq = plain_inv_freq  # (head_dim // 2,) float32 ``1 / theta^(2i/head_dim)`` (RoFormer eq. 15)
 
 
 def rope_cos_sin(
-    head_dim: int, theta: float, seq_len: int, device: torch.device | str | None = None
+    head_dim: int, theta: float, seq_len: int, device: torch.device | str | None = None,
+    scaling: RopeScalingConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles ``pos * inv_freq`` for positions 0 .. seq_len-1.
 
-    Each frequency is repeated for both halves of the head (half-split pairing), so the result can be
-    multiplied elementwise with q/k. Returns: (cos, sin), each (seq_len, head_dim) float32.
+    ``inv_freq`` is scaled by ``scaling`` (linear / llama3 / yarn, densetrain/model/rope.py); YaRN's
+    attention factor multiplies both tables. Each frequency is repeated for both halves of the head
+    (half-split pairing), so the result can be multiplied elementwise with q/k.
+    Returns: (cos, sin), each (seq_len, head_dim) float32.
     """
-    inv_freq = rope_inv_freq(head_dim, theta, device)
+    inv_freq = rope_frequencies(head_dim, theta, scaling, device)
     pos = torch.arange(seq_len, dtype=torch.float32, device=device)
     angles = torch.outer(pos, inv_freq)  # (T, head_dim/2)
     angles = torch.cat((angles, angles), dim=-1)  # (T, head_dim): dim i and i + head_dim/2 share an angle
+    mult = attention_factor(scaling)
+    if mult != 1.0:
+        return angles.cos() * mult, angles.sin() * mult
     return angles.cos(), angles.sin()
 
 
@@ -105,6 +107,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * cos + rotate_half(xf) * sin).type_as(x)
 
 
+MATMUL_ATTENTION_MAX_LEN = 512
+"""Longest sequence for which bf16 CPU attention uses :func:`causal_attention`'s matmul path (its (T, T)
+scores are kept for backward: 2 bytes x B x n_heads x T^2 per layer)."""
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Causal softmax attention ``softmax(q k^T * scale + causal mask) v``; scale None is 1/sqrt(head_dim).
+
+    Shapes: q, k, v (B, H, T, head_dim) -> (B, H, T, head_dim), dtype of q.
+
+    bf16 on CPU with T <= :data:`MATMUL_ATTENTION_MAX_LEN`: two bf16 batched matmuls with the softmax in
+    fp32 between them (the "eager" attention of Hugging Face Llama). PyTorch's fused CPU kernel
+    (``_scaled_dot_product_flash_attention_for_cpu``) was ~2x slower there, forward + backward, at
+    B 8, H 6, T 256, head_dim 64 on 2 Zen 4 cores, and its backward held ~15% of a bf16 training step
+    (torch.profiler). Everything else (fp32, which the golden trajectory covers, CUDA, long sequences)
+    goes to ``F.scaled_dot_product_attention``.
+    """
+    T = q.shape[-2]
+    if q.device.type != "cpu" or q.dtype != torch.bfloat16 or T > MATMUL_ATTENTION_MAX_LEN:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    # Scale q (T x head_dim), not the scores (T x T); an additive mask has a free backward (masked_fill's is not).
+    q = q * (q.shape[-1] ** -0.5 if scale is None else scale)  # (B, H, T, head_dim)
+    future = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)  # (T, T) -inf above diagonal
+    p = torch.softmax(q @ k.transpose(-2, -1) + future, dim=-1, dtype=torch.float32)  # (B, H, T, T) fp32
+    return p.to(q.dtype) @ v  # (B, H, T, head_dim)
+
+
 # --------------------------------------------------------------------------------------------------
 # Layers
 # --------------------------------------------------------------------------------------------------
@@ -120,6 +149,8 @@ class Attention(nn.Module):
     μP sets 1/head_dim (Yang et al. 2022). :class:`Transformer` propagates its own ``attn_scale`` here.
 
     Shapes: forward(x (B, T, d_model), cos (T, head_dim), sin (T, head_dim)) -> (B, T, d_model).
+    With ``doc_mask`` (a :class:`DocumentMask`) each query attends only within its document, and
+    cos/sin may be (B, 1, T, head_dim) (positions restarting per document).
     With ``cache`` (a :class:`KVCache`), ``x`` holds only the new positions, their keys/values are
     appended to layer ``layer`` of the cache, and cos/sin are (B, 1, T, head_dim).
     Raises: ValueError on indivisible head counts.
@@ -141,7 +172,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: "KVCache | None" = None, layer: int = 0) -> torch.Tensor:
+                cache: "KVCache | None" = None, layer: int = 0, doc_mask: DocumentMask | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
@@ -158,8 +189,12 @@ class Attention(nn.Module):
             # avoid the copy, but not every fused backend accepts it; the copy is one activation's worth.)
             k = k.repeat_interleave(n_rep, dim=1)  # (B, n_heads, T, head_dim)
             v = v.repeat_interleave(n_rep, dim=1)  # (B, n_heads, T, head_dim)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           scale=self.attn_scale)  # (B, n_heads, T, head_dim)
+        if doc_mask is not None:
+            y = doc_mask.attend(q, k, v, self.attn_scale)  # (B, n_heads, T, head_dim), within documents
+        elif mask is None:
+            y = causal_attention(q, k, v, self.attn_scale)  # (B, n_heads, T, head_dim)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.attn_scale)  # (B, n_heads, T, hd)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, d_model)
         return self.wo(y)  # (B, T, d_model)
 
@@ -195,8 +230,8 @@ class Block(nn.Module):
         self.feed_forward = MLP(cfg.d_model, cfg.d_ff)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: "KVCache | None" = None, layer: int = 0) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache, layer)
+                cache: "KVCache | None" = None, layer: int = 0, doc_mask: DocumentMask | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, doc_mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -270,7 +305,8 @@ class Transformer(nn.Module):
     Attributes set by the μP init (defaults = standard parameterisation):
         attn_scale: float | None — softmax scale passed to SDPA; None means 1/sqrt(head_dim).
         logit_mult: float — multiplier on the output logits (1.0).
-        rope_theta: float — current RoPE base; change it with :meth:`set_rope_theta`.
+        rope_theta: float — current RoPE base; change it with :meth:`set_rope_theta` or :meth:`set_rope`.
+        rope_scaling: RopeScalingConfig — current frequency scaling (type 'none': plain RoPE).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -278,6 +314,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.head_dim = cfg.head_dim
         self.rope_theta = float(cfg.rope_theta)
+        self.rope_scaling = dataclasses.replace(cfg.rope_scaling)
         self.logit_mult = 1.0
         self._attn_scale: float | None = None
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -322,6 +359,13 @@ class Transformer(nn.Module):
         self.rope_theta = float(theta)
         self.reset_rope_cache()
 
+    def set_rope(self, theta: float, scaling: RopeScalingConfig) -> None:
+        """Switch to RoPE base ``theta`` with frequency ``scaling`` (a stage's); a no-op (the cos/sin
+        cache kept) when both are the current ones. Raises: ValueError if theta <= 0."""
+        if float(theta) != self.rope_theta or scaling != self.rope_scaling:
+            self.set_rope_theta(theta)
+            self.rope_scaling = dataclasses.replace(scaling)
+
     def reset_rope_cache(self) -> None:
         """Empty the cos/sin cache; the next forward recomputes it on the embedding's device."""
         device = self.rope_cos.device
@@ -329,8 +373,8 @@ class Transformer(nn.Module):
         self.rope_sin = torch.empty(0, self.head_dim, device=device)
 
     def rope_inv_freq(self) -> torch.Tensor:
-        """Current inverse frequencies, (head_dim // 2,) float32 (see :func:`rope_inv_freq`)."""
-        return rope_inv_freq(self.head_dim, self.rope_theta, self.rope_cos.device)
+        """Current inverse frequencies, (head_dim // 2,) float32, scaled by :attr:`rope_scaling`."""
+        return rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, self.rope_cos.device)
 
     def rope_cache(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for positions 0 .. seq_len-1, each (seq_len, head_dim) float32; grows the cache if needed."""
@@ -341,27 +385,35 @@ class Transformer(nn.Module):
             or self.rope_cos.dtype != torch.float32  # e.g. after model.to(torch.bfloat16)
         )
         if stale:
-            self.rope_cos, self.rope_sin = rope_cos_sin(self.head_dim, self.rope_theta, seq_len, device)
+            self.rope_cos, self.rope_sin = rope_cos_sin(self.head_dim, self.rope_theta, seq_len, device,
+                                                        self.rope_scaling)
         return self.rope_cos[:seq_len], self.rope_sin[:seq_len]
 
     # ---- forward -----------------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, cache: "KVCache | None" = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: "KVCache | None" = None, doc_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (B, T) int64 -> logits (B, T, vocab_size).
 
         With ``cache``, ``tokens`` are the next T positions after those already in the cache
         (incremental decoding, see :class:`KVCache`); the cache is extended by T.
+        Packed documents (training and validation windows, densetrain/model/masks.py): ``doc_ids``
+        (B, T) int64 makes every token attend only within its document; ``positions`` (B, T) int64,
+        each < T, are the RoPE positions (restarting per document) instead of 0 .. T-1.
         """
         _, T = tokens.shape
+        doc_mask = None if doc_ids is None else DocumentMask.build(doc_ids)
         if cache is None:
             cos, sin = self.rope_cache(T)  # (T, head_dim) each, float32
+            if positions is not None:
+                cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, head_dim) each
         else:
             pos = cache.begin(T)  # (B, T) RoPE position of each new token
             cos, sin = self.rope_cache(cache.max_len)  # the whole budget at once: one table per generation
             cos, sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)  # (B, 1, T, head_dim) each
         h = self.tok_embeddings(tokens)  # (B, T, d_model)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache, i)  # (B, T, d_model)
+            h = layer(h, cos, sin, cache, i, doc_mask)  # (B, T, d_model)
         if cache is not None:
             cache.length += T
         logits = self.output(self.norm(h))  # (B, T, vocab_size)

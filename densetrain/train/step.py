@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from densetrain.data.mixture import Sample
+from densetrain.data.mixture import MixtureSampler, Sample
 from densetrain.loss import IGNORE_INDEX, token_losses, z_loss_sum
 from densetrain.model.masks import document_ids
 from densetrain.parallel import all_reduce_sum, clip_grad_norm, grad_sync
@@ -185,6 +185,14 @@ def reduce_stats(stats: StepStats, sources: list[str], device: torch.device) -> 
     return StepStats(t[0], t[1], int(t[2]), per, int(t[3]), stats.forward_s, stats.backward_s)
 
 
+def draw_samples(sampler: MixtureSampler, stage: Stage, keep: range | None = None) -> list[Sample]:
+    """The next global batch of ``stage`` (its mix, seq_len and shuffle order); only the rows in
+    ``keep`` are read (``range(0)``: advance past the batch without reading it). The one way a batch
+    is drawn: training, skipping data and ``densetrain blame`` must agree."""
+    return sampler.next_samples(stage.batch_size, stage.name, stage.mix, stage.seq_len, keep,
+                                shuffle_seed=stage.shuffle_seed)
+
+
 def compute_step(run, stage: Stage, lr: float) -> StepResult:
     """Draw this rank's share of the stage's global batch and compute loss, gradients and the global
     grad norm (gradients clipped to ``optim.grad_clip``); the optimizer is not stepped.
@@ -198,8 +206,7 @@ def compute_step(run, stage: Stage, lr: float) -> StepResult:
     per_rank = stage.batch_size // info.dp_size
     keep = range(info.dp_rank * per_rank, (info.dp_rank + 1) * per_rank)
     first_sample = sampler.state["samples_seen"]
-    samples = sampler.next_samples(stage.batch_size, stage.name, stage.mix, stage.seq_len, keep,
-                                   shuffle_seed=stage.shuffle_seed)
+    samples = draw_samples(sampler, stage, keep)
     for ev in sampler.events:
         run.log.event(run.state.step, ev, kind="epoch")
     sampler.events.clear()
