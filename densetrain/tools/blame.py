@@ -21,11 +21,12 @@ from densetrain.data.streams import open_streams
 from densetrain.errors import DataError
 from densetrain.metrics import read_events, read_metrics
 from densetrain.schedule import resolve_stages, stage_at
+from densetrain.train.step import draw_samples
 
 
 def _draw(sampler: MixtureSampler, stages, step: int, keep: range | None = None):
     st = stage_at(step, stages)
-    return st, sampler.next_samples(st.batch_size, st.name, st.mix, st.seq_len, keep)
+    return st, draw_samples(sampler, st, keep)
 
 
 def blame(run_dir: str | Path, step: int) -> dict:

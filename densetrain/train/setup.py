@@ -29,6 +29,7 @@ from densetrain.train.faults import FaultInjector
 from densetrain.train.guard import Guard
 from densetrain.train.probe import DataProbe
 from densetrain.train.state import TrainState
+from densetrain.train.step import draw_samples
 from densetrain.train.watchdog import Watchdog
 from densetrain.train.watchers import Watcher
 
@@ -198,7 +199,7 @@ def skip_data(run: Run, n_batches: int, why: str) -> None:
     first = run.sampler.state["samples_seen"]
     st = stage_at(run.state.step, run.stages)
     for _ in range(n_batches):
-        run.sampler.next_samples(st.batch_size, st.name, st.mix, st.seq_len, keep=range(0))
+        draw_samples(run.sampler, st, keep=range(0))
     run.sampler.events.clear()
     run.log.event(run.state.step, f"{why}: skipped {n_batches} batches (samples {first}.."
                                   f"{run.sampler.state['samples_seen']})", kind="rollback", action="skip_data",
