@@ -98,7 +98,8 @@ class DocumentMask:
             def same_doc_causal(b, h, q, k):
                 return (doc[b, q] == doc[b, k]) & (q >= k)
 
-            return cls(doc, block=flex[1](same_doc_causal, B, None, T, T, device=doc.device))
+            # _compile: build the block mask tile by tile, never materialising the (T, T) boolean mask
+            return cls(doc, block=flex[1](same_doc_causal, B, None, T, T, device=doc.device, _compile=True))
         host = doc.cpu().numpy()  # (B, T); ids are non-decreasing along a row, so each document is a span
         spans = []
         for row in host:
