@@ -295,7 +295,7 @@ def test_mup_init_and_hooks():
     wm = 4.0
     assert wide.logit_mult == pytest.approx(1 / wm)
     assert wide.attn_scale == pytest.approx(1 / wide_cfg.head_dim)
-    assert all(l.attention.attn_scale == pytest.approx(1 / 128) for l in wide.layers)
+    assert all(blk.attention.attn_scale == pytest.approx(1 / 128) for blk in wide.layers)
     assert base.logit_mult == 1.0 and base.attn_scale == pytest.approx(1 / base_cfg.head_dim)
 
     resid = 1 / math.sqrt(2 * 2)

@@ -29,7 +29,8 @@ def test_warmup_then_cosine_exact_values():
 
 @pytest.mark.parametrize(
     "shape,f",
-    [("linear", lambda p: 1 - p), ("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p))), ("1-sqrt", lambda p: 1 - math.sqrt(p))],
+    [("linear", lambda p: 1 - p), ("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p))),
+     ("1-sqrt", lambda p: 1 - math.sqrt(p))],
 )
 def test_wsd_stable_and_decay(shape, f):
     sched = ScheduleConfig(kind="wsd", warmup_steps=10, decay_fraction=0.2, decay_shape=shape)
@@ -108,8 +109,10 @@ def test_batch_tokens_inherit_and_set_sequences_per_step():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        ([("stages.1.batch_tokens", 1000)], "stages[1].batch_tokens (1000) must be a multiple of the stage's seq_len (256)"),
-        ([("stages.2.batch_tokens", 2560)], "stages[2].batch_tokens (2560) must be a multiple of the stage's seq_len (1024)"),
+        ([("stages.1.batch_tokens", 1000)],
+         "stages[1].batch_tokens (1000) must be a multiple of the stage's seq_len (256)"),
+        ([("stages.2.batch_tokens", 2560)],
+         "stages[2].batch_tokens (2560) must be a multiple of the stage's seq_len (1024)"),
         ([("stages.1.batch_tokens", 4352)], "stages[2].seq_len (1024) must divide the inherited batch_tokens (4352)"),
         ([("stages.1.batch_tokens", -256)], "stages[1].batch_tokens must be >= 0 (0 inherits), got -256"),
         ([("schedule.unit", "tokenz")], "schedule.unit must be steps or tokens, got 'tokenz'"),
@@ -130,7 +133,8 @@ def test_stage_batch_and_unit_validation(overrides, message):
         {"schedule.kind": "cosine", "schedule.warmup_steps": 7},
         {"schedule.kind": "wsd", "schedule.warmup_steps": -1, "schedule.warmup_fraction": 0.05,
          "schedule.decay_fraction": 0.2, "schedule.decay_shape": "1-sqrt"},
-        {"schedule.kind": "wsd", "schedule.warmup_steps": 3, "schedule.decay_fraction": 0.15, "schedule.decay_shape": "cosine"},
+        {"schedule.kind": "wsd", "schedule.warmup_steps": 3, "schedule.decay_fraction": 0.15,
+         "schedule.decay_shape": "cosine"},
         {"schedule.kind": "constant", "schedule.warmup_steps": -1, "schedule.warmup_fraction": 0.005},
     ],
 )
@@ -178,7 +182,8 @@ def test_token_unit_lr_is_a_function_of_tokens():
     base = {"optim.peak_lr": peak, "optim.min_lr": lo, "schedule.unit": "tokens"}
     done = [1, 2, 3, 4, 5, 6, 7, 9, 11, 13]
 
-    cfg = _table(10, table, **base, **{"schedule.kind": "cosine", "schedule.warmup_steps": -1, "schedule.warmup_fraction": 0.1})
+    cfg = _table(10, table, **base,
+                 **{"schedule.kind": "cosine", "schedule.warmup_steps": -1, "schedule.warmup_fraction": 0.1})
     stages = resolve_stages(cfg)
     assert [s.start_step for s in stages] == [0, 7] and tokens_before(10, stages) == 6656
     assert [tokens_before(k + 1, stages) // 512 for k in range(10)] == done
@@ -191,15 +196,16 @@ def test_token_unit_lr_is_a_function_of_tokens():
 
     # WSD: decay = last round(0.2 * 13) = 3 quanta (D = 10): stable through update 7 (9 quanta),
     # update 8 at p = 1/3, update 9 at p = 1. Explicit warmup_steps=2 -> the first 2 steps' tokens.
-    cfg = _table(10, table, **base, **{"schedule.kind": "wsd", "schedule.warmup_steps": 2, "schedule.decay_fraction": 0.2})
+    cfg = _table(10, table, **base,
+                 **{"schedule.kind": "wsd", "schedule.warmup_steps": 2, "schedule.decay_fraction": 0.2})
     stages = resolve_stages(cfg)
     got = [lr_for(k, cfg, stages) for k in range(10)]
     assert got[:8] == [peak / 2] + [peak] * 7
     assert got[8] == pytest.approx(lo + (peak - lo) * (2 / 3), rel=1e-12)
     assert got[9] == pytest.approx(lo, rel=1e-12)
     # Step mode would decay over the last 2 steps and switch at step 5.
-    steps_cfg = _table(10, table, **{**base, "schedule.unit": "steps"}, **{"schedule.kind": "wsd", "schedule.warmup_steps": 2,
-                                                                          "schedule.decay_fraction": 0.2})
+    steps_cfg = _table(10, table, **{**base, "schedule.unit": "steps"},
+                       **{"schedule.kind": "wsd", "schedule.warmup_steps": 2, "schedule.decay_fraction": 0.2})
     st2 = resolve_stages(steps_cfg)
     assert [s.start_step for s in st2] == [0, 5]
     assert [lr_for(k, steps_cfg, st2) for k in range(10)][7:] == [peak, pytest.approx(lo + (peak - lo) * 0.5), lo]
@@ -239,8 +245,10 @@ def test_rewarmup_exact_values():
 
 
 def test_rewarmup_longer_than_stage_is_rejected():
-    table = [{"name": "main", "start": 0.0}, {"name": "anneal", "start": 0.5, "rewarmup_steps": 6}, {"name": "long", "start": 0.7}]
-    with pytest.raises(ValueError, match=r"stages\[1\] 'anneal': rewarmup_steps \(6\) is longer than the stage \(4 steps, 10..13\)"):
+    table = [{"name": "main", "start": 0.0}, {"name": "anneal", "start": 0.5, "rewarmup_steps": 6},
+             {"name": "long", "start": 0.7}]
+    msg = r"stages\[1\] 'anneal': rewarmup_steps \(6\) is longer than the stage \(4 steps, 10..13\)"
+    with pytest.raises(ValueError, match=msg):
         resolve_stages(_table(20, table))
 
 
@@ -249,3 +257,12 @@ def test_stage_that_would_never_run_is_an_error():
     cfg = load_config("tiny", overrides=[("train.steps", 10)])
     with pytest.raises(ValueError, match=r"stages\[2\] 'long_context' would start at step 10 >= train.steps=10"):
         resolve_stages(cfg)
+
+
+def test_stages_carry_the_data_order_and_the_attention_rule():
+    table = [{"name": "main", "start": 0.0}, {"name": "long", "start": 0.5, "seq_len": 1024}]
+    shuffled = resolve_stages(_table(10, table, **{"train.seed": 5}))
+    assert [s.shuffle_seed for s in shuffled] == [5, 5]
+    assert [(s.document_mask, s.reset_positions) for s in shuffled] == [(False, False), (True, True)]
+    ordered = resolve_stages(_table(10, table, **{"data.shuffle": False}))
+    assert [s.shuffle_seed for s in ordered] == [None, None]
