@@ -42,12 +42,16 @@ def param_groups(model: nn.Module, cfg: Config) -> list[dict]:
 def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.AdamW:
     """AdamW over :func:`param_groups`; lr is set per step by the loop (initial value 0).
 
-    ``foreach`` is used on CPU and GPU (one fused kernel per group would be ``fused=True`` on CUDA;
-    kept off so CPU and GPU share exactly one code path).
+    The fused kernel (one pass over each parameter, grad, exp_avg, exp_avg_sq) is used on CPU and
+    CUDA unless ``train.dtype`` is 'fp32', which keeps the multi-tensor ``foreach`` kernel: the two
+    round differently (max 2.4e-7 apart after 10 steps), and the recorded golden fp32 trajectory was
+    made with ``foreach``. Measured on 2 Zen 4 cores for a 13.8M-parameter model: fused ~7 ms per
+    step, foreach ~50-60 ms. Parameters and both moments are fp32 in every case (master weights).
     """
     o = cfg.optim
+    kernel = {"foreach": True} if cfg.train.dtype == "fp32" else {"fused": True}
     return torch.optim.AdamW(
-        param_groups(model, cfg), lr=0.0, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, foreach=True
+        param_groups(model, cfg), lr=0.0, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay, **kernel
     )
 
 

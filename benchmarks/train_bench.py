@@ -1,0 +1,377 @@
+"""Training throughput side by side with nanoGPT's ``train.py`` on this machine: same shape, same tokens,
+same token budget, alternating runs.
+
+    .venv/bin/python benchmarks/train_bench.py --nanogpt /tmp/nanogpt            # both shapes, 3 runs each
+    .venv/bin/python benchmarks/train_bench.py --nanogpt /tmp/nanogpt --shape gpt-13.8m --runs 5 --steps 40
+
+nanoGPT is not a dependency and none of its code is in this repository: ``--nanogpt`` is a checkout of
+https://github.com/karpathy/nanoGPT made elsewhere (its commit is printed). Without it only densetrain runs,
+and the report says so. nanoGPT reads the demo shards (``densetrain prepare --preset tiny``) exported as its
+flat ``uint16`` ``train.bin`` / ``val.bin`` (every source's train / val tokens concatenated) with
+``meta.pkl`` giving the vocabulary size; its script runs from a scratch directory holding links to the
+checkout's ``train.py``, ``model.py`` and ``configurator.py``, so the checkout is not written to.
+
+Shapes (``--shape``):
+
+* ``gpt-13.8m``: 6 layers, d_model 384, 6 heads, seq_len 256, batch 8, vocab 8192, tied embeddings. nanoGPT's
+  GPT-2 block has a 4*d MLP; densetrain's SwiGLU uses d_ff 1024 (3 matrices) for the same parameter count
+  (13.76M vs nanoGPT's 13.86M incl. its position table).
+* ``tiny``: the ``tiny`` preset's shape (4 layers, d_model 128, 4 heads, 2 KV heads, d_ff 352, seq_len 256,
+  batch 16); nanoGPT has no GQA, so it gets 4 heads and a 4*d MLP.
+
+What is timed: each train step's wall interval (densetrain: the ``time`` stamps of consecutive ``train``
+records in ``metrics.jsonl``; nanoGPT: its per-iteration ``time``), both covering the whole loop iteration.
+The first ``--skip`` steps (compile, warm-up) are left out of tokens/s; their excess over the steady step
+time is reported as "warm-up/compile s". Both processes get the same thread count and
+``OMP_WAIT_POLICY=PASSIVE`` (densetrain's default; with OpenMP's busy-wait a second busy process made
+training ~6x slower on these 2 cores). Both optimisers: AdamW, same peak/min lr, warmup, cosine, betas,
+weight decay, clipping. Loss after the budget: validation loss (nats/token) of each trainer on its own
+evaluator over the same held-out tokens (densetrain: ``val/all/loss``, every source's val windows,
+``eval.max_batches`` per source; nanoGPT: ``--eval-iters`` random batches of val.bin), plus densetrain fp32
+vs its default for the 1% check.
+
+MFU = FLOPs/token * tokens/s / peak, with FLOPs/token from :func:`densetrain.metrics.flops_per_token`'s
+formula (6 N + 12 L d T, N the matmul parameters incl. the output projection; for nanoGPT its own N) and the
+peaks measured in this process before and after the runs (:func:`densetrain.metrics.measure_peak_flops`,
+fp32 and bf16; the larger of the two measurements). Overheads (``--overheads``): one densetrain run of the
+``tiny`` preset with its own checkpoint / eval intervals, shares of wall time from its step-time breakdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {
+    "gpt-13.8m": {"n_layers": 6, "d_model": 384, "n_heads": 6, "n_kv_heads": 6, "d_ff": 1024, "seq_len": 256,
+                  "batch": 8, "peak_lr": 1e-3, "min_lr": 1e-4},
+    "tiny": {"n_layers": 4, "d_model": 128, "n_heads": 4, "n_kv_heads": 2, "d_ff": 352, "seq_len": 256,
+             "batch": 16, "peak_lr": 4e-3, "min_lr": 2e-4},
+}
+VOCAB = 8192
+
+
+@dataclass
+class RunResult:
+    """One trainer run: per-step wall seconds (steady steps only), warm-up excess, final val loss."""
+
+    name: str
+    step_s: list[float]
+    warmup_s: float
+    val_loss: float
+    wall_s: float
+    cpu_s: float
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.step_s)
+
+
+def export_nanogpt_data(shards: Path, out: Path) -> dict:
+    """Write ``out/train.bin``, ``out/val.bin`` (flat uint16, every source's tokens in sorted source order)
+    and ``out/meta.pkl`` (``{'vocab_size': VOCAB}``); return token counts per split and source."""
+    from densetrain.data.shards import TokenFiles
+
+    out.mkdir(parents=True, exist_ok=True)
+    counts: dict = {"train": {}, "val": {}}
+    sources = sorted(p.name for p in shards.iterdir() if (p / "train").is_dir())
+    for split in ("train", "val"):
+        with open(out / f"{split}.bin", "wb") as f:
+            for s in sources:
+                tf = TokenFiles(shards / s / split)
+                toks = tf.read(0, len(tf))
+                if toks.max() >= 65536:
+                    raise SystemExit(f"{s}: token ids do not fit uint16")
+                toks.astype(np.uint16).tofile(f)
+                counts[split][s] = len(tf)
+    with open(out / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": VOCAB}, f)
+    return counts
+
+
+def flops_per_token_gpt(shape: dict) -> float:
+    """The same formula for nanoGPT's GPT: N = L * 12 d^2 (attention 4 d^2, MLP 8 d^2) + d * vocab (tied head)."""
+    d, L, T = shape["d_model"], shape["n_layers"], shape["seq_len"]
+    return 6.0 * (L * 12 * d * d + d * VOCAB) + 12.0 * L * d * T
+
+
+def densetrain_overrides(shape: dict, steps: int, run_dir: Path, shards: Path, counts: dict, threads: int,
+                         extra: dict) -> list:
+    """Config overrides of the ``tiny`` preset for a bench run: one stage whose mix is proportional to each
+    source's train tokens (as nanoGPT's uniform windows over the concatenation), no in-loop evals or tasks,
+    one checkpoint at the end, the final validation loss."""
+    from densetrain.config.schema import EvalConfig
+
+    total = sum(counts["train"].values())
+    mix = {s: n / total for s, n in counts["train"].items()}
+    ov = {"model.n_layers": shape["n_layers"], "model.d_model": shape["d_model"], "model.n_heads": shape["n_heads"],
+          "model.n_kv_heads": shape["n_kv_heads"], "model.d_ff": shape["d_ff"], "model.vocab_size": VOCAB,
+          "model.tie_embeddings": True, "data.shards_dir": str(shards),
+          "train.seq_len": shape["seq_len"], "train.batch_size": shape["batch"],
+          "train.micro_batch_size": shape["batch"], "train.steps": steps, "train.run_dir": str(run_dir),
+          "train.threads": threads, "stages": [{"name": "main", "start": 0.0, "mix": mix}],
+          "optim.peak_lr": shape["peak_lr"], "optim.min_lr": shape["min_lr"], "optim.weight_decay": 0.1,
+          "optim.grad_clip": 1.0, "schedule.kind": "cosine", "schedule.warmup_steps": max(1, steps // 10),
+          "eval.every": 0, "eval.tasks": "", "eval.final_tasks": "", "eval.max_batches": 8,
+          "checkpoint.every": 0, "logging.every": 10}
+    if hasattr(EvalConfig(), "position_buckets"):  # the position-bucket eval runs at the end: not timed, not needed
+        ov["eval.position_buckets"] = []
+    ov.update(extra)
+    return list(ov.items())
+
+
+def worker(spec: str) -> None:
+    """Child process: train with the overrides in ``spec`` (JSON list of [key, value])."""
+    from densetrain.config import load_config
+    from densetrain.train import train
+
+    train(load_config(preset="tiny", overrides=[tuple(kv) for kv in json.loads(spec)]))
+
+
+def _env(threads: int) -> dict:
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS=str(threads))
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _run(cmd: list[str], cwd: Path, env: dict, log: Path) -> tuple[float, float]:
+    """Run ``cmd``; return (wall s, CPU s of the child). Raises SystemExit on failure with the log's tail."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if rc:
+        raise SystemExit(f"{' '.join(cmd[:4])} ... failed (rc {rc}); log {log}:\n" + log.read_text()[-3000:])
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def _steady(times: list[float], skip: int) -> tuple[list[float], float]:
+    steady = times[skip:]
+    med = statistics.median(steady)
+    return steady, sum(max(0.0, t - med) for t in times[:skip])
+
+
+def run_densetrain(name: str, shape: dict, steps: int, work: Path, shards: Path, counts: dict, threads: int,
+                   skip: int, extra: dict) -> RunResult:
+    from densetrain.metrics import read_metrics
+
+    run_dir = Path(tempfile.mkdtemp(dir=work, prefix=f"{name}-"))
+    spec = json.dumps(densetrain_overrides(shape, steps, run_dir / "run", shards, counts, threads, extra))
+    wall, cpu = _run([sys.executable, __file__, "--worker", spec], ROOT, _env(threads), run_dir / "log.txt")
+    recs = read_metrics(run_dir / "run")
+    train = [r for r in recs if r["kind"] == "train"]
+    stamps = [r["time"] for r in train]
+    # Step 1's interval starts at the end of setup, which the loop does not stamp: its own step_s.
+    times = [train[0]["time/step_s"]] + [b - a for a, b in zip(stamps, stamps[1:])]
+    steady, warm = _steady(times, skip)
+    val = [r for r in recs if r["kind"] == "eval" and "val/all/loss" in r]
+    log = (run_dir / "log.txt").read_text()
+    return RunResult(name, steady, warm, val[-1]["val/all/loss"] if val else float("nan"), wall, cpu,
+                     {"dtype_line": next((ln for ln in log.splitlines() if ln.startswith("train.dtype=")), ""),
+                      "data_wait_s": sum(r.get("time/data_wait_s", 0.0) for r in train[skip:]) / len(steady),
+                      "train_loss": train[-1]["loss"],
+                      # the record interval minus the step's own time: logging, watcher and interval checks
+                      "loop_overhead_s": statistics.median(b["time"] - a["time"] - b["time/step_s"]
+                                                           for a, b in zip(train[skip:], train[skip + 1:]))})
+
+
+def run_nanogpt(shape: dict, steps: int, work: Path, nanogpt: Path, data_dir: Path, threads: int, skip: int,
+                eval_iters: int, compile_: bool) -> RunResult:
+    scratch = Path(tempfile.mkdtemp(dir=work, prefix="nanogpt-"))
+    for f in ("train.py", "model.py", "configurator.py"):
+        (scratch / f).symlink_to(nanogpt / f)
+    (scratch / "data").mkdir()
+    (scratch / "data" / "densetrain_demo").symlink_to(data_dir)
+    args = {"dataset": "densetrain_demo", "device": "cpu", "dtype": "float32", "compile": compile_,
+            "n_layer": shape["n_layers"], "n_head": shape["n_heads"], "n_embd": shape["d_model"],
+            "block_size": shape["seq_len"], "batch_size": shape["batch"], "gradient_accumulation_steps": 1,
+            "dropout": 0.0, "bias": False, "max_iters": steps, "lr_decay_iters": steps,
+            "eval_interval": steps, "eval_iters": eval_iters, "log_interval": 1, "always_save_checkpoint": False,
+            "learning_rate": shape["peak_lr"], "min_lr": shape["min_lr"], "warmup_iters": max(1, steps // 10),
+            "weight_decay": 0.1, "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0, "out_dir": str(scratch / "out")}
+    cmd = [sys.executable, "train.py"] + [f"--{k}={v}" for k, v in args.items()]
+    wall, cpu = _run(cmd, scratch, _env(threads), scratch / "log.txt")
+    log = (scratch / "log.txt").read_text()
+    times = [float(m) / 1e3 for m in re.findall(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", log, re.M)]
+    # iter 0 includes the first evaluation and iter `steps` the last one: both are left out.
+    steady, warm = _steady(times[1:steps], skip - 1)
+    vals = re.findall(r"^step (\d+): train loss [\d.]+, val loss ([\d.]+)", log, re.M)
+    val = float(vals[-1][1]) if vals and int(vals[-1][0]) == steps else float("nan")
+    return RunResult("nanogpt" + ("-compile" if compile_ else ""), steady, warm, val, wall, cpu)
+
+
+def _git_commit(path: Path) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+
+
+def overheads(work: Path, shards: Path, threads: int, steps: int) -> None:
+    """One run of the ``tiny`` preset as configured (its checkpoint and eval intervals, tasks included) for
+    ``steps`` steps; print data wait, checkpoint blocking and in-loop evals as shares of wall time."""
+    from densetrain.config import load_config
+    from densetrain.metrics import read_metrics
+
+    cfg = load_config(preset="tiny")
+    run_dir = Path(tempfile.mkdtemp(dir=work, prefix="overheads-")) / "run"
+    ov = [("train.steps", steps), ("train.run_dir", str(run_dir)), ("data.shards_dir", str(shards)),
+          ("train.threads", threads), ("eval.final_tasks", "")]
+    wall, _ = _run([sys.executable, __file__, "--worker", json.dumps(ov)], ROOT, _env(threads),
+                   run_dir.parent / "log.txt")
+    recs = read_metrics(run_dir)
+    train = [r for r in recs if r["kind"] == "train"]
+    t_first, t_last = train[0]["time"] - train[0]["time/step_s"], recs[-1]["time"]
+    loop_s = t_last - t_first
+    data = sum(r.get("time/data_wait_s", 0.0) for r in train)
+    step_s = sum(r["time/step_s"] for r in train)
+    evals = sum(r.get("time/eval_s", 0.0) + r.get("time/tasks_s", 0.0) for r in recs if r["kind"] == "eval")
+    ckpt = sum(r.get("seconds", 0.0) or (r.get("values") or {}).get("seconds", 0.0) for r in recs
+               if r["kind"] == "event" and "checkpoint step_" in r.get("text", ""))
+    if not ckpt:  # older event records: parse "(1.23s)"
+        ckpt = sum(float(m) for r in recs if r["kind"] == "event"
+                   for m in re.findall(r"checkpoint step_\d+ \(([\d.]+)s\)", r.get("text", "")))
+    print(f"\n== overheads: tiny preset, {steps} steps (checkpoint.every {cfg.checkpoint.every}, eval.every "
+          f"{cfg.eval.every}, tasks '{cfg.eval.tasks}' every {cfg.eval.tasks_every}, limit {cfg.eval.tasks_limit})")
+    print(f"  loop wall {loop_s:.1f} s (process {wall:.1f} s incl. setup); train steps {step_s:.1f} s")
+    print(f"  data wait        {data:7.2f} s = {100 * data / step_s:5.2f}% of step time (target < 2%)")
+    print(f"  checkpoint block {ckpt:7.2f} s = {100 * ckpt / loop_s:5.2f}% of wall time (target < 5%)")
+    print(f"  in-loop evals    {evals:7.2f} s = {100 * evals / loop_s:5.2f}% of wall time (target < 10%)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nanogpt", type=Path, help="a checkout of karpathy/nanoGPT (outside this repository)")
+    ap.add_argument("--shape", choices=[*SHAPES, "both"], default="both")
+    ap.add_argument("--runs", type=int, default=3, help="alternating runs of each trainer (>= 3)")
+    ap.add_argument("--steps", type=int, default=30, help="optimizer steps per run (token budget = steps x batch x T)")
+    ap.add_argument("--skip", type=int, default=3, help="first steps left out of tokens/s (compile, warm-up)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eval-iters", type=int, default=20, help="nanoGPT val batches for its final val loss")
+    ap.add_argument("--shards", type=Path, default=ROOT / ".cache/densetrain/shards")
+    ap.add_argument("--no-fp32", action="store_true", help="skip densetrain's fp32 runs (the loss check)")
+    ap.add_argument("--nanogpt-compile", action="store_true", help="also run nanoGPT with torch.compile")
+    ap.add_argument("--overheads", type=int, default=0, metavar="STEPS", help="also the overhead run (tiny preset)")
+    ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: a new temp dir)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        return worker(a.worker)
+
+    import torch
+
+    from densetrain.config import ModelConfig
+    from densetrain.metrics import flops_per_token, measure_peak_flops
+    from densetrain.parallel.wrap import cpu_has_bf16
+
+    if not (a.shards / "manifest.json").exists():
+        raise SystemExit(f"{a.shards}: no demo shards; run `densetrain prepare --preset tiny` first")
+    work = a.work or Path(tempfile.mkdtemp(prefix="train_bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(a.threads)
+    nanogpt = a.nanogpt
+    if nanogpt is None or not (nanogpt / "train.py").is_file():
+        print(f"nanoGPT: ABSENT ({'no --nanogpt given' if nanogpt is None else f'{nanogpt}/train.py not found'}); "
+              "only densetrain runs, no ratio. Get it with: git clone https://github.com/karpathy/nanoGPT /tmp/nanogpt")
+        nanogpt = None
+    else:
+        print(f"nanoGPT: {nanogpt} at commit {_git_commit(nanogpt)}")
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), "unknown CPU")
+    print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, threads {a.threads}, bf16 matmul instructions: "
+          f"{cpu_has_bf16()}; torch {torch.__version__}; load average {os.getloadavg()[0]:.2f}")
+    counts = export_nanogpt_data(a.shards, work / "nanogpt_data")
+    print(f"data: {sum(counts['train'].values()):,} train / {sum(counts['val'].values()):,} val tokens "
+          f"({', '.join(counts['train'])}) -> {work / 'nanogpt_data'}")
+    dev = torch.device("cpu")
+    peaks = {"fp32": measure_peak_flops(dev, torch.float32), "bf16": measure_peak_flops(dev, torch.bfloat16)}
+
+    results: dict[str, dict[str, list[RunResult]]] = {}
+    for shape_name in SHAPES if a.shape == "both" else [a.shape]:
+        shape = SHAPES[shape_name]
+        kinds = ["densetrain"] + ([] if a.no_fp32 else ["densetrain-fp32"])
+        kinds = (["nanogpt"] if nanogpt else []) + kinds + (["nanogpt-compile"] if nanogpt and a.nanogpt_compile
+                                                             else [])
+        res = results[shape_name] = {k: [] for k in kinds}
+        print(f"\n== {shape_name}: {shape}; {a.steps} steps x {shape['batch'] * shape['seq_len']} tokens, "
+              f"{a.runs} alternating runs of {', '.join(kinds)}")
+        for r in range(a.runs):
+            order = kinds if r % 2 == 0 else kinds[::-1]  # alternate which trainer goes first
+            for k in order:
+                if k.startswith("nanogpt"):
+                    rr = run_nanogpt(shape, a.steps, work, nanogpt, work / "nanogpt_data", a.threads, a.skip,
+                                     a.eval_iters, k.endswith("compile"))
+                else:
+                    rr = run_densetrain(k, shape, a.steps, work, a.shards, counts, a.threads, a.skip,
+                                        {"train.dtype": "fp32"} if k.endswith("fp32") else {})
+                res[k].append(rr)
+                print(f"  run {r + 1} {k:16s} {rr.median_s * 1e3:7.1f} ms/step  "
+                      f"{shape['batch'] * shape['seq_len'] / rr.median_s:7.0f} tok/s  val {rr.val_loss:.4f}  "
+                      f"warm-up/compile {rr.warmup_s:5.1f} s  process {rr.wall_s:5.1f} s wall, {rr.cpu_s:5.1f} s CPU "
+                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
+        report(shape_name, shape, res, peaks, flops_per_token, ModelConfig)
+    peaks_after = {"fp32": measure_peak_flops(dev, torch.float32), "bf16": measure_peak_flops(dev, torch.bfloat16)}
+    print(f"\nmatmul peaks (1024^3, best of 7, before / after the runs): "
+          f"fp32 {peaks['fp32'] / 1e9:.0f} / {peaks_after['fp32'] / 1e9:.0f} GFLOP/s, "
+          f"bf16 {peaks['bf16'] / 1e9:.0f} / {peaks_after['bf16'] / 1e9:.0f} GFLOP/s; MFU above uses 'before'")
+    if a.overheads:
+        overheads(work, a.shards, a.threads, a.overheads)
+    print(f"\nscratch: {work}")
+
+
+def report(shape_name: str, shape: dict, res: dict, peaks: dict, flops_per_token, ModelConfig) -> None:
+    """Median tokens/s per trainer, ratio vs nanoGPT with the spread over runs paired in order, MFU against
+    both measured peaks, the final losses."""
+    tok = shape["batch"] * shape["seq_len"]
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=shape["d_model"], n_layers=shape["n_layers"],
+                      n_heads=shape["n_heads"], n_kv_heads=shape["n_kv_heads"], d_ff=shape["d_ff"],
+                      tie_embeddings=True)
+    fpt = {"densetrain": flops_per_token(cfg, shape["seq_len"]), "nanogpt": flops_per_token_gpt(shape)}
+    print(f"-- {shape_name} summary (median of per-run medians; FLOPs/token densetrain {fpt['densetrain'] / 1e6:.1f}M, "
+          f"nanoGPT {fpt['nanogpt'] / 1e6:.1f}M)")
+    base = res.get("nanogpt")
+    for k, runs in res.items():
+        tps = [tok / r.median_s for r in runs]
+        f = fpt["nanogpt" if k.startswith("nanogpt") else "densetrain"]
+        med = statistics.median(tps)
+        line = (f"  {k:16s} {med:7.0f} tok/s (runs {min(tps):.0f}-{max(tps):.0f})  "
+                f"MFU {100 * f * med / peaks['fp32']:5.1f}% of fp32 peak, {100 * f * med / peaks['bf16']:5.1f}% of "
+                f"bf16 peak  val loss {statistics.median([r.val_loss for r in runs]):.4f}  "
+                f"warm-up/compile {statistics.median([r.warmup_s for r in runs]):.1f} s")
+        if "loop_overhead_s" in runs[0].extra:
+            line += (f"  data wait {1e3 * statistics.median([r.extra['data_wait_s'] for r in runs]):.1f} ms/step, "
+                     f"log+checks {1e3 * statistics.median([r.extra['loop_overhead_s'] for r in runs]):.1f} ms/step")
+        if base and k != "nanogpt":
+            ratios = [tok / r.median_s / (tok / b.median_s) for r, b in zip(runs, base)]
+            line += (f"  ratio vs nanoGPT {med / statistics.median([tok / b.median_s for b in base]):.2f}x "
+                     f"(paired runs {min(ratios):.2f}-{max(ratios):.2f}x)")
+        print(line)
+    if "densetrain-fp32" in res:
+        d = statistics.median([r.val_loss for r in res["densetrain"]])
+        f32 = statistics.median([r.val_loss for r in res["densetrain-fp32"]])
+        print(f"  loss check: densetrain default val {d:.4f} vs fp32 {f32:.4f}: {100 * (d - f32) / f32:+.2f}% "
+              f"({'within' if abs(d - f32) <= 0.01 * f32 else 'OUTSIDE'} 1%)")
+
+
+if __name__ == "__main__":
+    main()
