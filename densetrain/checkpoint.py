@@ -18,8 +18,15 @@ full, read-only, I/O error) raises :class:`CheckpointError` and removes its temp
 Loading uses DCP's reader (tensor payloads are not unpickled as arbitrary objects) and ``json``;
 nothing from ``torch.load`` with pickle.
 
+Asynchronous saves (``checkpoint.async_save``, :func:`start_async_save`): ``trainer_state.json`` and
+the RNG states are written and the tensors copied to CPU memory when the save starts (so they are the
+saved step's), then ``torch.distributed.checkpoint.async_save`` writes the shards from a background
+thread, running its collectives on a gloo group of its own, while training goes on. The marker, the
+rename and retention come only after that write finished on every rank (:func:`finish_async_save`), so
+a kill at any point during the write leaves the previous checkpoint as the newest complete one.
+
 :class:`Checkpointer` is what the training loop talks to: the interval, the veto after a non-finite
-step, retention, and resuming from the newest checkpoint that loads.
+step, retention, the one async save in flight, and resuming from the newest checkpoint that loads.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import re
 import shutil
 import time
 import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -38,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -121,7 +131,9 @@ def _agree(ok: bool) -> bool:
     """True on every rank iff ``ok`` on every rank (one collective; a single process just returns ok)."""
     if not dist.is_initialized():
         return ok
-    flag = torch.tensor([int(ok)])
+    # An NCCL default group reduces device tensors only (the gloo group of async saves is DCP's alone).
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([int(ok)], device=dev)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
 
@@ -164,6 +176,61 @@ def _causes(e: BaseException):
         seen += 1
 
 
+def _start(run_dir: Path, step: int, trainer_state: dict) -> tuple[Path, Path, str]:
+    """Rank 0 makes ``step_XXXXXXXX.tmp/`` (after sweeping leftovers) and writes ``trainer_state.json``
+    into it now, so that it is the state of the step being saved even when the shards follow later.
+    Every rank learns whether that worked. Returns (tmp, final, error text or '')."""
+    root = checkpoint_dir(run_dir)
+    final, tmp = root / f"step_{step:08d}", root / f"step_{step:08d}.tmp"
+
+    def start() -> None:
+        sweep(run_dir)  # what an interrupted save or retention left
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        atomic_write_json(tmp / "trainer_state.json", trainer_state)
+
+    error = _attempt(start) if _rank() == 0 else ""
+    return tmp, final, "" if _agree(not error) else (error or "failed on another rank")
+
+
+def _attempt(fn: Callable[[], object]) -> str:
+    """Run ``fn``; '' when it worked, else the one-line reason (see :func:`_one_line`)."""
+    try:
+        fn()
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        return _one_line(e)
+    return ""
+
+
+def _conclude(run_dir: Path, step: int, tmp: Path, final: Path, error: str, keep: int) -> Path:
+    """After the shards of every rank are written (or failed, ``error`` non-empty on some rank): rank 0
+    fsyncs, writes the marker, renames ``tmp`` to ``final`` and applies retention; or, on failure, removes
+    ``tmp`` and every rank raises :class:`CheckpointError`."""
+    root = checkpoint_dir(run_dir)
+
+    def finish() -> None:
+        _fsync_tree(tmp)
+        atomic_write_json(tmp / "COMPLETE", {"step": step})
+        if final.exists():  # re-saving the same step (e.g. after a rollback): replace it
+            _retire(final)
+        os.replace(tmp, final)
+        fsync_dir(root)
+
+    ok = _agree(not error)
+    if ok and _rank() == 0:
+        error = _attempt(finish)
+    if not _agree(not error):
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{tmp}: checkpoint of step {step} not written ({error or 'failed on another rank'}); "
+                              "the earlier checkpoints are intact")
+    if _rank() == 0 and keep > 0:
+        for _, old in list_complete(run_dir)[:-keep]:
+            _retire(old)
+    _barrier()
+    return final
+
+
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     trainer_state: dict, keep: int = 3, on_written: Callable[[], None] | None = None) -> Path:
     """Save a complete checkpoint for optimizer step ``step``; all ranks must call it.
@@ -183,62 +250,102 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         CheckpointError: the write failed on some rank (every rank raises; the temporary directory is
             removed, earlier checkpoints are untouched).
     """
-    root = checkpoint_dir(run_dir)
-    final = root / f"step_{step:08d}"
-    tmp = root / f"step_{step:08d}.tmp"
-    rank = _rank()
-    error = ""
-
-    def attempt(fn) -> None:
-        nonlocal error
-        if not error:
-            try:
-                fn()
-            except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-                error = _one_line(e)
-
-    def start() -> None:
-        sweep(run_dir)  # what an interrupted save or retention left
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+    tmp, final, error = _start(run_dir, step, trainer_state)
 
     def write_shards() -> None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed.*")  # single-process DCP warns
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        atomic_write_json(tmp / f"rng_{rank}.json", _rng_state())
+        atomic_write_json(tmp / f"rng_{_rank()}.json", _rng_state())
 
-    def finish() -> None:
-        atomic_write_json(tmp / "trainer_state.json", trainer_state)
-        _fsync_tree(tmp)
-        atomic_write_json(tmp / "COMPLETE", {"step": step})
-        if final.exists():  # re-saving the same step (e.g. after a rollback): replace it
-            _retire(final)
-        os.replace(tmp, final)
-        fsync_dir(root)
-
-    if rank == 0:
-        attempt(start)
-    ok = _agree(not error)
-    if ok:
-        attempt(write_shards)  # DCP itself runs collectives: every rank enters it
+    if not error:
+        error = _attempt(write_shards)  # DCP itself runs collectives: every rank enters it
         if on_written is not None:
             on_written()
-        ok = _agree(not error)
-    if ok and rank == 0:
-        attempt(finish)
-    ok = _agree(not error)
-    if not ok:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"{tmp}: checkpoint of step {step} not written ({error or 'failed on another rank'}); "
-                              "the earlier checkpoints are intact")
-    if rank == 0 and keep > 0:
-        for _, old in list_complete(run_dir)[:-keep]:
-            _retire(old)
-    _barrier()
-    return final
+    return _conclude(run_dir, step, tmp, final, error, keep)
+
+
+def cpu_stager() -> DefaultStager:
+    """A DCP stager for :func:`start_async_save` that copies synchronously (the save returns once the copy
+    is complete, so later optimizer steps cannot reach it) into CPU buffers cached across saves: after the
+    first save, staging reuses the same memory (no page faults; one copy of the state stays allocated).
+    Pinned memory when CUDA is available, for faster device-to-host copies."""
+    return DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(), use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
+
+
+@dataclass
+class PendingSave:
+    """An asynchronous save in flight (:func:`start_async_save`): the shards are being written by DCP's
+    background thread into ``tmp``; ``final`` does not exist until :func:`finish_async_save`."""
+
+    step: int
+    tmp: Path
+    final: Path
+    future: Future | None  # DCP's upload future (None when the start already failed)
+    error: str = ""  # why the start failed on this rank ('' when it did not)
+    started: float = field(default_factory=time.perf_counter)
+    written_at: float | None = None  # perf_counter when the background write finished (set by its thread)
+    steps_during_write: int = 0  # training steps begun while the write was running (Checkpointer.poll)
+
+
+def start_async_save(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     trainer_state: dict, process_group=None, on_written: Callable[[], None] | None = None,
+                     stager: DefaultStager | None = None) -> PendingSave:
+    """Begin an asynchronous save of step ``step`` with ``torch.distributed.checkpoint.async_save``; all
+    ranks must call it. Returns once the state is staged: model and optimizer tensors copied to CPU memory
+    (DCP's default stager copies even CPU tensors, so later optimizer steps cannot reach the copy),
+    ``trainer_state.json`` and this rank's RNG state written into the temporary directory. DCP's thread
+    then writes the shards while training goes on; :func:`finish_async_save` adds the marker.
+
+    Args:
+        process_group: a gloo group of all ranks for DCP's collectives, separate from the group training
+            uses (both run at once, from two threads); None in a single process.
+        on_written: called on every rank once the background write has begun, before any marker (fault
+            injection: a kill there dies while the shards are being written).
+        stager: a DCP stager kept across saves (:func:`cpu_stager`), whose CPU copies are reused; the
+            caller must not start the next save before this one finished. None: DCP's own, per save.
+    Returns:
+        The :class:`PendingSave` (with ``error`` set if the start failed; finishing it raises then).
+    """
+    tmp, final, error = _start(run_dir, step, trainer_state)
+    pending = PendingSave(step, tmp, final, None, error)
+
+    def stage_and_launch() -> None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        atomic_write_json(tmp / f"rng_{_rank()}.json", _rng_state())
+        if process_group is None:
+            # DCP warns that a single process is assumed, from its writer thread, outside any catch_warnings.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        pending.future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
+                                        process_group=process_group, no_dist=process_group is None,
+                                        async_stager=stager)
+
+        def written(_) -> None:
+            pending.written_at = time.perf_counter()
+
+        pending.future.add_done_callback(written)
+
+    if not error:
+        pending.error = _attempt(stage_and_launch)
+        if on_written is not None:
+            on_written()
+    return pending
+
+
+def finish_async_save(pending: PendingSave, run_dir: Path, keep: int) -> Path:
+    """Wait for ``pending``'s background write, then (rank 0) fsync, marker, rename and retention, exactly
+    as :func:`save_checkpoint` ends; all ranks must call it.
+
+    Raises:
+        CheckpointError: the start or the write failed on some rank (every rank raises; the temporary
+            directory is removed, earlier checkpoints are untouched).
+    """
+    error = pending.error
+    if not error and pending.future is not None:
+        error = _attempt(pending.future.result)
+    return _conclude(run_dir, pending.step, pending.tmp, pending.final, error, keep)
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
@@ -296,19 +403,28 @@ def set_aside(run_dir: Path, after_step: int) -> list[Path]:
 
 
 class Checkpointer:
-    """The training loop's checkpoints: when to save, when not to, how many to keep, where to resume.
+    """The training loop's checkpoints: when to save, when not to, how many to keep, where to resume, and
+    the one asynchronous save in flight.
 
     Args:
         run_dir: the run directory (checkpoints live in ``run_dir/checkpoints``).
         every: save after every ``every`` optimizer steps (0: only at ``last_step``).
         keep: retention, see :func:`save_checkpoint`.
         last_step: the step this invocation stops at (always saved, so a stopped run can resume).
+        async_save: write in the background (:func:`start_async_save`): a save blocks only while the state
+            is copied to CPU memory; the loop calls :meth:`poll` before each step, which completes the save
+            (marker, rename, retention) once the write is done, and :meth:`finish_pending` at the end. A
+            new save first waits for the previous one, so at most one is in flight.
     """
 
-    def __init__(self, run_dir: Path, every: int, keep: int, last_step: int):
+    def __init__(self, run_dir: Path, every: int, keep: int, last_step: int, async_save: bool = False):
         self.run_dir, self.every, self.keep, self.last_step = Path(run_dir), every, keep, last_step
+        self.async_save = async_save
         self.on_written: Callable[[], None] | None = None  # see save_checkpoint (fault injection)
         self.seconds = 0.0  # time spent blocked in saves (the watchdog's 'checkpoint' phase)
+        self.pending: PendingSave | None = None
+        self._group = None  # the gloo group of DCP's background collectives, made at the first async save
+        self._stager = cpu_stager() if async_save else None  # its CPU copies are reused by every save
 
     def due(self, step: int) -> bool:
         return bool(self.every and step % self.every == 0) or step == self.last_step
@@ -316,21 +432,75 @@ class Checkpointer:
     def save_if_due(self, step: int, model, optimizer, state: dict, finite: bool, log) -> Path | None:
         """Save when :meth:`due`, unless the step just taken was non-finite (its weights are the
         previous step's, but a checkpoint named after it would claim otherwise; the next due step
-        saves instead). ``log`` gets one event either way.
+        saves instead). ``log`` gets one event either way (an async save a second one when it completes).
 
+        Returns:
+            The checkpoint directory of a synchronous save; None when nothing was saved or the save runs
+            in the background (the directory appears when :meth:`poll` completes it).
         Raises:
-            CheckpointError: the write failed (see :func:`save_checkpoint`).
+            CheckpointError: the write failed (see :func:`save_checkpoint`); with ``async_save``, also the
+                previous save's background write, which this call waits for.
         """
         if not self.due(step):
             return None
         if not finite:
             log.event(step, "checkpoint not saved: the last step was non-finite", kind="checkpoint", action="veto")
             return None
+        if self.async_save:
+            self.finish_pending(log)  # at most one save in flight
+            t0 = time.perf_counter()
+            if self._group is None and dist.is_initialized():
+                self._group = dist.new_group(backend="gloo")  # every rank is here: a collective call is safe
+            self.pending = start_async_save(self.run_dir, step, model, optimizer, state, self._group,
+                                            self.on_written, self._stager)
+            dt = time.perf_counter() - t0
+            self.seconds += dt
+            log.event(step, f"checkpoint step_{step:08d} staged ({dt:.2f}s), writing in the background",
+                      kind="checkpoint", action="staged", values={"seconds": dt})
+            return None
         t0 = time.perf_counter()
         path = save_checkpoint(self.run_dir, step, model, optimizer, state, self.keep, self.on_written)
         dt = time.perf_counter() - t0
         self.seconds += dt
         log.event(step, f"checkpoint {path.name} ({dt:.2f}s)", kind="checkpoint", values={"seconds": dt})
+        return path
+
+    def poll(self, log) -> Path | None:
+        """Before a step: complete the save in flight when its write has finished on every rank (all
+        ranks must call it; one small collective while a save is pending, so all of them decide alike).
+
+        Returns:
+            The completed checkpoint directory, or None (nothing pending, or still writing).
+        Raises:
+            CheckpointError: the background write failed (see :func:`finish_async_save`).
+        """
+        p = self.pending
+        if p is None:
+            return None
+        if not _agree(p.future is None or p.future.done()):
+            p.steps_during_write += 1
+            return None
+        return self.finish_pending(log)
+
+    def finish_pending(self, log) -> Path | None:
+        """Wait for the save in flight, if any, and complete it (all ranks must call it): at the end of
+        training, before a new save, before a rollback.
+
+        Raises:
+            CheckpointError: its write failed (see :func:`finish_async_save`).
+        """
+        p, self.pending = self.pending, None
+        if p is None:
+            return None
+        t0 = time.perf_counter()
+        path = finish_async_save(p, self.run_dir, self.keep)
+        now = time.perf_counter()
+        self.seconds += now - t0
+        write_s = (p.written_at or now) - p.started
+        log.event(p.step, f"checkpoint {path.name} written in the background ({write_s:.2f}s, "
+                          f"{p.steps_during_write} steps meanwhile)", kind="checkpoint", action="written",
+                  values={"write_seconds": write_s, "blocked_seconds": now - t0,
+                          "steps_during_write": p.steps_during_write})
         return path
 
     def load_latest(self, model, optimizer) -> tuple[Path | None, dict | None]:

@@ -188,7 +188,9 @@ class CheckpointConfig:
     keep: int = 3
     """Keep the newest N complete checkpoints (older ones are deleted); 0 keeps all."""
     async_save: bool = False
-    """Reserved for background checkpoint writes (torch.distributed.checkpoint.async_save); not implemented yet: true is a config error."""
+    """Write checkpoints in the background (torch.distributed.checkpoint.async_save, on a gloo group of its
+    own): a save blocks only while the state is copied to CPU memory (about one more copy of the model and
+    optimizer state in RAM); the completion marker follows when the write finished; at most one in flight."""
 
 
 @dataclass

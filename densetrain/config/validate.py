@@ -73,8 +73,6 @@ def validate(cfg: Config) -> None:
     for k in ("every", "keep"):
         check_config(getattr(cfg.checkpoint, k) >= 0, f"checkpoint.{k} must be >= 0, got {getattr(cfg.checkpoint, k)}")
     validate_parallel(cfg)
-    check_config(not cfg.checkpoint.async_save, "checkpoint.async_save = true is not implemented yet; "
-                 "checkpoints are written synchronously (set checkpoint.async_save = false)")
 
     names = [src.name for src in cfg.data.sources]
     for i, src in enumerate(cfg.data.sources):

@@ -13,7 +13,8 @@ nothing. Kinds:
 - ``duplicate_data``: from ``step``, every window of ``source`` is replaced by the first one seen (a
   dedup bug feeding repeated data, post-mortem 7.1).
 - ``kill``: the process dies as with kill -9 at ``step``, or in the middle of that step's checkpoint
-  write (after the shards, before the completion marker) with ``during_checkpoint``.
+  write with ``during_checkpoint``: after the shards, before the completion marker; with
+  ``checkpoint.async_save``, while the background thread is writing the shards.
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     try:
         while run.state.step < run.last_step:
             t0 = time.perf_counter()
+            run.checkpointer.poll(run.log)  # completes an async save whose background write has finished
             st = stage_at(run.state.step, run.stages)
             if st != stage:
                 enter_stage(run, st)
@@ -114,6 +115,7 @@ def rollback(run: Run, result: StepResult) -> None:
     Raises:
         TrainError: no checkpoint that old.
     """
+    run.checkpointer.finish_pending(run.log)  # a save in flight is set aside below like any later one
     before = result.rollback_before if result.rollback_before is not None else result.index
     done = [(s, p) for s, p in list_complete(run.run_dir) if s <= before]
     if not done:
@@ -196,7 +198,9 @@ def run_tasks(run: Run, st: Stage, tasks: str, limit: int) -> dict:
 
 
 def finish(run: Run, st: Stage) -> dict:
-    """Final downstream tasks (when the schedule is done), ``summary.json``, close the sinks."""
+    """Wait for an async save in flight, final downstream tasks (when the schedule is done),
+    ``summary.json``, close the sinks."""
+    run.checkpointer.finish_pending(run.log)
     cfg, step = run.cfg, run.state.step
     summary = {"steps": step, "tokens": run.state.tokens, "skipped_steps": run.state.skipped_steps,
                "params": run.model.num_params(), "wall_s": time.perf_counter() - run.t_start}

@@ -153,7 +153,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     model, dp_model = build_parallel_model(cfg, info)  # meta -> TP -> AC -> compile -> FSDP2 -> init (or DDP)
     optimizer = build_optimizer(model, cfg)
     last = min(cfg.train.steps, stop_after) if stop_after else cfg.train.steps
-    checkpointer = Checkpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep, last)
+    checkpointer = Checkpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep, last, cfg.checkpoint.async_save)
     if rollback_to is not None:
         if rollback_to not in [s for s, _ in list_complete(run_dir)]:
             raise TrainError(f"{run_dir}: no complete checkpoint at step {rollback_to} to roll back to "
