@@ -15,7 +15,8 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 def small_config(tmp: Path, shards_dir: Path, **overrides):
-    """A seconds-scale config over two stdlib sources with a 3-stage table (main, anneal, long)."""
+    """A seconds-scale config over two stdlib sources with a 3-stage table (main, anneal, long); fp32, so
+    that code paths compared by the tests (ranks, layouts, resumes) agree to fp32 precision."""
     from densetrain.config import load_config
 
     base = {
@@ -37,7 +38,7 @@ def small_config(tmp: Path, shards_dir: Path, **overrides):
         "model.vocab_size": 512, "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4,
         "model.n_kv_heads": 2, "model.d_ff": 128,
         "train.run_dir": str(tmp / "run"), "train.steps": 10, "train.seq_len": 32, "train.batch_size": 8,
-        "train.micro_batch_size": 2, "train.threads": 1,
+        "train.micro_batch_size": 2, "train.threads": 1, "train.dtype": "fp32",
         "optim.peak_lr": 3e-3, "optim.min_lr": 3e-4, "schedule.warmup_steps": 2,
         "checkpoint.every": 5, "checkpoint.keep": 2, "eval.every": 5, "eval.max_batches": 2,
         "logging.mfu_every": 2, "logging.peak_flops": 1e11, "eval.tasks": "", "eval.final_tasks": "",

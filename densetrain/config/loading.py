@@ -149,6 +149,11 @@ def _set_path(d: dict, dotted: str, value: Any) -> None:
     cur[last] = value
 
 
+_TOP_LEVEL_LISTS = tuple(f.name for f in dataclasses.fields(Config) if typing.get_origin(f.type) is list
+                         or str(f.type).startswith("list"))
+"""Config fields that are lists of tables (``stages``, ``faults``): overridable whole, ``--faults=[...]``."""
+
+
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
     """Turn ``['--optim.peak_lr=3e-4', '--train.steps', '10']`` into ``[(key, value), ...]``.
 
@@ -159,8 +164,10 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
     i = 0
     while i < len(args):
         a = args[i]
-        if not a.startswith("--") or "." not in a.split("=", 1)[0]:
-            raise ConfigError(f"unexpected argument '{a}': overrides look like --section.key=value")
+        key = a.split("=", 1)[0][2:]
+        if not a.startswith("--") or ("." not in key and key not in _TOP_LEVEL_LISTS):
+            raise ConfigError(f"unexpected argument '{a}': overrides look like --section.key=value "
+                              f"(or --{'/--'.join(_TOP_LEVEL_LISTS)}=[...] for a whole table list)")
         if "=" in a:
             k, v = a[2:].split("=", 1)
         else:
