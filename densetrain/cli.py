@@ -86,19 +86,15 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
-    """Write a Hugging Face LlamaForCausalLM folder (config.json + model.safetensors + tokenizer)."""
-    import torch
-
-    from densetrain.checkpoint import load_checkpoint
+    """Write a Hugging Face LlamaForCausalLM folder (config.json + safetensors + tokenizer) from a checkpoint
+    of any layout, read one tensor at a time (files of at most 2 GiB, with an index when there are more)."""
     from densetrain.data.tokenizer import load_tokenizer
-    from densetrain.hf import export_hf
-    from densetrain.model.init import build_model
+    from densetrain.hf import export_hf_from_checkpoint
     from densetrain.schedule import resolve_stages, stage_at
     from densetrain.tools.offline_eval import find_checkpoint
 
     path = find_checkpoint(Path(args.checkpoint))
-    model = build_model(cfg.model, cfg.train.seed, torch.device("cpu"))
-    state = load_checkpoint(path, model, None)
+    state = json.loads((path / "trainer_state.json").read_text())
     # The exported RoPE base and context length are those of the stage the checkpoint was saved in.
     st = stage_at(max(state["step"] - 1, 0), resolve_stages(cfg))
     cfg.model.rope_theta = st.rope_theta
@@ -107,12 +103,16 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
         files, note = tokenizer_files(tok, st.seq_len), ""
     except DataError as e:  # e.g. tiktoken:cl100k_base (gaps in its special ids)
         files, note = {}, f"; no tokenizer files ({e})"
-    out = export_hf(model, cfg.model, Path(args.out), max_position_embeddings=st.seq_len,
-                    # Without a BOS token (GPT-2 style), name the EOS (the document separator) as BOS too,
-                    # or transformers falls back to id 1 as the start of an unprompted generation.
-                    extra_config={"eos_token_id": tok.eos_id,
-                                  "bos_token_id": tok.bos_id if tok.bos_id is not None else tok.eos_id},
-                    extra_files=files)
+    try:
+        out = export_hf_from_checkpoint(
+            path, cfg.model, Path(args.out), max_position_embeddings=st.seq_len,
+            # Without a BOS token (GPT-2 style), name the EOS (the document separator) as BOS too,
+            # or transformers falls back to id 1 as the start of an unprompted generation.
+            extra_config={"eos_token_id": tok.eos_id,
+                          "bos_token_id": tok.bos_id if tok.bos_id is not None else tok.eos_id},
+            extra_files=files)
+    except ValueError as e:  # the checkpoint was made for another model.* shape: one line, not a traceback
+        raise TrainError(str(e)) from None
     print(f"exported {path} -> {out} (rope_theta {st.rope_theta:g}, max_position_embeddings {st.seq_len}){note}")
     return 0
 

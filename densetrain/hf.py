@@ -1,7 +1,10 @@
 """Hugging Face interop: export our Transformer as a ``LlamaForCausalLM`` checkpoint and import one back.
 
 Files are ``config.json`` + ``model.safetensors`` (written with ``safetensors.torch.save_file``; reading
-uses ``safetensors.torch.load_file`` only — never ``torch.load`` / pickle).
+uses ``safetensors.torch.load_file`` only — never ``torch.load`` / pickle). :func:`export_hf_from_checkpoint`
+exports a (sharded) training checkpoint without building the model: it reads the checkpoint through
+DCP's reader one tensor at a time and writes HF's sharded layout (``model-0000K-of-0000N.safetensors``
++ ``model.safetensors.index.json``) when the model is larger than one file.
 
 Name mapping (ours, torchtitan style  <->  HF Llama):
 
@@ -44,15 +47,21 @@ import math
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from densetrain.config import ModelConfig
 from densetrain.config.schema import RopeScalingConfig
 from densetrain.fileio import fsync_dir
+from densetrain.model.init import init_weights
+from densetrain.model.llama import Transformer
 
 if TYPE_CHECKING:
     from densetrain.data.tokenizer import Tokenizer
@@ -233,13 +242,22 @@ def to_hf_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -
             continue
         if name == "output.weight" and tied and logit_mult == 1.0:
             continue  # HF re-ties lm_head to embed_tokens
-        t = _plain_tensor(t).to("cpu", torch.float32)
-        if name == "output.weight" and logit_mult != 1.0:
-            t = t * logit_mult
-        elif name.endswith("attention.wq.weight") and q_mult != 1.0:
-            t = t * q_mult
-        out[_our_to_hf_name(name)] = t.to(dtype or param_dtype).contiguous().clone()
+        out[_our_to_hf_name(name)] = _hf_tensor(name, _plain_tensor(t), logit_mult, q_mult, dtype or param_dtype)
     return out
+
+
+def _hf_tensor(name: str, t: torch.Tensor, logit_mult: float, q_mult: float, dtype: torch.dtype,
+               private: bool = False) -> torch.Tensor:
+    """Our tensor ``name`` as stored in the export: μP multipliers folded in fp32, then cast to ``dtype``;
+    a contiguous CPU tensor of its own (safetensors refuses shared storage): copied unless ``private``
+    (``t`` already is one, e.g. just read from a checkpoint)."""
+    t = t.to("cpu", torch.float32)
+    if name == "output.weight" and logit_mult != 1.0:
+        t = t * logit_mult
+    elif name.endswith("attention.wq.weight") and q_mult != 1.0:
+        t = t * q_mult
+    t = t.to(dtype).contiguous()
+    return t if private else t.clone()
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -324,12 +342,20 @@ def export_hf(
         export_cfg, max_position_embeddings=max_position_embeddings, dtype=stored, extra=extra_config
     )
 
+    return _write_export(out_dir, config, extra_files,
+                         lambda tmp: save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"}))
+
+
+def _write_export(out_dir: Path, config: dict, extra_files: dict[str, bytes] | None,
+                  write_weights: Callable[[Path], None]) -> Path:
+    """The atomic folder of an export (see :func:`export_hf`): ``write_weights(tmp)`` writes the
+    safetensors files into the temporary folder, then config.json and ``extra_files``, fsync, rename."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    write_weights(tmp)
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name, content in (extra_files or {}).items():
         (tmp / name).write_bytes(content)
@@ -349,6 +375,102 @@ def export_hf(
     if old is not None:
         shutil.rmtree(old)
     return out_dir
+
+
+def checkpoint_model_tensors(ckpt_dir: str | os.PathLike) -> dict[str, TensorStorageMetadata]:
+    """The model tensors of DCP checkpoint ``ckpt_dir`` (our names, without the ``model.`` prefix) with
+    their full shape and dtype, from its ``.metadata`` alone (no tensor is read)."""
+    md = FileSystemReader(str(ckpt_dir)).read_metadata()
+    return {k[len("model."):]: v for k, v in md.state_dict_metadata.items()
+            if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+
+
+def read_checkpoint_tensor(ckpt_dir: str | os.PathLike, name: str, meta: TensorStorageMetadata) -> torch.Tensor:
+    """The full tensor ``model.<name>`` of DCP checkpoint ``ckpt_dir`` as a plain CPU tensor, assembled
+    from every rank's shards (DCP plans the reads of that key only; no process group needed)."""
+    out = {f"model.{name}": torch.empty(meta.size, dtype=meta.properties.dtype)}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed.*")  # single-process DCP warns
+        dcp.load(out, storage_reader=FileSystemReader(str(ckpt_dir)), no_dist=True)
+    return out[f"model.{name}"]
+
+
+def export_hf_from_checkpoint(
+    ckpt_dir: str | os.PathLike,
+    cfg: ModelConfig,
+    out_dir: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    max_position_embeddings: int = 2048,
+    extra_config: dict | None = None,
+    extra_files: dict[str, bytes] | None = None,
+    max_shard_bytes: int = 2 * 2**30,
+) -> Path:
+    """Export a densetrain checkpoint (DCP, saved by any number of ranks and any layout) as
+    :func:`export_hf` does, reading it tensor by tensor: no model is built and the checkpoint is never
+    whole in memory. Tensors go, in model order, into safetensors files of at most ``max_shard_bytes``
+    (a tensor larger than that gets a file of its own): one file is ``model.safetensors``; more are
+    ``model-0000K-of-0000N.safetensors`` with ``model.safetensors.index.json`` (HF's sharded layout, its
+    ``weight_map`` naming each tensor's file). Peak memory is about one file's tensors plus one tensor.
+
+    ``dtype``: stored dtype (default: the checkpoint's). Other arguments as in :func:`export_hf`.
+
+    Returns: the output directory.
+    Raises:
+        ValueError: the checkpoint's model tensors do not match ``cfg`` (names or shapes).
+        FileNotFoundError: no DCP checkpoint at ``ckpt_dir``.
+    """
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    if not (ckpt_dir / ".metadata").exists():
+        raise FileNotFoundError(f"{ckpt_dir}: no DCP checkpoint here (no .metadata)")
+    with torch.device("meta"):  # the names, shapes and μP multipliers (set by init) of the model; no memory
+        core = Transformer(cfg)
+        init_weights(core, cfg)
+    logit_mult = float(getattr(core, "logit_mult", 1.0))
+    attn_scale = getattr(core, "attn_scale", None)
+    q_mult = 1.0 if attn_scale is None else attn_scale * math.sqrt(core.head_dim)
+    stored = checkpoint_model_tensors(ckpt_dir)
+    want = {n: tuple(t.shape) for n, t in core.state_dict().items()}  # model order; output.weight even when tied
+    got = {n: tuple(m.size) for n, m in stored.items()}
+    if got != want:
+        diff = sorted(set(got.items()) ^ set(want.items()))[:4]
+        raise ValueError(f"{ckpt_dir}: the checkpoint's model tensors do not match the config (name, shape: {diff})")
+    # Tied embeddings are one tensor in HF too (lm_head re-tied on load), unless a μP readout is folded in.
+    untied = not cfg.tie_embeddings or logit_mult != 1.0
+    names = [n for n in want if untied or n != "output.weight"]
+    dtypes = {n: dtype or stored[n].properties.dtype for n in names}
+    shards: list[list[str]] = [[]]
+    size = 0
+    for n in names:
+        nbytes = math.prod(want[n]) * dtypes[n].itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(n)
+        size += nbytes
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+
+    def write_weights(tmp: Path) -> None:
+        weight_map = {}
+        for file, shard in zip(files, shards, strict=True):
+            tensors = {}
+            for n in shard:
+                t = read_checkpoint_tensor(ckpt_dir, n, stored[n])
+                tensors[_our_to_hf_name(n)] = _hf_tensor(n, t, logit_mult, q_mult, dtypes[n], private=True)
+                del t
+            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, file))
+            del tensors  # one file's tensors in memory at a time
+        if len(files) > 1:
+            total = sum(math.prod(want[n]) * dtypes[n].itemsize for n in names)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+    export_cfg = dataclasses.replace(cfg, tie_embeddings=not untied)
+    config = hf_config_dict(export_cfg, max_position_embeddings=max_position_embeddings,
+                            dtype=str(dtypes[names[0]]).removeprefix("torch."), extra=extra_config)
+    return _write_export(out_dir, config, extra_files, write_weights)
 
 
 def import_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
