@@ -97,7 +97,7 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     state = json.loads((path / "trainer_state.json").read_text())
     # The exported RoPE base and context length are those of the stage the checkpoint was saved in.
     st = stage_at(max(state["step"] - 1, 0), resolve_stages(cfg))
-    cfg.model.rope_theta = st.rope_theta
+    cfg.model.rope_theta, cfg.model.rope_scaling = st.rope_theta, st.rope_scaling
     tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
     try:  # tokenizer.json + tokenizer_config.json with the same ids in transformers
         files, note = tokenizer_files(tok, st.seq_len), ""

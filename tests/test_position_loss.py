@@ -44,7 +44,8 @@ def test_training_writes_position_loss_before_the_long_stage_and_at_the_end(prep
     sources = [{"name": "email", "kind": "code", "paths": ["email"], "format": "text", "long_docs": True},
                {"name": "json", "kind": "code", "paths": ["json", "http"], "format": "text"}]
     summary = train(make(tmp_path, **{"data.sources": sources, "eval.every": 0, "checkpoint.every": 0,
-                                      "eval.position_buckets": [0, 16, 48], "eval.position_docs": 4}))
+                                      "eval.position_buckets": [0, 16, 48], "eval.position_docs": 4,
+                                      "eval.position_len": 0}))  # 0: the longest stage (64)
     assert summary["steps"] == 10
     recs = [r for r in read_metrics(tmp_path / "run") if r["kind"] == "eval" and "position_eval" in r]
     assert [(r["step"], r["position_eval"]) for r in recs] == [(8, "before long_context"), (10, "final")]

@@ -51,17 +51,18 @@ def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0
     model = build_model(cfg.model, cfg.train.seed, info.device)
     state = load_checkpoint(path, model, None)
     st = stage_at(max(state["step"] - 1, 0), resolve_stages(cfg))
-    model.set_rope_theta(st.rope_theta)
+    model.set_rope(st.rope_theta, st.rope_scaling)
     tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
     streams = open_streams(cfg, "val")
+    autocast = autocast_for(cfg.train.dtype, info.device)
     val = evaluate_val(model, streams, st.seq_len, st.micro_batch_size, cfg.eval.max_batches, info.device,
-                       autocast_for(cfg.train.dtype, info.device), tok)
+                       autocast, tok, tok.eos_id if st.document_mask else None, st.reset_positions)
     result = {
         "checkpoint": str(path), "step": state["step"], "stage": st.name, "seq_len": st.seq_len,
         "val": val_table(val, streams), "warnings": [],
     }
     if tasks:
-        dm, result["warnings"] = downstream_metrics(model, tok, tasks, limit, st.seq_len, info.device, autocast_for(cfg.train.dtype, info.device))
+        dm, result["warnings"] = downstream_metrics(model, tok, tasks, limit, st.seq_len, info.device, autocast)
         result["downstream"] = {k[len("eval/"):]: v for k, v in dm.items()}
     if info.is_main:
         for line in result["warnings"]:

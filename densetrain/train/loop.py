@@ -77,8 +77,9 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
 
 def enter_stage(run: Run, st: Stage) -> None:
     """Switch the model to a stage's RoPE base and log the stage's table row."""
-    run.model.set_rope_theta(st.rope_theta)
+    run.model.set_rope(st.rope_theta, st.rope_scaling)
     run.log.event(run.state.step, f"stage '{st.name}': seq_len {st.seq_len}, rope_theta {st.rope_theta:g}, "
+                                  f"document mask {'on' if st.document_mask else 'off'}, "
                                   f"batch {st.batch_size} seqs ({st.batch_tokens} tokens), "
                                   + (f"lr re-warmup {st.rewarmup_steps} steps, " if st.rewarmup_steps else "")
                                   + f"mix {{{', '.join(f'{k}: {v:.2f}' for k, v in st.mix.items())}}}",
@@ -175,6 +176,7 @@ def evaluate(run: Run, st: Stage) -> None:
     pm = position_eval(run.model, cfg, run.stages, run.val_streams, step, run.info.device, run.autocast)
     if pm:  # loss by position in long documents, before each long stage and at the end
         run.log.log(step, pm, kind="eval")
+        run.position_loss[pm["position_eval"]] = {k[len("val_pos/"):]: v for k, v in pm.items() if k.startswith("val_pos/")}
         run.log.console(f"  val by position ({pm['position_eval']}) " + " ".join(
             f"{k.split('/')[2]} {v:.3f}" for k, v in pm.items() if k.startswith("val_pos/all/") and k.endswith("loss")))
     if cfg.eval.tasks and ((cfg.eval.tasks_every and step % cfg.eval.tasks_every == 0) or step == cfg.train.steps):
@@ -206,6 +208,8 @@ def finish(run: Run, st: Stage) -> dict:
                "params": run.model.num_params(), "wall_s": time.perf_counter() - run.t_start}
     if run.last_val:
         summary["val"] = val_table(run.last_val, run.val_streams)
+    if run.position_loss:
+        summary["position_loss"] = run.position_loss
     if cfg.eval.final_tasks and step == cfg.train.steps:
         t0 = time.perf_counter()
         run.warned = set()  # the final evaluation reports its own truncations

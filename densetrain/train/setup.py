@@ -60,6 +60,7 @@ class Run:
     last_val: dict[str, dict] = field(default_factory=dict)
     warned: set[str] = field(default_factory=set)  # truncation warnings already logged
     t_start: float = field(default_factory=time.perf_counter)
+    position_loss: dict[str, dict] = field(default_factory=dict)  # 'before <stage>' / 'final' -> bucket losses
     lr_scale: float = 1.0  # set by the guard after a rollback (guard.lr_factor)
     optimizer_seconds: float = 0.0  # the last step's optimizer time (the watchdog's 'optimizer' phase)
     eval_seconds: float = 0.0  # total time in in-loop evals (the watchdog's 'eval' phase)

@@ -212,7 +212,6 @@ def compute_step(run, stage: Stage, lr: float) -> StepResult:
     sampler.events.clear()
     for w in run.watchers:  # fault injection may alter the batch; the data probe looks at it
         samples = w.on_batch(run, samples)
-    run.model.set_rope(stage.rope_theta, stage.rope_scaling)  # no-op within a stage
     eos_id = run.tokenizer.eos_id if stage.document_mask else None
     micro_batches = make_micro_batches(samples, stage.micro_batch_size, info.device, eos_id, stage.reset_positions)
     # Counted on the host copy: counting on the device would wait for the GPU once per micro-batch.
