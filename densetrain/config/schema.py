@@ -230,6 +230,9 @@ class EvalConfig:
     """Validation loss by position in the document (densetrain/evals/position_loss.py), before each stage that
     is longer than train.seq_len and at the end: lower edges of the buckets in tokens, increasing from 0 ([0,
     256, 1024] reports 0-255, 256-1023, 1024+); [] disables."""
+    samples: int = 0
+    """Greedy sample tokens per source printed and saved in summary.json at the end of the schedule (the
+    prompt is the start of the source's first held-out document); 0 disables."""
     position_len: int = 0
     """Tokens scored per long document by the position-bucket evaluation; 0 = the longest stage's seq_len."""
     position_docs: int = 16

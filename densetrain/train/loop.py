@@ -19,6 +19,7 @@ from densetrain.config import Config
 from densetrain.errors import TrainError
 from densetrain.evals.downstream import downstream_metrics
 from densetrain.evals.position_loss import position_eval
+from densetrain.evals.samples import source_samples
 from densetrain.evals.valloss import evaluate_val, val_overall, val_table
 from densetrain.fileio import atomic_write_json
 from densetrain.metrics import flops_per_token, memory_stats
@@ -176,7 +177,8 @@ def evaluate(run: Run, st: Stage) -> None:
     pm = position_eval(run.model, cfg, run.stages, run.val_streams, step, run.info.device, run.autocast)
     if pm:  # loss by position in long documents, before each long stage and at the end
         run.log.log(step, pm, kind="eval")
-        run.position_loss[pm["position_eval"]] = {k[len("val_pos/"):]: v for k, v in pm.items() if k.startswith("val_pos/")}
+        run.position_loss[pm["position_eval"]] = {k[len("val_pos/"):]: v for k, v in pm.items()
+                                                  if k.startswith("val_pos/")}
         run.log.console(f"  val by position ({pm['position_eval']}) " + " ".join(
             f"{k.split('/')[2]} {v:.3f}" for k, v in pm.items() if k.startswith("val_pos/all/") and k.endswith("loss")))
     if cfg.eval.tasks and ((cfg.eval.tasks_every and step % cfg.eval.tasks_every == 0) or step == cfg.train.steps):
@@ -218,6 +220,11 @@ def finish(run: Run, st: Stage) -> dict:
         summary["downstream"] = {k[len("eval/"):]: v for k, v in dm.items()}
         run.log.console("  final " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in dm.items()
                                               if k.endswith("/headline")))
+    if cfg.eval.samples and step == cfg.train.steps:
+        summary["samples"] = source_samples(run.model, run.tokenizer, run.val_streams, 24, cfg.eval.samples,
+                                            run.info.device, run.autocast)
+        for s, smp in summary["samples"].items():
+            run.log.console(f"  sample [{s}] {smp['prompt']!r} -> {smp['continuation']!r}")
     if run.info.is_main and step == cfg.train.steps:
         atomic_write_json(run.run_dir / "summary.json", summary)
     run.log.close()
