@@ -33,7 +33,7 @@ def test_stages_switch_exactly_at_configured_steps(prepared, tmp_path):
     assert {r["tokens"] - p["tokens"] for p, r in zip(recs, recs[1:])} == {256}
     assert recs[0]["lr"] > 0
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    for src, v in summary["val"].items():
+    for _name, v in summary["val"].items():
         assert v["loss"] > 0 and v["unigram_entropy"] > 0
     assert [s for s, _ in list_complete(tmp_path / "run")] == [5, 10]
 
@@ -159,7 +159,8 @@ def test_corrupt_latest_checkpoint_falls_back_and_existing_run_is_protected(prep
     train(cfg, resume=True)
     recs = _train_records(tmp_path / "run")
     assert [r["step"] for r in recs] == [1, 2, 3, 4, 5, 6]
-    assert any("resumed from" in r.get("text", "") and "step_00000002" in r["text"] for r in read_metrics(tmp_path / "run"))
+    assert any("resumed from" in r.get("text", "") and "step_00000002" in r["text"]
+               for r in read_metrics(tmp_path / "run"))
 
 
 def test_model_change_on_resume_is_a_one_line_error(prepared, tmp_path):
@@ -203,3 +204,20 @@ def test_resume_warns_when_training_shards_changed(tmp_path):
     train(cfg, resume=True, stop_after=4)
     warnings = [r["text"] for r in read_metrics(tmp_path / "run") if "shards of" in r.get("text", "")]
     assert len(warnings) == 1 and "['json']" in warnings[0]
+
+
+def test_final_greedy_samples_start_from_each_sources_first_held_out_document(prepared, tmp_path):
+    from densetrain.data.shards import TokenFiles
+    from densetrain.data.tokenizer import Tokenizer
+
+    shards, make = prepared
+    summary = train(make(tmp_path, **{"train.steps": 4, "eval.samples": 6, "eval.every": 0,
+                                      "stages": [{"name": "main", "start": 0.0}]}))
+    tok = Tokenizer.from_file(shards / "tokenizer.json")
+    assert sorted(summary["samples"]) == ["email", "json"]
+    for src, smp in summary["samples"].items():
+        doc = TokenFiles(shards / src / "val").document(0)
+        assert smp["prompt"] == tok.decode(doc[:24].tolist())
+        assert 0 < len(tok.encode(smp["continuation"])) <= 6 + 2  # 6 new tokens (re-encoding may split)
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved["samples"] == summary["samples"]
