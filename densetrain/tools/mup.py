@@ -128,7 +128,8 @@ def width_config(
     weight_decay: float = 0.0,
     grad_clip: float = 0.0,
 ) -> Config:
-    """A :class:`Config` for a model of ``d_model = width`` (``n_heads = width / head_dim``, MHA, ``d_ff = ff_mult * width``).
+    """A :class:`Config` for a model of ``d_model = width`` (``n_heads = width / head_dim``, MHA,
+    ``d_ff = ff_mult * width``).
 
     Optimizer settings are the defaults of :class:`~densetrain.config.OptimConfig` except ``weight_decay``
     and ``grad_clip`` (0 = plain Adam, what TP5's coordinate check uses).
@@ -344,7 +345,8 @@ def plot_coord_check(results: Sequence[dict], path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(results), len(ACT_KINDS), figsize=(4 * len(ACT_KINDS), 3.2 * len(results)), squeeze=False)
+    fig, axes = plt.subplots(len(results), len(ACT_KINDS), figsize=(4 * len(ACT_KINDS), 3.2 * len(results)),
+                             squeeze=False)
     for row, r in zip(axes, results):
         n = r["steps"] + 1
         cmap = plt.get_cmap("viridis")
@@ -397,7 +399,8 @@ def write_coord_check(
         r = coord_check(widths=widths, init=init, steps=steps, lr=lr, **kwargs)
         results.append(r)
         if log:
-            log(f"{init:>8}: " + ", ".join(f"{k} {r['growth'][k]:.2f}x" for k in ACT_KINDS) + f"  ({r['seconds']:.1f} s)")
+            growth = ", ".join(f"{k} {r['growth'][k]:.2f}x" for k in ACT_KINDS)
+            log(f"{init:>8}: " + growth + f"  ({r['seconds']:.1f} s)")
     png = plot_coord_check(results, out / "coord_check.png")
     ws, st = results[0]["widths"], results[0]["settings"]
     md = (
@@ -496,7 +499,8 @@ def lr_sweep(
     t0 = time.perf_counter()
     final, train = {}, {}
     for width in widths:
-        cfg = width_config(width, init, base_d_model, n_layers, head_dim, ff_mult, VOCAB, init_std, weight_decay, grad_clip)
+        cfg = width_config(width, init, base_d_model, n_layers, head_dim, ff_mult, VOCAB, init_std, weight_decay,
+                           grad_clip)
         final[width], train[width] = {}, {}
         for lr in lrs:
             tl, vl = _train_eval(cfg, lr, steps, train_data, val, batch, seq_len, seed, min(warmup, steps))
@@ -511,8 +515,9 @@ def lr_sweep(
         "init": init, "widths": widths, "lrs": lrs, "steps": steps,
         "settings": {
             "base_d_model": base_d_model, "n_layers": n_layers, "seq_len": seq_len, "batch": batch, "seed": seed,
-            "warmup": warmup, "weight_decay": weight_decay, "grad_clip": grad_clip, "head_dim": head_dim, "init_std": init_std,
-            "ff_mult": ff_mult, "schedule": "cosine to lr/10", "data": "real text bytes (Python stdlib sources), vocab 256",
+            "warmup": warmup, "weight_decay": weight_decay, "grad_clip": grad_clip, "head_dim": head_dim,
+            "init_std": init_std, "ff_mult": ff_mult, "schedule": "cosine to lr/10",
+            "data": "real text bytes (Python stdlib sources), vocab 256",
         },
         "final_loss": final, "train_loss": train, "best_lr": best, "seconds": time.perf_counter() - t0,
     }
