@@ -221,3 +221,25 @@ def test_final_greedy_samples_start_from_each_sources_first_held_out_document(pr
         assert 0 < len(tok.encode(smp["continuation"])) <= 6 + 2  # 6 new tokens (re-encoding may split)
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert saved["samples"] == summary["samples"]
+
+
+def test_a_batch_that_does_not_split_over_ranks_names_the_layouts_that_would(prepared, tmp_path):
+    import torch
+
+    from densetrain.data.streams import open_streams
+    from densetrain.errors import TrainError
+    from densetrain.parallel import DistInfo
+    from densetrain.schedule import resolve_stages
+    from densetrain.train.setup import check_stages
+
+    _, make = prepared
+    cfg = make(tmp_path, **{"train.micro_batch_size": 1})  # 8 sequences per step; 4 heads, 2 KV heads
+    streams = open_streams(cfg, "train")
+    stages = resolve_stages(cfg, available=set(streams))
+    on = lambda world, dp: DistInfo(0, world, 0, torch.device("cpu"), dp_rank=0, dp_size=dp)  # noqa: E731
+    check_stages(stages, streams, on(4, 4), cfg.model)  # main 8, long_context 4 sequences over 4 ranks: fine
+    with pytest.raises(TrainError, match=r"does not split into 16 data-parallel ranks .* layouts that run it: "
+                                         r"--parallel.tp=2 \(8 data-parallel ranks\)"):
+        check_stages(stages, streams, on(16, 16), cfg.model)
+    with pytest.raises(TrainError, match="no layout of 48 ranks runs it"):
+        check_stages(stages, streams, on(48, 48), cfg.model)

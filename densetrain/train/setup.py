@@ -92,20 +92,33 @@ class Run:
             w.load_state_dict(d.get("watchers", {}).get(w.name, {}))
 
 
-def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], dp_size: int) -> None:
+def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], info: DistInfo, model) -> None:
     """Every stage can draw a full sequence from each source of its mix and splits over the ranks.
 
     Raises:
-        TrainError: a source shorter than one sequence, or a batch that does not divide.
+        TrainError: a source shorter than one sequence, or a batch that does not divide over the
+            data-parallel ranks; the message names the layouts (``parallel.tp``) that would run it.
     """
     for st in stages:
         for name in st.mix:
             if len(streams[name]) < st.seq_len + 1:
                 raise TrainError(f"source '{name}' has {len(streams[name])} train tokens, fewer than one "
                                  f"sequence of stage '{st.name}' (seq_len {st.seq_len} + 1)")
-        if st.batch_size % (dp_size * st.micro_batch_size):
+        if st.batch_size % (info.dp_size * st.micro_batch_size):
             raise TrainError(f"stage '{st.name}': batch of {st.batch_size} sequences does not split into "
-                             f"{dp_size} ranks x micro_batch_size {st.micro_batch_size}")
+                             f"{info.dp_size} data-parallel ranks x micro_batch_size {st.micro_batch_size}; "
+                             + _layouts_that_fit(st.batch_size, info.world_size, model))
+
+
+def _layouts_that_fit(batch_size: int, world: int, model) -> str:
+    """The tensor-parallel degrees of ``world`` ranks whose data-parallel size divides ``batch_size``
+    (one sequence per rank and micro-batch), as advice for the error above."""
+    fits = [tp for tp in range(1, world + 1) if world % tp == 0 and model.n_heads % tp == 0
+            and model.n_kv_heads % tp == 0 and batch_size % (world // tp) == 0]
+    if not fits:
+        return f"no layout of {world} ranks runs it: change the stage's batch_tokens or the number of ranks"
+    return "layouts that run it: " + ", ".join(f"--parallel.tp={tp} ({world // tp} data-parallel ranks)"
+                                               for tp in fits[:4]) + " with a micro_batch_size that divides"
 
 
 def _refuse_existing_run(run_dir: Path, info: DistInfo) -> None:
@@ -150,7 +163,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         stages = resolve_stages(cfg, available=set(train_streams))
     except ValueError as e:
         raise TrainError(str(e)) from None
-    check_stages(stages, train_streams, info.dp_size)
+    check_stages(stages, train_streams, info, cfg.model)
     model, dp_model = build_parallel_model(cfg, info)  # meta -> TP -> AC -> compile -> FSDP2 -> init (or DDP)
     optimizer = build_optimizer(model, cfg)
     last = min(cfg.train.steps, stop_after) if stop_after else cfg.train.steps
