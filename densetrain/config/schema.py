@@ -108,9 +108,12 @@ class ScheduleConfig:
     kind: str = "cosine"
     """'cosine' (to min_lr at the last step), 'wsd' (warmup-stable-decay) or 'constant'."""
     unit: str = "steps"
-    """What progress is counted in: 'steps' (optimizer updates) or 'tokens' (tokens consumed; stage starts, warmup_fraction, decay_fraction and the lr curve are then fractions of the run's tokens, which differs from steps only when stages have different batch_tokens)."""
+    """What progress is counted in: 'steps' (optimizer updates) or 'tokens' (tokens consumed; stage starts,
+    warmup_fraction, decay_fraction and the lr curve are then fractions of the run's tokens, which differs from
+    steps only when stages have different batch_tokens)."""
     warmup_steps: int = -1
-    """Warmup length in optimizer steps (unit='tokens': the tokens of the first warmup_steps steps); -1 means warmup_fraction of the total (at least one step)."""
+    """Warmup length in optimizer steps (unit='tokens': the tokens of the first warmup_steps steps); -1 means
+    warmup_fraction of the total (at least one step)."""
     warmup_fraction: float = 0.005
     """Warmup length as a fraction of total steps (or of total tokens when unit='tokens') when warmup_steps is -1."""
     decay_fraction: float = 0.15
@@ -126,13 +129,15 @@ class StageConfig:
     name: str = ""
     """Stage name, shown in logs, metrics and the report."""
     start: float = 0.0
-    """Start as a fraction of train.steps, or of the run's tokens when schedule.unit='tokens' (the first stage must start at 0)."""
+    """Start as a fraction of train.steps, or of the run's tokens when schedule.unit='tokens' (the first stage must
+    start at 0)."""
     mix: dict[str, float] = field(default_factory=dict)
     """Source name -> sampling weight (normalised); empty inherits the previous stage's mix."""
     seq_len: int = 0
     """Sequence length in tokens; 0 inherits. Tokens per step stay as batch_tokens (fewer, longer sequences)."""
     batch_tokens: int = 0
-    """Global batch in tokens per optimizer step (sequences per step = batch_tokens / seq_len, must divide); 0 inherits; the first stage's default is train.batch_size * train.seq_len."""
+    """Global batch in tokens per optimizer step (sequences per step = batch_tokens / seq_len, must divide); 0
+    inherits; the first stage's default is train.batch_size * train.seq_len."""
     rope_theta: float = 0.0
     """RoPE base for this stage; 0 inherits."""
     rope_scaling: RopeScalingConfig = field(default_factory=lambda: RopeScalingConfig(type=""))
@@ -143,7 +148,8 @@ class StageConfig:
     lr_mult: float = 1.0
     """Multiplier on the scheduled learning rate during this stage (not inherited)."""
     rewarmup_steps: int = 0
-    """Re-warm the lr over the stage's first N steps: the k-th step (0-based) uses scheduled lr * (k+1)/N (Gupta et al. 2023); 0 disables; not inherited; must be 0 on the first stage."""
+    """Re-warm the lr over the stage's first N steps: the k-th step (0-based) uses scheduled lr * (k+1)/N (Gupta et al.
+    2023); 0 disables; not inherited; must be 0 on the first stage."""
 
 
 @dataclass
@@ -241,20 +247,26 @@ class EvalConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the processes of a job split the work: one torch.distributed DeviceMesh (dp_replicate, dp_shard, tp), row-major, tp innermost (the fastest link). dp_replicate * dp_shard * tp = world size."""
+    """How the processes of a job split the work: one torch.distributed DeviceMesh (dp_replicate, dp_shard, tp),
+    row-major, tp innermost (the fastest link). dp_replicate * dp_shard * tp = world size."""
 
     dp_replicate: int = -1
-    """Data-parallel replicas: DDP when dp_shard = tp = 1, else the replicate dimension of HSDP; -1 fills the world size."""
+    """Data-parallel replicas: DDP when dp_shard = tp = 1, else the replicate dimension of HSDP; -1 fills the world
+    size."""
     dp_shard: int = 1
-    """Data-parallel shards: FSDP2 fully_shard of parameters, gradients and optimizer state over this many ranks; -1 fills the world size."""
+    """Data-parallel shards: FSDP2 fully_shard of parameters, gradients and optimizer state over this many ranks; -1
+    fills the world size."""
     tp: int = 1
-    """Tensor-parallel degree (Megatron-style: q/k/v and gate/up column-wise, o/down row-wise); must divide model.n_kv_heads, model.d_ff and model.vocab_size; -1 fills."""
+    """Tensor-parallel degree (Megatron-style: q/k/v and gate/up column-wise, o/down row-wise); must divide
+    model.n_kv_heads, model.d_ff and model.vocab_size; -1 fills."""
     cp: int = 1
     """Context-parallel degree; only 1 is supported (an error names the layouts that fit otherwise)."""
     activation_checkpointing: str = "none"
-    """Recompute activations in the backward per block: 'none', 'full' (keep only each block's input) or 'selective' (keep matmul and attention outputs, recompute norms and pointwise ops)."""
+    """Recompute activations in the backward per block: 'none', 'full' (keep only each block's input) or 'selective'
+    (keep matmul and attention outputs, recompute norms and pointwise ops)."""
     compile_blocks: bool = False
-    """torch.compile each transformer block separately (after tensor parallel and activation checkpointing, before FSDP2)."""
+    """torch.compile each transformer block separately (after tensor parallel and activation checkpointing, before
+    FSDP2)."""
 
 
 @dataclass
