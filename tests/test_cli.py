@@ -83,3 +83,44 @@ def test_kill_9_then_resume_continues_from_last_complete_checkpoint(prepared, tm
     steps = [rec["step"] for rec in read_metrics(run) if rec["kind"] == "train"]
     assert steps == list(range(1, 61)), "one record per step, none lost or duplicated"
     assert [s for s, _ in list_complete(run)] == [58, 60]
+
+
+def test_help_config_shows_the_chosen_presets_values_and_survives_a_closed_pipe():
+    r = _cli("train", "--preset", "llama3-8b", "--help-config")
+    assert r.returncode == 0 and "--model.d_model=4096" in r.stdout and '--data.tokenizer="llama3"' in r.stdout
+    assert '--stages.2.seq_len=131072' in r.stdout  # list tables item by item
+    r = _cli("train", "--preset", "llama3-8b", "--model.n_layers=3", "--help-config")
+    assert "--model.n_layers=3" in r.stdout  # overrides too
+    # `densetrain ... --help-config | head -1`: the reader goes away; no BrokenPipe traceback.
+    p = subprocess.Popen([sys.executable, "-m", "densetrain", "train", "--help-config"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=ENV)
+    p.stdout.readline()
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_smoke_runs_the_llama3_recipe_scaled_down_on_cpu(tmp_path):
+    """`--smoke` with the llama3-8b preset (Llama 3 tokenizer, its mix and all three stages), its data
+    sources pointed at small real text (the standard library's sources and docs)."""
+    import sysconfig
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    sources = ('[{name="web", kind="web", paths=["email"], format="text"}, '
+               '{name="math", kind="math", paths=["json"], format="text"}, '
+               '{name="code", kind="code", paths=["http"], format="text", long_docs=true}, '
+               '{name="multilingual", kind="web", paths=["html"], format="text"}, '
+               '{name="books", kind="books", paths=["urllib"], format="text", long_docs=true}]')
+    common = ["--preset", "llama3-8b", "--smoke", f"--data.corpus_dir={stdlib}",
+              f"--data.shards_dir={tmp_path / 'shards'}", f"--data.sources={sources}", "--data.decontam.enabled=false",
+              f"--train.run_dir={tmp_path / 'run'}", "--train.threads=1", "--train.dtype=fp32",
+              "--eval.position_docs=2", "--eval.position_len=64"]
+    r = _cli("prepare", *common)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _cli("train", *common)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = [x for x in read_metrics(tmp_path / "run-smoke") if x["kind"] == "train"]
+    assert [x["stage"] for x in recs][0] == "main" and {x["stage"] for x in recs} == {"main", "anneal", "long_context"}
+    assert all(math.isfinite(x["loss"]) for x in recs) and len(recs) <= 40
+    seq = {x["stage"]: x["seq_len"] for x in recs}
+    assert seq["long_context"] == 16 * seq["main"]  # 131072 / 8192, as in the full recipe

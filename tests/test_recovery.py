@@ -233,3 +233,26 @@ def test_kill_during_checkpoint_write_resumes_from_the_previous_one(prepared, tm
     got, ref = _train_records(run), _train_records(tmp_path / "clean" / "run")
     assert [x["step"] for x in got] == list(range(1, 13))
     assert [x["loss"] for x in got] == pytest.approx([x["loss"] for x in ref], rel=1e-6)
+
+
+def test_heartbeat_dumps_every_threads_stack_when_no_step_completes(tmp_path, capfd):
+    import threading
+    import time
+
+    from densetrain.train.watchdog import Heartbeat
+
+    stuck = threading.Event()
+    waiter = threading.Thread(target=stuck.wait, name="stuck-in-a-collective", daemon=True)
+    waiter.start()
+    hb = Heartbeat(0.4, tmp_path / "hang_rank0.txt")
+    time.sleep(1.5)  # no beat: a hang
+    dump = (tmp_path / "hang_rank0.txt").read_text()
+    assert "stuck-in-a-collective" in dump or "wait" in dump  # the other thread's stack
+    assert "test_heartbeat_dumps_every_threads_stack" in dump  # this (main) thread's stack
+    assert "no step completed for" in capfd.readouterr().err
+    hb.beat()
+    (tmp_path / "hang_rank0.txt").unlink()
+    time.sleep(0.2)
+    assert not (tmp_path / "hang_rank0.txt").exists()  # a beat re-arms it; nothing dumped meanwhile
+    hb.stop()
+    stuck.set()
