@@ -1,7 +1,9 @@
 """Evaluation across data-parallel ranks (densetrain/evals/scoring.py, valloss.py, generative.py): with
 an item count that does not divide by the number of ranks, two real gloo processes return the
 scores of one process, and every rank runs exactly the same number of model forward calls (what
-sharded parameters need: under FSDP / tensor parallelism each forward is a collective).
+sharded parameters need: under FSDP / tensor parallelism each forward is a collective); the
+validation and downstream cases also run with the parameters sharded by FSDP2, where an uneven
+split would hang.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ module, name = spec["call"].split(":")
 fn = getattr(importlib.import_module(module), name)
 tok = Tokenizer.from_file(tokenizer_file)
 model = tiny_eval_model(tok.vocab_size)
+if spec.get("fsdp"):  # parameters sharded over the 2 ranks: every forward all-gathers (a collective)
+    from torch.distributed.fsdp import fully_shard
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
 forwards = [0]
 model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
 if "streams" in spec:
@@ -95,7 +102,8 @@ def test_even_split_pads_the_short_ranks():
     assert even_split(0, 1, 2) == []
 
 
-def test_valloss_odd_windows_two_ranks(bpe, tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp2"])
+def test_valloss_odd_windows_two_ranks(bpe, tmp_path, fsdp):
     # 5 windows of 16 tokens (a stream of exactly 81), micro-batches of 2: rank 0 scores windows
     # [0, 2] then [4]; rank 1 [1, 3] then window 0 as a stand-in whose losses are dropped.
     text = (Path(__file__).resolve().parents[1] / "densetrain" / "loss.py").read_text()
@@ -105,7 +113,7 @@ def test_valloss_odd_windows_two_ranks(bpe, tmp_path):
     assert len(stream) == 81
     args = [16, 2, 4, "cpu"]
     ranks = _run_ranks({"call": "densetrain.evals.valloss:evaluate_val", "args": args, "kwargs": {},
-                        "streams": {"code": str(tmp_path / "val")}}, bpe.name, tmp_path)
+                        "streams": {"code": str(tmp_path / "val")}, "fsdp": fsdp}, bpe.name, tmp_path)
     one, calls = counted(tiny_eval_model(bpe.vocab_size))
     single = evaluate_val(one, {"code": stream}, *args, tokenizer=bpe)["code"]
     assert calls[0] == 3 and [r["forwards"] for r in ranks] == [2, 2]
@@ -117,13 +125,14 @@ def test_valloss_odd_windows_two_ranks(bpe, tmp_path):
 
 
 @needs_data
-def test_downstream_odd_batches_two_ranks(bpe, tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp2"])
+def test_downstream_odd_batches_two_ranks(bpe, tmp_path, fsdp):
     # winogrande, 5 questions: 10 distinct requests, 3 batches of 4 -> ranks run 2 + 2 (rank 1's
     # second batch is the stand-in); arc_easy, 5 questions: 20 requests, 5 batches -> 3 + 3 (rank
     # 1's third is the stand-in). One process runs 3 + 5.
     args, kwargs = [["winogrande", "arc_easy"], 5, "cpu"], {"batch_size": 4, "seq_len_max": 64}
-    ranks = _run_ranks({"call": "densetrain.evals.downstream:evaluate_tasks", "args": args, "kwargs": kwargs},
-                       bpe.name, tmp_path)
+    ranks = _run_ranks({"call": "densetrain.evals.downstream:evaluate_tasks", "args": args, "kwargs": kwargs,
+                        "fsdp": fsdp}, bpe.name, tmp_path)
     one, calls = counted(tiny_eval_model(bpe.vocab_size))
     single = evaluate_tasks(one, bpe, *args, **kwargs)
     assert calls[0] == 8 and [r["forwards"] for r in ranks] == [5, 5]
