@@ -61,9 +61,10 @@ class ProbeConfig:
     """Most recent window hashes remembered per source (bounded memory)."""
     dup_rate_jump: float = 0.2
     """An event when a source's within-epoch duplicate rate exceeds its running baseline by this much (absolute)."""
-    loss_rise: float = 0.1
-    """An event when a source's mean train loss rose by this many nats over `trend_checks` checks while
-    the other sources' mean fell."""
+    loss_rise: float = 0.2
+    """An event when, within a stage, the mean of a source's last `trend_checks` checks exceeds the mean of the
+    `trend_checks` before by this many nats (and by 3x its check-to-check noise) while the other sources fell;
+    0.2 is the rise of the seed's post-mortem 7.1 (2.3 -> 2.5)."""
     trend_checks: int = 3
     """Checks compared for the per-source loss trend."""
 

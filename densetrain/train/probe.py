@@ -9,9 +9,10 @@ Per source, two cheap signals over what was actually trained:
   source* is a duplicate (windows of a later epoch legitimately repeat an earlier one). Each check
   (every ``probe.every`` steps) compares the rate since the last check with the source's running
   baseline (median of earlier checks); a rise above ``probe.dup_rate_jump`` is an event.
-- **Loss trend**: the mean train loss per source between checks; an event when one source's loss rose
-  over ``probe.trend_checks`` checks by more than ``probe.loss_rise`` nats and more than 4 times its
-  own check-to-check noise (median absolute change over its last 8 checks), while the others' mean fell.
+- **Loss trend**: the mean train loss per source between checks; an event when, within one stage, the
+  mean of a source's last ``probe.trend_checks`` checks exceeds the mean of the ``trend_checks`` before by
+  more than ``probe.loss_rise`` nats and more than 3 times its own check-to-check noise (median absolute
+  change), while the other sources' means fell.
 
 Events name the source and the documents of the flagged step's batch (see ``densetrain blame``). The
 probe reads only this rank's samples and reduces its counts with one all-reduce per check.
@@ -58,8 +59,8 @@ class DataProbe(Watcher):
         self.counts = np.zeros((len(sources), 2))  # [duplicates, windows] since the last check
         self.loss = np.zeros((len(sources), 2))  # [loss sum, tokens] since the last check
         self.dup_history: dict[str, list[float]] = {s: [] for s in sources}
-        self.loss_history: dict[str, deque] = {s: deque(maxlen=cfg.trend_checks + 1) for s in sources}
-        self.noise_history: dict[str, deque] = {s: deque(maxlen=8) for s in sources}
+        self.loss_history: dict[str, deque] = {s: deque(maxlen=2 * cfg.trend_checks) for s in sources}
+        self.stage_index = -1
         self.flagged: set[tuple[str, str]] = set()
 
     def on_batch(self, run, samples: list) -> list:
@@ -99,26 +100,31 @@ class DataProbe(Watcher):
             lsum, ntok = self.loss[i]
             if ntok:
                 self.loss_history[s].append(lsum / ntok)
-                self.noise_history[s].append(lsum / ntok)
         self._trend(run, result)
         self.counts[:] = 0
         self.loss[:] = 0
 
     def _trend(self, run, result) -> None:
+        if result.stage.index != self.stage_index:  # a new mix moves every source's loss: compare within a stage
+            self.stage_index = result.stage.index
+            for h in self.loss_history.values():
+                h.clear()
+            return
         k = self.cfg.trend_checks
-        full = {s: list(h) for s, h in self.loss_history.items() if len(h) == k + 1}
+        full = {s: np.asarray(h) for s, h in self.loss_history.items() if len(h) == 2 * k}
         if len(full) < 2:
             return
-        change = {s: h[-1] - h[0] for s, h in full.items()}
+        # The mean of the last k checks against the k before (means, because a small source in a small
+        # batch moves by 0.1-0.2 nats between checks at random on the demo), and against the source's
+        # own check-to-check noise (median absolute change).
+        change = {s: float(h[k:].mean() - h[:k].mean()) for s, h in full.items()}
         for s, d in change.items():
             others = [v for o, v in change.items() if o != s]
-            # A source's check-to-check noise (median absolute change of its recent checks): a small
-            # source in a small batch moves by more than loss_rise at random (0.1-0.2 nats on the demo).
-            noise = float(np.median(np.abs(np.diff(self.noise_history[s])))) if len(self.noise_history[s]) > 2 else 0.0
-            if d > max(self.cfg.loss_rise, 4 * noise) and np.mean(others) < 0:
-                self._event(run, result, s, "loss_trend", f"source '{s}': train loss rose {d:+.3f} nats over "
-                            f"{k} checks while the other sources fell ({np.mean(others):+.3f})",
-                            {"rise": d, "others": float(np.mean(others))})
+            noise = float(np.median(np.abs(np.diff(full[s]))))
+            if d > max(self.cfg.loss_rise, 3 * noise) and np.mean(others) < 0:
+                self._event(run, result, s, "loss_trend", f"source '{s}': train loss rose {d:+.3f} nats (mean of "
+                            f"the last {k} checks against the {k} before) while the other sources fell "
+                            f"({np.mean(others):+.3f})", {"rise": d, "others": float(np.mean(others)), "noise": noise})
 
     def _event(self, run, result, source: str, what: str, text: str, values: dict) -> None:
         if (source, what) in self.flagged:
