@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils.tensorboard import SummaryWriter
 
 from densetrain.config import ModelConfig
 from densetrain.fileio import atomic_write_bytes
@@ -110,6 +109,10 @@ class MetricsLogger:
         self.f = open(self.path, "a", buffering=1)
         self.events = open(self.run_dir / "events.jsonl", "a", buffering=1)
         if self.tensorboard:
+            # Imported here: it pulls in the tensorboard package, which a run with logging.tensorboard = false
+            # (e.g. a GPU image without it) must not need.
+            from torch.utils.tensorboard import SummaryWriter
+
             # purge_step drops events after the checkpoint's step left by a killed run (or a rollback).
             self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge_step)
 
