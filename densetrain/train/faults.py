@@ -42,7 +42,7 @@ class FaultInjector(Watcher):
 
     def __init__(self, faults: list[FaultConfig], rank: int):
         self.faults, self.rank = faults, rank
-        self.repeat: dict[str, object] = {}  # duplicate_data: source -> the window repeated
+        self.repeat: dict[tuple, object] = {}  # duplicate_data: (source, length) -> the window repeated
         self.hook = None
         self.fired: set[int] = set()  # indices into faults of the one-time faults that happened
 
@@ -86,8 +86,8 @@ class FaultInjector(Watcher):
     def on_batch(self, run, samples: list) -> list:
         for f in self._now(run, "duplicate_data", from_step=True):
             for s in samples:
-                if s.source == f.source:
-                    first = self.repeat.setdefault(f.source, s)
+                if s.source == f.source:  # one repeated window per sequence length (stages change it)
+                    first = self.repeat.setdefault((f.source, len(s.tokens)), s)
                     s.tokens, s.start = first.tokens.copy(), first.start
             if f.step == run.state.step:
                 self._fired(run, f, f"windows of '{f.source}' repeated from now on")
