@@ -120,7 +120,7 @@ def test_partial_config_file_applies_over_the_tiny_preset(tmp_path):
     ("optim.peak_lr", float("inf"), "optim.peak_lr must be a positive finite number"),
     ("model.norm_eps", -1.0, "model.norm_eps must be positive"),
     ("logging.every", 0, "logging.every must be >= 1"),
-    ("schedule.warmup_steps", 1000, "schedule.warmup_steps (1000) must be shorter than train.steps (450)"),
+    ("schedule.warmup_steps", 2000, "schedule.warmup_steps (2000) must be shorter than train.steps (1500)"),
 ])
 def test_values_that_would_break_training_are_rejected(key, value, msg):
     with pytest.raises(ConfigError) as e:
