@@ -114,8 +114,10 @@ def _cap_groups(groups: list[list[dict]], cap: int) -> list[dict]:
 
 
 def _run_kjv(bin_root: Path, data_root: Path) -> list[str]:
-    exe = bin_root / "usr/bin/bible"
-    data = data_root / "usr/lib"
+    # Absolute: the program runs with cwd=data, where a relative path (corpus_dir is relative in the
+    # tiny preset) would name nothing and the Bible would be skipped.
+    exe = (bin_root / "usr/bin/bible").resolve()
+    data = (data_root / "usr/lib").resolve()
     # -f turns pretty-printing off: one verse per line, prefixed by its reference. The data
     # directory is passed as "." (cwd) because -p splits its argument on spaces.
     r = subprocess.run([str(exe), "-f", "-p", ".", "gen1:1-rev22:21"], cwd=data, capture_output=True, timeout=120)
