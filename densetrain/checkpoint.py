@@ -122,9 +122,9 @@ def _set_rng_state(state: dict) -> None:
 
 
 class CheckpointError(TrainError):
-    """A checkpoint could not be written (disk full, permission denied, I/O error): one line, naming
-    the directory and the OS error. The previous checkpoints are intact and no temporary directory is
-    left behind."""
+    """A checkpoint could not be written (disk full, permission denied, I/O error) or read (truncated,
+    another model shape): one line, naming the directory and the error. After a failed write the
+    previous checkpoints are intact and no temporary directory is left behind."""
 
 
 def _agree(ok: bool) -> bool:
@@ -158,11 +158,14 @@ def sweep(run_dir: Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
 
 
-def _one_line(e: BaseException) -> str:
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    # DCP wraps a rank's OSError in CheckpointException; name the underlying error when there is one.
-    errno_text = next((f"[Errno {x.errno}] {x.strerror}" for x in _causes(e) if isinstance(x, OSError) and x.errno), "")
-    return errno_text or f"{type(e).__name__}: {first[:200]}"
+def describe_error(e: BaseException) -> str:
+    """One line for a failed checkpoint read or write: the OS error when there is one, else the first
+    line of the innermost error (DCP wraps each rank's failure in a CheckpointException)."""
+    causes = list(_causes(e))
+    errno_text = next((f"[Errno {x.errno}] {x.strerror}" for x in causes if isinstance(x, OSError) and x.errno), "")
+    inner = next((x for x in causes if not isinstance(x, CheckpointException)), e)
+    first = (str(inner).strip().splitlines() or [type(inner).__name__])[0]
+    return errno_text or f"{type(inner).__name__}: {first[:200]}"
 
 
 def _causes(e: BaseException):
@@ -194,11 +197,11 @@ def _start(run_dir: Path, step: int, trainer_state: dict) -> tuple[Path, Path, s
 
 
 def _attempt(fn: Callable[[], object]) -> str:
-    """Run ``fn``; '' when it worked, else the one-line reason (see :func:`_one_line`)."""
+    """Run ``fn``; '' when it worked, else the one-line reason (see :func:`describe_error`)."""
     try:
         fn()
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        return _one_line(e)
+        return describe_error(e)
     return ""
 
 
@@ -359,22 +362,38 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     path = Path(path)
     if not (path / "COMPLETE").exists():
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no COMPLETE marker)")
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
-    else:
-        state = {"model": get_model_state_dict(model)}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-        dcp.load(state, checkpoint_id=str(path))
-    if optimizer is not None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
-        set_model_state_dict(model, state["model"])
-    rng = path / f"rng_{_rank()}.json"
-    if rng.exists():
-        _set_rng_state(json.loads(rng.read_text()))
-    return json.loads((path / "trainer_state.json").read_text())
+    trainer_state = read_trainer_state(path)
+    try:
+        if optimizer is not None:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+        else:
+            state = {"model": get_model_state_dict(model)}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed.*")
+            dcp.load(state, checkpoint_id=str(path))
+        if optimizer is not None:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        else:
+            set_model_state_dict(model, state["model"])
+        rng = path / f"rng_{_rank()}.json"
+        if rng.exists():
+            _set_rng_state(json.loads(rng.read_text()))
+    except (Exception, CheckpointException) as e:  # a truncated shard, another model shape, a torn RNG file
+        raise CheckpointError(f"{path}: cannot load ({describe_error(e)})") from None
+    return trainer_state
+
+
+def read_trainer_state(path: Path) -> dict:
+    """``trainer_state.json`` of checkpoint ``path``.
+
+    Raises:
+        CheckpointError: missing or not JSON (one line).
+    """
+    try:
+        return json.loads((Path(path) / "trainer_state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}/trainer_state.json: cannot read ({type(e).__name__}: {e})") from None
 
 
 def set_aside(run_dir: Path, after_step: int) -> list[Path]:

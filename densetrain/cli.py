@@ -52,8 +52,13 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
 
 def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
     if getattr(args, "dry_run", False):  # the memory and layout plan only: no data, no process group
+        from densetrain.schedule import resolve_stages
         from densetrain.tools.commands import print_dry_run
 
+        try:
+            resolve_stages(cfg)  # the stage table's checks, as training would run them first
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return print_dry_run(cfg)
     from densetrain.train import train
 
@@ -88,13 +93,17 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     """Write a Hugging Face LlamaForCausalLM folder (config.json + safetensors + tokenizer) from a checkpoint
     of any layout, read one tensor at a time (files of at most 2 GiB, with an index when there are more)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from densetrain.checkpoint import describe_error, read_trainer_state
     from densetrain.data.tokenizer import load_tokenizer
-    from densetrain.hf import export_hf_from_checkpoint
+    from densetrain.hf import check_export_target, export_hf_from_checkpoint
     from densetrain.schedule import resolve_stages, stage_at
     from densetrain.tools.offline_eval import find_checkpoint
 
+    check_export_target(Path(args.out))  # before any work: an export never replaces a run or other files
     path = find_checkpoint(Path(args.checkpoint))
-    state = json.loads((path / "trainer_state.json").read_text())
+    state = read_trainer_state(path)
     # The exported RoPE base and context length are those of the stage the checkpoint was saved in.
     st = stage_at(max(state["step"] - 1, 0), resolve_stages(cfg))
     cfg.model.rope_theta, cfg.model.rope_scaling = st.rope_theta, st.rope_scaling
@@ -113,6 +122,8 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
             extra_files=files)
     except ValueError as e:  # the checkpoint was made for another model.* shape: one line, not a traceback
         raise TrainError(str(e)) from None
+    except (RuntimeError, OSError, CheckpointException) as e:  # a truncated or corrupt shard file
+        raise TrainError(f"{path}: cannot read the checkpoint ({describe_error(e)})") from None
     print(f"exported {path} -> {out} (rope_theta {st.rope_theta:g}, max_position_embeddings {st.seq_len}){note}")
     return 0
 
@@ -125,6 +136,9 @@ def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
     from densetrain.model.llama import Transformer
     from densetrain.optim import build_optimizer
 
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out}: already exists and is not empty; import into a new run directory")
     mcfg, sd = import_hf(Path(args.hf_dir))
     cfg.model = mcfg
     model = Transformer(mcfg)

@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from densetrain.config import ModelConfig
 from densetrain.config.schema import RopeScalingConfig
+from densetrain.errors import DataError
 from densetrain.fileio import fsync_dir
 from densetrain.model.init import init_weights
 from densetrain.model.llama import Transformer
@@ -346,10 +347,37 @@ def export_hf(
                          lambda tmp: save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"}))
 
 
+_EXPORT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "model.safetensors.index.json")
+
+
+def check_export_target(out_dir: Path) -> None:
+    """Refuse an export target that is not new, empty, or a previous export (see :func:`_write_export`).
+
+    Raises:
+        DataError: one line naming the path and what is in the way.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise DataError(f"{out_dir}: exists and is not a directory; export into a new or empty directory")
+    if out_dir.is_dir():
+        other = sorted(p.name for p in out_dir.iterdir() if p.name not in _EXPORT_FILES
+                       and not (p.is_file() and p.name.endswith(".safetensors")))
+        if other:
+            raise DataError(f"{out_dir}: holds {other[:3]}{' ...' if len(other) > 3 else ''}, not a previous export; "
+                            "an export replaces its folder whole: choose a new or empty directory")
+
+
 def _write_export(out_dir: Path, config: dict, extra_files: dict[str, bytes] | None,
                   write_weights: Callable[[Path], None]) -> Path:
     """The atomic folder of an export (see :func:`export_hf`): ``write_weights(tmp)`` writes the
-    safetensors files into the temporary folder, then config.json and ``extra_files``, fsync, rename."""
+    safetensors files into the temporary folder, then config.json and ``extra_files``, fsync, rename.
+
+    Raises:
+        DataError: ``out_dir`` is a file, or a directory holding anything but a previous export (a run
+            directory, checkpoints, notes): an export replaces its folder whole, so it never does so there.
+    """
+    check_export_target(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     if tmp.exists():

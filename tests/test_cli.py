@@ -124,3 +124,34 @@ def test_smoke_runs_the_llama3_recipe_scaled_down_on_cpu(tmp_path):
     assert all(math.isfinite(x["loss"]) for x in recs) and len(recs) <= 40
     seq = {x["stage"]: x["seq_len"] for x in recs}
     assert seq["long_context"] == 16 * seq["main"]  # 131072 / 8192, as in the full recipe
+
+
+def test_export_and_import_never_overwrite_a_run_and_corrupt_checkpoints_are_one_line(prepared, tmp_path):
+    from densetrain.train import train
+
+    _, make = prepared
+    cfg = make(tmp_path, **{"train.steps": 4, "eval.every": 0, "checkpoint.every": 2,
+                            "stages": [{"name": "main", "start": 0.0}]})
+    train(cfg)
+    run = tmp_path / "run"
+    before = sorted(p.name for p in run.rglob("*"))
+    for target in (run, run / "checkpoints", run / "config.toml"):  # a run, its checkpoints, a file
+        r = _cli("export", str(run), "--format", "hf", str(target))
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "densetrain: error:" in r.stderr, r.stderr
+    assert sorted(p.name for p in run.rglob("*")) == before  # nothing touched
+    out = tmp_path / "hf"
+    assert _cli("export", str(run), "--format", "hf", str(out)).returncode == 0
+    assert _cli("export", str(run), "--format", "hf", str(out)).returncode == 0  # a previous export is replaced
+    r = _cli("import-hf", str(out), "--out", str(run))
+    assert r.returncode == 2 and "already exists and is not empty" in r.stderr
+    assert sorted(p.name for p in run.rglob("*")) == before
+    # A truncated shard: eval and export say so in one line (train --resume falls back, tested elsewhere).
+    shard = next((run / "checkpoints" / "step_00000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    for args in (("eval", str(run / "checkpoints" / "step_00000004")),
+                 ("export", str(run / "checkpoints" / "step_00000004"), "--format", "hf", str(tmp_path / "hf2"))):
+        r = _cli(*args)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "step_00000004" in r.stderr, r.stderr
+    (run / "checkpoints" / "step_00000002" / "trainer_state.json").write_text("{not json")
+    r = _cli("export", str(run / "checkpoints" / "step_00000002"), "--format", "hf", str(tmp_path / "hf3"))
+    assert r.returncode == 2 and "trainer_state.json: cannot read" in r.stderr, r.stderr
