@@ -4,6 +4,7 @@ sync during accumulation, the global grad norm and clipping, unwrapping for eval
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch import nn
@@ -109,7 +110,7 @@ def autocast_for(dtype: str, device: torch.device) -> contextlib.AbstractContext
     if dtype == "auto":
         bf16 = device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16())
         dtype = "bf16" if bf16 else "fp32"
-        if device.type == "cpu" and dtype not in _AUTO_SAID:
+        if device.type == "cpu" and dtype not in _AUTO_SAID and int(os.environ.get("RANK", "0")) == 0:
             _AUTO_SAID.add(dtype)
             print("train.dtype=auto: " + ("bf16 autocast with fp32 master weights (this CPU has bf16 matmul "
                                           "instructions)" if bf16 else "fp32 (this CPU has no AVX512-BF16/AMX-BF16 "
