@@ -103,7 +103,8 @@ class Tokenizer:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            raise DataError(f"{path}: tokenizer file not found (data.tokenizer)") from None
+            raise DataError(f"{path}: tokenizer file not found (data.tokenizer: 'bpe', 'gpt2', 'llama3', "
+                            "'tiktoken:<encoding>', or a path to a tokenizer.json / .tiktoken file)") from None
         try:
             tok = HFTokenizer.from_str(data.decode("utf-8"))
         except Exception as e:  # tokenizers raises a bare Exception on bad JSON
