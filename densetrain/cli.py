@@ -14,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch.distributed as dist
+
 from densetrain.config import Config, help_text, list_presets, load_config, parse_overrides
 from densetrain.config.smoke import scale_down
 from densetrain.errors import ConfigError, DataError, TrainError
@@ -254,7 +256,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if getattr(args, "resume", None):
             cfg.train.run_dir = str(args.resume)
-        return COMMANDS[args.command][0](cfg, args)
+        try:
+            return COMMANDS[args.command][0](cfg, args)
+        finally:  # under torchrun: leave the process group cleanly on every rank (no teardown warnings)
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
     except (ConfigError, DataError, TrainError, FileNotFoundError) as e:
         if int(os.environ.get("RANK", "0")) == 0:  # torchrun: one line, not one per rank
             print(f"densetrain: error: {e}", file=sys.stderr)
