@@ -99,7 +99,7 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
 
     from densetrain.checkpoint import describe_error, read_trainer_state
     from densetrain.data.tokenizer import load_tokenizer
-    from densetrain.hf import check_export_target, export_hf_from_checkpoint
+    from densetrain.hf import check_checkpoint_matches, check_export_target, export_hf_from_checkpoint
     from densetrain.schedule import resolve_stages, stage_at
     from densetrain.tools.offline_eval import find_checkpoint
 
@@ -109,6 +109,10 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     # The exported RoPE base and context length are those of the stage the checkpoint was saved in.
     st = stage_at(max(state["step"] - 1, 0), resolve_stages(cfg))
     cfg.model.rope_theta, cfg.model.rope_scaling = st.rope_theta, st.rope_scaling
+    try:  # the checkpoint must be this config's model before anything else (the tokenizer) matters
+        check_checkpoint_matches(path, cfg.model)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
     tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
     try:  # tokenizer.json + tokenizer_config.json with the same ids in transformers
         files, note = tokenizer_files(tok, st.seq_len), ""

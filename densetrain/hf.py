@@ -423,6 +423,30 @@ def read_checkpoint_tensor(ckpt_dir: str | os.PathLike, name: str, meta: TensorS
     return out[f"model.{name}"]
 
 
+def check_checkpoint_matches(ckpt_dir: Path, cfg: ModelConfig):
+    """The model of ``cfg`` on the meta device (names, shapes, μP multipliers set by init; no memory)
+    against the model tensors stored in DCP checkpoint ``ckpt_dir``.
+
+    Returns:
+        (meta model, stored tensor metadata by name, wanted shapes by name in model order).
+    Raises:
+        FileNotFoundError: no DCP checkpoint at ``ckpt_dir``.
+        ValueError: names or shapes differ (one line, the first differences).
+    """
+    if not (Path(ckpt_dir) / ".metadata").exists():
+        raise FileNotFoundError(f"{ckpt_dir}: no DCP checkpoint here (no .metadata)")
+    with torch.device("meta"):
+        core = Transformer(cfg)
+        init_weights(core, cfg)
+    stored = checkpoint_model_tensors(ckpt_dir)
+    want = {n: tuple(t.shape) for n, t in core.state_dict().items()}  # model order; output.weight even when tied
+    got = {n: tuple(m.size) for n, m in stored.items()}
+    if got != want:
+        diff = sorted(set(got.items()) ^ set(want.items()))[:4]
+        raise ValueError(f"{ckpt_dir}: the checkpoint's model tensors do not match the config (name, shape: {diff})")
+    return core, stored, want
+
+
 def export_hf_from_checkpoint(
     ckpt_dir: str | os.PathLike,
     cfg: ModelConfig,
@@ -449,20 +473,10 @@ def export_hf_from_checkpoint(
         FileNotFoundError: no DCP checkpoint at ``ckpt_dir``.
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    if not (ckpt_dir / ".metadata").exists():
-        raise FileNotFoundError(f"{ckpt_dir}: no DCP checkpoint here (no .metadata)")
-    with torch.device("meta"):  # the names, shapes and μP multipliers (set by init) of the model; no memory
-        core = Transformer(cfg)
-        init_weights(core, cfg)
+    core, stored, want = check_checkpoint_matches(ckpt_dir, cfg)
     logit_mult = float(getattr(core, "logit_mult", 1.0))
     attn_scale = getattr(core, "attn_scale", None)
     q_mult = 1.0 if attn_scale is None else attn_scale * math.sqrt(core.head_dim)
-    stored = checkpoint_model_tensors(ckpt_dir)
-    want = {n: tuple(t.shape) for n, t in core.state_dict().items()}  # model order; output.weight even when tied
-    got = {n: tuple(m.size) for n, m in stored.items()}
-    if got != want:
-        diff = sorted(set(got.items()) ^ set(want.items()))[:4]
-        raise ValueError(f"{ckpt_dir}: the checkpoint's model tensors do not match the config (name, shape: {diff})")
     # Tied embeddings are one tensor in HF too (lm_head re-tied on load), unless a μP readout is folded in.
     untied = not cfg.tie_embeddings or logit_mult != 1.0
     names = [n for n in want if untied or n != "output.weight"]
