@@ -90,23 +90,44 @@ if dist.is_initialized():
 """
 
 
+def gloo_env(world: int) -> dict:
+    """Environment of a ``world``-rank gloo job with env:// rendezvous on a free local port, one thread per
+    rank; each rank adds ``RANK`` and ``LOCAL_RANK``."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A 2 MiB tmpfs mounted at a fresh directory (needs root and mount rights; skips without them)."""
+    import subprocess
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root and CAP_SYS_ADMIN; this machine has neither")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
 def start_eval_ranks(call: str, tokenizer_file: str, args: list, kwargs: dict, tmp: Path, world: int = 2):
     """Start ``world`` processes, ranks of one gloo torch.distributed job (env:// rendezvous on a free
     local port, one thread each), that each return ``call(tiny_eval_model(V), tokenizer, *args, **kwargs)``
     (``call`` is ``'module:function'``; args and kwargs JSON values). Returns ``collect()``: waits for
     the ranks, asserts they succeeded, and returns each rank's result (JSON-decoded), rank order."""
     import json
-    import socket
     import subprocess
     import sys
 
     script, out = tmp / "eval_worker.py", tmp / "eval_result"
     script.write_text(_EVAL_WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "OMP_NUM_THREADS": "1"}
+    env = gloo_env(world)
     argv = [sys.executable, str(script), str(Path(__file__).resolve().parents[1]), str(tokenizer_file), call,
             json.dumps([args, kwargs]), str(out)]
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]

@@ -100,18 +100,6 @@ def test_at_most_one_save_in_flight(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_00000002", "step_00000003"]
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """A 2 MiB tmpfs mounted at a fresh directory (needs root and mount rights)."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs needs root and CAP_SYS_ADMIN; this machine has neither")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_failed_background_write_is_one_line_and_keeps_the_previous_checkpoint(tmpfs, tmp_path):
     _, model, opt = _model(d_model=32, n_layers=2, vocab=300)  # ~0.6 MB of shards: more than is left
     save_checkpoint(tmpfs, 1, model, opt, {"step": 1}, keep=3)

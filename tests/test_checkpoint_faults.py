@@ -43,18 +43,6 @@ def _leftovers(run: Path) -> list[str]:
     return sorted(p.name for p in (run / "checkpoints").iterdir() if not p.name.startswith("step_") or "." in p.name)
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """A 2 MiB tmpfs mounted at a fresh directory (needs root and mount rights)."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs needs root and CAP_SYS_ADMIN; this machine has neither")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_disk_full_is_one_line_and_keeps_the_previous_checkpoint(tmpfs):
     _, model, opt = _model()
     save_checkpoint(tmpfs, 1, model, opt, {"step": 1}, keep=3)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import crosscheck_module, tiny_eval_model
+from conftest import crosscheck_module, gloo_env, tiny_eval_model
 
 from densetrain.data.shards import TokenFiles, write_shard
 from densetrain.evals.downstream import evaluate_tasks
@@ -71,11 +69,7 @@ def _run_ranks(spec: dict, tokenizer_file: str, tmp: Path, world: int = 2) -> li
     """``world`` gloo ranks that each run ``spec['call']``; their ``{'result', 'forwards'}``, rank order."""
     script, out = tmp / "worker.py", tmp / "result"
     script.write_text(_WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "OMP_NUM_THREADS": "1"}
+    env = gloo_env(world)
     argv = [sys.executable, str(script), str(Path(__file__).resolve().parents[1]), tokenizer_file, json.dumps(spec),
             str(out)]
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]

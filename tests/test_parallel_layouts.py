@@ -12,13 +12,12 @@ with a tiny ``max_norm`` (every step clipped) and tied embeddings (still one par
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import gloo_env
 
 _WORKER = r"""
 import json, os, sys
@@ -111,11 +110,7 @@ def run_ranks(tmp: Path, world: int, layout: dict) -> list[dict]:
     """Start ``world`` ranks of the worker (gloo, env:// on a free port, one thread each); each rank's result."""
     script, out = tmp / "layout_worker.py", tmp / "layout_result"
     script.write_text(_WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "OMP_NUM_THREADS": "1"}
+    env = gloo_env(world)
     argv = [sys.executable, str(script), str(Path(__file__).resolve().parents[1]), json.dumps(layout), str(out)]
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE,
                               text=True) for r in range(world)]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import gloo_env
 
 from densetrain.checkpoint import list_complete
 from densetrain.config import save_config
@@ -111,11 +111,7 @@ _NAN_WORKER = textwrap.dedent("""
 
 
 def _launch(script: str, args: list[str], world: int = 2, timeout: int = 240) -> list[subprocess.CompletedProcess]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "OMP_NUM_THREADS": "1"}
+    env = gloo_env(world)
     procs = [subprocess.Popen([sys.executable, script, *args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
     out = []
