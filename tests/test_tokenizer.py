@@ -23,9 +23,9 @@ import struct
 
 import pytest
 
-from densetrain.data import tokenizer_named
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
-from densetrain.data.tokenizer_named import RANK_FILES, read_quicktok_special, read_quicktok_vocab, tiktoken_bytes
+from densetrain.data.tokenizer import named as tokenizer_named
+from densetrain.data.tokenizer.named import RANK_FILES, read_quicktok_special, read_quicktok_vocab, tiktoken_bytes
 from densetrain.errors import DataError
 from densetrain.hf import tokenizer_files
 
@@ -170,7 +170,7 @@ def test_gpt2_matches_tiktoken_r50k_base_definition(gpt2, monkeypatch):
     monkeypatch.setattr(tiktoken.load, "read_file", lambda blobpath: data)
     ref = tiktoken.Encoding(**openai_public.r50k_base())
     assert ref.encode_ordinary(MULTILINGUAL) == gpt2.encode(MULTILINGUAL)
-    from densetrain.data.tokenizer import _tiktoken_sha256
+    from densetrain.data.tokenizer.core import _tiktoken_sha256
 
     assert _tiktoken_sha256(ref) == gpt2.sha256  # the very same definition
 

