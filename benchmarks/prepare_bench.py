@@ -37,7 +37,7 @@ datatrove (``LocalPipelineExecutor``, ``tasks = workers = --workers``, FineWeb's
     Start method ``fork`` instead of datatrove's default ``forkserver``: forkserver workers are
     not children of the measured process, so their CPU time would not be counted.
 
-Input. Documents come from the demo corpus (``densetrain.data.corpus.build_demo_corpus`` into
+Input. Documents come from the demo corpus (``densetrain.data.corpus.build.build_demo_corpus`` into
 ``<work-dir>/corpus``, English sources ``books, reference, technical, web`` by default, all their
 text (~53 MB), reusing the ``.deb`` cache of ``make demo`` when present) and from
 ``--input`` files (any format densetrain reads: JSONL with ``--text-field``, Parquet, text;
@@ -108,7 +108,7 @@ def _origins(args, work: Path) -> list[tuple[str, object, Path]]:
 
     out = []
     if not args.no_demo:
-        from densetrain.data.corpus import build_demo_corpus
+        from densetrain.data.corpus.build import build_demo_corpus
 
         demo_dir = work / "corpus"
         debs = REPO / ".cache/densetrain/corpus/.cache/debs"  # where `make demo` keeps its downloads

@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 from densetrain.config import Config, DataConfig, SourceConfig
-from densetrain.data import corpus, corpus_texts, prepare_source
+from densetrain.data import prepare_source
+from densetrain.data.corpus import build as corpus
+from densetrain.data.corpus import texts as corpus_texts
 from densetrain.data.documents import SkipLog
 from densetrain.data.filters import FilterStats, apply_filters, build_filters, clean_text
 from densetrain.data.paths import resolve_paths

@@ -3,7 +3,7 @@
 Steps (per source, in ``data.sources`` order):
 
 1. (``data.demo_corpus``) build the demo corpus into ``data.corpus_dir``; with no sources
-   configured, the demo sources (:func:`densetrain.data.corpus.demo_sources`) are used.
+   configured, the demo sources (:func:`densetrain.data.corpus.build.demo_sources`) are used.
 2. Tokenizer: ``data.tokenizer = 'bpe'`` trains a byte-level BPE of ``data.tokenizer_vocab_size``
    on a deterministic, source-balanced sample (:data:`BPE_SAMPLE_BYTES`) of cleaned documents the
    first time, saved as ``shards_dir/tokenizer.json``; otherwise tiktoken or a given tokenizer.json.
@@ -46,7 +46,7 @@ import json
 import time
 from pathlib import Path
 
-from densetrain.data.corpus import build_demo_corpus, demo_sources
+from densetrain.data.corpus.build import build_demo_corpus, demo_sources
 from densetrain.data.datatrove_folder import register_datatrove_source
 from densetrain.data.decontam import build_index
 from densetrain.data.documents import SkipLog

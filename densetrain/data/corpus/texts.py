@@ -1,10 +1,10 @@
-"""Plain-text documents from the formats the demo corpus packages ship (:mod:`densetrain.data.corpus`):
+"""Plain-text documents from the formats the demo corpus packages ship (:mod:`densetrain.data.corpus.build`):
 ``bible -f`` output (KJV), OSIS markup in SWORD zText modules (World English Bible), GCIDE in dictd
 form, the Jargon File, strfile fortune files.
 
 A document is a JSON-able dict ``{'text', 'id', 'source_file'}`` (:func:`demo_doc`), one line of the
 corpus JSONL files. Everything here is a pure function of bytes already on disk; fetching the
-packages is :mod:`densetrain.data.corpus_packages`.
+packages is :mod:`densetrain.data.corpus.packages`.
 """
 
 from __future__ import annotations

@@ -49,9 +49,9 @@ import zlib
 from pathlib import Path
 
 from densetrain.config import SourceConfig
-from densetrain.data.corpus_packages import DebPackages, log
-from densetrain.data.corpus_stdlib import stdlib_code_documents, stdlib_docstring_documents
-from densetrain.data.corpus_texts import (
+from densetrain.data.corpus.packages import DebPackages, log
+from densetrain.data.corpus.stdlib import stdlib_code_documents, stdlib_docstring_documents
+from densetrain.data.corpus.texts import (
     demo_doc,
     doc_bytes,
     fortune_documents,

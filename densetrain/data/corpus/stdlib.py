@@ -9,7 +9,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from densetrain.data.corpus_texts import demo_doc, doc_bytes
+from densetrain.data.corpus.texts import demo_doc, doc_bytes
 
 _DEFINITIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 _PYTHON = f"python{sys.version_info.major}.{sys.version_info.minor}"  # the source_file prefix of stdlib records
