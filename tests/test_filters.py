@@ -26,7 +26,7 @@ from densetrain.config import (
     help_text,
     load_config,
 )
-from densetrain.data.filters import (
+from densetrain.data.prepare.filters.chain import (
     FTFY_CONFIG,
     C4Filter,
     FilterStats,

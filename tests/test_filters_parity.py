@@ -12,7 +12,7 @@ Crawl documents of /work/shared/data (skipped when absent).
 Two levels: :func:`test_rules_equal_datatrove_given_the_same_words` hands datatrove our word
 tokenizer, so it checks the rules alone (denominators, overlap counting, line splitting) and runs
 wherever datatrove is installed; the end-to-end tests let datatrove use its own English tokenizer
-(spaCy, which they then need) and so also check :func:`densetrain.data.filter_text.split_words`.
+(spaCy, which they then need) and so also check :func:`densetrain.data.prepare.filters.text.split_words`.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ from datatrove.pipeline.filters import (  # noqa: E402
 from datatrove.utils.word_tokenizers import WordTokenizer  # noqa: E402
 
 from densetrain.config import FiltersConfig  # noqa: E402
-from densetrain.data.filter_text import (  # noqa: E402
+from densetrain.data.prepare.filters.chain import build_filters, clean_text  # noqa: E402
+from densetrain.data.prepare.filters.text import (  # noqa: E402
     SYMBOL_CHARS,
     TERMINAL_PUNCTUATION,
     count_sentences,
     split_words,
 )
-from densetrain.data.filters import build_filters, clean_text  # noqa: E402
 
 HAVE_SPACY = importlib.util.find_spec("spacy") is not None
 SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
@@ -67,7 +67,7 @@ RULES = {
 }
 
 # Deliberate, cited differences: (corpus, index) -> why. Only tokenizer special cases of spaCy that
-# split_words does not reproduce (see densetrain/data/filter_text.py) may appear here.
+# split_words does not reproduce (see densetrain/data/prepare/filters/text.py) may appear here.
 DIFFERENCES: dict[tuple[str, int], str] = {}
 
 

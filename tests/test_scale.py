@@ -1,4 +1,4 @@
-"""Scale-out (densetrain/data/scale.py): a prepare config run on datatrove's local executor, trained
+"""Scale-out (densetrain/data/prepare/scale/pipeline.py): a prepare config run on datatrove's local executor, trained
 on directly as a ``format = "datatrove"`` source, and compared with densetrain's own prepare.
 
 The corpus is real English prose: docstrings of the Python standard library (60+ words), with
@@ -52,7 +52,7 @@ def _near_copy(text: str, k: int) -> str:
 
 def _write_corpus(root: Path) -> dict:
     from densetrain.config import FiltersConfig
-    from densetrain.data.filters import FilterStats, apply_filters, build_filters, clean_text
+    from densetrain.data.prepare.filters.chain import FilterStats, apply_filters, build_filters, clean_text
     from densetrain.registry.tasks import load_examples
 
     docs = _docstrings()
@@ -97,7 +97,7 @@ def _write_corpus(root: Path) -> dict:
 def scale_run(tmp_path_factory):
     """Run the datatrove pipeline once, then prepare (datatrove source + the same raw source)."""
     from densetrain.data.prepare import prepare
-    from densetrain.data.scale import datatrove_pipeline
+    from densetrain.data.prepare.scale.pipeline import datatrove_pipeline
     from densetrain.data.tokenizer import train_bpe
 
     root = tmp_path_factory.mktemp("scale")
@@ -148,8 +148,8 @@ def _stats(work: Path, stage: str) -> dict:
 
 
 def test_datatrove_output_is_the_cleaned_deduplicated_corpus(scale_run):
-    from densetrain.data import dedup
-    from densetrain.data.datatrove_folder import IDENTITY_FILE
+    from densetrain.data.prepare import dedup
+    from densetrain.data.prepare.scale.folder import IDENTITY_FILE
 
     tok, out, work = scale_run["tok"], scale_run["out"], Path(scale_run["pipe"].work_dir)
     got = _decoded(tok, out / "train") + _decoded(tok, out / "val")
@@ -185,7 +185,7 @@ def test_datatrove_output_is_the_cleaned_deduplicated_corpus(scale_run):
 
 
 def test_datatrove_path_agrees_with_prepare(scale_run):
-    from densetrain.data import dedup
+    from densetrain.data.prepare import dedup
 
     tok, root, work = scale_run["tok"], scale_run["root"], Path(scale_run["pipe"].work_dir)
     shards = root / "shards"
@@ -274,7 +274,7 @@ def test_bad_datatrove_folder_is_a_one_line_error(scale_run, tmp_path, case):
 def test_cluster_executors_wiring(scale_run, tmp_path):
     from datatrove.executor import RayPipelineExecutor, SlurmPipelineExecutor
 
-    from densetrain.data.scale import datatrove_pipeline
+    from densetrain.data.prepare.scale.pipeline import datatrove_pipeline
     from densetrain.errors import ConfigError
 
     cfg = scale_run["cfg"]

@@ -20,10 +20,10 @@ import pytest
 import zstandard
 
 from densetrain.config import SourceConfig, load_config
-from densetrain.data.documents import Document, SkipLog
-from densetrain.data.paths import file_format, resolve_paths, save_to_disk_files
+from densetrain.data.prepare.readers.documents import Document, SkipLog
+from densetrain.data.prepare.readers.paths import file_format, resolve_paths, save_to_disk_files
+from densetrain.data.prepare.readers.sources import iter_documents
 from densetrain.data.shards import TokenFiles, write_shard
-from densetrain.data.sources import iter_documents
 from densetrain.errors import ConfigError, DataError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])

@@ -30,18 +30,19 @@ class SourceConfig:
     """Take part in deduplication (data.dedup); false keeps every document of this source."""
     filters: list[str] = field(default_factory=lambda: ["auto"])
     """Quality filters, run in the order given: gopher_repetition, gopher_repetition_lines, gopher_quality, c4,
-    c4_fineweb, fineweb; ['auto'] picks by kind (densetrain.data.filters.AUTO_FILTERS); ['none'] disables."""
+    c4_fineweb, fineweb; ['auto'] picks by kind (densetrain.data.prepare.filters.chain.AUTO_FILTERS); ['none']
+    disables."""
     fix_text: bool = True
     """Repair mojibake and broken Unicode with ftfy before filtering (NFC and stripping always apply)."""
 
 
 @dataclass
 class DedupConfig:
-    """Exact and MinHash-LSH near-duplicate removal (``densetrain.data.dedup``).
+    """Exact and MinHash-LSH near-duplicate removal (``densetrain.data.prepare.dedup``).
 
     Defaults: 5-word shingles and Jaccard 0.8 as in FineWeb's MinHash stage; 16 bands x 7 rows
     (112 permutations, FineWeb's count) put the LSH S-curve at P(candidate | J=0.8) = 0.977.
-    The S-curve table and the reasoning are in the module docstring of densetrain/data/dedup.py.
+    The S-curve table and the reasoning are in the module docstring of densetrain/data/prepare/dedup.py.
     """
 
     exact: bool = True
@@ -65,7 +66,7 @@ class DedupConfig:
 
 @dataclass
 class DecontamConfig:
-    """Benchmark decontamination (``densetrain.data.decontam``): drop training documents that share a
+    """Benchmark decontamination (``densetrain.data.prepare.decontam.build``): drop training documents that share a
     word n-gram with an evaluation set (GPT-3, Brown et al. 2020, App. C: 13-grams of lower-cased words
     without punctuation)."""
 
@@ -105,7 +106,7 @@ class DataConfig:
     densetrain/data/mixture.py); false reads each source front to back in file order."""
     max_document_bytes: int = 64 << 20
     """Documents larger than this (bytes of the JSONL line, file, paragraph or Parquet/Arrow text value) are skipped
-    and logged; 64 MiB, far above any real document (see densetrain.data.sources)."""
+    and logged; 64 MiB, far above any real document (see densetrain.data.prepare.readers.sources)."""
     workers: int = 0
     """Processes for cleaning, filtering, decontamination and tokenization; 0 = every CPU this process may use."""
     sources: list[SourceConfig] = field(default_factory=list)

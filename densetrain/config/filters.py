@@ -1,5 +1,5 @@
 """Quality-filter thresholds (``data.filters.*``) and their validation: Gopher (Rae et al. 2021),
-C4 (Raffel et al. 2020), FineWeb (Penedo et al. 2024). Applied by :mod:`densetrain.data.filters`."""
+C4 (Raffel et al. 2020), FineWeb (Penedo et al. 2024). Applied by :mod:`densetrain.data.prepare.filters.chain`."""
 
 from __future__ import annotations
 
@@ -122,7 +122,8 @@ class FineWebConfig:
 
 @dataclass
 class FiltersConfig:
-    """Thresholds of the document quality filters (``densetrain.data.filters``); sources pick filters by name."""
+    """Thresholds of the document quality filters (``densetrain.data.prepare.filters.chain``); sources pick
+    filters by name."""
 
     gopher_quality: GopherQualityConfig = field(default_factory=GopherQualityConfig)
     """Gopher quality rules (Rae et al. 2021, App. A)."""

@@ -1,5 +1,5 @@
 """Filter names and what ``filters = ['auto']`` means per source kind: a leaf registry that the config
-schema validates against without importing the filters themselves (:mod:`densetrain.data.filters`)."""
+schema validates against without importing the filters themselves (:mod:`densetrain.data.prepare.filters.chain`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The interface every quality filter implements (:mod:`densetrain.data.filters` runs them)."""
+"""The interface every quality filter implements (:mod:`densetrain.data.prepare.filters.chain` runs them)."""
 
 from __future__ import annotations
 

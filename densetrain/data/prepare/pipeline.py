@@ -8,11 +8,11 @@ Steps (per source, in ``data.sources`` order):
    on a deterministic, source-balanced sample (:data:`BPE_SAMPLE_BYTES`) of cleaned documents the
    first time, saved as ``shards_dir/tokenizer.json``; otherwise tiktoken or a given tokenizer.json.
 3. Decontamination index (``data.decontam``): the ``ngram``-word n-grams of the evaluation sets,
-   built once and cached in ``shards_dir/.decontam`` (:mod:`densetrain.data.decontam`).
-4. Per document, in ``data.workers`` processes (:mod:`densetrain.data.process`): read
-   (:func:`densetrain.data.sources.iter_documents`; bad records are skipped and counted), clean
+   built once and cached in ``shards_dir/.decontam`` (:mod:`densetrain.data.prepare.decontam.build`).
+4. Per document, in ``data.workers`` processes (:mod:`densetrain.data.prepare.process`): read
+   (:func:`densetrain.data.prepare.readers.sources.iter_documents`; bad records are skipped and counted), clean
    (ftfy, NFC, strip; empty documents dropped), quality filters (``SourceConfig.filters``,
-   :mod:`densetrain.data.filters`), decontamination, dedup key + MinHash signature, tokenize +
+   :mod:`densetrain.data.prepare.filters.chain`), decontamination, dedup key + MinHash signature, tokenize +
    EOS.
 5. Deduplicate the survivors of each source (exact, then MinHash LSH; ``data.dedup``, per source
    ``SourceConfig.dedup``), keeping the first document of every cluster.
@@ -29,8 +29,8 @@ Steps (per source, in ``data.sources`` order):
          <source>/train/000000.ds  (+ .ds.index, .ds.metadata), 000001.ds, ... (<= 64 Mi tokens each)
          <source>/val/000000.ds    (+ .ds.index, .ds.metadata)
 
-Steps 4-7 of one source are :mod:`densetrain.data.prepare_source`; a ``format = "datatrove"`` source
-(already tokenized) is checked and registered instead (:mod:`densetrain.data.datatrove_folder`).
+Steps 4-7 of one source are :mod:`densetrain.data.prepare.source`; a ``format = "datatrove"`` source
+(already tokenized) is checked and registered instead (:mod:`densetrain.data.prepare.scale.folder`).
 
 A source is skipped when its manifest matches the tokenizer hash, the input files (path, size,
 mtime) and the parameters, unless ``force``. The manifest is deleted before a source is
@@ -47,17 +47,17 @@ import time
 from pathlib import Path
 
 from densetrain.data.corpus.build import build_demo_corpus, demo_sources
-from densetrain.data.datatrove_folder import register_datatrove_source
-from densetrain.data.decontam import build_index
-from densetrain.data.documents import SkipLog
-from densetrain.data.filters import clean_text
-from densetrain.data.manifest import log
-from densetrain.data.paths import estimated_text_bytes, resolve_paths
-from densetrain.data.prepare_source import prepare_source
-from densetrain.data.process import worker_pool
+from densetrain.data.prepare.decontam.build import build_index
+from densetrain.data.prepare.filters.chain import clean_text
+from densetrain.data.prepare.manifest import log
+from densetrain.data.prepare.process import worker_pool
+from densetrain.data.prepare.readers.documents import SkipLog
+from densetrain.data.prepare.readers.paths import estimated_text_bytes, resolve_paths
+from densetrain.data.prepare.readers.sources import iter_documents
+from densetrain.data.prepare.scale.folder import register_datatrove_source
+from densetrain.data.prepare.source import prepare_source
 from densetrain.data.sampling import fair_shares
 from densetrain.data.shards import token_dtype, token_size_for
-from densetrain.data.sources import iter_documents
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe, usable_cpus
 from densetrain.errors import DataError
 from densetrain.fileio import atomic_write_json

@@ -11,23 +11,23 @@ and characters (Unicode code points) removed per filter and rule in a :class:`Fi
 name                     rules (thresholds in ``data.filters.<name>``, published defaults)
 =======================  ===================================================================
 gopher_repetition        duplicate lines/paragraphs and repeated word n-grams (Rae et al.
-                         2021, Gopher, App. A, Table A1): :mod:`.filters_gopher`
+                         2021, Gopher, App. A, Table A1): :mod:`.gopher`
 gopher_repetition_lines  the line/paragraph rules of gopher_repetition only
 gopher_quality           word count, mean word length, '#' and ellipsis per word, bullet and
                          ellipsis lines, alphabetic words, stop words (Gopher, App. A)
 c4                       C4's own cleaning: lines ending in terminal punctuation with >= 5
                          words, no javascript / policy lines; pages without 'lorem ipsum' or
-                         '{' and with >= 3 sentences (Raffel et al. 2020, §2.2): :mod:`.filters_c4`
+                         '{' and with >= 3 sentences (Raffel et al. 2020, §2.2): :mod:`.c4`
 c4_fineweb               C4's rules as FineWeb ran them: no terminal-punctuation rule, >= 3
                          words per line, >= 5 sentences (Penedo et al. 2024)
 fineweb                  line punctuation, short lines, duplicated-line characters, newlines
-                         per word (Penedo et al. 2024, arXiv:2406.17557): :mod:`.filters_fineweb`
+                         per word (Penedo et al. 2024, arXiv:2406.17557): :mod:`.fineweb`
 =======================  ===================================================================
 
 ``filters = ['auto']`` picks a set by ``SourceConfig.kind`` (``AUTO_FILTERS``); for ``web`` it is
 FineWeb's pipeline, whose keep/drop decisions equal datatrove 0.10's (the code FineWeb ran) on real
 documents (tests/test_filters_parity.py); words are datatrove's English word tokens
-(:mod:`.filter_text`).
+(:mod:`.text`).
 """
 
 from __future__ import annotations
@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 import ftfy
 
 from densetrain.config import FiltersConfig
-from densetrain.data.filter_base import Filter
-from densetrain.data.filter_text import TERMINAL_PUNCTUATION, split_words
-from densetrain.data.filters_c4 import C4Filter, C4FineWebFilter
-from densetrain.data.filters_fineweb import FineWebFilter
-from densetrain.data.filters_gopher import GopherQualityFilter, GopherRepetitionFilter
+from densetrain.data.prepare.filters.base import Filter
+from densetrain.data.prepare.filters.c4 import C4Filter, C4FineWebFilter
+from densetrain.data.prepare.filters.fineweb import FineWebFilter
+from densetrain.data.prepare.filters.gopher import GopherQualityFilter, GopherRepetitionFilter
+from densetrain.data.prepare.filters.text import TERMINAL_PUNCTUATION, split_words
 from densetrain.registry.filters import resolve_filter_names
 
 __all__ = ["FTFY_CONFIG", "TERMINAL_PUNCTUATION", "C4FineWebFilter", "C4Filter", "Filter", "FilterStats",

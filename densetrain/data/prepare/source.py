@@ -16,14 +16,14 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from densetrain.data.dedup import find_duplicates
-from densetrain.data.documents import SkipLog
-from densetrain.data.filters import FilterStats, filter_warnings
-from densetrain.data.manifest import PREPARE_VERSION, fingerprint, log, up_to_date
-from densetrain.data.paths import estimated_text_bytes
-from densetrain.data.process import CHUNK_BYTES, ProcessSpec, chunked, process_documents
+from densetrain.data.prepare.dedup import find_duplicates
+from densetrain.data.prepare.filters.chain import FilterStats, filter_warnings
+from densetrain.data.prepare.manifest import PREPARE_VERSION, fingerprint, log, up_to_date
+from densetrain.data.prepare.process import CHUNK_BYTES, ProcessSpec, chunked, process_documents
+from densetrain.data.prepare.readers.documents import SkipLog
+from densetrain.data.prepare.readers.paths import estimated_text_bytes
+from densetrain.data.prepare.readers.sources import iter_documents
 from densetrain.data.shards import SHARD_MAX_TOKENS, token_dtype, write_shard
-from densetrain.data.sources import iter_documents
 from densetrain.data.tokenizer import Tokenizer
 from densetrain.fileio import atomic_write_bytes, atomic_write_json
 from densetrain.registry.filters import resolve_filter_names

@@ -1,5 +1,5 @@
-"""The pipeline steps of the datatrove scale-out (:mod:`densetrain.data.scale`): our reader, per-document
-map, word splitting for MinHash, document writer and reader between stages, tokenizer step and the
+"""The pipeline steps of the datatrove scale-out (:mod:`densetrain.data.prepare.scale.pipeline`): our reader,
+per-document map, word splitting for MinHash, document writer and reader between stages, tokenizer step and the
 validation hold-out, as datatrove ``PipelineStep`` s. Importing this module needs datatrove (the
 ``test`` extra: ``pip install 'datatrove>=0.10,<0.11'``).
 """
@@ -26,13 +26,13 @@ from datatrove.utils.text import TextNormConfig
 from datatrove.utils.typeshelper import StatHints
 from datatrove.utils.word_tokenizers import WordTokenizer
 
-from densetrain.data import dedup as dd
-from densetrain.data.datatrove_folder import IDENTITY_FILE
-from densetrain.data.documents import SkipLog
-from densetrain.data.filters import FilterStats
-from densetrain.data.paths import resolve_paths
-from densetrain.data.process import CHUNK_BYTES, DocumentProcessor, ProcessSpec, chunked
-from densetrain.data.sources import iter_documents
+from densetrain.data.prepare import dedup as dd
+from densetrain.data.prepare.filters.chain import FilterStats
+from densetrain.data.prepare.process import CHUNK_BYTES, DocumentProcessor, ProcessSpec, chunked
+from densetrain.data.prepare.readers.documents import SkipLog
+from densetrain.data.prepare.readers.paths import resolve_paths
+from densetrain.data.prepare.readers.sources import iter_documents
+from densetrain.data.prepare.scale.folder import IDENTITY_FILE
 from densetrain.errors import ConfigError
 
 VAL_TASKS = 8
@@ -128,7 +128,7 @@ class DocumentMap(PipelineStep):
 
 
 class DedupWordTokenizer(WordTokenizer):
-    """datatrove word tokenizer that splits words exactly as :func:`densetrain.data.dedup.words`
+    """datatrove word tokenizer that splits words exactly as :func:`densetrain.data.prepare.dedup.words`
     (lowercase, Unicode punctuation/symbols -> space, split on whitespace).
 
     Used by ``MinhashDedupSignature`` instead of datatrove's spaCy/NLTK tokenizers; pair it with an
@@ -150,7 +150,7 @@ class DedupWordTokenizer(WordTokenizer):
 
 def exact_content(doc: DTDocument) -> str:
     """What datatrove's exact dedup hashes: our normalised text (raw text when it has no words),
-    the input of :func:`densetrain.data.dedup.exact_key`."""
+    the input of :func:`densetrain.data.prepare.dedup.exact_key`."""
     return dd.normalize(doc.text) or doc.text
 
 
@@ -215,7 +215,7 @@ class TokenizeStep(DocumentTokenizer):
       text, as :class:`densetrain.data.tokenizer.Tokenizer` does; only the appended EOS is special.
     * Task 0 writes ``identity`` (:meth:`Tokenizer.identity`) as ``IDENTITY_FILE`` into
       ``identity_folder``, so the output is checked by content hash
-      (:func:`~densetrain.data.datatrove_folder.check_datatrove_folder`).
+      (:func:`~densetrain.data.prepare.scale.folder.check_datatrove_folder`).
     """
 
     def __init__(self, *args, identity: dict | None = None, identity_folder=None, **kwargs):

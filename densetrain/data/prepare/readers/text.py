@@ -3,8 +3,8 @@ transparent gzip/zstd decompression.
 
 Compressed files are decompressed as a stream, detected by their magic bytes (``1f 8b``,
 ``28 b5 2f fd``) so the extension does not matter. Every reader yields
-:class:`~densetrain.data.documents.Document` s and records what it skips in a
-:class:`~densetrain.data.documents.SkipLog` (rules: :mod:`densetrain.data.sources`).
+:class:`~densetrain.data.prepare.readers.documents.Document` s and records what it skips in a
+:class:`~densetrain.data.prepare.readers.documents.SkipLog` (rules: :mod:`densetrain.data.prepare.readers.sources`).
 
 Invalid UTF-8. A JSONL record with an invalid byte is dropped whole: its line IS the record, and a
 record whose bytes are damaged cannot be trusted to hold the text it was meant to. In ``text`` and
@@ -27,7 +27,7 @@ from typing import IO, Iterator
 
 import zstandard
 
-from densetrain.data.documents import Document, SkipLog, first_line, log_too_large, record_document
+from densetrain.data.prepare.readers.documents import Document, SkipLog, first_line, log_too_large, record_document
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"

@@ -16,10 +16,10 @@ other in order. For one source ``data.sources[i]`` with exact and near dedup on:
     tokenize             tasks        TaskFileReader -> ExactDedupFilter -> MinhashDedupFilter
                                       -> HoldOut(val) -> DocumentTokenizer(output/train)
 
-What stays ours: reading (:func:`densetrain.data.sources.iter_documents`: every format, bad-record
+What stays ours: reading (:func:`densetrain.data.prepare.readers.sources.iter_documents`: every format, bad-record
 handling, document ids and provenance), cleaning, the quality filters and decontamination
 (:class:`DocumentMap`), the exact-dedup normalisation and the MinHash word splitting
-(:mod:`densetrain.data.dedup`), and the tokenizer file. What is datatrove's: task scheduling,
+(:mod:`densetrain.data.prepare.dedup`), and the tokenizer file. What is datatrove's: task scheduling,
 retries and completion markers (re-running skips finished tasks), statistics, the exact and MinHash
 dedup stages and the tokenizer writer. Only the per-document work is ours; dedup needs a global
 view and therefore runs as datatrove's multi-stage dedup, never inside a task.
@@ -32,7 +32,7 @@ split over tasks as datatrove's readers do (``files[rank::world_size]``).
 
 Dedup differences from ``densetrain prepare`` (documented, measured in tests/test_scale.py):
 
-* exact dedup hashes the same normalised text (:func:`densetrain.data.dedup.normalize`), so the
+* exact dedup hashes the same normalised text (:func:`densetrain.data.prepare.dedup.normalize`), so the
   same exact duplicates go; which copy is kept can differ (datatrove keeps one by hash order,
   ``prepare`` the first read).
 * near dedup uses datatrove's own MinHash (sha1-64 shingles, its permutations) with our
@@ -74,10 +74,10 @@ from datatrove.pipeline.dedup.exact_dedup import (
 )
 
 from densetrain.config import load_config, parse_overrides
-from densetrain.data.decontam import build_index
-from densetrain.data.paths import resolve_paths
-from densetrain.data.process import ProcessSpec
-from densetrain.data.scale_steps import (
+from densetrain.data.prepare.decontam.build import build_index
+from densetrain.data.prepare.process import ProcessSpec
+from densetrain.data.prepare.readers.paths import resolve_paths
+from densetrain.data.prepare.scale.steps import (
     HASH_CONFIG,
     DedupWordTokenizer,
     DocumentMap,
@@ -284,14 +284,14 @@ def _absolute(path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m densetrain.data.scale --config FILE --source NAME --output DIR [options] [overrides]``.
+    """``python -m densetrain.data.prepare.scale --config FILE --source NAME --output DIR [options] [overrides]``.
 
     Overrides: ``--section.key=value`` config overrides as for every densetrain command;
     ``--executor.KEY=VALUE`` executor arguments for every stage (``--executor.partition=cpu
     --executor.time=4:00:00``); ``--stage.NAME.KEY=VALUE`` for one stage
     (``--stage.minhash_cluster.mem_per_cpu_gb=16``). Values are TOML, else strings.
     """
-    p = argparse.ArgumentParser(prog="python -m densetrain.data.scale", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m densetrain.data.prepare.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="tiny", help="preset under the config file (default tiny)")
     p.add_argument("--config", help="TOML config file (applied over the preset)")
     p.add_argument("--source", required=True, help="name of the data.sources entry to process")
@@ -323,11 +323,3 @@ def main(argv: list[str] | None = None) -> None:
     pipe.run()
     print(f"[scale] output: {pipe.output_dir}  (a source with format = \"datatrove\" and paths = [that folder])")
 
-
-if __name__ == "__main__":
-    # Run the copy imported under the package name: pipeline steps are pickled into datatrove's
-    # worker processes by reference to their module, and classes of `__main__` (pickled by value)
-    # hung the tokenize stage under the local executor's forkserver.
-    from densetrain.data import scale
-
-    scale.main()

@@ -1,7 +1,7 @@
 """Datatrove-tokenized folders (``format = "datatrove"`` sources): the check of the token files before
 training on them (:func:`check_datatrove_folder`) and their registration as a prepared source
 (:func:`register_datatrove_source`). Pure Python: reading the folder needs no datatrove; writing it
-is :mod:`densetrain.data.scale` (docs/scale-out.md).
+is :mod:`densetrain.data.prepare.scale.pipeline` (docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from densetrain.data.manifest import PREPARE_VERSION, fingerprint, log, up_to_date
+from densetrain.data.prepare.manifest import PREPARE_VERSION, fingerprint, log, up_to_date
 from densetrain.data.shards import TokenFiles, sha256_file, token_dtype
 from densetrain.data.tokenizer import Tokenizer
 from densetrain.errors import DataError
@@ -138,7 +138,7 @@ def register_datatrove_source(i, src, cfg, tok: Tokenizer, corpus_dir: Path, sha
     Nothing is copied or re-tokenized: training reads the folder in place (the split ``dir`` and
     shard ``path`` entries are absolute). The folder is ``src.paths[0]`` (relative to
     ``data.corpus_dir``). Splits: ``train/`` and ``val/`` subfolders as written by
-    :func:`densetrain.data.scale.datatrove_pipeline`; otherwise the whole folder is train and the
+    :func:`densetrain.data.prepare.scale.pipeline.datatrove_pipeline`; otherwise the whole folder is train and the
     source has no val split (it is left out of the validation loss). Checks:
     :func:`check_datatrove_folder` (metadata, index, tokenizer identity,
     ids < model.vocab_size, EOS). Skipped when the files (size, mtime), the tokenizer and

@@ -5,7 +5,7 @@ as written by Hugging Face ``datasets``, or file format / Feather v2).
 One document per row: the text column is ``text_field``; a string ``id`` column becomes the document
 id; the other scalar columns go to ``Document.meta`` (booleans, numbers and strings as they are,
 dates, times and decimals as strings; nested and binary columns are not read). Skips (rules:
-:mod:`densetrain.data.sources`) are logged with the row as the line.
+:mod:`densetrain.data.prepare.readers.sources`) are logged with the row as the line.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from densetrain.data.documents import Document, SkipLog, first_line, log_too_large, record_document
+from densetrain.data.prepare.readers.documents import Document, SkipLog, first_line, log_too_large, record_document
 
 _BATCH_ROWS = 1024
 """Rows per record batch read from Parquet: a few MB of web text, so memory stays bounded."""

@@ -1,7 +1,7 @@
 """The benchmark text of evaluation examples, as the decontamination index sees it: the views of a
 multiple-choice example (:func:`example_views`: ``gold``, ``question``, ``choices``, ``lettered``)
 and of a GSM8K / HumanEval problem (:func:`problem_text`), for every shipped evaluation split of a
-task (:func:`split_sources`). Why these views: :mod:`densetrain.data.decontam`.
+task (:func:`split_sources`). Why these views: :mod:`densetrain.data.prepare.decontam.build`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 import string
 from pathlib import Path
 
-from densetrain.data.decontam_index import VIEW_NAMES
+from densetrain.data.prepare.decontam.index import VIEW_NAMES
 from densetrain.registry import gen_tasks, prompts, task_files, tasks
 from densetrain.registry.gen_tasks import GEN_TASKS
 from densetrain.registry.prompts import question_answer

@@ -1,13 +1,13 @@
 """When a prepared source is still valid: the fingerprint of its inputs and the test of its manifest
 against inputs, parameters, tokenizer and shard files (``<shards_dir>/<source>/manifest.json``), shared
-by :mod:`densetrain.data.prepare_source` and :mod:`densetrain.data.datatrove_folder`."""
+by :mod:`densetrain.data.prepare.source` and :mod:`densetrain.data.prepare.scale.folder`."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from densetrain.data.paths import display_path
+from densetrain.data.prepare.readers.paths import display_path
 from densetrain.data.tokenizer import Tokenizer
 
 PREPARE_VERSION = 1

@@ -1,7 +1,7 @@
 """Reading raw documents of one configured source (``data.sources[i]``): the one entry point,
 :func:`iter_documents`, over the per-format readers.
 
-Which files: :mod:`densetrain.data.paths` (files, directories walked recursively and sorted, globs,
+Which files: :mod:`densetrain.data.prepare.readers.paths` (files, directories walked recursively and sorted, globs,
 ``save_to_disk`` folders). Each file is read in one of six formats:
 
 * ``jsonl``: one JSON object per line; the document is ``obj[text_field]`` (a string). A non-empty
@@ -9,7 +9,7 @@ Which files: :mod:`densetrain.data.paths` (files, directories walked recursively
 * ``text``: the whole file is one document.
 * ``paragraphs``: documents are separated by one or more blank (whitespace-only) lines.
 * ``parquet``: one document per row, read a batch of rows at a time
-  (:mod:`densetrain.data.columnar_readers`). FineWeb's schema (``text``, ``id``, ``url``, ``dump``,
+  (:mod:`densetrain.data.prepare.readers.columnar`). FineWeb's schema (``text``, ``id``, ``url``, ``dump``,
   ``date``, ``language``, ``language_score``, ``token_count``, ...) works as is.
 * ``arrow``: one document per row of an Arrow IPC file, stream format as written by Hugging Face
   ``datasets`` (``save_to_disk``, its cache files) or file format (Feather v2).
@@ -17,16 +17,16 @@ Which files: :mod:`densetrain.data.paths` (files, directories walked recursively
   jsonl, ``.parquet`` is parquet, ``.arrow`` is arrow, everything else is text.
 
 Gzip and zstd compressed files (``jsonl``, ``text``, ``paragraphs``) are decompressed as a stream,
-detected by their magic bytes (:mod:`densetrain.data.text_readers`).
+detected by their magic bytes (:mod:`densetrain.data.prepare.readers.text`).
 
 Bad input is never fatal and never silently dropped: it is recorded in a
-:class:`~densetrain.data.documents.SkipLog` (``file:line: reason``, the line being the row for
+:class:`~densetrain.data.prepare.readers.documents.SkipLog` (``file:line: reason``, the line being the row for
 parquet/arrow) and the reader moves on:
 
 * a malformed JSON line, a record that is not an object, a missing, null or non-string text field;
 * invalid UTF-8: the JSONL record or parquet/arrow row is skipped; in ``text`` and ``paragraphs``
   files only the line holding the bad byte is dropped, the rest of the document is kept (why:
-  :mod:`densetrain.data.text_readers`);
+  :mod:`densetrain.data.prepare.readers.text`);
 * a document over ``max_document_bytes`` (``data.max_document_bytes``): the size is measured on the
   input, i.e. the JSONL line (which bounds the memory a line may take), the text file, the
   paragraph, or the UTF-8 text value of a parquet/arrow row;
@@ -47,10 +47,10 @@ from pathlib import Path
 from typing import Iterator
 
 from densetrain.config import DataConfig, SourceConfig
-from densetrain.data.columnar_readers import iter_arrow, iter_parquet
-from densetrain.data.documents import Document, SkipLog, first_line
-from densetrain.data.paths import display_path, file_format, resolve_paths
-from densetrain.data.text_readers import iter_jsonl, iter_paragraphs, iter_text
+from densetrain.data.prepare.readers.columnar import iter_arrow, iter_parquet
+from densetrain.data.prepare.readers.documents import Document, SkipLog, first_line
+from densetrain.data.prepare.readers.paths import display_path, file_format, resolve_paths
+from densetrain.data.prepare.readers.text import iter_jsonl, iter_paragraphs, iter_text
 from densetrain.errors import DataError
 
 DEFAULT_MAX_DOCUMENT_BYTES: int = DataConfig.max_document_bytes

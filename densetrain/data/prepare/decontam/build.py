@@ -108,16 +108,18 @@ from pathlib import Path
 
 import numpy as np
 
-from densetrain.data import decontam_index, decontam_views, ngram_hash
-from densetrain.data.decontam_index import (
+from densetrain.data.prepare.decontam import index as decontam_index
+from densetrain.data.prepare.decontam import ngram as ngram_hash
+from densetrain.data.prepare.decontam import views as decontam_views
+from densetrain.data.prepare.decontam.index import (
     GAP_MIN_GOLD_WORDS,
     GAP_MIN_WORDS,
     SHORT_MIN_WORDS,
     VIEWS,
     ContaminationIndex,
 )
-from densetrain.data.decontam_views import FORMATTING_SOURCES, split_sources
-from densetrain.data.ngram_hash import hash_words, iter_kgrams, normalize_words, whole_hashes
+from densetrain.data.prepare.decontam.ngram import hash_words, iter_kgrams, normalize_words, whole_hashes
+from densetrain.data.prepare.decontam.views import FORMATTING_SOURCES, split_sources
 from densetrain.errors import DataError
 from densetrain.registry.tasks import parse_spec, resolve_tasks
 

@@ -1,7 +1,7 @@
 """The contamination index: sorted distinct n-gram hashes of the evaluation sets, each naming the first
 example that holds it, and the check of training documents against it (:class:`ContaminationIndex`,
 :class:`Hit`); saved and loaded as ``.npz`` (no pickle). How it is built and what the views and rules
-are: :mod:`densetrain.data.decontam`.
+are: :mod:`densetrain.data.prepare.decontam.build`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from densetrain.data.ngram_hash import Words, bitmap_filter, hash_words, iter_kgrams, lookup
+from densetrain.data.prepare.decontam.ngram import Words, bitmap_filter, hash_words, iter_kgrams, lookup
 from densetrain.errors import DataError
 from densetrain.fileio import atomic_write_bytes
 

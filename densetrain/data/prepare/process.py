@@ -6,8 +6,8 @@ Every document of a source goes through the same map, independently of all other
              -> dedup key + MinHash signature -> token ids + EOS
 
 Only deduplication needs to see the whole source; it runs afterwards in the main process on the
-keys and signatures the workers return (:mod:`densetrain.data.dedup`). This split is also how the
-pipeline maps onto datatrove (``densetrain/data/scale.py``): the map is one pipeline step that runs
+keys and signatures the workers return (:mod:`densetrain.data.prepare.dedup`). This split is also how the
+pipeline maps onto datatrove (``densetrain/data/prepare/scale/pipeline.py``): the map is one pipeline step that runs
 per task, dedup is datatrove's own MinHash stages.
 
 Workers are separate processes (``data.workers``, default: the CPUs this process may use), started
@@ -32,9 +32,9 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from densetrain.data import dedup
-from densetrain.data.decontam_index import ContaminationIndex
-from densetrain.data.filters import FilterStats, apply_filters, build_filters, clean_text
+from densetrain.data.prepare import dedup
+from densetrain.data.prepare.decontam.index import ContaminationIndex
+from densetrain.data.prepare.filters.chain import FilterStats, apply_filters, build_filters, clean_text
 from densetrain.data.tokenizer import load_tokenizer
 from densetrain.errors import DataError
 from densetrain.fileio import atomic_write_bytes
@@ -86,7 +86,7 @@ class ChunkResult:
         dropped: ``(position, reason)`` of every removed document (``'empty'``,
             ``'<filter>:<rule>'``, ``'contaminated:<task>'``).
         contaminated: ``(position, task, example index, matched n-gram)`` per contaminated document.
-        filter_stats: the chunk's :class:`densetrain.data.filters.FilterStats`.
+        filter_stats: the chunk's :class:`densetrain.data.prepare.filters.chain.FilterStats`.
         bytes_in: UTF-8 bytes of the raw documents.
     """
 
@@ -165,7 +165,7 @@ class DocumentProcessor:
 
         Args:
             texts: raw document texts.
-            stats: a :class:`densetrain.data.filters.FilterStats` that the filters count into.
+            stats: a :class:`densetrain.data.prepare.filters.chain.FilterStats` that the filters count into.
 
         Returns:
             ``(kept, dropped, contaminated)``: ``(position, cleaned text)`` of the survivors,

@@ -4,7 +4,7 @@ whole batch of texts (no Python loop per word), and the membership test of hashe
 Each normalised word gets a 64-bit hash (a polynomial over its UTF-8 bytes, mixed with the splitmix64
 finalizer) and each k-gram a 64-bit polynomial hash of its word hashes plus an offset per k. Membership
 is tested with a bitmap prefilter that fits in cache and a binary search of the few survivors. Used by
-the contamination index (:mod:`densetrain.data.decontam`); the normalisation rule is explained there.
+the contamination index (:mod:`densetrain.data.prepare.decontam.build`); the normalisation rule is explained there.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 
 from densetrain.config import C4Config
-from densetrain.data.filter_base import Filter
-from densetrain.data.filter_text import count_sentences
+from densetrain.data.prepare.filters.base import Filter
+from densetrain.data.prepare.filters.text import count_sentences
 
 POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
 """Cookie/terms-of-use phrases whose lines C4's reference code removes (TFDS ``c4_utils``)."""
@@ -96,7 +96,7 @@ class C4FineWebFilter(Filter):
     (``lorem_ipsum``); a line mentioning 'javascript' goes; a '{' drops the page
     (``curly_brace``); a cookie/terms line goes. The page is dropped when its kept lines hold fewer
     than 5 sentences (``too_few_sentences``; spaCy-sentencizer sentences,
-    :func:`densetrain.data.filter_text.count_sentences`). Kept lines are joined with ``\\n``
+    :func:`densetrain.data.prepare.filters.text.count_sentences`). Kept lines are joined with ``\\n``
     (blank lines go, as in datatrove and C4's code).
     """
 

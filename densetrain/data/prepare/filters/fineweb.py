@@ -5,9 +5,9 @@ the Finest Text Data at Scale", arXiv:2406.17557, §3.3), decided as datatrove 0
 from __future__ import annotations
 
 from densetrain.config import FineWebConfig
-from densetrain.data.filter_base import Filter
-from densetrain.data.filter_text import TERMINAL_MARKS, split_words
-from densetrain.data.filters_gopher import _duplicates
+from densetrain.data.prepare.filters.base import Filter
+from densetrain.data.prepare.filters.gopher import _duplicates
+from densetrain.data.prepare.filters.text import TERMINAL_MARKS, split_words
 
 
 class FineWebFilter(Filter):
@@ -15,7 +15,7 @@ class FineWebFilter(Filter):
     (split on ``\\n``, not stripped), a document is dropped when:
 
     - ``line_punct_ratio``: fewer than 12% of lines end in terminal punctuation (the line's last
-      character is in :data:`densetrain.data.filter_text.TERMINAL_PUNCTUATION`);
+      character is in :data:`densetrain.data.prepare.filters.text.TERMINAL_PUNCTUATION`);
     - ``short_line_ratio``: more than 67% of lines have <= 30 characters;
     - ``dup_line_char_ratio``: lines repeating an earlier line hold more than 1% of the characters
       (newlines excluded); the paper's text says 0.1, the code FineWeb ran uses 0.01;

@@ -2,7 +2,7 @@
 Analysis & Insights from Training Gopher", App. A, MassiveWeb), decided as datatrove 0.10's
 ``GopherQualityFilter`` / ``GopherRepetitionFilter`` decide them (the implementation FineWeb ran;
 checked document by document in tests/test_filters_parity.py). Words are the tokens of
-:func:`densetrain.data.filter_text.split_words` (datatrove's English word tokenizer)."""
+:func:`densetrain.data.prepare.filters.text.split_words` (datatrove's English word tokenizer)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import re
 from collections import Counter
 
 from densetrain.config import GopherQualityConfig, GopherRepetitionConfig
-from densetrain.data.filter_base import Filter
-from densetrain.data.filter_text import SYMBOL_CHARS, split_words
+from densetrain.data.prepare.filters.base import Filter
+from densetrain.data.prepare.filters.text import SYMBOL_CHARS, split_words
 
 
 def _duplicates(items: list[str]) -> tuple[int, int]:
