@@ -2,8 +2,9 @@
 
 The contracts forbid every import cycle the engine redesign removed (config <-> data.filters /
 evals.tasks / evals.generative, evals.valloss <-> train, evals.generative <-> evals.downstream,
-data.prepare <-> data.scale) by forbidding upward imports altogether; the second test shows that
-one new upward import makes the check fail.
+data.prepare <-> data.scale) by forbidding upward imports altogether, and keep the training side
+of data/ (and train, evals, parallel, model, ...) out of the preparation pipeline and the demo corpus;
+the second and third tests show that one new upward import makes each check fail.
 """
 
 from __future__ import annotations
@@ -25,17 +26,31 @@ def _lint_imports(cwd: Path) -> subprocess.CompletedProcess:
 def test_import_contracts_are_kept():
     r = _lint_imports(ROOT)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
-    assert "2 kept, 0 broken" in r.stdout
+    assert "3 kept, 0 broken" in r.stdout
+
+
+def _with_import(tmp_path: Path, module: str, line: str) -> Path:
+    """A copy of the package (and pyproject.toml) with ``line`` appended to ``module`` (a path under densetrain/)."""
+    shutil.copytree(ROOT / "densetrain", tmp_path / "densetrain", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    f = tmp_path / "densetrain" / module
+    f.write_text(f.read_text() + f"\n{line}  # noqa\n")
+    return tmp_path
 
 
 def test_an_upward_import_breaks_the_contract(tmp_path):
-    shutil.copytree(ROOT / "densetrain", tmp_path / "densetrain", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    schema = tmp_path / "densetrain" / "config" / "schema.py"
-    schema.write_text(schema.read_text() + "\nfrom densetrain.train.state import TrainState  # noqa\n")
-    r = _lint_imports(tmp_path)
+    r = _lint_imports(_with_import(tmp_path, "config/schema.py", "from densetrain.train.state import TrainState"))
     assert r.returncode != 0
     assert "densetrain.config is not allowed to import densetrain.train" in r.stdout
+
+
+def test_the_training_reader_importing_preparation_breaks_the_contract(tmp_path):
+    # data.streams and data.prepare share the layer `densetrain.data`: only the data contract sees this.
+    r = _lint_imports(_with_import(tmp_path, "data/streams.py",
+                                   "from densetrain.data.prepare.filters.chain import clean_text"))
+    assert r.returncode != 0
+    assert "Layers import only downward KEPT" in r.stdout
+    assert "densetrain.data.streams is not allowed to import densetrain.data.prepare" in r.stdout
 
 
 def test_ruff_is_clean():
