@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from densetrain.errors import check_config
-from densetrain.registry.filters import resolve_filter_names
-
-if TYPE_CHECKING:  # annotation only: data.py imports this module
-    from densetrain.config.data import DataConfig
 
 
 @dataclass
@@ -139,9 +134,13 @@ class FiltersConfig:
     """FineWeb line rules (Penedo et al. 2024, arXiv:2406.17557)."""
 
 
-def validate_filters(data: DataConfig) -> None:
-    """Check ``data.filters`` and each source's ``filters`` names."""
-    g = data.filters.gopher_quality
+def validate_filters(filters: FiltersConfig) -> None:
+    """Check the thresholds of ``data.filters`` (each source's filter names: config/validate.py).
+
+    Raises:
+        ConfigError: naming the first key out of range.
+    """
+    g = filters.gopher_quality
     check_config(0 <= g.min_words <= g.max_words,
            f"data.filters.gopher_quality: need 0 <= min_words <= max_words, got {g.min_words} and {g.max_words}")
     check_config(0 <= g.min_mean_word_length <= g.max_mean_word_length,
@@ -155,18 +154,16 @@ def validate_filters(data: DataConfig) -> None:
     check_config(0 <= g.min_stop_words <= n_stop,
            f"data.filters.gopher_quality.min_stop_words must be in [0, {n_stop}] (distinct stop_words), "
            f"got {g.min_stop_words}")
-    r = data.filters.gopher_repetition
+    r = filters.gopher_repetition
     for f in dataclasses.fields(r):
         v = getattr(r, f.name)
         check_config(0 <= v <= 1, f"data.filters.gopher_repetition.{f.name} must be in [0, 1] (1 disables), got {v}")
     for name in ("c4", "c4_fineweb"):
-        c = getattr(data.filters, name)
+        c = getattr(filters, name)
         for k in ("min_words_per_line", "min_sentences", "max_word_length"):
             check_config(getattr(c, k) >= 0, f"data.filters.{name}.{k} must be >= 0, got {getattr(c, k)}")
-    fw = data.filters.fineweb
+    fw = filters.fineweb
     for k in ("min_line_punct_ratio", "max_short_line_ratio", "max_dup_line_char_ratio"):
         check_config(0 <= getattr(fw, k) <= 1, f"data.filters.fineweb.{k} must be in [0, 1], got {getattr(fw, k)}")
     for k in ("max_newline_ratio", "short_line_length"):
         check_config(getattr(fw, k) >= 0, f"data.filters.fineweb.{k} must be >= 0, got {getattr(fw, k)}")
-    for i, src in enumerate(data.sources):
-        resolve_filter_names(src.filters, src.kind, key=f"data.sources[{i}].filters")

@@ -8,6 +8,7 @@ from densetrain.config.filters import validate_filters
 from densetrain.config.recovery import validate_recovery
 from densetrain.config.schema import Config
 from densetrain.errors import ConfigError, check_config
+from densetrain.registry.filters import resolve_filter_names
 from densetrain.registry.gen_tasks import GEN_TASKS
 from densetrain.registry.tasks import GROUPS, TASKS
 
@@ -106,7 +107,9 @@ def validate(cfg: Config) -> None:
     check_config(0 < dd.threshold <= 1, f"data.dedup.threshold must be in (0, 1], got {dd.threshold}")
     check_config(0 <= dd.seed < 2**64, f"data.dedup.seed must be in [0, 2**64), got {dd.seed}")
 
-    validate_filters(cfg.data)
+    validate_filters(cfg.data.filters)
+    for i, src in enumerate(cfg.data.sources):
+        resolve_filter_names(src.filters, src.kind, key=f"data.sources[{i}].filters")
     validate_recovery(cfg.guard, cfg.watchdog, cfg.probe, cfg.faults, [s.name for s in cfg.data.sources])
     dc = cfg.data.decontam
     check_config(dc.ngram >= 8,
