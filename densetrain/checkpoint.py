@@ -15,8 +15,11 @@ written, then the directory is renamed to its final name and the parent fsynced.
 point leaves either no checkpoint or a complete one. Deleting (retention) or replacing a checkpoint
 first renames it to ``step_XXXXXXXX.retired`` (never listed), then deletes it. A failed write (disk
 full, read-only, I/O error) raises :class:`CheckpointError` and removes its temporary directory.
-Loading uses DCP's reader (tensor payloads are not unpickled as arbitrary objects) and ``json``;
-nothing from ``torch.load`` with pickle.
+Loading runs no code that a file holds (the checkpoint trust rule, README): ``.metadata`` is unpickled
+with only DCP's metadata types allowed, non-tensor entries with ``torch.load(weights_only=True)``
+(:mod:`densetrain.dcp_read`), the rest is JSON. A crafted file is refused with one line
+(:class:`~densetrain.dcp_read.UntrustedCheckpointError`), also by ``--resume``, which then does not fall
+back to an older checkpoint.
 
 Asynchronous saves (``checkpoint.async_save``, :func:`start_async_save`): ``trainer_state.json`` and
 the RNG states are written and the tensors copied to CPU memory when the save starts (so they are the
@@ -55,6 +58,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from densetrain.dcp_read import CheckpointReadError, PlainDataPlanner, TrustedReader, UntrustedCheckpointError
 from densetrain.errors import TrainError
 from densetrain.fileio import atomic_write_json, fsync_dir
 
@@ -358,12 +362,17 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 
     Raises:
         FileNotFoundError: ``path`` is not a complete checkpoint (no COMPLETE marker).
+        CheckpointReadError: a file is missing or unreadable (one line naming it); UntrustedCheckpointError
+            (a subclass): a file would build anything but plain data (nothing is run).
+        CheckpointError: anything else (a truncated shard, another model shape, a torn RNG file).
     """
     path = Path(path)
     if not (path / "COMPLETE").exists():
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no COMPLETE marker)")
     trainer_state = read_trainer_state(path)
     try:
+        reader = TrustedReader(path)
+        reader.read_metadata()  # a missing, torn or crafted .metadata: one line here, before DCP sees it
         if optimizer is not None:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optim": optim_sd}
@@ -371,7 +380,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
             state = {"model": get_model_state_dict(model)}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, storage_reader=reader, planner=PlainDataPlanner(path))
         if optimizer is not None:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         else:
@@ -380,6 +389,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         if rng.exists():
             _set_rng_state(json.loads(rng.read_text()))
     except (Exception, CheckpointException) as e:  # a truncated shard, another model shape, a torn RNG file
+        ours = next((x for x in _causes(e) if isinstance(x, CheckpointReadError)), None)
+        if ours is not None:  # already one line naming the file (dcp_read)
+            raise ours from None
         raise CheckpointError(f"{path}: cannot load ({describe_error(e)})") from None
     return trainer_state
 
@@ -529,12 +541,15 @@ class Checkpointer:
             (path, trainer_state), or (None, None) when the run has no complete checkpoint.
         Raises:
             TrainError: checkpoints exist but none loads (corrupt, or made for another model shape).
+            UntrustedCheckpointError: the newest one holds a crafted file (no fallback then).
         """
         done = list_complete(self.run_dir)
         errors = []
         for _, path in reversed(done):
             try:
                 return path, load_checkpoint(path, model, optimizer)
+            except UntrustedCheckpointError:
+                raise  # someone crafted a file in this run: stop, do not quietly resume from an older one
             # A corrupt file or a shape mismatch after a model.* change; DCP wraps failures in
             # CheckpointException, which derives from BaseException, hence listed explicitly.
             except (Exception, CheckpointException) as e:
