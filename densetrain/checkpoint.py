@@ -52,10 +52,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
-    set_state_dict,
+    set_optimizer_state_dict,
 )
 
 from densetrain.dcp_read import CheckpointReadError, PlainDataPlanner, TrustedReader, UntrustedCheckpointError
@@ -372,19 +373,19 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     trainer_state = read_trainer_state(path)
     try:
         reader = TrustedReader(path)
-        reader.read_metadata()  # a missing, torn or crafted .metadata: one line here, before DCP sees it
+        saved = reader.read_metadata().state_dict_metadata  # a missing, torn or crafted file: one line, here
         if optimizer is not None:
             model_sd, optim_sd = get_state_dict(model, optimizer)
+            _keep_saved_optimizer_state(optim_sd, saved)
             state = {"model": model_sd, "optim": optim_sd}
         else:
             state = {"model": get_model_state_dict(model)}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed.*")
             dcp.load(state, storage_reader=reader, planner=PlainDataPlanner(path))
-        if optimizer is not None:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        else:
-            set_model_state_dict(model, state["model"])
+        set_model_state_dict(model, state["model"])  # strict: every tensor of the model was read
+        if optimizer is not None:  # not strict: parameters without saved state start afresh (see above)
+            set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
         rng = path / f"rng_{_rank()}.json"
         if rng.exists():
             _set_rng_state(json.loads(rng.read_text()))
@@ -394,6 +395,16 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
             raise ours from None
         raise CheckpointError(f"{path}: cannot load ({describe_error(e)})") from None
     return trainer_state
+
+
+def _keep_saved_optimizer_state(optim_sd: dict, saved: dict) -> None:
+    """Drop from ``optim_sd`` (``get_state_dict``'s optimizer half, which holds state for every parameter)
+    the parameters that have no state in the checkpoint: AdamW makes none for a parameter that never had a
+    gradient, and such a parameter then starts from fresh state, as it would have without the save. A
+    parameter with some of its state saved keeps all of it, so a torn entry is still an error."""
+    for fqn in list(optim_sd.get("state", {})):
+        if not any(f"optim.state.{fqn}.{k}" in saved for k in optim_sd["state"][fqn]):
+            del optim_sd["state"][fqn]
 
 
 def read_trainer_state(path: Path) -> dict:
