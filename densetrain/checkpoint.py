@@ -35,6 +35,7 @@ step, retention, the one async save in flight, and resuming from the newest chec
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import re
@@ -197,16 +198,31 @@ def _start(run_dir: Path, step: int, trainer_state: dict) -> tuple[Path, Path, s
         tmp.mkdir(parents=True)
         atomic_write_json(tmp / "trainer_state.json", trainer_state)
 
-    error = _attempt(start) if _rank() == 0 else ""
+    error = _attempt(start, root) if _rank() == 0 else ""
     return tmp, final, "" if _agree(not error) else (error or "failed on another rank")
 
 
-def _attempt(fn: Callable[[], object]) -> str:
-    """Run ``fn``; '' when it worked, else the one-line reason (see :func:`describe_error`)."""
+_FULL_BYTES = 1 << 20  # less free than this after a failed write: the disk is what is full
+
+
+def _attempt(fn: Callable[[], object], where: Path) -> str:
+    """Run ``fn``, which writes under directory ``where``; '' when it worked, else the one-line reason
+    (:func:`describe_error`), which on a full file system is ``no space left on <where>``: torch's zip
+    writer reports a short write as ``[enforce fail at inline_container.cc] unexpected pos``, without the
+    errno, so a file system with under 1 MiB free right after the failure counts as full too."""
     try:
         fn()
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        return describe_error(e)
+        text = describe_error(e)
+        if any(isinstance(x, OSError) and x.errno == errno.ENOSPC for x in _causes(e)):
+            return f"no space left on {where}: {text}"
+        try:
+            st = os.statvfs(where)
+        except OSError:
+            return text
+        if st.f_bavail * st.f_frsize < _FULL_BYTES:
+            return f"no space left on {where}: {st.f_bavail * st.f_frsize} bytes free after the write failed"
+        return text
     return ""
 
 
@@ -226,7 +242,7 @@ def _conclude(run_dir: Path, step: int, tmp: Path, final: Path, error: str, keep
 
     ok = _agree(not error)
     if ok and _rank() == 0:
-        error = _attempt(finish)
+        error = _attempt(finish, root)
     if not _agree(not error):
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -268,7 +284,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         atomic_write_json(tmp / f"rng_{_rank()}.json", _rng_state())
 
     if not error:
-        error = _attempt(write_shards)  # DCP itself runs collectives: every rank enters it
+        error = _attempt(write_shards, tmp.parent)  # DCP itself runs collectives: every rank enters it
         if on_written is not None:
             on_written()
     return _conclude(run_dir, step, tmp, final, error, keep)
@@ -336,7 +352,7 @@ def start_async_save(run_dir: Path, step: int, model: torch.nn.Module, optimizer
         pending.future.add_done_callback(written)
 
     if not error:
-        pending.error = _attempt(stage_and_launch)
+        pending.error = _attempt(stage_and_launch, tmp.parent)
         if on_written is not None:
             on_written()
     return pending
@@ -352,7 +368,7 @@ def finish_async_save(pending: PendingSave, run_dir: Path, keep: int) -> Path:
     """
     error = pending.error
     if not error and pending.future is not None:
-        error = _attempt(pending.future.result)
+        error = _attempt(pending.future.result, pending.tmp.parent)
     return _conclude(run_dir, pending.step, pending.tmp, pending.final, error, keep)
 
 
