@@ -15,8 +15,11 @@ written, then the directory is renamed to its final name and the parent fsynced.
 point leaves either no checkpoint or a complete one. Deleting (retention) or replacing a checkpoint
 first renames it to ``step_XXXXXXXX.retired`` (never listed), then deletes it. A failed write (disk
 full, read-only, I/O error) raises :class:`CheckpointError` and removes its temporary directory.
-Loading uses DCP's reader (tensor payloads are not unpickled as arbitrary objects) and ``json``;
-nothing from ``torch.load`` with pickle.
+Loading runs no code that a file holds (the checkpoint trust rule, README): ``.metadata`` is unpickled
+with only DCP's metadata types allowed, non-tensor entries with ``torch.load(weights_only=True)``
+(:mod:`densetrain.dcp_read`), the rest is JSON. A crafted file is refused with one line
+(:class:`~densetrain.dcp_read.UntrustedCheckpointError`), also by ``--resume``, which then does not fall
+back to an older checkpoint.
 
 Asynchronous saves (``checkpoint.async_save``, :func:`start_async_save`): ``trainer_state.json`` and
 the RNG states are written and the tensors copied to CPU memory when the save starts (so they are the
@@ -32,6 +35,7 @@ step, retention, the one async save in flight, and resuming from the newest chec
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import re
@@ -49,12 +53,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
-    set_state_dict,
+    set_optimizer_state_dict,
 )
 
+from densetrain.dcp_read import CheckpointReadError, PlainDataPlanner, TrustedReader, UntrustedCheckpointError
 from densetrain.errors import TrainError
 from densetrain.fileio import atomic_write_json, fsync_dir
 
@@ -192,16 +198,31 @@ def _start(run_dir: Path, step: int, trainer_state: dict) -> tuple[Path, Path, s
         tmp.mkdir(parents=True)
         atomic_write_json(tmp / "trainer_state.json", trainer_state)
 
-    error = _attempt(start) if _rank() == 0 else ""
+    error = _attempt(start, root) if _rank() == 0 else ""
     return tmp, final, "" if _agree(not error) else (error or "failed on another rank")
 
 
-def _attempt(fn: Callable[[], object]) -> str:
-    """Run ``fn``; '' when it worked, else the one-line reason (see :func:`describe_error`)."""
+_FULL_BYTES = 1 << 20  # less free than this after a failed write: the disk is what is full
+
+
+def _attempt(fn: Callable[[], object], where: Path) -> str:
+    """Run ``fn``, which writes under directory ``where``; '' when it worked, else the one-line reason
+    (:func:`describe_error`), which on a full file system is ``no space left on <where>``: torch's zip
+    writer reports a short write as ``[enforce fail at inline_container.cc] unexpected pos``, without the
+    errno, so a file system with under 1 MiB free right after the failure counts as full too."""
     try:
         fn()
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-        return describe_error(e)
+        text = describe_error(e)
+        if any(isinstance(x, OSError) and x.errno == errno.ENOSPC for x in _causes(e)):
+            return f"no space left on {where}: {text}"
+        try:
+            st = os.statvfs(where)
+        except OSError:
+            return text
+        if st.f_bavail * st.f_frsize < _FULL_BYTES:
+            return f"no space left on {where}: {st.f_bavail * st.f_frsize} bytes free after the write failed"
+        return text
     return ""
 
 
@@ -221,7 +242,7 @@ def _conclude(run_dir: Path, step: int, tmp: Path, final: Path, error: str, keep
 
     ok = _agree(not error)
     if ok and _rank() == 0:
-        error = _attempt(finish)
+        error = _attempt(finish, root)
     if not _agree(not error):
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -263,7 +284,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
         atomic_write_json(tmp / f"rng_{_rank()}.json", _rng_state())
 
     if not error:
-        error = _attempt(write_shards)  # DCP itself runs collectives: every rank enters it
+        error = _attempt(write_shards, tmp.parent)  # DCP itself runs collectives: every rank enters it
         if on_written is not None:
             on_written()
     return _conclude(run_dir, step, tmp, final, error, keep)
@@ -331,7 +352,7 @@ def start_async_save(run_dir: Path, step: int, model: torch.nn.Module, optimizer
         pending.future.add_done_callback(written)
 
     if not error:
-        pending.error = _attempt(stage_and_launch)
+        pending.error = _attempt(stage_and_launch, tmp.parent)
         if on_written is not None:
             on_written()
     return pending
@@ -347,7 +368,7 @@ def finish_async_save(pending: PendingSave, run_dir: Path, keep: int) -> Path:
     """
     error = pending.error
     if not error and pending.future is not None:
-        error = _attempt(pending.future.result)
+        error = _attempt(pending.future.result, pending.tmp.parent)
     return _conclude(run_dir, pending.step, pending.tmp, pending.final, error, keep)
 
 
@@ -358,30 +379,48 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 
     Raises:
         FileNotFoundError: ``path`` is not a complete checkpoint (no COMPLETE marker).
+        CheckpointReadError: a file is missing or unreadable (one line naming it); UntrustedCheckpointError
+            (a subclass): a file would build anything but plain data (nothing is run).
+        CheckpointError: anything else (a truncated shard, another model shape, a torn RNG file).
     """
     path = Path(path)
     if not (path / "COMPLETE").exists():
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no COMPLETE marker)")
     trainer_state = read_trainer_state(path)
     try:
+        reader = TrustedReader(path)
+        saved = reader.read_metadata().state_dict_metadata  # a missing, torn or crafted file: one line, here
         if optimizer is not None:
             model_sd, optim_sd = get_state_dict(model, optimizer)
+            _keep_saved_optimizer_state(optim_sd, saved)
             state = {"model": model_sd, "optim": optim_sd}
         else:
             state = {"model": get_model_state_dict(model)}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed.*")
-            dcp.load(state, checkpoint_id=str(path))
-        if optimizer is not None:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        else:
-            set_model_state_dict(model, state["model"])
+            dcp.load(state, storage_reader=reader, planner=PlainDataPlanner(path))
+        set_model_state_dict(model, state["model"])  # strict: every tensor of the model was read
+        if optimizer is not None:  # not strict: parameters without saved state start afresh (see above)
+            set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
         rng = path / f"rng_{_rank()}.json"
         if rng.exists():
             _set_rng_state(json.loads(rng.read_text()))
     except (Exception, CheckpointException) as e:  # a truncated shard, another model shape, a torn RNG file
+        ours = next((x for x in _causes(e) if isinstance(x, CheckpointReadError)), None)
+        if ours is not None:  # already one line naming the file (dcp_read)
+            raise ours from None
         raise CheckpointError(f"{path}: cannot load ({describe_error(e)})") from None
     return trainer_state
+
+
+def _keep_saved_optimizer_state(optim_sd: dict, saved: dict) -> None:
+    """Drop from ``optim_sd`` (``get_state_dict``'s optimizer half, which holds state for every parameter)
+    the parameters that have no state in the checkpoint: AdamW makes none for a parameter that never had a
+    gradient, and such a parameter then starts from fresh state, as it would have without the save. A
+    parameter with some of its state saved keeps all of it, so a torn entry is still an error."""
+    for fqn in list(optim_sd.get("state", {})):
+        if not any(f"optim.state.{fqn}.{k}" in saved for k in optim_sd["state"][fqn]):
+            del optim_sd["state"][fqn]
 
 
 def read_trainer_state(path: Path) -> dict:
@@ -529,12 +568,15 @@ class Checkpointer:
             (path, trainer_state), or (None, None) when the run has no complete checkpoint.
         Raises:
             TrainError: checkpoints exist but none loads (corrupt, or made for another model shape).
+            UntrustedCheckpointError: the newest one holds a crafted file (no fallback then).
         """
         done = list_complete(self.run_dir)
         errors = []
         for _, path in reversed(done):
             try:
                 return path, load_checkpoint(path, model, optimizer)
+            except UntrustedCheckpointError:
+                raise  # someone crafted a file in this run: stop, do not quietly resume from an older one
             # A corrupt file or a shape mismatch after a model.* change; DCP wraps failures in
             # CheckpointException, which derives from BaseException, hence listed explicitly.
             except (Exception, CheckpointException) as e:

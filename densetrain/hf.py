@@ -3,8 +3,9 @@
 Files are ``config.json`` + ``model.safetensors`` (written with ``safetensors.torch.save_file``; reading
 uses ``safetensors.torch.load_file`` only — never ``torch.load`` / pickle). :func:`export_hf_from_checkpoint`
 exports a (sharded) training checkpoint without building the model: it reads the checkpoint through
-DCP's reader one tensor at a time and writes HF's sharded layout (``model-0000K-of-0000N.safetensors``
-+ ``model.safetensors.index.json``) when the model is larger than one file.
+DCP one tensor at a time (with :mod:`densetrain.dcp_read`'s reader: no code in a file runs) and writes
+HF's sharded layout (``model-0000K-of-0000N.safetensors`` + ``model.safetensors.index.json``) when the
+model is larger than one file.
 
 Name mapping (ours, torchtitan style  <->  HF Llama):
 
@@ -54,11 +55,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from densetrain.config import ModelConfig
 from densetrain.config.schema import RopeScalingConfig
+from densetrain.dcp_read import PlainDataPlanner, TrustedReader, read_metadata
 from densetrain.errors import DataError
 from densetrain.fileio import fsync_dir
 from densetrain.model.init import init_weights
@@ -407,8 +408,9 @@ def _write_export(out_dir: Path, config: dict, extra_files: dict[str, bytes] | N
 
 def checkpoint_model_tensors(ckpt_dir: str | os.PathLike) -> dict[str, TensorStorageMetadata]:
     """The model tensors of DCP checkpoint ``ckpt_dir`` (our names, without the ``model.`` prefix) with
-    their full shape and dtype, from its ``.metadata`` alone (no tensor is read)."""
-    md = FileSystemReader(str(ckpt_dir)).read_metadata()
+    their full shape and dtype, from its ``.metadata`` alone (no tensor is read; nothing but DCP's metadata
+    types is unpickled: :func:`densetrain.dcp_read.read_metadata`, whose one-line errors it raises)."""
+    md = read_metadata(ckpt_dir)
     return {k[len("model."):]: v for k, v in md.state_dict_metadata.items()
             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
 
@@ -419,7 +421,7 @@ def read_checkpoint_tensor(ckpt_dir: str | os.PathLike, name: str, meta: TensorS
     out = {f"model.{name}": torch.empty(meta.size, dtype=meta.properties.dtype)}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed.*")  # single-process DCP warns
-        dcp.load(out, storage_reader=FileSystemReader(str(ckpt_dir)), no_dist=True)
+        dcp.load(out, storage_reader=TrustedReader(ckpt_dir), planner=PlainDataPlanner(ckpt_dir), no_dist=True)
     return out[f"model.{name}"]
 
 
@@ -430,11 +432,10 @@ def check_checkpoint_matches(ckpt_dir: Path, cfg: ModelConfig):
     Returns:
         (meta model, stored tensor metadata by name, wanted shapes by name in model order).
     Raises:
-        FileNotFoundError: no DCP checkpoint at ``ckpt_dir``.
+        CheckpointReadError: no DCP checkpoint at ``ckpt_dir`` (``.metadata`` missing or unreadable);
+            UntrustedCheckpointError: a crafted ``.metadata`` (:func:`densetrain.dcp_read.read_metadata`).
         ValueError: names or shapes differ (one line, the first differences).
     """
-    if not (Path(ckpt_dir) / ".metadata").exists():
-        raise FileNotFoundError(f"{ckpt_dir}: no DCP checkpoint here (no .metadata)")
     with torch.device("meta"):
         core = Transformer(cfg)
         init_weights(core, cfg)
@@ -470,7 +471,8 @@ def export_hf_from_checkpoint(
     Returns: the output directory.
     Raises:
         ValueError: the checkpoint's model tensors do not match ``cfg`` (names or shapes).
-        FileNotFoundError: no DCP checkpoint at ``ckpt_dir``.
+        CheckpointReadError: no DCP checkpoint at ``ckpt_dir``, or a file that is not plain data
+            (UntrustedCheckpointError), see :func:`check_checkpoint_matches`.
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     core, stored, want = check_checkpoint_matches(ckpt_dir, cfg)

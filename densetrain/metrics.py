@@ -1,4 +1,5 @@
-"""Metrics: the one FLOP counter, MFU, memory, and the sinks (metrics.jsonl, TensorBoard, console).
+"""Metrics: the one FLOP counter, MFU, memory, and the sinks (metrics.jsonl, TensorBoard, Weights & Biases,
+console).
 
 Metric names are the field's: ``loss``, ``grad_norm``, ``lr``, ``tokens_per_sec``, ``mfu``,
 ``val/<source>/loss``. Every record carries ``step`` (optimizer updates completed) and ``tokens``
@@ -7,15 +8,18 @@ Metric names are the field's: ``loss``, ``grad_norm``, ``lr``, ``tokens_per_sec`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
 
-from densetrain.config import ModelConfig
+from densetrain.config import Config, ModelConfig
+from densetrain.errors import ConfigError
 from densetrain.fileio import atomic_write_bytes
 
 
@@ -83,27 +87,81 @@ def memory_stats(device: torch.device) -> dict[str, float]:
     return out
 
 
+class WandbSink:
+    """The run in Weights & Biases (``logging.wandb``): every metric record and every event that TensorBoard
+    gets, logged against the metric ``step`` (W&B's own step counter only orders the calls). Offline with
+    ``WANDB_MODE=offline`` (files under ``RUN_DIR/wandb``, uploaded later with ``wandb sync``); the other
+    ``WANDB_*`` variables (entity, API key, base URL) apply as W&B documents them.
+
+    The W&B run id is kept in ``RUN_DIR/wandb_run_id``, so ``--resume`` continues the same W&B run. W&B
+    cannot delete history: after a rollback or a resume the re-done steps are logged again (the events
+    say why), where TensorBoard and metrics.jsonl drop the superseded records. Events go into one
+    incremental table ``events`` (columns step, kind, action, text).
+
+    Raises:
+        ConfigError: the ``wandb`` package is not installed.
+    """
+
+    def __init__(self, run_dir: Path, cfg: Config):
+        try:
+            import wandb  # only when logging.wandb is on: the package is optional
+        except ImportError:
+            raise ConfigError("logging.wandb = true needs the wandb package (pip install wandb), "
+                              "or set logging.wandb = false") from None
+        self.wandb = wandb
+        id_file = run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]  # W&B: [a-z0-9]
+        atomic_write_bytes(id_file, run_id.encode())
+        self.run = wandb.init(project=cfg.logging.wandb_project, name=cfg.logging.wandb_name or run_dir.name,
+                              id=run_id, resume="allow", dir=str(run_dir), config=dataclasses.asdict(cfg))
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+        self.events = wandb.Table(columns=["step", "kind", "action", "text"], log_mode="INCREMENTAL")
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log({**scalars, "step": step})
+
+    def event(self, step: int, kind: str, action: str | None, text: str) -> None:
+        self.events.add_data(step, kind, action or "", text)
+        self.run.log({"events": self.events, "step": step})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _scalars(metrics: dict) -> dict[str, float]:
+    """The numeric entries of a record (what TensorBoard and W&B plot; strings such as the stage are not)."""
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 class MetricsLogger:
-    """Writes metric records to ``RUN_DIR/metrics.jsonl``, TensorBoard (``RUN_DIR/tb``) and the console,
-    and structured events to ``RUN_DIR/events.jsonl``.
+    """Writes metric records to ``RUN_DIR/metrics.jsonl``, TensorBoard (``RUN_DIR/tb``), Weights & Biases
+    (``logging.wandb``, :class:`WandbSink`) and the console, and structured events to ``RUN_DIR/events.jsonl``.
 
     Only rank 0 writes metrics. On resume the JSONL file is appended to, and records at or after the
     resumed step are dropped first so a killed-and-resumed run leaves one record per step. Events are
     never rewritten: ``events.jsonl`` is the history of what happened, rollbacks included.
+
+    Args:
+        wandb: the run's config when ``logging.wandb`` is on (its project, name and hyperparameters), else None.
     """
 
-    def __init__(self, run_dir: Path, rank: int = 0, tensorboard: bool = True, resume_step: int | None = None):
+    def __init__(self, run_dir: Path, rank: int = 0, tensorboard: bool = True, resume_step: int | None = None,
+                 wandb: Config | None = None):
         self.enabled = rank == 0
         self.rank = rank
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self.tensorboard = tensorboard
         self.tb = None
+        self.wandb = None
         if not self.enabled:
             return
         if resume_step is not None and self.path.exists():
             self._truncate_after(resume_step, keep_events=False)
         self._open(None if resume_step is None else resume_step + 1)
+        if wandb is not None:  # kept across rewind(): W&B history is append-only
+            self.wandb = WandbSink(self.run_dir, wandb)
 
     def _open(self, purge_step: int | None) -> None:
         self.f = open(self.path, "a", buffering=1)
@@ -132,7 +190,7 @@ class MetricsLogger:
         so the logs show one trajectory (events are kept: they say what happened)."""
         if not self.enabled:
             return
-        self.close()
+        self._close_files()
         self._truncate_after(step, keep_events=True)
         self._open(step + 1)
 
@@ -143,9 +201,10 @@ class MetricsLogger:
         rec = {"kind": kind, "step": step, "time": time.time(), **metrics}
         self.f.write(json.dumps(rec) + "\n")
         if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tb.add_scalar(k, v, step)
+            for k, v in _scalars(metrics).items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(step, _scalars(metrics))
 
     def event(self, step: int, text: str, kind: str = "note", action: str | None = None, values: dict | None = None,
               all_ranks: bool = False) -> None:
@@ -173,12 +232,20 @@ class MetricsLogger:
                                  "event": kind}) + "\n")
         if self.tb is not None:
             self.tb.add_text("events", f"[{kind}] {text}", step)
+        if self.wandb is not None:
+            self.wandb.event(step, kind, action, text)
 
     def console(self, line: str) -> None:
         if self.enabled:
             print(line, flush=True)
 
     def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
+        self._close_files()
+
+    def _close_files(self) -> None:
         if not self.enabled or self.f.closed:
             return
         self.f.close()

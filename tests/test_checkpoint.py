@@ -59,3 +59,38 @@ def test_incomplete_checkpoints_are_ignored_and_retention(tmp_path):
     save_checkpoint(tmp_path, 5, model, opt, {"step": 5}, keep=2)
     assert latest_checkpoint(tmp_path).name == "step_00000005"
     assert not (tmp_path / "checkpoints" / "step_00000005.tmp").exists()
+
+
+def test_optimizer_state_of_a_parameter_without_gradient_yet_loads(tmp_path):
+    """AdamW keeps no state for a parameter that never had a gradient (here the final norm): such a
+    checkpoint loads (it failed with 'Missing key optim.state.norm.weight.step'), the saved moments come
+    back exactly, and the next step of the resumed optimizer equals the uninterrupted one."""
+    cfg = load_config("tiny", overrides=[("model.vocab_size", 300), ("model.d_model", 32), ("model.n_layers", 2),
+                                         ("model.n_heads", 4), ("model.n_kv_heads", 2), ("model.d_ff", 64)])
+
+    def grads(m, seed):
+        m(torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(seed))).logsumexp(-1).mean().backward()
+        m.norm.weight.grad = None  # no gradient yet: AdamW makes no state for it
+
+    model = build_model(cfg.model, cfg.train.seed, torch.device("cpu"))
+    opt = build_optimizer(model, cfg)
+    grads(model, 0)
+    opt.step()
+    opt.zero_grad()
+    assert model.norm.weight not in opt.state and len(opt.state) == len(list(model.parameters())) - 1
+    save_checkpoint(tmp_path, 1, model, opt, {"step": 1})
+
+    fresh = build_model(cfg.model, cfg.train.seed + 1, torch.device("cpu"))
+    fresh_opt = build_optimizer(fresh, cfg)
+    load_checkpoint(latest_checkpoint(tmp_path), fresh, fresh_opt)
+    names = {id(p): n for n, p in model.named_parameters()}
+    fresh_params = dict(fresh.named_parameters())
+    for p, st in opt.state.items():
+        got = fresh_opt.state[fresh_params[names[id(p)]]]
+        assert torch.equal(got["exp_avg"], st["exp_avg"]) and torch.equal(got["step"], st["step"]), names[id(p)]
+    for m, o in ((model, opt), (fresh, fresh_opt)):  # one more step on both: the same parameters after it
+        grads(m, 1)
+        m.norm.weight.grad = torch.ones_like(m.norm.weight)  # its first gradient: fresh state either way
+        o.step()
+    for (n, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters(), strict=True):
+        assert torch.equal(a, b), n

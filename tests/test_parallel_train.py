@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from densetrain.checkpoint import load_checkpoint
 from densetrain.config import save_config
@@ -112,7 +111,10 @@ def test_two_ranks_train_save_resume_on_one(layout, prepared, single, tmp_path):
     m2, o2 = load_single(single_cfg, run_dir / "checkpoints" / "step_00000008")
     assert m2.output.weight is m2.tok_embeddings.weight
     for (n, a), b in zip(m1.state_dict().items(), m2.state_dict().values()):
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), n
+        # At the tensor's scale, not per element: AdamW turns the reduction-order noise of near-zero gradients
+        # into lr-sized steps of single elements, which differ between CPU kernels (with ATEN_CPU_CAPABILITY=avx2,
+        # tp2's w2 differs by 1.3e-5 in one element, 1.2e-5 relative in norm; a wrong shard is off by ~1).
+        assert (a - b).norm() <= 1e-4 * a.norm(), n
     s1, s2 = o1.state_dict()["state"], o2.state_dict()["state"]
     assert s1.keys() == s2.keys()
     for k in s1:

@@ -211,6 +211,13 @@ class LoggingConfig:
     """Peak FLOP/s of one device for mfu; 0 measures it once with a matmul probe at start."""
     tensorboard: bool = True
     """Write TensorBoard event files under RUN_DIR/tb."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs `pip install wandb`; imported only when on): the same metrics and events
+    as TensorBoard; WANDB_MODE=offline writes under RUN_DIR/wandb without network (`wandb sync` uploads it)."""
+    wandb_project: str = "densetrain"
+    """W&B project of the run (logging.wandb)."""
+    wandb_name: str = ""
+    """W&B display name of the run; '' = the run directory's name. --resume continues the same W&B run."""
 
 
 @dataclass

@@ -10,14 +10,14 @@ record's ``sample_index`` and fails loudly when they disagree.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from densetrain.checkpoint import list_complete
+from densetrain.checkpoint import list_complete, read_trainer_state
 from densetrain.config import load_config
 from densetrain.data.mixture import MixtureSampler
 from densetrain.data.provenance import window_documents
 from densetrain.data.streams import open_streams
+from densetrain.dcp_read import read_metadata
 from densetrain.errors import DataError
 from densetrain.metrics import read_events, read_metrics
 from densetrain.schedule import resolve_stages, stage_at
@@ -38,6 +38,8 @@ def blame(run_dir: str | Path, step: int) -> dict:
         of a sample is its token ids (seq_len + 1).
     Raises:
         DataError: no such step in the run, or the replay does not reproduce the recorded batch.
+        CheckpointError, CheckpointReadError: the checkpoint replayed from has an unreadable
+            ``trainer_state.json`` or ``.metadata``; UntrustedCheckpointError: a crafted ``.metadata``.
     """
     run_dir = Path(run_dir)
     cfg = load_config(path=run_dir / "config.toml")
@@ -48,11 +50,15 @@ def blame(run_dir: str | Path, step: int) -> dict:
     stages = resolve_stages(cfg, available=set(streams))
     index = step - 1
     sampler = MixtureSampler(streams)
-    start = 0
+    start, base = 0, None
     for s, path in list_complete(run_dir):
         if s <= index:
-            start = s
-            sampler.load_state_dict(json.loads((path / "trainer_state.json").read_text())["sampler"])
+            start, base = s, path
+    if base is not None:
+        # Only the JSON sampler state is used, but a checkpoint holding a crafted .metadata is refused as by
+        # every reader of checkpoints (the trust rule; one line naming the file).
+        read_metadata(base)
+        sampler.load_state_dict(read_trainer_state(base)["sampler"])
     # Rollbacks to that checkpoint: the steps they undid drew data too (the data they skip), and a
     # manual rollback may skip batches; replayed in the order they happened.
     for e in read_events(run_dir):

@@ -180,7 +180,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.toml")
     step = saved["step"] if saved else 0
-    log = MetricsLogger(run_dir, info.rank, cfg.logging.tensorboard, resume_step=step if resume else None)
+    log = MetricsLogger(run_dir, info.rank, cfg.logging.tensorboard, resume_step=step if resume else None,
+                        wandb=cfg if cfg.logging.wandb else None)
     autocast = autocast_for(cfg.train.dtype, info.device)
     run = Run(cfg=cfg, info=info, run_dir=run_dir, stages=stages, train_streams=train_streams,
               val_streams=open_streams(cfg, "val"), sampler=MixtureSampler(train_streams), model=model,
