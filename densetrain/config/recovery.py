@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 from densetrain.errors import check_config
 
-FAULT_KINDS = ("loss_spike", "nan_grad", "slow_rank", "duplicate_data", "kill")
+FAULT_KINDS = ("loss_spike", "nan_grad", "slow_rank", "duplicate_data", "kill", "bitflip", "bad_batch", "lr_jump")
+MACHINE_FAULTS = ("nan_grad", "slow_rank", "kill", "bitflip")
+"""Faults of the device, not of the data or the recipe: a replay of the step (``densetrain replay``) leaves them out."""
 
 
 @dataclass
@@ -72,19 +74,35 @@ class ProbeConfig:
 @dataclass
 class FaultConfig:
     kind: str = ""
-    """One of loss_spike, nan_grad, slow_rank, duplicate_data, kill."""
+    """One of loss_spike, nan_grad, slow_rank, duplicate_data, kill, bitflip, bad_batch, lr_jump."""
     step: int = 0
     """Update index (0-based) the fault happens at (from, for slow_rank and duplicate_data)."""
     factor: float = 10.0
-    """loss_spike: multiply the step's loss (and so its gradients) by this."""
+    """loss_spike: multiply the step's loss (and so its gradients) by this; lr_jump: the lr from `step` on."""
     rank: int = 0
-    """nan_grad, slow_rank, kill: the rank it happens on."""
+    """nan_grad, slow_rank, kill, bitflip: the rank it happens on."""
     ms: float = 0.0
     """slow_rank: extra milliseconds per forward pass of every step from `step`."""
     source: str = ""
-    """duplicate_data: the source whose windows are repeated."""
+    """duplicate_data: the source whose windows are repeated; bad_batch: the source whose tokens replace the batch."""
     during_checkpoint: bool = False
     """kill: die in the middle of the checkpoint write of `step` (after the shards, before the marker)."""
+    param: str = ""
+    """bitflip: the parameter's name as in the model's named_parameters (e.g. 'layers.0.attention.wq.weight');
+    '' is the first one."""
+    grad: bool = False
+    """bitflip: flip the bit in the parameter's gradient (after the data-parallel reduction, before clipping)
+    instead of in the weight (before the forward pass)."""
+    element: int = 0
+    """bitflip: index of the element in the flattened (local) tensor, modulo its size."""
+    bit: int = 30
+    """bitflip: the bit of the element's IEEE-754 pattern to flip (0 = lowest mantissa bit; 30, the default, is
+    the top exponent bit of an fp32 value: a weight or gradient below 2 in magnitude becomes ~1e38 times larger)."""
+    rows: int = 0
+    """bad_batch: sequences of the global batch replaced, from its first one (0: all of them)."""
+    tokens: str = "random"
+    """bad_batch: each replaced sequence is a window of `source` at a seeded random place, read corrupted:
+    'random' (uniformly random token ids) or 'repeat' (the window's first token over the whole sequence)."""
 
 
 def validate_recovery(guard: GuardConfig, watchdog: WatchdogConfig, probe: ProbeConfig,
@@ -101,6 +119,15 @@ def validate_recovery(guard: GuardConfig, watchdog: WatchdogConfig, probe: Probe
     for i, f in enumerate(faults):
         check_config(f.kind in FAULT_KINDS, f"faults[{i}].kind: '{f.kind}' is not one of {', '.join(FAULT_KINDS)}")
         check_config(f.step >= 0, f"faults[{i}].step must be >= 0, got {f.step}")
-        if f.kind == "duplicate_data":
+        if f.kind == "bitflip":
+            check_config(0 <= f.bit <= 63 and f.element >= 0, f"faults[{i}]: bitflip needs 0 <= bit <= 63 and "
+                                                               f"element >= 0, got bit {f.bit}, element {f.element}")
+        if f.kind == "bad_batch":
+            check_config(f.tokens in ("random", "repeat") and f.rows >= 0,
+                         f"faults[{i}]: bad_batch needs tokens 'random' or 'repeat' and rows >= 0, got "
+                         f"'{f.tokens}', {f.rows}")
+        if f.kind == "lr_jump":
+            check_config(f.factor > 0, f"faults[{i}].factor must be positive for lr_jump, got {f.factor}")
+        if f.kind in ("duplicate_data", "bad_batch"):
             check_config(f.source in sources, f"faults[{i}].source: '{f.source}' is not a configured source "
                                               f"({', '.join(sources)})")
