@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from densetrain.errors import check_config
 
 FAULT_KINDS = ("loss_spike", "nan_grad", "slow_rank", "duplicate_data", "kill", "bitflip", "bad_batch", "lr_jump")
+REPLICA_ACTIONS = ("report", "rollback", "stop")
 MACHINE_FAULTS = ("nan_grad", "slow_rank", "kill", "bitflip")
 """Faults of the device, not of the data or the recipe: a replay of the step (``densetrain replay``) leaves them out."""
 
@@ -36,6 +37,29 @@ class GuardConfig:
     """After a rollback, multiply the scheduled lr by this factor for `lr_factor_steps` steps."""
     lr_factor_steps: int = 0
     """Steps after a rollback that use `lr_factor` (0: none)."""
+    replica_every: int = 100
+    """Steps between replica checksums (and at every checkpoint step): each data-parallel replica of every
+    parameter and optimizer moment (DDP ranks; HSDP's replicate dimension) must be bitwise equal after an
+    update; an exact integer checksum per tensor is compared across the replicas. 0 disables."""
+    replica_action: str = "report"
+    """On differing replicas: 'report' (an event naming the rank, by majority vote with >= 3 replicas, and the
+    tensors), 'rollback' (to the newest checkpoint at or before the last check that found them equal) or 'stop'."""
+    replay: bool = False
+    """After each loss spike or non-finite step, rank 0 starts `densetrain replay RUN_DIR STEP` in the
+    background (a separate process on the same device): its verdict (data or machine) joins the events."""
+    update_every: int = 1
+    """Steps between measurements of the update (the change of the parameters an optimizer step makes): its
+    norm per layer group and the ratio to the parameter norm go to metrics.jsonl (kind 'update'). Costs a copy
+    of the parameters in memory. 0 disables."""
+    update_zscore: float = 6.0
+    """An early-warning event when the update norm per unit lr (|delta theta| / lr) exceeds the median of the
+    last `window` measurements by this many robust standard deviations (and by `update_min_ratio`). 0: no events."""
+    update_min_ratio: float = 1.5
+    """The update norm per unit lr must also exceed the window median by this factor to warn."""
+    update_lr_factor: float = 1.0
+    """On an update-norm warning, multiply the lr by this for `update_lr_steps` steps (1: leave the lr alone)."""
+    update_lr_steps: int = 0
+    """Steps that use `update_lr_factor` after an update-norm warning."""
 
 
 @dataclass
@@ -112,6 +136,13 @@ def validate_recovery(guard: GuardConfig, watchdog: WatchdogConfig, probe: Probe
     for k in ("window", "min_history", "patience", "max_rollbacks"):
         check_config(getattr(guard, k) >= 1, f"guard.{k} must be >= 1, got {getattr(guard, k)}")
     check_config(guard.lr_factor > 0, f"guard.lr_factor must be positive, got {guard.lr_factor}")
+    check_config(guard.replica_action in REPLICA_ACTIONS, f"guard.replica_action: '{guard.replica_action}' is not "
+                                                          f"one of {', '.join(REPLICA_ACTIONS)}")
+    for k in ("replica_every", "update_every", "update_zscore", "update_lr_steps"):
+        check_config(getattr(guard, k) >= 0, f"guard.{k} must be >= 0 (0 disables), got {getattr(guard, k)}")
+    check_config(guard.update_lr_factor > 0 and guard.update_min_ratio > 0,
+                 f"guard.update_lr_factor and guard.update_min_ratio must be positive, got "
+                 f"{guard.update_lr_factor}, {guard.update_min_ratio}")
     check_config(watchdog.every >= 0 and watchdog.threshold > 0 and watchdog.sustain >= 1,
                  "watchdog: need every >= 0, threshold > 0, sustain >= 1")
     check_config(probe.every >= 0 and probe.window_tokens >= 8 and probe.sketch_size >= 64,
