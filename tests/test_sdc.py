@@ -23,7 +23,7 @@ from densetrain.train.replicas import checksum, odd_ranks, replica_groups
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = [{"name": "main", "start": 0.0, "mix": {"email": 0.5, "json": 0.5}}]
 QUIET = {"eval.every": 0, "logging.tensorboard": False, "stages": MAIN, "watchdog.every": 0, "probe.every": 0,
-         "logging.peak_flops": 1e11}
+         "logging.peak_flops": 1e11, "eval.samples": 0}
 TINY = {"model.d_model": 32, "model.n_layers": 1, "model.n_heads": 2, "model.n_kv_heads": 1, "model.d_ff": 64,
         "train.seq_len": 16, "train.batch_size": 6, "train.micro_batch_size": 2}
 WQ = "layers.0.attention.wq.weight"
@@ -31,6 +31,15 @@ WQ = "layers.0.attention.wq.weight"
 
 def _events(run, kind):
     return [e for e in read_events(run) if e["kind"] == kind]
+
+
+def _wait_for_replay(run: Path, timeout: float = 180) -> list[dict]:
+    """The replay verdicts of ``run`` once guard.replay's background process wrote one."""
+    deadline = time.monotonic() + timeout
+    while not (run / "events_replay.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert (run / "events_replay.jsonl").exists(), (run / "replay.log").read_text()[-2000:]
+    return _events(run, "replay")
 
 
 def test_checksum_is_exact_and_names_the_odd_replica():
@@ -85,7 +94,8 @@ def test_replicas_bitflips_and_the_replay_verdict_on_three_ranks(prepared, tmp_p
     weight = [{"kind": "bitflip", "step": 6, "rank": 1, "param": WQ, "element": 3, "bit": 20}]
     grad = [{"kind": "bitflip", "step": 7, "rank": 1, "param": WQ, "grad": True, "bit": 30}]
     jobs = [{**base, "tmp": str(tmp_path / "weight"), "train.steps": 12, "faults": weight},
-            {**base, "tmp": str(tmp_path / "grad"), "train.steps": 10, "checkpoint.every": 5, "faults": grad},
+            {**base, "tmp": str(tmp_path / "grad"), "train.steps": 10, "checkpoint.every": 5, "faults": grad,
+             "guard.replay": True},
             {**base, "tmp": str(tmp_path / "clean"), "train.steps": 100}]
     _launch(tmp_path, jobs, world=3)
 
@@ -99,7 +109,8 @@ def test_replicas_bitflips_and_the_replay_verdict_on_three_ranks(prepared, tmp_p
     assert nf["step"] == 7 and [r["rank"] for r in nf["values"]["ranks"]] == [0, 1, 2]
     assert nf["values"]["ranks"][1]["grad_norm"] == float("inf") and nf["values"]["ranks"][0]["grad_norm"] < 1e3
     assert _events(grun, "replica_mismatch") == []  # the skipped update never reached the weights
-    v = replay(grun, 8)
+    (auto,) = _wait_for_replay(grun)  # started by rank 0 as a process of its own, not a rank of the job
+    v = auto["values"]
     assert v["checkpoint"] == "step_00000005" and v["verdict"] == "machine" and not v["reproduced"]
     assert v["suspect_ranks"] == [1] and [r["differs"] for r in v["ranks"]] == [[], ["grad_norm"], []]
     assert v["replayed"]["loss"] == pytest.approx(nf["values"]["loss"], rel=1e-5)  # the loss itself was right
@@ -119,10 +130,7 @@ def test_bad_batch_spike_replays_as_data_and_names_the_injected_documents(prepar
     (spike,) = _events(run, "loss_spike")
     (fault,) = _events(run, "fault")
     assert spike["step"] == 27 and fault["values"]["samples"] == [216, 217, 218, 219]
-    deadline = time.monotonic() + 120  # guard.replay: the verdict comes from a background process
-    while not (run / "events_replay.jsonl").exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    (auto,) = _events(run, "replay")
+    (auto,) = _wait_for_replay(run)
     v = auto["values"]
     assert auto["step"] == 27 and auto["action"] == "data" and v["reproduced"] and v["checkpoint"] == "step_00000020"
     assert v["replayed"]["loss"] == pytest.approx(spike["values"]["loss"], rel=1e-5)

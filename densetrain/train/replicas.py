@@ -97,9 +97,8 @@ class ReplicaCheck(Watcher):
         return Verdict.ROLLBACK
 
     def after_step(self, run, result, verdict: Verdict) -> None:
-        if verdict == Verdict.ROLLBACK:
-            if self.rollback_to is not None:
-                self.rollback_to, self.seen = None, set()
+        if verdict == Verdict.ROLLBACK:  # every replica reloaded the checkpoint: equal again
+            self.rollback_to, self.seen, self.clean = None, set(), min(self.clean, run.state.step)
             return
         step = run.state.step
         if step % self.every and not run.checkpointer.due(step):

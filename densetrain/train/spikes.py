@@ -14,6 +14,7 @@ With ``guard.replay``, rank 0 then starts ``densetrain replay RUN_DIR STEP`` in 
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 
@@ -41,9 +42,12 @@ def rank_partials(run, local: tuple[float, int], grad_norm: float) -> list[dict]
 
 def start_replay(run, index: int) -> subprocess.Popen | None:
     """On rank 0: start ``densetrain replay RUN_DIR STEP --auto`` for update ``index`` (STEP = index + 1,
-    as in metrics.jsonl) in a background process; its verdict is appended to ``events_replay.jsonl``."""
+    as in metrics.jsonl) in a background process on this node; its verdict is appended to
+    ``events_replay.jsonl``, its messages to ``replay.log``."""
     if not run.info.is_main:
         return None
     cmd = [sys.executable, "-m", "densetrain", "replay", str(run.run_dir), str(index + 1), "--auto"]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(run.run_dir / "replay.log", "a"),
-                            start_new_session=True)
+    # One process of its own, not a rank of this job (torchrun's variables would make it join the group).
+    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
+    with open(run.run_dir / "replay.log", "a") as err:
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
