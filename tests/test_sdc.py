@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import gloo_env
 
+from densetrain.checkpoint import list_complete
 from densetrain.metrics import read_events, read_metrics
 from densetrain.tools.replay import replay
 from densetrain.train import train
@@ -85,10 +86,11 @@ def _launch(tmp_path, jobs: list[dict], world: int) -> None:
 
 
 def test_replicas_bitflips_and_the_replay_verdict_on_three_ranks(prepared, tmp_path):
-    """Three DDP ranks, three runs: a bit flipped in rank 1's copy of a weight (the checksum names rank 1
-    and the weight at the first check after it), an exponent bit flipped in rank 1's gradient (the step is
-    skipped as non-finite; the replay does not reproduce it and names rank 1), and a clean 100-step control
-    (no replica or update-norm event)."""
+    """Three DDP ranks, four runs: a bit flipped in rank 1's copy of a weight (the checksum names rank 1
+    and the weight at the first check after it; with action 'rollback' the run goes back to the checkpoint
+    before it), an exponent bit flipped in rank 1's gradient (the step is skipped as non-finite; the
+    automatic replay does not reproduce it and names rank 1), and a clean 100-step control (no replica or
+    update-norm event)."""
     shards, _ = prepared
     base = {"shards": str(shards), **QUIET, **TINY, "guard.replica_every": 5, "checkpoint.every": 0}
     weight = [{"kind": "bitflip", "step": 6, "rank": 1, "param": WQ, "element": 3, "bit": 20}]
@@ -96,6 +98,8 @@ def test_replicas_bitflips_and_the_replay_verdict_on_three_ranks(prepared, tmp_p
     jobs = [{**base, "tmp": str(tmp_path / "weight"), "train.steps": 12, "faults": weight},
             {**base, "tmp": str(tmp_path / "grad"), "train.steps": 10, "checkpoint.every": 5, "faults": grad,
              "guard.replay": True},
+            {**base, "tmp": str(tmp_path / "rollback"), "train.steps": 14, "checkpoint.every": 5, "faults": weight,
+             "guard.replica_action": "rollback"},
             {**base, "tmp": str(tmp_path / "clean"), "train.steps": 100}]
     _launch(tmp_path, jobs, world=3)
 
@@ -103,6 +107,12 @@ def test_replicas_bitflips_and_the_replay_verdict_on_three_ranks(prepared, tmp_p
     assert ev["step"] == 9 and ev["values"]["since_step"] == 10 and ev["values"]["clean_step"] == 5
     assert ev["values"]["ranks"] == [1] and ev["values"]["majority"] is True
     assert ev["values"]["tensors"] == {WQ: [1]} and ev["action"] == "report"  # one element of one weight
+
+    rrun = tmp_path / "rollback" / "run"  # the same flip with guard.replica_action = 'rollback'
+    (ev,) = _events(rrun, "replica_mismatch")
+    (rb,) = _events(rrun, "rollback")
+    assert ev["action"] == "rollback" and (rb["values"]["from_step"], rb["values"]["to_step"]) == (10, 5)
+    assert [s for s, _ in list_complete(rrun)][-1] == 14  # finished; one mismatch event: equal after the rollback
 
     grun = tmp_path / "grad" / "run"
     (nf,) = _events(grun, "nonfinite")
@@ -144,7 +154,7 @@ def test_bad_batch_spike_replays_as_data_and_names_the_injected_documents(prepar
 def test_update_norm_warns_before_the_loss_guard_on_an_lr_jump(prepared, tmp_path):
     _, make = prepared
     ov = {**QUIET, "train.steps": 28, "checkpoint.every": 0, "guard.min_history": 8, "guard.window": 16,
-          "guard.rollback": False}
+          "guard.rollback": False, "guard.update_every": 1}
     train(make(tmp_path, **ov, faults=[{"kind": "lr_jump", "step": 22, "factor": 30.0}]))
     run = tmp_path / "run"
     (warn,) = _events(run, "update_norm")  # one event for the episode, not one per step

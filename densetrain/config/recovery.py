@@ -47,10 +47,12 @@ class GuardConfig:
     replay: bool = False
     """After each loss spike or non-finite step, rank 0 starts `densetrain replay RUN_DIR STEP` in the
     background (a separate process on the same device): its verdict (data or machine) joins the events."""
-    update_every: int = 1
+    update_every: int = 5
     """Steps between measurements of the update (the change of the parameters an optimizer step makes): its
-    norm per layer group and the ratio to the parameter norm go to metrics.jsonl (kind 'update'). Costs a copy
-    of the parameters in memory. 0 disables."""
+    norm per layer group and the ratio to the parameter norm go to metrics.jsonl (kind 'update'). A measured
+    step costs a copy of the parameters in memory and a few passes over them, like an AdamW step (1-2.5% of a
+    tiny-preset CPU step, less with more tokens per step: benchmarks/sdc_overhead.py), so the default samples
+    every 5th; 1 gives the earliest warning. 0 disables."""
     update_zscore: float = 6.0
     """An early-warning event when the update norm per unit lr (|delta theta| / lr) exceeds the median of the
     last `window` measurements by this many robust standard deviations (and by `update_min_ratio`). 0: no events."""
