@@ -84,6 +84,22 @@ def cmd_blame(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(cfg: Config, args: argparse.Namespace) -> int:
+    """Data or machine: recompute a step from the checkpoint before it (``densetrain.tools.replay``)."""
+    from densetrain.tools.replay import append_event, replay
+
+    try:
+        res = replay(Path(args.run_dir), args.step, rtol=args.rtol)
+    except (DataError, TrainError) as e:
+        if args.auto:  # started by the guard: the failure belongs in the run's events too
+            append_event(Path(args.run_dir), {"index": args.step - 1,
+                                              "text": f"replay of step {args.step} failed: {e}"}, action="failed")
+        raise
+    append_event(Path(args.run_dir), res)
+    print(json.dumps(res, indent=1) if args.json else res["text"])
+    return 0
+
+
 def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
     from densetrain.tools.offline_eval import evaluate_checkpoint
 
@@ -184,6 +200,7 @@ COMMANDS = {
     "import-hf": (cmd_import_hf, "import a local Hugging Face Llama folder as a densetrain checkpoint"),
     "report": (cmd_report, "write RUN_DIR/report.html, report.png and summary"),
     "blame": (cmd_blame, "list the documents (source, file, line, id) whose tokens made the batch of a step"),
+    "replay": (cmd_replay, "recompute a step from the checkpoint before it: did the data or the machine cause it?"),
     "demo": (cmd_demo, "prepare + train + report with the tiny preset on the demo corpus"),
 }
 
@@ -216,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("run_dir", help="run directory")
             sp.add_argument("step", type=int, help="step as in metrics.jsonl (the STEP-th optimizer update)")
             sp.add_argument("--json", action="store_true", help="print JSON instead of one line per document")
+        if name == "replay":
+            sp.add_argument("run_dir", help="run directory")
+            sp.add_argument("step", type=int, help="step as in metrics.jsonl (the STEP-th optimizer update)")
+            sp.add_argument("--rtol", type=float, default=1e-3, help="relative difference still counted as "
+                            "reproduced (fp32 noise; default 1e-3)")
+            sp.add_argument("--json", action="store_true", help="print the verdict as JSON")
+            sp.add_argument("--auto", action="store_true", help=argparse.SUPPRESS)  # started by guard.replay
         if name == "prepare":
             sp.add_argument("--force", action="store_true", help="redo sources whose shards are up to date")
         if name in ("eval", "export"):
@@ -250,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             if rest:
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")
             return args.func(args)
-        if args.command in ("report", "blame") and not args.help_config:
+        if args.command in ("report", "blame", "replay") and not args.help_config:
             return COMMANDS[args.command][0](None, args)
         cfg = _config_from(args, rest)
         if getattr(args, "smoke", False):

@@ -8,7 +8,10 @@ from dataclasses import dataclass
 
 from densetrain.errors import check_config
 
-FAULT_KINDS = ("loss_spike", "nan_grad", "slow_rank", "duplicate_data", "kill")
+FAULT_KINDS = ("loss_spike", "nan_grad", "slow_rank", "duplicate_data", "kill", "bitflip", "bad_batch", "lr_jump")
+REPLICA_ACTIONS = ("report", "rollback", "stop")
+MACHINE_FAULTS = ("nan_grad", "slow_rank", "kill", "bitflip")
+"""Faults of the device, not of the data or the recipe: a replay of the step (``densetrain replay``) leaves them out."""
 
 
 @dataclass
@@ -34,6 +37,31 @@ class GuardConfig:
     """After a rollback, multiply the scheduled lr by this factor for `lr_factor_steps` steps."""
     lr_factor_steps: int = 0
     """Steps after a rollback that use `lr_factor` (0: none)."""
+    replica_every: int = 100
+    """Steps between replica checksums (and at every checkpoint step): each data-parallel replica of every
+    parameter and optimizer moment (DDP ranks; HSDP's replicate dimension) must be bitwise equal after an
+    update; an exact integer checksum per tensor is compared across the replicas. 0 disables."""
+    replica_action: str = "report"
+    """On differing replicas: 'report' (an event naming the rank, by majority vote with >= 3 replicas, and the
+    tensors), 'rollback' (to the newest checkpoint at or before the last check that found them equal) or 'stop'."""
+    replay: bool = False
+    """After each loss spike or non-finite step, rank 0 starts `densetrain replay RUN_DIR STEP` in the
+    background (a separate process on the same device): its verdict (data or machine) joins the events."""
+    update_every: int = 5
+    """Steps between measurements of the update (the change of the parameters an optimizer step makes): its
+    norm per layer group and the ratio to the parameter norm go to metrics.jsonl (kind 'update'). A measured
+    step costs a copy of the parameters in memory and a few passes over them, like an AdamW step (1-2.5% of a
+    tiny-preset CPU step, less with more tokens per step: benchmarks/sdc_overhead.py), so the default samples
+    every 5th; 1 gives the earliest warning. 0 disables."""
+    update_zscore: float = 6.0
+    """An early-warning event when the update norm per unit lr (|delta theta| / lr) exceeds the median of the
+    last `window` measurements by this many robust standard deviations (and by `update_min_ratio`). 0: no events."""
+    update_min_ratio: float = 1.5
+    """The update norm per unit lr must also exceed the window median by this factor to warn."""
+    update_lr_factor: float = 1.0
+    """On an update-norm warning, multiply the lr by this for `update_lr_steps` steps (1: leave the lr alone)."""
+    update_lr_steps: int = 0
+    """Steps that use `update_lr_factor` after an update-norm warning."""
 
 
 @dataclass
@@ -72,19 +100,35 @@ class ProbeConfig:
 @dataclass
 class FaultConfig:
     kind: str = ""
-    """One of loss_spike, nan_grad, slow_rank, duplicate_data, kill."""
+    """One of loss_spike, nan_grad, slow_rank, duplicate_data, kill, bitflip, bad_batch, lr_jump."""
     step: int = 0
     """Update index (0-based) the fault happens at (from, for slow_rank and duplicate_data)."""
     factor: float = 10.0
-    """loss_spike: multiply the step's loss (and so its gradients) by this."""
+    """loss_spike: multiply the step's loss (and so its gradients) by this; lr_jump: the lr from `step` on."""
     rank: int = 0
-    """nan_grad, slow_rank, kill: the rank it happens on."""
+    """nan_grad, slow_rank, kill, bitflip: the rank it happens on."""
     ms: float = 0.0
     """slow_rank: extra milliseconds per forward pass of every step from `step`."""
     source: str = ""
-    """duplicate_data: the source whose windows are repeated."""
+    """duplicate_data: the source whose windows are repeated; bad_batch: the source whose tokens replace the batch."""
     during_checkpoint: bool = False
     """kill: die in the middle of the checkpoint write of `step` (after the shards, before the marker)."""
+    param: str = ""
+    """bitflip: the parameter's name as in the model's named_parameters (e.g. 'layers.0.attention.wq.weight');
+    '' is the first one."""
+    grad: bool = False
+    """bitflip: flip the bit in the parameter's gradient (after the data-parallel reduction, before clipping)
+    instead of in the weight (before the forward pass)."""
+    element: int = 0
+    """bitflip: index of the element in the flattened (local) tensor, modulo its size."""
+    bit: int = 30
+    """bitflip: the bit of the element's IEEE-754 pattern to flip (0 = lowest mantissa bit; 30, the default, is
+    the top exponent bit of an fp32 value: a weight or gradient below 2 in magnitude becomes ~1e38 times larger)."""
+    rows: int = 0
+    """bad_batch: sequences of the global batch replaced, from its first one (0: all of them)."""
+    tokens: str = "random"
+    """bad_batch: each replaced sequence is a window of `source` at a seeded random place, read corrupted:
+    'random' (uniformly random token ids) or 'repeat' (the window's first token over the whole sequence)."""
 
 
 def validate_recovery(guard: GuardConfig, watchdog: WatchdogConfig, probe: ProbeConfig,
@@ -94,6 +138,13 @@ def validate_recovery(guard: GuardConfig, watchdog: WatchdogConfig, probe: Probe
     for k in ("window", "min_history", "patience", "max_rollbacks"):
         check_config(getattr(guard, k) >= 1, f"guard.{k} must be >= 1, got {getattr(guard, k)}")
     check_config(guard.lr_factor > 0, f"guard.lr_factor must be positive, got {guard.lr_factor}")
+    check_config(guard.replica_action in REPLICA_ACTIONS, f"guard.replica_action: '{guard.replica_action}' is not "
+                                                          f"one of {', '.join(REPLICA_ACTIONS)}")
+    for k in ("replica_every", "update_every", "update_zscore", "update_lr_steps"):
+        check_config(getattr(guard, k) >= 0, f"guard.{k} must be >= 0 (0 disables), got {getattr(guard, k)}")
+    check_config(guard.update_lr_factor > 0 and guard.update_min_ratio > 0,
+                 f"guard.update_lr_factor and guard.update_min_ratio must be positive, got "
+                 f"{guard.update_lr_factor}, {guard.update_min_ratio}")
     check_config(watchdog.every >= 0 and watchdog.threshold > 0 and watchdog.sustain >= 1,
                  "watchdog: need every >= 0, threshold > 0, sustain >= 1")
     check_config(probe.every >= 0 and probe.window_tokens >= 8 and probe.sketch_size >= 64,
@@ -101,6 +152,15 @@ def validate_recovery(guard: GuardConfig, watchdog: WatchdogConfig, probe: Probe
     for i, f in enumerate(faults):
         check_config(f.kind in FAULT_KINDS, f"faults[{i}].kind: '{f.kind}' is not one of {', '.join(FAULT_KINDS)}")
         check_config(f.step >= 0, f"faults[{i}].step must be >= 0, got {f.step}")
-        if f.kind == "duplicate_data":
+        if f.kind == "bitflip":
+            check_config(0 <= f.bit <= 63 and f.element >= 0, f"faults[{i}]: bitflip needs 0 <= bit <= 63 and "
+                                                               f"element >= 0, got bit {f.bit}, element {f.element}")
+        if f.kind == "bad_batch":
+            check_config(f.tokens in ("random", "repeat") and f.rows >= 0,
+                         f"faults[{i}]: bad_batch needs tokens 'random' or 'repeat' and rows >= 0, got "
+                         f"'{f.tokens}', {f.rows}")
+        if f.kind == "lr_jump":
+            check_config(f.factor > 0, f"faults[{i}].factor must be positive for lr_jump, got {f.factor}")
+        if f.kind in ("duplicate_data", "bad_batch"):
             check_config(f.source in sources, f"faults[{i}].source: '{f.source}' is not a configured source "
                                               f"({', '.join(sources)})")

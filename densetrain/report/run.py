@@ -78,7 +78,10 @@ def read_events(run_dir: Path, records: list[dict] | None = None) -> list[Event]
         return [Event(kind="note", step=int(r.get("step", 0)), text=str(r.get("text", "")), time=r.get("time"))
                 for r in records if r.get("kind") == "event"]
     out = []
-    for line in path.read_text(errors="replace").splitlines():
+    replays = Path(run_dir) / "events_replay.jsonl"  # `densetrain replay` verdicts (tools/replay.py)
+    lines = path.read_text(errors="replace").splitlines()
+    lines += replays.read_text(errors="replace").splitlines() if replays.exists() else []
+    for line in lines:
         try:
             r = json.loads(line)
         except json.JSONDecodeError:
@@ -88,7 +91,7 @@ def read_events(run_dir: Path, records: list[dict] | None = None) -> list[Event]
         out.append(Event(kind=str(r.get("kind", "note")), step=int(r.get("step", 0)), text=str(r.get("text") or ""),
                          rank=r.get("rank"), time=r.get("time"), action=r.get("action"),
                          values=r.get("values") if isinstance(r.get("values"), dict) else {}))
-    return out
+    return sorted(out, key=lambda e: e.time or 0) if replays.exists() else out
 
 
 def stage_spans(train: list[dict]) -> list[StageSpan]:
@@ -205,7 +208,8 @@ def loss_at(train: list[dict], step: int) -> float | None:
 EVENT_COLORS = {
     "stage": "#4c4c4c", "checkpoint": "#2ca02c", "loss_spike": "#d62728", "nonfinite": "#9467bd",
     "rollback": "#ff7f0e", "throughput": "#8c564b", "data_probe": "#e377c2", "fault": "#000000",
-    "resume": "#17becf", "epoch": "#bcbd22", "note": "#7f7f7f",
+    "resume": "#17becf", "epoch": "#bcbd22", "note": "#7f7f7f", "replay": "#1f77b4", "replica_mismatch": "#e31a1c",
+    "update_norm": "#fdbf6f",
 }
 # Series colours (matplotlib's tab10) and the stage-band fills.
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",

@@ -15,6 +15,18 @@ nothing. Kinds:
 - ``kill``: the process dies as with kill -9 at ``step``, or in the middle of that step's checkpoint
   write with ``during_checkpoint``: after the shards, before the completion marker; with
   ``checkpoint.async_save``, while the background thread is writing the shards.
+- ``bitflip``: one bit (``bit``) of one element (``element``) of parameter ``param`` flips on ``rank``:
+  in the weight before the step's forward pass, or with ``grad`` in its gradient after the
+  data-parallel reduction (silent data corruption: that replica now differs from the others).
+- ``bad_batch``: the first ``rows`` sequences of the global batch (all with 0) become windows of
+  ``source`` at seeded random places, read corrupted (a bad shard region): uniformly random token ids
+  (``tokens = "random"``) or the window's first token repeated (``"repeat"``). The event lists the
+  windows' documents, so a replay verdict can be checked against them.
+- ``lr_jump``: from ``step`` on, the lr the optimizer applies is ``factor`` times the scheduled one
+  (the logged lr does not show it, as with a wrong multiplier elsewhere).
+
+The data faults (all but ``nan_grad``, ``slow_rank``, ``kill`` and ``bitflip``) are deterministic in
+the step and the row, so ``densetrain replay`` re-creates them and only the device faults go missing.
 """
 
 from __future__ import annotations
@@ -24,10 +36,14 @@ import os
 import signal
 import time
 
+import numpy as np
 import torch
 
 from densetrain.config.recovery import FaultConfig
+from densetrain.data.provenance import window_documents
+from densetrain.errors import TrainError
 from densetrain.fileio import atomic_write_json
+from densetrain.schedule import stage_at
 from densetrain.train.watchers import Watcher
 
 
@@ -45,6 +61,7 @@ class FaultInjector(Watcher):
         self.repeat: dict[tuple, object] = {}  # duplicate_data: (source, length) -> the window repeated
         self.hook = None
         self.fired: set[int] = set()  # indices into faults of the one-time faults that happened
+        self.grad_flips: list[FaultConfig] = []  # bitflips in gradients due in this step's on_grads
 
     def _now(self, run, kind: str, from_step: bool = False) -> list[FaultConfig]:
         step, out = run.state.step, []
@@ -82,6 +99,11 @@ class FaultInjector(Watcher):
             delay = sum(f.ms for f in slow) / 1000 / n_micro
             self.hook = run.model.register_forward_pre_hook(lambda *_: time.sleep(delay))
             self._fired(run, slow[0], f"rank {self.rank} sleeps {sum(f.ms for f in slow):g} ms per step from now on")
+        for f in self._now(run, "bitflip"):
+            if f.rank == self.rank and f.grad:
+                self.grad_flips.append(f)  # in on_grads, once the gradients exist
+            elif f.rank == self.rank:
+                self._flip(run, f, _param(run.model, f.param))
 
     def on_batch(self, run, samples: list) -> list:
         for f in self._now(run, "duplicate_data", from_step=True):
@@ -91,7 +113,30 @@ class FaultInjector(Watcher):
                     s.tokens, s.start = first.tokens.copy(), first.start
             if f.step == run.state.step:
                 self._fired(run, f, f"windows of '{f.source}' repeated from now on")
+        for f in self._now(run, "bad_batch"):
+            self._bad_batch(run, f, samples)
         return samples
+
+    def _bad_batch(self, run, f: FaultConfig, samples: list) -> None:
+        """Replace this rank's samples among the first ``f.rows`` of the global batch (module docstring)."""
+        st = stage_at(run.state.step, run.stages)
+        first = run.sampler.state["samples_seen"] - st.batch_size  # the batch was drawn already
+        stream, rows, docs = run.train_streams[f.source], [], []
+        for s in samples:
+            row = s.index - first
+            if f.rows and row >= f.rows:
+                continue
+            rng = np.random.default_rng([f.step, row])  # the same window on any rank and in a replay
+            start = int(rng.integers(0, len(stream) - len(s.tokens)))
+            window = stream.read(start, len(s.tokens))
+            s.tokens = (rng.integers(0, run.tokenizer.vocab_size, len(window)) if f.tokens == "random"
+                        else np.full_like(window, window[0]))
+            s.source, s.start = f.source, start
+            rows.append(s.index)
+            docs += window_documents(run.cfg.data.shards_dir, f.source, stream, start, len(s.tokens))
+        run.log.event(run.state.step, f"injected fault bad_batch: {len(rows)} sequences replaced by {f.tokens} tokens "
+                                      f"of '{f.source}'", kind="fault", action="injected", all_ranks=True,
+                      values={"fault": "bad_batch", "rank": self.rank, "samples": rows, "documents": docs})
 
     def on_grads(self, run, stats) -> None:
         for f in self._now(run, "loss_spike"):
@@ -106,3 +151,58 @@ class FaultInjector(Watcher):
             if f.rank == self.rank:
                 next(p for p in run.model.parameters() if p.grad is not None).grad.view(-1)[0] = torch.nan
                 self._fired(run, f, f"a NaN gradient on rank {self.rank}")
+        for f in self.grad_flips:
+            self._flip(run, f, _param(run.model, f.param).grad)
+        self.grad_flips = []
+        jumps = self._now(run, "lr_jump", from_step=True)
+        for f in jumps:  # the scheduled lr is set before the step; the optimizer applies this one
+            for g in run.optimizer.param_groups:
+                g["lr"] *= f.factor
+            if f.step == run.state.step:
+                self._fired(run, f, f"lr x{f.factor:g} from now on")
+
+    def _flip(self, run, f: FaultConfig, t: torch.Tensor) -> None:
+        old, new = flip_bit(t, f.element, f.bit)
+        what = f"{'gradient' if f.grad else 'weight'} {f.param or 'of the first parameter'}"
+        self._fired(run, f, f"bit {f.bit} of element {f.element} of the {what} on rank {self.rank}: "
+                            f"{old:.6g} -> {new:.6g}")
+
+
+def _param(model: torch.nn.Module, name: str) -> torch.nn.Parameter:
+    """Parameter ``name`` of ``model`` ('' the first one).
+
+    Raises:
+        TrainError: no such parameter (the message lists a few names).
+    """
+    params = dict(model.named_parameters())
+    if not name:
+        return next(iter(params.values()))
+    if name not in params:
+        raise TrainError(f"faults: bitflip param '{name}' is not a parameter of the model (e.g. "
+                         f"{', '.join(list(params)[:4])})")
+    return params[name]
+
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def flip_bit(t: torch.Tensor, element: int, bit: int) -> tuple[float, float]:
+    """Flip bit ``bit`` of element ``element % numel`` of ``t`` (its local shard for a DTensor), in
+    place; return the element's value before and after.
+
+    Raises:
+        TrainError: ``bit`` is beyond the element's width.
+    """
+    local = t.to_local() if hasattr(t, "to_local") else t
+    flat = local.detach().view(-1)
+    width = 8 * flat.element_size()
+    if bit >= width:
+        raise TrainError(f"faults: bitflip bit {bit} is beyond the {width}-bit elements of this tensor")
+    i = element % flat.numel()
+    old = float(flat[i])
+    mask = 1 << bit
+    if mask >= 1 << (width - 1) and width > 8:  # the sign bit of a signed view
+        mask -= 1 << width
+    with torch.no_grad():
+        flat.view(_INT_VIEW[flat.element_size()])[i] ^= mask
+    return old, float(flat[i])

@@ -24,6 +24,7 @@ import numpy as np
 
 from densetrain.config.recovery import GuardConfig
 from densetrain.errors import TrainError
+from densetrain.train.spikes import rank_partials, start_replay
 from densetrain.train.watchers import Verdict, Watcher
 
 
@@ -54,6 +55,9 @@ class Guard(Watcher):
             return False, 0.0, 0.0
         z, med, _ = robust_z(loss, self.history)
         return z > self.cfg.spike_zscore and loss > self.cfg.min_ratio * med, z, med
+
+    def on_grads(self, run, stats) -> None:
+        self.local = (stats.loss_sum, stats.n_tokens)  # this rank's part, for the events (train/spikes.py)
 
     def before_step(self, run) -> None:
         run.lr_scale = self.cfg.lr_factor if run.state.step < self.lr_scale_until else 1.0
@@ -101,13 +105,19 @@ class Guard(Watcher):
             self.streak += 1
             run.log.event(result.index, f"non-finite loss {result.loss} / grad_norm {result.grad_norm}: update "
                           f"skipped ({run.state.skipped_steps} so far)", kind="nonfinite", action="skip",
-                          values={**vals, **run.batch_documents(result)})
+                          values={**vals, **run.batch_documents(result),
+                                  "ranks": rank_partials(run, self.local, result.grad_norm)})
+            if self.cfg.replay:
+                start_replay(run, result.index)
             return
         spike, z, med = self._spike(result.loss)
         self.spikes = [s for s in self.spikes if result.index - s < self.cfg.window] + [result.index]
         run.log.event(result.index, f"loss spike {result.loss:.4f} (median {med:.4f}, z {z:.1f}): update skipped",
                       kind="loss_spike", action="skip",
-                      values={**vals, "z": z, "median": med, **run.batch_documents(result)})
+                      values={**vals, "z": z, "median": med, **run.batch_documents(result),
+                              "ranks": rank_partials(run, self.local, result.grad_norm)})
+        if self.cfg.replay:
+            start_replay(run, result.index)
 
     def state_dict(self) -> dict:
         return {"history": list(self.history), "spikes": self.spikes}

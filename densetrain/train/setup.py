@@ -28,8 +28,10 @@ from densetrain.schedule import Stage, resolve_stages, stage_at
 from densetrain.train.faults import FaultInjector
 from densetrain.train.guard import Guard
 from densetrain.train.probe import DataProbe
+from densetrain.train.replicas import ReplicaCheck, replica_groups
 from densetrain.train.state import TrainState
 from densetrain.train.step import draw_samples
+from densetrain.train.updates import UpdateNorms
 from densetrain.train.watchdog import Watchdog
 from densetrain.train.watchers import Watcher
 
@@ -135,6 +137,10 @@ def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
     # Faults first: the others must see the batch and gradients as the fault left them.
     watchers: list[Watcher] = [FaultInjector(cfg.faults, info.rank)] if cfg.faults else []
     watchers.append(Guard(cfg.guard, cfg.train.max_nonfinite_steps))
+    if cfg.guard.replica_every and replica_groups(info.layout):  # after the guard: it sets run.lr_scale first
+        watchers.append(ReplicaCheck(cfg.guard, info))
+    if cfg.guard.update_every:
+        watchers.append(UpdateNorms(cfg.guard, info.world_size))
     if cfg.watchdog.every or cfg.watchdog.hang_seconds:
         watchers.append(Watchdog(cfg.watchdog, info.rank, info.world_size, run_dir))
     if cfg.probe.every:

@@ -1,0 +1,278 @@
+"""``densetrain replay RUN STEP``: was a spike caused by the data or by the machine?
+
+The step is recomputed from the run's newest checkpoint before it, in one process: the checkpoint's
+model, optimizer, RNG and sampler state are loaded, the updates between it and ``STEP`` are applied
+again (skipping those the run skipped, and the data its rollbacks skipped, as ``densetrain blame``
+replays the sampler), then the global batch of ``STEP`` (the ``step`` of its metrics.jsonl record:
+the update with index ``STEP - 1``) is drawn by the same deterministic sampler, with the run's data
+faults (``[[faults]]`` of kinds that are not device faults) re-created, and its loss and gradient
+norm are computed and compared with the logged ones (those of the guard's event for that step, which
+also carries every rank's own part of them, else the train record):
+
+- reproduced within ``rtol`` (fp32 noise: another reduction order over ranks and micro-batches moves
+  the loss by ~1e-6 relative) -> **data**: the batch's loss per document, and the documents that carry
+  most of the excess loss over the guard's window median (source, file:line, id, as ``blame`` names
+  them);
+- not reproduced -> **machine or nondeterminism**: the ranks whose local loss (their rows of the
+  batch) or gradient norm differ from the replay, and the advice to exclude their node.
+
+The verdict is printed and appended to ``RUN_DIR/events_replay.jsonl`` (kind ``replay``), which every
+reader of the run's events merges with ``events.jsonl`` (a replay may run while training still writes
+there). Runs made without ``train.dtype = fp32`` replay within their autocast noise only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from densetrain.checkpoint import list_complete
+from densetrain.config import load_config
+from densetrain.config.recovery import MACHINE_FAULTS
+from densetrain.data.provenance import window_documents
+from densetrain.errors import DataError
+from densetrain.loss import IGNORE_INDEX, token_losses
+from densetrain.metrics import read_events, read_metrics
+from densetrain.optim import set_lr
+from densetrain.schedule import lr_for, stage_at
+from densetrain.train.loop import commit
+from densetrain.train.setup import setup
+from densetrain.train.step import compute_step, draw_samples, make_micro_batches
+from densetrain.train.watchers import Verdict
+
+SPIKE_KINDS = ("loss_spike", "nonfinite")
+SHARE = 0.8  # the documents named carry at least this share of the batch's excess loss
+
+
+def close(a: float, b: float, rtol: float) -> bool:
+    """``a`` and ``b`` equal within ``rtol`` relative, or both non-finite."""
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return not math.isfinite(a) and not math.isfinite(b)
+    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-12)
+
+
+def _logged(run_dir: Path, cfg, step: int) -> tuple[dict, dict | None]:
+    """(``{"loss", "grad_norm", "sample_index", "median"}`` logged for ``step``, the guard's event or None).
+
+    Raises:
+        DataError: neither a guard event nor a train record for ``step``.
+    """
+    events = [e for e in read_events(run_dir) if e.get("kind") in SPIKE_KINDS and e.get("step") == step - 1
+              and e.get("rank", 0) == 0]
+    records = [r for r in read_metrics(run_dir) if r.get("kind") == "train"]
+    spike = events[-1] if events else None
+    if spike:
+        v = spike["values"]
+        return {"loss": v["loss"], "grad_norm": v["grad_norm"], "sample_index": v["sample_index"],
+                "median": v.get("median")}, spike
+    rec = next((r for r in records if r["step"] == step), None)
+    if rec is None:
+        raise DataError(f"{run_dir}: no guard event and no train record for step {step}")
+    window = [r["loss"] for r in records if step - cfg.guard.window <= r["step"] < step and math.isfinite(r["loss"])]
+    return {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "sample_index": rec["sample_index"],
+            "median": float(np.median(window)) if window else None}, None
+
+
+def _original_path(run_dir: Path, start: int, index: int, spike: dict | None) -> tuple[list[dict], set[int]]:
+    """What the run did between checkpoint ``start`` and update ``index`` (before the spike event, when
+    there is one): the rollback events to ``start`` (whose skipped data must be skipped again) and the
+    updates it skipped."""
+    until = spike["time"] if spike else math.inf
+    events = [e for e in read_events(run_dir) if e.get("time", 0) < until]
+    rollbacks = [e for e in events if e.get("kind") == "rollback" and e.get("step") == start]
+    since = rollbacks[-1]["time"] if rollbacks else -math.inf
+    skipped = {e["step"] for e in events if e.get("kind") in SPIKE_KINDS and e.get("action") == "skip"
+               and start <= e["step"] < index and e.get("time", 0) > since and e.get("rank", 0) == 0}
+    return rollbacks, skipped
+
+
+def _replay_config(cfg, tmp: Path):
+    """The run's config for a quiet one-process replay in ``tmp``: no device faults, no other watchers."""
+    rc = copy.deepcopy(cfg)
+    rc.train.run_dir = str(tmp)
+    rc.faults = [f for f in cfg.faults if f.kind not in MACHINE_FAULTS]
+    rc.guard.replica_every = rc.guard.update_every = 0
+    rc.guard.replay = False
+    rc.watchdog.every, rc.watchdog.hang_seconds, rc.probe.every = 0, 0.0, 0
+    rc.logging.tensorboard = False
+    return rc
+
+
+def _row_losses(run, stage, samples) -> torch.Tensor:
+    """Per-token losses (B, T) fp32 of the global batch ``samples`` under the replayed weights."""
+    eos_id = run.tokenizer.eos_id if stage.document_mask else None
+    out = []
+    with torch.no_grad():
+        for x, y, _, more in make_micro_batches(samples, stage.micro_batch_size, run.info.device, eos_id,
+                                                stage.reset_positions):
+            with run.autocast or contextlib.nullcontext():
+                logits = run.model(x, **more)
+            out.append(token_losses(logits, y).float().cpu() * (y != IGNORE_INDEX).cpu())
+    return torch.cat(out)
+
+
+def document_losses(run, samples, losses: torch.Tensor, median: float) -> list[dict]:
+    """Loss per document of the batch: ``[{"source", "file", "line", "doc_id", "tokens", "loss",
+    "excess"}, ...]``, where ``excess`` is its loss sum minus ``median`` per token (nats), largest first.
+
+    Target ``j`` of a window predicts window token ``j + 1``, so it belongs to that token's document.
+    """
+    docs: dict[tuple, dict] = {}
+    for smp, row in zip(samples, losses.double().numpy()):
+        pos = 0
+        for d in window_documents(run.cfg.data.shards_dir, smp.source, run.train_streams[smp.source], smp.start,
+                                  len(smp.tokens)):
+            lo, hi = max(pos - 1, 0), pos + d["tokens"] - 1  # targets whose next token is in this document
+            pos += d["tokens"]
+            key = (d["source"], d["file"], d["line"], d["doc_id"])
+            acc = docs.setdefault(key, {**d, "tokens": 0, "loss_sum": 0.0})
+            acc["tokens"] += hi - lo
+            acc["loss_sum"] += float(row[lo:hi].sum())
+    out = []
+    for d in docs.values():
+        if d["tokens"]:
+            out.append({**{k: d[k] for k in ("source", "file", "line", "doc_id", "tokens")},
+                        "loss": d["loss_sum"] / d["tokens"], "excess": d["loss_sum"] - median * d["tokens"]})
+    return sorted(out, key=lambda d: -d["excess"])
+
+
+def carriers(docs: list[dict], share: float = SHARE, limit: int = 20) -> list[dict]:
+    """The fewest documents (at most ``limit``), largest excess first, whose positive excess loss adds up
+    to ``share`` of the batch's; each with its ``share``."""
+    total = sum(d["excess"] for d in docs if d["excess"] > 0)
+    out, acc = [], 0.0
+    for d in docs:
+        if d["excess"] <= 0 or len(out) >= limit or (out and acc >= share * total):
+            break
+        acc += d["excess"]
+        out.append({**d, "share": d["excess"] / total})
+    return out
+
+
+def compare_ranks(partials: list[dict], row_losses: np.ndarray, grad_norm: float, batch_size: int,
+                  rtol: float) -> list[dict]:
+    """Each rank's logged local loss sum (its rows of the batch) and gradient norm against the replay's."""
+    dp_size = max(p["dp_rank"] for p in partials) + 1
+    per = batch_size // dp_size
+    out = []
+    for p in partials:
+        mine = float(row_losses[p["dp_rank"] * per:(p["dp_rank"] + 1) * per].sum())
+        loss_ok, grad_ok = close(p["loss_sum"], mine, rtol), close(p["grad_norm"], grad_norm, rtol)
+        out.append({"rank": p["rank"], "dp_rank": p["dp_rank"], "loss_sum": p["loss_sum"], "replayed_loss_sum": mine,
+                    "grad_norm": p["grad_norm"], "replayed_grad_norm": grad_norm,
+                    "differs": [k for k, ok in (("loss", loss_ok), ("grad_norm", grad_ok)) if not ok]})
+    return out
+
+
+def replay(run_dir: str | Path, step: int, rtol: float = 1e-3) -> dict:
+    """The verdict on ``step`` (1-based, as in metrics.jsonl) of the run in ``run_dir`` (module docstring).
+
+    Returns:
+        ``{"step", "index", "checkpoint", "logged": {"loss", "grad_norm"}, "replayed": {...},
+        "reproduced", "verdict": "data" | "machine", "ranks": [per-rank comparison], "suspect_ranks",
+        "median", "documents": [carriers of the excess loss] (data), "text"}``.
+    Raises:
+        DataError: no record of the step, no checkpoint before it, or the replayed sampler does not
+            reach the recorded batch.
+    """
+    run_dir = Path(run_dir)
+    cfg = load_config(path=run_dir / "config.toml")
+    index = step - 1
+    logged, spike = _logged(run_dir, cfg, step)
+    before = [(s, p) for s, p in list_complete(run_dir) if s <= index]
+    if not before:
+        raise DataError(f"{run_dir}: no complete checkpoint at or before update {index} (step {step}) to replay "
+                        "from; keep checkpoints longer (checkpoint.keep) or save them more often (checkpoint.every)")
+    start, ckpt = before[-1]
+    rollbacks, skipped = _original_path(run_dir, start, index, spike)
+    with tempfile.TemporaryDirectory(prefix="densetrain-replay-") as tmp, contextlib.redirect_stdout(sys.stderr):
+        (Path(tmp) / "checkpoints").mkdir()
+        os.symlink(ckpt.resolve(), Path(tmp) / "checkpoints" / ckpt.name)
+        run = setup(_replay_config(cfg, Path(tmp)), resume=True)
+        for e in rollbacks:  # the data the run skipped after rolling back to this checkpoint
+            v = e.get("values", {})
+            if e.get("action") == "rollback":
+                for s in range(start, v["from_step"]):
+                    draw_samples(run.sampler, stage_at(s, run.stages), keep=range(0))
+            elif e.get("action") == "skip_data":
+                while run.sampler.state["samples_seen"] < v["skipped_samples"][1]:
+                    draw_samples(run.sampler, stage_at(start, run.stages), keep=range(0))
+        stage = None
+        while True:
+            st = stage_at(run.state.step, run.stages)
+            if st != stage:
+                run.model.set_rope(st.rope_theta, st.rope_scaling)
+                stage = st
+            for w in run.watchers:
+                w.before_step(run)
+            lr = lr_for(run.state.step, run.cfg, run.stages) * run.lr_scale
+            set_lr(run.optimizer, lr)
+            result = compute_step(run, st, lr)
+            if run.state.step == index:
+                break
+            commit(run, result, Verdict.SKIP if run.state.step in skipped else Verdict.APPLY)
+        if result.first_sample != logged["sample_index"]:
+            raise DataError(f"{run_dir}: the replayed batch of step {step} starts at sample {result.first_sample}, "
+                            f"the run's at {logged['sample_index']} (changed shards, or a manual --skip-batches?)")
+        losses = _row_losses(run, st, result.samples)
+        row_sums = losses.double().sum(dim=1).numpy()
+        median = logged["median"] if logged["median"] is not None else result.loss
+        docs = document_losses(run, result.samples, losses, median)
+        run.log.close()
+    ranks = compare_ranks(spike["values"]["ranks"], row_sums, result.grad_norm, st.batch_size, rtol) \
+        if spike and spike["values"].get("ranks") else []
+    differ = [r["rank"] for r in ranks if r["differs"]]
+    suspects = differ if len(differ) < len(ranks) else []
+    reproduced = (close(logged["loss"], result.loss, rtol) and close(logged["grad_norm"], result.grad_norm, rtol)
+                  and not differ)
+    out = {"step": step, "index": index, "checkpoint": ckpt.name,
+           "logged": {k: logged[k] for k in ("loss", "grad_norm")},
+           "replayed": {"loss": result.loss, "grad_norm": result.grad_norm}, "reproduced": reproduced,
+           "verdict": "data" if reproduced else "machine", "ranks": ranks, "suspect_ranks": suspects,
+           "median": median, "documents": carriers(docs) if reproduced else [], "rtol": rtol}
+    out["text"] = verdict_text(out)
+    return out
+
+
+def verdict_text(v: dict) -> str:
+    """One paragraph: what was compared and what it means."""
+    head = (f"replay of step {v['step']} from {v['checkpoint']}: loss {v['replayed']['loss']:.5g} (logged "
+            f"{v['logged']['loss']:.5g}), grad_norm {v['replayed']['grad_norm']:.5g} (logged "
+            f"{v['logged']['grad_norm']:.5g})")
+    if v["verdict"] == "data":
+        share = sum(d["share"] for d in v["documents"])
+        docs = "; ".join(f"{d['source']} {d['file']}" + (f":{d['line']}" if d["line"] is not None else "")
+                         + f" id={d['doc_id']} ({d['share']:.0%}, loss "
+                         f"{d['loss']:.3f})" for d in v["documents"][:5])
+        return (f"{head}: reproduced, so the data caused it; {len(v['documents'])} documents carry {share:.0%} of "
+                f"the excess loss over the median {v['median']:.4g}: {docs}"
+                + (f" and {len(v['documents']) - 5} more" if len(v["documents"]) > 5 else ""))
+    if v["suspect_ranks"]:
+        what = ", ".join(f"rank {r['rank']} ({' and '.join(r['differs'])})" for r in v["ranks"] if r["differs"])
+        return (f"{head}: not reproduced, so the machine (or nondeterminism) caused it; the replay differs from "
+                f"the local results of {what} and agrees with the other ranks: exclude the node of "
+                f"rank{'s' if len(v['suspect_ranks']) > 1 else ''} {', '.join(map(str, v['suspect_ranks']))} "
+                "and resume from a checkpoint before the step")
+    return (f"{head}: not reproduced, so the machine (or nondeterminism) caused it; no single rank's local "
+            "results stand out (none were logged, or all differ): check every node, or nondeterministic kernels")
+
+
+def append_event(run_dir: Path, v: dict, action: str | None = None) -> None:
+    """Append the verdict ``v`` (or a failure: ``{"index", "text"}``) to ``RUN_DIR/events_replay.jsonl``."""
+    values = {k: v[k] for k in v if k not in ("text", "index")}
+    rec = {"kind": "replay", "step": v["index"], "rank": 0, "time": time.time(), "text": v["text"],
+           "action": action or v.get("verdict"), "values": values}
+    with open(Path(run_dir) / "events_replay.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
