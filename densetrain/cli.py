@@ -66,6 +66,9 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
 
     if (args.rollback_to is not None or args.skip_batches) and not args.resume:
         raise ConfigError("--rollback-to / --skip-batches need --resume RUN_DIR")
+    if args.skip_batches < 0 or (args.skip_batches and args.rollback_to is None):  # else skipped silently
+        raise ConfigError(f"--skip-batches {args.skip_batches}: expected a number of global batches >= 0, "
+                          "with --rollback-to STEP")
     summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches)
     print(json.dumps(summary, indent=1))
     return 0

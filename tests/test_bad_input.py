@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from densetrain.cli import main
-from densetrain.config import ModelConfig
+from densetrain.config import ModelConfig, load_config, save_config
 from densetrain.hf import export_hf
 from densetrain.model.llama import Transformer
 
@@ -83,3 +83,9 @@ def test_import_hf_of_tensors_that_do_not_fit_the_config(hf_dir, tmp_path, capsy
     save_file(good, str(weights))
     assert main(["import-hf", str(hf_dir), "--out", out]) == 0  # the same folder, repaired, imports
 
+
+def test_skip_batches_must_be_a_count_used_with_rollback(tmp_path, capsys):
+    save_config(load_config(preset="tiny"), tmp_path / "config.toml")
+    for extra in (["--rollback-to", "2", "--skip-batches", "-3"], ["--skip-batches", "3"]):
+        err = _run(capsys, "train", "--resume", str(tmp_path), *extra)
+        assert "--skip-batches" in err and ">= 0" in err and "--rollback-to" in err, err
