@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from densetrain.config import Config, help_text, list_presets, load_config, parse_overrides
 from densetrain.config.smoke import scale_down
-from densetrain.errors import ConfigError, DataError, TrainError
+from densetrain.errors import ConfigError, DataError, TrainError, disk_full_error, is_disk_full
 from densetrain.hf import tokenizer_files
 
 
@@ -153,9 +154,18 @@ def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
     model = Transformer(mcfg)
     model.load_state_dict(sd, strict=True)
     cfg.train.run_dir = args.out
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    save_config(cfg, Path(args.out) / "config.toml")
-    path = save_checkpoint(Path(args.out), 0, model, build_optimizer(model, cfg), {"step": 0, "tokens": 0}, keep=0)
+    existed = out.exists()  # (empty: checked above)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, out / "config.toml")
+        path = save_checkpoint(out, 0, model, build_optimizer(model, cfg), {"step": 0, "tokens": 0}, keep=0)
+    except BaseException as e:  # a full disk, an interrupt: no half-made run that blocks a re-run
+        shutil.rmtree(out, ignore_errors=True)
+        if existed:
+            out.mkdir()
+        if is_disk_full(e):
+            raise disk_full_error(out, "the imported run") from None
+        raise
     print(f"imported {args.hf_dir} -> {path} ({model.num_params() / 1e6:.2f}M parameters)")
     return 0
 

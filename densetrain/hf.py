@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from densetrain.config import Config, ModelConfig, validate
 from densetrain.config.schema import RopeScalingConfig
-from densetrain.errors import DataError
+from densetrain.errors import DataError, disk_full_error, is_disk_full
 from densetrain.fileio import fsync_dir
 from densetrain.model.init import init_weights
 from densetrain.model.llama import Transformer
@@ -328,15 +328,16 @@ def export_hf(
 ) -> Path:
     """Write ``out_dir/config.json`` + ``out_dir/model.safetensors`` loadable by ``LlamaForCausalLM.from_pretrained``.
 
-    Atomic at directory level: everything is written and fsynced in a sibling temp directory, then renamed
-    to ``out_dir``; an existing ``out_dir`` is moved aside first and deleted afterwards (so readers see the
-    old or the new export, never a partial one; between the two renames the path briefly does not exist).
+    Atomic at directory level: everything is written and fsynced in a sibling temp directory, which then
+    takes the place of ``out_dir`` (readers and a kill -9 see the old or the new export, never a partial
+    one; see :func:`_write_export`).
     ``cfg.rope_theta`` and ``cfg.rope_scaling`` are written as is: pass the config of the *last* stage
     (set them to the values the model was last trained with). ``dtype`` casts the stored tensors
     (default: the model's dtype).
     ``extra_files`` (name -> content, e.g. the tokenizer files) are written into the same atomic folder.
 
-    Returns: the output directory. Raises: ValueError from :func:`to_hf_state_dict`.
+    Returns: the output directory. Raises: ValueError from :func:`to_hf_state_dict`; DataError from
+    :func:`_write_export` (a target that is not an export, a full disk).
     """
     out_dir = Path(out_dir)
     sd = to_hf_state_dict(model, dtype)
@@ -375,29 +376,40 @@ def check_export_target(out_dir: Path) -> None:
 def _write_export(out_dir: Path, config: dict, extra_files: dict[str, bytes] | None,
                   write_weights: Callable[[Path], None]) -> Path:
     """The atomic folder of an export (see :func:`export_hf`): ``write_weights(tmp)`` writes the
-    safetensors files into the temporary folder, then config.json and ``extra_files``, fsync, rename.
+    safetensors files into the temporary folder ``.NAME.tmp-PID`` next to ``out_dir``, then
+    config.json and ``extra_files``, fsync; then the old export is renamed aside and the temp folder
+    renamed to ``out_dir``. A failed write
+    (a full disk, an unreadable checkpoint, an interrupt) removes the temp folder and leaves ``out_dir``
+    as it was.
 
     Raises:
         DataError: ``out_dir`` is a file, or a directory holding anything but a previous export (a run
-            directory, checkpoints, notes): an export replaces its folder whole, so it never does so there.
+            directory, checkpoints, notes): an export replaces its folder whole, so it never does so there;
+            or the disk filled up ("no space left on ``out_dir``").
     """
     check_export_target(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    write_weights(tmp)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name, content in (extra_files or {}).items():
-        (tmp / name).write_bytes(content)
-    umask = os.umask(0)
-    os.umask(umask)
-    for f in tmp.iterdir():
-        os.chmod(f, 0o666 & ~umask)  # safetensors writes 0600; an export is meant to be shared like any file
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    fsync_dir(tmp)
+    try:
+        tmp.mkdir()
+        write_weights(tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name, content in (extra_files or {}).items():
+            (tmp / name).write_bytes(content)
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)  # safetensors writes 0600; an export is meant to be shared like any file
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(tmp)
+    except BaseException as e:  # also an interrupt; SafetensorError (a full disk) is no OSError
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            raise disk_full_error(out_dir, "the export") from None
+        raise
     old = None
     if out_dir.exists():
         old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
