@@ -6,6 +6,8 @@ the process is killed (kill -9) in the middle.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 from pathlib import Path
@@ -43,3 +45,38 @@ def atomic_write_json(path: Path, obj) -> None:
     """Write ``obj`` as indented JSON atomically."""
     atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this machine (signal 0 probes without signalling); used to
+    tell a temp file of a killed writer (sweep it) from one another writer is still filling."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` (both must exist, files or directories) in one atomic step:
+    Linux ``renameat2(RENAME_EXCHANGE)`` (kernel 3.15+, glibc 2.28+; ext4, xfs, btrfs, tmpfs, ...).
+
+    Returns: False where the C library or the file system lacks it (the caller falls back to two
+    renames). Raises: OSError for any other failure.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):  # not glibc / not Linux
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):  # the file system (NFS, old overlayfs) cannot
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))

@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from densetrain.config import Config, ModelConfig, validate
 from densetrain.config.schema import RopeScalingConfig
 from densetrain.errors import DataError, disk_full_error, is_disk_full
-from densetrain.fileio import fsync_dir
+from densetrain.fileio import exchange_paths, fsync_dir, pid_alive
 from densetrain.model.init import init_weights
 from densetrain.model.llama import Transformer
 
@@ -357,12 +357,14 @@ _EXPORT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
 
 
 def check_export_target(out_dir: Path) -> None:
-    """Refuse an export target that is not new, empty, or a previous export (see :func:`_write_export`).
+    """Refuse an export target that is not new, empty, or a previous export (see :func:`_write_export`),
+    after recovering from an export that was killed (:func:`_recover_export`).
 
     Raises:
         DataError: one line naming the path and what is in the way.
     """
     out_dir = Path(out_dir)
+    _recover_export(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"{out_dir}: exists and is not a directory; export into a new or empty directory")
     if out_dir.is_dir():
@@ -373,12 +375,35 @@ def check_export_target(out_dir: Path) -> None:
                             "an export replaces its folder whole: choose a new or empty directory")
 
 
+def _recover_export(out_dir: Path) -> None:
+    """Undo what a killed export left next to ``out_dir``: its ``.NAME.old-PID`` (the previous export,
+    moved aside by the two-rename fallback) goes back to ``out_dir`` when that is missing; its
+    ``.NAME.tmp-PID`` and any other ``.old-PID`` are deleted. Folders of a live PID (an export running
+    now) are left alone."""
+    if not out_dir.parent.is_dir():
+        return
+    left = []
+    for p in out_dir.parent.iterdir():
+        m = re.fullmatch(rf"\.{re.escape(out_dir.name)}\.(old|tmp)-(\d+)", p.name)
+        if m and not pid_alive(int(m.group(2))):
+            left.append((m.group(1) != "old", p))  # the old export first: it may be restored
+    for is_tmp, p in sorted(left):
+        if not is_tmp and not out_dir.exists():
+            os.replace(p, out_dir)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+    if left:
+        fsync_dir(out_dir.parent)
+
+
 def _write_export(out_dir: Path, config: dict, extra_files: dict[str, bytes] | None,
                   write_weights: Callable[[Path], None]) -> Path:
     """The atomic folder of an export (see :func:`export_hf`): ``write_weights(tmp)`` writes the
     safetensors files into the temporary folder ``.NAME.tmp-PID`` next to ``out_dir``, then
-    config.json and ``extra_files``, fsync; then the old export is renamed aside and the temp folder
-    renamed to ``out_dir``. A failed write
+    config.json and ``extra_files``, fsync; then the temp folder and ``out_dir`` swap names in one
+    atomic step (:func:`densetrain.fileio.exchange_paths`), so a kill at any moment leaves the old or
+    the new export at ``out_dir``; where the file system cannot swap, the old export is renamed aside
+    first and a killed export is restored by the next one (:func:`_recover_export`). A failed write
     (a full disk, an unreadable checkpoint, an interrupt) removes the temp folder and leaves ``out_dir``
     as it was.
 
@@ -410,6 +435,10 @@ def _write_export(out_dir: Path, config: dict, extra_files: dict[str, bytes] | N
         if is_disk_full(e):
             raise disk_full_error(out_dir, "the export") from None
         raise
+    if out_dir.exists() and exchange_paths(tmp, out_dir):
+        fsync_dir(out_dir.parent)
+        shutil.rmtree(tmp)  # now the previous export
+        return out_dir
     old = None
     if out_dir.exists():
         old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
