@@ -48,7 +48,7 @@ def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
 def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
     from densetrain.data.prepare import prepare
 
-    summary = prepare(cfg, force=args.force)
+    summary = prepare(cfg, force=args.force, verify=args.verify)
     print(json.dumps({k: v for k, v in summary.items() if k != "sources"}, indent=1, default=str)[:2000])
     return 0
 
@@ -231,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--json", action="store_true", help="print JSON instead of one line per document")
         if name == "prepare":
             sp.add_argument("--force", action="store_true", help="redo sources whose shards are up to date")
+            sp.add_argument("--verify", action="store_true", help="hash every shard of an up-to-date source against "
+                            "its manifest (a full read; otherwise only shards whose mtime changed are hashed)")
         if name in ("eval", "export"):
             sp.add_argument("checkpoint", help="checkpoint directory (RUN_DIR/checkpoints/step_XXXXXXXX) or RUN_DIR")
         if name == "eval":

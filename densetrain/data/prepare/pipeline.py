@@ -159,12 +159,14 @@ def _workers(data) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def prepare(cfg, force: bool = False) -> dict:
+def prepare(cfg, force: bool = False, verify: bool = False) -> dict:
     """Prepare every configured source into token shards (see the module docstring for the layout).
 
     Args:
         cfg: a :class:`densetrain.config.Config` (reads ``cfg.data`` and ``cfg.model.vocab_size``).
         force: redo everything (BPE training included) even when manifests match.
+        verify: hash every shard of an up-to-date source against its manifest (a full read) instead of
+            only those whose mtime changed (:func:`densetrain.data.shards.check_shard_hashes`).
 
     Returns:
         The summary: ``{'shards_dir', 'tokenizer': identity, 'token_size', 'sources': {name:
@@ -215,7 +217,7 @@ def prepare(cfg, force: bool = False) -> dict:
                 r = register_datatrove_source(i, src, cfg, tok, corpus_dir, shards_dir, force)
             else:
                 r = prepare_source(i, src, inputs[src.name], cfg, tok, token_size, corpus_dir, shards_dir, force,
-                                    decontam, get_pool)
+                                    decontam, get_pool, verify=verify)
             results[src.name] = r
             if "timings" in r:
                 proc_s += r["timings"]["process_s"]
