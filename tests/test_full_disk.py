@@ -4,6 +4,7 @@ re-run works once space is free again."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -73,3 +74,21 @@ def test_import_hf_on_a_full_disk_leaves_no_run_that_blocks_a_rerun(tmpfs, tmp_p
     filler.unlink()
     assert main(["import-hf", str(src), "--out", str(run)]) == 0
     assert (run / "config.toml").is_file() and (run / "checkpoints" / "step_00000000" / "COMPLETE").is_file()
+
+
+def test_prepare_on_a_full_disk_is_one_line_and_leaves_no_temp_or_shard(tmpfs, tmp_path, capsys):
+    from conftest import one_source_config
+
+    from densetrain.config import save_config
+
+    shards = tmpfs / "shards"
+    save_config(one_source_config(tmp_path, shards), tmp_path / "cfg.toml")
+    filler = fill(tmpfs, leave=150_000)  # the email source's train shard alone is ~290 kB
+    assert main(["prepare", "--config", str(tmp_path / "cfg.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"densetrain: error: no space left on {shards / 'email'}: ") and err.count("\n") == 1, err
+    left = [p for p in shards.rglob("*") if p.is_file()]
+    assert not [p for p in left if ".tmp" in p.name or p.name.endswith((".ds", ".ds.index", ".json"))], left
+    filler.unlink()
+    assert main(["prepare", "--config", str(tmp_path / "cfg.toml")]) == 0
+    assert json.loads((shards / "email" / "manifest.json").read_text())["splits"]["train"]["tokens"] > 100_000

@@ -47,6 +47,18 @@ def _clear_split_dir(d: Path) -> None:
                 f.unlink()
 
 
+def discard_unfinished(src_dir: Path) -> None:
+    """Remove the shards, provenance and removed-list of a source whose manifest is missing (a write that
+    failed, e.g. on a full disk: they describe nothing and only take space). The finished chunks in
+    ``.work`` stay, so the re-run resumes after them."""
+    if (src_dir / "manifest.json").exists():
+        return
+    for split in ("train", "val"):
+        _clear_split_dir(src_dir / split)
+    for name in ("provenance.json", "removed.json"):
+        (src_dir / name).unlink(missing_ok=True)
+
+
 def _split(lens: np.ndarray, name: str, seed: int, val_fraction: float,
            max_val_tokens: int) -> tuple[list[int], list[int], bool]:
     """(train, val, over_cap): document indices in shuffled order.
