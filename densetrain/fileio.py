@@ -10,6 +10,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 from pathlib import Path
 
 
@@ -39,6 +40,26 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+_TEMP_NAME = re.compile(r"\..+\.tmp(\d+)")  # the temp names of atomic_write_bytes: .NAME.tmpPID
+
+
+def sweep_stale_temps(root: Path) -> list[Path]:
+    """Delete the temp files :func:`atomic_write_bytes` left under ``root`` (recursively) when its process
+    was killed: ``.NAME.tmpPID`` whose PID is no longer running (a live writer's temp files stay).
+
+    Returns: the deleted paths.
+    """
+    removed = []
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            m = _TEMP_NAME.fullmatch(name)
+            if m and not pid_alive(int(m.group(1))):
+                path = Path(dirpath) / name
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
 
 
 def atomic_write_json(path: Path, obj) -> None:

@@ -6,12 +6,19 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 import densetrain.hf as hf
 from densetrain.config import ModelConfig
 from densetrain.model.llama import Transformer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def killed_child(fn) -> int:
@@ -62,3 +69,63 @@ def test_export_killed_at_its_swap_leaves_an_export_or_one_the_next_export_resto
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
     assert json.loads((target / "config.json").read_text())["which"] == (left_at_target or "old")
     assert (target / "model.safetensors").is_file()
+
+
+def test_a_rerun_of_prepare_removes_the_full_size_temp_shard_of_a_killed_one(tmp_path, capsys):
+    from conftest import one_source_config
+
+    from densetrain.data.prepare import prepare
+    from densetrain.data.shards import write_shard
+
+    cfg = one_source_config(tmp_path, tmp_path / "shards")
+    prepare(cfg)
+    train = tmp_path / "shards" / "email" / "train"
+    tokens = np.fromfile(train / "000000.ds", dtype="<u2")
+
+    def rewrite_and_die_at_the_rename():
+        os.replace = lambda a, b: _die()  # the temp file is complete, the rename never comes
+        write_shard(train / "000000", [tokens], 2)
+
+    assert killed_child(rewrite_and_die_at_the_rename) == signal.SIGKILL
+    (tmp,) = [p for p in train.iterdir() if p.name.startswith(".000000.ds.tmp")]
+    assert tmp.stat().st_size == tokens.nbytes
+    capsys.readouterr()
+    assert prepare(cfg)["sources"]["email"]["status"] == "up-to-date"
+    assert "removed 1 temporary files of killed runs" in capsys.readouterr().out
+    assert sorted(p.name for p in train.iterdir()) == ["000000.ds", "000000.ds.index", "000000.ds.metadata"]
+
+
+_POOL_SCRIPT = """
+import os, sys, time
+from densetrain.data.prepare.process import worker_pool
+pool = worker_pool(2)  # what prepare starts for its first source
+print(*sorted({pool.submit(os.getpid).result() for _ in range(8)}), flush=True)
+time.sleep(120)
+"""
+
+
+def test_killing_prepare_kills_its_worker_processes(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _POOL_SCRIPT], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    workers = [int(p) for p in proc.stdout.readline().split()]
+    assert workers and proc.pid not in workers
+    proc.kill()  # kill -9: no cleanup of its own runs
+    proc.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_running(p) for p in workers):
+        time.sleep(0.05)
+    alive = [p for p in workers if _running(p)]
+    for p in alive:  # clean up before failing
+        os.kill(p, signal.SIGKILL)
+    assert not alive, f"worker processes {alive} outlived the killed prepare"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (dead, not yet reaped by init) counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True

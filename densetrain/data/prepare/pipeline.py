@@ -61,7 +61,7 @@ from densetrain.data.sampling import fair_shares
 from densetrain.data.shards import token_dtype, token_size_for
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe, usable_cpus
 from densetrain.errors import DataError, disk_full_error, is_disk_full
-from densetrain.fileio import atomic_write_json
+from densetrain.fileio import atomic_write_json, sweep_stale_temps
 
 BPE_SAMPLE_BYTES = 12_000_000
 """Bytes of text the BPE is trained on, shared evenly between sources."""
@@ -192,6 +192,8 @@ def prepare(cfg, force: bool = False, verify: bool = False) -> dict:
     Workers are spawned processes (``data.workers``): a script that calls this function must do so
     under ``if __name__ == "__main__":``, as for any ``multiprocessing`` spawn.
 
+    Temporary files of killed runs (``.NAME.tmpPID`` of a dead PID) are deleted first.
+
     Raises:
         DataError: no sources, a missing input path, a tokenizer problem, ``model.vocab_size``
             smaller than the tokenizer's vocabulary, or a full disk ("no space left on <dir>", after
@@ -212,6 +214,9 @@ def prepare(cfg, force: bool = False, verify: bool = False) -> dict:
     if data.tokenizer == "bpe":
         _check_model_vocab(cfg, data.tokenizer_vocab_size, "data.tokenizer_vocab_size")
     shards_dir.mkdir(parents=True, exist_ok=True)
+    stale = sweep_stale_temps(shards_dir)  # a killed run's half-written files (a .ds can be 128 MB)
+    if stale:
+        log(f"removed {len(stale)} temporary files of killed runs (e.g. {stale[0]})")
     to_tokenize = [s for s in sources if s.format != "datatrove"]
     with _on_full_disk(shards_dir, "the tokenizer"):
         tok = _get_tokenizer(cfg, to_tokenize, inputs, corpus_dir, shards_dir, force, timings)
