@@ -287,6 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `densetrain ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # a full disk in a writer without its own handling (metrics, config, report)
+        if not is_disk_full(e):
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"densetrain: error: no space left on {e.filename or 'the device'} ({e.strerror})", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("densetrain: interrupted", file=sys.stderr)
         return 130

@@ -36,8 +36,10 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:  # a full disk, an interrupt: leave the old file and no temp file
+    except BaseException as e:  # a full disk, an interrupt: leave the old file and no temp file
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:  # f.write names no file: name the one meant
+            raise OSError(e.errno, e.strerror, str(path)) from e
         raise
     fsync_dir(path.parent)
 

@@ -92,3 +92,17 @@ def test_prepare_on_a_full_disk_is_one_line_and_leaves_no_temp_or_shard(tmpfs, t
     filler.unlink()
     assert main(["prepare", "--config", str(tmp_path / "cfg.toml")]) == 0
     assert json.loads((shards / "email" / "manifest.json").read_text())["splits"]["train"]["tokens"] > 100_000
+
+
+def test_a_writer_without_its_own_handling_is_still_one_line(prepared, tmpfs, tmp_path, capsys):
+    """train writes its config.toml (then metrics, checkpoints) into the run directory: on a full disk
+    the command line says so in one line naming the file (cli.main's fallback for any full-disk OSError)."""
+    from densetrain.config import save_config
+
+    _, make = prepared
+    save_config(make(tmp_path, **{"train.run_dir": str(tmpfs / "run")}), tmp_path / "cfg.toml")
+    fill(tmpfs, leave=3000)
+    assert main(["train", "--config", str(tmp_path / "cfg.toml")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"densetrain: error: no space left on {tmpfs / 'run' / 'config.toml'} (No space left on device)\n"
+    assert not [p for p in (tmpfs / "run").iterdir() if ".tmp" in p.name]
