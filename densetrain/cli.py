@@ -91,6 +91,8 @@ def cmd_blame(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
     from densetrain.tools.offline_eval import evaluate_checkpoint
 
+    if args.limit < 0:  # else a ValueError traceback from the task loader
+        raise ConfigError(f"--limit {args.limit}: expected a number of examples per task >= 0 (0 = all)")
     result = evaluate_checkpoint(cfg, Path(args.checkpoint), tasks=args.tasks, limit=args.limit)
     print(json.dumps(result, indent=1))
     return 0

@@ -364,6 +364,9 @@ def check_export_target(out_dir: Path) -> None:
         DataError: one line naming the path and what is in the way.
     """
     out_dir = Path(out_dir)
+    above = next((p for p in out_dir.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise DataError(f"{out_dir}: {above} is a file, not a directory; export into a new or empty directory")
     _recover_export(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"{out_dir}: exists and is not a directory; export into a new or empty directory")
@@ -434,6 +437,8 @@ def _write_export(out_dir: Path, config: dict, extra_files: dict[str, bytes] | N
         shutil.rmtree(tmp, ignore_errors=True)
         if is_disk_full(e):
             raise disk_full_error(out_dir, "the export") from None
+        if isinstance(e, OSError) and str(tmp) in str(e.filename):  # not a read of the checkpoint
+            raise DataError(f"{out_dir}: cannot write the export ({e.strerror})") from None
         raise
     if out_dir.exists() and exchange_paths(tmp, out_dir):
         fsync_dir(out_dir.parent)

@@ -89,3 +89,14 @@ def test_skip_batches_must_be_a_count_used_with_rollback(tmp_path, capsys):
     for extra in (["--rollback-to", "2", "--skip-batches", "-3"], ["--skip-batches", "3"]):
         err = _run(capsys, "train", "--resume", str(tmp_path), *extra)
         assert "--skip-batches" in err and ">= 0" in err and "--rollback-to" in err, err
+
+
+def test_eval_limit_below_zero_and_an_export_below_a_file(tmp_path, capsys):
+    assert "--limit -1: expected a number of examples per task >= 0" in _run(capsys, "eval", str(tmp_path),
+                                                                              "--limit", "-1")
+    from densetrain.errors import DataError
+    from densetrain.hf import check_export_target
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DataError, match=r"afile is a file, not a directory"):
+        check_export_target(tmp_path / "afile" / "hf")
