@@ -20,6 +20,7 @@ import torch.distributed as dist
 from densetrain.config import Config, help_text, list_presets, load_config, parse_overrides
 from densetrain.config.smoke import scale_down
 from densetrain.errors import ConfigError, DataError, TrainError, disk_full_error, is_disk_full
+from densetrain.fileio import recover_folder_swap
 from densetrain.hf import tokenizer_files
 
 
@@ -156,18 +157,21 @@ def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
     model = Transformer(mcfg)
     model.load_state_dict(sd, strict=True)
     cfg.train.run_dir = args.out
-    existed = out.exists()  # (empty: checked above)
+    # Written in .NAME.tmp-PID, then renamed to --out: a failure or a kill -9 leaves no half-made run
+    # that blocks the re-run (which deletes the folder of a killed import).
+    recover_folder_swap(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out / "config.toml")
-        path = save_checkpoint(out, 0, model, build_optimizer(model, cfg), {"step": 0, "tokens": 0}, keep=0)
-    except BaseException as e:  # a full disk, an interrupt: no half-made run that blocks a re-run
-        shutil.rmtree(out, ignore_errors=True)
-        if existed:
-            out.mkdir()
+        tmp.mkdir(parents=True)
+        save_config(cfg, tmp / "config.toml")
+        path = save_checkpoint(tmp, 0, model, build_optimizer(model, cfg), {"step": 0, "tokens": 0}, keep=0)
+        os.replace(tmp, out)  # onto a missing or empty --out (checked above)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
         if is_disk_full(e):
             raise disk_full_error(out, "the imported run") from None
         raise
+    path = out / path.relative_to(tmp)
     print(f"imported {args.hf_dir} -> {path} ({model.num_params() / 1e6:.2f}M parameters)")
     return 0
 

@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 
@@ -103,3 +104,26 @@ def exchange_paths(a: Path, b: Path) -> bool:
     if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):  # the file system (NFS, old overlayfs) cannot
         return False
     raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def recover_folder_swap(target: Path) -> None:
+    """Undo what a killed writer of folder ``target`` left next to it. Such a writer fills
+    ``.NAME.tmp-PID`` and then puts it in place of ``target`` (an HF export, an imported run); one that
+    cannot swap atomically first moves the old ``target`` to ``.NAME.old-PID``. For a PID no longer
+    running: ``.old-PID`` goes back to ``target`` when that is missing (killed between the two renames),
+    every other such folder is deleted. Folders of a live PID (a writer running now) are left alone."""
+    target = Path(target)
+    if not target.parent.is_dir():
+        return
+    left = []
+    for p in target.parent.iterdir():
+        m = re.fullmatch(rf"\.{re.escape(target.name)}\.(old|tmp)-(\d+)", p.name)
+        if m and not pid_alive(int(m.group(2))):
+            left.append((m.group(1) != "old", p))  # the old folder first: it may be restored
+    for is_tmp, p in sorted(left):
+        if not is_tmp and not target.exists():
+            os.replace(p, target)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+    if left:
+        fsync_dir(target.parent)

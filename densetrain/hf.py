@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from densetrain.config import Config, ModelConfig, validate
 from densetrain.config.schema import RopeScalingConfig
 from densetrain.errors import DataError, disk_full_error, is_disk_full
-from densetrain.fileio import exchange_paths, fsync_dir, pid_alive
+from densetrain.fileio import exchange_paths, fsync_dir, recover_folder_swap
 from densetrain.model.init import init_weights
 from densetrain.model.llama import Transformer
 
@@ -358,7 +358,7 @@ _EXPORT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
 
 def check_export_target(out_dir: Path) -> None:
     """Refuse an export target that is not new, empty, or a previous export (see :func:`_write_export`),
-    after recovering from an export that was killed (:func:`_recover_export`).
+    after recovering from an export that was killed (:func:`densetrain.fileio.recover_folder_swap`).
 
     Raises:
         DataError: one line naming the path and what is in the way.
@@ -367,7 +367,7 @@ def check_export_target(out_dir: Path) -> None:
     above = next((p for p in out_dir.parents if p.exists()), None)
     if above is not None and not above.is_dir():
         raise DataError(f"{out_dir}: {above} is a file, not a directory; export into a new or empty directory")
-    _recover_export(out_dir)
+    recover_folder_swap(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"{out_dir}: exists and is not a directory; export into a new or empty directory")
     if out_dir.is_dir():
@@ -378,27 +378,6 @@ def check_export_target(out_dir: Path) -> None:
                             "an export replaces its folder whole: choose a new or empty directory")
 
 
-def _recover_export(out_dir: Path) -> None:
-    """Undo what a killed export left next to ``out_dir``: its ``.NAME.old-PID`` (the previous export,
-    moved aside by the two-rename fallback) goes back to ``out_dir`` when that is missing; its
-    ``.NAME.tmp-PID`` and any other ``.old-PID`` are deleted. Folders of a live PID (an export running
-    now) are left alone."""
-    if not out_dir.parent.is_dir():
-        return
-    left = []
-    for p in out_dir.parent.iterdir():
-        m = re.fullmatch(rf"\.{re.escape(out_dir.name)}\.(old|tmp)-(\d+)", p.name)
-        if m and not pid_alive(int(m.group(2))):
-            left.append((m.group(1) != "old", p))  # the old export first: it may be restored
-    for is_tmp, p in sorted(left):
-        if not is_tmp and not out_dir.exists():
-            os.replace(p, out_dir)
-        else:
-            shutil.rmtree(p, ignore_errors=True)
-    if left:
-        fsync_dir(out_dir.parent)
-
-
 def _write_export(out_dir: Path, config: dict, extra_files: dict[str, bytes] | None,
                   write_weights: Callable[[Path], None]) -> Path:
     """The atomic folder of an export (see :func:`export_hf`): ``write_weights(tmp)`` writes the
@@ -406,9 +385,9 @@ def _write_export(out_dir: Path, config: dict, extra_files: dict[str, bytes] | N
     config.json and ``extra_files``, fsync; then the temp folder and ``out_dir`` swap names in one
     atomic step (:func:`densetrain.fileio.exchange_paths`), so a kill at any moment leaves the old or
     the new export at ``out_dir``; where the file system cannot swap, the old export is renamed aside
-    first and a killed export is restored by the next one (:func:`_recover_export`). A failed write
-    (a full disk, an unreadable checkpoint, an interrupt) removes the temp folder and leaves ``out_dir``
-    as it was.
+    first and a killed export is restored by the next one (:func:`densetrain.fileio.recover_folder_swap`).
+    A failed write (a full disk, an unreadable checkpoint, an interrupt) removes the temp folder and
+    leaves ``out_dir`` as it was.
 
     Raises:
         DataError: ``out_dir`` is a file, or a directory holding anything but a previous export (a run

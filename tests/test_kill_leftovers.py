@@ -129,3 +129,25 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def test_import_hf_killed_before_it_finishes_leaves_no_run_that_blocks_the_rerun(tmp_path, capsys):
+    from densetrain.cli import main
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
+    src = hf.export_hf(Transformer(cfg), cfg, tmp_path / "hf")
+    run = tmp_path / "run"
+
+    def import_and_die_at_the_last_rename():
+        real_replace = os.replace
+        # the config and the checkpoint are written (their own renames run); the kill comes at the one
+        # rename that would make the run appear at --out
+        os.replace = lambda a, b: _die() if Path(b) == run else real_replace(a, b)
+        main(["import-hf", str(src), "--out", str(run)])
+
+    assert killed_child(import_and_die_at_the_last_rename) == signal.SIGKILL
+    assert not run.exists()
+    assert main(["import-hf", str(src), "--out", str(run)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]  # the killed one's folder is gone
+    assert (run / "checkpoints" / "step_00000000" / "COMPLETE").is_file()
+    assert "imported" in capsys.readouterr().out
