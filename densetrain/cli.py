@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,7 +19,8 @@ import torch.distributed as dist
 
 from densetrain.config import Config, help_text, list_presets, load_config, parse_overrides
 from densetrain.config.smoke import scale_down
-from densetrain.errors import ConfigError, DataError, TrainError
+from densetrain.errors import ConfigError, DataError, TrainError, disk_full_error, is_disk_full
+from densetrain.fileio import recover_folder_swap
 from densetrain.hf import tokenizer_files
 
 
@@ -47,7 +49,7 @@ def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
 def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
     from densetrain.data.prepare import prepare
 
-    summary = prepare(cfg, force=args.force)
+    summary = prepare(cfg, force=args.force, verify=args.verify)
     print(json.dumps({k: v for k, v in summary.items() if k != "sources"}, indent=1, default=str)[:2000])
     return 0
 
@@ -66,6 +68,9 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
 
     if (args.rollback_to is not None or args.skip_batches) and not args.resume:
         raise ConfigError("--rollback-to / --skip-batches need --resume RUN_DIR")
+    if args.skip_batches < 0 or (args.skip_batches and args.rollback_to is None):  # else skipped silently
+        raise ConfigError(f"--skip-batches {args.skip_batches}: expected a number of global batches >= 0, "
+                          "with --rollback-to STEP")
     summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches)
     print(json.dumps(summary, indent=1))
     return 0
@@ -103,6 +108,8 @@ def cmd_replay(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
     from densetrain.tools.offline_eval import evaluate_checkpoint
 
+    if args.limit < 0:  # else a ValueError traceback from the task loader
+        raise ConfigError(f"--limit {args.limit}: expected a number of examples per task >= 0 (0 = all)")
     result = evaluate_checkpoint(cfg, Path(args.checkpoint), tasks=args.tasks, limit=args.limit)
     print(json.dumps(result, indent=1))
     return 0
@@ -166,9 +173,21 @@ def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
     model = Transformer(mcfg)
     model.load_state_dict(sd, strict=True)
     cfg.train.run_dir = args.out
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    save_config(cfg, Path(args.out) / "config.toml")
-    path = save_checkpoint(Path(args.out), 0, model, build_optimizer(model, cfg), {"step": 0, "tokens": 0}, keep=0)
+    # Written in .NAME.tmp-PID, then renamed to --out: a failure or a kill -9 leaves no half-made run
+    # that blocks the re-run (which deletes the folder of a killed import).
+    recover_folder_swap(out)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        tmp.mkdir(parents=True)
+        save_config(cfg, tmp / "config.toml")
+        path = save_checkpoint(tmp, 0, model, build_optimizer(model, cfg), {"step": 0, "tokens": 0}, keep=0)
+        os.replace(tmp, out)  # onto a missing or empty --out (checked above)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            raise disk_full_error(out, "the imported run") from None
+        raise
+    path = out / path.relative_to(tmp)
     print(f"imported {args.hf_dir} -> {path} ({model.num_params() / 1e6:.2f}M parameters)")
     return 0
 
@@ -242,6 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--auto", action="store_true", help=argparse.SUPPRESS)  # started by guard.replay
         if name == "prepare":
             sp.add_argument("--force", action="store_true", help="redo sources whose shards are up to date")
+            sp.add_argument("--verify", action="store_true", help="hash every shard of an up-to-date source against "
+                            "its manifest (a full read; otherwise only shards whose mtime changed are hashed)")
         if name in ("eval", "export"):
             sp.add_argument("checkpoint", help="checkpoint directory (RUN_DIR/checkpoints/step_XXXXXXXX) or RUN_DIR")
         if name == "eval":
@@ -296,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `densetrain ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:  # a full disk in a writer without its own handling (metrics, config, report)
+        if not is_disk_full(e):
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"densetrain: error: no space left on {e.filename or 'the device'} ({e.strerror})", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("densetrain: interrupted", file=sys.stderr)
         return 130

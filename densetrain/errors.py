@@ -1,6 +1,8 @@
 """The error types users see: each carries a one-line message naming the file, line or key and what
 was expected, and the CLI prints it without a traceback (exit status 2)."""
 
+import errno
+
 
 class ConfigError(ValueError):
     """A configuration problem, with a one-line message that names the offending key."""
@@ -18,3 +20,25 @@ def check_config(cond: bool, msg: str) -> None:
     """Raise :class:`ConfigError` with ``msg`` (which names the key) unless ``cond`` holds."""
     if not cond:
         raise ConfigError(msg)
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether ``e`` (or an error it wraps) is a full disk or an exhausted quota: ENOSPC/EDQUOT on an
+    OSError, or the same OS error quoted in the text of a library's own error type (safetensors'
+    SafetensorError "os error 28", torch's "[Errno 28]", a CheckpointError's message)."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(e)
+        if "No space left on device" in text or "Disk quota exceeded" in text:
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+def disk_full_error(path, what: str) -> DataError:
+    """The one line of a write of ``what`` under ``path`` that ran out of disk space (the caller has
+    removed what it had half-written)."""
+    return DataError(f"no space left on {path}: {what} was not written (nothing half-written is left); "
+                     "free some space and re-run")

@@ -6,8 +6,12 @@ the process is killed (kill -9) in the middle.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 
@@ -21,18 +25,105 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically (temp file + fsync + rename + directory fsync)."""
+    """Write ``data`` to ``path`` atomically (temp file + fsync + rename + directory fsync).
+
+    Raises: OSError (e.g. ENOSPC) after removing the temp file; ``path`` keeps its old content."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:  # a full disk, an interrupt: leave the old file and no temp file
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename is None:  # f.write names no file: name the one meant
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     fsync_dir(path.parent)
+
+
+_TEMP_NAME = re.compile(r"\..+\.tmp(\d+)")  # the temp names of atomic_write_bytes: .NAME.tmpPID
+
+
+def sweep_stale_temps(root: Path) -> list[Path]:
+    """Delete the temp files :func:`atomic_write_bytes` left under ``root`` (recursively) when its process
+    was killed: ``.NAME.tmpPID`` whose PID is no longer running (a live writer's temp files stay).
+
+    Returns: the deleted paths.
+    """
+    removed = []
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            m = _TEMP_NAME.fullmatch(name)
+            if m and not pid_alive(int(m.group(1))):
+                path = Path(dirpath) / name
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    return removed
 
 
 def atomic_write_json(path: Path, obj) -> None:
     """Write ``obj`` as indented JSON atomically."""
     atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this machine (signal 0 probes without signalling); used to
+    tell a temp file of a killed writer (sweep it) from one another writer is still filling."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Swap the names ``a`` and ``b`` (both must exist, files or directories) in one atomic step:
+    Linux ``renameat2(RENAME_EXCHANGE)`` (kernel 3.15+, glibc 2.28+; ext4, xfs, btrfs, tmpfs, ...).
+
+    Returns: False where the C library or the file system lacks it (the caller falls back to two
+    renames). Raises: OSError for any other failure.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):  # not glibc / not Linux
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):  # the file system (NFS, old overlayfs) cannot
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def recover_folder_swap(target: Path) -> None:
+    """Undo what a killed writer of folder ``target`` left next to it. Such a writer fills
+    ``.NAME.tmp-PID`` and then puts it in place of ``target`` (an HF export, an imported run); one that
+    cannot swap atomically first moves the old ``target`` to ``.NAME.old-PID``. For a PID no longer
+    running: ``.old-PID`` goes back to ``target`` when that is missing (killed between the two renames),
+    every other such folder is deleted. Folders of a live PID (a writer running now) are left alone."""
+    target = Path(target)
+    if not target.parent.is_dir():
+        return
+    left = []
+    for p in target.parent.iterdir():
+        m = re.fullmatch(rf"\.{re.escape(target.name)}\.(old|tmp)-(\d+)", p.name)
+        if m and not pid_alive(int(m.group(2))):
+            left.append((m.group(1) != "old", p))  # the old folder first: it may be restored
+    for is_tmp, p in sorted(left):
+        if not is_tmp and not target.exists():
+            os.replace(p, target)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+    if left:
+        fsync_dir(target.parent)

@@ -57,11 +57,11 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from densetrain.config import ModelConfig
+from densetrain.config import Config, ModelConfig, validate
 from densetrain.config.schema import RopeScalingConfig
 from densetrain.dcp_read import PlainDataPlanner, TrustedReader, read_metadata
-from densetrain.errors import DataError
-from densetrain.fileio import fsync_dir
+from densetrain.errors import DataError, disk_full_error, is_disk_full
+from densetrain.fileio import exchange_paths, fsync_dir, recover_folder_swap
 from densetrain.model.init import init_weights
 from densetrain.model.llama import Transformer
 
@@ -100,13 +100,17 @@ def _our_to_hf_name(name: str) -> str:
     raise ValueError(f"no Hugging Face name for parameter '{name}'")
 
 
-def _hf_to_our_name(name: str) -> str:
+def _hf_to_our_name(name: str, where: str | os.PathLike = "") -> str:
+    """Our name of HF tensor ``name``. Raises: DataError (naming ``where``, the file) for a name that is
+    not a Llama weight (the name is shown with ``repr``, so odd characters stay visible)."""
     if name in _GLOBAL_MAP_INV:
         return _GLOBAL_MAP_INV[name]
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
     if m and m.group(2) in _LAYER_MAP_INV:
         return f"layers.{m.group(1)}.{_LAYER_MAP_INV[m.group(2)]}"
-    raise ValueError(f"unexpected tensor '{name}' in a Llama checkpoint")
+    prefix = f"{where}: " if where else ""
+    raise DataError(f"{prefix}unexpected tensor {name!r} in a Llama checkpoint (expected model.embed_tokens.weight, "
+                    "model.layers.N.*, model.norm.weight, lm_head.weight)")
 
 
 def _expected_names(cfg: ModelConfig) -> set[str]:
@@ -325,15 +329,16 @@ def export_hf(
 ) -> Path:
     """Write ``out_dir/config.json`` + ``out_dir/model.safetensors`` loadable by ``LlamaForCausalLM.from_pretrained``.
 
-    Atomic at directory level: everything is written and fsynced in a sibling temp directory, then renamed
-    to ``out_dir``; an existing ``out_dir`` is moved aside first and deleted afterwards (so readers see the
-    old or the new export, never a partial one; between the two renames the path briefly does not exist).
+    Atomic at directory level: everything is written and fsynced in a sibling temp directory, which then
+    takes the place of ``out_dir`` (readers and a kill -9 see the old or the new export, never a partial
+    one; see :func:`_write_export`).
     ``cfg.rope_theta`` and ``cfg.rope_scaling`` are written as is: pass the config of the *last* stage
     (set them to the values the model was last trained with). ``dtype`` casts the stored tensors
     (default: the model's dtype).
     ``extra_files`` (name -> content, e.g. the tokenizer files) are written into the same atomic folder.
 
-    Returns: the output directory. Raises: ValueError from :func:`to_hf_state_dict`.
+    Returns: the output directory. Raises: ValueError from :func:`to_hf_state_dict`; DataError from
+    :func:`_write_export` (a target that is not an export, a full disk).
     """
     out_dir = Path(out_dir)
     sd = to_hf_state_dict(model, dtype)
@@ -353,12 +358,17 @@ _EXPORT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
 
 
 def check_export_target(out_dir: Path) -> None:
-    """Refuse an export target that is not new, empty, or a previous export (see :func:`_write_export`).
+    """Refuse an export target that is not new, empty, or a previous export (see :func:`_write_export`),
+    after recovering from an export that was killed (:func:`densetrain.fileio.recover_folder_swap`).
 
     Raises:
         DataError: one line naming the path and what is in the way.
     """
     out_dir = Path(out_dir)
+    above = next((p for p in out_dir.parents if p.exists()), None)
+    if above is not None and not above.is_dir():
+        raise DataError(f"{out_dir}: {above} is a file, not a directory; export into a new or empty directory")
+    recover_folder_swap(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise DataError(f"{out_dir}: exists and is not a directory; export into a new or empty directory")
     if out_dir.is_dir():
@@ -372,29 +382,48 @@ def check_export_target(out_dir: Path) -> None:
 def _write_export(out_dir: Path, config: dict, extra_files: dict[str, bytes] | None,
                   write_weights: Callable[[Path], None]) -> Path:
     """The atomic folder of an export (see :func:`export_hf`): ``write_weights(tmp)`` writes the
-    safetensors files into the temporary folder, then config.json and ``extra_files``, fsync, rename.
+    safetensors files into the temporary folder ``.NAME.tmp-PID`` next to ``out_dir``, then
+    config.json and ``extra_files``, fsync; then the temp folder and ``out_dir`` swap names in one
+    atomic step (:func:`densetrain.fileio.exchange_paths`), so a kill at any moment leaves the old or
+    the new export at ``out_dir``; where the file system cannot swap, the old export is renamed aside
+    first and a killed export is restored by the next one (:func:`densetrain.fileio.recover_folder_swap`).
+    A failed write (a full disk, an unreadable checkpoint, an interrupt) removes the temp folder and
+    leaves ``out_dir`` as it was.
 
     Raises:
         DataError: ``out_dir`` is a file, or a directory holding anything but a previous export (a run
-            directory, checkpoints, notes): an export replaces its folder whole, so it never does so there.
+            directory, checkpoints, notes): an export replaces its folder whole, so it never does so there;
+            or the disk filled up ("no space left on ``out_dir``").
     """
     check_export_target(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
-    write_weights(tmp)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name, content in (extra_files or {}).items():
-        (tmp / name).write_bytes(content)
-    umask = os.umask(0)
-    os.umask(umask)
-    for f in tmp.iterdir():
-        os.chmod(f, 0o666 & ~umask)  # safetensors writes 0600; an export is meant to be shared like any file
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    fsync_dir(tmp)
+    try:
+        tmp.mkdir()
+        write_weights(tmp)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for name, content in (extra_files or {}).items():
+            (tmp / name).write_bytes(content)
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o666 & ~umask)  # safetensors writes 0600; an export is meant to be shared like any file
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(tmp)
+    except BaseException as e:  # also an interrupt; SafetensorError (a full disk) is no OSError
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(e):
+            raise disk_full_error(out_dir, "the export") from None
+        if isinstance(e, OSError) and str(tmp) in str(e.filename):  # not a read of the checkpoint
+            raise DataError(f"{out_dir}: cannot write the export ({e.strerror})") from None
+        raise
+    if out_dir.exists() and exchange_paths(tmp, out_dir):
+        fsync_dir(out_dir.parent)
+        shutil.rmtree(tmp)  # now the previous export
+        return out_dir
     old = None
     if out_dir.exists():
         old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
@@ -517,57 +546,118 @@ def export_hf_from_checkpoint(
     return _write_export(out_dir, config, extra_files, write_weights)
 
 
+# The config.json keys import_hf needs (LlamaConfig has defaults for them, but a checkpoint's shapes
+# follow from them, so guessing one would only move the error to a tensor shape).
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _read_hf_config(conf_path: Path) -> dict:
+    """``config.json`` as a dict. Raises: FileNotFoundError (absent); DataError (unreadable, not JSON,
+    not an object), one line naming the file and the line/column."""
+    if not conf_path.is_file():
+        raise FileNotFoundError(f"{conf_path}: not found; import-hf expects a folder with config.json + *.safetensors")
+    try:
+        hc = json.loads(conf_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{conf_path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{conf_path}: cannot read ({e})") from None
+    if not isinstance(hc, dict):
+        raise DataError(f"{conf_path}: expected a JSON object (a Hugging Face config), got {type(hc).__name__}")
+    return hc
+
+
+def _hf_int(hc: dict, key: str, conf_path: Path, default: int | None = None) -> int:
+    v = hc.get(key) or default  # null / 0 / absent means LlamaConfig's default where it has one
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise DataError(f"{conf_path}: {key} must be a positive integer, got {hc.get(key)!r}")
+    return v
+
+
+def _hf_float(hc: dict, key: str, conf_path: Path, default: float) -> float:
+    v = hc.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise DataError(f"{conf_path}: {key} must be a number, got {v!r}")
+    return float(v)
+
+
 def import_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Read a Llama checkpoint directory (config.json + *.safetensors) into ``(ModelConfig, state_dict)``.
 
     The state dict uses our names (see :func:`from_hf_state_dict`) and keeps the stored dtype. The
     returned config has ``init="standard"``; fields absent from ModelConfig (max_position_embeddings,
-    token ids) are dropped.
+    token ids) are dropped. Every tensor's shape is checked against the config (on the meta device), so
+    a mismatch is named here rather than by ``load_state_dict``.
 
     Raises:
         FileNotFoundError: no config.json or no *.safetensors file.
-        ValueError: not a plain Llama (model_type, biases, activation, a RoPE type other than default,
-            linear, llama3 or yarn, odd head_dim), or tensors that do not match the config.
+        DataError (one line naming the file and key or tensor): config.json is not JSON or lacks a key
+            of :data:`_REQUIRED_KEYS`; not a plain Llama (model_type, biases, activation, a RoPE type
+            other than default, linear, llama3 or yarn, odd head_dim, heads that do not divide); an
+            unreadable safetensors file; tensors that do not match the config (names or shapes).
     """
     path = Path(path)
     conf_path = path / "config.json"
-    if not conf_path.exists():
-        raise FileNotFoundError(f"{conf_path} not found")
-    hc = json.loads(conf_path.read_text())
+    hc = _read_hf_config(conf_path)
     if hc.get("model_type") != "llama":
-        raise ValueError(f"{conf_path}: model_type is {hc.get('model_type')!r}, expected 'llama'")
+        raise DataError(f"{conf_path}: model_type is {hc.get('model_type')!r}, expected 'llama' (LlamaForCausalLM)")
+    missing = [k for k in _REQUIRED_KEYS if k not in hc]
+    if missing:
+        raise DataError(f"{conf_path}: missing key {missing[0]!r} "
+                        f"(a Llama config.json has {', '.join(_REQUIRED_KEYS)})")
     if hc.get("attention_bias") or hc.get("mlp_bias"):
-        raise ValueError(f"{conf_path}: biases are not supported")
+        raise DataError(f"{conf_path}: biases are not supported")
     if hc.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{conf_path}: hidden_act {hc['hidden_act']!r} is not supported (need silu)")
+        raise DataError(f"{conf_path}: hidden_act {hc['hidden_act']!r} is not supported (need silu)")
     rope = hc.get("rope_parameters") or hc.get("rope_scaling") or {}
-    scaling = rope_scaling_from_hf(rope, hc.get("max_position_embeddings"), str(conf_path))
-    theta = rope.get("rope_theta", hc.get("rope_theta", 10000.0))
-    n_heads = hc["num_attention_heads"]
-    head_dim = hc.get("head_dim") or hc["hidden_size"] // n_heads
-    if head_dim * n_heads != hc["hidden_size"]:
-        raise ValueError(f"{conf_path}: head_dim {head_dim} * heads {n_heads} != hidden_size {hc['hidden_size']}")
+    if not isinstance(rope, dict):
+        raise DataError(f"{conf_path}: rope_parameters / rope_scaling must be an object, got {rope!r}")
+    try:
+        scaling = rope_scaling_from_hf(rope, hc.get("max_position_embeddings"), str(conf_path))
+    except (TypeError, ValueError) as e:  # an unsupported type (message names the file), or a field's type
+        msg = str(e)
+        raise DataError(msg if msg.startswith(str(conf_path)) else f"{conf_path}: rope_parameters: {msg}") from None
+    d_model, n_heads = _hf_int(hc, "hidden_size", conf_path), _hf_int(hc, "num_attention_heads", conf_path)
+    head_dim = hc.get("head_dim") or d_model // n_heads
+    if head_dim * n_heads != d_model:
+        raise DataError(f"{conf_path}: head_dim {head_dim} * num_attention_heads {n_heads} != hidden_size {d_model}")
     cfg = ModelConfig(
-        vocab_size=hc["vocab_size"],
-        d_model=hc["hidden_size"],
-        n_layers=hc["num_hidden_layers"],
+        vocab_size=_hf_int(hc, "vocab_size", conf_path),
+        d_model=d_model,
+        n_layers=_hf_int(hc, "num_hidden_layers", conf_path),
         n_heads=n_heads,
-        n_kv_heads=hc.get("num_key_value_heads") or n_heads,
-        d_ff=hc["intermediate_size"],
-        rope_theta=float(theta),
+        n_kv_heads=_hf_int(hc, "num_key_value_heads", conf_path, default=n_heads),
+        d_ff=_hf_int(hc, "intermediate_size", conf_path),
+        rope_theta=_hf_float(rope, "rope_theta", conf_path, _hf_float(hc, "rope_theta", conf_path, 10000.0)),
         rope_scaling=scaling,
-        norm_eps=float(hc.get("rms_norm_eps", 1e-6)),  # 1e-6 is LlamaConfig's default
+        norm_eps=_hf_float(hc, "rms_norm_eps", conf_path, 1e-6),  # 1e-6 is LlamaConfig's default
         tie_embeddings=bool(hc.get("tie_word_embeddings", False)),
-        init_std=float(hc.get("initializer_range", 0.02)),
+        init_std=_hf_float(hc, "initializer_range", conf_path, 0.02),
     )
+    try:
+        validate(Config(model=cfg))  # heads that do not divide, an odd head_dim, ...: the key is named
+    except ValueError as e:
+        raise DataError(f"{conf_path}: {e}") from None
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
+    with torch.device("meta"):
+        want = {n: tuple(t.shape) for n, t in Transformer(cfg).state_dict().items()}
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        part = load_file(str(f))
-        dup = sd.keys() & part.keys()
-        if dup:
-            raise ValueError(f"{f}: tensors {sorted(dup)[:3]} also appear in another shard")
-        sd.update(part)
-    return cfg, from_hf_state_dict(sd, cfg)
+        try:
+            part = load_file(str(f))
+        except Exception as e:  # SafetensorError (a bad header, a truncated file) is not an OSError
+            raise DataError(f"{f}: not a readable safetensors file ({str(e).splitlines()[0][:200]})") from None
+        for name, t in part.items():
+            if name in sd:
+                raise DataError(f"{f}: tensor {name!r} also appears in another shard")
+            ours = None if name.endswith("rotary_emb.inv_freq") else _hf_to_our_name(name, where=f)
+            if ours in want and tuple(t.shape) != want[ours]:
+                raise DataError(f"{f}: tensor {name!r} has shape {list(t.shape)}, {conf_path.name} implies "
+                                f"{list(want[ours])}")
+            sd[name] = t
+    try:
+        return cfg, from_hf_state_dict(sd, cfg)
+    except ValueError as e:  # a missing tensor, or an lm_head that differs from tied embeddings
+        raise DataError(f"{path}: {e}") from None

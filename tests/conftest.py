@@ -148,3 +148,12 @@ def crosscheck_module():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def one_source_config(tmp: Path, shards_dir: Path, **overrides):
+    """:func:`small_config` cut to a seconds-scale ``prepare``: the ``email`` stdlib package alone,
+    tokenized with tiktoken's gpt2 (no BPE to train), no decontamination index, one worker."""
+    base = {"data.sources": [{"name": "email", "kind": "code", "paths": ["email"], "format": "text"}],
+            "stages": [{"name": "main", "start": 0.0}], "data.tokenizer": "gpt2", "model.vocab_size": 50304,
+            "data.decontam.enabled": False, "data.workers": 1}
+    return small_config(tmp, shards_dir, **{**base, **overrides})

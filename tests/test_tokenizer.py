@@ -27,6 +27,7 @@ from densetrain.data.tokenizer import Tokenizer, load_tokenizer
 from densetrain.data.tokenizer import named as tokenizer_named
 from densetrain.data.tokenizer.named import RANK_FILES, read_quicktok_special, read_quicktok_vocab, tiktoken_bytes
 from densetrain.errors import DataError
+from densetrain.evals.scoring import encode_pair, start_token
 from densetrain.hf import tokenizer_files
 
 MULTILINGUAL = (
@@ -302,6 +303,12 @@ def test_exported_tokenizer_json_gives_our_ids_in_transformers(name, tmp_path):
     assert (loaded.eos_token_id, loaded.bos_token_id, loaded.model_max_length) == (ours.eos_id, ours.bos_id, 4096)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert config["eos_token"] == ours.eos_token and config.get("bos_token") == ours.bos_token
+    # Reloaded from the export's tokenizer.json (as `eval` of an imported run does), the BOS is kept, so
+    # evaluation requests start with <|begin_of_text|> for llama3 (and with the EOS for gpt2, as before).
+    back = load_tokenizer(str(tmp_path / "tokenizer.json"), tmp_path)
+    assert (back.bos_id, back.bos_token, back.eos_id) == (ours.bos_id, ours.bos_token, ours.eos_id)
+    assert encode_pair(back, "The capital of France is", " Paris").tokens[0] == start_token(ours) == \
+        (128000 if name == "llama3" else ours.eos_id)
 
 
 def test_export_of_a_tokenizer_json_is_a_copy(tmp_path):

@@ -190,8 +190,14 @@ def _read_toml(path: Path) -> dict:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory; --config expects a TOML file (e.g. RUN_DIR/config.toml)") from None
+    except OSError as e:  # permission denied, an I/O error
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8 (tomllib decodes before parsing)
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}); a TOML config file is expected") from None
 
 
 def load_config(

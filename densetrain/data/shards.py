@@ -86,7 +86,8 @@ def write_shard(
 
     Returns:
         ``{'file': name of the .ds, 'tokens': int, 'documents': int, 'sha256': of the .ds,
-        'index_sha256': of the .ds.index}``.
+        'index_sha256': of the .ds.index, 'mtime_ns' / 'index_mtime_ns': of the written files}`` (the
+        mtimes are the fast path of :func:`check_shard_hashes`).
 
     Raises:
         DataError: a token id is negative or does not fit in ``token_size`` bytes.
@@ -113,7 +114,53 @@ def write_shard(
         "documents": len(arrays),
         "sha256": hashlib.sha256(data).hexdigest(),
         "index_sha256": hashlib.sha256(index).hexdigest(),
+        "mtime_ns": ds.stat().st_mtime_ns,
+        "index_mtime_ns": ds.with_name(ds.name + ".index").stat().st_mtime_ns,
     }
+
+
+# (file suffix, manifest key of its sha256, manifest key of its mtime) of the two files a shard entry hashes
+_HASHED = (("", "sha256", "mtime_ns"), (".index", "index_sha256", "index_mtime_ns"))
+
+
+def check_shard_hashes(src_dir: Path, shards: list[dict], where: str | os.PathLike, full: bool = False,
+                       record: bool = False) -> int:
+    """Check a source's shard files against the sha256s its manifest records (entries as returned by
+    :func:`write_shard`, ``path`` relative to ``src_dir``), so that token ids edited in place — same
+    size, so the token counts still agree — never train silently.
+
+    Fast path: a file whose mtime equals the recorded ``mtime_ns`` is taken as unchanged (one stat, no
+    read); any other file is hashed (a full read). An entry with no recorded mtime (a manifest of an
+    older densetrain) is hashed only when ``record`` (``prepare`` does, once, and records the mtimes),
+    so a start of training never reads a whole corpus; ``full`` hashes every file
+    (``densetrain prepare --verify``). A file that hashes equal but has a new mtime (copied without
+    ``cp -p``) gets its new mtime written into the entry, in place.
+
+    Args:
+        where: the manifest, named in the error.
+
+    Returns: how many entries were updated in place (the caller may rewrite the manifest).
+    Raises:
+        DataError: one line naming the first shard file whose sha256 differs from the manifest's.
+    """
+    updated = 0
+    for sh in shards:
+        ds = Path(src_dir) / sh["path"]
+        for suffix, sha_key, time_key in _HASHED:
+            if sha_key not in sh:  # a registered datatrove folder records no sha256 of its .ds
+                continue
+            f = ds.with_name(ds.name + suffix)
+            mtime = f.stat().st_mtime_ns
+            if not full and (mtime == sh.get(time_key) or (time_key not in sh and not record)):
+                continue
+            got = sha256_file(f)
+            if got != sh[sha_key]:
+                raise DataError(f"{f}: sha256 {got[:12]} differs from {sh[sha_key][:12]} in {where}: the shard "
+                                "changed after `densetrain prepare` (edited in place?); re-run `densetrain prepare`")
+            if sh.get(time_key) != mtime:
+                sh[time_key] = mtime
+                updated += 1
+    return updated
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:

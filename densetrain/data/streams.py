@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from densetrain.config import Config
-from densetrain.data.shards import TokenFiles
+from densetrain.data.shards import TokenFiles, check_shard_hashes
 from densetrain.data.tokenizer import load_tokenizer
 from densetrain.errors import DataError
 
@@ -21,7 +21,8 @@ def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
 
     Raises:
         DataError: shards are missing (``densetrain prepare`` not run), were made with another
-            tokenizer, or the tokenizer's vocabulary is larger than model.vocab_size.
+            tokenizer, were edited after it (sha256, checked where the mtime changed), or the
+            tokenizer's vocabulary is larger than model.vocab_size.
     """
     root = Path(cfg.data.shards_dir)
     manifest = root / "manifest.json"
@@ -44,8 +45,9 @@ def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
         if src.name not in prepared:
             raise DataError(f"{manifest}: source '{src.name}' was not prepared; re-run `densetrain prepare`")
         sub = root / prepared[src.name].get("manifest", f"{src.name}/manifest.json")
-        if sub.is_file():
-            sub_sha = json.loads(sub.read_text()).get("tokenizer", {}).get("sha256")
+        sub_manifest = json.loads(sub.read_text()) if sub.is_file() else {}
+        if sub_manifest:
+            sub_sha = sub_manifest.get("tokenizer", {}).get("sha256")
             if tok.get("sha256") and sub_sha and sub_sha != tok["sha256"]:
                 raise DataError(f"{sub}: source '{src.name}' was tokenized with tokenizer {sub_sha[:12]}, the other "
                                  f"sources with {tok['sha256'][:12]}; re-run `densetrain prepare`")
@@ -57,6 +59,8 @@ def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
         if len(stream) != entry["tokens"]:
             raise DataError(f"{stream.files[0].parent}: {len(stream)} tokens but the manifest says {entry['tokens']}; "
                              f"the shards changed after `densetrain prepare`; re-run it")
+        # Ids edited in place keep every size: the sha256s catch them (a stat per file unless one changed).
+        check_shard_hashes(sub.parent, sub_manifest.get("splits", {}).get(split, {}).get("shards", []), sub)
         # An id past the embedding table would index out of bounds mid-run (or silently on GPU).
         stream.check_vocab(cfg.model.vocab_size)
         streams[src.name] = stream

@@ -8,7 +8,10 @@ import json
 from pathlib import Path
 
 from densetrain.data.prepare.readers.paths import display_path
+from densetrain.data.shards import check_shard_hashes
 from densetrain.data.tokenizer import Tokenizer
+from densetrain.errors import DataError
+from densetrain.fileio import atomic_write_json
 
 PREPARE_VERSION = 1
 """Bumped when cleaning/splitting/layout changes, which invalidates existing manifests."""
@@ -42,12 +45,28 @@ def shards_intact(src_dir: Path, manifest: dict) -> bool:
     return True
 
 
-def up_to_date(src_dir: Path, tok: Tokenizer, inputs: list, params: dict) -> dict | None:
-    """The previous manifest of a source when it still describes these inputs, params and shards."""
+def up_to_date(src_dir: Path, tok: Tokenizer, inputs: list, params: dict, verify: bool = False) -> dict | None:
+    """The previous manifest of a source when it still describes these inputs, params and shards.
+
+    The shard files are checked against the manifest's sha256s (:func:`check_shard_hashes`: only the
+    files whose mtime changed, or all with ``verify``); a mismatch is logged in one line naming the
+    shard and the source is redone. New mtimes of intact files are recorded in the manifest.
+    """
+    manifest = src_dir / "manifest.json"
     try:
-        prev = json.loads((src_dir / "manifest.json").read_text())
+        prev = json.loads(manifest.read_text())
     except (OSError, json.JSONDecodeError):
         return None
     same = (prev.get("tokenizer", {}).get("sha256") == tok.sha256 and prev.get("inputs") == inputs
             and prev.get("params") == params)
-    return prev if same and shards_intact(src_dir, prev) else None
+    if not (same and shards_intact(src_dir, prev)):
+        return None
+    try:
+        updated = sum(check_shard_hashes(src_dir, split.get("shards", []), manifest, full=verify, record=True)
+                      for split in prev.get("splits", {}).values())
+    except DataError as e:
+        log(f"{e}; preparing the source again")
+        return None
+    if updated:
+        atomic_write_json(manifest, prev)
+    return prev

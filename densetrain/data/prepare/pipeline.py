@@ -42,6 +42,7 @@ The BPE is trained once: it is retrained only when ``tokenizer.json`` is missing
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -55,12 +56,12 @@ from densetrain.data.prepare.readers.documents import SkipLog
 from densetrain.data.prepare.readers.paths import estimated_text_bytes, resolve_paths
 from densetrain.data.prepare.readers.sources import iter_documents
 from densetrain.data.prepare.scale.folder import register_datatrove_source
-from densetrain.data.prepare.source import prepare_source
+from densetrain.data.prepare.source import discard_unfinished, prepare_source
 from densetrain.data.sampling import fair_shares
 from densetrain.data.shards import token_dtype, token_size_for
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe, usable_cpus
-from densetrain.errors import DataError
-from densetrain.fileio import atomic_write_json
+from densetrain.errors import DataError, disk_full_error, is_disk_full
+from densetrain.fileio import atomic_write_json, sweep_stale_temps
 
 BPE_SAMPLE_BYTES = 12_000_000
 """Bytes of text the BPE is trained on, shared evenly between sources."""
@@ -149,6 +150,20 @@ def _check_model_vocab(cfg, vocab: int, what: str) -> None:
                         f"({vocab}, {what})")
 
 
+@contextlib.contextmanager
+def _on_full_disk(path: Path, what: str, cleanup=None):
+    """Turn a full disk inside the block into one line "no space left on ``path``" (a DataError), after
+    ``cleanup()`` removed what the block had half-written."""
+    try:
+        yield
+    except BaseException as e:
+        if isinstance(e, DataError) or not is_disk_full(e):
+            raise
+        if cleanup is not None:
+            cleanup()
+        raise disk_full_error(path, what) from None
+
+
 def _workers(data) -> int:
     """``data.workers``, where 0 means every CPU this process may use."""
     return data.workers if data.workers > 0 else usable_cpus()
@@ -159,12 +174,14 @@ def _workers(data) -> int:
 # --------------------------------------------------------------------------------------------------
 
 
-def prepare(cfg, force: bool = False) -> dict:
+def prepare(cfg, force: bool = False, verify: bool = False) -> dict:
     """Prepare every configured source into token shards (see the module docstring for the layout).
 
     Args:
         cfg: a :class:`densetrain.config.Config` (reads ``cfg.data`` and ``cfg.model.vocab_size``).
         force: redo everything (BPE training included) even when manifests match.
+        verify: hash every shard of an up-to-date source against its manifest (a full read) instead of
+            only those whose mtime changed (:func:`densetrain.data.shards.check_shard_hashes`).
 
     Returns:
         The summary: ``{'shards_dir', 'tokenizer': identity, 'token_size', 'sources': {name:
@@ -175,9 +192,12 @@ def prepare(cfg, force: bool = False) -> dict:
     Workers are spawned processes (``data.workers``): a script that calls this function must do so
     under ``if __name__ == "__main__":``, as for any ``multiprocessing`` spawn.
 
+    Temporary files of killed runs (``.NAME.tmpPID`` of a dead PID) are deleted first.
+
     Raises:
-        DataError: no sources, a missing input path, a tokenizer problem, or
-            ``model.vocab_size`` smaller than the tokenizer's vocabulary.
+        DataError: no sources, a missing input path, a tokenizer problem, ``model.vocab_size``
+            smaller than the tokenizer's vocabulary, or a full disk ("no space left on <dir>", after
+            removing the unfinished source's shards; its finished chunks stay for the re-run).
     """
     t0 = time.time()
     data = cfg.data
@@ -194,12 +214,17 @@ def prepare(cfg, force: bool = False) -> dict:
     if data.tokenizer == "bpe":
         _check_model_vocab(cfg, data.tokenizer_vocab_size, "data.tokenizer_vocab_size")
     shards_dir.mkdir(parents=True, exist_ok=True)
+    stale = sweep_stale_temps(shards_dir)  # a killed run's half-written files (a .ds can be 128 MB)
+    if stale:
+        log(f"removed {len(stale)} temporary files of killed runs (e.g. {stale[0]})")
     to_tokenize = [s for s in sources if s.format != "datatrove"]
-    tok = _get_tokenizer(cfg, to_tokenize, inputs, corpus_dir, shards_dir, force, timings)
+    with _on_full_disk(shards_dir, "the tokenizer"):
+        tok = _get_tokenizer(cfg, to_tokenize, inputs, corpus_dir, shards_dir, force, timings)
     _check_model_vocab(cfg, tok.vocab_size, f"data.tokenizer='{data.tokenizer}'")
     token_size = token_size_for(tok.vocab_size)
 
-    decontam = _decontam_index(cfg, shards_dir, timings)
+    with _on_full_disk(shards_dir, "the decontamination index"):
+        decontam = _decontam_index(cfg, shards_dir, timings)
     results = {}
     proc_bytes = proc_s = 0.0
     pool: list = []  # the worker pool, started by the first source that needs processing, shared by the rest
@@ -211,11 +236,13 @@ def prepare(cfg, force: bool = False) -> dict:
 
     try:
         for i, src in enumerate(sources):
-            if src.format == "datatrove":  # already tokenized: checked and registered, not re-tokenized
-                r = register_datatrove_source(i, src, cfg, tok, corpus_dir, shards_dir, force)
-            else:
-                r = prepare_source(i, src, inputs[src.name], cfg, tok, token_size, corpus_dir, shards_dir, force,
-                                    decontam, get_pool)
+            src_dir = shards_dir / src.name
+            with _on_full_disk(src_dir, f"source '{src.name}'", cleanup=lambda d=src_dir: discard_unfinished(d)):
+                if src.format == "datatrove":  # already tokenized: checked and registered, not re-tokenized
+                    r = register_datatrove_source(i, src, cfg, tok, corpus_dir, shards_dir, force)
+                else:
+                    r = prepare_source(i, src, inputs[src.name], cfg, tok, token_size, corpus_dir, shards_dir,
+                                       force, decontam, get_pool, verify=verify)
             results[src.name] = r
             if "timings" in r:
                 proc_s += r["timings"]["process_s"]
@@ -246,7 +273,8 @@ def prepare(cfg, force: bool = False) -> dict:
             "val_tokens": sum(s["val"]["tokens"] for s in top_sources.values()),
         },
     }
-    atomic_write_json(shards_dir / "manifest.json", top)
+    with _on_full_disk(shards_dir, "manifest.json"):
+        atomic_write_json(shards_dir / "manifest.json", top)
     timings["process_s"] = round(proc_s, 2)
     if proc_s > 0:
         timings["process_MBps"] = round(proc_bytes / 1e6 / proc_s, 2)

@@ -19,11 +19,13 @@ number of workers. With ``workers = 1`` everything runs in this process.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import io
 import json
 import multiprocessing
 import os
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -218,10 +220,21 @@ def _spec_key(spec: ProcessSpec) -> str:
     return json.dumps(dataclasses.asdict(spec), sort_keys=True, default=str)
 
 
-def _init_worker() -> None:
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _init_worker(parent: int) -> None:
     # One process per core already: a tokenizer thread pool per worker would oversubscribe.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
+    # Die with the parent: a killed `prepare` (kill -9, OOM killer) must not leave workers running
+    # (Linux prctl; not available elsewhere).
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def _run_chunk(spec: ProcessSpec, texts: list[str]) -> ChunkResult:
@@ -238,7 +251,7 @@ def worker_pool(workers: int) -> ProcessPoolExecutor | None:
     if workers <= 1:
         return None
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_init_worker)
+                               initializer=_init_worker, initargs=(os.getpid(),))
     pool.workers = workers  # read by process_documents to bound the chunks in flight
     return pool
 

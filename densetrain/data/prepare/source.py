@@ -47,6 +47,18 @@ def _clear_split_dir(d: Path) -> None:
                 f.unlink()
 
 
+def discard_unfinished(src_dir: Path) -> None:
+    """Remove the shards, provenance and removed-list of a source whose manifest is missing (a write that
+    failed, e.g. on a full disk: they describe nothing and only take space). The finished chunks in
+    ``.work`` stay, so the re-run resumes after them."""
+    if (src_dir / "manifest.json").exists():
+        return
+    for split in ("train", "val"):
+        _clear_split_dir(src_dir / split)
+    for name in ("provenance.json", "removed.json"):
+        (src_dir / name).unlink(missing_ok=True)
+
+
 def _split(lens: np.ndarray, name: str, seed: int, val_fraction: float,
            max_val_tokens: int) -> tuple[list[int], list[int], bool]:
     """(train, val, over_cap): document indices in shuffled order.
@@ -172,13 +184,15 @@ def _provenance(docs, extra: list, extra_name: str = "tokens") -> dict:
 
 
 def prepare_source(i, src, files, cfg, tok: Tokenizer, token_size: int, corpus_dir: Path, shards_dir: Path,
-                    force: bool, decontam: dict | None, get_pool) -> dict:
+                    force: bool, decontam: dict | None, get_pool, verify: bool = False) -> dict:
+    """Prepare source ``i`` (steps 4-7 of :mod:`densetrain.data.prepare`), or reuse its shards when its
+    manifest is up to date (``verify``: hash every shard first; see :func:`up_to_date`)."""
     data = cfg.data
     src_dir = shards_dir / src.name
     manifest_path = src_dir / "manifest.json"
     inputs = fingerprint(files, corpus_dir)
     params = source_params(src, cfg, token_size, decontam, f"data.sources[{i}]")
-    if not force and (prev := up_to_date(src_dir, tok, inputs, params)) is not None:
+    if not force and (prev := up_to_date(src_dir, tok, inputs, params, verify)) is not None:
         log(f"{src.name}: up to date ({prev['splits']['train']['tokens']:,} train tokens)")
         return {"status": "up-to-date" if prev["stats"]["documents_kept"] else "empty", "manifest": prev}
 

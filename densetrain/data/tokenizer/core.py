@@ -33,6 +33,7 @@ reported (:attr:`Tokenizer.bos_id`) but, like EOS, never added by :meth:`Tokeniz
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -45,6 +46,8 @@ EOS_TOKEN = "<|endoftext|>"
 """The EOS token of a trained BPE (id 0) and of tiktoken encodings."""
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>")
 """Tokens accepted as EOS in a user-supplied tokenizer.json, in order of preference."""
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>")
+"""Special tokens taken as the BOS of a tokenizer.json that names none otherwise (Llama 3; Llama 2, Mistral)."""
 
 
 def usable_cpus() -> int:
@@ -65,8 +68,8 @@ class Tokenizer:
         vocab_size: number of token ids (max id + 1), special tokens included.
         eos_id: the id appended after every document.
         eos_token: its string.
-        bos_id: the beginning-of-text id where the tokenizer has one (Llama 3: 128000), else None
-            (GPT-2, the trained BPE, tokenizer.json files, tiktoken encodings).
+        bos_id: the beginning-of-text id where the tokenizer has one (Llama 3: 128000; a tokenizer.json:
+            see :func:`_tokenizer_json_bos`), else None (GPT-2, the trained BPE, tiktoken encodings).
         bos_token: its string, or None.
 
     Build one with :func:`load_tokenizer`, :meth:`from_file`, :meth:`from_named`, :meth:`from_rank_file`,
@@ -92,7 +95,8 @@ class Tokenizer:
         """Load a HF ``tokenizer.json``.
 
         The EOS is the first of ``<|endoftext|>``, ``</s>``, ``<|end_of_text|>`` present in the
-        vocabulary. Special/added tokens in input text are encoded as plain text.
+        vocabulary; the BOS as :func:`_tokenizer_json_bos` finds it. Special/added tokens in input text
+        are encoded as plain text, and a post-processor's BOS is never added (:meth:`encode`).
 
         Raises:
             DataError: the file is missing or unreadable, or it has none of the EOS tokens.
@@ -119,7 +123,9 @@ class Tokenizer:
         vocab = tok.get_vocab(with_added_tokens=True)
         vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1 if vocab else 0)
         sha = hashlib.sha256(data).hexdigest()
-        return cls("hf", str(path), tok, sha, vocab_size, tok.token_to_id(eos_token), eos_token)
+        bos_token = _tokenizer_json_bos(path, data, tok)
+        return cls("hf", str(path), tok, sha, vocab_size, tok.token_to_id(eos_token), eos_token,
+                   bos_id=None if bos_token is None else tok.token_to_id(bos_token), bos_token=bos_token)
 
     @classmethod
     def from_named(cls, name: str) -> "Tokenizer":
@@ -291,6 +297,45 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(kind={self.kind!r}, name={self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def _tokenizer_json_bos(path: Path, data: bytes, tok) -> str | None:
+    """The BOS token of a tokenizer.json, or None: the first of
+
+    1. ``bos_token`` of the ``tokenizer_config.json`` next to it (what transformers reads; a string or
+       an ``{"content": ...}`` object; densetrain's export writes it there, its tokenizer.json adds nothing);
+    2. the special token a ``TemplateProcessing`` post-processor puts first in a single sequence
+       (Meta's Llama 3 tokenizer.json: ``<|begin_of_text|> $A``), also inside a ``Sequence``
+       processor, or the ``cls`` token of a ``RobertaProcessing``/``BertProcessing`` one;
+    3. an added special token among :data:`BOS_CANDIDATES`.
+
+    Each candidate counts only if it is in the vocabulary. A ``tokenizer_config.json`` that cannot be
+    read as JSON is ignored (it is only consulted for this).
+    """
+    known = (lambda t: isinstance(t, str) and tok.token_to_id(t) is not None)
+    try:
+        hf_config = json.loads(path.with_name("tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        hf_config = {}
+    bos = hf_config.get("bos_token") if isinstance(hf_config, dict) else None
+    bos = bos.get("content") if isinstance(bos, dict) else bos
+    if known(bos):
+        return bos
+    try:
+        post = json.loads(data).get("post_processor") or {}
+    except (ValueError, AttributeError):
+        post = {}
+    for proc in post.get("processors", [post]) if isinstance(post, dict) else []:
+        if not isinstance(proc, dict):
+            continue
+        first = (proc.get("single") or [None])[0] if proc.get("type") == "TemplateProcessing" else None
+        if isinstance(first, dict) and known(first.get("SpecialToken", {}).get("id")):
+            return first["SpecialToken"]["id"]
+        cls_token = proc.get("cls") if proc.get("type") in ("RobertaProcessing", "BertProcessing") else None
+        if isinstance(cls_token, list) and cls_token and known(cls_token[0]):
+            return cls_token[0]
+    specials = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    return next((t for t in BOS_CANDIDATES if t in specials), None)
 
 
 def _tiktoken_sha256(enc) -> str:
