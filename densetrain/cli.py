@@ -20,6 +20,7 @@ from densetrain.config import Config, help_text, list_presets, load_config, pars
 from densetrain.config.smoke import scale_down
 from densetrain.errors import ConfigError, DataError, TrainError
 from densetrain.hf import tokenizer_files
+from densetrain.train.preempt import EXIT_PREEMPTED, Preempted
 
 
 def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
@@ -188,6 +189,11 @@ COMMANDS = {
 }
 
 
+TRAIN_EPILOG = (f"SIGTERM or Ctrl-C (SIGINT): the current step finishes, a checkpoint is written and the run exits "
+                f"with status {EXIT_PREEMPTED}; continue it with --resume RUN_DIR. A second signal exits at once "
+                "(status 143 / 130). Exit status 2: bad input (one line).")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="densetrain",
@@ -197,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     for name, (_, help_) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_, description=help_)
+        sp = sub.add_parser(name, help=help_, description=help_, epilog=TRAIN_EPILOG if name == "train" else None)
         sp.add_argument("--preset", help=f"preset name ({', '.join(list_presets())}); default tiny")
         sp.add_argument("--config", help="TOML config file (applied over the preset)")
         sp.add_argument("--help-config", action="store_true", help="list every config key with its meaning")
@@ -269,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         if int(os.environ.get("RANK", "0")) == 0:  # torchrun: one line, not one per rank
             print(f"densetrain: error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:  # SIGTERM / Ctrl-C: stopped at a step boundary with a checkpoint (train/preempt.py)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"densetrain: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except BrokenPipeError:  # `densetrain ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -25,6 +25,7 @@ from densetrain.fileio import atomic_write_json
 from densetrain.metrics import flops_per_token, memory_stats
 from densetrain.optim import set_lr
 from densetrain.schedule import Stage, lr_for, stage_at
+from densetrain.train.preempt import StopRequest, stop_run
 from densetrain.train.setup import Run, setup
 from densetrain.train.step import StepResult, compute_step
 from densetrain.train.watchers import Verdict, decide
@@ -47,10 +48,14 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     if run.state.step >= cfg.train.steps:
         return already_complete(run)
     stage = None
+    stop = StopRequest(run.info.device)  # SIGTERM / Ctrl-C: stop at the next step boundary, checkpointed
     try:
         while run.state.step < run.last_step:
             t0 = time.perf_counter()
             run.checkpointer.poll(run.log)  # completes an async save whose background write has finished
+            signum = stop.requested()  # the same answer on every rank (one all-reduce)
+            if signum:
+                stop_run(run, signum)  # raises Preempted once the checkpoint is written
             st = stage_at(run.state.step, run.stages)
             if st != stage:
                 enter_stage(run, st)
@@ -70,8 +75,10 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
             evaluate(run, st)
             run.checkpointer.save_if_due(run.state.step, run.model, run.optimizer, run.state_dict(), result.finite,
                                          run.log)
+        stop.restore()  # the final evaluations can be interrupted: --resume then completes them
         return finish(run, stage)
     finally:
+        stop.restore()
         for w in run.watchers:
             w.close()
 
