@@ -23,6 +23,11 @@ from densetrain.hf import tokenizer_files
 from densetrain.train.preempt import EXIT_PREEMPTED, Preempted
 
 
+def _is_main() -> bool:
+    """Rank 0 (or no torchrun): the process that prints results and errors; the others stay quiet."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
     path = args.config
     preset = args.preset
@@ -34,9 +39,11 @@ def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
                 path = cand
                 break
     if getattr(args, "resume", None):
-        resolved = Path(args.resume) / "config.toml"
-        if not resolved.exists():
-            raise ConfigError(f"{resolved}: not found; --resume expects a run directory made by `densetrain train`")
+        run, resolved = Path(args.resume), Path(args.resume) / "config.toml"
+        if not resolved.exists():  # the config is the first file a run writes: none yet, nothing to resume
+            raise ConfigError(f"{run}: {'no config.toml' if run.is_dir() else 'no such run directory'}, so no run "
+                              f"to resume (one stopped during start-up has none yet): start it again with the "
+                              f"command that started it, e.g. densetrain train --preset NAME --train.run_dir {run}")
         path, preset = resolved, None
     if not preset:
         # A config file is applied over a preset (default tiny), so a partial file works; a complete
@@ -49,7 +56,8 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
     from densetrain.data.prepare import prepare
 
     summary = prepare(cfg, force=args.force)
-    print(json.dumps({k: v for k, v in summary.items() if k != "sources"}, indent=1, default=str)[:2000])
+    if _is_main():
+        print(json.dumps({k: v for k, v in summary.items() if k != "sources"}, indent=1, default=str)[:2000])
     return 0
 
 
@@ -68,7 +76,8 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
     if (args.rollback_to is not None or args.skip_batches) and not args.resume:
         raise ConfigError("--rollback-to / --skip-batches need --resume RUN_DIR")
     summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches)
-    print(json.dumps(summary, indent=1))
+    if _is_main():  # torchrun: one summary, not one per rank
+        print(json.dumps(summary, indent=1))
     return 0
 
 
@@ -89,7 +98,8 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
     from densetrain.tools.offline_eval import evaluate_checkpoint
 
     result = evaluate_checkpoint(cfg, Path(args.checkpoint), tasks=args.tasks, limit=args.limit)
-    print(json.dumps(result, indent=1))
+    if _is_main():
+        print(json.dumps(result, indent=1))
     return 0
 
 
@@ -173,7 +183,8 @@ def cmd_demo(cfg: Config, args: argparse.Namespace) -> int:
 
     prepare(cfg)
     train(cfg, resume=True)  # a re-run (or a run after kill -9) continues from the last checkpoint
-    print(write_report(Path(cfg.train.run_dir)))
+    if _is_main():
+        print(write_report(Path(cfg.train.run_dir)))
     return 0
 
 
@@ -272,18 +283,19 @@ def main(argv: list[str] | None = None) -> int:
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
     except (ConfigError, DataError, TrainError, FileNotFoundError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:  # torchrun: one line, not one per rank
+        if _is_main():  # torchrun: one line, not one per rank
             print(f"densetrain: error: {e}", file=sys.stderr)
         return 2
     except Preempted as e:  # SIGTERM / Ctrl-C: stopped at a step boundary with a checkpoint (train/preempt.py)
-        if int(os.environ.get("RANK", "0")) == 0:
+        if _is_main():
             print(f"densetrain: {e}", file=sys.stderr)
         return EXIT_PREEMPTED
     except BrokenPipeError:  # `densetrain ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except KeyboardInterrupt:
-        print("densetrain: interrupted", file=sys.stderr)
+        if _is_main():
+            print("densetrain: interrupted", file=sys.stderr)
         return 130
 
 

@@ -1,10 +1,16 @@
-"""Preemption and Ctrl-C on real runs started like the CLI (one process, and two gloo ranks as torchrun
-starts them): SIGTERM at a random step stops after a whole step with its checkpoint and exit status 75,
-and the resumed run's losses and grad norms equal the uninterrupted run's bit for bit (fp32, same
-machine), no step lost or repeated; only one rank needs the signal; a second signal exits at once."""
+"""Stopping and resuming real runs started like the CLI (one process, and two gloo ranks as torchrun starts them).
+
+- Preemption: SIGTERM at a random step stops after a whole step with its checkpoint and exit status 75,
+  and the resumed run's losses and grad norms equal the uninterrupted run's bit for bit (fp32, same
+  machine), no step lost or repeated; only one rank needs the signal; a second signal exits at once.
+- Ends of runs: a run stopped between its final checkpoint and summary.json gets its summary on
+  --resume; --resume of a run that never saved its config says to start it again; under torchrun only
+  rank 0 prints the summary.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -49,8 +55,11 @@ def wait_for_step(run: Path, step: int, procs, timeout: float = 120) -> None:
 
 
 def finish(procs) -> list[tuple[int, str]]:
-    errs = [p.communicate(timeout=180)[1] for p in procs]
-    return [(p.returncode, e) for p, e in zip(procs, errs)]
+    """(exit status, stderr) of each process; stdout kept in ``p.out``."""
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (o, _) in zip(procs, outs):
+        p.out = o
+    return [(p.returncode, e) for p, (_, e) in zip(procs, outs)]
 
 
 def trajectory(run: Path) -> dict[int, tuple]:
@@ -104,9 +113,13 @@ def test_sigterm_on_one_of_two_ranks_stops_both_and_resumes_bitwise(prepared, tm
     wait_for_step(run, k, procs)
     procs[1].send_signal(signal.SIGTERM)  # only rank 1 is told: the step-boundary all-reduce tells rank 0
     step = check_stopped(run, finish(procs), k)
-    resumed = finish(start(cfg, tmp_path, ["--resume", str(run)], world=2))
+    procs = start(cfg, tmp_path, ["--resume", str(run)], world=2)
+    resumed = finish(procs)
     assert [rc for rc, _ in resumed] == [0, 0], [err[-3000:] for _, err in resumed]
     assert trajectory(run) == want, f"signal after step {k}, stopped at {step}"
+    # The summary is printed once, by rank 0.
+    assert json.loads(procs[0].out[procs[0].out.index("\n{") + 1:])["steps"] == ov["train.steps"]
+    assert '"steps"' not in procs[1].out, procs[1].out[-2000:]
 
 
 def test_second_signal_exits_at_once(prepared, tmp_path):
@@ -125,3 +138,30 @@ def test_second_signal_exits_at_once(prepared, tmp_path):
     assert "SIGINT received: finishing the current step" in err
     assert not [e for e in read_events(run) if e["kind"] == "preempt"]
     assert [s for s, _ in list_complete(run)] == []  # nothing was saved after the second signal
+
+
+def test_resume_after_a_stop_between_final_checkpoint_and_summary_writes_the_summary(prepared, tmp_path, capsys):
+    _, make = prepared
+    cfg = make(tmp_path / "done", **{**OV, "train.steps": 8, "eval.every": 4})
+    want = train(cfg)
+    run = Path(cfg.train.run_dir)
+    # What a kill during the final evaluation leaves: the final checkpoint, no summary.json.
+    (run / "summary.json").unlink()
+    assert list_complete(run)[-1][0] == 8
+    assert main(["train", "--resume", str(run)]) == 0
+    got = json.loads((run / "summary.json").read_text())
+    assert set(got) == set(want) and "val" in got
+    assert {k: v for k, v in got.items() if k != "wall_s"} == {k: v for k, v in want.items() if k != "wall_s"}
+    assert main(["train", "--resume", str(run)]) == 0  # now complete with its summary: nothing to do
+    assert "run already complete (8 steps); nothing to do" in capsys.readouterr().out
+
+
+def test_resume_of_a_run_without_config_says_to_start_it_again(tmp_path, capsys):
+    for run in (tmp_path / "never_started", tmp_path / "killed_in_start_up"):
+        if run.name.startswith("killed"):
+            run.mkdir()  # the run directory is made just before its config.toml is written
+        assert main(["train", "--resume", str(run)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"densetrain: error: {run}: no "), err
+        assert err[0].endswith(f"start it again with the command that started it, e.g. densetrain train "
+                               f"--preset NAME --train.run_dir {run}")
