@@ -75,7 +75,9 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
 
     if (args.rollback_to is not None or args.skip_batches) and not args.resume:
         raise ConfigError("--rollback-to / --skip-batches need --resume RUN_DIR")
-    summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches)
+    # A plain --resume keeps the run's layout intent at any world size; --parallel.* flags are obeyed as given.
+    summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches,
+                    keep_layout_intent=bool(args.resume) and not args.layout_flags)
     if _is_main():  # torchrun: one summary, not one per rank
         print(json.dumps(summary, indent=1))
     return 0
@@ -262,10 +264,13 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    args.layout_flags = [a for a in rest if a.startswith(("--parallel.dp_replicate", "--parallel.dp_shard",
+                                                          "--parallel.tp"))]
     try:
-        if hasattr(args, "func"):  # mup-check | lr-sweep | plan: own flags, no config tree
-            if rest:
+        if hasattr(args, "func"):  # mup-check | lr-sweep | plan: own flags; plan's memory plan takes overrides
+            if rest and args.command != "plan":
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            args.overrides = parse_overrides(rest)  # --section.key=value, e.g. --parallel.tp=4
             return args.func(args)
         if args.command in ("report", "blame") and not args.help_config:
             return COMMANDS[args.command][0](None, args)

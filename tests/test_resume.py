@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import gloo_env
 
 from densetrain.checkpoint import list_complete
@@ -35,14 +37,19 @@ OV = {"train.steps": 16, "checkpoint.every": 5, "checkpoint.keep": 0, "eval.ever
 SLOW = [{"kind": "slow_rank", "step": 0, "rank": 0, "ms": 150}]
 
 
-def start(cfg, tmp: Path, argv: list[str], world: int = 1) -> list[subprocess.Popen]:
-    """``python -m densetrain train --config CFG ARGV`` as ``world`` processes (gloo ranks when > 1)."""
-    path = tmp / f"{Path(cfg.train.run_dir).name}.toml"
-    save_config(cfg, path)
+def start(argv: list[str], world: int = 1) -> list[subprocess.Popen]:
+    """``python -m densetrain train ARGV`` as ``world`` processes (gloo ranks, as torchrun starts them, when > 1)."""
     env = {**(gloo_env(world) if world > 1 else os.environ), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return [subprocess.Popen([sys.executable, "-m", "densetrain", "train", "--config", str(path), *argv], cwd=ROOT,
+    return [subprocess.Popen([sys.executable, "-m", "densetrain", "train", *argv], cwd=ROOT,
                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)} if world > 1 else env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
+
+
+def fresh(cfg, tmp: Path) -> list[str]:
+    """The arguments of a fresh run of ``cfg``: ``--config FILE``."""
+    path = tmp / f"{Path(cfg.train.run_dir).parent.name}.toml"
+    save_config(cfg, path)
+    return ["--config", str(path)]
 
 
 def wait_for_step(run: Path, step: int, procs, timeout: float = 120) -> None:
@@ -91,7 +98,7 @@ def test_sigterm_at_a_random_step_resumes_bitwise(prepared, tmp_path):
     cfg = make(tmp_path / "stopped", **OV, faults=SLOW)
     run = Path(cfg.train.run_dir)
     k = random.Random().randint(2, 12)
-    procs = start(cfg, tmp_path, [])
+    procs = start(fresh(cfg, tmp_path))
     wait_for_step(run, k, procs)
     procs[0].send_signal(signal.SIGTERM)
     step = check_stopped(run, finish(procs), k)
@@ -99,21 +106,30 @@ def test_sigterm_at_a_random_step_resumes_bitwise(prepared, tmp_path):
     assert trajectory(run) == want, f"signal after step {k}, stopped at {step}"
 
 
-def test_sigterm_on_one_of_two_ranks_stops_both_and_resumes_bitwise(prepared, tmp_path):
+@pytest.fixture(scope="module")
+def fsdp_run(prepared, tmp_path_factory):
+    """(config overrides, run dir) of an uninterrupted 2-rank FSDP2 run, a checkpoint every 2 of its 8 steps."""
     _, make = prepared
-    ov = {**OV, "train.steps": 10, "parallel.dp_replicate": 1, "parallel.dp_shard": 2}
-    ref = make(tmp_path / "ref", **ov)
-    assert [rc for rc, _ in finish(start(ref, tmp_path, [], world=2))] == [0, 0]
-    want = trajectory(Path(ref.train.run_dir))
+    tmp = tmp_path_factory.mktemp("fsdp")
+    ov = {**OV, "train.steps": 8, "checkpoint.every": 2, "parallel.dp_replicate": 1, "parallel.dp_shard": 2}
+    cfg = make(tmp, **ov)
+    res = finish(start(fresh(cfg, tmp), world=2))
+    assert [rc for rc, _ in res] == [0, 0], [err[-3000:] for _, err in res]
+    return ov, Path(cfg.train.run_dir)
 
+
+def test_sigterm_on_one_of_two_ranks_stops_both_and_resumes_bitwise(prepared, fsdp_run, tmp_path):
+    _, make = prepared
+    ov, ref = fsdp_run
+    want = trajectory(ref)
     cfg = make(tmp_path / "stopped", **ov, faults=SLOW)
     run = Path(cfg.train.run_dir)
-    k = random.Random().randint(2, 7)
-    procs = start(cfg, tmp_path, [], world=2)
+    k = random.Random().randint(2, 6)
+    procs = start(fresh(cfg, tmp_path), world=2)
     wait_for_step(run, k, procs)
     procs[1].send_signal(signal.SIGTERM)  # only rank 1 is told: the step-boundary all-reduce tells rank 0
     step = check_stopped(run, finish(procs), k)
-    procs = start(cfg, tmp_path, ["--resume", str(run)], world=2)
+    procs = start(["--resume", str(run)], world=2)
     resumed = finish(procs)
     assert [rc for rc, _ in resumed] == [0, 0], [err[-3000:] for _, err in resumed]
     assert trajectory(run) == want, f"signal after step {k}, stopped at {step}"
@@ -127,7 +143,7 @@ def test_second_signal_exits_at_once(prepared, tmp_path):
     # Steps of ~2 s: the graceful path would need the rest of the step and a checkpoint.
     cfg = make(tmp_path / "twice", **OV, faults=[{"kind": "slow_rank", "step": 0, "rank": 0, "ms": 2000}])
     run = Path(cfg.train.run_dir)
-    procs = start(cfg, tmp_path, [])
+    procs = start(fresh(cfg, tmp_path))
     wait_for_step(run, 1, procs)
     procs[0].send_signal(signal.SIGINT)
     time.sleep(0.3)
@@ -165,3 +181,87 @@ def test_resume_of_a_run_without_config_says_to_start_it_again(tmp_path, capsys)
         assert len(err) == 1 and err[0].startswith(f"densetrain: error: {run}: no "), err
         assert err[0].endswith(f"start it again with the command that started it, e.g. densetrain train "
                                f"--preset NAME --train.run_dir {run}")
+
+
+def copy_until(src: Path, dst: Path, step: int) -> Path:
+    """A copy of run dir ``src`` as it was after the checkpoint of ``step`` (later checkpoints removed)."""
+    shutil.copytree(src, dst)
+    for s, path in list_complete(dst):
+        if s > step:
+            shutil.rmtree(path)
+    (dst / "summary.json").unlink(missing_ok=True)
+    return dst
+
+
+def assert_close(got: dict, want: dict, steps) -> None:
+    """Losses and grad norms across world sizes: equal to fp32 reduction-order noise."""
+    for s in steps:
+        assert got[s][0] == pytest.approx(want[s][0], rel=1e-5), (s, got[s], want[s])
+        assert got[s][1] == pytest.approx(want[s][1], rel=1e-4), (s, got[s], want[s])
+        assert got[s][2:] == want[s][2:]  # the same samples at the same lr
+
+
+def layout_events(run: Path) -> list[dict]:
+    return [e for e in read_events(run) if e["kind"] == "layout"]
+
+
+def test_plain_resume_at_another_world_size_keeps_the_layout_intent(fsdp_run, tmp_path, capsys):
+    _, ref = fsdp_run
+    want = trajectory(ref)
+    # 2 FSDP2 ranks -> 1 process: dp_shard=2 cannot hold on 1, the one layout of 1 process is chosen and said.
+    one = copy_until(ref, tmp_path / "one", 2)
+    assert main(["train", "--resume", str(one)]) == 0
+    line = ("layout on 1 process(es): dp_replicate=1 dp_shard=1 tp=1 (checkpoint written on 2 process(es) as "
+            "dp_replicate=1 dp_shard=2 tp=1); keeps the run's intent, FSDP2: parameters sharded over the "
+            "data-parallel ranks (its configured dp_replicate=1 dp_shard=2 tp=1 does not fit)")
+    assert [e["text"] for e in layout_events(one)] == [line]
+    assert f"[step 2] {line}" in capsys.readouterr().out
+    assert_close(trajectory(one), want, range(3, 9))
+    # ... and that run's 1-process checkpoint -> 2 ranks: config.toml still says dp_shard=2, so FSDP2 again.
+    two = copy_until(one, tmp_path / "two", 6)
+    procs = start(["--resume", str(two)], world=2)
+    res = finish(procs)
+    assert [rc for rc, _ in res] == [0, 0], [err[-3000:] for _, err in res]
+    line = ("layout on 2 process(es): dp_replicate=1 dp_shard=2 tp=1 (checkpoint written on 1 process(es) as "
+            "dp_replicate=1 dp_shard=1 tp=1); keeps the run's intent, FSDP2: parameters sharded over the "
+            "data-parallel ranks")
+    assert [e["text"] for e in layout_events(two)][-1] == line
+    assert f"[step 6] {line}" in procs[0].out
+    assert_close(trajectory(two), want, range(7, 9))
+
+
+def test_resume_where_no_layout_keeps_the_intent_names_the_flags_that_would(prepared, tmp_path, monkeypatch, capsys):
+    _, make = prepared
+    # A batch of 2 sequences in micro-batches of 2 does not split over 2 data-parallel ranks; tensor parallel 2 runs it.
+    cfg = make(tmp_path, **{**OV, "train.batch_size": 2, "stages": [{"name": "main", "start": 0.0}]})
+    run = Path(cfg.train.run_dir)
+    run.mkdir()
+    save_config(cfg, run / "config.toml")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the error comes before any process group is made
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["densetrain: error: parallel: no layout of 2 processes keeps the run's intent (DDP: data-parallel "
+                   "ranks hold replicas; configured dp_replicate=-1 dp_shard=1 tp=1) and runs every stage; add to "
+                   "--resume one of: --parallel.dp_replicate=1 --parallel.dp_shard=1 --parallel.tp=2"]
+
+
+@pytest.mark.parametrize("given,world,want", [
+    ((1, 2, 1), 1, (1, 1, 1)), ((1, 2, 1), 4, (1, 4, 1)), ((-1, 1, 1), 3, (3, 1, 1)), ((1, 1, 1), 2, (2, 1, 1)),
+    ((-1, 8, 1), 32, (4, 8, 1)), ((8, 8, 1), 16, (2, 8, 1)), ((8, 8, 1), 4, (1, 4, 1)), ((4, -1, 1), 8, (4, 2, 1)),
+    ((1, 2, 2), 2, (1, 1, 2)), ((1, 1, 4), 2, (1, 1, 2)), ((2, 1, 2), 6, (3, 1, 2)),
+])
+def test_layouts_that_keep_the_intent(given, world, want):
+    from densetrain.parallel.mesh import Layout, keep_intent
+
+    assert keep_intent(*given, world, lambda lay: True) == Layout(*want)
+
+
+def test_plan_and_dry_run_take_parallel_overrides(capsys, monkeypatch):
+    assert main(["plan", "--preset", "tiny", "--gpus", "4", "--gpu-memory-gib", "80", "--parallel.dp_replicate=1",
+                 "--parallel.dp_shard=2", "--parallel.tp=2"]) == 0
+    assert "configured layout (dp_replicate=1 dp_shard=2 tp=2): runs every stage" in capsys.readouterr().out
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", "--dry-run", "--parallel.dp_replicate=1", "--parallel.tp=2"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(
+        "configured layout: parallel: dp_replicate * dp_shard * tp = 1 * 1 * 2 = 2, but the world size is 1")
+    assert main(["plan", "--flops", "1e20", "--parallel.tp=2"]) == 2  # the Chinchilla plan has no layout

@@ -33,7 +33,7 @@ from densetrain.train.watchers import Verdict, decide
 
 
 def train(cfg: Config, resume: bool = False, stop_after: int | None = None, rollback_to: int | None = None,
-          skip_batches: int = 0) -> dict:
+          skip_batches: int = 0, keep_layout_intent: bool = False) -> dict:
     """Run (or resume) the whole staged recipe described by ``cfg``; return the final summary.
 
     Args:
@@ -42,10 +42,12 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         stop_after: stop after this many optimizer steps in total (for tests that interrupt a run);
             the schedule still refers to ``cfg.train.steps``.
         rollback_to, skip_batches: a manual rollback (see :func:`densetrain.train.setup.setup`).
+        keep_layout_intent: on a world size the configured ``[parallel]`` degrees do not fit, pick a layout
+            that keeps their intent (a plain ``--resume``; see :func:`densetrain.train.setup.setup`).
     Raises:
         TrainError: a one-line explanation (no data, batch not divisible by ranks, ...).
     """
-    run = setup(cfg, resume, stop_after, rollback_to, skip_batches)
+    run = setup(cfg, resume, stop_after, rollback_to, skip_batches, keep_layout_intent)
     if run.state.step >= cfg.train.steps:
         return already_complete(run)
     stage = None
