@@ -221,7 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--config", help="TOML config file (applied over the preset)")
         sp.add_argument("--help-config", action="store_true", help="list every config key with its meaning")
         if name == "train":
-            sp.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint")
+            sp.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint, "
+                            "on any number of processes (without --parallel.* flags the layout keeps the run's "
+                            "intent and the one chosen is said)")
             sp.add_argument("--dry-run", action="store_true", help="resolve the config, build the model on the meta "
                             "device and print the memory and layout plan (densetrain plan); no data is read")
             sp.add_argument("--rollback-to", type=int, metavar="STEP", help="with --resume: set the checkpoints "
