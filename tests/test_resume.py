@@ -32,8 +32,9 @@ from densetrain.train.preempt import EXIT_PREEMPTED
 
 ROOT = Path(__file__).resolve().parents[1]
 # Three stages (a seq_len switch included); a fault that only sleeps makes each step long enough to be hit.
+# On the CPU (bitwise repeatable; CUDA's atomics in the embedding backward are not).
 OV = {"train.steps": 16, "checkpoint.every": 5, "checkpoint.keep": 0, "eval.every": 0, "logging.tensorboard": False,
-      "watchdog.every": 0, "probe.every": 0}
+      "watchdog.every": 0, "probe.every": 0, "train.device": "cpu"}
 SLOW = [{"kind": "slow_rank", "step": 0, "rank": 0, "ms": 150}]
 
 
@@ -95,7 +96,8 @@ def test_sigterm_at_a_random_step_resumes_bitwise(prepared, tmp_path):
     train(ref)
     want = trajectory(Path(ref.train.run_dir))
 
-    cfg = make(tmp_path / "stopped", **OV, faults=SLOW)
+    # With an async save possibly in flight when the signal comes (the stop waits for it).
+    cfg = make(tmp_path / "stopped", **{**OV, "checkpoint.async_save": True}, faults=SLOW)
     run = Path(cfg.train.run_dir)
     k = random.Random().randint(2, 12)
     procs = start(fresh(cfg, tmp_path))
