@@ -4,7 +4,8 @@
     roll back) -> commit -> log -> evaluate -> checkpoint
 
 and the explicit calls it makes are the functions below it. Setup lives in :mod:`densetrain.train.setup`,
-the step in :mod:`densetrain.train.step`, the decision point in :mod:`densetrain.train.watchers`.
+the step in :mod:`densetrain.train.step`, the decision point in :mod:`densetrain.train.watchers`. A SIGTERM
+or Ctrl-C stops the run at the next step boundary, checkpointed (:mod:`densetrain.train.preempt`).
 """
 
 from __future__ import annotations
