@@ -22,6 +22,12 @@ from densetrain.config.smoke import scale_down
 from densetrain.errors import ConfigError, DataError, TrainError, disk_full_error, is_disk_full
 from densetrain.fileio import recover_folder_swap
 from densetrain.hf import tokenizer_files
+from densetrain.train.preempt import EXIT_PREEMPTED, Preempted
+
+
+def _is_main() -> bool:
+    """Rank 0 (or no torchrun): the process that prints results and errors; the others stay quiet."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
@@ -35,9 +41,11 @@ def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
                 path = cand
                 break
     if getattr(args, "resume", None):
-        resolved = Path(args.resume) / "config.toml"
-        if not resolved.exists():
-            raise ConfigError(f"{resolved}: not found; --resume expects a run directory made by `densetrain train`")
+        run, resolved = Path(args.resume), Path(args.resume) / "config.toml"
+        if not resolved.exists():  # the config is the first file a run writes: none yet, nothing to resume
+            raise ConfigError(f"{run}: {'no config.toml' if run.is_dir() else 'no such run directory'}, so no run "
+                              f"to resume (one stopped during start-up has none yet): start it again with the "
+                              f"command that started it, e.g. densetrain train --preset NAME --train.run_dir {run}")
         path, preset = resolved, None
     if not preset:
         # A config file is applied over a preset (default tiny), so a partial file works; a complete
@@ -50,7 +58,8 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
     from densetrain.data.prepare import prepare
 
     summary = prepare(cfg, force=args.force, verify=args.verify)
-    print(json.dumps({k: v for k, v in summary.items() if k != "sources"}, indent=1, default=str)[:2000])
+    if _is_main():
+        print(json.dumps({k: v for k, v in summary.items() if k != "sources"}, indent=1, default=str)[:2000])
     return 0
 
 
@@ -71,8 +80,11 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
     if args.skip_batches < 0 or (args.skip_batches and args.rollback_to is None):  # else skipped silently
         raise ConfigError(f"--skip-batches {args.skip_batches}: expected a number of global batches >= 0, "
                           "with --rollback-to STEP")
-    summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches)
-    print(json.dumps(summary, indent=1))
+    # A plain --resume keeps the run's layout intent at any world size; --parallel.* flags are obeyed as given.
+    summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches,
+                    keep_layout_intent=bool(args.resume) and not args.layout_flags)
+    if _is_main():  # torchrun: one summary, not one per rank
+        print(json.dumps(summary, indent=1))
     return 0
 
 
@@ -111,7 +123,8 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
     if args.limit < 0:  # else a ValueError traceback from the task loader
         raise ConfigError(f"--limit {args.limit}: expected a number of examples per task >= 0 (0 = all)")
     result = evaluate_checkpoint(cfg, Path(args.checkpoint), tasks=args.tasks, limit=args.limit)
-    print(json.dumps(result, indent=1))
+    if _is_main():
+        print(json.dumps(result, indent=1))
     return 0
 
 
@@ -207,7 +220,8 @@ def cmd_demo(cfg: Config, args: argparse.Namespace) -> int:
 
     prepare(cfg)
     train(cfg, resume=True)  # a re-run (or a run after kill -9) continues from the last checkpoint
-    print(write_report(Path(cfg.train.run_dir)))
+    if _is_main():
+        print(write_report(Path(cfg.train.run_dir)))
     return 0
 
 
@@ -224,6 +238,11 @@ COMMANDS = {
 }
 
 
+TRAIN_EPILOG = (f"SIGTERM or Ctrl-C (SIGINT): the current step finishes, a checkpoint is written and the run exits "
+                f"with status {EXIT_PREEMPTED}; continue it with --resume RUN_DIR. A second signal exits at once "
+                "(status 143 / 130). Exit status 2: bad input (one line).")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="densetrain",
@@ -233,12 +252,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     for name, (_, help_) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_, description=help_)
+        sp = sub.add_parser(name, help=help_, description=help_, epilog=TRAIN_EPILOG if name == "train" else None)
         sp.add_argument("--preset", help=f"preset name ({', '.join(list_presets())}); default tiny")
         sp.add_argument("--config", help="TOML config file (applied over the preset)")
         sp.add_argument("--help-config", action="store_true", help="list every config key with its meaning")
         if name == "train":
-            sp.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint")
+            sp.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint, "
+                            "on any number of processes (without --parallel.* flags the layout keeps the run's "
+                            "intent and the one chosen is said)")
             sp.add_argument("--dry-run", action="store_true", help="resolve the config, build the model on the meta "
                             "device and print the memory and layout plan (densetrain plan); no data is read")
             sp.add_argument("--rollback-to", type=int, metavar="STEP", help="with --resume: set the checkpoints "
@@ -290,10 +311,13 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    args.layout_flags = [a for a in rest if a.startswith(("--parallel.dp_replicate", "--parallel.dp_shard",
+                                                          "--parallel.tp"))]
     try:
-        if hasattr(args, "func"):  # mup-check | lr-sweep | plan: own flags, no config tree
-            if rest:
+        if hasattr(args, "func"):  # mup-check | lr-sweep | plan: own flags; plan's memory plan takes overrides
+            if rest and args.command != "plan":
                 parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            args.overrides = parse_overrides(rest)  # --section.key=value, e.g. --parallel.tp=4
             return args.func(args)
         if args.command in ("report", "blame", "replay") and not args.help_config:
             return COMMANDS[args.command][0](None, args)
@@ -311,9 +335,13 @@ def main(argv: list[str] | None = None) -> int:
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
     except (ConfigError, DataError, TrainError, FileNotFoundError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:  # torchrun: one line, not one per rank
+        if _is_main():  # torchrun: one line, not one per rank
             print(f"densetrain: error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:  # SIGTERM / Ctrl-C: stopped at a step boundary with a checkpoint (train/preempt.py)
+        if _is_main():
+            print(f"densetrain: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     except BrokenPipeError:  # `densetrain ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
@@ -324,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"densetrain: error: no space left on {e.filename or 'the device'} ({e.strerror})", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("densetrain: interrupted", file=sys.stderr)
+        if _is_main():
+            print("densetrain: interrupted", file=sys.stderr)
         return 130
 
 

@@ -10,6 +10,7 @@ consecutive (on one node, over the fastest link: NVLink), then the FSDP shard gr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 from densetrain.errors import ConfigError
 
@@ -80,6 +81,70 @@ def resolve_layout(dp_replicate: int, dp_shard: int, tp: int, world: int) -> Lay
         raise ConfigError(f"parallel: dp_replicate * dp_shard * tp = {layout.dp_replicate} * {layout.dp_shard} * "
                           f"{layout.tp} = {layout.world}, but the world size is {world}; layouts that fit: {fits}")
     return layout
+
+
+def intent(dp_replicate: int, dp_shard: int, tp: int) -> str:
+    """What configured degrees ask for, in words: how the data-parallel ranks share the state and the
+    tensor-parallel degree (a ``-1`` fills the world size)."""
+    deg = lambda v: "all" if v == -1 else str(v)
+    if dp_shard == -1 or dp_shard > 1:
+        dp = (f"HSDP: shard groups of {deg(dp_shard)}, replicas {deg(dp_replicate)}" if dp_replicate != 1
+              else "FSDP2: parameters sharded over the data-parallel ranks")
+    else:
+        dp = "DDP: data-parallel ranks hold replicas"
+    return dp + ("" if tp == 1 else f", tensor parallel {deg(tp)}")
+
+
+def intent_layouts(dp_replicate: int, dp_shard: int, tp: int, world: int) -> Iterator[Layout]:
+    """Layouts of ``world`` ranks that keep the intent of the configured degrees (what a run asked for,
+    resumed on another number of processes), most faithful first:
+
+    1. the degrees themselves when they resolve at ``world`` (:func:`resolve_layout`: a ``-1`` fills);
+    2. then, for the tensor-parallel degree ``tp`` or, where it does not divide ``world``, the largest of
+       its divisors that does (``-1``: the divisors of ``world``), the data-parallel ranks ``d = world / tp``
+       laid out as the run laid them: DDP replicas ``(d, 1)`` when it did not shard; when it sharded,
+       HSDP keeping its shard-group size (replicas fill) or its replica count (shards fill), then FSDP2
+       over all of them ``(1, d)``, the layout that needs the least memory per rank.
+    """
+    try:
+        yield resolve_layout(dp_replicate, dp_shard, tp, world)
+    except ConfigError:
+        pass
+    top = tp if tp > 0 else world
+    sharded = dp_shard == -1 or dp_shard > 1
+    for t in sorted((t for t in range(1, top + 1) if top % t == 0 and world % t == 0), reverse=True):
+        d = world // t
+        if not sharded:
+            yield Layout(d, 1, t)
+            continue
+        if dp_replicate != 1 and dp_shard > 1 and d % dp_shard == 0:
+            yield Layout(d // dp_shard, dp_shard, t)
+        if dp_replicate > 1 and dp_shard == -1 and d % dp_replicate == 0:
+            yield Layout(dp_replicate, d // dp_replicate, t)
+        yield Layout(1, d, t)
+
+
+def keep_intent(dp_replicate: int, dp_shard: int, tp: int, world: int, runs: Callable[[Layout], bool]) -> Layout:
+    """The first of :func:`intent_layouts` that ``runs`` accepts (e.g. every stage's batch splits over its
+    data-parallel ranks, the tensor-parallel degree divides the model's heads).
+
+    Raises:
+        ConfigError: none does; one line naming the exact ``--parallel.*`` flags of layouts of ``world``
+            ranks that run (any split, up to three), or saying that no layout of ``world`` ranks does.
+    """
+    for lay in intent_layouts(dp_replicate, dp_shard, tp, world):
+        if runs(lay):
+            return lay
+    any_fit = [lay for t in range(1, world + 1) if world % t == 0
+               for lay in (Layout(1, world // t, t), Layout(world // t, 1, t)) if runs(lay)]
+    flags = [f"--parallel.dp_replicate={x.dp_replicate} --parallel.dp_shard={x.dp_shard} --parallel.tp={x.tp}"
+             for x in dict.fromkeys(any_fit)][:3]
+    head = (f"parallel: no layout of {world} processes keeps the run's intent ({intent(dp_replicate, dp_shard, tp)}; "
+            f"configured dp_replicate={dp_replicate} dp_shard={dp_shard} tp={tp}) and runs every stage")
+    if not flags:
+        raise ConfigError(f"{head}, nor does any other layout of {world} processes: resume on a number of "
+                          f"processes whose data-parallel ranks divide every stage's batch of sequences")
+    raise ConfigError(f"{head}; add to --resume one of: " + " | ".join(flags))
 
 
 def build_mesh(layout: Layout, device_type: str):

@@ -12,6 +12,10 @@ Examples::
     densetrain plan --hours 24 --tokens-per-sec 2.5e5
     densetrain plan --preset llama3-8b --gpus 64 --gpu-memory-gib 80
     densetrain plan --params 1.2e9 --tokens 2.4e10 --gpus 8 --gpu-memory-gib 40
+    densetrain plan --preset llama3-8b --gpus 64 --gpu-memory-gib 80 --parallel.dp_replicate=8 --parallel.dp_shard=8
+
+The memory plan (and ``train --dry-run``) takes ``--section.key=value`` overrides like ``train``, e.g.
+``--parallel.*`` to see whether a layout fits.
 """
 
 from __future__ import annotations
@@ -106,6 +110,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.gpus is not None or args.preset or args.config:
         return _layout_plan(args)
+    if getattr(args, "overrides", None):
+        return _error("--section.key=value overrides apply to the memory plan: add --gpus with --preset/--config")
     given = [k for k in ("flops", "params", "tokens", "hours") if getattr(args, k) is not None]
     if len(given) != 1:
         return _error(f"give exactly one of --flops, --params, --tokens, --hours (got {', '.join(given) or 'none'}), "
@@ -138,7 +144,7 @@ def _layout_plan(args: argparse.Namespace) -> int:
         preset = nearest_preset(args.params)["name"]
         note = f"(shape of preset '{preset}', the nearest to {args.params:.3g} parameters, for the activations)\n"
     try:
-        cfg = load_config(preset=preset or "tiny", path=args.config)
+        cfg = load_config(preset=preset or "tiny", path=args.config, overrides=getattr(args, "overrides", []))
         res = layout_plan(cfg, args.gpus, args.gpu_memory_gib, gpu_peak_flops=args.gpu_peak_flops, mfu=args.mfu,
                           tokens=args.tokens, params=args.params, gpus_per_node=args.gpus_per_node)
     except (ValueError, ConfigError) as e:
@@ -146,8 +152,21 @@ def _layout_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res, indent=1, default=str))
     else:
-        print(note + format_layout_plan(res, show=0 if args.all_layouts else 12))
+        print(note + format_layout_plan(res, show=0 if args.all_layouts else 12) + _unfit_note(cfg, args.gpus))
     return 0
+
+
+def _unfit_note(cfg, gpus: int) -> str:
+    """A last line when the configured ``[parallel]`` degrees are no layout of ``gpus`` processes (the plan
+    lists the configured layout's verdict only when it is one), else ''."""
+    from densetrain.parallel.mesh import resolve_layout
+
+    p = cfg.parallel
+    try:
+        resolve_layout(p.dp_replicate, p.dp_shard, p.tp, gpus)
+    except ValueError as e:
+        return f"\nconfigured layout: {e}"
+    return ""
 
 
 def print_dry_run(cfg) -> int:
@@ -165,7 +184,7 @@ def print_dry_run(cfg) -> int:
     res = layout_plan(cfg, gpus, mem, mixed_precision=cfg.train.dtype != "fp32")
     if os.environ.get("RANK", "0") == "0":
         print(f"dry run: {gpus} process(es), {mem:.0f} GiB per GPU{'' if torch.cuda.is_available() else ' (assumed)'}")
-        print(format_layout_plan(res))
+        print(format_layout_plan(res) + _unfit_note(cfg, gpus))
     return 0
 
 

@@ -4,7 +4,8 @@
     roll back) -> commit -> log -> evaluate -> checkpoint
 
 and the explicit calls it makes are the functions below it. Setup lives in :mod:`densetrain.train.setup`,
-the step in :mod:`densetrain.train.step`, the decision point in :mod:`densetrain.train.watchers`.
+the step in :mod:`densetrain.train.step`, the decision point in :mod:`densetrain.train.watchers`. A SIGTERM
+or Ctrl-C stops the run at the next step boundary, checkpointed (:mod:`densetrain.train.preempt`).
 """
 
 from __future__ import annotations
@@ -22,16 +23,18 @@ from densetrain.evals.position_loss import position_eval
 from densetrain.evals.samples import source_samples
 from densetrain.evals.valloss import evaluate_val, val_overall, val_table
 from densetrain.fileio import atomic_write_json
-from densetrain.metrics import flops_per_token, memory_stats
+from densetrain.metrics import flops_per_token, memory_stats, read_metrics
 from densetrain.optim import set_lr
+from densetrain.parallel import all_reduce_max
 from densetrain.schedule import Stage, lr_for, stage_at
+from densetrain.train.preempt import StopRequest, stop_run
 from densetrain.train.setup import Run, setup
 from densetrain.train.step import StepResult, compute_step
 from densetrain.train.watchers import Verdict, decide
 
 
 def train(cfg: Config, resume: bool = False, stop_after: int | None = None, rollback_to: int | None = None,
-          skip_batches: int = 0) -> dict:
+          skip_batches: int = 0, keep_layout_intent: bool = False) -> dict:
     """Run (or resume) the whole staged recipe described by ``cfg``; return the final summary.
 
     Args:
@@ -40,17 +43,23 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         stop_after: stop after this many optimizer steps in total (for tests that interrupt a run);
             the schedule still refers to ``cfg.train.steps``.
         rollback_to, skip_batches: a manual rollback (see :func:`densetrain.train.setup.setup`).
+        keep_layout_intent: on a world size the configured ``[parallel]`` degrees do not fit, pick a layout
+            that keeps their intent (a plain ``--resume``; see :func:`densetrain.train.setup.setup`).
     Raises:
         TrainError: a one-line explanation (no data, batch not divisible by ranks, ...).
     """
-    run = setup(cfg, resume, stop_after, rollback_to, skip_batches)
+    run = setup(cfg, resume, stop_after, rollback_to, skip_batches, keep_layout_intent)
     if run.state.step >= cfg.train.steps:
         return already_complete(run)
     stage = None
+    stop = StopRequest(run.info.device)  # SIGTERM / Ctrl-C: stop at the next step boundary, checkpointed
     try:
         while run.state.step < run.last_step:
             t0 = time.perf_counter()
             run.checkpointer.poll(run.log)  # completes an async save whose background write has finished
+            signum = stop.requested()  # the same answer on every rank (one all-reduce)
+            if signum:
+                stop_run(run, signum)  # raises Preempted once the checkpoint is written
             st = stage_at(run.state.step, run.stages)
             if st != stage:
                 enter_stage(run, st)
@@ -70,8 +79,10 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
             evaluate(run, st)
             run.checkpointer.save_if_due(run.state.step, run.model, run.optimizer, run.state_dict(), result.finite,
                                          run.log)
+        stop.restore()  # the final evaluations can be interrupted: --resume then completes them
         return finish(run, stage)
     finally:
+        stop.restore()
         for w in run.watchers:
             w.close()
 
@@ -166,9 +177,7 @@ def evaluate(run: Run, st: Stage) -> None:
     cfg, step = run.cfg, run.state.step
     if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.train.steps:
         t0 = time.perf_counter()
-        val = run.last_val = evaluate_val(run.model, run.val_streams, st.seq_len, st.micro_batch_size,
-                                          cfg.eval.max_batches, run.info.device, run.autocast, run.tokenizer,
-                                          run.tokenizer.eos_id if st.document_mask else None, st.reset_positions)
+        val = run.last_val = validate(run, st)
         vm = {f"val/{s}/{k}": v[k] for s, v in {**val, "all": val_overall(val)}.items() for k in ("loss", "bpb")}
         vm["time/eval_s"] = time.perf_counter() - t0
         run.eval_seconds += vm["time/eval_s"]
@@ -189,6 +198,13 @@ def evaluate(run: Run, st: Stage) -> None:
         run.log.log(step, dm, kind="eval")
         run.log.console("  tasks " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in dm.items()
                                                if k.endswith("/headline")))
+
+
+def validate(run: Run, st: Stage) -> dict:
+    """Validation loss (and bpb) per source of the model as it is, with stage ``st``'s sequences."""
+    return evaluate_val(run.model, run.val_streams, st.seq_len, st.micro_batch_size, run.cfg.eval.max_batches,
+                        run.info.device, run.autocast, run.tokenizer,
+                        run.tokenizer.eos_id if st.document_mask else None, st.reset_positions)
 
 
 def run_tasks(run: Run, st: Stage, tasks: str, limit: int) -> dict:
@@ -232,8 +248,22 @@ def finish(run: Run, st: Stage) -> dict:
 
 
 def already_complete(run: Run) -> dict:
-    """A resume of a finished run: nothing to do; its summary."""
-    run.log.event(run.state.step, f"run already complete ({run.state.step} steps); nothing to do")
-    run.log.close()
-    done = run.run_dir / "summary.json"
-    return json.loads(done.read_text()) if done.exists() else {"steps": run.state.step, "tokens": run.state.tokens}
+    """A resume of a finished run: its summary. A run stopped between its final checkpoint and
+    ``summary.json`` (killed during the final evaluation) gets the rest now: the final validation
+    (recomputed; the stopped run logged it before the checkpoint), the loss by position (from its
+    metrics.jsonl), the final tasks and samples, then ``summary.json``."""
+    step, done = run.state.step, run.run_dir / "summary.json"
+    # Rank 0's view (the run dir may be on its node only): every rank evaluates, or none does.
+    missing = all_reduce_max(torch.tensor([int(run.info.is_main and not done.exists())], device=run.info.device))
+    if not missing.item():
+        run.log.event(step, f"run already complete ({step} steps); nothing to do")
+        run.log.close()
+        return json.loads(done.read_text()) if done.exists() else {"steps": step, "tokens": run.state.tokens}
+    run.log.event(step, f"run complete ({step} steps) but without summary.json (stopped after its final "
+                        "checkpoint): final evaluation and summary now", kind="resume")
+    st = stage_at(step - 1, run.stages)
+    run.model.set_rope(st.rope_theta, st.rope_scaling)
+    run.last_val = validate(run, st)
+    run.position_loss = {r["position_eval"]: {k[len("val_pos/"):]: v for k, v in r.items() if k.startswith("val_pos/")}
+                         for r in read_metrics(run.run_dir) if r["kind"] == "eval" and "position_eval" in r}
+    return finish(run, st)

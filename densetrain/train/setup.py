@@ -5,6 +5,8 @@ data, model, optimizer, resume point, metrics sinks, watchers. :func:`setup` ret
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +25,7 @@ from densetrain.metrics import MetricsLogger, measure_peak_flops
 from densetrain.model.llama import Transformer
 from densetrain.optim import build_optimizer
 from densetrain.parallel import DistInfo, all_reduce_sum, autocast_for, build_parallel_model, init_distributed
+from densetrain.parallel.mesh import intent, keep_intent, resolve_layout
 from densetrain.registry.tasks import data_root, resolve_tasks
 from densetrain.schedule import Stage, resolve_stages, stage_at
 from densetrain.train.faults import FaultInjector
@@ -85,7 +88,8 @@ class Run:
     def state_dict(self) -> dict:
         """The checkpoint's ``trainer_state.json``: counters, sampler position, data fingerprint, watchers."""
         return {**self.state.state_dict(), "data": self.data_id, "sampler": self.sampler.state_dict(),
-                "world_size": self.info.world_size, "watchers": {w.name: w.state_dict() for w in self.watchers}}
+                "world_size": self.info.world_size, "layout": dataclasses.asdict(self.info.layout),
+                "watchers": {w.name: w.state_dict() for w in self.watchers}}
 
     def load_state_dict(self, d: dict) -> None:
         self.state.load_state_dict(d)
@@ -149,18 +153,20 @@ def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
 
 
 def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, rollback_to: int | None = None,
-          skip_batches: int = 0) -> Run:
+          skip_batches: int = 0, keep_layout_intent: bool = False) -> Run:
     """Build the :class:`Run` of ``cfg``; with ``resume``, restored from the newest loadable checkpoint
     (a fresh start when there is none). ``stop_after`` ends this invocation after that many steps in
     total (the schedule still refers to ``cfg.train.steps``). ``rollback_to`` (with ``resume``): set the
     checkpoints after that step aside (moved, not deleted) and resume from it; ``skip_batches``: then
-    advance the sampler past that many global batches without training on them.
+    advance the sampler past that many global batches without training on them. ``keep_layout_intent``
+    (a plain ``--resume``, no ``--parallel.*`` flags): on a world size the configured degrees do not fit,
+    lay the processes out as :func:`layout_keeping_intent` says, and say so in one event.
 
     Raises:
         TrainError / DataError: one line (no data, batch not divisible by ranks, existing run, no
             checkpoint at ``rollback_to``, ...).
     """
-    info = init_distributed(cfg.train.device, cfg.parallel)
+    info = init_distributed(cfg.train.device, layout_keeping_intent(cfg) if keep_layout_intent else cfg.parallel)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
     run_dir = Path(cfg.train.run_dir)
@@ -200,6 +206,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     if saved:
         run.load_state_dict(saved)
         _log_resume(run, ckpt, saved)
+        if keep_layout_intent:
+            _log_layout(run, saved)
     if rollback_to is not None:
         skip_data(run, skip_batches, f"manual rollback to step {rollback_to}")
     if cfg.eval.tasks or cfg.eval.final_tasks:
@@ -225,6 +233,51 @@ def skip_data(run: Run, n_batches: int, why: str) -> None:
     run.log.event(run.state.step, f"{why}: skipped {n_batches} batches (samples {first}.."
                                   f"{run.sampler.state['samples_seen']})", kind="rollback", action="skip_data",
                   values={"skipped_samples": [first, run.sampler.state["samples_seen"]]})
+
+
+def layout_keeping_intent(cfg: Config):
+    """``cfg.parallel`` with the degrees of :func:`densetrain.parallel.mesh.keep_intent` for this launch's
+    world size (``WORLD_SIZE``, as torchrun sets it): the configured layout where it fits, else one that
+    shards, replicates and splits tensors as the run asked, whose data-parallel ranks divide every
+    stage's batch. ``config.toml`` keeps the configured degrees, so every later resume sees the same intent.
+
+    Raises:
+        ConfigError: no such layout; the line names the ``--parallel.*`` flags of layouts that run.
+    """
+    p, m = cfg.parallel, cfg.model
+    try:
+        stages = resolve_stages(cfg)
+    except ValueError:
+        stages = []  # the stage table's own error comes, as one line, from setup's checks
+
+    def runs(lay) -> bool:
+        return (all(getattr(m, k) % lay.tp == 0 for k in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"))
+                and all(st.batch_size % (lay.dp_size * st.micro_batch_size) == 0 for st in stages))
+
+    lay = keep_intent(p.dp_replicate, p.dp_shard, p.tp, int(os.environ.get("WORLD_SIZE", "1")), runs)
+    return dataclasses.replace(p, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp)
+
+
+def _log_layout(run: Run, saved: dict) -> None:
+    """One line (console and events.jsonl) when a resume runs on another world size or layout than the
+    checkpoint's: the layout chosen and the intent it keeps."""
+    p, lay, world = run.cfg.parallel, run.info.layout, run.info.world_size
+    was_world = saved.get("world_size", world)
+    was = saved.get("layout")
+    if was_world == world and was in (None, dataclasses.asdict(lay)):
+        return
+    try:
+        as_configured = resolve_layout(p.dp_replicate, p.dp_shard, p.tp, world) == lay
+    except ValueError:
+        as_configured = False
+    written = f"{was_world} process(es)" + (f" as dp_replicate={was['dp_replicate']} dp_shard={was['dp_shard']} "
+                                           f"tp={was['tp']}" if was else "")
+    run.log.event(run.state.step, f"layout on {world} process(es): {lay} (checkpoint written on {written}); keeps "
+                                  f"the run's intent, {intent(p.dp_replicate, p.dp_shard, p.tp)}"
+                                  + ("" if as_configured else f" (its configured dp_replicate={p.dp_replicate} "
+                                                              f"dp_shard={p.dp_shard} tp={p.tp} does not fit)"),
+                  kind="layout", values={"layout": dataclasses.asdict(lay), "world_size": world,
+                                         "checkpoint_world_size": was_world, "checkpoint_layout": was})
 
 
 def _log_resume(run: Run, ckpt: Path, saved: dict) -> None:

@@ -1,0 +1,111 @@
+"""Preemption and Ctrl-C: stop at a step boundary, lose nothing.
+
+A cluster preempts a job with SIGTERM (Slurm's ``--signal=TERM@120`` sends it 120 s before the time
+limit; preemption sends it before the kill), a user presses Ctrl-C (SIGINT). The first of either is only
+noted by the handler (:class:`StopRequest`); the loop asks :meth:`StopRequest.requested` at each step
+boundary, where under torchrun one MAX all-reduce of the noted signal number makes every rank stop after
+the same step even when only some ranks received it (no rank is left waiting in a collective). Then
+:func:`stop_run` waits for the asynchronous save in flight, writes a checkpoint of that step (unless it
+exists), logs a ``preempt`` event and raises :class:`Preempted`; the CLI exits with
+:data:`EXIT_PREEMPTED`, and ``densetrain train --resume RUN_DIR`` continues with the next step.
+
+The handler also restores the default action of both signals, so a second signal ends the process at
+once, whatever it is doing (even inside a hung collective, where no Python code runs): exit status
+128 + the signal's number as for any process killed by it (143 for SIGTERM, 130 for SIGINT), the steps
+since the last checkpoint lost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch
+
+from densetrain.checkpoint import save_checkpoint
+from densetrain.parallel import all_reduce_max
+
+EXIT_PREEMPTED = 75
+"""Exit status after a stop on SIGTERM/SIGINT with the checkpoint written: ``EX_TEMPFAIL`` of BSD's
+sysexits.h ("temporary failure; the user is invited to retry"), i.e. resume. Under torchrun the workers
+exit with it and torchrun itself exits 1 (it was signalled too); the ``preempt`` event says what happened."""
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after ``step`` with checkpoint ``checkpoint`` (a directory name, or ''
+    when the run had not taken a step yet); the message is one line saying how to continue."""
+
+    def __init__(self, signame: str, step: int, checkpoint: str, run_dir):
+        self.signame, self.step, self.checkpoint = signame, step, checkpoint
+        saved = f"checkpoint {checkpoint} written" if checkpoint else "no step taken, nothing to save"
+        super().__init__(f"stopped by {signame} after step {step} ({saved}); continue with: "
+                         f"densetrain train --resume {run_dir}")
+
+
+class StopRequest:
+    """Notes the first SIGTERM or SIGINT while installed (from construction to :meth:`restore`).
+
+    Handlers can only be installed from the main thread; elsewhere (a run started from another thread)
+    the signals keep their actions and :meth:`requested` stays False.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.signum = 0  # the first signal noted on this rank (0: none)
+        self._previous: dict[int, object] = {}
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._note) for s in SIGNALS}
+
+    def _note(self, signum: int, frame) -> None:
+        self.signum = signum
+        for s in SIGNALS:  # a second signal: the default action (terminate), at once
+            signal.signal(s, signal.SIG_DFL)
+        if int(os.environ.get("RANK", "0")) == 0:  # os.write: safe wherever the main thread was interrupted
+            os.write(2, f"densetrain: {signal.Signals(signum).name} received: finishing the current step, then a "
+                        f"checkpoint and exit {EXIT_PREEMPTED}; send it again to stop at once (the steps since the "
+                        f"last checkpoint are lost)\n".encode())
+
+    def requested(self) -> int:
+        """At a step boundary, on every rank: the signal number (SIGTERM over SIGINT) if any rank noted one,
+        else 0. One all-reduce of one number under torchrun, the same answer on every rank."""
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return self.signum
+        return int(all_reduce_max(torch.tensor([self.signum], device=self.device)).item())
+
+    def restore(self) -> None:
+        """Put back the actions the signals had before (Python's KeyboardInterrupt for SIGINT)."""
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous = {}
+
+
+def stop_run(run, signum: int) -> None:
+    """Stop ``run`` at this step boundary (every rank calls it): finish the save in flight, save a
+    checkpoint of the current step unless rank 0 has it complete already, log the ``preempt`` event,
+    close the metrics sinks.
+
+    Raises:
+        Preempted: always, once the checkpoint is on disk.
+        CheckpointError: the checkpoint could not be written (one line; the earlier ones are intact).
+    """
+    name = signal.Signals(signum).name
+    step, log = run.state.step, run.log
+    run.checkpointer.finish_pending(log)
+    path = run.run_dir / "checkpoints" / f"step_{step:08d}"
+    # Rank 0's view decides (the run directory may be on its node only), so every rank saves or none does.
+    have = run.info.is_main and (path / "COMPLETE").exists()
+    have = bool(all_reduce_max(torch.tensor([int(have)], device=run.info.device)).item())
+    t0 = time.perf_counter()
+    if step and not have:
+        save_checkpoint(run.run_dir, step, run.model, run.optimizer, run.state_dict(), run.checkpointer.keep)
+    dt = time.perf_counter() - t0
+    ckpt = path.name if step else ""
+    err = Preempted(name, step, ckpt, run.run_dir)
+    log.event(step, str(err), kind="preempt", action="stop",
+              values={"signal": name, "checkpoint": ckpt, "seconds": dt, "exit_status": EXIT_PREEMPTED})
+    log.close()
+    raise err

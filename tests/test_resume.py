@@ -1,0 +1,269 @@
+"""Stopping and resuming real runs started like the CLI (one process, and two gloo ranks as torchrun starts them).
+
+- Preemption: SIGTERM at a random step stops after a whole step with its checkpoint and exit status 75,
+  and the resumed run's losses and grad norms equal the uninterrupted run's bit for bit (fp32, same
+  machine), no step lost or repeated; only one rank needs the signal; a second signal exits at once.
+- Ends of runs: a run stopped between its final checkpoint and summary.json gets its summary on
+  --resume; --resume of a run that never saved its config says to start it again; under torchrun only
+  rank 0 prints the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import gloo_env
+
+from densetrain.checkpoint import list_complete
+from densetrain.cli import main
+from densetrain.config import save_config
+from densetrain.metrics import read_events, read_metrics
+from densetrain.train import train
+from densetrain.train.preempt import EXIT_PREEMPTED
+
+ROOT = Path(__file__).resolve().parents[1]
+# Three stages (a seq_len switch included); a fault that only sleeps makes each step long enough to be hit.
+# On the CPU (bitwise repeatable; CUDA's atomics in the embedding backward are not).
+OV = {"train.steps": 16, "checkpoint.every": 5, "checkpoint.keep": 0, "eval.every": 0, "logging.tensorboard": False,
+      "watchdog.every": 0, "probe.every": 0, "train.device": "cpu"}
+SLOW = [{"kind": "slow_rank", "step": 0, "rank": 0, "ms": 150}]
+
+
+def start(argv: list[str], world: int = 1) -> list[subprocess.Popen]:
+    """``python -m densetrain train ARGV`` as ``world`` processes (gloo ranks, as torchrun starts them, when > 1)."""
+    env = {**(gloo_env(world) if world > 1 else os.environ), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return [subprocess.Popen([sys.executable, "-m", "densetrain", "train", *argv], cwd=ROOT,
+                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)} if world > 1 else env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
+
+
+def fresh(cfg, tmp: Path) -> list[str]:
+    """The arguments of a fresh run of ``cfg``: ``--config FILE``."""
+    path = tmp / f"{Path(cfg.train.run_dir).parent.name}.toml"
+    save_config(cfg, path)
+    return ["--config", str(path)]
+
+
+def wait_for_step(run: Path, step: int, procs, timeout: float = 120) -> None:
+    """Until rank 0 has logged ``step`` (the run is then inside a later step)."""
+    t0 = time.monotonic()
+    while not any(r["kind"] == "train" and r["step"] >= step for r in read_metrics(run)):
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        assert time.monotonic() - t0 < timeout
+        time.sleep(0.02)
+
+
+def finish(procs) -> list[tuple[int, str]]:
+    """(exit status, stderr) of each process; stdout kept in ``p.out``."""
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (o, _) in zip(procs, outs):
+        p.out = o
+    return [(p.returncode, e) for p, (_, e) in zip(procs, outs)]
+
+
+def trajectory(run: Path) -> dict[int, tuple]:
+    recs = [r for r in read_metrics(run) if r["kind"] == "train"]
+    assert sorted(r["step"] for r in recs) == [r["step"] for r in recs]  # one record per step, in order
+    return {r["step"]: (r["loss"], r["grad_norm"], r["sample_index"], r["lr"]) for r in recs}
+
+
+def check_stopped(run: Path, results, at_least: int) -> int:
+    """Every rank exited 75 after one whole step with its checkpoint and the event; returns that step."""
+    assert [rc for rc, _ in results] == [EXIT_PREEMPTED] * len(results), [err[-3000:] for _, err in results]
+    (ev,) = [e for e in read_events(run) if e["kind"] == "preempt"]
+    step = ev["step"]
+    assert step >= at_least and ev["values"]["signal"] == "SIGTERM"
+    assert ev["values"]["checkpoint"] == f"step_{step:08d}" and list_complete(run)[-1][0] == step
+    assert sorted(trajectory(run)) == list(range(1, step + 1))  # every step taken is logged and checkpointed
+    last = results[0][1].strip().splitlines()[-1]
+    assert last == f"densetrain: stopped by SIGTERM after step {step} (checkpoint step_{step:08d} written); " \
+                   f"continue with: densetrain train --resume {run}", results[0][1][-2000:]
+    return step
+
+
+def test_sigterm_at_a_random_step_resumes_bitwise(prepared, tmp_path):
+    _, make = prepared
+    ref = make(tmp_path / "ref", **OV)
+    train(ref)
+    want = trajectory(Path(ref.train.run_dir))
+
+    # With an async save possibly in flight when the signal comes (the stop waits for it).
+    cfg = make(tmp_path / "stopped", **{**OV, "checkpoint.async_save": True}, faults=SLOW)
+    run = Path(cfg.train.run_dir)
+    k = random.Random().randint(2, 12)
+    procs = start(fresh(cfg, tmp_path))
+    wait_for_step(run, k, procs)
+    procs[0].send_signal(signal.SIGTERM)
+    step = check_stopped(run, finish(procs), k)
+    assert main(["train", "--resume", str(run)]) == 0  # the plain command
+    assert trajectory(run) == want, f"signal after step {k}, stopped at {step}"
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(prepared, tmp_path_factory):
+    """(config overrides, run dir) of an uninterrupted 2-rank FSDP2 run, a checkpoint every 2 of its 8 steps."""
+    _, make = prepared
+    tmp = tmp_path_factory.mktemp("fsdp")
+    ov = {**OV, "train.steps": 8, "checkpoint.every": 2, "parallel.dp_replicate": 1, "parallel.dp_shard": 2}
+    cfg = make(tmp, **ov)
+    res = finish(start(fresh(cfg, tmp), world=2))
+    assert [rc for rc, _ in res] == [0, 0], [err[-3000:] for _, err in res]
+    return ov, Path(cfg.train.run_dir)
+
+
+def test_sigterm_on_one_of_two_ranks_stops_both_and_resumes_bitwise(prepared, fsdp_run, tmp_path):
+    _, make = prepared
+    ov, ref = fsdp_run
+    want = trajectory(ref)
+    cfg = make(tmp_path / "stopped", **ov, faults=SLOW)
+    run = Path(cfg.train.run_dir)
+    k = random.Random().randint(2, 6)
+    procs = start(fresh(cfg, tmp_path), world=2)
+    wait_for_step(run, k, procs)
+    procs[1].send_signal(signal.SIGTERM)  # only rank 1 is told: the step-boundary all-reduce tells rank 0
+    step = check_stopped(run, finish(procs), k)
+    procs = start(["--resume", str(run)], world=2)
+    resumed = finish(procs)
+    assert [rc for rc, _ in resumed] == [0, 0], [err[-3000:] for _, err in resumed]
+    assert trajectory(run) == want, f"signal after step {k}, stopped at {step}"
+    # The summary is printed once, by rank 0.
+    assert json.loads(procs[0].out[procs[0].out.index("\n{") + 1:])["steps"] == ov["train.steps"]
+    assert '"steps"' not in procs[1].out, procs[1].out[-2000:]
+
+
+def test_second_signal_exits_at_once(prepared, tmp_path):
+    _, make = prepared
+    # Steps of ~2 s: the graceful path would need the rest of the step and a checkpoint.
+    cfg = make(tmp_path / "twice", **OV, faults=[{"kind": "slow_rank", "step": 0, "rank": 0, "ms": 2000}])
+    run = Path(cfg.train.run_dir)
+    procs = start(fresh(cfg, tmp_path))
+    wait_for_step(run, 1, procs)
+    procs[0].send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    procs[0].send_signal(signal.SIGINT)
+    rc, err = finish(procs)[0]
+    assert rc == -signal.SIGINT and time.monotonic() - t0 < 1.0, err[-2000:]  # killed by it: status 130 in a shell
+    assert "SIGINT received: finishing the current step" in err
+    assert not [e for e in read_events(run) if e["kind"] == "preempt"]
+    assert [s for s, _ in list_complete(run)] == []  # nothing was saved after the second signal
+
+
+def test_resume_after_a_stop_between_final_checkpoint_and_summary_writes_the_summary(prepared, tmp_path, capsys):
+    _, make = prepared
+    cfg = make(tmp_path / "done", **{**OV, "train.steps": 8, "eval.every": 4})
+    want = train(cfg)
+    run = Path(cfg.train.run_dir)
+    # What a kill during the final evaluation leaves: the final checkpoint, no summary.json.
+    (run / "summary.json").unlink()
+    assert list_complete(run)[-1][0] == 8
+    assert main(["train", "--resume", str(run)]) == 0
+    got = json.loads((run / "summary.json").read_text())
+    assert set(got) == set(want) and "val" in got
+    assert {k: v for k, v in got.items() if k != "wall_s"} == {k: v for k, v in want.items() if k != "wall_s"}
+    assert main(["train", "--resume", str(run)]) == 0  # now complete with its summary: nothing to do
+    assert "run already complete (8 steps); nothing to do" in capsys.readouterr().out
+
+
+def test_resume_of_a_run_without_config_says_to_start_it_again(tmp_path, capsys):
+    for run in (tmp_path / "never_started", tmp_path / "killed_in_start_up"):
+        if run.name.startswith("killed"):
+            run.mkdir()  # the run directory is made just before its config.toml is written
+        assert main(["train", "--resume", str(run)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"densetrain: error: {run}: no "), err
+        assert err[0].endswith(f"start it again with the command that started it, e.g. densetrain train "
+                               f"--preset NAME --train.run_dir {run}")
+
+
+def copy_until(src: Path, dst: Path, step: int) -> Path:
+    """A copy of run dir ``src`` as it was after the checkpoint of ``step`` (later checkpoints removed)."""
+    shutil.copytree(src, dst)
+    for s, path in list_complete(dst):
+        if s > step:
+            shutil.rmtree(path)
+    (dst / "summary.json").unlink(missing_ok=True)
+    return dst
+
+
+def assert_close(got: dict, want: dict, steps) -> None:
+    """Losses and grad norms across world sizes: equal to fp32 reduction-order noise."""
+    for s in steps:
+        assert got[s][0] == pytest.approx(want[s][0], rel=1e-5), (s, got[s], want[s])
+        assert got[s][1] == pytest.approx(want[s][1], rel=1e-4), (s, got[s], want[s])
+        assert got[s][2:] == want[s][2:]  # the same samples at the same lr
+
+
+def layout_events(run: Path) -> list[dict]:
+    return [e for e in read_events(run) if e["kind"] == "layout"]
+
+
+def test_plain_resume_at_another_world_size_keeps_the_layout_intent(fsdp_run, tmp_path, capsys):
+    _, ref = fsdp_run
+    want = trajectory(ref)
+    # 2 FSDP2 ranks -> 1 process: dp_shard=2 cannot hold on 1, the one layout of 1 process is chosen and said.
+    one = copy_until(ref, tmp_path / "one", 2)
+    assert main(["train", "--resume", str(one)]) == 0
+    line = ("layout on 1 process(es): dp_replicate=1 dp_shard=1 tp=1 (checkpoint written on 2 process(es) as "
+            "dp_replicate=1 dp_shard=2 tp=1); keeps the run's intent, FSDP2: parameters sharded over the "
+            "data-parallel ranks (its configured dp_replicate=1 dp_shard=2 tp=1 does not fit)")
+    assert [e["text"] for e in layout_events(one)] == [line]
+    assert f"[step 2] {line}" in capsys.readouterr().out
+    assert_close(trajectory(one), want, range(3, 9))
+    # ... and that run's 1-process checkpoint -> 2 ranks: config.toml still says dp_shard=2, so FSDP2 again.
+    two = copy_until(one, tmp_path / "two", 6)
+    procs = start(["--resume", str(two)], world=2)
+    res = finish(procs)
+    assert [rc for rc, _ in res] == [0, 0], [err[-3000:] for _, err in res]
+    line = ("layout on 2 process(es): dp_replicate=1 dp_shard=2 tp=1 (checkpoint written on 1 process(es) as "
+            "dp_replicate=1 dp_shard=1 tp=1); keeps the run's intent, FSDP2: parameters sharded over the "
+            "data-parallel ranks")
+    assert [e["text"] for e in layout_events(two)][-1] == line
+    assert f"[step 6] {line}" in procs[0].out
+    assert_close(trajectory(two), want, range(7, 9))
+
+
+def test_resume_where_no_layout_keeps_the_intent_names_the_flags_that_would(prepared, tmp_path, monkeypatch, capsys):
+    _, make = prepared
+    # A batch of 2 sequences in micro-batches of 2 does not split over 2 data-parallel ranks; tensor parallel 2 runs it.
+    cfg = make(tmp_path, **{**OV, "train.batch_size": 2, "stages": [{"name": "main", "start": 0.0}]})
+    run = Path(cfg.train.run_dir)
+    run.mkdir()
+    save_config(cfg, run / "config.toml")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the error comes before any process group is made
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["densetrain: error: parallel: no layout of 2 processes keeps the run's intent (DDP: data-parallel "
+                   "ranks hold replicas; configured dp_replicate=-1 dp_shard=1 tp=1) and runs every stage; add to "
+                   "--resume one of: --parallel.dp_replicate=1 --parallel.dp_shard=1 --parallel.tp=2"]
+
+
+@pytest.mark.parametrize("given,world,want", [
+    ((1, 2, 1), 1, (1, 1, 1)), ((1, 2, 1), 4, (1, 4, 1)), ((-1, 1, 1), 3, (3, 1, 1)), ((1, 1, 1), 2, (2, 1, 1)),
+    ((-1, 8, 1), 32, (4, 8, 1)), ((8, 8, 1), 16, (2, 8, 1)), ((8, 8, 1), 4, (1, 4, 1)), ((4, -1, 1), 8, (4, 2, 1)),
+    ((1, 2, 2), 2, (1, 1, 2)), ((1, 1, 4), 2, (1, 1, 2)), ((2, 1, 2), 6, (3, 1, 2)),
+])
+def test_layouts_that_keep_the_intent(given, world, want):
+    from densetrain.parallel.mesh import Layout, keep_intent
+
+    assert keep_intent(*given, world, lambda lay: True) == Layout(*want)
+
+
+def test_plan_and_dry_run_take_parallel_overrides(capsys, monkeypatch):
+    assert main(["plan", "--preset", "tiny", "--gpus", "4", "--gpu-memory-gib", "80", "--parallel.dp_replicate=1",
+                 "--parallel.dp_shard=2", "--parallel.tp=2"]) == 0
+    assert "configured layout (dp_replicate=1 dp_shard=2 tp=2): runs every stage" in capsys.readouterr().out
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", "--dry-run", "--parallel.dp_replicate=1", "--parallel.tp=2"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(
+        "configured layout: parallel: dp_replicate * dp_shard * tp = 1 * 1 * 2 = 2, but the world size is 1")
+    assert main(["plan", "--flops", "1e20", "--parallel.tp=2"]) == 2  # the Chinchilla plan has no layout
