@@ -113,6 +113,24 @@ def training_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.
         return token_losses(logits, targets)
 
 
+def row_loss_sums(losses: torch.Tensor) -> torch.Tensor:
+    """Per-row sums (B,) float64 of per-token losses (B, T) fp32, finite whenever every token's loss is.
+
+    A row of large but finite losses (~1e38 nats per token: a diverging run) overflows an fp32 sum to
+    inf, and the step would be skipped as non-finite. Rows whose fp32 sum is finite keep it (so a run's
+    logged losses stay bitwise those recorded in tests/golden/trajectory.json); an overflowed row is
+    summed again in float64, where only a non-finite token loss gives a non-finite sum. No host sync.
+    """
+    fp32 = losses.sum(dim=1).double()
+    return torch.where(torch.isfinite(fp32), fp32, losses.double().sum(dim=1))
+
+
+def local_nonfinite(stats: StepStats, grad_norm: float) -> int:
+    """1 if this rank's loss sum or the gradient norm is not finite (NaN or inf), else 0; summed over ranks
+    into :attr:`StepStats.nonfinite_ranks`, so every rank skips when one rank saw it."""
+    return int(not (math.isfinite(grad_norm) and math.isfinite(stats.loss_sum)))
+
+
 def forward_backward(
     model: torch.nn.Module,
     micro_batches: list[tuple[torch.Tensor, torch.Tensor, list[str]]],
@@ -160,7 +178,7 @@ def forward_backward(
             t1 = time.perf_counter()
             (objective * scale).backward()
             t_forward, t_backward = t_forward + t1 - t0, t_backward + time.perf_counter() - t1
-        row_losses.append(losses.detach().sum(dim=1).double())
+        row_losses.append(row_loss_sums(losses.detach()))
         row_tokens.append(mask.sum(dim=1))
         row_sources += sources
     stats = StepStats(forward_s=t_forward, backward_s=t_backward)
@@ -225,7 +243,7 @@ def compute_step(run, stage: Stage, lr: float) -> StepResult:
     for w in run.watchers:  # fault injection (a NaN gradient on one rank, a loss spike)
         w.on_grads(run, stats)
     grad_norm = float(clip_grad_norm(run.model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")))
-    stats.nonfinite_ranks = int(not (math.isfinite(grad_norm) and math.isfinite(stats.loss_sum)))
+    stats.nonfinite_ranks = local_nonfinite(stats, grad_norm)
     stats = reduce_stats(stats, run.source_names, info.device)
     loss = stats.loss_sum / max(stats.n_tokens, 1)
     return StepResult(run.state.step, stage, lr, loss, grad_norm, stats, first_sample, data_s,
