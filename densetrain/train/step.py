@@ -42,7 +42,8 @@ class StepResult:
         loss: nats per target token over the whole global batch. grad_norm: L2 norm of the full
             gradient before clipping. lr: the learning rate the update would use.
         first_sample: global sample index of the batch's first sequence (provenance, resume checks).
-        data_s: seconds spent drawing and copying the batch; sync_s: clipping and reductions.
+        data_s: seconds spent drawing and copying the batch; sync_s: the step's collectives and the wait
+            in them (the token-count all-reduce before the forward, clipping and reductions after it).
         rollback_before: set by a watcher that returns ROLLBACK: the update index the trouble began at.
     """
 
@@ -234,8 +235,10 @@ def compute_step(run, stage: Stage, lr: float) -> StepResult:
     micro_batches = make_micro_batches(samples, stage.micro_batch_size, info.device, eos_id, stage.reset_positions)
     # Counted on the host copy: counting on the device would wait for the GPU once per micro-batch.
     n_local = sum(int((smp.tokens[1:] != IGNORE_INDEX).sum()) for smp in samples)
+    t1 = time.perf_counter()
+    data_s = t1 - t0  # not the all-reduce below: its wait for a slower rank is 'sync', not this rank's data
     n_global = int(all_reduce_sum(torch.tensor([n_local], device=info.device)).item())
-    data_s = time.perf_counter() - t0
+    count_s = time.perf_counter() - t1
 
     cfg = run.cfg
     stats = forward_backward(run.dp_model, micro_batches, n_global, info.dp_size, cfg.optim.z_loss, run.autocast)
@@ -247,4 +250,4 @@ def compute_step(run, stage: Stage, lr: float) -> StepResult:
     stats = reduce_stats(stats, run.source_names, info.device)
     loss = stats.loss_sum / max(stats.n_tokens, 1)
     return StepResult(run.state.step, stage, lr, loss, grad_norm, stats, first_sample, data_s,
-                      time.perf_counter() - t0, samples)
+                      count_s + time.perf_counter() - t0, samples)
