@@ -1,8 +1,9 @@
 """Metrics: the one FLOP counter, MFU, memory, and the sinks (metrics.jsonl, TensorBoard, console).
 
 Metric names are the field's: ``loss``, ``grad_norm``, ``lr``, ``tokens_per_sec``, ``mfu``,
-``val/<source>/loss``. Every record carries ``step`` (optimizer updates completed) and ``tokens``
-(target tokens consumed, summed over ranks). Both files are strict JSON, one object a line: a
+``val/<source>/loss``. Every record carries ``step`` (steps completed: iterations of the loop,
+those whose update the guard skipped included) and ``tokens`` (target tokens consumed, summed over
+ranks). Both files are strict JSON, one object a line: a
 non-finite number (a NaN loss of a skipped step) is written as ``null`` (:func:`json_line`), never as
 Python's ``NaN``/``Infinity``, which other JSON readers (browsers, jq, pandas' ``lines=True``) refuse.
 """

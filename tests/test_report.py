@@ -49,9 +49,10 @@ def test_stage_boundaries_pick_the_nearest_eval_inside_each_stage():
     assert [(sp.name, sp.first, sp.last) for sp in spans] == [("main", 1, 4), ("anneal", 5, 8), ("long", 9, 12)]
     evals = [{"kind": "eval", "step": s, "val/all/loss": 10.0 - s} for s in (2, 4, 6, 8)]
     b1, b2 = stage_boundaries(spans, evals)
-    assert (b1.step, b1.before, b1.after, b1.eval_before["step"], b1.eval_after["step"]) == (5, "main", "anneal", 4, 6)
+    # the switch is at step 4 (4 steps done; anneal's first record is step 5), as its 'stage' event says
+    assert (b1.step, b1.before, b1.after, b1.eval_before["step"], b1.eval_after["step"]) == (4, "main", "anneal", 4, 6)
     # long has no evaluation: the after side is missing, not borrowed from another stage.
-    assert (b2.step, b2.eval_before["step"], b2.eval_after) == (9, 8, None)
+    assert (b2.step, b2.eval_before["step"], b2.eval_after) == (8, 8, None)
 
 
 def test_per_rank_series_from_perf_records_else_train(tmp_path):
@@ -107,8 +108,12 @@ def test_report_of_a_real_run(run_dir):
     # Each switch has a validation point in the stage before it and in the one after it, and the summary
     # quotes their values.
     for b in data.boundaries:
-        assert b.eval_before["step"] == b.step - 1 and b.eval_after["step"] == b.step + 1, b
+        assert b.eval_before["step"] == b.step and b.eval_after["step"] == b.step + 2, b
         assert f"{b.eval_before['val/all/loss']:.3f} (step {b.eval_before['step']})" in text
+    # The switch steps of the table and the summary are those of the 'stage' events (and the console).
+    stage_events = [e.step for e in data.events if e.kind == "stage"]
+    assert [b.step for b in data.boundaries] == stage_events[1:] == [4, 6]
+    assert all(f"at step {s}:" in text for s in stage_events[1:])
     png = run_dir / "report.png"
     assert png.stat().st_size > 50_000
     page = (run_dir / "report.html").read_text()

@@ -45,7 +45,7 @@ class Boundary:
     """A stage switch and the eval records closest to it on each side, within the two stages
     (``None`` when a stage had no evaluation)."""
 
-    step: int  # the first record step of the new stage
+    step: int  # steps done at the switch (its 'stage' event's step); the new stage's first record is step + 1
     before: str
     after: str
     eval_before: dict | None
@@ -115,7 +115,9 @@ def stage_boundaries(spans: list[StageSpan], evals: list[dict], key: str = "val/
     for a, b in zip(spans, spans[1:]):
         before = [r for r in scored if a.first <= r["step"] <= a.last]
         after = [r for r in scored if b.first <= r["step"] <= b.last]
-        out.append(Boundary(b.first, a.name, b.name, before[-1] if before else None, after[0] if after else None))
+        # A record's step counts the steps completed, so the stage that begins after step k has its first
+        # record at k + 1; the switch is at k, the step its 'stage' event and the console give it.
+        out.append(Boundary(b.first - 1, a.name, b.name, before[-1] if before else None, after[0] if after else None))
     return out
 
 
