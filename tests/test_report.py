@@ -224,3 +224,36 @@ def test_report_renders_every_panel_in_headless_chromium(run_dir, tmp_path):
     pixels = matplotlib.image.imread(shot)[..., :3]
     # Not just tables: coloured pixels (stage bands, curves) cover a good part of the page (about 30%).
     assert (pixels.max(axis=-1) - pixels.min(axis=-1) > 0.02).mean() > 0.1
+
+
+def test_densetrain_eval_results_appear_in_the_report(run_dir):
+    from densetrain.config import load_config
+    from densetrain.tools.offline_eval import evaluate_checkpoint
+
+    cfg = load_config(path=run_dir / "config.toml")
+    tasks = {"tasks": "arc_easy", "limit": 3} if HAVE_TASKS else {}
+    result = evaluate_checkpoint(cfg, run_dir / "checkpoints" / "step_00000004", **tasks)
+    saved = json.loads((run_dir / "evals" / "step_00000004.json").read_text())  # before: in the checkpoint
+    assert saved["val"] == result["val"] and saved["step"] == 4
+    text = write_report(run_dir)
+    loss = result["val"]["all"]["loss"]
+    assert f"densetrain eval of step 4: val loss {loss:.3f}" in text  # before: not in the report at all
+    (rec,) = load_run(run_dir).checkpoint_evals
+    assert rec["val/all/loss"] == loss and rec["val/email/bpb"] == result["val"]["email"]["bpb"]
+    page = (run_dir / "report.html").read_text()
+    assert "Evaluations of checkpoints" in page and f"<td class='num'>{loss:.4f}</td>" in page
+    if HAVE_TASKS:
+        head = result["downstream"]["arc_easy/headline"]
+        assert rec["eval/arc_easy/headline"] == head and f"arc_easy {head:.3f}" in text
+        assert "arc_easy (densetrain eval)" in page
+
+
+def test_eval_help_says_where_results_go_and_which_config_it_reads():
+    from densetrain.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    text = " ".join(sub["eval"].format_help().split())
+    assert "RUN_DIR/evals/step_XXXXXXXX.json" in text and "densetrain report" in text
+    # before: "default tiny", while `eval RUN_DIR` reads RUN_DIR/config.toml
+    assert "default: the checkpoint's run config (RUN_DIR/config.toml)" in text and "default tiny" not in text
+    assert "default tiny" in " ".join(sub["train"].format_help().split())
