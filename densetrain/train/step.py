@@ -38,13 +38,13 @@ class StepResult:
     """What one step computed, reduced over ranks (identical on every rank), before any verdict.
 
     Attributes:
-        index: the update's index (0-based; the step counter before it).
+        index: the step's index (0-based iteration; the step counter before it).
         loss: nats per target token over the whole global batch. grad_norm: L2 norm of the full
             gradient before clipping. lr: the learning rate the update would use.
         first_sample: global sample index of the batch's first sequence (provenance, resume checks).
         data_s: seconds spent drawing and copying the batch; sync_s: the step's collectives and the wait
             in them (the token-count all-reduce before the forward, clipping and reductions after it).
-        rollback_before: set by a watcher that returns ROLLBACK: the update index the trouble began at.
+        rollback_before: set by a watcher that returns ROLLBACK: the step index the trouble began at.
     """
 
     index: int
