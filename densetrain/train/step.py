@@ -229,7 +229,7 @@ def compute_step(run, stage: Stage, lr: float) -> StepResult:
     for ev in sampler.events:
         run.log.event(run.state.step, ev, kind="epoch")
     sampler.events.clear()
-    for w in run.watchers:  # fault injection may alter the batch; the data probe looks at it
+    for w in run.watchers:  # fault injection may alter the batch (the data probe reads it in after_step)
         samples = w.on_batch(run, samples)
     eos_id = run.tokenizer.eos_id if stage.document_mask else None
     micro_batches = make_micro_batches(samples, stage.micro_batch_size, info.device, eos_id, stage.reset_positions)
