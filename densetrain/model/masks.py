@@ -9,7 +9,7 @@ tokens *before* ``j`` (an EOS belongs to the document it ends), and its position
 is ``j`` minus the index of the document's first token. A window that starts inside a document
 counts that document from the window start, as unmasked training does.
 
-Attention then lets query ``j`` see key ``k`` iff ``k <= j`` and ``doc[k] == doc[j]``. Two kernels:
+Attention then lets query ``j`` see key ``k`` iff ``k <= j`` and ``doc[k] == doc[j]``. Three paths:
 
 - **CPU (and any device without FlexAttention)**: per document. Each row's documents are
   contiguous spans, so attention within documents is one causal SDPA call per span (the spans are
