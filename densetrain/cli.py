@@ -228,7 +228,8 @@ def cmd_demo(cfg: Config, args: argparse.Namespace) -> int:
 COMMANDS = {
     "prepare": (cmd_prepare, "clean, dedup and tokenize the configured sources into token shards"),
     "train": (cmd_train, "run the staged training recipe (or --resume RUN_DIR)"),
-    "eval": (cmd_eval, "evaluate a checkpoint: validation loss per source and downstream tasks"),
+    "eval": (cmd_eval, "evaluate a checkpoint: validation loss per source and downstream tasks; the result "
+                       "goes to RUN_DIR/evals/step_XXXXXXXX.json, which `densetrain report` shows"),
     "export": (cmd_export, "export a checkpoint as a Hugging Face LlamaForCausalLM folder"),
     "import-hf": (cmd_import_hf, "import a local Hugging Face Llama folder as a densetrain checkpoint"),
     "report": (cmd_report, "write RUN_DIR/report.html, report.png and summary"),
@@ -253,7 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name, (_, help_) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_, epilog=TRAIN_EPILOG if name == "train" else None)
-        sp.add_argument("--preset", help=f"preset name ({', '.join(list_presets())}); default tiny")
+        sp.add_argument("--preset", help=f"preset name ({', '.join(list_presets())}); "
+                        + ("default: the checkpoint's run config (RUN_DIR/config.toml), tiny without one"
+                           if name in ("eval", "export") else "default tiny"))
         sp.add_argument("--config", help="TOML config file (applied over the preset)")
         sp.add_argument("--help-config", action="store_true", help="list every config key with its meaning")
         if name == "train":

@@ -2,14 +2,18 @@
 console).
 
 Metric names are the field's: ``loss``, ``grad_norm``, ``lr``, ``tokens_per_sec``, ``mfu``,
-``val/<source>/loss``. Every record carries ``step`` (optimizer updates completed) and ``tokens``
-(target tokens consumed, summed over ranks).
+``val/<source>/loss``. Every record carries ``step`` (steps completed: iterations of the loop,
+those whose update the guard skipped included) and ``tokens`` (target tokens consumed, summed over
+ranks). Both files are strict JSON, one object a line: a
+non-finite number (a NaN loss of a skipped step) is written as ``null`` (:func:`json_line`), never as
+Python's ``NaN``/``Infinity``, which other JSON readers (browsers, jq, pandas' ``lines=True``) refuse.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import resource
 import sys
 import time
@@ -132,6 +136,20 @@ class WandbSink:
 def _scalars(metrics: dict) -> dict[str, float]:
     """The numeric entries of a record (what TensorBoard and W&B plot; strings such as the stage are not)."""
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+def finite_or_null(obj):
+    """``obj`` (JSON values: dicts, lists, numbers, strings) with every NaN or infinite float replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v) for v in obj]
+    return obj
+
+
+def json_line(rec: dict) -> str:
+    """One strict JSON line (no newline) of ``rec``: non-finite floats become ``null`` (module docstring)."""
+    return json.dumps(finite_or_null(rec), allow_nan=False)
 
 
 class MetricsLogger:
@@ -199,7 +217,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         rec = {"kind": kind, "step": step, "time": time.time(), **metrics}
-        self.f.write(json.dumps(rec) + "\n")
+        self.f.write(json_line(rec) + "\n")
         if self.tb is not None:
             for k, v in _scalars(metrics).items():
                 self.tb.add_scalar(k, v, step)
@@ -225,10 +243,10 @@ class MetricsLogger:
         print(f"[step {step}]{f' [rank {self.rank}]' if self.rank else ''} {text}", flush=True)
         if not self.enabled:  # another rank: its own file, merged by readers
             with open(self.run_dir / f"events_rank{self.rank}.jsonl", "a") as f:
-                f.write(json.dumps(rec) + "\n")
+                f.write(json_line(rec) + "\n")
             return
-        self.events.write(json.dumps(rec) + "\n")
-        self.f.write(json.dumps({"kind": "event", "step": step, "time": rec["time"], "text": text,
+        self.events.write(json_line(rec) + "\n")
+        self.f.write(json_line({"kind": "event", "step": step, "time": rec["time"], "text": text,
                                  "event": kind}) + "\n")
         if self.tb is not None:
             self.tb.add_text("events", f"[{kind}] {text}", step)

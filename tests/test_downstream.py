@@ -478,7 +478,7 @@ def test_eval_command_warns_about_cut_shots(prepared, tmp_path, capsys):
             "is missing")
     assert capsys.readouterr().err.splitlines() == [line]
     assert result["warnings"] == [line] and result["downstream"]["arc_challenge_3shot/truncated"] == 3
-    saved = json.loads((tmp_path / "run" / "checkpoints" / "step_00000002" / "eval.json").read_text())
+    saved = json.loads((tmp_path / "run" / "evals" / "step_00000002.json").read_text())
     assert saved["warnings"] == [line]
 
 

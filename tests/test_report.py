@@ -49,9 +49,10 @@ def test_stage_boundaries_pick_the_nearest_eval_inside_each_stage():
     assert [(sp.name, sp.first, sp.last) for sp in spans] == [("main", 1, 4), ("anneal", 5, 8), ("long", 9, 12)]
     evals = [{"kind": "eval", "step": s, "val/all/loss": 10.0 - s} for s in (2, 4, 6, 8)]
     b1, b2 = stage_boundaries(spans, evals)
-    assert (b1.step, b1.before, b1.after, b1.eval_before["step"], b1.eval_after["step"]) == (5, "main", "anneal", 4, 6)
+    # the switch is at step 4 (4 steps done; anneal's first record is step 5), as its 'stage' event says
+    assert (b1.step, b1.before, b1.after, b1.eval_before["step"], b1.eval_after["step"]) == (4, "main", "anneal", 4, 6)
     # long has no evaluation: the after side is missing, not borrowed from another stage.
-    assert (b2.step, b2.eval_before["step"], b2.eval_after) == (9, 8, None)
+    assert (b2.step, b2.eval_before["step"], b2.eval_after) == (8, 8, None)
 
 
 def test_per_rank_series_from_perf_records_else_train(tmp_path):
@@ -107,8 +108,12 @@ def test_report_of_a_real_run(run_dir):
     # Each switch has a validation point in the stage before it and in the one after it, and the summary
     # quotes their values.
     for b in data.boundaries:
-        assert b.eval_before["step"] == b.step - 1 and b.eval_after["step"] == b.step + 1, b
+        assert b.eval_before["step"] == b.step and b.eval_after["step"] == b.step + 2, b
         assert f"{b.eval_before['val/all/loss']:.3f} (step {b.eval_before['step']})" in text
+    # The switch steps of the table and the summary are those of the 'stage' events (and the console).
+    stage_events = [e.step for e in data.events if e.kind == "stage"]
+    assert [b.step for b in data.boundaries] == stage_events[1:] == [4, 6]
+    assert all(f"at step {s}:" in text for s in stage_events[1:])
     png = run_dir / "report.png"
     assert png.stat().st_size > 50_000
     page = (run_dir / "report.html").read_text()
@@ -219,3 +224,36 @@ def test_report_renders_every_panel_in_headless_chromium(run_dir, tmp_path):
     pixels = matplotlib.image.imread(shot)[..., :3]
     # Not just tables: coloured pixels (stage bands, curves) cover a good part of the page (about 30%).
     assert (pixels.max(axis=-1) - pixels.min(axis=-1) > 0.02).mean() > 0.1
+
+
+def test_densetrain_eval_results_appear_in_the_report(run_dir):
+    from densetrain.config import load_config
+    from densetrain.tools.offline_eval import evaluate_checkpoint
+
+    cfg = load_config(path=run_dir / "config.toml")
+    tasks = {"tasks": "arc_easy", "limit": 3} if HAVE_TASKS else {}
+    result = evaluate_checkpoint(cfg, run_dir / "checkpoints" / "step_00000004", **tasks)
+    saved = json.loads((run_dir / "evals" / "step_00000004.json").read_text())  # before: in the checkpoint
+    assert saved["val"] == result["val"] and saved["step"] == 4
+    text = write_report(run_dir)
+    loss = result["val"]["all"]["loss"]
+    assert f"densetrain eval of step 4: val loss {loss:.3f}" in text  # before: not in the report at all
+    (rec,) = load_run(run_dir).checkpoint_evals
+    assert rec["val/all/loss"] == loss and rec["val/email/bpb"] == result["val"]["email"]["bpb"]
+    page = (run_dir / "report.html").read_text()
+    assert "Evaluations of checkpoints" in page and f"<td class='num'>{loss:.4f}</td>" in page
+    if HAVE_TASKS:
+        head = result["downstream"]["arc_easy/headline"]
+        assert rec["eval/arc_easy/headline"] == head and f"arc_easy {head:.3f}" in text
+        assert "arc_easy (densetrain eval)" in page
+
+
+def test_eval_help_says_where_results_go_and_which_config_it_reads():
+    from densetrain.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    text = " ".join(sub["eval"].format_help().split())
+    assert "RUN_DIR/evals/step_XXXXXXXX.json" in text and "densetrain report" in text
+    # before: "default tiny", while `eval RUN_DIR` reads RUN_DIR/config.toml
+    assert "default: the checkpoint's run config (RUN_DIR/config.toml)" in text and "default tiny" not in text
+    assert "default tiny" in " ".join(sub["train"].format_help().split())

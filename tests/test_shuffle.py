@@ -109,3 +109,33 @@ def test_seq_len_change_starts_a_new_grid_and_a_changed_seed_is_refused(tmp_path
         s.next_samples(1, "long", {"a": 1.0}, 128, shuffle_seed=SEED + 1)
     with pytest.raises(ValueError, match="shuffle seed"):
         s.next_samples(1, "long", {"a": 1.0}, 128)
+
+
+def test_a_global_batch_never_holds_a_window_twice_and_ranks_agree_on_the_epoch(tmp_path):
+    # 89 windows of 16 tokens (+ 5 tokens the grid leaves out) drawn in global batches of 4 over 200 batches
+    # (9 epochs): before, an epoch that wrapped inside a batch let the next permutation repeat a window of that
+    # batch (seed 0: [644, 260, 228, 644]), and a batch's rows, split over 2 ranks, came from two epochs
+    src = streams(tmp_path, {"a": 89 * 16 + 1 + 5})
+    mix = {"a": 1.0}
+    for seed in range(4):
+        r0, r1 = MixtureSampler(src), MixtureSampler(src)
+        per_epoch: dict[int, list[int]] = {}
+        for _ in range(200):
+            h0 = r0.next_samples(4, "main", mix, 16, keep=range(0, 2), shuffle_seed=seed)
+            h1 = r1.next_samples(4, "main", mix, 16, keep=range(2, 4), shuffle_seed=seed)
+            starts = [x.start for x in h0 + h1]
+            assert len(set(starts)) == 4, (seed, starts)
+            assert len({x.epoch for x in h0 + h1}) == 1  # both ranks tag the step's rows with one epoch
+            per_epoch.setdefault(h0[0].epoch, []).extend(starts)
+        assert r0.state_dict() == r1.state_dict()
+        assert any("windows left for later epochs" in e for e in r0.events)
+        # an epoch ends early only by what a batch could not take: 88 of 89 windows, each once
+        for ep, got in list(per_epoch.items())[:-1]:
+            assert len(set(got)) == len(got) == 88, (seed, ep, len(got))
+
+
+def test_a_source_smaller_than_a_batch_still_wraps_inside_it(tmp_path):
+    s = MixtureSampler(streams(tmp_path, {"a": 3 * 16 + 1}))  # 3 windows, batches of 8: repeats are unavoidable
+    got = s.next_samples(8, "main", {"a": 1.0}, 16, shuffle_seed=SEED)
+    assert [x.epoch for x in got] == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert sorted(x.start for x in got[:3]) == [0, 16, 32]

@@ -108,9 +108,9 @@ class ScheduleConfig:
     kind: str = "cosine"
     """'cosine' (to min_lr at the last step), 'wsd' (warmup-stable-decay) or 'constant'."""
     unit: str = "steps"
-    """What progress is counted in: 'steps' (optimizer updates) or 'tokens' (tokens consumed; stage starts,
-    warmup_fraction, decay_fraction and the lr curve are then fractions of the run's tokens, which differs from
-    steps only when stages have different batch_tokens)."""
+    """What progress is counted in: 'steps' (iterations, skipped ones included) or 'tokens' (tokens consumed;
+    stage starts, warmup_fraction, decay_fraction and the lr curve are then fractions of the run's tokens,
+    which differs from steps only when stages have different batch_tokens)."""
     warmup_steps: int = -1
     """Warmup length in optimizer steps (unit='tokens': the tokens of the first warmup_steps steps); -1 means
     warmup_fraction of the total (at least one step)."""

@@ -35,6 +35,16 @@ them, needs the prefix sums of the permuted lengths: O(documents) memory per sou
 the grid: it depends on seq_len, so a stage that changes a source's seq_len ends that source's
 current epoch early (logged; its unvisited windows come back in the next epochs' permutations),
 whereas a document-level order would carry a token cursor across the change.
+
+**Epochs end at global-batch boundaries** (shuffled order). A global batch that took the last
+windows of one epoch and the first of the next could hold the same window twice (the next
+permutation may start with a window the batch already has), and its rows, split over ranks, would
+come from two epochs. So before a batch is drawn, a source whose current epoch has fewer windows
+left than the batch takes from it starts its next epoch first; the few windows skipped come back in
+later permutations, as at a seq_len change. Only a source with fewer windows than one batch takes
+from it wraps inside the batch (a repeat is then unavoidable). File order wraps where the stream
+ends (the same tail every epoch: ending early would drop it for good); it repeats no window within
+a batch either. Each :class:`Sample` carries the epoch of its source it was drawn in.
 """
 
 from __future__ import annotations
@@ -51,12 +61,15 @@ from densetrain.data.shards import TokenFiles
 @dataclass
 class Sample:
     """One training sequence. ``tokens``: int64 array of shape ``(seq_len + 1,)``; ``start``: token
-    offset of the window in its source's train stream (provenance: ``densetrain blame``)."""
+    offset of the window in its source's train stream (provenance: ``densetrain blame``); ``epoch``:
+    the pass over its source the window was drawn in (0-based; the same for every row of a source in
+    a shuffled global batch, so every rank tags its rows alike)."""
 
     index: int
     source: str
     tokens: np.ndarray
     start: int = -1
+    epoch: int = 0
 
 
 _MASK64 = (1 << 64) - 1
@@ -167,15 +180,42 @@ class MixtureSampler:
             self._perms[key] = (perm, offset)
         return self._perms[key]
 
-    def _choose(self, mix: dict[str, float]) -> str:
+    def _choose(self, mix: dict[str, float], drawn: dict[str, int] | None = None, n: int | None = None) -> str:
+        """The source of the next sample (deficit scheduling, module docstring) after ``n`` samples of the
+        stage with ``drawn`` per source (default: the state's counts)."""
         st = self.state
-        n = st["stage_total"]
+        drawn = st["stage_drawn"] if drawn is None else drawn
+        n = st["stage_total"] if n is None else n
         best, best_deficit = None, None
         for name in sorted(mix):
-            deficit = mix[name] * (n + 1) - st["stage_drawn"].get(name, 0)
+            deficit = mix[name] * (n + 1) - drawn.get(name, 0)
             if best_deficit is None or deficit > best_deficit + 1e-12:
                 best, best_deficit = name, deficit
         return best
+
+    def _batch_sources(self, n: int, mix: dict[str, float]) -> list[str]:
+        """The sources of the next ``n`` samples, in draw order, without drawing them."""
+        drawn, total, out = dict(self.state["stage_drawn"]), self.state["stage_total"], []
+        for _ in range(n):
+            name = self._choose(mix, drawn, total)
+            drawn[name] = drawn.get(name, 0) + 1
+            total += 1
+            out.append(name)
+        return out
+
+    def _end_epochs_before_batch(self, names: list[str], seq_len: int) -> None:
+        """Start the next epoch of each source whose current epoch (on the ``seq_len`` grid) has fewer
+        windows left than the coming batch takes from it (module docstring: epochs end at batch boundaries)."""
+        st = self.state
+        for name in sorted(set(names)):
+            need, n_windows = names.count(name), (len(self.streams[name]) - 1) // seq_len
+            drawn = st["window"][name]
+            if st["grid"][name] == seq_len and 0 < drawn < n_windows and n_windows - drawn < need <= n_windows:
+                st["epoch"][name] += 1
+                st["window"][name] = 0
+                self.events.append(f"source '{name}' starts epoch {st['epoch'][name]} at sample {st['samples_seen']} "
+                                   f"({n_windows - drawn} of {n_windows} windows left for later epochs: a global batch "
+                                   f"holds no window twice)")
 
     def _advance(self, name: str, seq_len: int) -> int:
         """Reserve the next window of ``name``; return its start offset (tokens)."""
@@ -246,6 +286,8 @@ class MixtureSampler:
             st["stage_total"] = 0
         out = []
         keep = range(n) if keep is None else keep
+        if shuffle_seed is not None:
+            self._end_epochs_before_batch(self._batch_sources(n, mix), seq_len)
         for i in range(n):
             name = self._choose(mix)
             if shuffle_seed is None:
@@ -253,7 +295,8 @@ class MixtureSampler:
             else:
                 start = self._advance_shuffled(name, seq_len, shuffle_seed)
             if i in keep:
-                out.append(Sample(st["samples_seen"], name, self.streams[name].read(start, seq_len + 1), start))
+                out.append(Sample(st["samples_seen"], name, self.streams[name].read(start, seq_len + 1), start,
+                                  st["epoch"][name]))
             st["stage_drawn"][name] = st["stage_drawn"].get(name, 0) + 1
             st["stage_total"] += 1
             st["samples_seen"] += 1

@@ -377,8 +377,14 @@ class Transformer(nn.Module):
         return rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, self.rope_cos.device)
 
     def rope_cache(self, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for positions 0 .. seq_len-1, each (seq_len, head_dim) float32; grows the cache if needed."""
+        """cos, sin for positions 0 .. seq_len-1, each (seq_len, head_dim) float32; grows the cache if needed.
+
+        Inside a compiled forward the tables are computed in the graph instead: assigning the buffers there
+        is a side effect whose changed shape fails the next call's guards (a second compile per shape).
+        """
         device = self.tok_embeddings.weight.device
+        if torch.compiler.is_compiling():
+            return rope_cos_sin(self.head_dim, self.rope_theta, seq_len, device, self.rope_scaling)
         stale = (
             self.rope_cos.shape[0] < seq_len
             or self.rope_cos.device != device

@@ -9,7 +9,7 @@ tokens *before* ``j`` (an EOS belongs to the document it ends), and its position
 is ``j`` minus the index of the document's first token. A window that starts inside a document
 counts that document from the window start, as unmasked training does.
 
-Attention then lets query ``j`` see key ``k`` iff ``k <= j`` and ``doc[k] == doc[j]``. Two kernels:
+Attention then lets query ``j`` see key ``k`` iff ``k <= j`` and ``doc[k] == doc[j]``. Three paths:
 
 - **CPU (and any device without FlexAttention)**: per document. Each row's documents are
   contiguous spans, so attention within documents is one causal SDPA call per span (the spans are
@@ -22,6 +22,12 @@ Attention then lets query ``j`` see key ``k`` iff ``k <= j`` and ``doc[k] == doc
   instead of computing and masking them, so it is cheaper than no mask at all.
 - **CUDA**: FlexAttention (``torch.nn.attention.flex_attention``, compiled) with a block mask from
   the same document ids: fully masked 128 x 128 tiles are skipped.
+- **Inside compiled code** (``train.compile`` or ``parallel.compile_blocks``, without FlexAttention):
+  one SDPA call with the block-diagonal causal boolean mask ``(B, 1, T, T)`` built on the device from
+  the document ids. The per-document spans are host data (a graph break at the device-to-host copy)
+  whose layout changes every batch, and compiled code specialises on it (a recompile per number of
+  documents, until torch's recompile limit sends the block back to eager); the dense mask keeps one
+  graph per shape.
 """
 
 from __future__ import annotations
@@ -100,6 +106,8 @@ class DocumentMask:
 
             # _compile: build the block mask tile by tile, never materialising the (T, T) boolean mask
             return cls(doc, block=flex[1](same_doc_causal, B, None, T, T, device=doc.device, _compile=True))
+        if torch.compiler.is_compiling():
+            return cls(doc)  # attend builds the dense mask in the graph
         host = doc.cpu().numpy()  # (B, T); ids are non-decreasing along a row, so each document is a span
         spans = []
         for row in host:
@@ -115,6 +123,11 @@ class DocumentMask:
         """
         if self.block is not None:
             return _flex()[0](q, k, v, block_mask=self.block, scale=scale)
+        if torch.compiler.is_compiling() or self.spans is None:
+            T = self.doc.shape[1]
+            causal = torch.ones(T, T, dtype=torch.bool, device=self.doc.device).tril()
+            same_doc = self.doc[:, None, :, None] == self.doc[:, None, None, :]  # (B, 1, T, T)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=same_doc & causal, scale=scale)
         rows = []
         for b, spans in enumerate(self.spans):
             if len(spans) == 1:  # one document: the whole row is plain causal attention

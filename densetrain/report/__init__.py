@@ -2,7 +2,8 @@
 ``report.png`` (the same panels, static) and a printed summary.
 
 Reads only files of the run directory (``metrics.jsonl``, ``events.jsonl``, ``summary.json``,
-``config.toml``), so it works on a finished, running or killed run. :mod:`.run` reads them,
+``config.toml``, and ``evals/``: what ``densetrain eval`` wrote), so it works on a finished, running
+or killed run. :mod:`.run` reads them,
 :mod:`.png` and :mod:`.html` draw the same series.
 """
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from densetrain.report.html import PANELS, write_html
 from densetrain.report.png import write_png
-from densetrain.report.run import RunData, load_run, read_events
+from densetrain.report.run import RunData, load_run, read_events, source_name
 
 __all__ = ["PANELS", "RunData", "load_run", "read_events", "write_report"]
 
@@ -35,6 +36,12 @@ def write_report(run_dir: Path) -> str:
         heads = {k.split("/")[0]: v for k, v in s.get("downstream", {}).items() if k.endswith("/headline")}
         if heads:
             lines.append("  downstream (headline metric): " + ", ".join(f"{t} {v:.3f}" for t, v in heads.items()))
+    for r in data.checkpoint_evals:
+        heads = ", ".join(f"{source_name(k)} {v:.3f}" for k, v in r.items()
+                          if k.startswith("eval/") and k.endswith("/headline") and isinstance(v, (int, float)))
+        loss = r.get("val/all/loss")
+        lines.append(f"  densetrain eval of step {r['step']}: val loss "
+                     + (f"{loss:.3f}" if isinstance(loss, (int, float)) else "–") + (f"; {heads}" if heads else ""))
     for b in data.boundaries:
         if b.eval_before and b.eval_after:
             lines.append(f"  stage {b.before} -> {b.after} at step {b.step}: val loss "

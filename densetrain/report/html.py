@@ -5,8 +5,9 @@ Plot panels (each a ``<div id="panel-NAME">`` that plotly fills in the browser; 
 them): train loss with stage bands, validation points, the points on each side of a stage switch, the
 unigram baseline and event markers; validation loss and bits per byte per source; lr; grad_norm;
 tokens/s and MFU per rank; memory; downstream headline scores. Then tables: the final validation
-against the unigram baseline, the stage switches with the validation loss before and after, every
-event, and the run's config.toml.
+against the unigram baseline, the evaluations of checkpoints by ``densetrain eval`` (``RUN_DIR/evals/``;
+also diamonds in the validation and downstream panels), the stage switches with the validation loss
+before and after, every event, and the run's config.toml.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def write_html(data: RunData, out: Path) -> Path:
         f"<div class='pair'>{div['lr']}{div['grad_norm']}</div>",
         div["throughput"],
         f"<div class='pair'>{div['memory']}{div['downstream']}</div>",
-        _boundary_table(data), _events_table(data),
+        _checkpoint_eval_table(data), _boundary_table(data), _events_table(data),
         "<h2>Config</h2>" + (f"<pre class='config'>{html.escape(data.config_text)}</pre>" if data.config_text
                              else "<p class='none'>no config.toml in this run</p>"),
     ]
@@ -175,11 +176,15 @@ def _val_fig(data: RunData) -> go.Figure:
     _bands(fig, data, grid=True)
     base = unigram_baselines(data.summary)
     srcs = [source_name(k) for k in keys(data.evals, "val/", "/loss")]
+    srcs += [s for s in (source_name(k) for k in keys(data.checkpoint_evals, "val/", "/loss")) if s not in srcs]
     for i, s in enumerate(srcs):
         color = PALETTE[i % len(PALETTE)]
         _trace(fig, points(data.evals, f"val/{s}/loss"), s, color, "lines+markers", 1, 1, legendgroup=s)
         _trace(fig, points(data.evals, f"val/{s}/bpb"), s, color, "lines+markers", 1, 2, legendgroup=s,
                showlegend=False)
+        for col, metric in ((1, "loss"), (2, "bpb")):  # `densetrain eval` of a checkpoint: diamonds
+            _trace(fig, points(data.checkpoint_evals, f"val/{s}/{metric}"), f"{s} (densetrain eval)", color,
+                   "markers", 1, col, legendgroup=s, showlegend=col == 1, marker_symbol="diamond", marker_size=9)
         if s in base:
             x0, x1 = data.train[0]["step"], data.train[-1]["step"]
             _trace(fig, [(x0, base[s]), (x1, base[s])], f"{s} unigram", color, row=1, col=1, legendgroup=s,
@@ -223,12 +228,14 @@ def _memory_fig(data: RunData) -> go.Figure:
 def _downstream_fig(data: RunData) -> go.Figure:
     fig = _figure("downstream headline score (star: final evaluation)", height=340)
     _bands(fig, data)
-    heads = keys(data.evals + data.final_evals, "eval/", "/headline")
+    heads = keys(data.evals + data.final_evals + data.checkpoint_evals, "eval/", "/headline")
     for i, k in enumerate(heads):
         color, task = PALETTE[i % len(PALETTE)], source_name(k)
         _trace(fig, points(data.evals, k), task, color, "lines+markers", legendgroup=task)
         _trace(fig, points(data.final_evals, k), f"{task} (final)", color, "markers", legendgroup=task,
                showlegend=not points(data.evals, k), marker_symbol="star", marker_size=14)
+        _trace(fig, points(data.checkpoint_evals, k), f"{task} (densetrain eval)", color, "markers",
+               legendgroup=task, marker_symbol="diamond", marker_size=11)
     return fig if heads else _empty(fig, "downstream evaluations")
 
 
@@ -259,6 +266,19 @@ def _final_table(data: RunData) -> str:
         out += "<p>downstream (headline): " + ", ".join(f"{html.escape(k.split('/')[0])} {_f(v, 3)}"
                                                          for k, v in ds.items()) + "</p>"
     return out
+
+
+def _checkpoint_eval_table(data: RunData) -> str:
+    out = "<h2>Evaluations of checkpoints (<code>densetrain eval</code>, RUN_DIR/evals/)</h2>"
+    if not data.checkpoint_evals:
+        return out + "<p class='none'>none: <code>densetrain eval RUN_DIR</code> evaluates the newest checkpoint</p>"
+    tasks = keys(data.checkpoint_evals, "eval/", "/headline")
+    rows = [[str(r["step"]), html.escape(str(r.get("stage") or "")), _f(r.get("val/all/loss")),
+             _f(r.get("val/all/bpb")), *(_f(r.get(k), 3) for k in tasks), html.escape(r["file"])]
+            for r in data.checkpoint_evals]
+    head = ["step", "stage", "val loss (all)", "bits per byte (all)", *(html.escape(source_name(k)) for k in tasks),
+            "file"]
+    return out + _table(head, rows, set(range(2, 4 + len(tasks))) | {0})
 
 
 def _boundary_table(data: RunData) -> str:

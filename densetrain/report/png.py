@@ -35,15 +35,18 @@ def write_png(data: RunData, out: Path) -> Path:
     base = unigram_baselines(data.summary)
 
     _loss(loss_ax, data, base)
-    for i, k in enumerate(keys(data.evals, "val/", "/loss")):
-        color = PALETTE[i % len(PALETTE)]
-        _line(val_ax, points(data.evals, k), source_name(k), color, marker="o")
-        if source_name(k) in base:
-            val_ax.axhline(base[source_name(k)], color=color, ls=":", lw=0.8)
-    _finish(val_ax, "validation loss (nats/token); dotted: unigram entropy", bool(data.evals))
-    for i, k in enumerate(keys(data.evals, "val/", "/bpb")):
-        _line(bpb_ax, points(data.evals, k), source_name(k), PALETTE[i % len(PALETTE)], marker="o")
-    _finish(bpb_ax, "validation bits per byte", bool(keys(data.evals, "val/", "/bpb")))
+    val_recs = data.evals + data.checkpoint_evals
+    for ax, metric in ((val_ax, "loss"), (bpb_ax, "bpb")):
+        for i, k in enumerate(keys(val_recs, "val/", f"/{metric}")):
+            color = PALETTE[i % len(PALETTE)]
+            _line(ax, points(data.evals, k), source_name(k), color, marker="o")
+            pts = points(data.checkpoint_evals, k)  # `densetrain eval` of a checkpoint
+            if pts:
+                ax.plot(*zip(*pts), ls="none", marker="D", ms=6, color=color)
+            if metric == "loss" and source_name(k) in base:
+                ax.axhline(base[source_name(k)], color=color, ls=":", lw=0.8)
+    _finish(val_ax, "validation loss (nats/token); dotted: unigram entropy", bool(keys(val_recs, "val/", "/loss")))
+    _finish(bpb_ax, "validation bits per byte (diamond: densetrain eval)", bool(keys(val_recs, "val/", "/bpb")))
 
     _line(lr_ax, points(data.train, "lr"), None, PALETTE[0])
     _finish(lr_ax, "lr", True)
@@ -60,14 +63,15 @@ def write_png(data: RunData, out: Path) -> Path:
             name = k[len("mem/"):] + ("" if label == "all ranks" else f" {label}")
             _line(mem_ax, pts, name, PALETTE[(i + j) % len(PALETTE)], marker=".")
     _finish(mem_ax, "memory (GiB)", bool(mem))
-    heads = keys(data.evals + data.final_evals, "eval/", "/headline")
+    heads = keys(data.evals + data.final_evals + data.checkpoint_evals, "eval/", "/headline")
     for i, k in enumerate(heads):
         color = PALETTE[i % len(PALETTE)]
         _line(ds_ax, points(data.evals, k), source_name(k), color, marker="o")
-        final = points(data.final_evals, k)
-        if final:
-            ds_ax.plot(*zip(*final), ls="none", marker="*", ms=11, color=color)
-    _finish(ds_ax, "downstream headline score (star: final evaluation)", bool(heads))
+        for recs, marker, ms in ((data.final_evals, "*", 11), (data.checkpoint_evals, "D", 7)):
+            pts = points(recs, k)
+            if pts:
+                ds_ax.plot(*zip(*pts), ls="none", marker=marker, ms=ms, color=color)
+    _finish(ds_ax, "downstream headline (star: final eval, diamond: densetrain eval)", bool(heads))
 
     for ax in axes.flat:
         for i, sp in enumerate(data.spans):

@@ -45,7 +45,7 @@ class Boundary:
     """A stage switch and the eval records closest to it on each side, within the two stages
     (``None`` when a stage had no evaluation)."""
 
-    step: int  # the first record step of the new stage
+    step: int  # steps done at the switch (its 'stage' event's step); the new stage's first record is step + 1
     before: str
     after: str
     eval_before: dict | None
@@ -60,6 +60,7 @@ class RunData:
     train: list[dict]
     evals: list[dict]
     final_evals: list[dict]
+    checkpoint_evals: list[dict]  # `densetrain eval` of saved checkpoints (RUN_DIR/evals/), as eval records
     perf: list[dict]
     events: list[Event]
     summary: dict
@@ -94,6 +95,28 @@ def read_events(run_dir: Path, records: list[dict] | None = None) -> list[Event]
     return sorted(out, key=lambda e: e.time or 0) if replays.exists() else out
 
 
+def read_checkpoint_evals(run_dir: Path) -> list[dict]:
+    """The results ``densetrain eval`` wrote to ``RUN_DIR/evals/*.json``, each as an eval record
+    (``kind="checkpoint_eval"``, ``step``, ``stage``, ``checkpoint``, ``val/<source>/loss`` and ``/bpb``,
+    ``eval/<task>/<metric>``), by step; unreadable files are skipped."""
+    out = []
+    for path in sorted((Path(run_dir) / "evals").glob("*.json")):
+        try:
+            res = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(res, dict) or not isinstance(res.get("step"), int):
+            continue
+        rec = {"kind": "checkpoint_eval", "step": res["step"], "stage": res.get("stage"),
+               "checkpoint": res.get("checkpoint"), "file": path.name}
+        for src, v in (res.get("val") or {}).items():
+            if isinstance(v, dict):
+                rec.update({f"val/{src}/{k}": v[k] for k in ("loss", "bpb") if k in v})
+        rec.update({f"eval/{k}": v for k, v in (res.get("downstream") or {}).items()})
+        out.append(rec)
+    return sorted(out, key=lambda r: r["step"])
+
+
 def stage_spans(train: list[dict]) -> list[StageSpan]:
     """Runs of consecutive train records with the same ``stage`` (records in step order)."""
     spans: list[StageSpan] = []
@@ -118,12 +141,14 @@ def stage_boundaries(spans: list[StageSpan], evals: list[dict], key: str = "val/
     for a, b in zip(spans, spans[1:]):
         before = [r for r in scored if a.first <= r["step"] <= a.last]
         after = [r for r in scored if b.first <= r["step"] <= b.last]
-        out.append(Boundary(b.first, a.name, b.name, before[-1] if before else None, after[0] if after else None))
+        # A record's step counts the steps completed, so the stage that begins after step k has its first
+        # record at k + 1; the switch is at k, the step its 'stage' event and the console give it.
+        out.append(Boundary(b.first - 1, a.name, b.name, before[-1] if before else None, after[0] if after else None))
     return out
 
 
 def load_run(run_dir: Path) -> RunData:
-    """Read ``metrics.jsonl``, ``events.jsonl``, ``summary.json`` and ``config.toml`` of a run.
+    """Read ``metrics.jsonl``, ``events.jsonl``, ``summary.json``, ``config.toml`` and ``evals/`` of a run.
 
     Raises:
         FileNotFoundError: the run has no training records.
@@ -147,7 +172,7 @@ def load_run(run_dir: Path) -> RunData:
         summary = {}
     spans = stage_spans(train)
     return RunData(run_dir=run_dir, train=train, evals=evals, final_evals=by_kind.get("final_eval", []),
-                   perf=by_kind.get("perf", []), summary=summary,
+                   checkpoint_evals=read_checkpoint_evals(run_dir), perf=by_kind.get("perf", []), summary=summary,
                    events=sorted(read_events(run_dir, recs), key=lambda e: e.step),  # stable: same-step order kept
                    config_text=config_path.read_text(errors="replace") if config_path.exists() else None,
                    spans=spans, boundaries=stage_boundaries(spans, evals))

@@ -12,6 +12,7 @@ from densetrain.data.tokenizer import load_tokenizer
 from densetrain.evals.downstream import downstream_metrics
 from densetrain.evals.valloss import evaluate_val, val_table
 from densetrain.fileio import atomic_write_json
+from densetrain.metrics import finite_or_null
 from densetrain.model.init import build_model
 from densetrain.parallel import autocast_for, init_distributed
 from densetrain.schedule import resolve_stages, stage_at
@@ -32,12 +33,24 @@ def find_checkpoint(path: Path) -> Path:
     return ckpt
 
 
+def eval_path(checkpoint: Path) -> Path:
+    """Where the evaluation of ``checkpoint`` is written: ``RUN_DIR/evals/<checkpoint name>.json`` for a
+    checkpoint in ``RUN_DIR/checkpoints/`` (one file per checkpoint; evaluating it again replaces it),
+    else ``<checkpoint>/eval.json``."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.parent.name == "checkpoints":
+        return checkpoint.parent.parent / "evals" / f"{checkpoint.name}.json"
+    return checkpoint / "eval.json"
+
+
 def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0) -> dict:
     """Validation loss and bits per byte per source of checkpoint ``path`` (a ``step_XXXXXXXX``
     directory or a run directory, meaning its newest complete checkpoint), at the sequence length
     and RoPE base of the stage the checkpoint was saved in, plus downstream ``tasks`` (comma list or
-    group, ``task:k`` for k shots; first ``limit`` examples each, 0 = all). Writes
-    ``<checkpoint>/eval.json`` and returns the same dict. Tasks whose prompts were cut on the left to
+    group, ``task:k`` for k shots; first ``limit`` examples each, 0 = all). Writes the result to
+    :func:`eval_path` (``RUN_DIR/evals/step_XXXXXXXX.json``, which ``densetrain report`` shows and
+    checkpoint retention does not delete) and returns the same dict (non-finite numbers are ``null``
+    in the file). Tasks whose prompts were cut on the left to
     fit the stage's ``seq_len`` (their shots partly or wholly lost) get a one-line warning, printed
     to stderr and kept in the result's ``warnings`` list
     (:func:`densetrain.evals.downstream.truncation_warnings`).
@@ -67,5 +80,7 @@ def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0
     if info.is_main:
         for line in result["warnings"]:
             print(line, file=sys.stderr, flush=True)
-        atomic_write_json(path / "eval.json", result)
+        out = eval_path(path)
+        out.parent.mkdir(exist_ok=True)
+        atomic_write_json(out, finite_or_null(result))
     return result

@@ -60,6 +60,7 @@ class FaultInjector(Watcher):
         self.faults, self.rank = faults, rank
         self.repeat: dict[tuple, object] = {}  # duplicate_data: (source, length) -> the window repeated
         self.hook = None
+        self.sleep_due = 0.0  # slow_rank: seconds the next forward pass sleeps (set at each step's start)
         self.fired: set[int] = set()  # indices into faults of the one-time faults that happened
         self.grad_flips: list[FaultConfig] = []  # bitflips in gradients due in this step's on_grads
 
@@ -94,16 +95,22 @@ class FaultInjector(Watcher):
                     _die()
                 run.checkpointer.on_written = _die
         slow = [f for f in self._now(run, "slow_rank", from_step=True) if f.rank == self.rank]
+        # The sleep is due once per step, in the step's first forward pass (not split over micro-batches,
+        # whose count per rank depends on the world size; not in eval forwards).
+        self.sleep_due = sum(f.ms for f in slow) / 1000
         if slow and self.hook is None:
-            n_micro = max(1, len(range(0, run.stages[0].batch_size, run.stages[0].micro_batch_size)))
-            delay = sum(f.ms for f in slow) / 1000 / n_micro
-            self.hook = run.model.register_forward_pre_hook(lambda *_: time.sleep(delay))
+            self.hook = run.model.register_forward_pre_hook(self._sleep)
             self._fired(run, slow[0], f"rank {self.rank} sleeps {sum(f.ms for f in slow):g} ms per step from now on")
         for f in self._now(run, "bitflip"):
             if f.rank == self.rank and f.grad:
                 self.grad_flips.append(f)  # in on_grads, once the gradients exist
             elif f.rank == self.rank:
                 self._flip(run, f, _param(run.model, f.param))
+
+    def _sleep(self, *_) -> None:
+        if self.sleep_due:
+            time.sleep(self.sleep_due)
+            self.sleep_due = 0.0
 
     def on_batch(self, run, samples: list) -> list:
         for f in self._now(run, "duplicate_data", from_step=True):

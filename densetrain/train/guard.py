@@ -5,11 +5,24 @@ Rules (config ``[guard]``; the numbers are reduced over ranks, so every rank dec
 - A non-finite loss or gradient on any rank: skip the update (parameters and optimizer state,
   moments and step count included, are untouched). ``train.max_nonfinite_steps`` in a row: roll back
   (or stop with an error when ``guard.rollback = false`` or there is no checkpoint to go back to).
-- A loss spike: a robust z-score ``(loss - median) / (1.4826 * MAD)`` over the last ``guard.window``
-  accepted losses above ``guard.spike_zscore`` (and the loss above ``guard.min_ratio x median``).
-  One spike: skip. ``guard.patience`` spikes within ``guard.window`` steps: roll back to the newest
-  checkpoint at or before the first of them. Spikes and non-finite losses never enter the window.
-  (1.4826 makes the MAD a consistent estimate of the standard deviation of normal data.)
+- A loss spike: a z-score of the loss over the last ``guard.window`` accepted losses above
+  ``guard.spike_zscore`` (and the loss above ``guard.min_ratio`` x the window's centre). One spike:
+  skip. ``guard.patience`` spikes within ``guard.window`` steps: roll back to the newest checkpoint at
+  or before the first of them. Spikes and non-finite losses never enter the window.
+
+Two z-scores (``guard.zscore``), both one-sided (a sudden drop of the loss is never skipped):
+
+- ``robust`` (default): ``(loss - median) / (1.4826 * MAD)``, MAD the median absolute deviation;
+  1.4826 makes it a consistent estimate of the standard deviation of normal data (Rousseeuw & Croux
+  1993). The default because a few high but accepted losses in the window (a noisy source, the
+  start of a stage) inflate a standard deviation and hide the next spike, and barely move the median
+  and MAD (breakdown point 50%, against 0 for mean/std; Leys et al. 2013, "Detecting outliers: do
+  not use standard deviation around the mean, use absolute deviation around the median").
+- ``mean_std``: ``(loss - mean) / std`` with the sample standard deviation (n - 1), OLMo-core's
+  ``SkipStepOptimizer`` (``sigma_factor`` 6 over ``rolling_interval_length`` 128, the defaults here
+  too; it also skips losses that far below the mean). It flags more on a loss that alternates
+  between two levels: on 2.9/3.1 alternating, 3.7 has z 6.8 here and 4.7 robust, so it is a spike at
+  6 for OLMo-core and not for the default.
 
 The lr schedule is a function of the step counter, which counts skipped steps: a skipped step uses up
 its lr as if it had been applied (as OLMo-core and torchtitan do), so a run with skips ends at the
@@ -28,12 +41,17 @@ from densetrain.train.spikes import rank_partials, start_replay
 from densetrain.train.watchers import Verdict, Watcher
 
 
-def robust_z(loss: float, history) -> tuple[float, float, float]:
-    """(z, median, mad) of ``loss`` against ``history`` (at least one value)."""
+def loss_z(loss: float, history, method: str = "robust") -> tuple[float, float]:
+    """(z, centre) of ``loss`` against ``history`` (at least one value) by ``method`` (module docstring):
+    'robust': median-based z and the median; 'mean_std': mean / sample-std z (std 0 for one value) and the
+    mean."""
     h = np.asarray(history, dtype=np.float64)
-    med = float(np.median(h))
-    mad = float(np.median(np.abs(h - med)))
-    return (loss - med) / (1.4826 * mad + 1e-12), med, mad
+    if method == "robust":
+        centre = float(np.median(h))
+        spread = 1.4826 * float(np.median(np.abs(h - centre)))
+    else:
+        centre, spread = float(h.mean()), float(h.std(ddof=1)) if len(h) > 1 else 0.0
+    return (loss - centre) / (spread + 1e-12), centre
 
 
 class Guard(Watcher):
@@ -53,8 +71,8 @@ class Guard(Watcher):
     def _spike(self, loss: float) -> tuple[bool, float, float]:
         if self.cfg.spike_zscore <= 0 or len(self.history) < self.cfg.min_history:
             return False, 0.0, 0.0
-        z, med, _ = robust_z(loss, self.history)
-        return z > self.cfg.spike_zscore and loss > self.cfg.min_ratio * med, z, med
+        z, centre = loss_z(loss, self.history, self.cfg.zscore)
+        return z > self.cfg.spike_zscore and loss > self.cfg.min_ratio * centre, z, centre
 
     def on_grads(self, run, stats) -> None:
         self.local = (stats.loss_sum, stats.n_tokens)  # this rank's part, for the events (train/spikes.py)
@@ -112,7 +130,8 @@ class Guard(Watcher):
             return
         spike, z, med = self._spike(result.loss)
         self.spikes = [s for s in self.spikes if result.index - s < self.cfg.window] + [result.index]
-        run.log.event(result.index, f"loss spike {result.loss:.4f} (median {med:.4f}, z {z:.1f}): update skipped",
+        centre = "median" if self.cfg.zscore == "robust" else "mean"
+        run.log.event(result.index, f"loss spike {result.loss:.4f} ({centre} {med:.4f}, z {z:.1f}): update skipped",
                       kind="loss_spike", action="skip",
                       values={**vals, "z": z, "median": med, **run.batch_documents(result),
                               "ranks": rank_partials(run, self.local, result.grad_norm)})

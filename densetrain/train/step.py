@@ -38,12 +38,13 @@ class StepResult:
     """What one step computed, reduced over ranks (identical on every rank), before any verdict.
 
     Attributes:
-        index: the update's index (0-based; the step counter before it).
+        index: the step's index (0-based iteration; the step counter before it).
         loss: nats per target token over the whole global batch. grad_norm: L2 norm of the full
             gradient before clipping. lr: the learning rate the update would use.
         first_sample: global sample index of the batch's first sequence (provenance, resume checks).
-        data_s: seconds spent drawing and copying the batch; sync_s: clipping and reductions.
-        rollback_before: set by a watcher that returns ROLLBACK: the update index the trouble began at.
+        data_s: seconds spent drawing and copying the batch; sync_s: the step's collectives and the wait
+            in them (the token-count all-reduce before the forward, clipping and reductions after it).
+        rollback_before: set by a watcher that returns ROLLBACK: the step index the trouble began at.
     """
 
     index: int
@@ -113,6 +114,24 @@ def training_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.
         return token_losses(logits, targets)
 
 
+def row_loss_sums(losses: torch.Tensor) -> torch.Tensor:
+    """Per-row sums (B,) float64 of per-token losses (B, T) fp32, finite whenever every token's loss is.
+
+    A row of large but finite losses (~1e38 nats per token: a diverging run) overflows an fp32 sum to
+    inf, and the step would be skipped as non-finite. Rows whose fp32 sum is finite keep it (so a run's
+    logged losses stay bitwise those recorded in tests/golden/trajectory.json); an overflowed row is
+    summed again in float64, where only a non-finite token loss gives a non-finite sum. No host sync.
+    """
+    fp32 = losses.sum(dim=1).double()
+    return torch.where(torch.isfinite(fp32), fp32, losses.double().sum(dim=1))
+
+
+def local_nonfinite(stats: StepStats, grad_norm: float) -> int:
+    """1 if this rank's loss sum or the gradient norm is not finite (NaN or inf), else 0; summed over ranks
+    into :attr:`StepStats.nonfinite_ranks`, so every rank skips when one rank saw it."""
+    return int(not (math.isfinite(grad_norm) and math.isfinite(stats.loss_sum)))
+
+
 def forward_backward(
     model: torch.nn.Module,
     micro_batches: list[tuple[torch.Tensor, torch.Tensor, list[str]]],
@@ -160,7 +179,7 @@ def forward_backward(
             t1 = time.perf_counter()
             (objective * scale).backward()
             t_forward, t_backward = t_forward + t1 - t0, t_backward + time.perf_counter() - t1
-        row_losses.append(losses.detach().sum(dim=1).double())
+        row_losses.append(row_loss_sums(losses.detach()))
         row_tokens.append(mask.sum(dim=1))
         row_sources += sources
     stats = StepStats(forward_s=t_forward, backward_s=t_backward)
@@ -210,14 +229,16 @@ def compute_step(run, stage: Stage, lr: float) -> StepResult:
     for ev in sampler.events:
         run.log.event(run.state.step, ev, kind="epoch")
     sampler.events.clear()
-    for w in run.watchers:  # fault injection may alter the batch; the data probe looks at it
+    for w in run.watchers:  # fault injection may alter the batch (the data probe reads it in after_step)
         samples = w.on_batch(run, samples)
     eos_id = run.tokenizer.eos_id if stage.document_mask else None
     micro_batches = make_micro_batches(samples, stage.micro_batch_size, info.device, eos_id, stage.reset_positions)
     # Counted on the host copy: counting on the device would wait for the GPU once per micro-batch.
     n_local = sum(int((smp.tokens[1:] != IGNORE_INDEX).sum()) for smp in samples)
+    t1 = time.perf_counter()
+    data_s = t1 - t0  # not the all-reduce below: its wait for a slower rank is 'sync', not this rank's data
     n_global = int(all_reduce_sum(torch.tensor([n_local], device=info.device)).item())
-    data_s = time.perf_counter() - t0
+    count_s = time.perf_counter() - t1
 
     cfg = run.cfg
     stats = forward_backward(run.dp_model, micro_batches, n_global, info.dp_size, cfg.optim.z_loss, run.autocast)
@@ -225,8 +246,8 @@ def compute_step(run, stage: Stage, lr: float) -> StepResult:
     for w in run.watchers:  # fault injection (a NaN gradient on one rank, a loss spike)
         w.on_grads(run, stats)
     grad_norm = float(clip_grad_norm(run.model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")))
-    stats.nonfinite_ranks = int(not (math.isfinite(grad_norm) and math.isfinite(stats.loss_sum)))
+    stats.nonfinite_ranks = local_nonfinite(stats, grad_norm)
     stats = reduce_stats(stats, run.source_names, info.device)
     loss = stats.loss_sum / max(stats.n_tokens, 1)
     return StepResult(run.state.step, stage, lr, loss, grad_norm, stats, first_sample, data_s,
-                      time.perf_counter() - t0, samples)
+                      count_s + time.perf_counter() - t0, samples)

@@ -1,14 +1,25 @@
 """The throughput watchdog (the seed's post-mortem 7.2: MFU fell from 50% to 35% over weeks because
 two GPUs had degraded memory bandwidth) and the hang detector.
 
-Every ``watchdog.every`` steps each rank's mean phase times over the window (data wait, forward,
-backward (which under DDP includes waiting for the gradient all-reduce), sync (clipping and
-reductions), optimizer, checkpoint, eval) are gathered on every rank with one all-reduce. Each rank's
-step time is compared with its own baseline: the median of its first good windows. A rank is *slow*
-when its step time is ``watchdog.threshold`` above baseline for ``watchdog.sustain`` windows in a row;
-the phase named is the rank's phase that grew most **among the phases without collectives**
-(data, forward, optimizer): a slow device makes every rank's step slower, because the others wait
-for it in the all-reduce, but only its own local phases grew. MFU is reported beside it.
+Every ``watchdog.every`` steps each rank's mean phase times over the window (data: drawing and
+copying the batch; forward; backward, which under DDP includes waiting for the gradient all-reduce;
+sync: the step's collectives (the token-count all-reduce before the forward, clipping and the
+reductions after the backward) and the wait in them; optimizer; checkpoint; eval) are gathered on
+every rank with one all-reduce (each rank fills its own row, reduced with MAX: the batch-sum
+reduction would keep only tensor-parallel rank 0's rows). Two comparisons name a slow rank:
+
+- **with its own baseline** (the median of its first good windows): its step time is
+  ``watchdog.threshold`` above it for ``watchdog.sustain`` windows in a row, and one of its phases
+  without collectives (data, forward, optimizer) grew by more than ``threshold`` of the baseline step
+  time: a slow device makes every rank's step slower, because the others wait for it in the
+  all-reduce, but only its own local phases grew;
+- **with the other ranks** (so a rank slow from step 1, which has no faster baseline, is named too):
+  one of its local phases exceeds the median of the other ranks' by more than ``threshold`` of the
+  median step time, for ``sustain`` windows in a row.
+
+The phase named is the local phase that grew (or exceeds the others) most. MFU is reported beside it.
+Under tensor parallelism the forward holds the TP collectives, so there a slow rank's TP peers show
+the same forward time and only its data and optimizer phases tell it apart.
 
 The heartbeat thread: when no step completes for ``watchdog.hang_seconds``, every rank dumps its
 Python stacks with ``faulthandler`` to stderr and ``RUN_DIR/hang_rank<r>.txt`` (once per hang),
@@ -27,7 +38,7 @@ import torch
 
 from densetrain.config.recovery import WatchdogConfig
 from densetrain.metrics import flops_per_token
-from densetrain.parallel import all_reduce_sum
+from densetrain.parallel import all_reduce_max
 from densetrain.train.watchers import Verdict, Watcher
 
 PHASES = ("data", "forward", "backward", "sync", "optimizer", "checkpoint", "eval")
@@ -75,7 +86,8 @@ class Watchdog(Watcher):
         self.windows = 0  # windows seen since the last reset
         self.baseline: np.ndarray | None = None  # (world, phases + 1) mean seconds per step
         self.early: list[np.ndarray] = []
-        self.slow_streak = np.zeros(world_size, dtype=int)
+        self.slow_streak = np.zeros(world_size, dtype=int)  # windows in a row slower than the rank's baseline
+        self.peer_streak = np.zeros(world_size, dtype=int)  # windows in a row slower than the other ranks
         self.flagged: set[int] = set()
         self.marks: tuple[float, float] = (0.0, 0.0)
         self.stage_index = -1
@@ -113,55 +125,82 @@ class Watchdog(Watcher):
         self.n = self.windows = 0
         self.baseline, self.early = None, []
         self.slow_streak[:] = 0
+        self.peer_streak[:] = 0
 
     def _window(self, run, result) -> None:
-        table = torch.zeros(self.world, len(PHASES) + 1, dtype=torch.float64)
+        table = torch.zeros(self.world, len(PHASES) + 1, dtype=torch.float64, device=run.info.device)
         table[self.rank] = torch.from_numpy(self.acc / self.n)
-        table = all_reduce_sum(table).numpy()  # every rank's row, on every rank
+        table = all_reduce_max(table).cpu().numpy()  # every rank's row (times >= 0; zeros elsewhere), on every rank
         tokens_per_step = self.tokens / self.n
         self.acc[:] = 0
         self.n = self.tokens = 0
+        # A data-parallel rank's tokens, which its tensor-parallel ranks share; the FLOPs are split over all ranks.
+        rank_tokens = tokens_per_step / run.info.dp_size
         flops = flops_per_token(run.cfg.model, result.stage.seq_len) * tokens_per_step / self.world
         for r in range(self.world):  # one perf record per rank: the report plots tokens/s and mfu per rank
-            run.log.log(run.state.step, {"rank": r, "step_s": table[r, -1], "tokens_per_sec":
-                                         tokens_per_step / self.world / table[r, -1],
-                                         "mfu": flops / table[r, -1] / run.peak_flops,
+            step_s = table[r, -1]
+            run.log.log(run.state.step, {"rank": r, "step_s": step_s,
+                                         "tokens_per_sec": rank_tokens / step_s if step_s > 0 else None,
+                                         "mfu": flops / step_s / run.peak_flops if step_s > 0 else None,
                                          **{f"time/{p}_s": table[r, i] for i, p in enumerate(PHASES)}}, kind="perf")
         self.windows += 1
         if self.windows <= self.cfg.warmup:
             return
+        local = [PHASES.index(p) for p in (LOCAL if self.world > 1 else PHASES[:5])]
+        named = {**self._vs_peers(table, local), **self._vs_baseline(table, local)}
+        self.flagged &= {r for r in range(self.world) if self.slow_streak[r] or self.peer_streak[r]}
+        new = {r: named[r] for r in sorted(named) if r not in self.flagged}
+        if not new:
+            return
+        self.flagged |= set(new)
+        run.log.event(run.state.step, "throughput drop: " + "; ".join(text for _, text in new.values()),
+                      kind="throughput", action="report",
+                      values={"ranks": list(new), "phases": {str(r): phase for r, (phase, _) in new.items()},
+                              "step_s": table[:, -1].tolist(),
+                              "baseline_step_s": None if self.baseline is None else self.baseline[:, -1].tolist()})
+
+    def _vs_peers(self, table: np.ndarray, local: list[int]) -> dict[int, tuple[str, str]]:
+        """Ranks whose local phases exceed the other ranks' median by ``threshold`` of the median step time
+        for ``sustain`` windows: rank -> (phase, text)."""
+        if self.world < 2:
+            return {}
+        step, out = float(np.median(table[:, -1])), {}
+        for r in range(self.world):
+            peers = np.median(np.delete(table, r, axis=0), axis=0)
+            excess = table[r, local] - peers[local]
+            i = int(np.argmax(excess))
+            lagging = excess[i] > self.cfg.threshold * step
+            self.peer_streak[r] = self.peer_streak[r] + 1 if lagging else 0
+            if self.peer_streak[r] >= self.cfg.sustain:
+                p = local[i]
+                out[r] = (PHASES[p], f"rank {r} phase '{PHASES[p]}' {table[r, p] * 1e3:.0f} ms/step vs "
+                                     f"{peers[p] * 1e3:.0f} ms on the other ranks (median)")
+        return out
+
+    def _vs_baseline(self, table: np.ndarray, local: list[int]) -> dict[int, tuple[str, str]]:
+        """Ranks slower than their own baseline for ``sustain`` windows, with a local phase that grew (one
+        process: any phase): rank -> (phase, text). The first windows make the baseline."""
         if self.baseline is None:
             self.early.append(table)
             if len(self.early) >= 3:
                 self.baseline = np.median(np.stack(self.early), axis=0)
-            return
+            return {}
         base = self.baseline
         slow = table[:, -1] > base[:, -1] * (1 + self.cfg.threshold)
         self.slow_streak = np.where(slow, self.slow_streak + 1, 0)
         if not slow.any():
-            self.flagged.clear()
             self.baseline = 0.9 * base + 0.1 * table  # drift slowly with healthy windows
-            return
-        growth = table - base
-        # One process waits for nobody: any phase can be its own. Several: only the local phases tell.
-        local = [PHASES.index(p) for p in (LOCAL if self.world > 1 else PHASES[:5])]
-        culprits = [r for r in range(self.world) if self.slow_streak[r] >= self.cfg.sustain
-                    and growth[r, local].max() > self.cfg.threshold * base[r, -1]]
-        if self.world > 1 and not culprits:
-            return  # everyone slower, no rank's own phases grew: waiting on something shared
-        new = [r for r in (culprits or [0]) if r not in self.flagged]
-        if not new or (self.world == 1 and self.slow_streak[0] < self.cfg.sustain):
-            return
-        self.flagged |= set(new)
-        parts = []
-        for r in new:
-            phase = PHASES[max(local, key=lambda i: growth[r, i])]
-            parts.append(f"rank {r} {table[r, -1] * 1e3:.0f} ms/step vs {base[r, -1] * 1e3:.0f} ms baseline, "
-                         f"phase '{phase}' +{growth[r, PHASES.index(phase)] * 1e3:.0f} ms")
-        run.log.event(run.state.step, "throughput drop: " + "; ".join(parts), kind="throughput", action="report",
-                      values={"ranks": new, "phases": {str(r): PHASES[max(local, key=lambda i: growth[r, i])]
-                                                       for r in new},
-                              "step_s": table[:, -1].tolist(), "baseline_step_s": base[:, -1].tolist()})
+            return {}
+        growth, out = table - base, {}
+        for r in range(self.world):
+            # One process waits for nobody: any phase can be its own. Several: only the local phases tell.
+            if self.slow_streak[r] < self.cfg.sustain or (
+                    self.world > 1 and growth[r, local].max() <= self.cfg.threshold * base[r, -1]):
+                continue
+            p = max(local, key=lambda i: growth[r, i])
+            out[r] = (PHASES[p], f"rank {r} {table[r, -1] * 1e3:.0f} ms/step vs {base[r, -1] * 1e3:.0f} ms baseline, "
+                                 f"phase '{PHASES[p]}' +{growth[r, p] * 1e3:.0f} ms")
+        return out
 
     def close(self) -> None:
         if self.heartbeat is not None:

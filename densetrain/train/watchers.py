@@ -3,8 +3,8 @@
 A watcher is a small object with a few optional methods (no registry, no framework):
 
 - ``before_step(run)``: before the batch is drawn (e.g. fault injection, a heartbeat).
-- ``on_batch(run, samples) -> samples``: this rank's samples before they are batched (the data
-  probe reads them; fault injection may replace them).
+- ``on_batch(run, samples) -> samples``: this rank's samples before they are batched (fault injection
+  may replace them; the data probe reads them afterwards, as trained, from ``result.samples``).
 - ``on_grads(run, stats)``: gradients accumulated, not yet clipped or reduced (fault injection).
 - ``judge(run, result) -> Verdict``: look at a :class:`~densetrain.train.step.StepResult`, whose
   numbers are reduced over ranks, so every rank returns the same verdict without another collective.
