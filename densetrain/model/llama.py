@@ -392,8 +392,14 @@ class Transformer(nn.Module):
     # ---- forward -----------------------------------------------------------------------------------
 
     def forward(self, tokens: torch.Tensor, cache: "KVCache | None" = None, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, head=None):
         """tokens: (B, T) int64 -> logits (B, T, vocab_size).
+
+        With ``head``, a function ``head(project, h)`` of the output projection ``project`` (``h (n,
+        d_model) -> logits (n, vocab_size)``, logit multiplier included) and the final norm's output
+        ``h`` (B, T, d_model), the forward returns what ``head`` returns instead of the logits: the
+        chunked cross-entropy (:func:`densetrain.loss.chunked_head_losses`) never builds the whole
+        logits. It runs inside the forward, where FSDP2 has the head's parameters gathered.
 
         With ``cache``, ``tokens`` are the next T positions after those already in the cache
         (incremental decoding, see :class:`KVCache`); the cache is extended by T.
@@ -416,7 +422,14 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, cache, i, doc_mask)  # (B, T, d_model)
         if cache is not None:
             cache.length += T
-        logits = self.output(self.norm(h))  # (B, T, vocab_size)
+        if head is not None:
+            return head(self.project, self.norm(h))
+        return self.project(self.norm(h))  # (B, T, vocab_size)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """Output head: h (..., d_model), the final norm's output -> logits (..., vocab_size), times
+        the μP logit multiplier."""
+        logits = self.output(h)
         if self.logit_mult != 1.0:
             logits = logits * self.logit_mult
         return logits

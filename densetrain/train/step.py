@@ -6,6 +6,7 @@ loop's decision point (:mod:`densetrain.train.watchers`) decides whether the upd
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -14,9 +15,16 @@ import numpy as np
 import torch
 
 from densetrain.data.mixture import MixtureSampler, Sample
-from densetrain.loss import IGNORE_INDEX, token_losses, z_loss_sum
+from densetrain.loss import (
+    IGNORE_INDEX,
+    chunk_tokens_for,
+    chunked_head_losses,
+    token_losses,
+    z_loss_sum,
+    z_loss_sum_from_lse,
+)
 from densetrain.model.masks import document_ids
-from densetrain.parallel import all_reduce_sum, clip_grad_norm, grad_sync
+from densetrain.parallel import all_reduce_sum, clip_grad_norm, grad_sync, unwrap
 from densetrain.schedule import Stage
 
 
@@ -120,6 +128,7 @@ def forward_backward(
     grad_scale: int = 1,
     z_loss: float = 0.0,
     autocast: contextlib.AbstractContextManager | None = None,
+    loss_chunk_tokens: int | None = None,
 ) -> StepStats:
     """Accumulate gradients of one optimizer step over ``micro_batches``.
 
@@ -136,10 +145,15 @@ def forward_backward(
         n_tokens_global: number of targets != IGNORE_INDEX in the whole step (all ranks).
         grad_scale: the data-parallel degree (not the tensor-parallel one: TP ranks share a batch).
         z_loss: coefficient of ``log(Z)^2`` per token (PaLM, Chowdhery et al. 2022, sec. 5).
+        loss_chunk_tokens: tokens per chunk of the chunked cross-entropy
+            (:func:`densetrain.loss.chunked_head_losses`; 0: the whole logits at once); None picks
+            :func:`densetrain.loss.chunk_tokens_for` per micro-batch (chunked only where the logits
+            exceed ``LOGIT_CHUNK_ELEMENTS``).
     Returns:
         This rank's :class:`StepStats` (not reduced).
     """
     scale = grad_scale / max(n_tokens_global, 1)
+    vocab = unwrap(model).cfg.vocab_size
     n_micro = len(micro_batches)
     # Per-row sums stay on the device until the end of the step: one host sync per step, not per
     # micro-batch (each .tolist()/float() on a GPU tensor waits for the GPU).
@@ -148,13 +162,19 @@ def forward_backward(
     for i, (x, y, sources, *more) in enumerate(micro_batches):
         with grad_sync(model, enabled=i == n_micro - 1):  # reduce gradients after the last micro-batch only
             t0 = time.perf_counter()
-            with autocast or contextlib.nullcontext():
-                logits = model(x, **(more[0] if more else {}))
-            losses = training_token_losses(logits, y)
+            chunk = loss_chunk_tokens if loss_chunk_tokens is not None else chunk_tokens_for(vocab, y.numel())
             mask = y != IGNORE_INDEX
+            with autocast or contextlib.nullcontext():
+                if chunk:
+                    head = functools.partial(chunked_head_losses, targets=y, chunk_tokens=chunk)
+                    losses, lse = model(x, head=head, **(more[0] if more else {}))
+                else:
+                    logits = model(x, **(more[0] if more else {}))
+            if not chunk:
+                losses = training_token_losses(logits, y)
             objective = losses.sum()
             if z_loss > 0:
-                zl = z_loss_sum(logits, mask)
+                zl = z_loss_sum_from_lse(lse, mask) if chunk else z_loss_sum(logits, mask)
                 objective = objective + z_loss * zl
                 z_sums.append(zl.detach())
             t1 = time.perf_counter()
