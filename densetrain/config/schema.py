@@ -247,8 +247,8 @@ class EvalConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the processes of a job split the work: one torch.distributed DeviceMesh (dp_replicate, dp_shard, tp),
-    row-major, tp innermost (the fastest link). dp_replicate * dp_shard * tp = world size."""
+    """How the processes of a job split the work: one torch.distributed DeviceMesh (dp_replicate, dp_shard, cp, tp),
+    row-major, tp innermost (the fastest link). dp_replicate * dp_shard * cp * tp = world size."""
 
     dp_replicate: int = -1
     """Data-parallel replicas: DDP when dp_shard = tp = 1, else the replicate dimension of HSDP; -1 fills the world
@@ -260,7 +260,8 @@ class ParallelConfig:
     """Tensor-parallel degree (Megatron-style: q/k/v and gate/up column-wise, o/down row-wise); must divide
     model.n_kv_heads, model.d_ff and model.vocab_size; -1 fills."""
     cp: int = 1
-    """Context-parallel degree; only 1 is supported (an error names the layouts that fit otherwise)."""
+    """Context-parallel degree: each sequence split along time over this many ranks (two load-balanced chunks
+    each; K/V all-gathered in attention); must divide every stage's seq_len by 2 * cp; -1 fills."""
     activation_checkpointing: str = "none"
     """Recompute activations in the backward per block: 'none', 'full' (keep only each block's input) or 'selective'
     (keep matmul and attention outputs, recompute norms and pointwise ops)."""

@@ -25,6 +25,7 @@ from densetrain.loss import (
 )
 from densetrain.model.masks import document_ids
 from densetrain.parallel import all_reduce_sum, clip_grad_norm, grad_sync, unwrap
+from densetrain.parallel.context import chunk_index, shard_rows
 from densetrain.schedule import Stage
 
 
@@ -73,7 +74,7 @@ class StepResult:
 
 
 def make_micro_batches(samples: list[Sample], micro: int, device: torch.device, eos_id: int | None = None,
-                       reset_positions: bool = False):
+                       reset_positions: bool = False, cp: tuple[int, int, object] | None = None):
     """Group samples into (inputs (b, T), targets (b, T), sources, model inputs) micro-batches of
     ``micro`` rows on ``device``.
 
@@ -81,11 +82,19 @@ def make_micro_batches(samples: list[Sample], micro: int, device: torch.device, 
     the document of every input token from the EOS positions of the window, computed here on the
     host once per batch (:func:`densetrain.model.masks.document_ids`), and with ``reset_positions``
     also ``positions`` (b, T), RoPE positions restarting per document; otherwise they are empty.
+    With ``cp = (cp_rank, cp_size, cp_mesh)`` (context parallelism) each row keeps this rank's
+    ``T / cp_size`` tokens and the model inputs are ``positions`` and ``attend``
+    (:func:`densetrain.parallel.context.shard_rows`).
     """
     out = []
     for i in range(0, len(samples), micro):
         chunk = samples[i : i + micro]
         rows = np.stack([s.tokens for s in chunk])
+        if cp is not None:
+            doc, pos = document_ids(rows[:, :-1], eos_id) if eos_id is not None else (None, None)
+            x, y, inputs = shard_rows(rows, cp[0], cp[1], cp[2], device, doc, pos if reset_positions else None)
+            out.append((x, y, [s.source for s in chunk], inputs))
+            continue
         t = torch.from_numpy(rows).to(device, non_blocking=True)
         inputs = {}
         if eos_id is not None:
@@ -143,7 +152,8 @@ def forward_backward(
         micro_batches: list of (inputs (b, T) int64, targets (b, T) int64, source name per row[, dict of
             further model inputs: ``doc_ids``, ``positions``, see :func:`make_micro_batches`]).
         n_tokens_global: number of targets != IGNORE_INDEX in the whole step (all ranks).
-        grad_scale: the data-parallel degree (not the tensor-parallel one: TP ranks share a batch).
+        grad_scale: the ranks gradients are averaged over, ``dp_size * cp_size`` (not the tensor-parallel
+            degree: TP ranks share a batch).
         z_loss: coefficient of ``log(Z)^2`` per token (PaLM, Chowdhery et al. 2022, sec. 5).
         loss_chunk_tokens: tokens per chunk of the chunked cross-entropy
             (:func:`densetrain.loss.chunked_head_losses`; 0: the whole logits at once); None picks
@@ -233,14 +243,18 @@ def compute_step(run, stage: Stage, lr: float) -> StepResult:
     for w in run.watchers:  # fault injection may alter the batch; the data probe looks at it
         samples = w.on_batch(run, samples)
     eos_id = run.tokenizer.eos_id if stage.document_mask else None
-    micro_batches = make_micro_batches(samples, stage.micro_batch_size, info.device, eos_id, stage.reset_positions)
-    # Counted on the host copy: counting on the device would wait for the GPU once per micro-batch.
-    n_local = sum(int((smp.tokens[1:] != IGNORE_INDEX).sum()) for smp in samples)
+    cp = (info.cp_rank, info.cp_size, info.cp_mesh) if info.cp_size > 1 else None
+    micro_batches = make_micro_batches(samples, stage.micro_batch_size, info.device, eos_id, stage.reset_positions,
+                                       cp)
+    # Counted on the host copy: counting on the device would wait for the GPU once per micro-batch. Under
+    # context parallelism each rank counts its own tokens (the sum over ranks counts each target once).
+    mine = chunk_index(stage.seq_len, info.cp_rank, info.cp_size) if cp else slice(None)
+    n_local = sum(int((smp.tokens[1:][mine] != IGNORE_INDEX).sum()) for smp in samples)
     n_global = int(all_reduce_sum(torch.tensor([n_local], device=info.device)).item())
     data_s = time.perf_counter() - t0
 
     cfg = run.cfg
-    stats = forward_backward(run.dp_model, micro_batches, n_global, info.dp_size, cfg.optim.z_loss, run.autocast)
+    stats = forward_backward(run.dp_model, micro_batches, n_global, info.grad_scale, cfg.optim.z_loss, run.autocast)
     t0 = time.perf_counter()
     for w in run.watchers:  # fault injection (a NaN gradient on one rank, a loss spike)
         w.on_grads(run, stats)
