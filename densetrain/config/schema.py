@@ -262,6 +262,11 @@ class ParallelConfig:
     cp: int = 1
     """Context-parallel degree: each sequence split along time over this many ranks (two load-balanced chunks
     each; K/V all-gathered in attention); must divide every stage's seq_len by 2 * cp; -1 fills."""
+    sequence_parallel: bool = False
+    """Under tp > 1, run the norms and the residual stream between blocks on seq_len / tp tokens per rank (torch's
+    SequenceParallel; reduce-scatter + all-gather instead of all-reduce). Every forward's length must then be a
+    multiple of tp: every seq_len, and no evaluation that scores or generates texts of any length (eval.tasks,
+    eval.final_tasks, eval.samples); loss evaluations run."""
     activation_checkpointing: str = "none"
     """Recompute activations in the backward per block: 'none', 'full' (keep only each block's input) or 'selective'
     (keep matmul and attention outputs, recompute norms and pointwise ops)."""

@@ -176,9 +176,19 @@ def validate_parallel(cfg: Config) -> None:
             check_config(getattr(m, k) % p.tp == 0,
                          f"parallel.tp ({p.tp}) must divide model.{k} ({getattr(m, k)}): each tensor-parallel rank "
                          f"holds whole heads and equal slices")
+    seq_lens = {"train.seq_len": cfg.train.seq_len}
+    seq_lens.update({f"stages[{i}].seq_len": st.seq_len for i, st in enumerate(cfg.stages) if st.seq_len})
+    if p.tp > 1 and p.sequence_parallel:
+        e = cfg.eval
+        for k, v in (("eval.tasks", e.tasks), ("eval.final_tasks", e.final_tasks), ("eval.samples", e.samples)):
+            check_config(not v, f"parallel.sequence_parallel runs only forwards whose length is a multiple of "
+                                f"parallel.tp; {k} ({v!r}) scores or generates texts of any length: set it empty/0 "
+                                f"or turn sequence_parallel off")
+        for k, t in seq_lens.items():
+            n = p.tp * max(p.cp, 1)
+            check_config(t % n == 0, f"parallel.sequence_parallel needs {k} ({t}) divisible by parallel.tp * cp "
+                                     f"({n}): each rank holds seq_len / (cp * tp) tokens between blocks")
     if p.cp > 1:
-        seq_lens = {"train.seq_len": cfg.train.seq_len}
-        seq_lens.update({f"stages[{i}].seq_len": st.seq_len for i, st in enumerate(cfg.stages) if st.seq_len})
         for k, t in seq_lens.items():
             check_config(t % (2 * p.cp) == 0,
                          f"parallel.cp ({p.cp}) needs {k} ({t}) divisible by 2 * cp = {2 * p.cp}: each rank holds "
