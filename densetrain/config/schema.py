@@ -267,6 +267,9 @@ class ParallelConfig:
     SequenceParallel; reduce-scatter + all-gather instead of all-reduce). Every forward's length must then be a
     multiple of tp: every seq_len, and no evaluation that scores or generates texts of any length (eval.tasks,
     eval.final_tasks, eval.samples); loss evaluations run."""
+    loss_parallel: bool = True
+    """Under tp > 1, the training cross-entropy is vocabulary-parallel (torch's loss_parallel): each rank computes the
+    logits of its vocabulary slice and no rank gathers them; false gathers them (the column-wise head's output)."""
     activation_checkpointing: str = "none"
     """Recompute activations in the backward per block: 'none', 'full' (keep only each block's input) or 'selective'
     (keep matmul and attention outputs, recompute norms and pointwise ops)."""

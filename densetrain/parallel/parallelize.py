@@ -49,7 +49,7 @@ def build_parallel_model(cfg, info: DistInfo) -> tuple[Transformer, nn.Module]:
     with torch.device("meta"):
         model = Transformer(cfg.model)
     if layout.tp > 1:
-        apply_tensor_parallel(model, info.mesh["tp"], par.sequence_parallel)
+        apply_tensor_parallel(model, info.mesh["tp"], par.sequence_parallel, par.loss_parallel)
     apply_activation_checkpointing(model, par.activation_checkpointing)
     if par.compile_blocks or cfg.train.compile:
         compile_blocks(model)
@@ -61,7 +61,8 @@ def build_parallel_model(cfg, info: DistInfo) -> tuple[Transformer, nn.Module]:
     return model, model
 
 
-def apply_tensor_parallel(model: Transformer, tp_mesh, sequence_parallel: bool = False) -> None:
+def apply_tensor_parallel(model: Transformer, tp_mesh, sequence_parallel: bool = False,
+                          loss_parallel: bool = False) -> None:
     """Megatron-style tensor parallel (Shoeybi et al. 2019) on the 1-D ``tp_mesh``, in place.
 
     Plan: ``wq, wk, wv, w1, w3`` column-wise (each rank computes a slice of heads / of the hidden
@@ -81,6 +82,10 @@ def apply_tensor_parallel(model: Transformer, tp_mesh, sequence_parallel: bool =
     The final norm gathers its input first and runs replicated, so the output head and the
     cross-entropy (chunked or not) see whole rows as without sequence parallelism. Needs every
     sequence length divisible by ``tp``.
+
+    ``loss_parallel``: the training step's cross-entropy is vocabulary-parallel (no rank gathers the
+    logits; :mod:`densetrain.parallel.loss_parallel`); the model is marked with ``loss_parallel_mesh``,
+    which the step reads. Evaluation still gets gathered logits from the module.
 
     Tied embeddings: the embedding (row-wise) and the head (column-wise) both shard the (vocab,
     d_model) matrix on dim 0, so after both are distributed the head takes the embedding's parameter
@@ -104,6 +109,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh, sequence_parallel: bool =
     })
     if model.cfg.tie_embeddings:
         model.tie_weights()
+    model.loss_parallel_mesh = tp_mesh if loss_parallel else None
     if sp:  # gather the last block's output along time before the final norm (registered before _replicate's hook)
         parallelize_module(model.norm, tp_mesh, PrepareModuleInput(input_layouts=(Shard(1),),
                                                                    desired_input_layouts=(Replicate(),),

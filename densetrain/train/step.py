@@ -26,6 +26,7 @@ from densetrain.loss import (
 from densetrain.model.masks import document_ids
 from densetrain.parallel import all_reduce_sum, clip_grad_norm, grad_sync, unwrap
 from densetrain.parallel.context import chunk_index, shard_rows
+from densetrain.parallel.loss_parallel import loss_parallel_context, loss_parallel_mesh, vocab_parallel_head
 from densetrain.schedule import Stage
 
 
@@ -158,33 +159,38 @@ def forward_backward(
         loss_chunk_tokens: tokens per chunk of the chunked cross-entropy
             (:func:`densetrain.loss.chunked_head_losses`; 0: the whole logits at once); None picks
             :func:`densetrain.loss.chunk_tokens_for` per micro-batch (chunked only where the logits
-            exceed ``LOGIT_CHUNK_ELEMENTS``).
+            exceed ``LOGIT_CHUNK_ELEMENTS``; per rank's vocabulary slice under the vocabulary-parallel
+            cross-entropy of tensor parallelism, :mod:`densetrain.parallel.loss_parallel`).
     Returns:
         This rank's :class:`StepStats` (not reduced).
     """
     scale = grad_scale / max(n_tokens_global, 1)
-    vocab = unwrap(model).cfg.vocab_size
+    base = unwrap(model)
+    lp_mesh = loss_parallel_mesh(base)  # vocabulary-parallel cross-entropy under TP, or None
+    vocab = base.cfg.vocab_size // (lp_mesh.size() if lp_mesh is not None else 1)  # logits per token on a rank
     n_micro = len(micro_batches)
     # Per-row sums stay on the device until the end of the step: one host sync per step, not per
     # micro-batch (each .tolist()/float() on a GPU tensor waits for the GPU).
     row_losses, row_tokens, z_sums, row_sources = [], [], [], []
     t_forward = t_backward = 0.0
     for i, (x, y, sources, *more) in enumerate(micro_batches):
-        with grad_sync(model, enabled=i == n_micro - 1):  # reduce gradients after the last micro-batch only
+        # Gradients reduced after the last micro-batch only; torch's loss_parallel around forward and backward.
+        with grad_sync(model, enabled=i == n_micro - 1), loss_parallel_context(lp_mesh):
             t0 = time.perf_counter()
             chunk = loss_chunk_tokens if loss_chunk_tokens is not None else chunk_tokens_for(vocab, y.numel())
             mask = y != IGNORE_INDEX
+            head = (vocab_parallel_head(base, lp_mesh, y, chunk) if lp_mesh is not None else
+                    functools.partial(chunked_head_losses, targets=y, chunk_tokens=chunk) if chunk else None)
             with autocast or contextlib.nullcontext():
-                if chunk:
-                    head = functools.partial(chunked_head_losses, targets=y, chunk_tokens=chunk)
+                if head is not None:  # the model's forward returns (losses, log Z), never the whole logits
                     losses, lse = model(x, head=head, **(more[0] if more else {}))
                 else:
                     logits = model(x, **(more[0] if more else {}))
-            if not chunk:
+            if head is None:
                 losses = training_token_losses(logits, y)
             objective = losses.sum()
             if z_loss > 0:
-                zl = z_loss_sum_from_lse(lse, mask) if chunk else z_loss_sum(logits, mask)
+                zl = z_loss_sum_from_lse(lse, mask) if head is not None else z_loss_sum(logits, mask)
                 objective = objective + z_loss * zl
                 z_sums.append(zl.detach())
             t1 = time.perf_counter()

@@ -41,15 +41,16 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float, gpu_peak_flops: float = H
     """Which layouts of ``gpus`` GPUs of ``gpu_memory_gib`` GiB run every stage of ``cfg``, the suggested
     one, and step time and total days at ``mfu`` of ``gpu_peak_flops`` (FLOP/s per GPU).
 
-    A layout runs a stage when its data-parallel degree divides the stage's batch of sequences into whole
-    micro-batches and some activation-checkpointing mode fits the memory (the cheapest that fits is chosen:
-    none, then selective, then full). The cross-entropy is chunked where the trainer chunks it
-    (:func:`densetrain.loss.chunk_tokens_for`); ``sequence_parallel`` splits the norm regions of layouts
-    with ``tp > 1`` by ``tp`` (off: the trainer does not apply it yet). Suggested: the layout that runs
-    every stage with the smallest model-parallel degree ``tp * cp``, then the least recomputation, then the
-    smallest ``tp``, then the fewest shards (less communication). Per stage, ``best`` is the layout the same
-    rule picks for that stage alone. Time per step: ``flops_per_token(seq_len) * batch_tokens / (gpus * peak
-    * mfu)`` (the same for every layout).
+    A layout runs a stage when its data-parallel degree divides the stage's batch of sequences into whole micro-
+    batches and some activation-checkpointing mode fits the memory (the cheapest that fits is chosen: none, then
+    selective, then full). The cross-entropy is chunked where the trainer chunks it
+    (:func:`densetrain.loss.chunk_tokens_for`) and vocabulary-parallel under ``tp > 1`` (the trainer's
+    ``parallel.loss_parallel`` default); ``sequence_parallel`` (off, the trainer's default) splits the norm
+    regions of layouts with ``tp > 1`` by ``tp``. Suggested: the layout that runs every stage with the smallest
+    model-parallel degree ``tp * cp``, then the least recomputation, then the smallest ``cp`` (its K/V all-
+    gather grows with the sequence; Llama 3 used it only for the long stage), then the fewest shards (less
+    communication). Per stage, ``best`` is the layout the same rule picks for that stage alone. Time per step:
+    ``flops_per_token(seq_len) * batch_tokens / (gpus * peak * mfu)`` (the same for every layout).
 
     ``tokens`` replaces the run's length (the stages keep their fractions); ``params`` replaces the
     parameter count for the static memory and ``6 N D`` compute (the shape, for activations, stays

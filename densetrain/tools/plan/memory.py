@@ -21,7 +21,8 @@ AC_MODES = ("none", "selective", "full")
 
 
 def activation_bytes_per_token(m, tp: int = 1, ac: str = "none", act_bytes: int = 2, cp: int = 1,
-                               sequence_parallel: bool = False, chunked_loss: bool = False) -> dict:
+                               sequence_parallel: bool = False, chunked_loss: bool = False,
+                               loss_parallel: bool = False) -> dict:
     """Bytes held for the backward per token this rank computes, by part, for densetrain's Llama
     (:mod:`densetrain.model.llama`; eager PyTorch, SDPA without the (T, T) matrix, fp32 residual stream).
 
@@ -39,8 +40,9 @@ def activation_bytes_per_token(m, tp: int = 1, ac: str = "none", act_bytes: int 
     * ``'selective'``: the block input, the matmul, attention and all-gather outputs ``a (d + 2 kv + d
       + 2 f) / tp + 2 a d`` (wo and w2 outputs, replicated after their all-reduce, or ``/ tp``
       reduce-scattered under sequence parallelism), plus one block's recomputed rest;
-    * head (never checkpointed): final norm ``(4 + 2a) d``; the logits and cross-entropy's fp32
-      log-softmax ``(a + 4) V`` (gathered, so not divided by ``tp``), or with ``chunked_loss`` only the
+    * head (never checkpointed): final norm ``(4 + 2a) d`` (gathered before it under sequence
+      parallelism); the logits and cross-entropy's fp32 log-softmax ``(a + 4) V`` (gathered, so not
+      divided by ``tp``, unless ``loss_parallel``: ``V / tp``), or with ``chunked_loss`` only the
       per-token loss and ``log Z``, 8 bytes (the chunk's logits are in :func:`loss_chunk_bytes`).
 
     Returns:
@@ -64,15 +66,16 @@ def activation_bytes_per_token(m, tp: int = 1, ac: str = "none", act_bytes: int 
         gathered = 2 * a * kv * (cp - 1) if cp > 1 else 0  # all-gather outputs are saved, like matmul outputs
         kept = block_input + (a * (2 * d + 2 * kv + 2 * f) + gathered) / tp + 2 * a * d / sp
         per_block, blocks = kept, L * kept + (full_block - kept)
-    head = (4 + 2 * a) * d / sp + (8 if chunked_loss else (a + 4) * V)
+    head = (4 + 2 * a) * d + (8 if chunked_loss else (a + 4) * V / (tp if loss_parallel else 1))
     return {"per_block": per_block, "blocks": blocks, "head": head, "total": blocks + head}
 
 
-def loss_chunk_bytes(m, act_bytes: int = 2) -> float:
+def loss_chunk_bytes(m, act_bytes: int = 2, vocab_split: int = 1) -> float:
     """Bytes of the chunked cross-entropy's one live chunk (:data:`densetrain.loss.LOGIT_CHUNK_ELEMENTS`
-    logits): the projection's output (``a``), its fp32 copy and the fp32 gradient of the logits."""
-    tokens = max(1, LOGIT_CHUNK_ELEMENTS // m.vocab_size)
-    return tokens * m.vocab_size * (act_bytes + 8)
+    logits of the ``vocab_size / vocab_split`` this rank computes): the projection's output (``a``), its
+    fp32 copy and the fp32 gradient of the logits."""
+    vocab = m.vocab_size // vocab_split
+    return max(1, LOGIT_CHUNK_ELEMENTS // vocab) * vocab * (act_bytes + 8)
 
 
 def model_counts(m) -> dict:
@@ -92,7 +95,8 @@ def model_counts(m) -> dict:
 
 
 def layout_memory(counts: dict, m, seq_len: int, micro: int, layout, ac: str, mixed_precision: bool = True,
-                  sequence_parallel: bool = False, chunked_loss: bool | None = None) -> dict:
+                  sequence_parallel: bool = False, chunked_loss: bool | None = None,
+                  loss_parallel: bool = True) -> dict:
     """Estimated bytes per GPU of one layout at one stage.
 
     * parameters fp32, gradients fp32, AdamW's two fp32 moments: ``4 + 4 + 8`` bytes per parameter this
@@ -105,7 +109,8 @@ def layout_memory(counts: dict, m, seq_len: int, micro: int, layout, ac: str, mi
       cross-entropy's live chunk (:func:`loss_chunk_bytes`).
 
     ``chunked_loss`` None: chunked where the trainer chunks (:func:`densetrain.loss.chunk_tokens_for` of
-    the micro-batch's local tokens).
+    the micro-batch's local tokens and the vocabulary slice of a rank). ``loss_parallel`` (the trainer's
+    default under ``tp > 1``): each rank holds logits of ``vocab_size / tp`` ids only.
 
     Returns:
         bytes: ``{"params", "grads", "optim", "transient", "activations", "total"}`` and ``chunked_loss``.
@@ -119,11 +124,13 @@ def layout_memory(counts: dict, m, seq_len: int, micro: int, layout, ac: str, mi
         transient = (2 * gathered + 4) * counts["block"] / tp + gathered * counts["root"] / tp
     a = 2 if mixed_precision else 4
     tokens = micro * seq_len / cp
+    split = tp if loss_parallel else 1
     if chunked_loss is None:
-        chunked_loss = chunk_tokens_for(m.vocab_size, int(tokens)) > 0
-    act = activation_bytes_per_token(m, tp, ac, a, cp, sequence_parallel, chunked_loss)["total"] * tokens
+        chunked_loss = chunk_tokens_for(m.vocab_size // split, int(tokens)) > 0
+    act = activation_bytes_per_token(m, tp, ac, a, cp, sequence_parallel, chunked_loss,
+                                     loss_parallel)["total"] * tokens
     if chunked_loss:
-        act += loss_chunk_bytes(m, a)
+        act += loss_chunk_bytes(m, a, split)
     out = {"params": 4 * held, "grads": 4 * held, "optim": 8 * held, "transient": transient, "activations": act}
     out["total"] = sum(out.values())
     out["chunked_loss"] = chunked_loss
