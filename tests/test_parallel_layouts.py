@@ -2,7 +2,8 @@
 process per rank started with env:// rendezvous, each rank comparing itself with a plain reference
 model it trains alongside (no collectives in the reference).
 
-Per layout (DDP, FSDP2, TP 2, FSDP2 x TP 2 x 2, HSDP 2 x 2) and 5 AdamW steps of the real
+Per layout (DDP, FSDP2, TP 2 with the vocabulary-parallel cross-entropy (the default) or with sequence
+parallelism and gathered logits, FSDP2 x TP 2 x 2 with and without sequence parallelism) and 5 AdamW steps of the real
 ``forward_backward`` / ``clip_grad_norm`` of :mod:`densetrain.train.step`: the loss (reduced over ranks),
 the grad norm (on every rank) and every full parameter equal the reference's within 1e-5, with data-
 parallel ranks holding different numbers of valid targets (IGNORE_INDEX masks of different sizes);
@@ -58,6 +59,7 @@ def scenario(tied, max_norm):
         ("model.vocab_size", 64), ("model.d_model", 32), ("model.n_layers", 2), ("model.n_heads", 4),
         ("model.n_kv_heads", 2), ("model.d_ff", 64), ("model.tie_embeddings", tied), ("train.seed", 3),
         ("train.device", "cpu"), ("train.dtype", "fp32"), ("optim.weight_decay", 0.1),
+        ("eval.tasks", ""), ("eval.final_tasks", ""), ("eval.samples", 0),  # what sequence parallelism needs
         *[(f"parallel.{k}", v) for k, v in layout.items()]])
     info = init_distributed("cpu", cfg.parallel)
     model, step_model = build_parallel_model(cfg, info)
@@ -123,7 +125,9 @@ LAYOUTS = {
     "ddp": (2, {}),
     "fsdp2": (2, {"dp_replicate": 1, "dp_shard": 2}),
     "tp2": (2, {"dp_replicate": 1, "tp": 2}),
+    "tp2_sp_gathered_ce": (2, {"dp_replicate": 1, "tp": 2, "sequence_parallel": True, "loss_parallel": False}),
     "fsdp2xtp2": (4, {"dp_replicate": 1, "dp_shard": 2, "tp": 2}),
+    "fsdp2xtp2_sp": (4, {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "sequence_parallel": True}),
 }
 
 

@@ -254,8 +254,8 @@ class EvalConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the processes of a job split the work: one torch.distributed DeviceMesh (dp_replicate, dp_shard, tp),
-    row-major, tp innermost (the fastest link). dp_replicate * dp_shard * tp = world size."""
+    """How the processes of a job split the work: one torch.distributed DeviceMesh (dp_replicate, dp_shard, cp, tp),
+    row-major, tp innermost (the fastest link). dp_replicate * dp_shard * cp * tp = world size."""
 
     dp_replicate: int = -1
     """Data-parallel replicas: DDP when dp_shard = tp = 1, else the replicate dimension of HSDP; -1 fills the world
@@ -267,7 +267,16 @@ class ParallelConfig:
     """Tensor-parallel degree (Megatron-style: q/k/v and gate/up column-wise, o/down row-wise); must divide
     model.n_kv_heads, model.d_ff and model.vocab_size; -1 fills."""
     cp: int = 1
-    """Context-parallel degree; only 1 is supported (an error names the layouts that fit otherwise)."""
+    """Context-parallel degree: each sequence split along time over this many ranks (two load-balanced chunks
+    each; K/V all-gathered in attention); must divide every stage's seq_len by 2 * cp; -1 fills."""
+    sequence_parallel: bool = False
+    """Under tp > 1, run the norms and the residual stream between blocks on seq_len / tp tokens per rank (torch's
+    SequenceParallel; reduce-scatter + all-gather instead of all-reduce). Every forward's length must then be a
+    multiple of tp: every seq_len, and no evaluation that scores or generates texts of any length (eval.tasks,
+    eval.final_tasks, eval.samples); loss evaluations run."""
+    loss_parallel: bool = True
+    """Under tp > 1, the training cross-entropy is vocabulary-parallel (torch's loss_parallel): each rank computes the
+    logits of its vocabulary slice and no rank gathers them; false gathers them (the column-wise head's output)."""
     activation_checkpointing: str = "none"
     """Recompute activations in the backward per block: 'none', 'full' (keep only each block's input) or 'selective'
     (keep matmul and attention outputs, recompute norms and pointwise ops)."""

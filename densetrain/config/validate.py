@@ -7,7 +7,7 @@ import difflib
 from densetrain.config.filters import validate_filters
 from densetrain.config.recovery import validate_recovery
 from densetrain.config.schema import Config
-from densetrain.errors import ConfigError, check_config
+from densetrain.errors import check_config
 from densetrain.registry.filters import resolve_filter_names
 from densetrain.registry.gen_tasks import GEN_TASKS
 from densetrain.registry.tasks import GROUPS, TASKS
@@ -163,13 +163,14 @@ def validate(cfg: Config) -> None:
 def validate_parallel(cfg: Config) -> None:
     """The ``parallel`` section on its own (the world size is checked at launch, where it is known):
     degrees >= 1 or -1 (fill, at most one), tensor parallel dividing the head counts, d_ff and the
-    vocabulary (each rank holds whole heads and equal slices), no context parallelism."""
+    vocabulary (each rank holds whole heads and equal slices), context parallel dividing every stage's
+    seq_len into ``2 cp`` equal chunks (the load-balanced split)."""
     p, m = cfg.parallel, cfg.model
-    degrees = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "tp": p.tp}
+    degrees = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp}
     for k, v in degrees.items():
         check_config(v >= 1 or v == -1, f"parallel.{k} must be >= 1 or -1 (fill the world size), got {v}")
     check_config(sum(v == -1 for v in degrees.values()) <= 1,
-                 f"parallel: at most one of dp_replicate, dp_shard, tp may be -1, got {degrees}")
+                 f"parallel: at most one of dp_replicate, dp_shard, cp, tp may be -1, got {degrees}")
     check_config(p.activation_checkpointing in ("none", "full", "selective"),
                  f"parallel.activation_checkpointing must be none, full or selective, "
                  f"got '{p.activation_checkpointing}'")
@@ -178,12 +179,23 @@ def validate_parallel(cfg: Config) -> None:
             check_config(getattr(m, k) % p.tp == 0,
                          f"parallel.tp ({p.tp}) must divide model.{k} ({getattr(m, k)}): each tensor-parallel rank "
                          f"holds whole heads and equal slices")
-    if p.cp != 1:
-        tps = [t for t in (2, 4, 8) if m.n_kv_heads % t == 0 and m.d_ff % t == 0 and m.vocab_size % t == 0]
-        raise ConfigError(f"parallel.cp = {p.cp}: context parallelism is not supported; split long sequences' work "
-                          f"with tensor parallelism instead (parallel.tp in {tps or [1]} fits this model) and "
-                          f"fewer data-parallel ranks (dp_replicate * dp_shard must divide every stage's batch of "
-                          f"sequences); `densetrain plan` lists the layouts that fit")
+    seq_lens = {"train.seq_len": cfg.train.seq_len}
+    seq_lens.update({f"stages[{i}].seq_len": st.seq_len for i, st in enumerate(cfg.stages) if st.seq_len})
+    if p.tp > 1 and p.sequence_parallel:
+        e = cfg.eval
+        for k, v in (("eval.tasks", e.tasks), ("eval.final_tasks", e.final_tasks), ("eval.samples", e.samples)):
+            check_config(not v, f"parallel.sequence_parallel runs only forwards whose length is a multiple of "
+                                f"parallel.tp; {k} ({v!r}) scores or generates texts of any length: set it empty/0 "
+                                f"or turn sequence_parallel off")
+        for k, t in seq_lens.items():
+            n = p.tp * max(p.cp, 1)
+            check_config(t % n == 0, f"parallel.sequence_parallel needs {k} ({t}) divisible by parallel.tp * cp "
+                                     f"({n}): each rank holds seq_len / (cp * tp) tokens between blocks")
+    if p.cp > 1:
+        for k, t in seq_lens.items():
+            check_config(t % (2 * p.cp) == 0,
+                         f"parallel.cp ({p.cp}) needs {k} ({t}) divisible by 2 * cp = {2 * p.cp}: each rank holds "
+                         f"two of 2 * cp equal chunks of every sequence")
 
 
 ROPE_SCALING_TYPES = ("none", "linear", "llama3", "yarn")

@@ -153,6 +153,9 @@ class Attention(nn.Module):
     cos/sin may be (B, 1, T, head_dim) (positions restarting per document).
     With ``cache`` (a :class:`KVCache`), ``x`` holds only the new positions, their keys/values are
     appended to layer ``layer`` of the cache, and cos/sin are (B, 1, T, head_dim).
+    With ``attend``, a function ``attend(q, k, v, attn_scale) -> (B, n_heads, T, head_dim)`` of the rotated
+    queries (B, n_heads, T, head_dim) and the unrepeated keys/values (B, n_kv_heads, T, head_dim), the
+    attention itself is that function's (context parallelism: :mod:`densetrain.parallel.context`).
     Raises: ValueError on indivisible head counts.
     """
 
@@ -171,14 +174,17 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: "KVCache | None" = None, layer: int = 0, doc_mask: DocumentMask | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: "KVCache | None" = None,
+                layer: int = 0, doc_mask: DocumentMask | None = None, attend=None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
         q = apply_rope(q, cos, sin)  # (B, n_heads, T, head_dim)
         k = apply_rope(k, cos, sin)  # (B, n_kv_heads, T, head_dim)
+        if attend is not None:  # e.g. context parallelism: the keys of other ranks' tokens, its own mask
+            y = attend(q, k, v, self.attn_scale)  # (B, n_heads, T, head_dim); k, v unrepeated (GQA in the kernel)
+            return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, d_model)
         mask = None
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, n_kv_heads, S, head_dim): every position so far
@@ -229,9 +235,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.feed_forward = MLP(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: "KVCache | None" = None, layer: int = 0, doc_mask: DocumentMask | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, doc_mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: "KVCache | None" = None,
+                layer: int = 0, doc_mask: DocumentMask | None = None, attend=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, doc_mask, attend)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -398,8 +404,19 @@ class Transformer(nn.Module):
     # ---- forward -----------------------------------------------------------------------------------
 
     def forward(self, tokens: torch.Tensor, cache: "KVCache | None" = None, doc_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, head=None, attend=None):
         """tokens: (B, T) int64 -> logits (B, T, vocab_size).
+
+        With ``head``, a function ``head(project, h)`` of the output projection ``project`` (``h (n,
+        d_model) -> logits (n, vocab_size)``, logit multiplier included) and the final norm's output
+        ``h`` (B, T, d_model), the forward returns what ``head`` returns instead of the logits: the
+        chunked cross-entropy (:func:`densetrain.loss.chunked_head_losses`) never builds the whole
+        logits. It runs inside the forward, where FSDP2 has the head's parameters gathered.
+
+        With ``attend`` (context parallelism, :class:`densetrain.parallel.context.ContextParallelAttention`)
+        every layer's attention is that function's; ``tokens`` are this rank's part of longer sequences,
+        ``positions`` (B, T) their RoPE positions, each < ``attend.seq_len``, and ``doc_ids`` is not used
+        (``attend`` holds the document mask).
 
         With ``cache``, ``tokens`` are the next T positions after those already in the cache
         (incremental decoding, see :class:`KVCache`); the cache is extended by T.
@@ -408,9 +425,9 @@ class Transformer(nn.Module):
         each < T, are the RoPE positions (restarting per document) instead of 0 .. T-1.
         """
         _, T = tokens.shape
-        doc_mask = None if doc_ids is None else DocumentMask.build(doc_ids)
+        doc_mask = None if doc_ids is None or attend is not None else DocumentMask.build(doc_ids)
         if cache is None:
-            cos, sin = self.rope_cache(T)  # (T, head_dim) each, float32
+            cos, sin = self.rope_cache(T if attend is None else attend.seq_len)  # (T, head_dim) each, float32
             if positions is not None:
                 cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, head_dim) each
         else:
@@ -419,10 +436,17 @@ class Transformer(nn.Module):
             cos, sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)  # (B, 1, T, head_dim) each
         h = self.tok_embeddings(tokens)  # (B, T, d_model)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, cache, i, doc_mask)  # (B, T, d_model)
+            h = layer(h, cos, sin, cache, i, doc_mask, attend)  # (B, T, d_model)
         if cache is not None:
             cache.length += T
-        logits = self.output(self.norm(h))  # (B, T, vocab_size)
+        if head is not None:
+            return head(self.project, self.norm(h))
+        return self.project(self.norm(h))  # (B, T, vocab_size)
+
+    def project(self, h: torch.Tensor) -> torch.Tensor:
+        """Output head: h (..., d_model), the final norm's output -> logits (..., vocab_size), times
+        the μP logit multiplier."""
+        logits = self.output(h)
         if self.logit_mult != 1.0:
             logits = logits * self.logit_mult
         return logits

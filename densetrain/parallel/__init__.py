@@ -1,6 +1,7 @@
 """The parallel layer: process group and device mesh, device, data-parallel rank/size, parallelising a
-model (DDP, FSDP2, tensor parallel, activation checkpointing, per-block compile), gradient sync, grad
-norm and clipping, even splits of evaluation work, precision.
+model (DDP, FSDP2, tensor parallel, activation checkpointing, per-block compile), context parallelism
+(sequences split along time, :mod:`~densetrain.parallel.context`), gradient sync, grad norm and
+clipping, even splits of evaluation work, precision.
 
 The model code knows nothing of parallelism; this package applies it afterwards (torchtitan's split),
 and the training loop and the evals ask it, never testing for DDP themselves. Under ``torchrun``
@@ -9,7 +10,8 @@ CPUs); a plain ``python`` run is world size 1 with no process group, through the
 
 Vocabulary: the *global* rank/size count every process; the *data-parallel* rank/size count the
 groups of processes that see different data (``dp_replicate * dp_shard``); the tensor-parallel ranks
-of one data-parallel rank see the same batch. See docs/distributed.md.
+of one data-parallel rank see the same batch, its context-parallel ranks different parts of the same
+sequences. See docs/distributed.md.
 """
 
 from densetrain.parallel.dist import (

@@ -22,8 +22,10 @@ class DistInfo:
         dp_rank, dp_size: data-parallel rank and degree (``dp_replicate * dp_shard``): the processes that
             see different data. Tensor-parallel ranks of one data-parallel rank share its batch.
         tp_rank, tp_size: coordinate and degree along the tensor-parallel dimension.
+        cp_rank, cp_size: coordinate and degree along the context-parallel dimension: the ranks of one
+            data-parallel rank that hold different parts of the same sequences (:mod:`densetrain.parallel.context`).
         layout: the resolved :class:`~densetrain.parallel.mesh.Layout` (degrees whose product is the world).
-        mesh: the ``DeviceMesh`` (dims ``dp_replicate, dp_shard, tp``), None in a single process.
+        mesh: the ``DeviceMesh`` (dims ``dp_replicate, dp_shard, cp, tp``), None in a single process.
     """
 
     rank: int
@@ -36,10 +38,23 @@ class DistInfo:
     tp_size: int = 1
     layout: Layout = Layout(1, 1, 1)
     mesh: object = None
+    cp_rank: int = 0
+    cp_size: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def grad_scale(self) -> int:
+        """Ranks the data-parallel gradient reduction averages over (``dp_size * cp_size``): the step
+        multiplies its objective by this to turn their mean back into the global sum."""
+        return self.dp_size * self.cp_size
+
+    @property
+    def cp_mesh(self):
+        """The 1-D context-parallel ``DeviceMesh`` (None when ``cp_size`` is 1)."""
+        return self.mesh["cp"] if self.cp_size > 1 else None
 
 
 # The layout of this process, set once by init_distributed: the reductions below and dp_rank_size need
@@ -67,7 +82,7 @@ def init_distributed(device: str = "auto", parallel=None) -> DistInfo:
     if parallel is None:
         layout = resolve_layout(-1, 1, 1, world)
     else:
-        layout = resolve_layout(parallel.dp_replicate, parallel.dp_shard, parallel.tp, world)
+        layout = resolve_layout(parallel.dp_replicate, parallel.dp_shard, parallel.tp, world, parallel.cp)
     if device == "cuda":
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
@@ -78,11 +93,12 @@ def init_distributed(device: str = "auto", parallel=None) -> DistInfo:
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
         mesh = build_mesh(layout, dev.type)
-    # Row-major mesh with tp innermost: rank = dp_rank * tp + tp_rank (init_device_mesh's arange layout).
-    tp_rank, dp_rank = rank % layout.tp, rank // layout.tp
+    # Row-major mesh with tp innermost, then cp: rank = (dp_rank * cp + cp_rank) * tp + tp_rank
+    # (init_device_mesh's arange layout).
+    tp_rank, cp_rank, dp_rank = rank % layout.tp, (rank // layout.tp) % layout.cp, rank // (layout.tp * layout.cp)
     _CURRENT.update(tp_rank=tp_rank, tp_size=layout.tp)
     return DistInfo(rank, world, local_rank, dev, dp_rank=dp_rank, dp_size=layout.dp_size, tp_rank=tp_rank,
-                    tp_size=layout.tp, layout=layout, mesh=mesh)
+                    tp_size=layout.tp, layout=layout, mesh=mesh, cp_rank=cp_rank, cp_size=layout.cp)
 
 
 def dp_rank_size() -> tuple[int, int]:
@@ -90,6 +106,8 @@ def dp_rank_size() -> tuple[int, int]:
 
     Tensor-parallel ranks of one data-parallel rank get the same answer, so they take the same share of
     evaluation work and run the same forward calls (each forward is a collective among them).
+    Context-parallel ranks count as data-parallel ranks here: evaluation runs whole sequences on each
+    (the model's own attention), so they take different shares.
     """
     if dist.is_available() and dist.is_initialized():
         tp = _CURRENT["tp_size"]

@@ -1,10 +1,11 @@
-"""The parallel layout: degrees ``dp_replicate x dp_shard x tp`` resolved against the world size, and
-the one ``DeviceMesh`` built from them.
+"""The parallel layout: degrees ``dp_replicate x dp_shard x cp x tp`` resolved against the world size,
+and the one ``DeviceMesh`` built from them.
 
 The mesh is row-major with ``tp`` innermost, so the ranks of one tensor-parallel group are
-consecutive (on one node, over the fastest link: NVLink), then the FSDP shard group, then replicas
-(HSDP's all-reduce crosses nodes the least often). Global rank ``r`` sits at
-``(r // (dp_shard * tp), (r // tp) % dp_shard, r % tp)``.
+consecutive (on one node, over the fastest link: NVLink), then the context-parallel group (its K/V
+all-gather is the next heaviest traffic), then the FSDP shard group, then replicas (HSDP's all-reduce
+crosses nodes the least often). Global rank ``r`` sits at
+``(r // (dp_shard * cp * tp), (r // (cp * tp)) % dp_shard, (r // tp) % cp, r % tp)``.
 """
 
 from __future__ import annotations
@@ -14,16 +15,18 @@ from typing import Callable, Iterator
 
 from densetrain.errors import ConfigError
 
-DIMS = ("dp_replicate", "dp_shard", "tp")
+DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Resolved degrees (each >= 1); their product is the world size."""
+    """Resolved degrees (each >= 1); their product is the world size. ``cp`` (context parallel) is last
+    so that three-degree layouts ``Layout(dp_replicate, dp_shard, tp)`` keep meaning what they did."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
+    cp: int = 1
 
     @property
     def dp_size(self) -> int:
@@ -32,16 +35,18 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def uses_fsdp(self) -> bool:
         """FSDP2 (``fully_shard``) applies: parameters are sharded, or tensor parallel needs its DTensor
-        parameters reduced over data-parallel ranks (DDP does not take DTensors)."""
-        return self.dp_shard > 1 or (self.tp > 1 and self.dp_size > 1)
+        parameters reduced over data-parallel ranks (DDP does not take DTensors), or context-parallel
+        ranks (which see different tokens of the same rows) need their gradients summed."""
+        return self.dp_shard > 1 or self.cp > 1 or (self.tp > 1 and self.dp_size > 1)
 
     def __str__(self) -> str:
-        return f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} tp={self.tp}"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}{cp} tp={self.tp}"
 
 
 def divisor_layouts(world: int, max_tp: int = 8) -> list[Layout]:
@@ -55,18 +60,18 @@ def divisor_layouts(world: int, max_tp: int = 8) -> list[Layout]:
     return out
 
 
-def resolve_layout(dp_replicate: int, dp_shard: int, tp: int, world: int) -> Layout:
+def resolve_layout(dp_replicate: int, dp_shard: int, tp: int, world: int, cp: int = 1) -> Layout:
     """Fill the one ``-1`` degree (if any) and check that the product is ``world``.
 
     Raises:
         ConfigError: more than one -1, a degree that does not divide, or a product other than ``world``;
             the message names layouts that fit.
     """
-    given = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+    given = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "cp": cp}
     fill = [k for k, v in given.items() if v == -1]
     fits = ", ".join(f"({lay})" for lay in divisor_layouts(world))
     if len(fill) > 1:
-        raise ConfigError(f"parallel: at most one of dp_replicate, dp_shard, tp may be -1, got {given}")
+        raise ConfigError(f"parallel: at most one of dp_replicate, dp_shard, cp, tp may be -1, got {given}")
     known = 1
     for k, v in given.items():
         if k not in fill:
@@ -78,8 +83,9 @@ def resolve_layout(dp_replicate: int, dp_shard: int, tp: int, world: int) -> Lay
         given[fill[0]] = world // known
     layout = Layout(**given)
     if layout.world != world:
-        raise ConfigError(f"parallel: dp_replicate * dp_shard * tp = {layout.dp_replicate} * {layout.dp_shard} * "
-                          f"{layout.tp} = {layout.world}, but the world size is {world}; layouts that fit: {fits}")
+        raise ConfigError(f"parallel: dp_replicate * dp_shard * cp * tp = {layout.dp_replicate} * {layout.dp_shard} * "
+                          f"{layout.cp} * {layout.tp} = {layout.world}, but the world size is {world}; layouts that "
+                          f"fit: {fits}")
     return layout
 
 
@@ -148,16 +154,25 @@ def keep_intent(dp_replicate: int, dp_shard: int, tp: int, world: int, runs: Cal
 
 
 def build_mesh(layout: Layout, device_type: str):
-    """The job's ``DeviceMesh`` with dims ``("dp_replicate", "dp_shard", "tp")`` (size-1 dims included,
-    so every rank can name every dim); the process group must exist."""
+    """The job's ``DeviceMesh`` with dims ``("dp_replicate", "dp_shard", "cp", "tp")`` (size-1 dims
+    included, so every rank can name every dim), plus the flattened ``dp_shard_cp`` dim FSDP2 shards
+    over when ``cp > 1``; the process group must exist."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (layout.dp_replicate, layout.dp_shard, layout.tp), mesh_dim_names=DIMS)
+    mesh = init_device_mesh(device_type, (layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp),
+                            mesh_dim_names=DIMS)
+    if layout.cp > 1:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # torchtitan's way: FSDP2 over shards x cp ranks
+    return mesh
 
 
 def dp_mesh(mesh, layout: Layout):
     """The sub-mesh FSDP2 reduces gradients over: 2-D ``(dp_replicate, dp_shard)`` for HSDP (replicate
-    across, shard within), else the 1-D shard dim (or the replicate dim when only it is > 1)."""
-    if layout.dp_replicate > 1 and layout.dp_shard > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_replicate"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+    across, shard within), else the 1-D shard dim (or the replicate dim when only it is > 1). With
+    context parallelism the shard dim is ``dp_shard_cp`` (``dp_shard * cp`` ranks): context-parallel
+    ranks hold different tokens of the same rows, so their gradients are reduced like data-parallel
+    ones, and they shard the parameters too (as in torchtitan)."""
+    shard = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
+    if layout.dp_replicate > 1 and (layout.dp_shard > 1 or layout.cp > 1):
+        return mesh["dp_replicate", shard]
+    return mesh["dp_replicate"] if layout.dp_replicate > 1 else mesh[shard]

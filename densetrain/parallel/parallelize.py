@@ -49,7 +49,7 @@ def build_parallel_model(cfg, info: DistInfo) -> tuple[Transformer, nn.Module]:
     with torch.device("meta"):
         model = Transformer(cfg.model)
     if layout.tp > 1:
-        apply_tensor_parallel(model, info.mesh["tp"])
+        apply_tensor_parallel(model, info.mesh["tp"], par.sequence_parallel, par.loss_parallel)
     apply_activation_checkpointing(model, par.activation_checkpointing)
     if par.compile_blocks or cfg.train.compile:
         compile_blocks(model)
@@ -61,7 +61,8 @@ def build_parallel_model(cfg, info: DistInfo) -> tuple[Transformer, nn.Module]:
     return model, model
 
 
-def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
+def apply_tensor_parallel(model: Transformer, tp_mesh, sequence_parallel: bool = False,
+                          loss_parallel: bool = False) -> None:
     """Megatron-style tensor parallel (Shoeybi et al. 2019) on the 1-D ``tp_mesh``, in place.
 
     Plan: ``wq, wk, wv, w1, w3`` column-wise (each rank computes a slice of heads / of the hidden
@@ -73,30 +74,69 @@ def apply_tensor_parallel(model: Transformer, tp_mesh) -> None:
     gradients are complete on every rank because column-wise layers all-reduce the gradient of their
     replicated input.
 
+    ``sequence_parallel`` (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models", sec. 4.2.2; torch's ``SequenceParallel``): between the blocks' matmuls the
+    residual stream and the two norms of each block run on ``T / tp`` tokens per rank. The embedding
+    and the row-wise ``wo, w2`` reduce-scatter along time instead of all-reducing, and the attention and
+    the MLP all-gather their input along time (the same bytes moved as the all-reduce, split in two).
+    The final norm gathers its input first and runs replicated, so the output head and the
+    cross-entropy (chunked or not) see whole rows as without sequence parallelism. Needs every
+    sequence length divisible by ``tp``.
+
+    ``loss_parallel``: the training step's cross-entropy is vocabulary-parallel (no rank gathers the
+    logits; :mod:`densetrain.parallel.loss_parallel`); the model is marked with ``loss_parallel_mesh``,
+    which the step reads. Evaluation still gets gathered logits from the module.
+
     Tied embeddings: the embedding (row-wise) and the head (column-wise) both shard the (vocab,
     d_model) matrix on dim 0, so after both are distributed the head takes the embedding's parameter
     again: one parameter.
     """
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     tp = tp_mesh.size()
+    sp = sequence_parallel
+    between = Shard(1) if sp else Replicate()  # the residual stream's layout between blocks
     parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
         "output": ColwiseParallel(output_layouts=Replicate()),
     })
     if model.cfg.tie_embeddings:
         model.tie_weights()
+    model.loss_parallel_mesh = tp_mesh if loss_parallel else None
+    if sp:  # gather the last block's output along time before the final norm (registered before _replicate's hook)
+        parallelize_module(model.norm, tp_mesh, PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                   desired_input_layouts=(Replicate(),),
+                                                                   use_local_output=True))
     _replicate(model.norm, tp_mesh)
     for block in model.layers:
-        parallelize_module(block, tp_mesh, {
+        plan = {
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=between),
             "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
-        })
-        for norm in (block.attention_norm, block.ffn_norm):
-            _replicate(norm, tp_mesh)
+            "feed_forward.w2": RowwiseParallel(output_layouts=between),
+        }
+        if sp:
+            # Attention.forward(x, cos, sin, cache, layer, doc_mask, attend): only x is gathered.
+            n_args = 7
+            plan.update({
+                "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1),) + (None,) * (n_args - 1),
+                                                desired_input_layouts=(Replicate(),) + (None,) * (n_args - 1),
+                                                use_local_output=True),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                   use_local_output=True),
+            })
+        parallelize_module(block, tp_mesh, plan)
+        if not sp:
+            for norm in (block.attention_norm, block.ffn_norm):
+                _replicate(norm, tp_mesh)
         attn = block.attention
         if attn.n_kv_heads % tp:
             raise ValueError(f"tensor parallel degree {tp} must divide n_kv_heads ({attn.n_kv_heads})")

@@ -6,6 +6,7 @@ loop's decision point (:mod:`densetrain.train.watchers`) decides whether the upd
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -14,9 +15,18 @@ import numpy as np
 import torch
 
 from densetrain.data.mixture import MixtureSampler, Sample
-from densetrain.loss import IGNORE_INDEX, token_losses, z_loss_sum
+from densetrain.loss import (
+    IGNORE_INDEX,
+    chunk_tokens_for,
+    chunked_head_losses,
+    token_losses,
+    z_loss_sum,
+    z_loss_sum_from_lse,
+)
 from densetrain.model.masks import document_ids
-from densetrain.parallel import all_reduce_sum, clip_grad_norm, grad_sync
+from densetrain.parallel import all_reduce_sum, clip_grad_norm, grad_sync, unwrap
+from densetrain.parallel.context import chunk_index, shard_rows
+from densetrain.parallel.loss_parallel import loss_parallel_context, loss_parallel_mesh, vocab_parallel_head
 from densetrain.schedule import Stage
 
 
@@ -66,7 +76,7 @@ class StepResult:
 
 
 def make_micro_batches(samples: list[Sample], micro: int, device: torch.device, eos_id: int | None = None,
-                       reset_positions: bool = False):
+                       reset_positions: bool = False, cp: tuple[int, int, object] | None = None):
     """Group samples into (inputs (b, T), targets (b, T), sources, model inputs) micro-batches of
     ``micro`` rows on ``device``.
 
@@ -74,11 +84,19 @@ def make_micro_batches(samples: list[Sample], micro: int, device: torch.device, 
     the document of every input token from the EOS positions of the window, computed here on the
     host once per batch (:func:`densetrain.model.masks.document_ids`), and with ``reset_positions``
     also ``positions`` (b, T), RoPE positions restarting per document; otherwise they are empty.
+    With ``cp = (cp_rank, cp_size, cp_mesh)`` (context parallelism) each row keeps this rank's
+    ``T / cp_size`` tokens and the model inputs are ``positions`` and ``attend``
+    (:func:`densetrain.parallel.context.shard_rows`).
     """
     out = []
     for i in range(0, len(samples), micro):
         chunk = samples[i : i + micro]
         rows = np.stack([s.tokens for s in chunk])
+        if cp is not None:
+            doc, pos = document_ids(rows[:, :-1], eos_id) if eos_id is not None else (None, None)
+            x, y, inputs = shard_rows(rows, cp[0], cp[1], cp[2], device, doc, pos if reset_positions else None)
+            out.append((x, y, [s.source for s in chunk], inputs))
+            continue
         t = torch.from_numpy(rows).to(device, non_blocking=True)
         inputs = {}
         if eos_id is not None:
@@ -139,6 +157,7 @@ def forward_backward(
     grad_scale: int = 1,
     z_loss: float = 0.0,
     autocast: contextlib.AbstractContextManager | None = None,
+    loss_chunk_tokens: int | None = None,
 ) -> StepStats:
     """Accumulate gradients of one optimizer step over ``micro_batches``.
 
@@ -153,27 +172,44 @@ def forward_backward(
         micro_batches: list of (inputs (b, T) int64, targets (b, T) int64, source name per row[, dict of
             further model inputs: ``doc_ids``, ``positions``, see :func:`make_micro_batches`]).
         n_tokens_global: number of targets != IGNORE_INDEX in the whole step (all ranks).
-        grad_scale: the data-parallel degree (not the tensor-parallel one: TP ranks share a batch).
+        grad_scale: the ranks gradients are averaged over, ``dp_size * cp_size`` (not the tensor-parallel
+            degree: TP ranks share a batch).
         z_loss: coefficient of ``log(Z)^2`` per token (PaLM, Chowdhery et al. 2022, sec. 5).
+        loss_chunk_tokens: tokens per chunk of the chunked cross-entropy
+            (:func:`densetrain.loss.chunked_head_losses`; 0: the whole logits at once); None picks
+            :func:`densetrain.loss.chunk_tokens_for` per micro-batch (chunked only where the logits
+            exceed ``LOGIT_CHUNK_ELEMENTS``; per rank's vocabulary slice under the vocabulary-parallel
+            cross-entropy of tensor parallelism, :mod:`densetrain.parallel.loss_parallel`).
     Returns:
         This rank's :class:`StepStats` (not reduced).
     """
     scale = grad_scale / max(n_tokens_global, 1)
+    base = unwrap(model)
+    lp_mesh = loss_parallel_mesh(base)  # vocabulary-parallel cross-entropy under TP, or None
+    vocab = base.cfg.vocab_size // (lp_mesh.size() if lp_mesh is not None else 1)  # logits per token on a rank
     n_micro = len(micro_batches)
     # Per-row sums stay on the device until the end of the step: one host sync per step, not per
     # micro-batch (each .tolist()/float() on a GPU tensor waits for the GPU).
     row_losses, row_tokens, z_sums, row_sources = [], [], [], []
     t_forward = t_backward = 0.0
     for i, (x, y, sources, *more) in enumerate(micro_batches):
-        with grad_sync(model, enabled=i == n_micro - 1):  # reduce gradients after the last micro-batch only
+        # Gradients reduced after the last micro-batch only; torch's loss_parallel around forward and backward.
+        with grad_sync(model, enabled=i == n_micro - 1), loss_parallel_context(lp_mesh):
             t0 = time.perf_counter()
-            with autocast or contextlib.nullcontext():
-                logits = model(x, **(more[0] if more else {}))
-            losses = training_token_losses(logits, y)
+            chunk = loss_chunk_tokens if loss_chunk_tokens is not None else chunk_tokens_for(vocab, y.numel())
             mask = y != IGNORE_INDEX
+            head = (vocab_parallel_head(base, lp_mesh, y, chunk) if lp_mesh is not None else
+                    functools.partial(chunked_head_losses, targets=y, chunk_tokens=chunk) if chunk else None)
+            with autocast or contextlib.nullcontext():
+                if head is not None:  # the model's forward returns (losses, log Z), never the whole logits
+                    losses, lse = model(x, head=head, **(more[0] if more else {}))
+                else:
+                    logits = model(x, **(more[0] if more else {}))
+            if head is None:
+                losses = training_token_losses(logits, y)
             objective = losses.sum()
             if z_loss > 0:
-                zl = z_loss_sum(logits, mask)
+                zl = z_loss_sum_from_lse(lse, mask) if head is not None else z_loss_sum(logits, mask)
                 objective = objective + z_loss * zl
                 z_sums.append(zl.detach())
             t1 = time.perf_counter()
@@ -232,16 +268,20 @@ def compute_step(run, stage: Stage, lr: float) -> StepResult:
     for w in run.watchers:  # fault injection may alter the batch (the data probe reads it in after_step)
         samples = w.on_batch(run, samples)
     eos_id = run.tokenizer.eos_id if stage.document_mask else None
-    micro_batches = make_micro_batches(samples, stage.micro_batch_size, info.device, eos_id, stage.reset_positions)
-    # Counted on the host copy: counting on the device would wait for the GPU once per micro-batch.
-    n_local = sum(int((smp.tokens[1:] != IGNORE_INDEX).sum()) for smp in samples)
+    cp = (info.cp_rank, info.cp_size, info.cp_mesh) if info.cp_size > 1 else None
+    micro_batches = make_micro_batches(samples, stage.micro_batch_size, info.device, eos_id, stage.reset_positions,
+                                       cp)
+    # Counted on the host copy: counting on the device would wait for the GPU once per micro-batch. Under
+    # context parallelism each rank counts its own tokens (the sum over ranks counts each target once).
+    mine = chunk_index(stage.seq_len, info.cp_rank, info.cp_size) if cp else slice(None)
+    n_local = sum(int((smp.tokens[1:][mine] != IGNORE_INDEX).sum()) for smp in samples)
     t1 = time.perf_counter()
     data_s = t1 - t0  # not the all-reduce below: its wait for a slower rank is 'sync', not this rank's data
     n_global = int(all_reduce_sum(torch.tensor([n_local], device=info.device)).item())
     count_s = time.perf_counter() - t1
 
     cfg = run.cfg
-    stats = forward_backward(run.dp_model, micro_batches, n_global, info.dp_size, cfg.optim.z_loss, run.autocast)
+    stats = forward_backward(run.dp_model, micro_batches, n_global, info.grad_scale, cfg.optim.z_loss, run.autocast)
     t0 = time.perf_counter()
     for w in run.watchers:  # fault injection (a NaN gradient on one rank, a loss spike)
         w.on_grads(run, stats)
