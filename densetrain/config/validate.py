@@ -43,6 +43,14 @@ def validate(cfg: Config) -> None:
     check_config(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
     check_config(o.weight_decay >= 0 and o.grad_clip >= 0 and o.z_loss >= 0,
                  "optim.weight_decay, grad_clip, z_loss must be >= 0")
+    check_config(o.name in ("adamw", "muon"), f"optim.name must be 'adamw' or 'muon', got '{o.name}'")
+    if o.name == "muon":
+        check_config(0 < o.muon_lr < float("inf"), f"optim.muon_lr must be a positive finite number, got {o.muon_lr}")
+        check_config(0 <= o.muon_momentum < 1, f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
+        check_config(o.muon_weight_decay >= 0, f"optim.muon_weight_decay must be >= 0, got {o.muon_weight_decay}")
+        check_config(1 <= o.muon_ns_steps < 100, f"optim.muon_ns_steps must be in [1, 100), got {o.muon_ns_steps}")
+        check_config(o.muon_adjust_lr in ("original", "match_rms_adamw"),
+                     f"optim.muon_adjust_lr must be 'original' or 'match_rms_adamw', got '{o.muon_adjust_lr}'")
 
     s = cfg.schedule
     check_config(s.kind in ("cosine", "wsd", "constant"),
