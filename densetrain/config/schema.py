@@ -71,6 +71,13 @@ class ModelConfig:
     """Std of the normal init for matmul weights and embeddings (GPT-2 / Llama convention)."""
     base_d_model: int = 256
     """μP base width: width_mult = d_model / base_d_model (only read when init = 'mup')."""
+    qk_norm: bool = False
+    """Normalise queries and keys to unit RMS per head after RoPE (parameter-free RMSNorm; QK-norm of Henry et
+    al. 2020 and Dehghani et al. 2023, as nanochat and OLMo 2 use it): attention logits stay bounded, which
+    tolerates larger learning rates. Off: the Llama architecture (Meta's checkpoints have no QK-norm)."""
+    logit_softcap: float = 0.0
+    """If > 0, output logits become logit_softcap * tanh(logits / logit_softcap) (Gemma 2, Team et al. 2024;
+    nanochat uses 15): bounded logits, no runaway confidence early in training. 0: off (Llama)."""
 
     @property
     def head_dim(self) -> int:

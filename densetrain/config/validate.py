@@ -34,6 +34,7 @@ def validate(cfg: Config) -> None:
     check_config(m.init in ("standard", "mup"), f"model.init must be 'standard' or 'mup', got '{m.init}'")
     check_config(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
     check_config(m.base_d_model > 0, f"model.base_d_model must be positive, got {m.base_d_model}")
+    check_config(m.logit_softcap >= 0, f"model.logit_softcap must be >= 0 (0 = off), got {m.logit_softcap}")
 
     o = cfg.optim
     check_config(0 < o.peak_lr < float("inf"), f"optim.peak_lr must be a positive finite number, got {o.peak_lr}")

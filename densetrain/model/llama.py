@@ -156,8 +156,9 @@ class Attention(nn.Module):
     Raises: ValueError on indivisible head counts.
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, qk_norm: bool = False):
         super().__init__()
+        self.qk_norm = qk_norm
         if d_model % n_heads or n_heads % n_kv_heads:
             raise ValueError(
                 f"need d_model % n_heads == 0 and n_heads % n_kv_heads == 0, got {d_model}, {n_heads}, {n_kv_heads}"
@@ -179,6 +180,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
         q = apply_rope(q, cos, sin)  # (B, n_heads, T, head_dim)
         k = apply_rope(k, cos, sin)  # (B, n_kv_heads, T, head_dim)
+        if self.qk_norm:  # model.qk_norm: unit-RMS queries and keys per head, no gain (as nanochat)
+            q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
         mask = None
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (B, n_kv_heads, S, head_dim): every position so far
@@ -225,7 +228,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attention = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads)
+        self.attention = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.qk_norm)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.feed_forward = MLP(cfg.d_model, cfg.d_ff)
 
@@ -419,6 +422,8 @@ class Transformer(nn.Module):
         logits = self.output(self.norm(h))  # (B, T, vocab_size)
         if self.logit_mult != 1.0:
             logits = logits * self.logit_mult
+        if self.cfg.logit_softcap > 0:  # model.logit_softcap: cap * tanh(logits / cap), Gemma 2's soft-capping
+            logits = self.cfg.logit_softcap * torch.tanh(logits / self.cfg.logit_softcap)
         return logits
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
