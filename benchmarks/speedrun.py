@@ -3,6 +3,7 @@ nanoGPT's recipe reaches in ``--minutes`` of wall time, at (nearly) equal parame
 shards, tokenizer and held-out tokens.
 
     .venv/bin/python benchmarks/speedrun.py --nanogpt /tmp/nanogpt --minutes 10
+    .venv/bin/python benchmarks/speedrun.py --nanochat /work/nanochat --cpu-seconds 300   # see speedrun_nanochat.py
 
 Both trainers run one after the other (never at the same time), with the same thread count and
 ``OMP_WAIT_POLICY=PASSIVE`` (:mod:`benchmarks.train_bench`'s environment).
@@ -159,7 +160,12 @@ def run_densetrain_to(target: float, work: Path, shards: Path, threads: int, eva
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    if "--nanochat" in sys.argv[1:]:  # the nanochat side-by-side has its own arguments (--help lists them)
+        from speedrun_nanochat import main as nanochat_main
+
+        raise SystemExit(nanochat_main(sys.argv[1:]))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="--nanochat PATH [...]: the side-by-side of benchmarks/speedrun_nanochat.py")
     ap.add_argument("--nanogpt", type=Path, required=True, help="a checkout of karpathy/nanoGPT (outside this repo)")
     ap.add_argument("--minutes", type=float, default=10.0, help="nanoGPT's wall-time budget")
     ap.add_argument("--eval-every", type=int, default=50, help="densetrain's validation interval (steps)")

@@ -185,7 +185,12 @@ def hf_config_dict(
     ``rope_theta`` plus, when scaled, ``rope_scaling`` (what transformers 4.x reads); v5 gives
     ``rope_parameters`` priority, so they agree.
     Likewise ``dtype`` (v5) and ``torch_dtype`` (v4). ``head_dim`` is written explicitly.
+
+    Raises: ValueError for a model LlamaForCausalLM cannot express (model.qk_norm, model.logit_softcap).
     """
+    if cfg.qk_norm or cfg.logit_softcap:
+        raise ValueError("model.qk_norm and model.logit_softcap have no LlamaForCausalLM equivalent; "
+                         "a model trained with them cannot be exported as Llama")
     d = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

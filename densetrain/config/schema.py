@@ -71,6 +71,13 @@ class ModelConfig:
     """Std of the normal init for matmul weights and embeddings (GPT-2 / Llama convention)."""
     base_d_model: int = 256
     """μP base width: width_mult = d_model / base_d_model (only read when init = 'mup')."""
+    qk_norm: bool = False
+    """Normalise queries and keys to unit RMS per head after RoPE (parameter-free RMSNorm; QK-norm of Henry et
+    al. 2020 and Dehghani et al. 2023, as nanochat and OLMo 2 use it): attention logits stay bounded, which
+    tolerates larger learning rates. Off: the Llama architecture (Meta's checkpoints have no QK-norm)."""
+    logit_softcap: float = 0.0
+    """If > 0, output logits become logit_softcap * tanh(logits / logit_softcap) (Gemma 2, Team et al. 2024;
+    nanochat uses 15): bounded logits, no runaway confidence early in training. 0: off (Llama)."""
 
     @property
     def head_dim(self) -> int:
@@ -79,7 +86,14 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with weight decay on 2-D matmul weights only, global-norm clipping, optional z-loss."""
+    """AdamW (default) or Muon + AdamW, weight decay on 2-D matmul weights only, global-norm clipping,
+    optional z-loss."""
+
+    name: str = "adamw"
+    """'adamw': AdamW for every parameter. 'muon': torch.optim.Muon (Jordan et al. 2024,
+    https://kellerjordan.github.io/posts/muon/) for the hidden matrices (attention wq/wk/wv/wo, MLP w1/w2/w3)
+    with the muon_* fields, AdamW (peak_lr, beta1, beta2, ...) for embeddings, output head and norm gains, the
+    split of modded-nanogpt and nanochat. The schedule and stage lr_mult/re-warmups scale both groups alike."""
 
     peak_lr: float = 1e-3
     """Learning rate at the end of warmup."""
@@ -99,6 +113,24 @@ class OptimConfig:
     """Clip the global gradient norm to this value (0 disables)."""
     z_loss: float = 0.0
     """Coefficient of the z-loss (log^2 of the softmax normaliser, PaLM 2022); 0 disables."""
+    muon_lr: float = 0.02
+    """name='muon': peak learning rate of the hidden matrices (the schedule's shape, scaled by muon_lr / peak_lr).
+    torch's Muon further multiplies it per matrix by muon_adjust_lr's shape factor. 0.02 is nanochat's matrix_lr
+    and torch.optim.Muon's documented example."""
+    muon_momentum: float = 0.95
+    """name='muon': momentum of the Muon buffer (Jordan et al. 2024 and torch.optim.Muon default)."""
+    muon_nesterov: bool = True
+    """name='muon': Nesterov momentum (torch.optim.Muon default)."""
+    muon_weight_decay: float = 0.0
+    """name='muon': decoupled weight decay of the hidden matrices; torch's Muon multiplies each matrix by
+    1 - lr * muon_weight_decay per step (lr of that step, so it follows the schedule). 0 as in the Muon speedruns
+    (Jordan et al. 2024); Moonshot (Liu et al. 2025, "Muon is Scalable for LLM Training") use 0.1 at scale."""
+    muon_ns_steps: int = 5
+    """name='muon': Newton-Schulz iterations that orthogonalise each update (Jordan et al. 2024: 5)."""
+    muon_adjust_lr: str = "original"
+    """name='muon': per-matrix lr factor of torch.optim.Muon for an A x B (out x in) matrix: 'original'
+    sqrt(max(1, A / B)) (Jordan's implementation), 'match_rms_adamw' 0.2 sqrt(max(A, B)) (Liu et al. 2025: an
+    update RMS like AdamW's, so AdamW's lr and weight decay can be reused)."""
 
 
 @dataclass

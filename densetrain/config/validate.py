@@ -35,6 +35,7 @@ def validate(cfg: Config) -> None:
     check_config(m.init in ("standard", "mup"), f"model.init must be 'standard' or 'mup', got '{m.init}'")
     check_config(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
     check_config(m.base_d_model > 0, f"model.base_d_model must be positive, got {m.base_d_model}")
+    check_config(m.logit_softcap >= 0, f"model.logit_softcap must be >= 0 (0 = off), got {m.logit_softcap}")
 
     o = cfg.optim
     check_config(0 < o.peak_lr < float("inf"), f"optim.peak_lr must be a positive finite number, got {o.peak_lr}")
@@ -44,6 +45,14 @@ def validate(cfg: Config) -> None:
     check_config(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
     check_config(o.weight_decay >= 0 and o.grad_clip >= 0 and o.z_loss >= 0,
                  "optim.weight_decay, grad_clip, z_loss must be >= 0")
+    check_config(o.name in ("adamw", "muon"), f"optim.name must be 'adamw' or 'muon', got '{o.name}'")
+    if o.name == "muon":
+        check_config(0 < o.muon_lr < float("inf"), f"optim.muon_lr must be a positive finite number, got {o.muon_lr}")
+        check_config(0 <= o.muon_momentum < 1, f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
+        check_config(o.muon_weight_decay >= 0, f"optim.muon_weight_decay must be >= 0, got {o.muon_weight_decay}")
+        check_config(1 <= o.muon_ns_steps < 100, f"optim.muon_ns_steps must be in [1, 100), got {o.muon_ns_steps}")
+        check_config(o.muon_adjust_lr in ("original", "match_rms_adamw"),
+                     f"optim.muon_adjust_lr must be 'original' or 'match_rms_adamw', got '{o.muon_adjust_lr}'")
 
     s = cfg.schedule
     check_config(s.kind in ("cosine", "wsd", "constant"),

@@ -98,6 +98,12 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     model.reset_rope_cache()
 
 
+def is_hidden_matrix(param_name: str) -> bool:
+    """Whether ``param_name`` (from ``named_parameters()``, wrapper prefixes tolerated) is a hidden matrix:
+    an attention (wq, wk, wv, wo) or MLP (w1, w2, w3) weight, not an embedding, the output head or a norm."""
+    return any(f in param_name for f in _HIDDEN)
+
+
 def mup_lr_scale(param_name: str, cfg: ModelConfig) -> float:
     """Adam learning-rate multiplier for one parameter (the "Adam lr mult" column above).
 
@@ -111,7 +117,7 @@ def mup_lr_scale(param_name: str, cfg: ModelConfig) -> float:
     _check_kind(cfg)
     if cfg.init != "mup":
         return 1.0
-    if any(f in param_name for f in _HIDDEN):
+    if is_hidden_matrix(param_name):
         return 1.0 / width_mult(cfg)
     return 1.0
 

@@ -159,8 +159,9 @@ class Attention(nn.Module):
     Raises: ValueError on indivisible head counts.
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, qk_norm: bool = False):
         super().__init__()
+        self.qk_norm = qk_norm
         if d_model % n_heads or n_heads % n_kv_heads:
             raise ValueError(
                 f"need d_model % n_heads == 0 and n_heads % n_kv_heads == 0, got {d_model}, {n_heads}, {n_kv_heads}"
@@ -182,6 +183,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
         q = apply_rope(q, cos, sin)  # (B, n_heads, T, head_dim)
         k = apply_rope(k, cos, sin)  # (B, n_kv_heads, T, head_dim)
+        if self.qk_norm:  # model.qk_norm: unit-RMS queries and keys per head, no gain (as nanochat)
+            q, k = F.rms_norm(q, (self.head_dim,)), F.rms_norm(k, (self.head_dim,))
         if attend is not None:  # e.g. context parallelism: the keys of other ranks' tokens, its own mask
             y = attend(q, k, v, self.attn_scale)  # (B, n_heads, T, head_dim); k, v unrepeated (GQA in the kernel)
             return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))  # (B, T, d_model)
@@ -231,7 +234,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attention = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads)
+        self.attention = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.qk_norm)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.feed_forward = MLP(cfg.d_model, cfg.d_ff)
 
@@ -449,6 +452,8 @@ class Transformer(nn.Module):
         logits = self.output(h)
         if self.logit_mult != 1.0:
             logits = logits * self.logit_mult
+        if self.cfg.logit_softcap > 0:  # model.logit_softcap: cap * tanh(logits / cap), Gemma 2's soft-capping
+            logits = self.cfg.logit_softcap * torch.tanh(logits / self.cfg.logit_softcap)
         return logits
 
     def num_params(self, exclude_embeddings: bool = False) -> int:

@@ -8,6 +8,7 @@ Examples::
 
     densetrain mup-check --out runs/mup-check --steps 10 --widths 64,128,256,512
     densetrain lr-sweep --init both --widths 64,256 --lrs 5e-4,1e-3,2e-3,4e-3,8e-3 --steps 100
+    densetrain lr-sweep --optim muon --init standard --widths 64,256 --lrs 5e-3,1e-2,2e-2,4e-2,8e-2
     densetrain plan --flops 1.21e20 --peak-flops 8e15 --mfu 0.4
     densetrain plan --hours 24 --tokens-per-sec 2.5e5
     densetrain plan --preset llama3-8b --gpus 64 --gpu-memory-gib 80
@@ -84,7 +85,7 @@ def cmd_lr_sweep(args: argparse.Namespace) -> int:
         for init in inits:
             r = lr_sweep(
                 lrs=args.lrs, widths=args.widths, init=init, steps=args.steps, base_d_model=args.base_d_model,
-                log=print if args.verbose else None,
+                optimizer=args.optim, adamw_lr=args.adamw_lr, log=print if args.verbose else None,
             )
             results.append(r)
             print(format_lr_sweep(r))
@@ -211,6 +212,10 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                    help="parameterisation (default %(default)s)")
     p.add_argument("--steps", type=int, default=100, help="training steps per run (default %(default)s)")
     p.add_argument("--base-d-model", type=int, default=64, help="μP base width (default %(default)s)")
+    p.add_argument("--optim", choices=("adamw", "muon"), default="adamw",
+                   help="optimizer; muon sweeps the hidden matrices' Muon lr (default %(default)s)")
+    p.add_argument("--adamw-lr", type=float, default=3e-3,
+                   help="with --optim muon: AdamW lr of embeddings, head and norms (default %(default)s)")
     p.add_argument("--out", help="also write the results as JSON to this file")
     p.add_argument("-v", "--verbose", action="store_true", help="print one line per finished run")
     p.set_defaults(func=cmd_lr_sweep)

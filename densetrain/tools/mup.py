@@ -127,12 +127,14 @@ def width_config(
     init_std: float = 0.02,
     weight_decay: float = 0.0,
     grad_clip: float = 0.0,
+    optimizer: str = "adamw",
 ) -> Config:
     """A :class:`Config` for a model of ``d_model = width`` (``n_heads = width / head_dim``, MHA,
     ``d_ff = ff_mult * width``).
 
     Optimizer settings are the defaults of :class:`~densetrain.config.OptimConfig` except ``weight_decay``
-    and ``grad_clip`` (0 = plain Adam, what TP5's coordinate check uses).
+    and ``grad_clip`` (0 = plain Adam, what TP5's coordinate check uses) and ``optim.name = optimizer``
+    ('adamw' or 'muon').
 
     Raises:
         ValueError: width not a multiple of ``head_dim``.
@@ -147,6 +149,7 @@ def width_config(
     )
     cfg.optim.weight_decay = weight_decay
     cfg.optim.grad_clip = grad_clip
+    cfg.optim.name = optimizer
     validate(cfg)
     return cfg
 
@@ -424,10 +427,12 @@ def write_coord_check(
 
 
 def _train_eval(
-    cfg: Config, lr: float, steps: int, train_data: np.ndarray, val: tuple[torch.Tensor, torch.Tensor],
+    cfg: Config, steps: int, train_data: np.ndarray, val: tuple[torch.Tensor, torch.Tensor],
     batch: int, seq_len: int, seed: int, warmup: int,
 ) -> tuple[float, float]:
-    """Train ``steps`` steps (cosine schedule to lr/10 after ``warmup``); return (last train loss, val loss)."""
+    """Train ``steps`` steps (cosine schedule from ``optim.peak_lr`` to a tenth after ``warmup``; Muon groups
+    scaled by ``muon_lr / peak_lr`` as in training); return (last train loss, val loss)."""
+    lr = cfg.optim.peak_lr
     model = build_model(cfg.model, seed)
     opt = build_optimizer(model, cfg)
     sched = ScheduleConfig(kind="cosine", warmup_steps=warmup)
@@ -467,14 +472,21 @@ def lr_sweep(
     head_dim: int = 16,
     ff_mult: int = 4,
     init_std: float = 0.02,
+    optimizer: str = "adamw",
+    adamw_lr: float = 3e-3,
     log: Callable[[str], None] | None = None,
 ) -> dict:
     """Short training run for every (width, base lr); the best lr per width is the one of lowest val loss.
 
-    Each run: ``steps`` AdamW steps (weight decay ``weight_decay`` on matrices as in training, global-norm
-    clipping at ``grad_clip``), cosine schedule from ``lr`` (after ``warmup`` linear steps) to ``lr/10``,
-    on random windows of the first 90% of :func:`text_bytes`; the final loss is the loss on 32 fixed windows of
-    the held-out last 10%. All runs share the init seed and the batch order. A run whose loss becomes
+    ``optimizer = 'muon'`` sweeps Muon's lr (``optim.muon_lr``) of the hidden matrices, with the embeddings,
+    head and norms on AdamW at the fixed ``adamw_lr`` (``optim.peak_lr``); both follow the same schedule.
+    Muon's update has a width-independent spectral size (torch's per-matrix factor sqrt(max(1, A/B))), so
+    its best lr should stay put across widths even under the standard parameterisation.
+
+    Each run: ``steps`` AdamW (or Muon + AdamW) steps (weight decay ``weight_decay`` on AdamW's matrices as in
+    training, global-norm clipping at ``grad_clip``), cosine schedule from ``lr`` (after ``warmup`` linear steps)
+    to ``lr/10``, on random windows of the first 90% of :func:`text_bytes`; the final loss is the loss on 32
+    fixed windows of the held-out last 10%. All runs share the init seed and the batch order. A run whose loss becomes
     non-finite has loss ``nan`` and is never best. Under μP the best lr should not move with width; under
     the standard parameterisation it shrinks as width grows (TP5 Fig. 1).
 
@@ -500,10 +512,14 @@ def lr_sweep(
     final, train = {}, {}
     for width in widths:
         cfg = width_config(width, init, base_d_model, n_layers, head_dim, ff_mult, VOCAB, init_std, weight_decay,
-                           grad_clip)
+                           grad_clip, optimizer)
         final[width], train[width] = {}, {}
         for lr in lrs:
-            tl, vl = _train_eval(cfg, lr, steps, train_data, val, batch, seq_len, seed, min(warmup, steps))
+            if optimizer == "muon":
+                cfg.optim.peak_lr, cfg.optim.muon_lr = adamw_lr, lr
+            else:
+                cfg.optim.peak_lr = lr
+            tl, vl = _train_eval(cfg, steps, train_data, val, batch, seq_len, seed, min(warmup, steps))
             final[width][lr], train[width][lr] = vl, tl
             if log:
                 log(f"{init} width {width:>4} lr {lr:<8.3g} val loss {vl:.4f}")
@@ -512,11 +528,12 @@ def lr_sweep(
         finite = {lr: v for lr, v in final[width].items() if math.isfinite(v)}
         best[width] = min(finite, key=finite.get) if finite else None
     return {
-        "init": init, "widths": widths, "lrs": lrs, "steps": steps,
+        "init": init, "optimizer": optimizer, "widths": widths, "lrs": lrs, "steps": steps,
         "settings": {
             "base_d_model": base_d_model, "n_layers": n_layers, "seq_len": seq_len, "batch": batch, "seed": seed,
             "warmup": warmup, "weight_decay": weight_decay, "grad_clip": grad_clip, "head_dim": head_dim,
             "init_std": init_std, "ff_mult": ff_mult, "schedule": "cosine to lr/10",
+            "adamw_lr": adamw_lr if optimizer == "muon" else None,
             "data": "real text bytes (Python stdlib sources), vocab 256",
         },
         "final_loss": final, "train_loss": train, "best_lr": best, "seconds": time.perf_counter() - t0,
@@ -526,7 +543,10 @@ def lr_sweep(
 def format_lr_sweep(result: dict) -> str:
     """Console table: one row per lr, one column per width (val loss, nats/token); the best lr marked ``*``."""
     ws = result["widths"]
-    lines = [f"lr sweep ({result['init']}, {result['steps']} steps): val loss, nats/token (* = best)"]
+    what = ""
+    if result.get("optimizer") == "muon":
+        what = f"muon lr with adamw lr {result['settings']['adamw_lr']:g}, "
+    lines = [f"lr sweep ({result['init']}, {what}{result['steps']} steps): val loss, nats/token (* = best)"]
     lines.append(f"{'lr':>10} " + " ".join(f"{'d=' + str(w):>12}" for w in ws))
     for lr in result["lrs"]:
         cells = []
