@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from densetrain.config.recovery import GuardConfig
-from densetrain.train.guard import robust_z
+from densetrain.train.guard import loss_z
 from densetrain.train.watchers import Verdict, Watcher
 
 
@@ -114,7 +114,7 @@ class UpdateNorms(Watcher):
 
     def _judge(self, run, result, x: float) -> None:
         if self.cfg.update_zscore and len(self.history) >= self.cfg.min_history:
-            z, med, _ = robust_z(x, self.history)
+            z, med = loss_z(x, self.history, "robust")
             if z > self.cfg.update_zscore and x > self.cfg.update_min_ratio * med:
                 lower = self.cfg.update_lr_factor != 1 and self.cfg.update_lr_steps > 0
                 if lower:
