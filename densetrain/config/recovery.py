@@ -116,7 +116,7 @@ class FaultConfig:
     rank: int = 0
     """nan_grad, slow_rank, kill, bitflip: the rank it happens on."""
     ms: float = 0.0
-    """slow_rank: extra milliseconds per forward pass of every step from `step`."""
+    """slow_rank: extra milliseconds per step (slept in its first forward pass) from `step`."""
     source: str = ""
     """duplicate_data: the source whose windows are repeated; bad_batch: the source whose tokens replace the batch."""
     during_checkpoint: bool = False
