@@ -105,3 +105,26 @@ def test_bpb_is_comparable_across_tokenizers(tmp_path):
     assert t300 > 1.5 * t2048  # the larger vocabulary needs far fewer tokens for the same text ...
     assert loss2048 > 1.3 * loss300  # ... so its per-token losses are not comparable ...
     assert 1 / 1.4 < bpb300 / bpb2048 < 1.4  # ... but bits per byte are of the same size
+
+
+class Confident(torch.nn.Module):
+    """A model sure of token 0 by ~1e37 nats: every other target costs ~1e37 nats, finite in fp32."""
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.logits = torch.zeros(vocab_size)
+        self.logits[0] = 1e37
+
+    def forward(self, tokens):
+        return self.logits.expand(*tokens.shape, -1)
+
+
+def test_large_finite_losses_stay_finite_in_the_validation_sum(prepared):
+    """Issue 19's overflow, validation side: 512 tokens of ~1e37 nats sum past fp32's 3.4e38; the sum is
+    taken in float64, so the mean is the (finite) per-token loss, not inf."""
+    shards, _ = prepared
+    stream = TokenFiles(shards / "email" / "val")
+    res = evaluate_val(Confident(512), {"email": stream}, 128, 4, 1, torch.device("cpu"))["email"]
+    targets = np.concatenate([stream.read(k * 128 + 1, 128) for k in range(4)])
+    expected = 1e37 * float((targets != 0).mean())  # log-sum-exp is 1e37; a target 0 costs 0
+    assert math.isfinite(res["loss"]) and res["loss"] == pytest.approx(expected, rel=1e-5)

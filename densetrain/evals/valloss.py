@@ -127,7 +127,7 @@ def evaluate_val(
                 real = [j for j, k in enumerate(part) if k is not None]
                 if len(real) < len(part):
                     losses = losses[real]
-                loss_sum[0] += losses.sum().double()
+                loss_sum[0] += losses.double().sum()  # in float64: large finite losses must not overflow to inf
                 loss_sum[1] += losses.numel()
             all_reduce_sum(loss_sum)
             n = int(loss_sum[1])
