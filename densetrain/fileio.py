@@ -1,7 +1,10 @@
 """Atomic file writes: write to a temporary name in the same directory, fsync, rename.
 
 A reader therefore sees either the old file or the complete new one, never a torn write, even if
-the process is killed (kill -9) in the middle.
+the process is killed (kill -9) in the middle. What a killed writer leaves (``.NAME.tmpPID`` files,
+``.NAME.tmp-PID`` / ``.NAME.old-PID`` folders of a dead PID) is swept by the next run
+(:func:`sweep_stale_temps`, :func:`recover_folder_swap`); whole folders are swapped in one atomic
+step where the OS can (:func:`exchange_paths`).
 """
 
 from __future__ import annotations

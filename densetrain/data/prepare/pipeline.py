@@ -24,6 +24,7 @@ Steps (per source, in ``data.sources`` order):
          tokenizer.json            (bpe only) + tokenizer.train.json (its training parameters)
          manifest.json             summary of all sources + tokenizer identity
          <source>/manifest.json    tokenizer identity, inputs, params, per-split counts, shard sha256s
+                                   and mtimes (checked on reuse and before training: data/shards.py)
          <source>/provenance.json  per document, in shard order: source file, line, doc id, tokens
          <source>/removed.json     per removed document: source file, line, doc id, reason
          <source>/train/000000.ds  (+ .ds.index, .ds.metadata), 000001.ds, ... (<= 64 Mi tokens each)
