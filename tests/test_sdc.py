@@ -167,3 +167,13 @@ def test_update_norm_warns_before_the_loss_guard_on_an_lr_jump(prepared, tmp_pat
     assert set(upd) == set(lr) - {e["step"] + 1 for e in spikes}  # measured on applied updates only
     jump = (upd[23]["update_norm"] / lr[23]) / (upd[22]["update_norm"] / lr[22])
     assert jump > 10 and {"update/layers.0", "update_ratio/output", "update_ratio"} <= set(upd[1])
+
+    # The same jump with guard.update_lr_factor: the warning lowers the lr at once, the loss never spikes, and a
+    # step before the first checkpoint replays from the seeded initial weights.
+    lower = {**ov, "guard.update_lr_factor": 1 / 30, "guard.update_lr_steps": 100}
+    train(make(tmp_path / "lower", **lower, faults=[{"kind": "lr_jump", "step": 22, "factor": 30.0}]))
+    lrun = tmp_path / "lower" / "run"
+    (warn,) = _events(lrun, "update_norm")
+    assert warn["step"] == 22 and warn["action"] == "lower_lr" and _events(lrun, "loss_spike") == []
+    v = replay(lrun, 3)
+    assert v["checkpoint"] == "the initial weights" and v["reproduced"]
