@@ -271,7 +271,10 @@ def append_event(run_dir: Path, v: dict, action: str | None = None) -> None:
     values = {k: v[k] for k in v if k not in ("text", "index")}
     rec = {"kind": "replay", "step": v["index"], "rank": 0, "time": time.time(), "text": v["text"],
            "action": action or v.get("verdict"), "values": values}
-    with open(Path(run_dir) / "events_replay.jsonl", "a") as f:
-        f.write(json.dumps(rec) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    # One write() on an O_APPEND descriptor: replays started for spikes in a row may finish together.
+    fd = os.open(Path(run_dir) / "events_replay.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(rec) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
