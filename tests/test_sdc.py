@@ -16,6 +16,7 @@ from conftest import gloo_env
 
 from densetrain.checkpoint import list_complete
 from densetrain.metrics import read_events, read_metrics
+from densetrain.report.run import read_events as report_events
 from densetrain.tools.replay import replay
 from densetrain.train import train
 from densetrain.train.faults import flip_bit
@@ -149,6 +150,7 @@ def test_bad_batch_spike_replays_as_data_and_names_the_injected_documents(prepar
     assert share >= 0.8 and all(d["loss"] > spike["values"]["median"] for d in v["documents"])
     assert v["ranks"][0]["differs"] == [] and v["suspect_ranks"] == []
     assert replay(run, 28)["documents"] == v["documents"]  # the command gives the same verdict
+    assert [e.action for e in report_events(run) if e.kind == "replay"] == ["data"]  # the report lists the verdict
 
 
 def test_update_norm_warns_before_the_loss_guard_on_an_lr_jump(prepared, tmp_path):
