@@ -16,6 +16,7 @@ from conftest import gloo_env
 
 from densetrain.checkpoint import list_complete
 from densetrain.metrics import read_events, read_metrics
+from densetrain.report.run import read_events as report_events
 from densetrain.tools.replay import replay
 from densetrain.train import train
 from densetrain.train.faults import flip_bit
@@ -149,6 +150,7 @@ def test_bad_batch_spike_replays_as_data_and_names_the_injected_documents(prepar
     assert share >= 0.8 and all(d["loss"] > spike["values"]["median"] for d in v["documents"])
     assert v["ranks"][0]["differs"] == [] and v["suspect_ranks"] == []
     assert replay(run, 28)["documents"] == v["documents"]  # the command gives the same verdict
+    assert [e.action for e in report_events(run) if e.kind == "replay"] == ["data"]  # the report lists the verdict
 
 
 def test_update_norm_warns_before_the_loss_guard_on_an_lr_jump(prepared, tmp_path):
@@ -167,3 +169,13 @@ def test_update_norm_warns_before_the_loss_guard_on_an_lr_jump(prepared, tmp_pat
     assert set(upd) == set(lr) - {e["step"] + 1 for e in spikes}  # measured on applied updates only
     jump = (upd[23]["update_norm"] / lr[23]) / (upd[22]["update_norm"] / lr[22])
     assert jump > 10 and {"update/layers.0", "update_ratio/output", "update_ratio"} <= set(upd[1])
+
+    # The same jump with guard.update_lr_factor: the warning lowers the lr at once, the loss never spikes, and a
+    # step before the first checkpoint replays from the seeded initial weights.
+    lower = {**ov, "guard.update_lr_factor": 1 / 30, "guard.update_lr_steps": 100}
+    train(make(tmp_path / "lower", **lower, faults=[{"kind": "lr_jump", "step": 22, "factor": 30.0}]))
+    lrun = tmp_path / "lower" / "run"
+    (warn,) = _events(lrun, "update_norm")
+    assert warn["step"] == 22 and warn["action"] == "lower_lr" and _events(lrun, "loss_spike") == []
+    v = replay(lrun, 3)
+    assert v["checkpoint"] == "the initial weights" and v["reproduced"]

@@ -1,7 +1,8 @@
 """``densetrain replay RUN STEP``: was a spike caused by the data or by the machine?
 
 The step is recomputed from the run's newest checkpoint before it, in one process: the checkpoint's
-model, optimizer, RNG and sampler state are loaded, the updates between it and ``STEP`` are applied
+model, optimizer, RNG and sampler state are loaded (without one, the seeded initial weights, which
+are those of a single process on any layout), the updates between it and ``STEP`` are applied
 again (skipping those the run skipped, and the data its rollbacks skipped, as ``densetrain blame``
 replays the sampler), then the global batch of ``STEP`` (the ``step`` of its metrics.jsonl record:
 the update with index ``STEP - 1``) is drawn by the same deterministic sampler, with the run's data
@@ -182,23 +183,20 @@ def replay(run_dir: str | Path, step: int, rtol: float = 1e-3) -> dict:
         "reproduced", "verdict": "data" | "machine", "ranks": [per-rank comparison], "suspect_ranks",
         "median", "documents": [carriers of the excess loss] (data), "text"}``.
     Raises:
-        DataError: no record of the step, no checkpoint before it, or the replayed sampler does not
-            reach the recorded batch.
+        DataError: no record of the step, or the replayed sampler does not reach the recorded batch.
     """
     run_dir = Path(run_dir)
     cfg = load_config(path=run_dir / "config.toml")
     index = step - 1
     logged, spike = _logged(run_dir, cfg, step)
     before = [(s, p) for s, p in list_complete(run_dir) if s <= index]
-    if not before:
-        raise DataError(f"{run_dir}: no complete checkpoint at or before update {index} (step {step}) to replay "
-                        "from; keep checkpoints longer (checkpoint.keep) or save them more often (checkpoint.every)")
-    start, ckpt = before[-1]
+    start, ckpt = before[-1] if before else (0, None)  # none that early: the seeded initial weights
     rollbacks, skipped = _original_path(run_dir, start, index, spike)
     with tempfile.TemporaryDirectory(prefix="densetrain-replay-") as tmp, contextlib.redirect_stdout(sys.stderr):
-        (Path(tmp) / "checkpoints").mkdir()
-        os.symlink(ckpt.resolve(), Path(tmp) / "checkpoints" / ckpt.name)
-        run = setup(_replay_config(cfg, Path(tmp)), resume=True)
+        if ckpt is not None:
+            (Path(tmp) / "checkpoints").mkdir()
+            os.symlink(ckpt.resolve(), Path(tmp) / "checkpoints" / ckpt.name)
+        run = setup(_replay_config(cfg, Path(tmp)), resume=ckpt is not None)
         for e in rollbacks:  # the data the run skipped after rolling back to this checkpoint
             v = e.get("values", {})
             if e.get("action") == "rollback":
@@ -235,7 +233,7 @@ def replay(run_dir: str | Path, step: int, rtol: float = 1e-3) -> dict:
     suspects = differ if len(differ) < len(ranks) else []
     reproduced = (close(logged["loss"], result.loss, rtol) and close(logged["grad_norm"], result.grad_norm, rtol)
                   and not differ)
-    out = {"step": step, "index": index, "checkpoint": ckpt.name,
+    out = {"step": step, "index": index, "checkpoint": ckpt.name if ckpt else "the initial weights",
            "logged": {k: logged[k] for k in ("loss", "grad_norm")},
            "replayed": {"loss": result.loss, "grad_norm": result.grad_norm}, "reproduced": reproduced,
            "verdict": "data" if reproduced else "machine", "ranks": ranks, "suspect_ranks": suspects,
@@ -254,8 +252,9 @@ def verdict_text(v: dict) -> str:
         docs = "; ".join(f"{d['source']} {d['file']}" + (f":{d['line']}" if d["line"] is not None else "")
                          + f" id={d['doc_id']} ({d['share']:.0%}, loss "
                          f"{d['loss']:.3f})" for d in v["documents"][:5])
-        return (f"{head}: reproduced, so the data caused it; {len(v['documents'])} documents carry {share:.0%} of "
-                f"the excess loss over the median {v['median']:.4g}: {docs}"
+        n = len(v["documents"])
+        return (f"{head}: reproduced, so the data caused it; {n} document{'s carry' if n != 1 else ' carries'} "
+                f"{share:.0%} of the excess loss over the median {v['median']:.4g}: {docs}"
                 + (f" and {len(v['documents']) - 5} more" if len(v["documents"]) > 5 else ""))
     if v["suspect_ranks"]:
         what = ", ".join(f"rank {r['rank']} ({' and '.join(r['differs'])})" for r in v["ranks"] if r["differs"])
@@ -272,7 +271,10 @@ def append_event(run_dir: Path, v: dict, action: str | None = None) -> None:
     values = {k: v[k] for k in v if k not in ("text", "index")}
     rec = {"kind": "replay", "step": v["index"], "rank": 0, "time": time.time(), "text": v["text"],
            "action": action or v.get("verdict"), "values": values}
-    with open(Path(run_dir) / "events_replay.jsonl", "a") as f:
-        f.write(json.dumps(rec) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    # One write() on an O_APPEND descriptor: replays started for spikes in a row may finish together.
+    fd = os.open(Path(run_dir) / "events_replay.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(rec) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
