@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import pickle
+import random
 import sysconfig
 from itertools import islice, product
 from pathlib import Path
@@ -123,6 +124,12 @@ def test_fast_fix_text_equals_ftfy_on_real_text():
     for t in texts:
         assert _fix_text(t) == ftfy.fix_text(t, FTFY_CONFIG)
     assert "naïve café – “quoted text" in _fix_text(texts[-1])
+    # Lines of ASCII and typographic quotes / dashes / ellipses skip ftfy: it leaves them unchanged.
+    rng = random.Random(0)
+    alphabet = "‘’“”–—…" + "aeAE s.,'\"-09"
+    for _ in range(3000):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 10)))
+        assert ftfy.fix_text(s, FTFY_CONFIG) == s == _fix_text(s), s
 
 
 # --------------------------------------------------------------------------------------------------
