@@ -256,9 +256,12 @@ _CHUNK_CACHE_SIZE = 1 << 18
 def _chunk_tokens(chunk: str) -> tuple[str, ...]:
     """The tokens of one whitespace-free ``chunk`` (:func:`_split_chunk`, then special cases
     re-formed), cached in :data:`_CHUNK_TOKENS`."""
-    out: list[str] = []
-    _split_chunk(chunk, out)
-    tokens = tuple(_merge_specials(out) if len(out) > 1 else out)
+    if (chunk.isalpha() or chunk.isdigit()) and chunk.lower() not in _SPLIT:  # most words: nothing to split
+        tokens: tuple[str, ...] = (chunk,)
+    else:
+        out: list[str] = []
+        _split_chunk(chunk, out)
+        tokens = tuple(_merge_specials(out) if len(out) > 1 else out)
     if len(_CHUNK_TOKENS) >= _CHUNK_CACHE_SIZE:
         _CHUNK_TOKENS.clear()
     _CHUNK_TOKENS[chunk] = tokens
