@@ -91,3 +91,23 @@ def test_shards_evaluation_and_masks_agree_on_document_starts(tmp_path, name):
     # Bits per byte count text only: BOS and EOS are 0 bytes.
     assert text_bytes(tok, ids) == sum(len(tok.decode(stream.document(k)[1 if tok.bos_id is not None else 0:-1])
                                            .encode()) for k in range(n_docs))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama3"])
+def test_scale_out_tokenize_step_places_bos_and_eos_as_prepare_does(name):
+    pytest.importorskip("datatrove", reason="the scale-out runs on datatrove (test extra)")
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers
+
+    from densetrain.data.prepare.scale.steps import document_template
+
+    tok = _named(name)
+    template = document_template(tok)
+    if tok.bos_id is None:
+        assert template is None  # datatrove's own "$A <EOS>"
+        return
+    vocab = {"hello": 0, "world": 1, tok.bos_token: tok.bos_id, tok.eos_token: tok.eos_id}
+    hf = HF(models.WordLevel(vocab, unk_token="hello"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.post_processor = template
+    assert hf.encode("hello world").ids == [tok.bos_id, 0, 1, tok.eos_id]

@@ -230,8 +230,10 @@ class TokenizeStep(DocumentTokenizer):
       (:func:`~densetrain.data.prepare.scale.folder.check_datatrove_folder`).
     """
 
-    def __init__(self, *args, identity: dict | None = None, identity_folder=None, **kwargs):
+    def __init__(self, *args, identity: dict | None = None, identity_folder=None, post_processor=None, **kwargs):
         super().__init__(*args, **kwargs)
+        # DocumentTokenizer does not pass it on; its tokenizer property reads it (None: "$A <EOS>")
+        self.post_processor = post_processor
         self.identity = identity
         self.identity_folder = get_datafolder(identity_folder) if identity_folder else None
 
