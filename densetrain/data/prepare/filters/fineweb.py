@@ -71,6 +71,10 @@ class FineWebFilter(Filter):
             _, dup_chars = _duplicates(lines)
             if dup_chars / max(1, len(text) - text.count("\n")) > p.max_dup_line_char_ratio:
                 return self._drop("dup_line_char_ratio")
-        if text.count("\n") / count_words(text) > p.max_newline_ratio:
+        newlines = text.count("\n")
+        # every whitespace chunk holds at least one token: within the limit per chunk, within it per
+        # token (float division is monotone in the divisor), so most documents are never tokenized here
+        if (newlines / max(1, len(text.split())) > p.max_newline_ratio
+                and newlines / count_words(text) > p.max_newline_ratio):
             return self._drop("newline_ratio")
         return text, None
