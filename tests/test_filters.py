@@ -211,12 +211,12 @@ def test_web_filters_keep_what_fineweb_kept():
     assert len(docs) == 1400
     texts = [clean_text(d) for d in docs]
     removed = {}
-    for kind in ("web", "web_datatrove010"):
+    for kind, part in (("web", texts), ("web_datatrove010", texts[:400])):  # a part is enough to tell
         filters = build_filters(["auto"], kind, FiltersConfig())
         stats = FilterStats()
-        kept = [apply_filters(t, filters, stats) for t in texts]
-        removed[kind] = (sum(k is None for k in kept) / len(texts),
-                         1 - sum(len(k) for k in kept if k is not None) / sum(map(len, texts)))
+        kept = [apply_filters(t, filters, stats) for t in part]
+        removed[kind] = (sum(k is None for k in kept) / len(part),
+                         1 - sum(len(k) for k in kept if k is not None) / sum(map(len, part)))
     assert removed["web"][0] < 0.01 and removed["web"][1] < 0.01, removed
     assert removed["web_datatrove010"][0] > 0.1 and removed["web_datatrove010"][1] > 0.1, removed
 
