@@ -10,8 +10,9 @@ from pathlib import Path
 from densetrain.data.prepare.readers.paths import display_path
 from densetrain.data.tokenizer import Tokenizer
 
-PREPARE_VERSION = 1
-"""Bumped when cleaning/splitting/layout changes, which invalidates existing manifests."""
+PREPARE_VERSION = 2
+"""Bumped when cleaning/splitting/layout changes, which invalidates existing manifests (2: BOS before
+every Llama 3 document; `web` auto filters read as FineWeb's 2024 code)."""
 
 
 def log(msg: str) -> None:
