@@ -27,13 +27,15 @@ datatrove (``LocalPipelineExecutor``, ``tasks = workers = --workers``, FineWeb's
     duplicated-line ratio 0.1 (datatrove's default 0.01). FTFYFormatter gets densetrain's ftfy
     settings (``densetrain.data.prepare.filters.chain.FTFY_CONFIG``, NFC). MinHash: 14 buckets x 8 hashes
     (FineWeb's, 112 hashes like densetrain's 16 x 7), 5-grams, no verification. What remains
-    different is inherent: datatrove splits words with spaCy's blank English tokenizer (no model
-    download) and its FineWeb filter has an extra ``list_ratio`` rule; densetrain splits on
-    whitespace, also removes exact duplicates (normalised text) and holds out a val split.
-    Counting spaCy's punctuation tokens as words, datatrove's Gopher alpha-words rule (< 80% of
-    words with a letter) drops most dictionary and documentation text that densetrain keeps, so
-    datatrove then dedups and tokenizes far fewer documents; ``--dt-no-alpha-rule`` adds a
-    datatrove row without that rule, whose survivors match densetrain's.
+    different: densetrain's word tokens are its own re-implementation of the tokenizer datatrove
+    loads (spaCy's blank English one), it also removes exact duplicates (normalised text) and
+    holds out a val split; and its ``gopher_quality`` / ``fineweb`` read the rules as FineWeb's
+    2024 code did (ratios over words; ASCII line stops with quotes), while datatrove 0.10 counts
+    punctuation tokens in the Gopher alpha-words denominator (< 80% of tokens with a letter), which
+    drops 16% of FineWeb's own pages and most dictionary and documentation text, so datatrove then
+    dedups and tokenizes fewer documents; ``--dt-no-alpha-rule`` adds a datatrove row without that
+    rule. (densetrain's ``gopher_quality_datatrove010`` / ``fineweb_datatrove010`` are datatrove
+    0.10's reading, decision for decision: tests/test_filters_parity.py.)
     Start method ``fork`` instead of datatrove's default ``forkserver``: forkserver workers are
     not children of the measured process, so their CPU time would not be counted.
 

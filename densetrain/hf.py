@@ -307,7 +307,8 @@ def tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, bytes]:
 
     ``tokenizer.json`` gives the same ids as ``tok`` in ``PreTrainedTokenizerFast(tokenizer_file=...)``:
     a tokenizer.json is copied, a tiktoken one (``gpt2``, ``llama3``, a rank file) is converted
-    (:meth:`Tokenizer.hf_json`). Like ``tok`` it adds nothing when encoding (no BOS/EOS post-processor).
+    (:meth:`Tokenizer.hf_json`); a converted tokenizer with a BOS (Llama 3) starts every encoding with it,
+    as the shards start every document (Meta's post-processor), one without (GPT-2) adds nothing.
     ``tokenizer_config.json`` names the EOS (so HF generation stops where our documents end), the BOS where
     the tokenizer has one, and ``model_max_length``.
 

@@ -304,10 +304,13 @@ def _check_source_shards(cfg: Config, i: int, src: SourceConfig, tok: Tokenizer)
         assert manifest["splits"][split]["tokens"] == len(tf) == sum(p["tokens"])
         for sh in manifest["splits"][split]["shards"]:
             assert sh["sha256"] == sha256_file(shards / sh["path"])
+        head = 0 if tok.bos_id is None else 1  # a BOS starts every document (Llama 3)
         for k, doc_id in enumerate(p["doc_id"]):
             toks = tf.document(k)
             assert toks[-1] == tok.eos_id and tok.eos_id not in toks[:-1].tolist()
-            assert tok.decode(toks[:-1]) == expected[doc_id]
+            if head:
+                assert toks[0] == tok.bos_id and tok.bos_id not in toks[1:].tolist()
+            assert tok.decode(toks[head:-1]) == expected[doc_id]
             assert p["files"][p["source_file"][k]]  # provenance names a file
         seen[split] = set(p["doc_id"])
     assert not seen["train"] & seen["val"]

@@ -8,7 +8,9 @@ import dataclasses
 import gzip
 import importlib.util
 import json
+import os
 import pickle
+import random
 import sysconfig
 from itertools import islice, product
 from pathlib import Path
@@ -42,6 +44,8 @@ from densetrain.data.prepare.filters.chain import (
 from densetrain.errors import ConfigError
 from densetrain.registry.filters import AUTO_FILTERS
 
+REPO = Path(__file__).resolve().parents[1]
+
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 # Three paragraphs of ordinary prose (written for this test): 133 words, every line a sentence.
@@ -64,6 +68,10 @@ def gq(**kw) -> GopherQualityFilter:
     return GopherQualityFilter(GopherQualityConfig(**kw))
 
 
+def gq10(**kw) -> GopherQualityFilter:
+    return GopherQualityFilter(GopherQualityConfig(**kw), reading="datatrove010")
+
+
 def gr(words: bool = True, **kw) -> GopherRepetitionFilter:
     return GopherRepetitionFilter(GopherRepetitionConfig(**kw), words=words)
 
@@ -72,8 +80,12 @@ def c4(**kw) -> C4Filter:
     return C4Filter(C4Config(**kw))
 
 
-def fw(**kw) -> FineWebFilter:
-    return FineWebFilter(FineWebConfig(**kw))
+def fw(reading: str = "fineweb2024", **kw) -> FineWebFilter:
+    return FineWebFilter(FineWebConfig(**kw), reading=reading)
+
+
+def fw10(**kw) -> FineWebFilter:
+    return fw("datatrove010", **kw)
 
 
 def tokens(n: int, alphabet: str = "bcdfghjklmnp") -> list[str]:
@@ -112,6 +124,12 @@ def test_fast_fix_text_equals_ftfy_on_real_text():
     for t in texts:
         assert _fix_text(t) == ftfy.fix_text(t, FTFY_CONFIG)
     assert "naïve café – “quoted text" in _fix_text(texts[-1])
+    # Lines of ASCII and typographic quotes / dashes / ellipses skip ftfy: it leaves them unchanged.
+    rng = random.Random(0)
+    alphabet = "‘’“”–—…" + "aeAE s.,'\"-09"
+    for _ in range(3000):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 10)))
+        assert ftfy.fix_text(s, FTFY_CONFIG) == s == _fix_text(s), s
 
 
 # --------------------------------------------------------------------------------------------------
@@ -158,6 +176,49 @@ def test_gopher_quality_passes_prose_and_thresholds_are_configurable():
     assert gq(min_words=10).apply(short) == (short, None)
     assert gq(max_words=132).apply(PROSE) == (None, "gopher_quality:word_count")  # PROSE has 133
     assert gq(max_words=133).apply(PROSE) == (PROSE, None)
+
+
+def test_gopher_quality_readings_differ():
+    # FineWeb's 2024 code divides by words (commas and periods are not words), datatrove 0.10 by
+    # tokens: 65 words and 30 marks are 1.0 alphabetic for the first, 0.68 for the second.
+    listing = " ".join(["Well, the cat, the dog, and the bird sat, ate, and slept."] * 5)
+    assert gq().apply(listing) == (listing, None)
+    assert gq10().apply(listing) == (None, "gopher_quality_datatrove010:alpha_words")
+    # 2024 counts stop-word occurrences ('the' 30 times is enough), 0.10 distinct stop words
+    one_stop = " ".join(f"the {w}" for w in tokens(30)) + "."
+    assert gq().apply(one_stop) == (one_stop, None)
+    assert gq10().apply(one_stop) == (None, "gopher_quality_datatrove010:stop_words")
+    # NLTK (2024) rewrote '"' as '``' / "''": quotes count as (non-alphabetic) words there
+    quoted = " ".join(f'"{w}" and' for w in tokens(30))  # 60 words + 60 quotes: 60/120 = 0.5
+    assert gq().apply(quoted) == (None, "gopher_quality:alpha_words")
+    with pytest.raises(ValueError, match="reading must be one of"):
+        GopherQualityFilter(GopherQualityConfig(), reading="datatrove011")
+
+
+FINEWEB_SAMPLE = next((p for p in (*[Path(e) for e in os.environ.get("DENSETRAIN_SHARED_DATA", "").split(":") if e],
+                                   REPO.parent / "shared/data", REPO.parents[1] / "shared/data")
+                       if (p / "fineweb_sample").is_dir()), None)
+
+
+@pytest.mark.skipif(FINEWEB_SAMPLE is None, reason="FineWeb's sample lives in ../shared/data/fineweb_sample (absent)")
+def test_web_filters_keep_what_fineweb_kept():
+    # 1,400 FineWeb pages (sample-10BT) passed FineWeb's own filters in 2024: re-applying `web`
+    # must keep them (< 1% of documents and characters); datatrove 0.10's reading drops ~16%.
+    import pyarrow.parquet as pq
+
+    docs = [t for f in sorted((FINEWEB_SAMPLE / "fineweb_sample").glob("*.parquet"))
+            for t in pq.read_table(f, columns=["text"]).column("text").to_pylist()]
+    assert len(docs) == 1400
+    texts = [clean_text(d) for d in docs]
+    removed = {}
+    for kind, part in (("web", texts), ("web_datatrove010", texts[:400])):  # a part is enough to tell
+        filters = build_filters(["auto"], kind, FiltersConfig())
+        stats = FilterStats()
+        kept = [apply_filters(t, filters, stats) for t in part]
+        removed[kind] = (sum(k is None for k in kept) / len(part),
+                         1 - sum(len(k) for k in kept if k is not None) / sum(map(len, part)))
+    assert removed["web"][0] < 0.01 and removed["web"][1] < 0.01, removed
+    assert removed["web_datatrove010"][0] > 0.1 and removed["web_datatrove010"][1] > 0.1, removed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -310,33 +371,57 @@ def test_c4_page_rules():
 LONG_LINES = [f"This line about the item {w} is long enough to count" for w in tokens(10)]
 
 
-def test_fineweb_rules():
-    assert fw().apply(PROSE) == (PROSE, None)
+def test_fineweb_rules_datatrove010():
+    # datatrove 0.10's reading (filter fineweb_datatrove010); the 2024 one: test_fineweb_rules_2024
+    assert fw10().apply(PROSE) == (PROSE, None)
     # 1 of 10 lines ends in punctuation: 0.1 < 0.12
     one = "\n".join(LONG_LINES[:9] + [LONG_LINES[9] + "."])
-    assert fw().apply(one) == (None, "fineweb:line_punct_ratio")
-    assert fw(min_line_punct_ratio=0.1).apply(one) == (one, None)
+    assert fw10().apply(one) == (None, "fineweb_datatrove010:line_punct_ratio")
+    assert fw10(min_line_punct_ratio=0.1).apply(one) == (one, None)
     # other scripts' marks count; a closing quote or bracket after the mark does not (the line's
     # last character decides, as in datatrove)
     marks = "\n".join([LONG_LINES[0] + '."', LONG_LINES[1] + "?)", LONG_LINES[2] + "!\u201d",
                        "河水流过山谷，一直流到大海。", "Это длинная строка, которая кончается точкой.",
                        "यह एक लंबी पंक्ति है जो पूर्ण विराम पर समाप्त होती है।"] + LONG_LINES[3:10])
-    assert fw(min_line_punct_ratio=3 / 13).apply(marks) == (marks, None)
-    assert fw(min_line_punct_ratio=4 / 13).apply(marks) == (None, "fineweb:line_punct_ratio")
+    assert fw10(min_line_punct_ratio=3 / 13).apply(marks) == (marks, None)
+    assert fw10(min_line_punct_ratio=4 / 13).apply(marks) == (None, "fineweb_datatrove010:line_punct_ratio")
     # 7 of 10 lines have <= 30 characters: 0.7 > 0.67
     short = "\n".join(["Fish for sale today."] + [f"Item {w} is cheap." for w in tokens(6)]
                       + [line + "." for line in LONG_LINES[:3]])
-    assert fw().apply(short) == (None, "fineweb:short_line_ratio")
-    assert fw(max_short_line_ratio=0.7).apply(short) == (short, None)
-    assert fw(short_line_length=10).apply(short) == (short, None)
+    assert fw10().apply(short) == (None, "fineweb_datatrove010:short_line_ratio")
+    assert fw10(max_short_line_ratio=0.7).apply(short) == (short, None)
+    assert fw10(short_line_length=10).apply(short) == (short, None)
     # one repeated line holds 58 of ~520 characters: 0.11 > 0.01 (FineWeb's code; its paper: 0.1)
     dup = "\n".join([line + "." for line in LONG_LINES[:8]] + [LONG_LINES[0] + "."])
-    assert fw().apply(dup) == (None, "fineweb:dup_line_char_ratio")
-    assert fw(max_dup_line_char_ratio=0.12).apply(dup) == (dup, None)
+    assert fw10().apply(dup) == (None, "fineweb_datatrove010:dup_line_char_ratio")
+    assert fw10(max_dup_line_char_ratio=0.12).apply(dup) == (dup, None)
     # more than 0.3 newlines per word token: a list
     listing = "\n".join(f"{w} and more." for w in tokens(20))  # 19 newlines, 80 tokens: 0.24
-    assert fw(short_line_length=10).apply(listing) == (listing, None)
-    assert fw(short_line_length=10, max_newline_ratio=0.2).apply(listing) == (None, "fineweb:newline_ratio")
+    assert fw10(short_line_length=10).apply(listing) == (listing, None)
+    assert fw10(short_line_length=10, max_newline_ratio=0.2).apply(listing) == (
+        None, "fineweb_datatrove010:newline_ratio")
+    assert fw10().apply("") == (None, "fineweb_datatrove010:empty")
+
+
+def test_fineweb_rules_2024():
+    # FineWeb's own code (filter fineweb): ASCII stops and quotes, blank lines counted, bounds inclusive
+    assert fw().apply(PROSE) == (PROSE, None)
+    # 2 of 10 lines end in punctuation: 0.2; with min 0.2 the 2024 code drops (<=), 0.10 keeps (<)
+    two = "\n".join(LONG_LINES[:8] + [LONG_LINES[8] + ".", LONG_LINES[9] + "."])
+    assert fw(min_line_punct_ratio=0.2).apply(two) == (None, "fineweb:line_punct_ratio")
+    assert fw10(min_line_punct_ratio=0.2).apply(two) == (two, None)
+    # a closing quote ends a sentence line in 2024 ('."' and "'" count), a Unicode mark does not
+    quoted = "\n".join([line + '."' for line in LONG_LINES[:3]] + ["河水流过山谷，一直流到大海。"] + LONG_LINES[3:9])
+    assert fw(min_line_punct_ratio=0.29).apply(quoted) == (quoted, None)  # 3 of 10
+    assert fw(min_line_punct_ratio=0.3).apply(quoted) == (None, "fineweb:line_punct_ratio")
+    assert fw10(min_line_punct_ratio=0.1).apply(quoted) == (quoted, None)  # 1 of 10: the Chinese line
+    assert fw10(min_line_punct_ratio=0.11).apply(quoted) == (None, "fineweb_datatrove010:line_punct_ratio")
+    # blank lines are lines (short, without a stop) in 2024: 5 prose lines + 5 blank ones
+    spaced = "\n\n".join(line + "." for line in LONG_LINES[:6])
+    assert fw(max_short_line_ratio=0.45).apply(spaced) == (None, "fineweb:short_line_ratio")  # 5 of 11 >= 0.45
+    assert fw(max_short_line_ratio=0.46, min_line_punct_ratio=0.55).apply(spaced) == (
+        None, "fineweb:line_punct_ratio")  # 6 of 11 <= 0.55
+    assert fw10(max_short_line_ratio=0.01).apply(spaced) == (spaced, None)  # none of 6 is short
     assert fw().apply("") == (None, "fineweb:empty")
 
 
@@ -347,6 +432,7 @@ def test_fineweb_rules():
 
 @pytest.mark.parametrize("kind,names", [
     ("web", ["gopher_repetition", "gopher_quality", "c4_fineweb", "fineweb"]),
+    ("web_datatrove010", ["gopher_repetition", "gopher_quality_datatrove010", "c4_fineweb", "fineweb_datatrove010"]),
     ("c4", ["c4"]),
     ("reference", ["gopher_repetition", "gopher_quality"]),
     ("books", ["gopher_repetition_lines"]),
@@ -493,26 +579,32 @@ def test_real_prose_through_web_filters():
         docs = [json.loads(line)["doc"] for line in islice(f, 1200)]
     stories = list(dict.fromkeys(d["story"] for d in docs))
     assert len(stories) == 76 and {d["source"] for d in docs} == {"cnn", "wikipedia", "gutenberg", "race", "mctest"}
-    filters = build_filters(["auto"], "web", FiltersConfig())
-    stats = FilterStats()
-    for s in stories:
-        apply_filters(clean_text(s), filters, stats)
-    d = stats.to_dict()
-    # FineWeb's rules as datatrove runs them (tests/test_filters_parity.py checks each decision):
-    # dialogue-heavy stories fail Gopher's alpha-word ratio, whose denominator counts punctuation
-    # tokens; nothing repeats; C4's step removes the paragraph breaks (50 documents) and drops one
-    # story of fewer than 5 sentences.
-    assert {n: (c["documents_removed"], c["reasons"]) for n, c in d.items()} == {
+    d = {}
+    for kind in ("web", "web_datatrove010"):
+        stats = d[kind] = FilterStats()
+        for s in stories:
+            apply_filters(clean_text(s), build_filters(["auto"], kind, FiltersConfig()), stats)
+    # datatrove 0.10's reading (tests/test_filters_parity.py checks each decision): dialogue-heavy
+    # stories fail Gopher's alpha-word ratio, whose denominator counts punctuation tokens; nothing
+    # repeats; C4's step removes the paragraph breaks (50 documents) and drops one story of fewer
+    # than 5 sentences.
+    now = d["web_datatrove010"].to_dict()
+    assert {n: (c["documents_removed"], c["reasons"]) for n, c in now.items()} == {
         "gopher_repetition": (0, {}),
-        "gopher_quality": (9, {"alpha_words": {"documents": 9, "chars": 13150}}),
+        "gopher_quality_datatrove010": (9, {"alpha_words": {"documents": 9, "chars": 13150}}),
         "c4_fineweb": (1, {"too_few_sentences": {"documents": 1, "chars": 1075}}),
-        "fineweb": (1, {"short_line_ratio": {"documents": 1, "chars": 1829}}),
+        "fineweb_datatrove010": (1, {"short_line_ratio": {"documents": 1, "chars": 1829}}),
     }
-    assert d["c4_fineweb"]["documents_modified"] == 50
-    assert d["c4_fineweb"]["chars_removed"] - 1075 < 0.01 * d["c4_fineweb"]["chars_in"]  # blank lines only
-    (warning,) = filter_warnings(stats, "coqa")
+    assert now["c4_fineweb"]["documents_modified"] == 50
+    assert now["c4_fineweb"]["chars_removed"] - 1075 < 0.01 * now["c4_fineweb"]["chars_in"]  # blank lines only
+    (warning,) = filter_warnings(d["web_datatrove010"], "coqa")
     assert warning.startswith("source 'coqa': filters removed 14.5% and edited 65.8% of 76 documents, cutting 15.2%")
-    assert "top rules: gopher_quality:alpha_words (11.9% chars, 9 docs)" in warning
+    assert "top rules: gopher_quality_datatrove010:alpha_words (11.9% chars, 9 docs)" in warning
+    # FineWeb's 2024 reading divides by words, not punctuation marks: the dialogue stays
+    fw24 = d["web"].to_dict()
+    assert {n: c["documents_removed"] for n, c in fw24.items()} == {
+        "gopher_repetition": 0, "gopher_quality": 0, "c4_fineweb": 1, "fineweb": 1}
+    assert fw24["fineweb"]["reasons"] == {"short_line_ratio": {"documents": 1, "chars": 1829}}
 
 
 def test_filter_warnings_threshold():

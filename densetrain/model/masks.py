@@ -7,7 +7,10 @@ sequences. The boundaries come from the data, computed once per batch on the hos
 (:func:`document_ids`): token ``j`` of a row belongs to document ``doc[j]`` = the number of EOS
 tokens *before* ``j`` (an EOS belongs to the document it ends), and its position in that document
 is ``j`` minus the index of the document's first token. A window that starts inside a document
-counts that document from the window start, as unmasked training does.
+counts that document from the window start, as unmasked training does. Where the tokenizer has a
+BOS (Llama 3) every document starts with it, right after the previous EOS: the BOS is token 0 of its
+own document, position 0, attending only to itself, as it is in evaluation, where every context
+starts with it (:func:`densetrain.evals.scoring.start_token`).
 
 Attention then lets query ``j`` see key ``k`` iff ``k <= j`` and ``doc[k] == doc[j]``. Three paths:
 

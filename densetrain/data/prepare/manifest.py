@@ -13,8 +13,9 @@ from densetrain.data.tokenizer import Tokenizer
 from densetrain.errors import DataError
 from densetrain.fileio import atomic_write_json
 
-PREPARE_VERSION = 1
-"""Bumped when cleaning/splitting/layout changes, which invalidates existing manifests."""
+PREPARE_VERSION = 2
+"""Bumped when cleaning/splitting/layout changes, which invalidates existing manifests (2: BOS before
+every Llama 3 document; `web` auto filters read as FineWeb's 2024 code)."""
 
 
 def log(msg: str) -> None:

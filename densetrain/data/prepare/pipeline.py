@@ -13,7 +13,7 @@ Steps (per source, in ``data.sources`` order):
    (:func:`densetrain.data.prepare.readers.sources.iter_documents`; bad records are skipped and counted), clean
    (ftfy, NFC, strip; empty documents dropped), quality filters (``SourceConfig.filters``,
    :mod:`densetrain.data.prepare.filters.chain`), decontamination, dedup key + MinHash signature, tokenize +
-   EOS.
+   EOS (after a BOS where the tokenizer has one: Llama 3).
 5. Deduplicate the survivors of each source (exact, then MinHash LSH; ``data.dedup``, per source
    ``SourceConfig.dedup``), keeping the first document of every cluster.
 6. Shuffle the documents (seeded per source), hold out ``val_fraction`` of them (at least one,

@@ -3,7 +3,10 @@
 Every document of a source goes through the same map, independently of all others::
 
     raw text -> clean (ftfy, NFC, strip) -> quality filters -> decontamination check
-             -> dedup key + MinHash signature -> token ids + EOS
+             -> dedup key + MinHash signature -> [BOS] + token ids + EOS
+
+(BOS where the tokenizer has one: Llama 3 starts every document with ``<|begin_of_text|>``, GPT-2
+has none and its ``<|endoftext|>`` alone separates documents.)
 
 Only deduplication needs to see the whole source; it runs afterwards in the main process on the
 keys and signatures the workers return (:mod:`densetrain.data.prepare.dedup`). This split is also how the
@@ -81,7 +84,8 @@ class ChunkResult:
     Attributes:
         kept: positions (in the chunk) of documents that survived cleaning, filters and
             decontamination, ascending.
-        tokens: token ids + EOS of each kept document (``token_dtype`` arrays).
+        tokens: token ids of each kept document (``token_dtype`` arrays): BOS (where the tokenizer has
+            one: Llama 3's ``<|begin_of_text|>``), the text's ids, EOS.
         text_bytes: UTF-8 bytes of each kept (cleaned) document.
         keys: ``(len(kept), 16)`` uint8 exact-dedup keys, or None without exact dedup.
         signatures: ``(len(kept), num_perm)`` uint32 MinHash signatures, or None without near dedup.
@@ -204,10 +208,13 @@ class DocumentProcessor:
         res.text_bytes = [len(t.encode("utf-8")) for t in texts_kept]
         if self.spec.dedup is not None:
             res.keys, res.signatures = dedup.fingerprints(texts_kept, self.spec.dedup)
-        eos = self.tokenizer.eos_id
+        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
+        head = 0 if bos is None else 1  # Llama 3 starts every document with <|begin_of_text|>
         for ids in self.tokenizer.encode_batch(texts_kept):
-            a = np.empty(len(ids) + 1, dtype=self.dtype)
-            a[:-1] = ids
+            a = np.empty(head + len(ids) + 1, dtype=self.dtype)
+            if head:
+                a[0] = bos
+            a[head:-1] = ids
             a[-1] = eos
             res.tokens.append(a)
         return res

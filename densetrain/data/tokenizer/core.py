@@ -5,7 +5,8 @@ All sit behind one small :class:`Tokenizer` interface. Two rules hold for every 
 
 * Encoding never turns text into special tokens: a document containing the characters
   ``<|endoftext|>`` is encoded like any other text. Only :attr:`Tokenizer.eos_id`, appended by
-  the caller after each document, is ever a special token in the shards.
+  the caller after each document, and :attr:`Tokenizer.bos_id` (where there is one), put before
+  it, are ever special tokens in the shards.
 * Encoding adds nothing (no BOS/EOS from a post-processor): ``decode(encode(t)) == t`` for the
   byte-level tokenizers (trained BPE, tiktoken).
 
@@ -27,7 +28,8 @@ llama3   128,256    ``<|end_of_text|>`` 128001       ``<|begin_of_text|>`` 12800
 
 GPT-2: 50,256 ranks + ``<|endoftext|>`` (openai/gpt-2 ``encoder.json``; tiktoken r50k_base). Llama 3:
 128,000 ranks + 256 special tokens from 128000 (meta-llama/llama3 ``llama/tokenizer.py``). BOS is
-reported (:attr:`Tokenizer.bos_id`) but, like EOS, never added by :meth:`Tokenizer.encode`.
+reported (:attr:`Tokenizer.bos_id`) but, like EOS, never added by :meth:`Tokenizer.encode`: the shard
+writer (:mod:`densetrain.data.prepare.process`) starts every Llama 3 document with it, as Meta does.
 """
 
 from __future__ import annotations
@@ -291,7 +293,7 @@ class Tokenizer:
         enc = self._impl
         try:
             # tiktoken exposes its ranks, specials and regex only as these attributes (also read by the hash).
-            return tiktoken_to_hf_json(enc._mergeable_ranks, enc._special_tokens, enc._pat_str)
+            return tiktoken_to_hf_json(enc._mergeable_ranks, enc._special_tokens, enc._pat_str, self.bos_token)
         except ValueError as e:
             raise DataError(f"tokenizer '{self.name}' cannot be written as a tokenizer.json: {e}") from None
 

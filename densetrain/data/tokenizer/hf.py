@@ -19,8 +19,10 @@ multilingual sample of that check.
 
 The pipeline: ``Split`` with the encoding's own regex (``isolated``; HF's Oniguruma accepts tiktoken's
 possessive quantifiers), then ``ByteLevel`` without its own regex or prefix space; ``ByteLevel`` decoder;
-the special tokens as added tokens at their ids; no normalizer and no post-processor (nothing is added,
-as in :class:`densetrain.data.tokenizer.Tokenizer`).
+the special tokens as added tokens at their ids; no normalizer. A tokenizer with a BOS (Llama 3) gets
+Meta's post-processor, which starts every encoding with it (as densetrain's shards start every document);
+one without (GPT-2) gets none. :class:`densetrain.data.tokenizer.Tokenizer` itself never adds anything:
+it encodes without the post-processor and the shard writer places BOS and EOS.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def tiktoken_to_hf_json(ranks: dict[bytes, int], special_tokens: dict[str, int], pat_str: str) -> str:
+def tiktoken_to_hf_json(ranks: dict[bytes, int], special_tokens: dict[str, int], pat_str: str,
+                        bos_token: str | None = None) -> str:
     """The HF ``tokenizer.json`` text of a tiktoken encoding.
 
     Args:
@@ -51,11 +54,17 @@ def tiktoken_to_hf_json(ranks: dict[bytes, int], special_tokens: dict[str, int],
         special_tokens: token -> id; ids follow the ranks without gaps (ours: GPT-2, Llama 3, cl100k-style
             encodings with gaps are refused).
         pat_str: the split regex.
+        bos_token: the beginning-of-text token (one of ``special_tokens``) that every encoding starts
+            with, as Meta's Llama 3 ``tokenizer.json`` does (a ``TemplateProcessing`` post-processor:
+            ``<|begin_of_text|> $A``, a pair ``<|begin_of_text|> $A <|begin_of_text|> $B``), so that
+            transformers' ``encode`` gives what densetrain's shards train on; None (GPT-2): no
+            post-processor, nothing added.
 
     Raises:
-        ValueError: a single byte has no rank, or the special ids do not continue the ranks.
+        ValueError: a single byte has no rank, the special ids do not continue the ranks, or
+            ``bos_token`` is not a special token.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     if any(bytes([b]) not in ranks for b in range(256)):
         raise ValueError("every single byte needs a rank for a byte-level BPE")
@@ -80,4 +89,10 @@ def tiktoken_to_hf_json(ranks: dict[bytes, int], special_tokens: dict[str, int],
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, _ in ordered])
     if any(tok.token_to_id(t) != i for t, i in ordered):
         raise ValueError("special tokens did not land on their ids")
+    if bos_token is not None:
+        if bos_token not in special_tokens:
+            raise ValueError(f"BOS {bos_token!r} is not one of the special tokens")
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token}:1 $B:1",
+            special_tokens=[(bos_token, special_tokens[bos_token])])
     return tok.to_str(pretty=False)

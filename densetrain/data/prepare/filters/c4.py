@@ -137,7 +137,8 @@ class C4FineWebFilter(Filter):
                 return self._drop("curly_brace")
             if p.remove_policy_lines and any(s in low for s in POLICY):
                 continue
-            sentences += count_sentences(line)
+            if sentences < p.min_sentences:  # enough already: the exact count does not matter
+                sentences += count_sentences(line)
             if blank:
                 kept.append("")
                 blank = False

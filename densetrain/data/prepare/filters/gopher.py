@@ -1,13 +1,18 @@
 """Gopher's quality and repetition filters (Rae et al. 2021, "Scaling Language Models: Methods,
-Analysis & Insights from Training Gopher", App. A, MassiveWeb), decided as datatrove 0.10's
-``GopherQualityFilter`` / ``GopherRepetitionFilter`` decide them (the implementation FineWeb ran;
-checked document by document in tests/test_filters_parity.py). Words are the tokens of
+Analysis & Insights from Training Gopher", App. A, MassiveWeb) as datatrove implements them.
+Repetition is datatrove 0.10's (FineWeb's code save a blank-line fix of 2024-04-26, equal on
+FineWeb's text); quality comes in two readings: the one that produced FineWeb in 2024
+(``gopher_quality``) and datatrove 0.10's (``gopher_quality_datatrove010``), each checked in
+tests/test_filters_parity.py and tests/test_filters.py. Words are the tokens of
 :func:`densetrain.data.prepare.filters.text.split_words` (datatrove's English word tokenizer)."""
 
 from __future__ import annotations
 
 import re
+import string
 from collections import Counter
+from itertools import compress
+from operator import itemgetter
 
 from densetrain.config import GopherQualityConfig, GopherRepetitionConfig
 from densetrain.data.prepare.filters.base import Filter
@@ -28,44 +33,72 @@ def _duplicates(items: list[str]) -> tuple[int, int]:
     return n, chars
 
 
+_ASCII_PUNCT = string.punctuation
+"""FineWeb 2024's "punctuation" test was ``word in string.punctuation``: a token that is a run of
+consecutive ASCII punctuation characters of that string ('(', ',', '()')."""
+
+
 class GopherQualityFilter(Filter):
-    """Gopher quality rules (Rae et al. 2021, App. A), thresholds in :class:`GopherQualityConfig`.
+    """Gopher quality rules (Rae et al. 2021, App. A), thresholds in :class:`GopherQualityConfig`,
+    in one of two readings of datatrove's code (``reading``); both count word *tokens*
+    (:func:`densetrain.data.prepare.filters.text.split_words`: punctuation marks are tokens too).
 
-    On the word tokens (punctuation marks are tokens too), a document is dropped, in this order, when:
+    ``reading="fineweb2024"`` (filter ``gopher_quality``): what produced FineWeb (datatrove before
+    its commit 6daa5e8 of 2024-03-22, with NLTK's word tokenizer). The "words" are the tokens that
+    are not ASCII punctuation (not a substring of ``string.punctuation``: ',' '(' '.' are not words,
+    '...' '“' '1' are), and every ratio divides by their number. A double quote counts as a word
+    of two characters: NLTK rewrote '"' as '``' / "''", tokens outside ``string.punctuation``.
+    A document is dropped, in this order, when:
 
-    - ``word_count``: tokens holding a character outside :data:`SYMBOL_CHARS` ("words") number
-      fewer than min_words (50) or more than max_words (100,000);
+    - ``word_count``: fewer than min_words (50) or more than max_words (100,000) words;
     - ``mean_word_length``: the words' mean length is outside [3, 10] characters;
-    - ``hash_ratio`` / ``ellipsis_ratio``: '#' characters, or ellipses ('...' or '…'), per token
+    - ``hash_ratio`` / ``ellipsis_ratio``: '#' characters, or ellipses ('...' or '…'), per word
       above 0.1;
     - ``bullet_lines``: more than 90% of lines (``str.splitlines``, blank ones included) start with
       '•' or '-' after indentation;
     - ``ellipsis_lines``: more than 30% of lines end with '...' or '…' (trailing spaces ignored);
-    - ``alpha_words``: fewer than 80% of tokens contain an alphabetic character;
-    - ``stop_words``: fewer than 2 of the stop words occur as tokens, exactly as written (lowercase:
-      'The' at a sentence start is not 'the').
+    - ``alpha_words``: tokens holding an alphabetic character are fewer than 80% of the words;
+    - ``stop_words``: fewer than 2 occurrences of stop words among the tokens (exactly as written:
+      'The' at a sentence start is not 'the'; 'the the' counts 2).
 
-    The token denominators, the two bullets, the case-sensitive stop words and the counted blank
-    lines are datatrove's reading of the paper, kept for parity with FineWeb.
+    ``reading="datatrove010"`` (filter ``gopher_quality_datatrove010``): datatrove 0.10's, equal
+    decision by decision (tests/test_filters_parity.py). Words are the tokens holding a character
+    outside :data:`SYMBOL_CHARS` (word count, mean length), but the hash, ellipsis and alpha
+    ratios divide by *all* tokens, and ``stop_words`` needs 2 *distinct* stop words. Counting
+    commas and periods in the alpha denominator drops 16% of FineWeb's own documents (measured on
+    1,400 sample-10BT pages; the 2024 reading drops 0.3% there), and most dialogue.
+
+    The two bullets, the case-sensitive stop words and the counted blank lines are datatrove's
+    reading of the paper in both.
     """
 
-    name = "gopher_quality"
     BULLETS = ("•", "-")
+    READINGS = ("fineweb2024", "datatrove010")
 
-    def __init__(self, params: GopherQualityConfig):
+    def __init__(self, params: GopherQualityConfig, reading: str = "fineweb2024"):
+        if reading not in self.READINGS:
+            raise ValueError(f"GopherQualityFilter: reading must be one of {self.READINGS}, got {reading!r}")
         self.p = params
+        self.reading = reading
+        self.name = "gopher_quality" if reading == "fineweb2024" else "gopher_quality_datatrove010"
         self.stop_words = frozenset(params.stop_words)
 
     def apply(self, text: str) -> tuple[str | None, str | None]:
         p = self.p
         tokens = split_words(text)
-        words = [w for w in tokens if not SYMBOL_CHARS.issuperset(w)]
+        if self.reading == "fineweb2024":
+            words = [w for w in tokens if w not in _ASCII_PUNCT or w == '"']
+            n = len(words)
+            chars = sum(map(len, words)) + words.count('"')  # '"' was '``' or "''"
+        else:
+            words = [w for w in tokens if not SYMBOL_CHARS.issuperset(w)]
+            n = len(tokens)
+            chars = sum(map(len, words))
         if not words or not p.min_words <= len(words) <= p.max_words:
             return self._drop("word_count")
-        mean_len = sum(map(len, words)) / len(words)
+        mean_len = chars / len(words)
         if not p.min_mean_word_length <= mean_len <= p.max_mean_word_length:
             return self._drop("mean_word_length")
-        n = len(tokens)
         if text.count("#") / n > p.max_hash_ratio:
             return self._drop("hash_ratio")
         if (text.count("...") + text.count("…")) / n > p.max_ellipsis_ratio:
@@ -78,7 +111,11 @@ class GopherQualityFilter(Filter):
         alpha = sum(1 for w in tokens if w.isalpha() or any(c.isalpha() for c in w))
         if alpha / n < p.min_alpha_words:
             return self._drop("alpha_words")
-        if len(self.stop_words.intersection(tokens)) < p.min_stop_words:
+        if self.reading == "fineweb2024":
+            stop = sum(1 for w in tokens if w in self.stop_words)
+        else:
+            stop = len(self.stop_words.intersection(tokens))
+        if stop < p.min_stop_words:
             return self._drop("stop_words")
         return text, None
 
@@ -142,25 +179,59 @@ class GopherRepetitionFilter(Filter):
         return text, None
 
     def _ngram_rule(self, words: tuple[str, ...], size: int) -> str | None:
-        """The first violated n-gram rule, or None."""
-        for n, limit in self.top:
-            if len(words) < n:
-                continue
-            counts = Counter(" ".join(words[i:i + n]) for i in range(len(words) - n + 1))
-            gram, count = max(counts.items(), key=lambda kv: kv[1])  # max keeps the earliest of a tie
-            if len(gram) * count / size > limit:
-                return f"top_{n}gram_char_frac"
-        for n, limit in self.dup:
-            seen: set[str] = set()
-            repeated, i, last = 0, 0, len(words) - n
-            while i <= last:
-                gram = "".join(words[i:i + n])
-                if gram in seen:
-                    repeated += len(gram)
-                    i += n  # the next n-gram starts after this repeat: overlaps count once
-                else:
-                    seen.add(gram)
-                    i += 1
-            if repeated / size > limit:
+        """The first violated n-gram rule, or None.
+
+        Only the 2-grams are counted over the whole document (in C: ``zip``, ``Counter``): an
+        n-gram occurs twice only where the two (n-1)-grams it starts with and ends with do, so
+        each larger n counts just those positions. n-grams are compared as token tuples (tokens
+        hold no whitespace, so a tuple is the n-gram " ".join gives; datatrove's repeat scan
+        compares "".join strings, which differ only where two token sequences spell one string).
+        """
+        tops = dict(self.top)
+        dups = dict(self.dup)
+        last_n = max((*tops, *dups), default=0)
+        n_words = len(words)
+        if n_words < 2:
+            return None
+        counts = Counter(zip(words, words[1:]))
+        repeated = list(compress(range(n_words - 1), map((1).__lt__, map(counts.__getitem__, zip(words, words[1:])))))
+        for n in range(2, last_n + 1):
+            if n > 2:
+                if n_words < n:
+                    return None
+                starts = set(repeated)
+                candidates = [i for i in repeated if i + 1 in starts and i + n <= n_words]
+                grams = [words[i:i + n] for i in candidates]
+                counts = Counter(grams)
+                repeated = [i for i, g in zip(candidates, grams) if counts[g] > 1]
+            if n in tops:
+                gram, count = max(counts.items(), key=itemgetter(1)) if counts else (words[:n], 1)
+                if count == 1:
+                    gram = words[:n]  # every n-gram once: the earliest
+                if (sum(map(len, gram)) + n - 1) * count / size > tops[n]:
+                    return f"top_{n}gram_char_frac"
+            if n in dups and _repeated_chars(words, repeated, n) / size > dups[n]:
                 return f"dup_{n}gram_char_frac"
         return None
+
+
+def _repeated_chars(words: tuple[str, ...], repeated: list[int], n: int) -> int:
+    """Characters (words concatenated) of the word n-grams that equal an earlier n-gram, scanning
+    left to right and jumping past each repeat so that overlapping repeats count once (datatrove's
+    ``find_all_duplicate``), given the positions of the n-grams that occur at least twice.
+
+    Equal to that scan over every position: an n-gram that occurs once is never "seen" again, so
+    only ``repeated`` positions change the scan's state; those a repeat jumped over are skipped.
+    """
+    seen: set[tuple[str, ...]] = set()
+    chars = next_free = 0
+    for i in repeated:
+        if i < next_free:
+            continue  # inside the previous repeat
+        gram = words[i:i + n]
+        if gram in seen:
+            chars += sum(map(len, gram))
+            next_free = i + n
+        else:
+            seen.add(gram)
+    return chars

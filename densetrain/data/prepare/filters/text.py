@@ -81,6 +81,7 @@ _UNITS = sorted(("km km² km³ m m² m³ dm dm² dm³ cm cm² cm³ mm mm² mm³ 
                  "كم كم² كم³ م م² م³ سم سم² سم³ مم مم² مم³ كم غرام جرام جم كغ ملغ كوب اكواب").split(),
                 key=len, reverse=True)
 """spaCy ``char_classes._units``: split off a number ('5km' -> '5', 'km'), longest first."""
+_UNIT_SET = frozenset(_UNITS)
 _ABBREVIATIONS = frozenset(
     "Adm. Ak. Ala. Apr. Ariz. Ark. Aug. Bros. Calif. Co. Colo. Conn. Corp. D.C. Dec. Del. Dr. E.G. E.g. Feb. Fla. "
     "Ga. Gen. Gov. I.E. I.e. Ia. Id. Ill. Inc. Ind. Jan. Jr. Jul. Jun. Kan. Kans. Ky. La. Ltd. Mar. Mass. Md. "
@@ -166,8 +167,11 @@ def _suffix_len(s: str) -> int:
     if c == "." and len(s) > 1 and (prev in _DOT_AFTER or _lower(prev)
                                     or (len(s) > 2 and _upper(prev) and _upper(s[-3]))):
         return 1
-    if c != "." and any(s.endswith(u) and s[-len(u) - 1:-len(u)].isdigit() for u in _UNITS if len(u) < len(s)):
-        return next(len(u) for u in _UNITS if len(u) < len(s) and s.endswith(u) and s[-len(u) - 1].isdigit())
+    if c != ".":
+        # the longest unit that follows a digit ends the string: the first digit whose tail is a unit
+        for k, ch in enumerate(s[:-1]):
+            if ch.isdigit() and s[k + 1:] in _UNIT_SET:
+                return len(s) - k - 1
     return 0
 
 
@@ -243,24 +247,49 @@ def _split_chunk(chunk: str, out: list[str]) -> None:
     out.extend(reversed(suffixes))
 
 
+_CHUNK_TOKENS: dict[str, tuple[str, ...]] = {}
+"""Tokens of each whitespace-free chunk seen lately: web text repeats its words (Zipf), so most
+chunks are split once per worker; cleared when it holds :data:`_CHUNK_CACHE_SIZE` chunks."""
+_CHUNK_CACHE_SIZE = 1 << 18
+
+
+def _chunk_tokens(chunk: str) -> tuple[str, ...]:
+    """The tokens of one whitespace-free ``chunk`` (:func:`_split_chunk`, then special cases
+    re-formed), cached in :data:`_CHUNK_TOKENS`."""
+    if (chunk.isalpha() or chunk.isdigit()) and chunk.lower() not in _SPLIT:  # most words: nothing to split
+        tokens: tuple[str, ...] = (chunk,)
+    else:
+        out: list[str] = []
+        _split_chunk(chunk, out)
+        tokens = tuple(_merge_specials(out) if len(out) > 1 else out)
+    if len(_CHUNK_TOKENS) >= _CHUNK_CACHE_SIZE:
+        _CHUNK_TOKENS.clear()
+    _CHUNK_TOKENS[chunk] = tokens
+    return tokens
+
+
 @lru_cache(maxsize=2)
 def split_words(text: str) -> tuple[str, ...]:
     """The word tokens of ``text`` as datatrove's English tokenizer gives them (see the module
     docstring): ``"Don't stop... (yet)!"`` -> ``('Do', "n't", 'stop', '...', '(', 'yet', ')', '!')``.
 
     Cached for the last two documents: Gopher repetition, Gopher quality and FineWeb's newline
-    rule tokenize the same text one after the other.
+    rule tokenize the same text one after the other; each chunk between whitespace is split once
+    (:data:`_CHUNK_TOKENS`), one dictionary look-up per chunk after that.
     """
-    out: list[str] = []
-    for chunk in text.split():
-        if (chunk.isalpha() or chunk.isdigit()) and chunk.lower() not in _SPLIT:  # most words: nothing to split
-            out.append(chunk)
-        else:
-            start = len(out)
-            _split_chunk(chunk, out)
-            if len(out) - start > 1:
-                out[start:] = _merge_specials(out[start:])
-    return tuple(out)
+    return tuple(_tokens(text))
+
+
+def _tokens(text: str) -> list[str]:
+    """:func:`split_words` uncached (for lines, which would push documents out of its cache)."""
+    get = _CHUNK_TOKENS.get
+    return [t for chunk in text.split() for t in (get(chunk) or _chunk_tokens(chunk))]
+
+
+def count_words(text: str) -> int:
+    """``len(split_words(text))`` without building the tuple (FineWeb's newline rule)."""
+    get = _CHUNK_TOKENS.get
+    return sum(len(get(chunk) or _chunk_tokens(chunk)) for chunk in text.split())
 
 
 def _merge_specials(tokens: list[str]) -> list[str]:
@@ -288,7 +317,7 @@ def count_sentences(line: str) -> int:
     """Sentences in one line as spaCy's ``sentencizer`` splits them (datatrove's English
     ``split_into_sentences``): a sentence ends at a token in :data:`SENTENCE_MARKS` and the next one
     starts at the next token that is not punctuation. 0 for a line without tokens."""
-    tokens = split_words(line)
+    tokens = _tokens(line)
     if not tokens:
         return 0
     n, seen_mark = 1, False

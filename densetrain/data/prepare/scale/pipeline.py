@@ -85,6 +85,7 @@ from densetrain.data.prepare.scale.steps import (
     SourceReader,
     TaskFileReader,
     TokenizeStep,
+    document_template,
     document_writer,
     exact_content,
     minhash_config,
@@ -247,6 +248,7 @@ def datatrove_pipeline(
 
     def tokenizer(sub: str, identity: bool) -> TokenizeStep:
         return TokenizeStep(f"{out}/{sub}", tokenizer_name_or_path=tok_path, eos_token=tok.eos_token, seed=data.seed,
+                            post_processor=document_template(tok),
                             max_tokens_per_file=SHARD_MAX_TOKENS, identity=tok.identity() if identity else None,
                             identity_folder=out if identity else None)
 

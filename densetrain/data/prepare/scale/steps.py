@@ -208,6 +208,18 @@ class TaskFileReader(ParquetReader):
             yield doc
 
 
+def document_template(tok):
+    """The tokenize stage's post-processor for ``tok`` (a :class:`densetrain.data.tokenizer.Tokenizer`):
+    ``<BOS> $A <EOS>`` where the tokenizer has a BOS (Llama 3), as ``prepare``'s shard writer places
+    them; None (datatrove's default ``$A <EOS>``) for one without (GPT-2)."""
+    if tok.bos_id is None:
+        return None
+    from tokenizers.processors import TemplateProcessing
+
+    return TemplateProcessing(single=f"{tok.bos_token} $A {tok.eos_token}", pair=None,
+                              special_tokens=[(tok.bos_token, tok.bos_id), (tok.eos_token, tok.eos_id)])
+
+
 class TokenizeStep(DocumentTokenizer):
     """datatrove's ``DocumentTokenizer`` with our tokenizer rules and a tokenizer identity file.
 
@@ -218,8 +230,10 @@ class TokenizeStep(DocumentTokenizer):
       (:func:`~densetrain.data.prepare.scale.folder.check_datatrove_folder`).
     """
 
-    def __init__(self, *args, identity: dict | None = None, identity_folder=None, **kwargs):
+    def __init__(self, *args, identity: dict | None = None, identity_folder=None, post_processor=None, **kwargs):
         super().__init__(*args, **kwargs)
+        # DocumentTokenizer does not pass it on; its tokenizer property reads it (None: "$A <EOS>")
+        self.post_processor = post_processor
         self.identity = identity
         self.identity_folder = get_datafolder(identity_folder) if identity_folder else None
 
