@@ -177,11 +177,12 @@ def test_chunk_index_balances_causal_work():
     assert np.array_equal(chunk_index(8, 0, 1), np.arange(8))
 
 
-def test_train_at_cp2_runs_every_stage_and_resumes_at_cp1(prepared, tmp_path):
+def test_train_at_cp2_runs_every_stage_and_resumes_at_cp1_and_cp2xtp2(prepared, tmp_path):
     """The real training loop on 2 gloo ranks at cp 2 (document masking on, the default) through the main,
     anneal and long_context stages (seq_len 32 then 64): the single process's losses and grad norms;
-    its step-4 checkpoint resumed in one process (cp 1) gives the next losses of the cp 2 run."""
-    from test_parallel_train import COMMON, assert_same_losses, losses, resume_copy, train_ranks
+    its step-4 checkpoint resumed in one process (cp 1), and on 4 ranks at cp 2 x tp 2, gives the next
+    losses of the cp 2 run."""
+    from test_parallel_train import COMMON, assert_same_losses, launch, losses, resume_copy, train_ranks
 
     from densetrain.metrics import read_metrics
     from densetrain.train import train
@@ -200,6 +201,12 @@ def test_train_at_cp2_runs_every_stage_and_resumes_at_cp1(prepared, tmp_path):
     resumed = resume_copy(run_dir, tmp_path / "resumed")
     train(make(tmp_path / "resumed_cfg", **COMMON, **{"train.run_dir": str(resumed)}), resume=True)
     assert_same_losses(losses(resumed), got, range(5, 9))
+    resumed4 = resume_copy(run_dir, tmp_path / "resumed_cp2tp2")
+    # --resume reads the run's config.toml; the new layout comes as overrides on the command line.
+    res = launch(["train", "--resume", str(resumed4), "--parallel.dp_replicate=1", "--parallel.cp=2",
+                  "--parallel.tp=2"], world=4)
+    assert all(r.returncode == 0 for r in res), "\n".join(r.stderr[-3000:] for r in res)
+    assert_same_losses(losses(resumed4), got, range(5, 9))
 
 
 _MEASURE_CP = r"""
