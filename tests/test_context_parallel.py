@@ -278,3 +278,20 @@ def test_planner_activation_estimate_at_cp2_against_autograd(tmp_path):
         ratio = predicted / json.loads(Path(f"{out}.{r}").read_text())["saved"]
         print(f"rank {r}: estimate/saved-by-autograd at cp 2: {ratio:.3f}")
         assert 0.85 < ratio < 1.15, ratio
+
+
+def test_a_filled_cp_degree_that_does_not_divide_a_seq_len_is_a_config_error():
+    """``parallel.cp = -1`` is resolved at launch; the resolved degree is checked against every stage's
+    seq_len before the model is built (one line, not a traceback in the first step)."""
+    from densetrain.config import load_config
+    from densetrain.errors import ConfigError
+    from densetrain.parallel.mesh import Layout
+    from densetrain.parallel.parallelize import _check_seq_lens
+
+    cfg = load_config(preset="tiny", overrides=[("parallel.cp", -1), ("parallel.dp_replicate", 1)])
+    _check_seq_lens(cfg, Layout(1, 1, 1, 2))  # 256 and 1024 split into 4 chunks
+    with pytest.raises(ConfigError, match=r"divisible by 2048; train.seq_len is 256"):
+        _check_seq_lens(cfg, Layout(1, 1, 1, 1024))
+    cfg.parallel.sequence_parallel = True
+    with pytest.raises(ConfigError, match="divisible by 512"):  # cp 2 x tp 256: 256 / 2 tokens split 256 ways
+        _check_seq_lens(cfg, Layout(1, 1, 256, 2))
