@@ -177,11 +177,12 @@ def test_chunk_index_balances_causal_work():
     assert np.array_equal(chunk_index(8, 0, 1), np.arange(8))
 
 
-def test_train_at_cp2_runs_every_stage_and_resumes_at_cp1(prepared, tmp_path):
+def test_train_at_cp2_runs_every_stage_and_resumes_at_cp1_and_cp2xtp2(prepared, tmp_path):
     """The real training loop on 2 gloo ranks at cp 2 (document masking on, the default) through the main,
     anneal and long_context stages (seq_len 32 then 64): the single process's losses and grad norms;
-    its step-4 checkpoint resumed in one process (cp 1) gives the next losses of the cp 2 run."""
-    from test_parallel_train import COMMON, assert_same_losses, losses, resume_copy, train_ranks
+    its step-4 checkpoint resumed in one process (cp 1), and on 4 ranks at cp 2 x tp 2, gives the next
+    losses of the cp 2 run."""
+    from test_parallel_train import COMMON, assert_same_losses, launch, losses, resume_copy, train_ranks
 
     from densetrain.metrics import read_metrics
     from densetrain.train import train
@@ -200,6 +201,12 @@ def test_train_at_cp2_runs_every_stage_and_resumes_at_cp1(prepared, tmp_path):
     resumed = resume_copy(run_dir, tmp_path / "resumed")
     train(make(tmp_path / "resumed_cfg", **COMMON, **{"train.run_dir": str(resumed)}), resume=True)
     assert_same_losses(losses(resumed), got, range(5, 9))
+    resumed4 = resume_copy(run_dir, tmp_path / "resumed_cp2tp2")
+    # --resume reads the run's config.toml; the new layout comes as overrides on the command line.
+    res = launch(["train", "--resume", str(resumed4), "--parallel.dp_replicate=1", "--parallel.cp=2",
+                  "--parallel.tp=2"], world=4)
+    assert all(r.returncode == 0 for r in res), "\n".join(r.stderr[-3000:] for r in res)
+    assert_same_losses(losses(resumed4), got, range(5, 9))
 
 
 _MEASURE_CP = r"""
@@ -271,3 +278,20 @@ def test_planner_activation_estimate_at_cp2_against_autograd(tmp_path):
         ratio = predicted / json.loads(Path(f"{out}.{r}").read_text())["saved"]
         print(f"rank {r}: estimate/saved-by-autograd at cp 2: {ratio:.3f}")
         assert 0.85 < ratio < 1.15, ratio
+
+
+def test_a_filled_cp_degree_that_does_not_divide_a_seq_len_is_a_config_error():
+    """``parallel.cp = -1`` is resolved at launch; the resolved degree is checked against every stage's
+    seq_len before the model is built (one line, not a traceback in the first step)."""
+    from densetrain.config import load_config
+    from densetrain.errors import ConfigError
+    from densetrain.parallel.mesh import Layout
+    from densetrain.parallel.parallelize import _check_seq_lens
+
+    cfg = load_config(preset="tiny", overrides=[("parallel.cp", -1), ("parallel.dp_replicate", 1)])
+    _check_seq_lens(cfg, Layout(1, 1, 1, 2))  # 256 and 1024 split into 4 chunks
+    with pytest.raises(ConfigError, match=r"divisible by 2048; train.seq_len is 256"):
+        _check_seq_lens(cfg, Layout(1, 1, 1, 1024))
+    cfg.parallel.sequence_parallel = True
+    with pytest.raises(ConfigError, match="divisible by 512"):  # cp 2 x tp 256: 256 / 2 tokens split 256 ways
+        _check_seq_lens(cfg, Layout(1, 1, 256, 2))

@@ -166,8 +166,9 @@ for chunk in (0, 8):
         (losses.sum() + Z * z_loss_sum_from_lse(lse, mask)).backward()
     local = lin.weight.to_local().shape[0]
     rel = lambda a, b: float((a - b).abs().max() / b.abs().max())
-    out[chunk] = {"loss": rel(losses, want), "lse": rel(lse, torch.logsumexp(logits, -1)), "h_grad": rel(hc.grad, h.grad),
-                  "w_grad": rel(lin.weight.grad.full_tensor(), ref.weight.grad), "local_rows": local}
+    out[chunk] = {"loss": rel(losses, want), "lse": rel(lse, torch.logsumexp(logits, -1)),
+                  "h_grad": rel(hc.grad, h.grad), "w_grad": rel(lin.weight.grad.full_tensor(), ref.weight.grad),
+                  "local_rows": local}
 with open(sys.argv[2] + "." + os.environ["RANK"], "w") as f:
     json.dump(out, f)
 dist.destroy_process_group()

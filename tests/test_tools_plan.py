@@ -281,3 +281,81 @@ def test_activation_estimate_against_measured_cpu(ac, tmp_path):
     print(f"ac={ac}: estimate/saved-by-autograd {ratio:.3f}, estimate/peak-RSS growth over the forward "
           f"{rss['rss_forward']:.3f}, over forward+backward {rss['rss_peak']:.3f}")
     assert 0.9 < ratio < 1.1, (ac, got, predicted_saved)
+
+
+_MEASURE_TP_SP = r"""
+import json, os, sys
+import torch
+root, out = sys.argv[1:]
+sys.path.insert(0, root)
+torch.set_num_threads(1)
+from torch.distributed.tensor import DTensor
+from densetrain.config import load_config
+from densetrain.loss import token_losses
+from densetrain.parallel import build_parallel_model, init_distributed
+
+cfg = load_config(preset="tiny", overrides=[
+    ("model.vocab_size", 512), ("model.d_model", 256), ("model.n_layers", 4), ("model.n_heads", 4),
+    ("model.n_kv_heads", 2), ("model.d_ff", 768), ("train.device", "cpu"), ("train.dtype", "fp32"),
+    ("eval.tasks", ""), ("eval.final_tasks", ""), ("eval.samples", 0),
+    ("parallel.dp_replicate", 1), ("parallel.tp", 2), ("parallel.sequence_parallel", True)])
+info = init_distributed("cpu", cfg.parallel)
+model, _ = build_parallel_model(cfg, info)
+x = torch.randint(0, 512, (4, 512), generator=torch.Generator().manual_seed(0))
+local = lambda t: t._local_tensor if isinstance(t, DTensor) else t
+params = {local(p).untyped_storage().data_ptr() for p in model.parameters()}
+seen, saved, skipped = set(), [0], [0]
+
+def pack(t):
+    t = local(t)
+    try:
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+    except RuntimeError:  # a tensor without a storage of its own: reported, not counted
+        skipped[0] += t.numel() * t.element_size()
+        return t
+    if key not in seen and key[0] not in params:  # parameters are not activations
+        seen.add(key)
+        saved[0] += t.untyped_storage().nbytes()
+    return t
+
+with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    token_losses(model(x), x).sum()
+with open(out + "." + os.environ["RANK"], "w") as f:
+    json.dump({"saved": saved[0], "skipped": skipped[0]}, f)
+torch.distributed.destroy_process_group()
+os._exit(0)
+"""
+
+
+def test_activation_estimate_tp2_sequence_parallel_against_autograd(tmp_path):
+    """The estimate at tp 2 with sequence parallelism (fp32, no checkpointing) against the bytes autograd
+    saves on each of 2 gloo ranks (local shards of DTensors, each storage once), forward of 4 x 512
+    tokens and the cross-entropy of the gathered logits (the evaluation path: the logits are the caller's,
+    their log-softmax is autograd's)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import gloo_env
+
+    from densetrain.config import ModelConfig
+    from densetrain.tools.plan import activation_bytes_per_token
+
+    script, out = tmp_path / "measure_tp.py", tmp_path / "measure_tp"
+    script.write_text(_MEASURE_TP_SP)
+    env = gloo_env(2)
+    procs = [subprocess.Popen([sys.executable, str(script), str(Path(__file__).resolve().parents[1]), str(out)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errs)
+    m = ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768)
+    est = activation_bytes_per_token(m, 2, "none", act_bytes=4, sequence_parallel=True)
+    predicted = (est["blocks"] + est["head"] - 4 * m.vocab_size) * 4 * 512
+    for r in range(2):
+        got = json.loads(Path(f"{out}.{r}").read_text())
+        ratio = predicted / got["saved"]
+        print(f"rank {r}: estimate/saved-by-autograd at tp 2 + sequence parallel: {ratio:.3f} (bytes of saved "
+              f"tensors without a storage of their own, not counted: {got['skipped']})")
+        assert 0.85 < ratio < 1.15, ratio

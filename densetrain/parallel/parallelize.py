@@ -15,6 +15,7 @@ That costs one full fp32 copy in host memory per rank while it lasts (32 GB for 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ def build_parallel_model(cfg, info: DistInfo) -> tuple[Transformer, nn.Module]:
         whole-model compile wrapper, else ``model``).
     """
     par, layout = cfg.parallel, info.layout
+    _check_seq_lens(cfg, layout)
     if layout.tp == 1 and not layout.uses_fsdp:
         # Single process or DDP: the real model straight away (this path is the golden trajectory's).
         model = build_model(cfg.model, cfg.train.seed, info.device)
@@ -59,6 +61,24 @@ def build_parallel_model(cfg, info: DistInfo) -> tuple[Transformer, nn.Module]:
     model.to_empty(device=info.device)
     load_reference_weights(model, cfg, info.device)
     return model, model
+
+
+def _check_seq_lens(cfg, layout) -> None:
+    """The sequence lengths the resolved layout needs (config validation cannot check a ``-1`` degree):
+    ``2 cp`` load-balanced chunks, and ``cp * tp`` parts under sequence parallelism.
+
+    Raises: ConfigError naming the stage and the divisor.
+    """
+    from densetrain.errors import ConfigError
+
+    need = 2 * layout.cp if layout.cp > 1 else 1
+    if cfg.parallel.sequence_parallel and layout.tp > 1:
+        need = math.lcm(need, layout.cp * layout.tp)  # each cp rank's T / cp tokens split by tp
+    lens = {"train.seq_len": cfg.train.seq_len}
+    lens.update({f"stages[{i}].seq_len": st.seq_len for i, st in enumerate(cfg.stages) if st.seq_len})
+    for key, t in lens.items():
+        if t % need:
+            raise ConfigError(f"parallel: the layout ({layout}) needs every seq_len divisible by {need}; {key} is {t}")
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh, sequence_parallel: bool = False,
