@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     args.layout_flags = [a for a in rest if a.startswith(("--parallel.dp_replicate", "--parallel.dp_shard",
-                                                          "--parallel.tp"))]
+                                                          "--parallel.tp", "--parallel.cp"))]
     try:
         if hasattr(args, "func"):  # mup-check | lr-sweep | plan: own flags; plan's memory plan takes overrides
             if rest and args.command != "plan":

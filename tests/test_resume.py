@@ -258,6 +258,18 @@ def test_layouts_that_keep_the_intent(given, world, want):
     assert keep_intent(*given, world, lambda lay: True) == Layout(*want)
 
 
+@pytest.mark.parametrize("given,cp,world,want", [
+    ((1, -1, 1), 2, 4, (1, 2, 1, 2)),   # the context-parallel degree is kept: it is what fits the long stage
+    ((1, 2, 1), 2, 2, (1, 1, 1, 2)),    # fewer ranks: sharding gives way before cp does
+    ((1, 2, 1), 2, 1, (1, 1, 1, 1)),    # one process: no cp left
+    ((1, 1, 2), 2, 6, (3, 1, 1, 2)),    # tp 2 x cp 2 cannot divide 6: cp is kept, tp gives way
+])
+def test_layouts_that_keep_the_context_parallel_intent(given, cp, world, want):
+    from densetrain.parallel.mesh import Layout, keep_intent
+
+    assert keep_intent(*given, world, lambda lay: True, cp=cp) == Layout(*want)
+
+
 def test_plan_and_dry_run_take_parallel_overrides(capsys, monkeypatch):
     assert main(["plan", "--preset", "tiny", "--gpus", "4", "--gpu-memory-gib", "80", "--parallel.dp_replicate=1",
                  "--parallel.dp_shard=2", "--parallel.tp=2"]) == 0

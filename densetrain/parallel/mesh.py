@@ -101,7 +101,7 @@ def intent(dp_replicate: int, dp_shard: int, tp: int) -> str:
     return dp + ("" if tp == 1 else f", tensor parallel {deg(tp)}")
 
 
-def intent_layouts(dp_replicate: int, dp_shard: int, tp: int, world: int) -> Iterator[Layout]:
+def intent_layouts(dp_replicate: int, dp_shard: int, tp: int, world: int, cp: int = 1) -> Iterator[Layout]:
     """Layouts of ``world`` ranks that keep the intent of the configured degrees (what a run asked for,
     resumed on another number of processes), most faithful first:
 
@@ -111,26 +111,32 @@ def intent_layouts(dp_replicate: int, dp_shard: int, tp: int, world: int) -> Ite
        laid out as the run laid them: DDP replicas ``(d, 1)`` when it did not shard; when it sharded,
        HSDP keeping its shard-group size (replicas fill) or its replica count (shards fill), then FSDP2
        over all of them ``(1, d)``, the layout that needs the least memory per rank.
+
+    The context-parallel degree ``cp`` is kept the same way (it, or its largest divisor that divides
+    ``world``, before a smaller tensor-parallel degree is tried): it is what lets a long stage fit.
     """
     try:
-        yield resolve_layout(dp_replicate, dp_shard, tp, world)
+        yield resolve_layout(dp_replicate, dp_shard, tp, world, cp=cp)
     except ConfigError:
         pass
-    top = tp if tp > 0 else world
+    divisors = lambda n, of: sorted((x for x in range(1, n + 1) if n % x == 0 and of % x == 0), reverse=True)
     sharded = dp_shard == -1 or dp_shard > 1
-    for t in sorted((t for t in range(1, top + 1) if top % t == 0 and world % t == 0), reverse=True):
-        d = world // t
-        if not sharded:
-            yield Layout(d, 1, t)
-            continue
-        if dp_replicate != 1 and dp_shard > 1 and d % dp_shard == 0:
-            yield Layout(d // dp_shard, dp_shard, t)
-        if dp_replicate > 1 and dp_shard == -1 and d % dp_replicate == 0:
-            yield Layout(dp_replicate, d // dp_replicate, t)
-        yield Layout(1, d, t)
+    for c in divisors(cp if cp > 0 else world, world):
+        top = tp if tp > 0 else world // c
+        for t in divisors(top, world // c):
+            d = world // (t * c)
+            if not sharded:
+                yield Layout(d, 1, t, c)
+                continue
+            if dp_replicate != 1 and dp_shard > 1 and d % dp_shard == 0:
+                yield Layout(d // dp_shard, dp_shard, t, c)
+            if dp_replicate > 1 and dp_shard == -1 and d % dp_replicate == 0:
+                yield Layout(dp_replicate, d // dp_replicate, t, c)
+            yield Layout(1, d, t, c)
 
 
-def keep_intent(dp_replicate: int, dp_shard: int, tp: int, world: int, runs: Callable[[Layout], bool]) -> Layout:
+def keep_intent(dp_replicate: int, dp_shard: int, tp: int, world: int, runs: Callable[[Layout], bool],
+                cp: int = 1) -> Layout:
     """The first of :func:`intent_layouts` that ``runs`` accepts (e.g. every stage's batch splits over its
     data-parallel ranks, the tensor-parallel degree divides the model's heads).
 
@@ -138,13 +144,13 @@ def keep_intent(dp_replicate: int, dp_shard: int, tp: int, world: int, runs: Cal
         ConfigError: none does; one line naming the exact ``--parallel.*`` flags of layouts of ``world``
             ranks that run (any split, up to three), or saying that no layout of ``world`` ranks does.
     """
-    for lay in intent_layouts(dp_replicate, dp_shard, tp, world):
+    for lay in intent_layouts(dp_replicate, dp_shard, tp, world, cp):
         if runs(lay):
             return lay
     any_fit = [lay for t in range(1, world + 1) if world % t == 0
                for lay in (Layout(1, world // t, t), Layout(world // t, 1, t)) if runs(lay)]
     flags = [f"--parallel.dp_replicate={x.dp_replicate} --parallel.dp_shard={x.dp_shard} --parallel.tp={x.tp}"
-             for x in dict.fromkeys(any_fit)][:3]
+             + (" --parallel.cp=1" if cp != 1 else "") for x in dict.fromkeys(any_fit)][:3]
     head = (f"parallel: no layout of {world} processes keeps the run's intent ({intent(dp_replicate, dp_shard, tp)}; "
             f"configured dp_replicate={dp_replicate} dp_shard={dp_shard} tp={tp}) and runs every stage")
     if not flags:
