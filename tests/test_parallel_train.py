@@ -10,6 +10,8 @@ sharded checkpoints loaded at another world size and layout, and launch errors.
 
 from __future__ import annotations
 
+import json
+
 import os
 import shutil
 import socket
@@ -52,7 +54,9 @@ def launch(argv: list[str], world: int = 2, timeout: int = 240) -> list[subproce
 def train_ranks(cfg, tmp: Path, name: str, resume: bool = False) -> None:
     path = tmp / f"{name}.toml"
     save_config(cfg, path)
-    argv = ["train", "--config", str(path)] + (["--resume", cfg.train.run_dir] if resume else [])
+    # --resume reads the run's own config.toml: the layout to resume on is given as flags.
+    layout = [f"--parallel.{k}={getattr(cfg.parallel, k)}" for k in ("dp_replicate", "dp_shard", "tp")]
+    argv = ["train", "--config", str(path)] + (["--resume", cfg.train.run_dir, *layout] if resume else [])
     res = launch(argv)
     assert all(r.returncode == 0 for r in res), "\n".join(r.stderr[-3000:] for r in res)
 
@@ -138,6 +142,8 @@ def test_one_process_checkpoint_resumes_on_two_tp_ranks(prepared, single, tmp_pa
                                               "parallel.tp": 2})
     train_ranks(cfg, tmp_path, "tp_resume", resume=True)
     assert_same_losses(losses(resumed), losses(single_dir), range(5, 9))
+    state = json.loads((resumed / "checkpoints" / "step_00000008" / "trainer_state.json").read_text())
+    assert state["layout"]["tp"] == 2 and state["world_size"] == 2  # resumed as tensor parallel, not as DDP
 
 
 def test_config_error_is_one_line_on_rank_zero_and_fails_every_rank(tmp_path):
