@@ -11,7 +11,6 @@ sharded checkpoints loaded at another world size and layout, and launch errors.
 from __future__ import annotations
 
 import json
-
 import os
 import shutil
 import socket

@@ -277,5 +277,5 @@ def test_plan_and_dry_run_take_parallel_overrides(capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["train", "--dry-run", "--parallel.dp_replicate=1", "--parallel.tp=2"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith(
-        "configured layout: parallel: dp_replicate * dp_shard * tp = 1 * 1 * 2 = 2, but the world size is 1")
+        "configured layout: parallel: dp_replicate * dp_shard * cp * tp = 1 * 1 * 1 * 2 = 2, but the world size is 1")
     assert main(["plan", "--flops", "1e20", "--parallel.tp=2"]) == 2  # the Chinchilla plan has no layout

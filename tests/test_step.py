@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ class _FixedLogits(torch.nn.Module):
         super().__init__()
         self.w = torch.nn.Parameter(torch.ones(()))
         self.scale = scale
+        self.cfg = SimpleNamespace(vocab_size=2)  # what forward_backward reads to size its loss chunks
 
     def forward(self, x):
         z = torch.zeros(x.shape, dtype=torch.float32)

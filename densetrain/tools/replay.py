@@ -55,8 +55,10 @@ SPIKE_KINDS = ("loss_spike", "nonfinite")
 SHARE = 0.8  # the documents named carry at least this share of the batch's excess loss
 
 
-def close(a: float, b: float, rtol: float) -> bool:
-    """``a`` and ``b`` equal within ``rtol`` relative, or both non-finite."""
+def close(a: float | None, b: float | None, rtol: float) -> bool:
+    """``a`` and ``b`` equal within ``rtol`` relative, or both non-finite (``None``: a non-finite number
+    as metrics.jsonl / events.jsonl write it, strict JSON's ``null``)."""
+    a, b = (math.nan if x is None else x for x in (a, b))
     if not (math.isfinite(a) and math.isfinite(b)):
         return not math.isfinite(a) and not math.isfinite(b)
     return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-12)
@@ -244,9 +246,10 @@ def replay(run_dir: str | Path, step: int, rtol: float = 1e-3) -> dict:
 
 def verdict_text(v: dict) -> str:
     """One paragraph: what was compared and what it means."""
-    head = (f"replay of step {v['step']} from {v['checkpoint']}: loss {v['replayed']['loss']:.5g} (logged "
-            f"{v['logged']['loss']:.5g}), grad_norm {v['replayed']['grad_norm']:.5g} (logged "
-            f"{v['logged']['grad_norm']:.5g})")
+    g = lambda x: "non-finite" if x is None or not math.isfinite(x) else f"{x:.5g}"
+    head = (f"replay of step {v['step']} from {v['checkpoint']}: loss {g(v['replayed']['loss'])} (logged "
+            f"{g(v['logged']['loss'])}), grad_norm {g(v['replayed']['grad_norm'])} (logged "
+            f"{g(v['logged']['grad_norm'])})")
     if v["verdict"] == "data":
         share = sum(d["share"] for d in v["documents"])
         docs = "; ".join(f"{d['source']} {d['file']}" + (f":{d['line']}" if d["line"] is not None else "")
