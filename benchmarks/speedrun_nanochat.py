@@ -18,7 +18,8 @@ byte on the same held-out UTF-8 text (``benchmarks/speedrun.py --nanochat PATH``
 * **Budget**: each run gets ``--cpu-seconds`` x its fraction of CPU time (user + sys of its process tree, read
   with ``os.wait4``: the measure that a shared, loaded machine disturbs least). Step counts come from one short
   calibration run per side (CPU-seconds of the fixed start-up and per step, from ``/proc`` at each logged step).
-  Every run compiles from a cold inductor cache of its own (nanochat compiles its model, densetrain its loss).
+  Every run compiles from a cold inductor cache of its own (nanochat compiles its model, densetrain its loss),
+  unless ``--inductor-cache DIR`` gives all runs one warm cache (the second run of a shape: no compile cost).
 * **Score**: :mod:`bpb_stream` on the held-out documents (the first ``--score-bytes``), each model with its
   own tokenizer, fp32; nanochat's checkpoint is loaded by its own code in its own interpreter.
 
@@ -107,15 +108,16 @@ def tree_cpu(pid: int) -> float:
     return total
 
 
-def measured(cmd: list[str], env: dict, cwd: Path, log: Path) -> dict:
+def measured(cmd: list[str], env: dict, cwd: Path, log: Path, cache: Path | None = None) -> dict:
     """Run ``cmd`` to its end; return ``{'cpu_s', 'wall_s', 'stamps': [(step, cpu_s), ...]}`` where the total is
     the child's rusage from ``os.wait4`` (user + sys of it and every descendant it waited for) and a stamp is
-    the process tree's CPU time when the child printed a ``step N/`` line. Raises SystemExit on failure."""
+    the process tree's CPU time when the child printed a ``step N/`` line. ``cache``: the inductor cache to
+    use (default a fresh one per run). Raises SystemExit on failure."""
     t0 = time.perf_counter()
     stamps = []
     # A fresh inductor cache per run: every torch.compile (nanochat's model, densetrain's loss) starts cold,
     # as on a first run, and no run reuses another's kernels.
-    env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(log.parent / f"{log.stem}_inductor")}
+    env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(cache or log.parent / f"{log.stem}_inductor")}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
@@ -251,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="score the held-out documents in order up to this many UTF-8 bytes (default %(default)s)")
     ap.add_argument("--threads", type=int, default=1, help="threads per run (default 1; runs go in parallel)")
     ap.add_argument("--work", type=Path, help="scratch directory (default: a new temp dir)")
+    ap.add_argument("--inductor-cache", type=Path, help="one torch.compile cache for every run (default: a cold "
+                    "one per run)")
     a = ap.parse_args(argv)
 
     files = sorted(a.fineweb.glob("*.parquet")) if a.fineweb.is_dir() else []
@@ -320,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = densetrain_config(work, train, a, steps, tag, extra)
         save_config(cfg, work / f"{tag}.toml")
         r = measured([sys.executable, "-m", "densetrain", "train", "--config", str(work / f"{tag}.toml")], denv,
-                     ROOT, work / f"{tag}.log")
+                     ROOT, work / f"{tag}.log", a.inductor_cache)
         return {**r, "cfg": cfg, "steps": steps}
 
     # 1. calibration: CPU-seconds of the fixed start-up and of a step, per side
@@ -332,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         n = a.calib_steps
         cal = _parallel({
             "nanochat": lambda: measured(nano_cmd + [f"--num-iterations={n}", "--model-tag=calib"], nenv,
-                                         a.nanochat, work / "nanochat_calib.log"),
+                                         a.nanochat, work / "nanochat_calib.log", a.inductor_cache),
             "densetrain": lambda: dt_run(variants[0][0], n, "calib"),
         })
         plan = {k: steps_for(cal[k], n, a.cpu_seconds) for k in cal}
@@ -346,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     # Its warmup (40 steps by default, sized for thousands of steps) follows densetrain's rule for short runs.
     jobs = {"nanochat": lambda: measured(nano_cmd + [f"--num-iterations={nano_steps}",
                                                      f"--warmup-steps={max(1, min(40, nano_steps // 10))}"],
-                                         nenv, a.nanochat, work / "nanochat_train.log")}
+                                         nenv, a.nanochat, work / "nanochat_train.log", a.inductor_cache)}
     for name, frac in variants:
         tag = f"{name}_{frac:g}"
         jobs[tag] = (lambda name=name, frac=frac, tag=tag:
