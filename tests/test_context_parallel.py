@@ -178,7 +178,8 @@ def test_chunk_index_balances_causal_work():
 
 
 def test_train_at_cp2_runs_every_stage_and_resumes_at_cp1_and_cp2xtp2(prepared, tmp_path):
-    """The real training loop on 2 gloo ranks at cp 2 (document masking on, the default) through the main,
+    """The real training loop on 2 gloo ranks at cp 2 (document masking on, the default; full activation
+    checkpointing; asynchronous checkpoint saves) through the main,
     anneal and long_context stages (seq_len 32 then 64): the single process's losses and grad norms;
     its step-4 checkpoint resumed in one process (cp 1), and on 4 ranks at cp 2 x tp 2, gives the next
     losses of the cp 2 run."""
@@ -191,7 +192,10 @@ def test_train_at_cp2_runs_every_stage_and_resumes_at_cp1_and_cp2xtp2(prepared, 
     single = make(tmp_path / "single", **COMMON)
     train(single)
     want = losses(single.train.run_dir)
-    cfg = make(tmp_path / "cp", **COMMON, **{"parallel.dp_replicate": 1, "parallel.cp": 2})
+    # with full activation checkpointing and asynchronous checkpoint writes: neither may change the math
+    over = {"parallel.dp_replicate": 1, "parallel.cp": 2, "checkpoint.async_save": True,
+            "parallel.activation_checkpointing": "full"}
+    cfg = make(tmp_path / "cp", **COMMON, **over)
     assert cfg.model.document_mask
     train_ranks(cfg, tmp_path, "cp")
     run_dir = Path(cfg.train.run_dir)
