@@ -1,5 +1,3 @@
-import sys
+from densetrain.cli import entry
 
-from densetrain.cli import main
-
-sys.exit(main())
+entry()

@@ -308,6 +308,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def entry() -> None:
+    """The ``densetrain`` command and ``python -m densetrain``: :func:`main`, then exit with its code.
+
+    Under torchrun (``WORLD_SIZE`` > 1) the process leaves with ``os._exit`` once the command has
+    returned (its files written and closed, the process group destroyed): gloo's C++ threads sometimes
+    abort the interpreter's own teardown ("terminate called without an active exception"), turning a
+    finished run into a failed rank."""
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; user errors print one line (on rank 0 only under torchrun) and return 2 on every rank."""
     import densetrain  # noqa: F401  (sets CPU threading defaults before torch loads)
