@@ -116,6 +116,24 @@ def tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+def run_script_ranks(source: str, tmp: Path, name: str, world: int = 2, timeout: int = 120) -> Path:
+    """Write ``source`` to ``tmp/name.py`` and run it as ``world`` ranks of one gloo job (:func:`gloo_env`),
+    each with argv ``[repo root, out]``; assert every rank exits 0 (their stderr tails otherwise). Returns
+    ``out`` (``tmp/name``): rank r writes its results to ``out.r``."""
+    import subprocess
+    import sys
+
+    script, out = tmp / f"{name}.py", tmp / name
+    script.write_text(source)
+    env = gloo_env(world)
+    procs = [subprocess.Popen([sys.executable, str(script), str(Path(__file__).resolve().parents[1]), str(out)],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    errs = [p.communicate(timeout=timeout)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errs)
+    return out
+
+
 def start_eval_ranks(call: str, tokenizer_file: str, args: list, kwargs: dict, tmp: Path, world: int = 2):
     """Start ``world`` processes, ranks of one gloo torch.distributed job (env:// rendezvous on a free
     local port, one thread each), that each return ``call(tiny_eval_model(V), tokenizer, *args, **kwargs)``

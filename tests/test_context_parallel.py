@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import gloo_env
+from conftest import gloo_env, run_script_ranks
 
 _WORKER = r"""
 import json, os, sys
@@ -260,19 +260,11 @@ def test_planner_activation_estimate_at_cp2_against_autograd(tmp_path):
     (B, H, T_local, T) probabilities, which FlexAttention on CUDA does not and the estimate leaves out, so
     they are added to the estimate here; the logits are the caller's, not autograd's (the cross-entropy's
     log-softmax is)."""
-    from conftest import gloo_env
 
     from densetrain.config import ModelConfig
     from densetrain.tools.plan import activation_bytes_per_token
 
-    script, out = tmp_path / "measure_cp.py", tmp_path / "measure_cp"
-    script.write_text(_MEASURE_CP)
-    env = gloo_env(2)
-    procs = [subprocess.Popen([sys.executable, str(script), str(Path(__file__).resolve().parents[1]), str(out)],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    errs = [p.communicate(timeout=120)[1] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errs)
+    out = run_script_ranks(_MEASURE_CP, tmp_path, "measure_cp")
     m = ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768)
     B, T, cp = 4, 512, 2
     est = activation_bytes_per_token(m, 1, "none", act_bytes=4, cp=cp)

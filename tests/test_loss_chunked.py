@@ -181,20 +181,11 @@ def test_vocab_parallel_cross_entropy_equals_plain_on_two_ranks(tmp_path):
     whole and chunked, with z-loss and the μP logit multiplier, in float64: losses, log Z and the
     gradients of the head's input and weight equal plain cross-entropy within 1e-6."""
     import json
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from conftest import gloo_env
+    from conftest import run_script_ranks
 
-    script, out = tmp_path / "vp.py", tmp_path / "vp"
-    script.write_text(_VOCAB_PARALLEL_WORKER)
-    env = gloo_env(2)
-    procs = [subprocess.Popen([sys.executable, str(script), str(Path(__file__).resolve().parents[1]), str(out)],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    errs = [p.communicate(timeout=120)[1] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errs)
+    out = run_script_ranks(_VOCAB_PARALLEL_WORKER, tmp_path, "vp")
     for r in range(2):
         res = json.loads(Path(f"{out}.{r}").read_text())
         for chunk, d in res.items():

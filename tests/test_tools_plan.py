@@ -333,23 +333,14 @@ def test_activation_estimate_tp2_sequence_parallel_against_autograd(tmp_path):
     tokens and the cross-entropy of the gathered logits (the evaluation path: the logits are the caller's,
     their log-softmax is autograd's)."""
     import json
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from conftest import gloo_env
+    from conftest import run_script_ranks
 
     from densetrain.config import ModelConfig
     from densetrain.tools.plan import activation_bytes_per_token
 
-    script, out = tmp_path / "measure_tp.py", tmp_path / "measure_tp"
-    script.write_text(_MEASURE_TP_SP)
-    env = gloo_env(2)
-    procs = [subprocess.Popen([sys.executable, str(script), str(Path(__file__).resolve().parents[1]), str(out)],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    errs = [p.communicate(timeout=120)[1] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errs)
+    out = run_script_ranks(_MEASURE_TP_SP, tmp_path, "measure_tp")
     m = ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768)
     est = activation_bytes_per_token(m, 2, "none", act_bytes=4, sequence_parallel=True)
     predicted = (est["blocks"] + est["head"] - 4 * m.vocab_size) * 4 * 512
