@@ -363,11 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `densetrain ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except OSError as e:  # a full disk in a writer without its own handling (metrics, config, report)
-        if not is_disk_full(e):
-            raise
+    except OSError as e:  # a full disk, a read-only or unwritable path in a writer without its own handling
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"densetrain: error: no space left on {e.filename or 'the device'} ({e.strerror})", file=sys.stderr)
+            what = f"no space left on {e.filename or 'the device'} ({e.strerror})" if is_disk_full(e) else str(e)
+            print(f"densetrain: error: {what}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if _is_main():

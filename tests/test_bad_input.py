@@ -100,3 +100,16 @@ def test_eval_limit_below_zero_and_an_export_below_a_file(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(DataError, match=r"afile is a file, not a directory"):
         check_export_target(tmp_path / "afile" / "hf")
+
+
+def test_an_unwritable_run_dir_is_one_line(prepared, tmp_path, capsys):
+    """Found by a new user: a run dir below a file (NotADirectoryError) was an 18-line traceback."""
+    from densetrain.cli import main
+    from densetrain.config import save_config
+
+    (tmp_path / "afile").write_text("x")
+    _, make = prepared
+    save_config(make(tmp_path, **{"train.run_dir": str(tmp_path / "afile" / "run")}), tmp_path / "c.toml")
+    assert main(["train", "--config", str(tmp_path / "c.toml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("densetrain: error: ") and "Not a directory" in err[0], err

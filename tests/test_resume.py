@@ -279,3 +279,27 @@ def test_plan_and_dry_run_take_parallel_overrides(capsys, monkeypatch):
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith(
         "configured layout: parallel: dp_replicate * dp_shard * cp * tp = 1 * 1 * 1 * 2 = 2, but the world size is 1")
     assert main(["plan", "--flops", "1e20", "--parallel.tp=2"]) == 2  # the Chinchilla plan has no layout
+
+
+def test_a_second_trainer_on_a_running_run_is_refused_and_a_signal_in_the_last_step_still_exits_75(
+        prepared, tmp_path, capsys):
+    """Found by a new user: a second `--resume` of a run that is still training interleaved its steps with
+    the first's (metrics.jsonl lost steps 13-40); and a SIGTERM during the final step printed the promise
+    of exit 75 but ran the final evaluations and exited 0."""
+    _, make = prepared
+    # The last of 4 steps takes >= 3 s: the signal comes inside it.
+    cfg = make(tmp_path / "busy", **{**OV, "train.steps": 4, "checkpoint.every": 2},
+               faults=[{"kind": "slow_rank", "step": 3, "rank": 0, "ms": 3000}])
+    run = Path(cfg.train.run_dir)
+    procs = start(fresh(cfg, tmp_path))
+    wait_for_step(run, 3, procs)
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"densetrain: error: {run} is being trained by another process (pid {procs[0].pid}); wait for "
+                   "it to end or stop it before resuming"]
+    procs[0].send_signal(signal.SIGTERM)
+    ((rc, stderr),) = finish(procs)
+    assert rc == EXIT_PREEMPTED, stderr[-2000:]
+    assert list_complete(run)[-1][0] == 4 and not (run / "summary.json").exists()  # the final evals not run
+    assert main(["train", "--resume", str(run)]) == 0  # the lock went with the process; --resume completes it
+    assert (run / "summary.json").exists()

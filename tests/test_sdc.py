@@ -180,3 +180,8 @@ def test_update_norm_warns_before_the_loss_guard_on_an_lr_jump(prepared, tmp_pat
     assert warn["step"] == 22 and warn["action"] == "lower_lr" and _events(lrun, "loss_spike") == []
     v = replay(lrun, 3)
     assert v["checkpoint"] == "the initial weights" and v["reproduced"]
+    # an ordinary step (found by a user: replay blamed documents for a loss below the median)
+    assert v["verdict"] == ("normal" if v["logged"]["loss"] <= v["median"] else "data")
+    v = replay(lrun, 12)  # before the jump, the loss falling: below the window's median, no excess to blame
+    assert v["reproduced"] and v["logged"]["loss"] < v["median"]
+    assert v["verdict"] == "normal" and v["documents"] == [] and "not a spike" in v["text"]

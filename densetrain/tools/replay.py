@@ -235,11 +235,14 @@ def replay(run_dir: str | Path, step: int, rtol: float = 1e-3) -> dict:
     suspects = differ if len(differ) < len(ranks) else []
     reproduced = (close(logged["loss"], result.loss, rtol) and close(logged["grad_norm"], result.grad_norm, rtol)
                   and not differ)
+    # A reproduced step whose loss is not above the window's median has no excess to blame on documents.
+    excess = logged["loss"] is not None and not (math.isfinite(logged["loss"]) and logged["loss"] <= median)
+    verdict = ("data" if excess else "normal") if reproduced else "machine"
     out = {"step": step, "index": index, "checkpoint": ckpt.name if ckpt else "the initial weights",
            "logged": {k: logged[k] for k in ("loss", "grad_norm")},
            "replayed": {"loss": result.loss, "grad_norm": result.grad_norm}, "reproduced": reproduced,
-           "verdict": "data" if reproduced else "machine", "ranks": ranks, "suspect_ranks": suspects,
-           "median": median, "documents": carriers(docs) if reproduced else [], "rtol": rtol}
+           "verdict": verdict, "ranks": ranks, "suspect_ranks": suspects,
+           "median": median, "documents": carriers(docs) if verdict == "data" else [], "rtol": rtol}
     out["text"] = verdict_text(out)
     return out
 
@@ -250,6 +253,9 @@ def verdict_text(v: dict) -> str:
     head = (f"replay of step {v['step']} from {v['checkpoint']}: loss {g(v['replayed']['loss'])} (logged "
             f"{g(v['logged']['loss'])}), grad_norm {g(v['replayed']['grad_norm'])} (logged "
             f"{g(v['logged']['grad_norm'])})")
+    if v["verdict"] == "normal":
+        return (f"{head}: reproduced, and the loss is not above the median {v['median']:.4g} of the guard's "
+                "window: not a spike, no data to blame")
     if v["verdict"] == "data":
         share = sum(d["share"] for d in v["documents"])
         docs = "; ".join(f"{d['source']} {d['file']}" + (f":{d['line']}" if d["line"] is not None else "")

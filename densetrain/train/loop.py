@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -28,7 +29,7 @@ from densetrain.optim import set_lr
 from densetrain.parallel import all_reduce_max
 from densetrain.schedule import Stage, lr_for, stage_at
 from densetrain.train.preempt import StopRequest, stop_run
-from densetrain.train.setup import Run, setup
+from densetrain.train.setup import Run, setup, unlock_run_dir
 from densetrain.train.step import StepResult, compute_step
 from densetrain.train.watchers import Verdict, decide
 
@@ -48,7 +49,20 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     Raises:
         TrainError: a one-line explanation (no data, batch not divisible by ranks, ...).
     """
-    run = setup(cfg, resume, stop_after, rollback_to, skip_batches, keep_layout_intent)
+    try:
+        run = setup(cfg, resume, stop_after, rollback_to, skip_batches, keep_layout_intent)
+    except BaseException:
+        unlock_run_dir(Path(cfg.train.run_dir))
+        raise
+    try:
+        return _train(run)
+    finally:  # the next process may take the run (a subprocess --resume, a requeued job)
+        unlock_run_dir(run.run_dir)
+
+
+def _train(run: Run) -> dict:
+    """The loop of :func:`train` over a set-up run."""
+    cfg = run.cfg
     if run.state.step >= cfg.train.steps:
         return already_complete(run)
     stage = None
@@ -79,6 +93,9 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
             evaluate(run, st)
             run.checkpointer.save_if_due(run.state.step, run.model, run.optimizer, run.state_dict(), result.finite,
                                          run.log)
+        signum = stop.requested()  # a signal during the last step: stop as promised (exit 75), before the
+        if signum:                 # final evaluations, which the --resume of a complete run then does
+            stop_run(run, signum)
         stop.restore()  # the final evaluations can be interrupted: --resume then completes them
         return finish(run, stage)
     finally:

@@ -136,6 +136,45 @@ def _refuse_existing_run(run_dir: Path, info: DistInfo) -> None:
                          f"or choose another --train.run_dir")
 
 
+_RUN_LOCKS: dict[Path, int] = {}  # run dir -> the open lock file of this process (flock is per open file)
+
+
+def lock_run_dir(run_dir: Path, info: DistInfo) -> None:
+    """Take the run directory for this job: rank 0 holds an exclusive ``flock`` on ``RUN_DIR/.lock``
+    until :func:`unlock_run_dir` (or the process's end: the kernel drops it, even after kill -9), so a
+    second trainer on the same run (an accidental second ``--resume``, a requeue while the old job still
+    runs) is refused instead of interleaving its steps with the first's. Every rank learns the answer.
+
+    Raises:
+        TrainError: another process holds the run (one line naming it and the holder's pid).
+    """
+    import fcntl
+
+    held_by = ""
+    if info.is_main and run_dir.resolve() not in _RUN_LOCKS:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held_by = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+        else:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            _RUN_LOCKS[run_dir.resolve()] = fd
+    if all_reduce_sum(torch.tensor([int(bool(held_by))], device=info.device)).item():
+        raise TrainError(f"{run_dir} is being trained by another process (pid {held_by or 'on rank 0'}); "
+                         f"wait for it to end or stop it before resuming")
+
+
+def unlock_run_dir(run_dir: Path) -> None:
+    """Release :func:`lock_run_dir`'s lock (a no-op where this process holds none)."""
+    fd = _RUN_LOCKS.pop(Path(run_dir).resolve(), None)
+    if fd is not None:
+        os.close(fd)
+
+
 def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
     """The watchers of a run (the decision point's inputs); fault injection only when faults are configured."""
     # Faults first: the others must see the batch and gradients as the fault left them.
@@ -180,6 +219,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     optimizer = build_optimizer(model, cfg)
     last = min(cfg.train.steps, stop_after) if stop_after else cfg.train.steps
     checkpointer = Checkpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep, last, cfg.checkpoint.async_save)
+    lock_run_dir(run_dir, info)  # before anything in the run dir is read, moved or written
     if rollback_to is not None:
         if rollback_to not in [s for s, _ in list_complete(run_dir)]:
             raise TrainError(f"{run_dir}: no complete checkpoint at step {rollback_to} to roll back to "
