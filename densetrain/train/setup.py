@@ -160,9 +160,10 @@ def lock_run_dir(run_dir: Path, info: DistInfo) -> None:
             held_by = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
         else:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
             _RUN_LOCKS[run_dir.resolve()] = fd
+            with contextlib.suppress(OSError):  # the pid is for the message only (a full disk: the write
+                os.ftruncate(fd, 0)              # that matters, config.toml, then says so)
+                os.pwrite(fd, str(os.getpid()).encode(), 0)
     if all_reduce_sum(torch.tensor([int(bool(held_by))], device=info.device)).item():
         raise TrainError(f"{run_dir} is being trained by another process (pid {held_by or 'on rank 0'}); "
                          f"wait for it to end or stop it before resuming")
