@@ -6,8 +6,18 @@ quality filters (``filters/``), the evaluation-set decontamination (``decontam/`
 scale-out (``scale/``). Called by ``densetrain prepare`` (cli.py), the tests and the benchmarks; it may
 import the tokenizer and the shard writer (data.tokenizer, data.shards), while training and evaluation
 never import it (the import-linter contract in pyproject.toml).
+
+:func:`prepare` is imported on first use (PEP 562 ``__getattr__``): a worker process imports
+:mod:`.process`, and with it this package, and should not pay for the whole pipeline (readers,
+pyarrow, decontamination index building: ~0.4 CPU-s per spawned worker).
 """
 
-from densetrain.data.prepare.pipeline import prepare
-
 __all__ = ["prepare"]
+
+
+def __getattr__(name: str):
+    if name == "prepare":
+        from densetrain.data.prepare.pipeline import prepare
+
+        return prepare
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
