@@ -319,3 +319,13 @@ def test_chinese_near_duplicates_use_character_shingles():
     keys, sigs = dedup.fingerprints([a, b, other], cfg)
     res = dedup.find_duplicates(keys, sigs, cfg)
     assert res.keep.tolist() == [True, False, True] and res.reason[1] == 2  # a near, not exact, duplicate
+
+
+def test_punctuation_table_covers_every_symbol_of_this_python():
+    """The normalisation table scans planes 0-1 only; no punctuation or symbol lies above them here."""
+    import sys
+    import unicodedata
+
+    above = [c for c in range(dedup.SYMBOL_PLANES_END, sys.maxunicode + 1) if unicodedata.category(chr(c))[0] in "PS"]
+    assert above == []
+    assert dedup.words("a\u2e53b \U0001f600c \U0001fbcad") == ["a", "b", "c", "d"]  # the table's last planes

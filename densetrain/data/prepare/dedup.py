@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import sys
 import unicodedata
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -85,11 +84,18 @@ the usual unit for Chinese/Japanese near-duplicate detection; whitespace words w
 sentence one "word" and near-dedup no better than exact)."""
 
 
+SYMBOL_PLANES_END = 0x20000
+"""Every punctuation and symbol code point (categories P*, S*) lies in Unicode planes 0-1 (below
+U+20000; Unicode 14-16: planes 2-3 hold ideographs, 14 tags and selectors, 15-16 private use;
+tests/test_dedup.py checks it for this Python), so :func:`_punct_table` scans only those: 0.1
+CPU-s less per worker process than all of Unicode."""
+
+
 @functools.cache
 def _punct_table() -> dict[int, str]:
-    # Built once per process (~0.3 s): str.translate with this table runs ~2x faster than a
+    # Built once per process (~0.03 s): str.translate with this table runs ~2x faster than a
     # Unicode regex over the text, and normalisation is the slowest part of fingerprinting.
-    table = {c: " " for c in range(sys.maxunicode + 1) if unicodedata.category(chr(c))[0] in "PS"}
+    table = {c: " " for c in range(SYMBOL_PLANES_END) if unicodedata.category(chr(c))[0] in "PS"}
     for lo, hi in _UNSPACED_SCRIPTS:
         table.update({c: f" {chr(c)} " for c in range(lo, hi + 1) if unicodedata.category(chr(c))[0] == "L"})
     return str.maketrans(table)

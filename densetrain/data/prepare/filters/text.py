@@ -258,6 +258,12 @@ def _chunk_tokens(chunk: str) -> tuple[str, ...]:
     re-formed), cached in :data:`_CHUNK_TOKENS`."""
     if (chunk.isalpha() or chunk.isdigit()) and chunk.lower() not in _SPLIT:  # most words: nothing to split
         tokens: tuple[str, ...] = (chunk,)
+    elif (len(chunk) > 1 and chunk[:-1].isalpha() and chunk not in _WHOLE
+          and (chunk[-1] in _SUFFIX_CHARS or chunk[-1] == "." and _lower(chunk[-2]))):
+        # a word and one mark ('word,' 'word.'): _split_chunk peels the mark (a suffix character, or a
+        # '.' after a lowercase letter) and goes on with the word as if it were the chunk; the word's
+        # tokens hold letters, so no special case forms across them and the mark
+        tokens = (_CHUNK_TOKENS.get(chunk[:-1]) or _chunk_tokens(chunk[:-1])) + (chunk[-1],)
     else:
         out: list[str] = []
         _split_chunk(chunk, out)
