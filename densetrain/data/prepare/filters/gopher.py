@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
-from itertools import compress
+from itertools import compress, filterfalse
 from operator import itemgetter
 
 from densetrain.config import GopherQualityConfig, GopherRepetitionConfig
@@ -108,11 +108,12 @@ class GopherQualityFilter(Filter):
             return self._drop("bullet_lines")
         if sum(1 for s in lines if s.rstrip().endswith(("...", "…"))) / len(lines) > p.max_ellipsis_lines:
             return self._drop("ellipsis_lines")
-        alpha = sum(1 for w in tokens if w.isalpha() or any(c.isalpha() for c in w))
+        # tokens holding a letter: all-letter ones counted in C, the rest (~1 in 5) looked into
+        alpha = len(tokens) - sum(1 for w in filterfalse(str.isalpha, tokens) if not any(map(str.isalpha, w)))
         if alpha / n < p.min_alpha_words:
             return self._drop("alpha_words")
         if self.reading == "fineweb2024":
-            stop = sum(1 for w in tokens if w in self.stop_words)
+            stop = sum(map(self.stop_words.__contains__, tokens))
         else:
             stop = len(self.stop_words.intersection(tokens))
         if stop < p.min_stop_words:
