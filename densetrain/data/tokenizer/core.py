@@ -16,6 +16,13 @@ initial alphabet (so any text is encodable), and one special token ``<|endoftext
 **id 0** used as EOS. It is saved as ``tokenizer.json``, loadable by HF ``tokenizers`` /
 ``transformers`` and by datatrove.
 
+A byte-level BPE tokenizer.json (the trained one, GPT-2's, the ones the HF export writes) encodes
+batches on a *tiktoken twin* built from the same vocabulary and merges: 4-6x faster than HF
+``tokenizers`` (0.07 vs 0.37 CPU-s per MB of FineWeb text, one thread). It is used only where it gives
+HF's ids: the file's structure, every vocabulary token and a Unicode probe are checked when it is first
+needed, and a sample of every batch again (:func:`_tiktoken_twin`, :meth:`Tokenizer.encode_batch`);
+otherwise HF encodes.
+
 The named tokenizers run tiktoken on a rank file that ``make install`` puts in the environment, so they
 work offline (sources, formats and checks: :mod:`densetrain.data.tokenizer.named`):
 
@@ -273,7 +280,13 @@ class Tokenizer:
         if self.kind != "hf":
             return None
         if self._twin is _UNSET:
-            self._twin = _tiktoken_twin(self._impl, Path(self.name).read_bytes())
+            try:
+                data = Path(self.name).read_bytes()
+            except OSError:
+                data = b""
+            # a file changed (or gone) since it was loaded: HF keeps encoding what was loaded
+            same = hashlib.sha256(data).hexdigest() == self.sha256
+            self._twin = _tiktoken_twin(self._impl, data) if same else None
         return self._twin
 
     def decode(self, ids) -> str:
