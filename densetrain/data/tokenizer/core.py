@@ -371,7 +371,7 @@ def _tiktoken_batch(enc, texts: list[str]) -> list[list[int]]:
 
 def _tiktoken_twin(tok, data: bytes):
     """A tiktoken ``Encoding`` that gives the ids of the HF tokenizer ``tok`` (its tokenizer.json
-    ``data``), or None where that cannot be shown.
+    ``data``), or None where the checks below find a difference or do not apply.
 
     tiktoken runs byte-level BPE as "within each piece of the split regex, join the adjacent pair whose
     joined bytes have the lowest rank" (a piece that is a token is taken whole); HF BPE joins the pair
@@ -387,9 +387,13 @@ def _tiktoken_twin(tok, data: bytes):
        text here: ``encode_special_tokens``);
     2. every vocab entry maps to bytes, all 256 bytes are tokens, every longer token is made by a
        merge, and the merges come in non-decreasing id order;
-    3. it gives HF's ids for every token of the vocab on its own and for :data:`TWIN_PROBE`.
+    3. it gives HF's ids for every vocab token that is valid UTF-8, on its own (where a joined pair
+       makes a token that HF makes from another pair, the token itself usually shows it:
+       tests/test_tokenizer_twin.py), and for :data:`TWIN_PROBE`.
 
-    :meth:`Tokenizer.encode_batch` then still checks a sample of every batch.
+    These checks find differences, they do not prove there are none (a neighbour can take a
+    token's first bytes in a longer piece), so :meth:`Tokenizer.encode_batch` still checks a
+    sample of every batch.
     """
     try:
         import tiktoken
