@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
-from densetrain.data.tokenizer.core import CHECK_EVERY, TWIN_PROBE
+from densetrain.data.tokenizer.core import CHECK_EVERY, TWIN_PROBE, checked_twins, trust_twins
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 FINEWEB = next((p / "shared/data/fineweb_sample" for p in Path(__file__).resolve().parents[1:4]
@@ -90,14 +90,16 @@ def _edited(trained: Tokenizer, tmp_path: Path, edit) -> Tokenizer:
     return Tokenizer.from_file(path)
 
 
-def test_twin_refused_where_tiktoken_would_differ(trained, tmp_path):
+def ghost(d: dict, x: str = "x", q: str = "q", z: str = "z") -> None:
     """A merge list where tiktoken joins a pair that HF has no merge for: 'xq' + 'z' makes 'xqz', but
     'qz' is merged first, so HF stops at 'x', 'qz' while tiktoken takes the token 'xqz' whole."""
-    def ghost(d):
-        vocab, merges = d["model"]["vocab"], d["model"]["merges"]
-        n = max(vocab.values()) + 1
-        vocab.update({"qz": n, "xq": n + 1, "xqz": n + 2})
-        merges += [["q", "z"], ["x", "q"], ["xq", "z"]]
+    vocab, merges = d["model"]["vocab"], d["model"]["merges"]
+    n = max(vocab.values()) + 1
+    vocab.update({q + z: n, x + q: n + 1, x + q + z: n + 2})
+    merges += [[q, z], [x, q], [x + q, z]]
+
+
+def test_twin_refused_where_tiktoken_would_differ(trained, tmp_path):
     tok = _edited(trained, tmp_path, ghost)
     assert tok.encode("xqz") == [tok._impl.token_to_id("x"), tok._impl.token_to_id("qz")]
     assert tok.tiktoken_twin is None  # the vocabulary probe found it
@@ -125,4 +127,16 @@ def test_a_batch_that_disagrees_in_its_spot_check_is_encoded_by_hf(trained):
     tok = Tokenizer.from_file(trained.name)
     tok._twin = load_tokenizer("gpt2", ".")._impl
     texts = random_texts(2 * CHECK_EVERY, seed=3)
+    assert tok.encode_batch(texts) == hf_ids(tok, texts)
+
+
+def test_a_parent_checked_twin_skips_the_probe_and_the_spot_check_still_holds(trained, tmp_path):
+    """Workers trust their parent's probe (``checked_twins`` -> ``trust_twins``): a file trusted wrongly
+    (the ghost merge above, which the probe refuses) gets a twin, and batches still come out as HF's."""
+    assert trained.tiktoken_twin is not None and trained.sha256 in checked_twins()
+    tok = _edited(trained, tmp_path, lambda d: ghost(d, "j", "v", "k"))  # another file than the test above's
+    trust_twins([tok.sha256])
+    assert tok.tiktoken_twin is not None  # no probe: built as trusted
+    assert tok.tiktoken_twin.encode_ordinary("jvk") != tok.encode("jvk")  # and wrong
+    texts = ["jvk " * 3] * CHECK_EVERY
     assert tok.encode_batch(texts) == hf_ids(tok, texts)

@@ -45,6 +45,7 @@ from densetrain.data.prepare import dedup
 from densetrain.data.prepare.decontam.index import ContaminationIndex
 from densetrain.data.prepare.filters.chain import FilterStats, apply_filters, build_filters, clean_text
 from densetrain.data.tokenizer import load_tokenizer
+from densetrain.data.tokenizer.core import trust_twins
 from densetrain.errors import DataError
 from densetrain.fileio import atomic_write_bytes
 
@@ -67,6 +68,8 @@ class ProcessSpec:
         tokenizer_spec / shards_dir: how to load the tokenizer (:func:`load_tokenizer`).
         token_dtype: numpy dtype name of the token arrays (``'<u2'`` or ``'<u4'``).
         key: the config key of this source, for error messages (``data.sources[2]``).
+        checked_twins: sha256s of tokenizer.json files whose tiktoken twin the parent has checked
+            (:func:`densetrain.data.tokenizer.core.checked_twins`), so that workers skip the probe.
     """
 
     kind: str
@@ -79,6 +82,7 @@ class ProcessSpec:
     shards_dir: str
     token_dtype: str
     key: str = "data.sources"
+    checked_twins: tuple = ()
 
 
 @dataclass
@@ -251,6 +255,7 @@ def _init_worker(parent: int) -> None:
 def _run_chunk(spec: ProcessSpec, texts: list[str]) -> ChunkResult:
     key = _spec_key(spec)
     if key not in _PROCESSORS:
+        trust_twins(spec.checked_twins)
         _PROCESSORS.clear()  # the previous source is done (sources run one after another)
         _PROCESSORS[key] = DocumentProcessor(spec)
     return _PROCESSORS[key](texts)

@@ -25,6 +25,7 @@ from densetrain.data.prepare.readers.paths import estimated_text_bytes
 from densetrain.data.prepare.readers.sources import iter_documents
 from densetrain.data.shards import SHARD_MAX_TOKENS, token_dtype, write_shard
 from densetrain.data.tokenizer import Tokenizer
+from densetrain.data.tokenizer.core import checked_twins
 from densetrain.fileio import atomic_write_bytes, atomic_write_json
 from densetrain.registry.filters import resolve_filter_names
 
@@ -202,7 +203,8 @@ def prepare_source(i, src, files, cfg, tok: Tokenizer, token_size: int, corpus_d
     spec = ProcessSpec(kind=src.kind, filters=list(src.filters), fix_text=src.fix_text, filter_params=data.filters,
                        dedup=data.dedup if src.dedup and (data.dedup.exact or data.dedup.near) else None,
                        decontam_path=decontam["index"] if decontam else None, tokenizer_spec=data.tokenizer,
-                       shards_dir=str(shards_dir), token_dtype=token_dtype(token_size).str, key=f"data.sources[{i}]")
+                       shards_dir=str(shards_dir), token_dtype=token_dtype(token_size).str, key=f"data.sources[{i}]",
+                       checked_twins=checked_twins() if tok.tiktoken_twin is not None else ())
     skips = SkipLog()
     key = hashlib.sha256(json.dumps([inputs, params, tok.sha256], sort_keys=True).encode()).hexdigest()[:16]
     work_dir = src_dir / ".work" / key

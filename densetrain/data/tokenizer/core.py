@@ -286,7 +286,9 @@ class Tokenizer:
                 data = b""
             # a file changed (or gone) since it was loaded: HF keeps encoding what was loaded
             same = hashlib.sha256(data).hexdigest() == self.sha256
-            self._twin = _tiktoken_twin(self._impl, data) if same else None
+            self._twin = _tiktoken_twin(self._impl, data, probe=self.sha256 not in _CHECKED_TWINS) if same else None
+            if self._twin is not None:
+                _CHECKED_TWINS.add(self.sha256)
         return self._twin
 
     def decode(self, ids) -> str:
@@ -341,6 +343,21 @@ class Tokenizer:
 
 _UNSET = object()
 
+_CHECKED_TWINS: set[str] = set()
+"""sha256 of the tokenizer.json files whose twin passed the probe (step 3 of :func:`_tiktoken_twin`) in
+this process, or in the parent that started it (:func:`trust_twins`): a twin built again skips it."""
+
+
+def checked_twins() -> tuple[str, ...]:
+    """The tokenizer.json sha256s whose tiktoken twin passed its probe in this process (for workers)."""
+    return tuple(sorted(_CHECKED_TWINS))
+
+
+def trust_twins(sha256s) -> None:
+    """Take the probe of these tokenizer.json files' twins as passed (a worker told by its parent,
+    :func:`checked_twins`): the probe of a 128k vocabulary costs ~1.8 CPU-s per process."""
+    _CHECKED_TWINS.update(sha256s)
+
 CHECK_EVERY = 32
 """With a tiktoken twin, :meth:`Tokenizer.encode_batch` re-encodes every 32nd text with HF and compares
 (~3% of HF's cost; the twin is 4-6x faster than HF on FineWeb's pages)."""
@@ -369,7 +386,7 @@ def _tiktoken_batch(enc, texts: list[str]) -> list[list[int]]:
     return enc.encode_ordinary_batch(texts, num_threads=threads)
 
 
-def _tiktoken_twin(tok, data: bytes):
+def _tiktoken_twin(tok, data: bytes, probe: bool = True):
     """A tiktoken ``Encoding`` that gives the ids of the HF tokenizer ``tok`` (its tokenizer.json
     ``data``), or None where the checks below find a difference or do not apply.
 
@@ -387,7 +404,7 @@ def _tiktoken_twin(tok, data: bytes):
        text here: ``encode_special_tokens``);
     2. every vocab entry maps to bytes, all 256 bytes are tokens, every longer token is made by a
        merge, and the merges come in non-decreasing id order;
-    3. it gives HF's ids for every vocab token that is valid UTF-8, on its own (where a joined pair
+    3. (``probe``) it gives HF's ids for every vocab token that is valid UTF-8, on its own (where a joined pair
        makes a token that HF makes from another pair, the token itself usually shows it:
        tests/test_tokenizer_twin.py), and for :data:`TWIN_PROBE`.
 
@@ -445,6 +462,8 @@ def _tiktoken_twin(tok, data: bytes):
                                 mergeable_ranks=ranks, special_tokens={})
     except (KeyError, TypeError, ValueError, AttributeError):
         return None
+    if not probe:
+        return enc
     pieces = [t.decode("utf-8") for t in ranks if _utf8(t)]
     probe = [TWIN_PROBE, *TWIN_PROBE.split("\n"), *pieces]
     fn = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
