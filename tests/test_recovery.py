@@ -11,6 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 import torch
@@ -112,8 +113,8 @@ _NAN_WORKER = textwrap.dedent("""
 
 def _launch(script: str, args: list[str], world: int = 2, timeout: int = 240) -> list[subprocess.CompletedProcess]:
     env = gloo_env(world)
-    procs = [subprocess.Popen([sys.executable, script, *args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
+    procs = [forked.Popen([sys.executable, script, *args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                          stdout=forked.PIPE, stderr=forked.PIPE, text=True) for r in range(world)]
     out = []
     for p in procs:
         o, e = p.communicate(timeout=timeout)
@@ -216,14 +217,14 @@ def test_kill_during_checkpoint_write_resumes_from_the_previous_one(prepared, tm
     cfg_path = tmp_path / "killed.toml"
     save_config(cfg, cfg_path)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "densetrain", "train", "--config", str(cfg_path)], capture_output=True,
-                       text=True, env=env)
+    r = forked.run([sys.executable, "-m", "densetrain", "train", "--config", str(cfg_path)], capture_output=True,
+                   text=True, env=env)
     run = Path(cfg.train.run_dir)
     assert r.returncode == -9 and [s for s, _ in list_complete(run)] == [5]
     (ev,) = _events(run, "fault")
     assert "during the checkpoint write" in ev["text"]
-    r = subprocess.run([sys.executable, "-m", "densetrain", "train", "--resume", str(run)], capture_output=True,
-                       text=True, env=env)
+    r = forked.run([sys.executable, "-m", "densetrain", "train", "--resume", str(run)], capture_output=True,
+                   text=True, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     train(make(tmp_path / "clean", **ov))
     got, ref = _train_records(run), _train_records(tmp_path / "clean" / "run")
