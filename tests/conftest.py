@@ -64,13 +64,25 @@ def small_config(tmp: Path, shards_dir: Path, **overrides):
 
 
 @pytest.fixture(scope="session")
-def prepared(tmp_path_factory):
-    """(shards_dir, config factory) with the two stdlib sources tokenized once."""
+def prepared(tmp_path_factory, request):
+    """(shards_dir, config factory) with the two stdlib sources tokenized once: once per pytest run, the
+    xdist workers sharing one copy in their common temporary directory (the first one to get the lock
+    prepares it; tests only read it)."""
+    import fcntl
+
     from densetrain.data.prepare import prepare
 
-    root = tmp_path_factory.mktemp("prepared")
+    if hasattr(request.config, "workerinput"):  # an xdist worker: basetemp is <run's dir>/popen-gwN
+        root = tmp_path_factory.getbasetemp().parent / "prepared"
+        root.mkdir(exist_ok=True)
+    else:
+        root = tmp_path_factory.mktemp("prepared")
     shards = root / "shards"
-    prepare(small_config(root, shards))
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "done").exists():
+            prepare(small_config(root, shards))
+            (root / "done").touch()
     return shards, lambda tmp, **ov: small_config(tmp, shards, **ov)
 
 
