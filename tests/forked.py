@@ -7,7 +7,7 @@ which was a third of its CPU time. A forked child is still its own OS process (i
 exit status, file descriptors, torch.distributed state and gloo sockets); only the import work is done
 once. The fork server is a clean process (no threads, no process group) started with one OpenMP thread;
 each child gets the environment, working directory, argv and stdout/stderr it asked for. What torch reads
-from the environment when it loads (OMP_NUM_THREADS, THP_MEM_ALLOC_ENABLE) is the server's: a test that
+from the environment when it starts (OMP_NUM_THREADS, glibc's MALLOC_* tunables) is the server's: a test that
 sets those starts its process with :mod:`subprocess`.
 
 :class:`Popen` and :func:`run` take the subset of :mod:`subprocess`'s arguments the tests use; argv
