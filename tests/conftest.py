@@ -30,6 +30,12 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
 
 
+def pytest_sessionfinish(session, exitstatus):
+    import forked
+
+    forked.stop()
+
+
 def small_config(tmp: Path, shards_dir: Path, **overrides):
     """A seconds-scale config over two stdlib sources with a 3-stage table (main, anneal, long); fp32, so
     that code paths compared by the tests (ranks, layouts, resumes) agree to fp32 precision."""

@@ -51,6 +51,15 @@ def _context():
     return _ctx
 
 
+def stop() -> None:
+    """Stop this process's fork server (if started) and reap it: no server outlives the pytest worker, and
+    the CPU time of every forked child counts in the worker's own children's time (``time make test``)."""
+    import multiprocessing.forkserver as fs
+
+    if _ctx is not None:
+        fs._forkserver._stop()
+
+
 def _child(argv: list[str], env: dict, cwd: str | None, out: str, err: str) -> None:
     """In the forked child: become ``python *argv`` (the environment, cwd, fds 1 and 2, sys.argv, __main__)."""
     os.environ.clear()
