@@ -26,7 +26,7 @@ demo: $(VENV)/.installed
 # Two workers, each test file on one of them (its module fixtures built once): 11m42s vs 13m52s in one
 # process on 2 cores shared with a `make demo` (same 584 tests).
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 # ruff (line length 120, pyproject.toml) and the import-layer contracts; `make fix` applies ruff's fixes.
 lint: $(VENV)/.installed

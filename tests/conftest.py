@@ -14,6 +14,28 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
+# Test files in decreasing order of their run time (measured with --durations on 2 cores): `make test`'s
+# `--dist loadfile --no-loadscope-reorder` hands files to the two workers in collection order, so the long
+# ones start first and no long file is left to run alone at the end. Files not listed follow in name order.
+SLOW_FILES_FIRST = [
+    "test_cli.py", "test_parallel_layouts.py", "test_resume.py", "test_context_parallel.py", "test_recovery.py",
+    "test_filters_parity.py", "test_parallel_train.py", "test_data.py", "test_checkpoint_async.py", "test_sdc.py",
+    "test_tools_mup.py", "test_watchdog.py", "test_export_sharded.py", "test_train.py", "test_tools_plan.py",
+    "test_tokenizer.py", "test_probe.py", "test_eval_parallel.py", "test_scale.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import forked
+
+    forked.stop()
+
+
 def small_config(tmp: Path, shards_dir: Path, **overrides):
     """A seconds-scale config over two stdlib sources with a 3-stage table (main, anneal, long); fp32, so
     that code paths compared by the tests (ranks, layouts, resumes) agree to fp32 precision."""
@@ -48,13 +70,25 @@ def small_config(tmp: Path, shards_dir: Path, **overrides):
 
 
 @pytest.fixture(scope="session")
-def prepared(tmp_path_factory):
-    """(shards_dir, config factory) with the two stdlib sources tokenized once."""
+def prepared(tmp_path_factory, request):
+    """(shards_dir, config factory) with the two stdlib sources tokenized once: once per pytest run, the
+    xdist workers sharing one copy in their common temporary directory (the first one to get the lock
+    prepares it; tests only read it)."""
+    import fcntl
+
     from densetrain.data.prepare import prepare
 
-    root = tmp_path_factory.mktemp("prepared")
+    if hasattr(request.config, "workerinput"):  # an xdist worker: basetemp is <run's dir>/popen-gwN
+        root = tmp_path_factory.getbasetemp().parent / "prepared"
+        root.mkdir(exist_ok=True)
+    else:
+        root = tmp_path_factory.mktemp("prepared")
     shards = root / "shards"
-    prepare(small_config(root, shards))
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "done").exists():
+            prepare(small_config(root, shards))
+            (root / "done").touch()
     return shards, lambda tmp, **ov: small_config(tmp, shards, **ov)
 
 
@@ -120,14 +154,15 @@ def run_script_ranks(source: str, tmp: Path, name: str, world: int = 2, timeout:
     """Write ``source`` to ``tmp/name.py`` and run it as ``world`` ranks of one gloo job (:func:`gloo_env`),
     each with argv ``[repo root, out]``; assert every rank exits 0 (their stderr tails otherwise). Returns
     ``out`` (``tmp/name``): rank r writes its results to ``out.r``."""
-    import subprocess
     import sys
+
+    import forked
 
     script, out = tmp / f"{name}.py", tmp / name
     script.write_text(source)
     env = gloo_env(world)
-    procs = [subprocess.Popen([sys.executable, str(script), str(Path(__file__).resolve().parents[1]), str(out)],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True)
+    procs = [forked.Popen([sys.executable, str(script), str(Path(__file__).resolve().parents[1]), str(out)],
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=forked.PIPE, text=True)
              for r in range(world)]
     errs = [p.communicate(timeout=timeout)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errs)
@@ -140,15 +175,16 @@ def start_eval_ranks(call: str, tokenizer_file: str, args: list, kwargs: dict, t
     (``call`` is ``'module:function'``; args and kwargs JSON values). Returns ``collect()``: waits for
     the ranks, asserts they succeeded, and returns each rank's result (JSON-decoded), rank order."""
     import json
-    import subprocess
     import sys
+
+    import forked
 
     script, out = tmp / "eval_worker.py", tmp / "eval_result"
     script.write_text(_EVAL_WORKER)
     env = gloo_env(world)
     argv = [sys.executable, str(script), str(Path(__file__).resolve().parents[1]), str(tokenizer_file), call,
             json.dumps([args, kwargs]), str(out)]
-    procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    procs = [forked.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
 
     def collect() -> list:
         assert all(p.wait(timeout=120) == 0 for p in procs)

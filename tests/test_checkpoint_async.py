@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 
@@ -155,8 +155,8 @@ def test_kill_during_async_write_resumes_from_the_previous_checkpoint(prepared, 
     cfg_path = tmp_path / "killed.toml"
     save_config(cfg, cfg_path)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "densetrain", "train", "--config", str(cfg_path)], capture_output=True,
-                       text=True, env=env)
+    r = forked.run([sys.executable, "-m", "densetrain", "train", "--config", str(cfg_path)], capture_output=True,
+                   text=True, env=env)
     run = Path(cfg.train.run_dir)
     assert r.returncode == -9, r.stderr[-2000:]
     assert [s for s, _ in list_complete(run)] == [5]
@@ -164,8 +164,8 @@ def test_kill_during_async_write_resumes_from_the_previous_checkpoint(prepared, 
     assert [e["action"] for e in _events(run)] == ["staged", "written"]  # step 5's; step 10's never finished
     (fault,) = _events(run, "fault")
     assert "during the checkpoint write" in fault["text"]
-    r = subprocess.run([sys.executable, "-m", "densetrain", "train", "--resume", str(run)], capture_output=True,
-                       text=True, env=env)
+    r = forked.run([sys.executable, "-m", "densetrain", "train", "--resume", str(run)], capture_output=True,
+                   text=True, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "resumed from" in r.stdout + r.stderr and "step_00000005" in r.stdout + r.stderr
     train(make(tmp_path / "clean", **ov))

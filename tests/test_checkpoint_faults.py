@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 
@@ -122,8 +123,8 @@ def test_kill_during_retention_never_lists_a_half_deleted_checkpoint(tmp_path):
     script = tmp_path / "killer.py"
     script.write_text(_KILLER)
     run = tmp_path / "run"
-    r = subprocess.run([sys.executable, str(script), str(ROOT), str(run)], capture_output=True, text=True,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = forked.run([sys.executable, str(script), str(ROOT), str(run)], capture_output=True, text=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == -9, r.stderr[-2000:]
     # Step 1 was being deleted when the process died: it is not listed; 2 and 3 are, and load.
     assert [s for s, _ in list_complete(run)] == [2, 3]

@@ -1,8 +1,8 @@
 """Config loading, overrides and one-line validation errors."""
 
-import subprocess
 import sys
 
+import forked
 import pytest
 
 from densetrain.config import load_config, parse_overrides, save_config
@@ -97,8 +97,8 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def test_cli_error_is_one_line():
-    r = subprocess.run([sys.executable, "-m", "densetrain", "train", "--preset", "tiny", "--model.n_kv_heads=3"],
-                       capture_output=True, text=True)
+    r = forked.run([sys.executable, "-m", "densetrain", "train", "--preset", "tiny", "--model.n_kv_heads=3"],
+                   capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "densetrain: error: model.n_heads (4) must be divisible by model.n_kv_heads (3)"]

@@ -12,10 +12,10 @@ other documents of its row change (it attends only to itself).
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 from conftest import gloo_env, run_script_ranks
@@ -123,8 +123,8 @@ def run_ranks(tmp: Path, world: int, layout: dict) -> list[dict]:
     script.write_text(_WORKER)
     env = gloo_env(world)
     argv = [sys.executable, str(script), str(Path(__file__).resolve().parents[1]), json.dumps(layout), str(out)]
-    procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE,
-                              text=True) for r in range(world)]
+    procs = [forked.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=forked.PIPE,
+                          text=True) for r in range(world)]
     errs = [p.communicate(timeout=240)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errs)
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]

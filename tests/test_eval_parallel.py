@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import numpy as np
 import pytest
 import torch
@@ -72,7 +72,7 @@ def _run_ranks(spec: dict, tokenizer_file: str, tmp: Path, world: int = 2) -> li
     env = gloo_env(world)
     argv = [sys.executable, str(script), str(Path(__file__).resolve().parents[1]), tokenizer_file, json.dumps(spec),
             str(out)]
-    procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    procs = [forked.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
     assert all(p.wait(timeout=300) == 0 for p in procs)
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from safetensors import safe_open
@@ -168,8 +168,8 @@ def test_export_reads_one_tensor_at_a_time(tmp_path):
     del model
     script = tmp_path / "peak.py"
     script.write_text(_PEAK)
-    r = subprocess.run([sys.executable, str(script), str(ROOT), json.dumps(shape), str(path), str(tmp_path / "hf"),
-                        str(8 * 2**20)], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = forked.run([sys.executable, str(script), str(ROOT), json.dumps(shape), str(path), str(tmp_path / "hf"),
+                    str(8 * 2**20)], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     rss = json.loads(r.stdout.strip().splitlines()[-1])
     grown = (rss["peak_kib"] - rss["before_kib"]) * 1024

@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import copy
 import math
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from conftest import gloo_env
@@ -175,9 +175,9 @@ def test_fsdp2_muon_matches_single_process(prepared, tmp_path):
     par = make(tmp_path / "par", **common, **{"parallel.dp_replicate": 1, "parallel.dp_shard": 2})
     save_config(par, tmp_path / "par.toml")
     env = {**gloo_env(2), "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, "-m", "densetrain", "train", "--config", str(tmp_path / "par.toml")],
-                              cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    procs = [forked.Popen([sys.executable, "-m", "densetrain", "train", "--config", str(tmp_path / "par.toml")],
+                          cwd=ROOT, text=True, stdout=forked.PIPE, stderr=forked.PIPE,
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
     outs = [p.communicate(timeout=240) for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for _, e in outs)
     a, b = _records(single.train.run_dir), _records(par.train.run_dir)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 
 from densetrain.checkpoint import load_checkpoint
@@ -40,9 +41,9 @@ def launch(argv: list[str], world: int = 2, timeout: int = 240) -> list[subproce
         port = s.getsockname()[1]
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, "-m", "densetrain", *argv], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    procs = [forked.Popen([sys.executable, "-m", "densetrain", *argv], cwd=ROOT, text=True,
+                          stdout=forked.PIPE, stderr=forked.PIPE,
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
     out = []
     for p in procs:
         so, se = p.communicate(timeout=timeout)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import numpy as np
 from conftest import gloo_env
 
@@ -78,8 +78,8 @@ def test_a_duplicate_on_another_rank_is_seen_by_every_rank(tmp_path):
     script, out = tmp_path / "worker.py", tmp_path / "counts"
     script.write_text(_WORKER)
     env = gloo_env(2)
-    procs = [subprocess.Popen([sys.executable, str(script), str(ROOT), str(tmp_path / "a"), str(out)],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    procs = [forked.Popen([sys.executable, str(script), str(ROOT), str(tmp_path / "a"), str(out)],
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
     assert all(p.wait(timeout=120) == 0 for p in procs)
     # every rank counts the global batch: 10 copies in 40 windows (before: 0 on each rank, its own 20)
     got = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]

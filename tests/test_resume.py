@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 from conftest import gloo_env
 
@@ -41,9 +42,9 @@ SLOW = [{"kind": "slow_rank", "step": 0, "rank": 0, "ms": 250}]  # >= 0.75 s lef
 def start(argv: list[str], world: int = 1) -> list[subprocess.Popen]:
     """``python -m densetrain train ARGV`` as ``world`` processes (gloo ranks, as torchrun starts them, when > 1)."""
     env = {**(gloo_env(world) if world > 1 else os.environ), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return [subprocess.Popen([sys.executable, "-m", "densetrain", "train", *argv], cwd=ROOT,
-                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)} if world > 1 else env, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(world)]
+    return [forked.Popen([sys.executable, "-m", "densetrain", "train", *argv], cwd=ROOT,
+                         env={**env, "RANK": str(r), "LOCAL_RANK": str(r)} if world > 1 else env, text=True,
+                         stdout=forked.PIPE, stderr=forked.PIPE) for r in range(world)]
 
 
 def fresh(cfg, tmp: Path) -> list[str]:

@@ -4,12 +4,12 @@ injected faults (bitflip, bad_batch, lr_jump) on real training runs (gloo ranks 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 from conftest import gloo_env
@@ -79,9 +79,9 @@ def _launch(tmp_path, jobs: list[dict], world: int) -> None:
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
     env = gloo_env(world)
-    procs = [subprocess.Popen([sys.executable, str(script), str(ROOT), json.dumps(jobs)],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    procs = [forked.Popen([sys.executable, str(script), str(ROOT), json.dumps(jobs)],
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=forked.DEVNULL,
+                          stderr=forked.PIPE, text=True) for r in range(world)]
     errs = [p.communicate(timeout=300)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(e[-2000:] for e in errs)
 

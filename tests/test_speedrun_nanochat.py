@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 import torch
 
@@ -44,6 +44,6 @@ def test_skips_with_a_message_when_inputs_are_absent(tmp_path, capsys):
     assert main(["--nanochat", str(tmp_path / "nc"), "--fineweb", str(fineweb)]) == 0
     assert capsys.readouterr().out.startswith("SKIPPED: nanochat checkout or its Python absent")
     # benchmarks/speedrun.py hands --nanochat to it.
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "speedrun.py"), "--nanochat", str(tmp_path / "nc"),
-                        "--fineweb", str(fineweb)], capture_output=True, text=True, cwd=ROOT)
+    r = forked.run([sys.executable, str(ROOT / "benchmarks" / "speedrun.py"), "--nanochat", str(tmp_path / "nc"),
+                    "--fineweb", str(fineweb)], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.startswith("SKIPPED: nanochat checkout or its Python absent"), r.stdout

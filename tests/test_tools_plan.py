@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
+import forked
 import pytest
 
 from densetrain.tools.plan import CHINCHILLA_TABLE3, format_plan, nearest_preset, plan, preset_shapes
@@ -200,12 +201,11 @@ def test_plan_cli_memory_mode(capsys):
 
 
 def test_train_dry_run_prints_the_plan_without_data(tmp_path):
-    import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "densetrain", "train", "--preset", "llama3-8b", "--dry-run",
-                        "--train.run_dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120,
-                       env={**__import__("os").environ, "WORLD_SIZE": "64"})
+    r = forked.run([sys.executable, "-m", "densetrain", "train", "--preset", "llama3-8b", "--dry-run",
+                    "--train.run_dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120,
+                   env={**__import__("os").environ, "WORLD_SIZE": "64"})
     assert r.returncode == 0, r.stderr
     assert "dry run: 64 process(es)" in r.stdout and "dp_replicate=1 dp_shard=64 tp=1" in r.stdout
     assert not (tmp_path / "run").exists()
@@ -254,7 +254,6 @@ def test_activation_estimate_against_measured_cpu(ac, tmp_path):
     the head (a recomputed block's tensors are saved later, inside the backward), so the comparison is
     with the estimate less one block's recomputation."""
     import json
-    import subprocess
     import sys
 
     from densetrain.config import ModelConfig
@@ -263,8 +262,8 @@ def test_activation_estimate_against_measured_cpu(ac, tmp_path):
     B, T = 4, 512
     script = tmp_path / "measure.py"
     script.write_text(_MEASURE)
-    r = subprocess.run([sys.executable, str(script), ac, str(B), str(T)], capture_output=True, text=True,
-                       timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    r = forked.run([sys.executable, str(script), ac, str(B), str(T)], capture_output=True, text=True,
+                   timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     m = ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=768)

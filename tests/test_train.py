@@ -2,9 +2,9 @@
 
 import json
 import os
-import subprocess
 import sys
 
+import forked
 import pytest
 
 from densetrain.checkpoint import list_complete
@@ -46,8 +46,8 @@ def test_resume_in_fresh_process_matches_uninterrupted(prepared, tmp_path):
     train(part, stop_after=5)
     assert [s for s, _ in list_complete(tmp_path / "part" / "run")] == [5]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "densetrain", "train", "--resume", str(tmp_path / "part" / "run")],
-                       capture_output=True, text=True, env=env)
+    r = forked.run([sys.executable, "-m", "densetrain", "train", "--resume", str(tmp_path / "part" / "run")],
+                   capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     a = _train_records(tmp_path / "full" / "run")
     b = _train_records(tmp_path / "part" / "run")

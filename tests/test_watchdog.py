@@ -5,10 +5,10 @@ parallelism, strict JSON in metrics.jsonl, and the slow_rank fault's delay per s
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 from conftest import gloo_env
 
@@ -46,8 +46,8 @@ def _two_ranks(tmp_path: Path, shards: Path, overrides: dict, slow_data_ms: floa
     env = gloo_env(2)
     argv = [sys.executable, str(script), str(ROOT), str(shards), str(tmp_path), json.dumps(overrides),
             str(slow_data_ms)]
-    procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE,
-                              text=True) for r in range(2)]
+    procs = [forked.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=forked.PIPE,
+                          text=True) for r in range(2)]
     errs = [p.communicate(timeout=240)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errs)
     return tmp_path / "run"
