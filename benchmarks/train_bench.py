@@ -259,6 +259,18 @@ def overheads(work: Path, shards: Path, threads: int, steps: int) -> None:
     print(f"  in-loop evals    {evals:7.2f} s = {100 * evals / loop_s:5.2f}% of wall time (target < 10%)")
 
 
+def _overrides(text: str) -> dict:
+    """``"a.b=1,c.d=false"`` -> ``{"a.b": 1, "c.d": False}`` (each value JSON if it parses, else the string)."""
+    out = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nanogpt", type=Path, help="a checkout of karpathy/nanoGPT (outside this repository)")
@@ -273,6 +285,9 @@ def main() -> None:
     ap.add_argument("--nanogpt-compile", action="store_true", help="also run nanoGPT with torch.compile")
     ap.add_argument("--overheads", type=int, default=0, metavar="STEPS", help="also the overhead run (tiny preset)")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: a new temp dir)")
+    ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="also run densetrain with these config overrides (values as JSON, else strings), "
+                         "alternating with the default; repeatable (one A/B per change)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -309,7 +324,8 @@ def main() -> None:
     results: dict[str, dict[str, list[RunResult]]] = {}
     for shape_name in SHAPES if a.shape == "both" else [a.shape]:
         shape = SHAPES[shape_name]
-        kinds = ["densetrain"] + ([] if a.no_fp32 else ["densetrain-fp32"])
+        variants = {f"densetrain[{v}]": _overrides(v) for v in a.variant}
+        kinds = ["densetrain", *variants] + ([] if a.no_fp32 else ["densetrain-fp32"])
         kinds = (["nanogpt"] if nanogpt else []) + kinds + (["nanogpt-compile"] if nanogpt and a.nanogpt_compile
                                                              else [])
         res = results[shape_name] = {k: [] for k in kinds}
@@ -323,7 +339,7 @@ def main() -> None:
                                      a.eval_iters, k.endswith("compile"))
                 else:
                     rr = run_densetrain(k, shape, a.steps, work, a.shards, counts, a.threads, a.skip,
-                                        {"train.dtype": "fp32"} if k.endswith("fp32") else {})
+                                        {"train.dtype": "fp32"} if k.endswith("fp32") else variants.get(k, {}))
                 res[k].append(rr)
                 print(f"  run {r + 1} {k:16s} {rr.median_s * 1e3:7.1f} ms/step  "
                       f"{shape['batch'] * shape['seq_len'] / rr.median_s:7.0f} tok/s  val {rr.val_loss:.4f}  "
@@ -361,6 +377,10 @@ def report(shape_name: str, shape: dict, res: dict, peaks: dict, flops_per_token
         if "loop_overhead_s" in runs[0].extra:
             line += (f"  data wait {1e3 * statistics.median([r.extra['data_wait_s'] for r in runs]):.1f} ms/step, "
                      f"log+checks {1e3 * statistics.median([r.extra['loop_overhead_s'] for r in runs]):.1f} ms/step")
+        if k.startswith("densetrain[") and k != "densetrain":
+            ratios = [r0.median_s / r.median_s for r, r0 in zip(runs, res["densetrain"])]
+            line += (f"  vs default: paired runs {min(ratios):.3f}-{max(ratios):.3f}x "
+                     f"(median {statistics.median(ratios):.3f}x)")
         if base and k != "nanogpt":
             ratios = [tok / r.median_s / (tok / b.median_s) for r, b in zip(runs, base)]
             line += (f"  ratio vs nanoGPT {med / statistics.median([tok / b.median_s for b in base]):.2f}x "
