@@ -138,11 +138,25 @@ def densetrain_overrides(shape: dict, steps: int, run_dir: Path, shards: Path, c
 
 
 def worker(spec: str) -> None:
-    """Child process: train with the overrides in ``spec`` (JSON list of [key, value])."""
+    """Child process: train with the overrides in ``spec`` (JSON list of [key, value]); the process CPU time
+    at the start of every step goes to ``cpu_stamps.json`` next to the run directory (CPU seconds per step
+    depend far less on other processes' load than wall seconds)."""
+    import densetrain.train.loop as loop
     from densetrain.config import load_config
     from densetrain.train import train
 
-    train(load_config(preset="tiny", overrides=[tuple(kv) for kv in json.loads(spec)]))
+    cfg = load_config(preset="tiny", overrides=[tuple(kv) for kv in json.loads(spec)])
+    stamps, compute_step = [], loop.compute_step
+
+    def timed(*args, **kwargs):
+        stamps.append(time.process_time())
+        return compute_step(*args, **kwargs)
+
+    loop.compute_step = timed
+    try:
+        train(cfg)
+    finally:
+        (Path(cfg.train.run_dir).parent / "cpu_stamps.json").write_text(json.dumps(stamps))
 
 
 def _env(threads: int) -> dict:
@@ -185,10 +199,12 @@ def run_densetrain(name: str, shape: dict, steps: int, work: Path, shards: Path,
     steady, warm = _steady(times, skip)
     val = [r for r in recs if r["kind"] == "eval" and "val/all/loss" in r]
     log = (run_dir / "log.txt").read_text()
+    stamps = json.loads((run_dir / "cpu_stamps.json").read_text())
+    cpu_step_s = statistics.median(b - a for a, b in zip(stamps[skip:], stamps[skip + 1:]))
     return RunResult(name, steady, warm, val[-1]["val/all/loss"] if val else float("nan"), wall, cpu,
                      {"dtype_line": next((ln for ln in log.splitlines() if ln.startswith("train.dtype=")), ""),
                       "data_wait_s": sum(r.get("time/data_wait_s", 0.0) for r in train[skip:]) / len(steady),
-                      "train_loss": train[-1]["loss"],
+                      "train_loss": train[-1]["loss"], "cpu_step_s": cpu_step_s, "threads": threads,
                       # the record interval minus the step's own time: logging, watcher and interval checks
                       "loop_overhead_s": statistics.median(b["time"] - a["time"] - b["time/step_s"]
                                                            for a, b in zip(train[skip:], train[skip + 1:]))})
@@ -344,7 +360,8 @@ def main() -> None:
                 print(f"  run {r + 1} {k:16s} {rr.median_s * 1e3:7.1f} ms/step  "
                       f"{shape['batch'] * shape['seq_len'] / rr.median_s:7.0f} tok/s  val {rr.val_loss:.4f}  "
                       f"warm-up/compile {rr.warmup_s:5.1f} s  process {rr.wall_s:5.1f} s wall, {rr.cpu_s:5.1f} s CPU "
-                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
+                      + (f"{rr.extra['cpu_step_s'] * 1e3:.0f} CPU-ms/step " if "cpu_step_s" in rr.extra else "")
+                      + f"(load {os.getloadavg()[0]:.1f})", flush=True)
         report(shape_name, shape, res, peaks, flops_per_token, ModelConfig)
     peaks_after = {"fp32": measure_peak_flops(dev, torch.float32), "bf16": measure_peak_flops(dev, torch.bfloat16)}
     print(f"\nmatmul peaks (1024^3, best of 7, before / after the runs): "
@@ -374,6 +391,11 @@ def report(shape_name: str, shape: dict, res: dict, peaks: dict, flops_per_token
                 f"MFU {100 * f * med / peaks['fp32']:5.1f}% of fp32 peak, {100 * f * med / peaks['bf16']:5.1f}% of "
                 f"bf16 peak  val loss {statistics.median([r.val_loss for r in runs]):.4f}  "
                 f"warm-up/compile {statistics.median([r.warmup_s for r in runs]):.1f} s")
+        if "cpu_step_s" in runs[0].extra:
+            cpu_ms = statistics.median([r.extra["cpu_step_s"] for r in runs]) * 1e3
+            threads = max(1, int(runs[0].extra.get("threads", 1)))
+            line += (f"  {cpu_ms:.0f} CPU-ms/step (MFU if the {threads} threads never waited: "
+                     f"{100 * f * tok / (cpu_ms / 1e3 / threads) / peaks['bf16']:.1f}% of bf16 peak)")
         if "loop_overhead_s" in runs[0].extra:
             line += (f"  data wait {1e3 * statistics.median([r.extra['data_wait_s'] for r in runs]):.1f} ms/step, "
                      f"log+checks {1e3 * statistics.median([r.extra['loop_overhead_s'] for r in runs]):.1f} ms/step")
