@@ -33,7 +33,10 @@ vs its default for the 1% check.
 MFU = FLOPs/token * tokens/s / peak, with FLOPs/token from :func:`densetrain.metrics.flops_per_token`'s
 formula (6 N + 12 L d T, N the matmul parameters incl. the output projection; for nanoGPT its own N) and the
 peaks measured in this process before and after the runs (:func:`densetrain.metrics.measure_peak_flops`,
-fp32 and bf16; the larger of the two measurements). Overheads (``--overheads``): one densetrain run of the
+fp32 and bf16; the larger of the two measurements). On a shared machine, where wall time depends on the
+other processes, each densetrain run also reports CPU-ms per step and a CPU-time MFU (the same FLOPs over
+CPU-seconds / threads, against the 1024^3 probe timed by CPU time); ``--variant KEY=VALUE`` adds paired runs
+of densetrain with config overrides (one A/B per change). Overheads (``--overheads``): one densetrain run of the
 ``tiny`` preset with its own checkpoint / eval intervals, shares of wall time from its step-time breakdown.
 """
 
