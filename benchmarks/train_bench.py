@@ -33,7 +33,10 @@ vs its default for the 1% check.
 MFU = FLOPs/token * tokens/s / peak, with FLOPs/token from :func:`densetrain.metrics.flops_per_token`'s
 formula (6 N + 12 L d T, N the matmul parameters incl. the output projection; for nanoGPT its own N) and the
 peaks measured in this process before and after the runs (:func:`densetrain.metrics.measure_peak_flops`,
-fp32 and bf16; the larger of the two measurements). Overheads (``--overheads``): one densetrain run of the
+fp32 and bf16; the larger of the two measurements). On a shared machine, where wall time depends on the
+other processes, each densetrain run also reports CPU-ms per step and a CPU-time MFU (the same FLOPs over
+CPU-seconds / threads, against the 1024^3 probe timed by CPU time); ``--variant KEY=VALUE`` adds paired runs
+of densetrain with config overrides (one A/B per change). Overheads (``--overheads``): one densetrain run of the
 ``tiny`` preset with its own checkpoint / eval intervals, shares of wall time from its step-time breakdown.
 """
 
@@ -138,11 +141,25 @@ def densetrain_overrides(shape: dict, steps: int, run_dir: Path, shards: Path, c
 
 
 def worker(spec: str) -> None:
-    """Child process: train with the overrides in ``spec`` (JSON list of [key, value])."""
+    """Child process: train with the overrides in ``spec`` (JSON list of [key, value]); the process CPU time
+    at the start of every step goes to ``cpu_stamps.json`` next to the run directory (CPU seconds per step
+    depend far less on other processes' load than wall seconds)."""
+    import densetrain.train.loop as loop
     from densetrain.config import load_config
     from densetrain.train import train
 
-    train(load_config(preset="tiny", overrides=[tuple(kv) for kv in json.loads(spec)]))
+    cfg = load_config(preset="tiny", overrides=[tuple(kv) for kv in json.loads(spec)])
+    stamps, compute_step = [], loop.compute_step
+
+    def timed(*args, **kwargs):
+        stamps.append(time.process_time())
+        return compute_step(*args, **kwargs)
+
+    loop.compute_step = timed
+    try:
+        train(cfg)
+    finally:
+        (Path(cfg.train.run_dir).parent / "cpu_stamps.json").write_text(json.dumps(stamps))
 
 
 def _env(threads: int) -> dict:
@@ -185,10 +202,12 @@ def run_densetrain(name: str, shape: dict, steps: int, work: Path, shards: Path,
     steady, warm = _steady(times, skip)
     val = [r for r in recs if r["kind"] == "eval" and "val/all/loss" in r]
     log = (run_dir / "log.txt").read_text()
+    stamps = json.loads((run_dir / "cpu_stamps.json").read_text())
+    cpu_step_s = statistics.median(b - a for a, b in zip(stamps[skip:], stamps[skip + 1:]))
     return RunResult(name, steady, warm, val[-1]["val/all/loss"] if val else float("nan"), wall, cpu,
                      {"dtype_line": next((ln for ln in log.splitlines() if ln.startswith("train.dtype=")), ""),
                       "data_wait_s": sum(r.get("time/data_wait_s", 0.0) for r in train[skip:]) / len(steady),
-                      "train_loss": train[-1]["loss"],
+                      "train_loss": train[-1]["loss"], "cpu_step_s": cpu_step_s, "threads": threads,
                       # the record interval minus the step's own time: logging, watcher and interval checks
                       "loop_overhead_s": statistics.median(b["time"] - a["time"] - b["time/step_s"]
                                                            for a, b in zip(train[skip:], train[skip + 1:]))})
@@ -259,6 +278,36 @@ def overheads(work: Path, shards: Path, threads: int, steps: int) -> None:
     print(f"  in-loop evals    {evals:7.2f} s = {100 * evals / loop_s:5.2f}% of wall time (target < 10%)")
 
 
+def cpu_time_peak(dtype, threads: int, n: int = 1024, trials: int = 15) -> float:
+    """The 1024^3 matmul probe of :func:`densetrain.metrics.measure_peak_flops` timed by process CPU time
+    instead of wall time: best FLOPs per CPU-second of ``trials`` matmuls, times ``threads``. The denominator of
+    the bench's CPU-time MFU (CPU-ms/step with every thread busy), which load on a shared machine inflates
+    far less than the wall-clock figures; not the MFU the trainer logs. Run in a child with the trainers'
+    ``OMP_WAIT_POLICY=PASSIVE`` (a spinning thread would count the other's descheduled time as CPU time)."""
+    import torch
+
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(trials):
+        c0 = time.process_time()
+        a @ b
+        best = min(best, time.process_time() - c0)
+    return 2.0 * n**3 / best * threads
+
+
+def _overrides(text: str) -> dict:
+    """``"a.b=1,c.d=false"`` -> ``{"a.b": 1, "c.d": False}`` (each value JSON if it parses, else the string)."""
+    out = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nanogpt", type=Path, help="a checkout of karpathy/nanoGPT (outside this repository)")
@@ -273,10 +322,19 @@ def main() -> None:
     ap.add_argument("--nanogpt-compile", action="store_true", help="also run nanoGPT with torch.compile")
     ap.add_argument("--overheads", type=int, default=0, metavar="STEPS", help="also the overhead run (tiny preset)")
     ap.add_argument("--work", type=Path, default=None, help="scratch directory (default: a new temp dir)")
+    ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="also run densetrain with these config overrides (values as JSON, else strings), "
+                         "alternating with the default; repeatable (one A/B per change)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--cpu-peak", type=int, help=argparse.SUPPRESS)  # child: cpu_time_peak with the trainers' env
     a = ap.parse_args()
     if a.worker:
         return worker(a.worker)
+    if a.cpu_peak:
+        import torch
+
+        torch.set_num_threads(a.cpu_peak)
+        return print(cpu_time_peak(torch.bfloat16, a.cpu_peak))
 
     import torch
 
@@ -304,12 +362,15 @@ def main() -> None:
     print(f"data: {sum(counts['train'].values()):,} train / {sum(counts['val'].values()):,} val tokens "
           f"({', '.join(counts['train'])}) -> {work / 'nanogpt_data'}")
     dev = torch.device("cpu")
-    peaks = {"fp32": measure_peak_flops(dev, torch.float32), "bf16": measure_peak_flops(dev, torch.bfloat16)}
+    peaks = {"fp32": measure_peak_flops(dev, torch.float32), "bf16": measure_peak_flops(dev, torch.bfloat16),
+             "bf16_cpu": float(subprocess.run([sys.executable, __file__, "--cpu-peak", str(a.threads)],
+                                              env=_env(a.threads), capture_output=True, text=True, check=True).stdout)}
 
     results: dict[str, dict[str, list[RunResult]]] = {}
     for shape_name in SHAPES if a.shape == "both" else [a.shape]:
         shape = SHAPES[shape_name]
-        kinds = ["densetrain"] + ([] if a.no_fp32 else ["densetrain-fp32"])
+        variants = {f"densetrain[{v}]": _overrides(v) for v in a.variant}
+        kinds = ["densetrain", *variants] + ([] if a.no_fp32 else ["densetrain-fp32"])
         kinds = (["nanogpt"] if nanogpt else []) + kinds + (["nanogpt-compile"] if nanogpt and a.nanogpt_compile
                                                              else [])
         res = results[shape_name] = {k: [] for k in kinds}
@@ -323,12 +384,13 @@ def main() -> None:
                                      a.eval_iters, k.endswith("compile"))
                 else:
                     rr = run_densetrain(k, shape, a.steps, work, a.shards, counts, a.threads, a.skip,
-                                        {"train.dtype": "fp32"} if k.endswith("fp32") else {})
+                                        {"train.dtype": "fp32"} if k.endswith("fp32") else variants.get(k, {}))
                 res[k].append(rr)
                 print(f"  run {r + 1} {k:16s} {rr.median_s * 1e3:7.1f} ms/step  "
                       f"{shape['batch'] * shape['seq_len'] / rr.median_s:7.0f} tok/s  val {rr.val_loss:.4f}  "
                       f"warm-up/compile {rr.warmup_s:5.1f} s  process {rr.wall_s:5.1f} s wall, {rr.cpu_s:5.1f} s CPU "
-                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
+                      + (f"{rr.extra['cpu_step_s'] * 1e3:.0f} CPU-ms/step " if "cpu_step_s" in rr.extra else "")
+                      + f"(load {os.getloadavg()[0]:.1f})", flush=True)
         report(shape_name, shape, res, peaks, flops_per_token, ModelConfig)
     peaks_after = {"fp32": measure_peak_flops(dev, torch.float32), "bf16": measure_peak_flops(dev, torch.bfloat16)}
     print(f"\nmatmul peaks (1024^3, best of 7, before / after the runs): "
@@ -358,9 +420,19 @@ def report(shape_name: str, shape: dict, res: dict, peaks: dict, flops_per_token
                 f"MFU {100 * f * med / peaks['fp32']:5.1f}% of fp32 peak, {100 * f * med / peaks['bf16']:5.1f}% of "
                 f"bf16 peak  val loss {statistics.median([r.val_loss for r in runs]):.4f}  "
                 f"warm-up/compile {statistics.median([r.warmup_s for r in runs]):.1f} s")
+        if "cpu_step_s" in runs[0].extra:
+            cpu_ms = statistics.median([r.extra["cpu_step_s"] for r in runs]) * 1e3
+            threads = max(1, int(runs[0].extra.get("threads", 1)))
+            cpu_mfu = f * tok / (cpu_ms / 1e3 / threads) / peaks["bf16_cpu"]
+            line += (f"  {cpu_ms:.0f} CPU-ms/step (CPU-time MFU: {100 * cpu_mfu:.1f}% of the probe's "
+                     f"{peaks['bf16_cpu'] / 1e9:.0f} bf16 GFLOP per CPU-second x {threads} threads)")
         if "loop_overhead_s" in runs[0].extra:
             line += (f"  data wait {1e3 * statistics.median([r.extra['data_wait_s'] for r in runs]):.1f} ms/step, "
                      f"log+checks {1e3 * statistics.median([r.extra['loop_overhead_s'] for r in runs]):.1f} ms/step")
+        if k.startswith("densetrain[") and k != "densetrain":
+            ratios = [r0.median_s / r.median_s for r, r0 in zip(runs, res["densetrain"])]
+            line += (f"  vs default: paired runs {min(ratios):.3f}-{max(ratios):.3f}x "
+                     f"(median {statistics.median(ratios):.3f}x)")
         if base and k != "nanogpt":
             ratios = [tok / r.median_s / (tok / b.median_s) for r, b in zip(runs, base)]
             line += (f"  ratio vs nanoGPT {med / statistics.median([tok / b.median_s for b in base]):.2f}x "

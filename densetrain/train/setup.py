@@ -33,7 +33,7 @@ from densetrain.train.guard import Guard
 from densetrain.train.probe import DataProbe
 from densetrain.train.replicas import ReplicaCheck, replica_groups
 from densetrain.train.state import TrainState
-from densetrain.train.step import draw_samples
+from densetrain.train.step import draw_samples, keep_freed_memory
 from densetrain.train.updates import UpdateNorms
 from densetrain.train.watchdog import Watchdog
 from densetrain.train.watchers import Watcher
@@ -209,6 +209,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     info = init_distributed(cfg.train.device, layout_keeping_intent(cfg) if keep_layout_intent else cfg.parallel)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
+    if cfg.train.keep_freed_memory and info.device.type == "cpu":
+        keep_freed_memory()
     run_dir = Path(cfg.train.run_dir)
     train_streams = open_streams(cfg, "train")
     try:

@@ -108,6 +108,30 @@ def make_micro_batches(samples: list[Sample], micro: int, device: torch.device, 
     return out
 
 
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc serve every allocation from its heap and keep freed memory there for reuse
+    (``mallopt(M_MMAP_MAX, 0)``, ``mallopt(M_TRIM_THRESHOLD, 2**31 - 1)``); True if set, False where the C
+    library is not glibc (nothing changed).
+
+    By default glibc maps each block over its mmap threshold (at most 32 MiB) freshly and unmaps it when
+    freed, so every new large tensor is zero-filled page by page by the kernel on first touch: at the 13.8M
+    benchmark shape a bf16 step took 34k minor page faults (the (2048, 8192) logits and their gradient,
+    the attention scores), ~10% of its CPU time; with the heap reused, ~200. Process-wide and permanent:
+    memory freed inside the process is not returned to the OS (resident memory stays at its peak, as
+    with PyTorch's CUDA caching allocator).
+    """
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+
+
 _compiled_losses = None  # torch.compile(token_losses), built on first use; False after a failed compile
 
 
