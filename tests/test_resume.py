@@ -76,7 +76,7 @@ def trajectory(run: Path) -> dict[int, tuple]:
     return {r["step"]: (r["loss"], r["grad_norm"], r["sample_index"], r["lr"]) for r in recs}
 
 
-def check_stopped(run: Path, results, at_least: int) -> int:
+def check_stopped(run: Path, procs, results, at_least: int) -> int:
     """Every rank exited 75 after one whole step with its checkpoint and the event; returns that step."""
     assert [rc for rc, _ in results] == [EXIT_PREEMPTED] * len(results), [err[-3000:] for _, err in results]
     (ev,) = [e for e in read_events(run) if e["kind"] == "preempt"]
@@ -87,6 +87,9 @@ def check_stopped(run: Path, results, at_least: int) -> int:
     last = results[0][1].strip().splitlines()[-1]
     assert last == f"densetrain: stopped by SIGTERM after step {step} (checkpoint step_{step:08d} written); " \
                    f"continue with: densetrain train --resume {run}", results[0][1][-2000:]
+    # That line once in all the output (stdout and stderr of every rank): rank 0's stderr.
+    said = [(p.out + err).count("continue with: densetrain train --resume") for p, (_, err) in zip(procs, results)]
+    assert said == [1] + [0] * (len(procs) - 1), said
     return step
 
 
@@ -103,7 +106,7 @@ def test_sigterm_at_a_random_step_resumes_bitwise(prepared, tmp_path):
     procs = start(fresh(cfg, tmp_path))
     wait_for_step(run, k, procs)
     procs[0].send_signal(signal.SIGTERM)
-    step = check_stopped(run, finish(procs), k)
+    step = check_stopped(run, procs, finish(procs), k)
     assert main(["train", "--resume", str(run)]) == 0  # the plain command
     assert trajectory(run) == want, f"signal after step {k}, stopped at {step}"
 
@@ -130,7 +133,7 @@ def test_sigterm_on_one_of_two_ranks_stops_both_and_resumes_bitwise(prepared, fs
     procs = start(fresh(cfg, tmp_path), world=2)
     wait_for_step(run, k, procs)
     procs[1].send_signal(signal.SIGTERM)  # only rank 1 is told: the step-boundary all-reduce tells rank 0
-    step = check_stopped(run, finish(procs), k)
+    step = check_stopped(run, procs, finish(procs), k)
     procs = start(["--resume", str(run)], world=2)
     resumed = finish(procs)
     assert [rc for rc, _ in resumed] == [0, 0], [err[-3000:] for _, err in resumed]
