@@ -244,8 +244,40 @@ TRAIN_EPILOG = (f"SIGTERM or Ctrl-C (SIGINT): the current step finishes, a check
                 "(status 143 / 130). Exit status 2: bad input (one line).")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with the project's one-line errors, for the command and every subcommand (subparsers are
+    made of the parent's class): ``densetrain: error: MESSAGE (see PROG --help)`` and exit status 2,
+    instead of argparse's usage block (printed by rank 0 only under torchrun)."""
+
+    def error(self, message: str):
+        if _is_main():
+            print(f"densetrain: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+CHECKPOINT_ARG = "a run directory with checkpoints (RUN_DIR) or one checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX)"
+RUN_DIR_ARGS = {  # command -> (positional argument, what it must name: one line when it does not exist)
+    "eval": ("checkpoint", CHECKPOINT_ARG),
+    "export": ("checkpoint", CHECKPOINT_ARG),
+    "blame": ("run_dir", "a run directory of densetrain train (config.toml, checkpoints/)"),
+    "replay": ("run_dir", "a run directory of densetrain train (config.toml, checkpoints/)"),
+    "report": ("run_dir", "a run directory of densetrain train (metrics.jsonl)"),
+    "import-hf": ("hf_dir", "a local Hugging Face Llama folder (config.json + *.safetensors)"),
+}
+
+
+def _check_path_arg(args: argparse.Namespace) -> None:
+    """The command's directory argument exists and is a directory, else one line naming it and what was
+    expected (what each command then reads from it is checked by that command, naming the file)."""
+    arg, expected = RUN_DIR_ARGS.get(args.command, (None, ""))
+    path = Path(getattr(args, arg)) if arg else None
+    if path is not None and not path.is_dir():
+        raise ConfigError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}; "
+                          f"densetrain {args.command} expects {expected}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="densetrain",
         description="Pretrain dense decoder-only language models: data prep -> staged training -> evaluation.",
         epilog="Any config field can be overridden: --section.key=value (e.g. --optim.peak_lr=3e-4). "
@@ -305,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     from densetrain.tools.commands import add_subcommands
 
     add_subcommands(sub)
+    p.commands = sub.choices  # name -> subparser (its error() names its own --help)
     return p
 
 
@@ -334,9 +367,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if hasattr(args, "func"):  # mup-check | lr-sweep | plan: own flags; plan's memory plan takes overrides
             if rest and args.command != "plan":
-                parser.error(f"unrecognized arguments: {' '.join(rest)}")
+                parser.commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
             args.overrides = parse_overrides(rest)  # --section.key=value, e.g. --parallel.tp=4
             return args.func(args)
+        if not args.help_config:
+            _check_path_arg(args)
         if args.command in ("report", "blame", "replay") and not args.help_config:
             return COMMANDS[args.command][0](None, args)
         cfg = _config_from(args, rest)

@@ -29,7 +29,9 @@ def find_checkpoint(path: Path) -> Path:
         return path
     ckpt = latest_checkpoint(path)
     if ckpt is None:
-        raise FileNotFoundError(f"{path}: no complete checkpoint here")
+        raise FileNotFoundError(f"{path}: no complete checkpoint (no COMPLETE marker here nor in "
+                                f"{path / 'checkpoints'}/step_*); expected a run directory with checkpoints "
+                                f"(RUN_DIR) or one checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX)")
     return ckpt
 
 
