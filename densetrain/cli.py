@@ -9,7 +9,6 @@ overrides (see ``densetrain train --help-config``). Errors in user input end wit
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from densetrain.config import Config, help_text, list_presets, load_config, parse_overrides
 from densetrain.config.smoke import scale_down
 from densetrain.errors import ConfigError, DataError, TrainError, disk_full_error, is_disk_full
-from densetrain.fileio import recover_folder_swap
+from densetrain.fileio import json_text, recover_folder_swap
 from densetrain.hf import tokenizer_files
 from densetrain.train.preempt import EXIT_PREEMPTED, Preempted
 
@@ -59,7 +58,7 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
 
     summary = prepare(cfg, force=args.force, verify=args.verify)
     if _is_main():
-        print(json.dumps({k: v for k, v in summary.items() if k != "sources"}, indent=1, default=str)[:2000])
+        print(json_text({k: v for k, v in summary.items() if k != "sources"}, indent=1, default=str)[:2000])
     return 0
 
 
@@ -84,7 +83,7 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
     summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches,
                     keep_layout_intent=bool(args.resume) and not args.layout_flags)
     if _is_main():  # torchrun: one summary, not one per rank
-        print(json.dumps(summary, indent=1))
+        print(json_text(summary, indent=1))
     return 0
 
 
@@ -94,8 +93,8 @@ def cmd_blame(cfg: Config, args: argparse.Namespace) -> int:
 
     res = blame(Path(args.run_dir), args.step)
     if args.json:
-        print(json.dumps({**res, "samples": [{k: v for k, v in s.items() if k != "tokens"} for s in res["samples"]]},
-                         indent=1))
+        print(json_text({**res, "samples": [{k: v for k, v in s.items() if k != "tokens"} for s in res["samples"]]},
+                        indent=1))
     else:
         print(format_blame(res))
     return 0
@@ -113,7 +112,7 @@ def cmd_replay(cfg: Config, args: argparse.Namespace) -> int:
                                               "text": f"replay of step {args.step} failed: {e}"}, action="failed")
         raise
     append_event(Path(args.run_dir), res)
-    print(json.dumps(res, indent=1) if args.json else res["text"])
+    print(json_text(res, indent=1) if args.json else res["text"])
     return 0
 
 
@@ -124,7 +123,7 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
         raise ConfigError(f"--limit {args.limit}: expected a number of examples per task >= 0 (0 = all)")
     result = evaluate_checkpoint(cfg, Path(args.checkpoint), tasks=args.tasks, limit=args.limit)
     if _is_main():
-        print(json.dumps(result, indent=1))
+        print(json_text(result, indent=1))
     return 0
 
 

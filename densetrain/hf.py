@@ -61,7 +61,7 @@ from densetrain.config import Config, ModelConfig, validate
 from densetrain.config.schema import RopeScalingConfig
 from densetrain.dcp_read import PlainDataPlanner, TrustedReader, read_metadata
 from densetrain.errors import DataError, disk_full_error, is_disk_full
-from densetrain.fileio import exchange_paths, fsync_dir, recover_folder_swap
+from densetrain.fileio import exchange_paths, fsync_dir, json_text, recover_folder_swap
 from densetrain.model.init import init_weights
 from densetrain.model.llama import Transformer
 
@@ -320,7 +320,7 @@ def tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, bytes]:
         config["bos_token"] = tok.bos_token
     config["model_max_length"] = model_max_length
     return {"tokenizer.json": tok.hf_json().encode("utf-8"),
-            "tokenizer_config.json": json.dumps(config, indent=2).encode() + b"\n"}
+            "tokenizer_config.json": json_text(config, indent=2).encode() + b"\n"}
 
 
 def export_hf(
@@ -409,7 +409,7 @@ def _write_export(out_dir: Path, config: dict, extra_files: dict[str, bytes] | N
     try:
         tmp.mkdir()
         write_weights(tmp)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "config.json").write_text(json_text(config, indent=2) + "\n")
         for name, content in (extra_files or {}).items():
             (tmp / name).write_bytes(content)
         umask = os.umask(0)
@@ -544,7 +544,7 @@ def export_hf_from_checkpoint(
         if len(files) > 1:
             total = sum(math.prod(want[n]) * dtypes[n].itemsize for n in names)
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            (tmp / "model.safetensors.index.json").write_text(json_text(index, indent=2) + "\n")
 
     export_cfg = dataclasses.replace(cfg, tie_embeddings=not untied)
     config = hf_config_dict(export_cfg, max_position_embeddings=max_position_embeddings,

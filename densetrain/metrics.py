@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import resource
 import sys
 import time
@@ -24,7 +23,7 @@ import torch
 
 from densetrain.config import Config, ModelConfig
 from densetrain.errors import ConfigError
-from densetrain.fileio import atomic_write_bytes
+from densetrain.fileio import atomic_write_bytes, json_text
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -136,20 +135,9 @@ class WandbSink:
 def _scalars(metrics: dict) -> dict[str, float]:
     """The numeric entries of a record (what TensorBoard and W&B plot; strings such as the stage are not)."""
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-def finite_or_null(obj):
-    """``obj`` (JSON values: dicts, lists, numbers, strings) with every NaN or infinite float replaced by None."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite_or_null(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite_or_null(v) for v in obj]
-    return obj
-
-
 def json_line(rec: dict) -> str:
     """One strict JSON line (no newline) of ``rec``: non-finite floats become ``null`` (module docstring)."""
-    return json.dumps(finite_or_null(rec), allow_nan=False)
+    return json_text(rec)
 
 
 class MetricsLogger:

@@ -12,7 +12,6 @@ from densetrain.data.tokenizer import load_tokenizer
 from densetrain.evals.downstream import downstream_metrics
 from densetrain.evals.valloss import evaluate_val, val_table
 from densetrain.fileio import atomic_write_json
-from densetrain.metrics import finite_or_null
 from densetrain.model.init import build_model
 from densetrain.parallel import autocast_for, init_distributed
 from densetrain.schedule import resolve_stages, stage_at
@@ -84,5 +83,5 @@ def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0
             print(line, file=sys.stderr, flush=True)
         out = eval_path(path)
         out.parent.mkdir(exist_ok=True)
-        atomic_write_json(out, finite_or_null(result))
+        atomic_write_json(out, result)
     return result
