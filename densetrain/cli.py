@@ -173,6 +173,7 @@ def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
     """Load a local HF Llama folder into a densetrain checkpoint (step 0) under --out RUN_DIR."""
     from densetrain.checkpoint import save_checkpoint
     from densetrain.config import save_config
+    from densetrain.data.tokenizer import Tokenizer
     from densetrain.hf import import_hf
     from densetrain.model.llama import Transformer
     from densetrain.optim import build_optimizer
@@ -185,12 +186,26 @@ def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
     model = Transformer(mcfg)
     model.load_state_dict(sd, strict=True)
     cfg.train.run_dir = args.out
+    # The model's own tokenizer, copied into the run (self-contained: the HF folder may go), is the run's
+    # data.tokenizer: a run continued from the import tokenizes (and evaluates) with the ids it was trained on.
+    tok_file, note = Path(args.hf_dir) / "tokenizer.json", ""
+    if tok_file.is_file():
+        tok = Tokenizer.from_file(tok_file)  # DataError: one line naming the file
+        if tok.vocab_size > mcfg.vocab_size:
+            raise DataError(f"{tok_file}: {tok.vocab_size} token ids, more than the model's vocab_size "
+                            f"{mcfg.vocab_size} (config.json)")
+        cfg.data.tokenizer = str(out.resolve() / "tokenizer.json")
+    else:
+        note = (f"; no tokenizer.json in {args.hf_dir}: data.tokenizer stays {cfg.data.tokenizer!r} "
+                f"(set it in {out / 'config.toml'} to the model's tokenizer before training on)")
     # Written in .NAME.tmp-PID, then renamed to --out: a failure or a kill -9 leaves no half-made run
     # that blocks the re-run (which deletes the folder of a killed import).
     recover_folder_swap(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
         tmp.mkdir(parents=True)
+        if tok_file.is_file():
+            shutil.copyfile(tok_file, tmp / "tokenizer.json")
         save_config(cfg, tmp / "config.toml")
         path = save_checkpoint(tmp, 0, model, build_optimizer(model, cfg), {"step": 0, "tokens": 0}, keep=0)
         os.replace(tmp, out)  # onto a missing or empty --out (checked above)
@@ -200,7 +215,8 @@ def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
             raise disk_full_error(out, "the imported run") from None
         raise
     path = out / path.relative_to(tmp)
-    print(f"imported {args.hf_dir} -> {path} ({model.num_params() / 1e6:.2f}M parameters)")
+    print(f"imported {args.hf_dir} -> {path} ({model.num_params() / 1e6:.2f}M parameters, data.tokenizer "
+          f"{cfg.data.tokenizer}){note}")
     return 0
 
 
