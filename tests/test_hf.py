@@ -1,4 +1,4 @@
-"""Hugging Face interop (densetrain/hf.py): export -> LlamaForCausalLM parity, import round trip."""
+"""Hugging Face interop (densetrain/hf/): export -> LlamaForCausalLM parity, import round trip."""
 
 from __future__ import annotations
 
