@@ -169,11 +169,26 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _usable_tokenizer(path: Path, vocab_size: int) -> tuple[Path | None, str]:
+    """(``path``, '') when the HF folder's ``tokenizer.json`` loads as a densetrain tokenizer (an EOS token
+    found) with at most ``vocab_size`` ids, else (None, why not)."""
+    from densetrain.data.tokenizer import Tokenizer
+
+    if not path.is_file():
+        return None, f"no tokenizer.json in {path.parent}"
+    try:
+        tok = Tokenizer.from_file(path)
+    except DataError as e:
+        return None, str(e)
+    if tok.vocab_size > vocab_size:
+        return None, f"{path}: {tok.vocab_size} token ids, more than the model's vocab_size {vocab_size}"
+    return path, ""
+
+
 def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
     """Load a local HF Llama folder into a densetrain checkpoint (step 0) under --out RUN_DIR."""
     from densetrain.checkpoint import save_checkpoint
     from densetrain.config import save_config
-    from densetrain.data.tokenizer import Tokenizer
     from densetrain.hf import import_hf
     from densetrain.model.llama import Transformer
     from densetrain.optim import build_optimizer
@@ -188,23 +203,19 @@ def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
     cfg.train.run_dir = args.out
     # The model's own tokenizer, copied into the run (self-contained: the HF folder may go), is the run's
     # data.tokenizer: a run continued from the import tokenizes (and evaluates) with the ids it was trained on.
-    tok_file, note = Path(args.hf_dir) / "tokenizer.json", ""
-    if tok_file.is_file():
-        tok = Tokenizer.from_file(tok_file)  # DataError: one line naming the file
-        if tok.vocab_size > mcfg.vocab_size:
-            raise DataError(f"{tok_file}: {tok.vocab_size} token ids, more than the model's vocab_size "
-                            f"{mcfg.vocab_size} (config.json)")
+    tok_file, note = _usable_tokenizer(Path(args.hf_dir) / "tokenizer.json", mcfg.vocab_size)
+    if tok_file:
         cfg.data.tokenizer = str(out.resolve() / "tokenizer.json")
     else:
-        note = (f"; no tokenizer.json in {args.hf_dir}: data.tokenizer stays {cfg.data.tokenizer!r} "
-                f"(set it in {out / 'config.toml'} to the model's tokenizer before training on)")
+        note = (f"; {note}: data.tokenizer stays {cfg.data.tokenizer!r} (set it in {out / 'config.toml'} to "
+                "the model's tokenizer before training on)")
     # Written in .NAME.tmp-PID, then renamed to --out: a failure or a kill -9 leaves no half-made run
     # that blocks the re-run (which deletes the folder of a killed import).
     recover_folder_swap(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
         tmp.mkdir(parents=True)
-        if tok_file.is_file():
+        if tok_file:
             shutil.copyfile(tok_file, tmp / "tokenizer.json")
         save_config(cfg, tmp / "config.toml")
         path = save_checkpoint(tmp, 0, model, build_optimizer(model, cfg), {"step": 0, "tokens": 0}, keep=0)

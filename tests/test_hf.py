@@ -277,3 +277,11 @@ def test_import_hf_makes_the_models_tokenizer_the_runs(prepared, tmp_path, capsy
     assert main(["import-hf", str(hf_dir), "--out", str(tmp_path / "run2")]) == 0
     assert "no tokenizer.json in" in capsys.readouterr().out
     assert load_config(path=tmp_path / "run2" / "config.toml").data.tokenizer == "bpe"
+    # One densetrain cannot use (no EOS token to end documents with): the weights import, the tokenizer is named.
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+
+    HFTokenizer(WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")).save(str(hf_dir / "tokenizer.json"))
+    assert main(["import-hf", str(hf_dir), "--out", str(tmp_path / "run3")]) == 0
+    assert "tokenizer.json: no EOS token" in capsys.readouterr().out
+    assert load_config(path=tmp_path / "run3" / "config.toml").data.tokenizer == "bpe"
