@@ -187,7 +187,8 @@ def test_manual_rollback_sets_checkpoints_aside_and_blame_matches_the_batch(prep
     run = tmp_path / "run"
     before = {r["step"]: r for r in _train_records(run)}
     train(cfg, resume=True, rollback_to=10, skip_batches=2)
-    assert sorted(p.name for p in (run / "checkpoints_set_aside").iterdir()) == ["step_00000020", "step_00000030"]
+    assert sorted(p.name for p in (run / "checkpoints_set_aside").iterdir()) == ["step_00000020", "step_00000030",
+                                                                               "summary.json"]  # of step 30
     assert [s for s, _ in list_complete(run)] == [10, 20, 30]  # the new trajectory saved them again
     recs = _train_records(run)
     assert [r["step"] for r in recs] == list(range(1, 31))
