@@ -282,24 +282,32 @@ class Parser(argparse.ArgumentParser):
 
 
 CHECKPOINT_ARG = "a run directory with checkpoints (RUN_DIR) or one checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX)"
-RUN_DIR_ARGS = {  # command -> (positional argument, what it must name: one line when it does not exist)
-    "eval": ("checkpoint", CHECKPOINT_ARG),
-    "export": ("checkpoint", CHECKPOINT_ARG),
-    "blame": ("run_dir", "a run directory of densetrain train (config.toml, checkpoints/)"),
-    "replay": ("run_dir", "a run directory of densetrain train (config.toml, checkpoints/)"),
-    "report": ("run_dir", "a run directory of densetrain train (metrics.jsonl)"),
-    "import-hf": ("hf_dir", "a local Hugging Face Llama folder (config.json + *.safetensors)"),
+RUN_ARG = "a run directory of densetrain train"
+RUN_DIR_ARGS = {  # command -> (positional argument, the file it reads first there or None, what it must name)
+    "eval": ("checkpoint", None, CHECKPOINT_ARG),
+    "export": ("checkpoint", None, CHECKPOINT_ARG),
+    "blame": ("run_dir", "config.toml", RUN_ARG),
+    "replay": ("run_dir", "config.toml", RUN_ARG),
+    "report": ("run_dir", "metrics.jsonl", RUN_ARG),
+    "import-hf": ("hf_dir", "config.json", "a local Hugging Face Llama folder (config.json + *.safetensors)"),
 }
 
 
 def _check_path_arg(args: argparse.Namespace) -> None:
-    """The command's directory argument exists and is a directory, else one line naming it and what was
-    expected (what each command then reads from it is checked by that command, naming the file)."""
-    arg, expected = RUN_DIR_ARGS.get(args.command, (None, ""))
-    path = Path(getattr(args, arg)) if arg else None
-    if path is not None and not path.is_dir():
-        raise ConfigError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}; "
-                          f"densetrain {args.command} expects {expected}")
+    """The command's directory argument is a directory holding the file the command reads first, else one
+    line naming it and what was expected (eval/export: :func:`densetrain.tools.offline_eval.find_checkpoint`
+    says which checkpoint is missing)."""
+    if args.command not in RUN_DIR_ARGS:
+        return
+    arg, needs, expected = RUN_DIR_ARGS[args.command]
+    path = Path(getattr(args, arg))
+    if not path.is_dir():
+        why = "not a directory" if path.exists() else "no such directory"
+    elif needs and not (path / needs).exists():
+        why = f"no {needs} here"
+    else:
+        return
+    raise ConfigError(f"{path}: {why}; densetrain {args.command} expects {expected}")
 
 
 def build_parser() -> argparse.ArgumentParser:

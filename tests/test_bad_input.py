@@ -94,9 +94,13 @@ def test_a_directory_argument_that_does_not_exist_names_it_and_what_was_expected
             else "run directory") in err, err
 
 
-def test_eval_of_a_directory_without_checkpoints_says_what_was_expected(tmp_path, capsys):
+def test_a_directory_that_is_not_what_the_command_reads_says_what_was_expected(tmp_path, capsys):
     err = _run(capsys, "eval", str(tmp_path))
     assert f"{tmp_path}: no complete checkpoint" in err and "expected a run directory with checkpoints" in err, err
+    for argv, needs in ((["blame", str(tmp_path), "3"], "config.toml"), (["report", str(tmp_path)], "metrics.jsonl"),
+                        (["import-hf", str(tmp_path), "--out", str(tmp_path / "r")], "config.json")):
+        err = _run(capsys, *argv)
+        assert err.startswith(f"densetrain: error: {tmp_path}: no {needs} here; densetrain {argv[0]} expects "), err
 
 
 def _argparse_error(capsys, argv: list[str]) -> str:
