@@ -135,6 +135,8 @@ class WandbSink:
 def _scalars(metrics: dict) -> dict[str, float]:
     """The numeric entries of a record (what TensorBoard and W&B plot; strings such as the stage are not)."""
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 def json_line(rec: dict) -> str:
     """One strict JSON line (no newline) of ``rec``: non-finite floats become ``null`` (module docstring)."""
     return json_text(rec)
