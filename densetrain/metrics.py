@@ -99,7 +99,8 @@ class WandbSink:
     The W&B run id is kept in ``RUN_DIR/wandb_run_id``, so ``--resume`` continues the same W&B run. W&B
     cannot delete history: after a rollback or a resume the re-done steps are logged again (the events
     say why), where TensorBoard and metrics.jsonl drop the superseded records. Events go into one
-    incremental table ``events`` (columns step, kind, action, text).
+    incremental table ``events`` (columns step, kind, action, text). :meth:`close` returns once the W&B
+    files are complete on disk (it ends W&B's service process, so any other W&B run of the process too).
 
     Raises:
         ConfigError: the ``wandb`` package is not installed.
@@ -129,7 +130,12 @@ class WandbSink:
         self.run.log({"events": self.events, "step": step})
 
     def close(self) -> None:
+        """Finish the run and wait until W&B's service process has written its files and exited."""
         self.run.finish()
+        # finish() only tells the service to close the run: its file could still be a bare header when
+        # finish() returned (10 of 30 times on a loaded machine), and under torchrun the ranks leave with
+        # os._exit (cli.entry), which skips W&B's own atexit teardown. teardown() waits for the service.
+        self.wandb.teardown()
 
 
 def _scalars(metrics: dict) -> dict[str, float]:
