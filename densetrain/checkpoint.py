@@ -607,7 +607,8 @@ class Checkpointer:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
                 errors.append(f"{path.name}: {type(e).__name__}: {first}")
                 mismatch |= isinstance(e, CheckpointMismatchError)
-                print(f"densetrain: warning: cannot load {path} ({type(e).__name__}: {first}); trying an older one")
+                if _rank() == 0:  # every rank tries the same checkpoints: one line, not one per rank
+                    print(f"densetrain: warning: cannot load {path} ({type(e).__name__}: {first}); trying an older one")
         if done:
             # The hint only where it is the cause: for a corrupt file it would send the user the wrong way.
             hint = "; model.* settings cannot change on --resume" if mismatch else ""

@@ -235,6 +235,25 @@ def test_plain_resume_at_another_world_size_keeps_the_layout_intent(fsdp_run, tm
     assert_close(trajectory(two), want, range(7, 9))
 
 
+def test_under_torchrun_the_lines_said_once_come_from_rank_0_only(fsdp_run, tmp_path, monkeypatch):
+    """A 2-rank resume whose newest checkpoint is torn (a truncated shard), in bf16 where inductor has no
+    compiler (CXX names none): the warning that falls back to the older checkpoint and the one that falls
+    back to eager cross-entropy are each printed once in all the output, by rank 0 (before: by each rank)."""
+    _, ref = fsdp_run
+    run = copy_until(ref, tmp_path / "run", 8)
+    shard = next((run / "checkpoints" / "step_00000008").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # no kernel compiled elsewhere
+    procs = start(["--resume", str(run), "--train.dtype=bf16"], world=2)
+    res = finish(procs)
+    assert [rc for rc, _ in res] == [0, 0], [err[-3000:] for _, err in res]
+    assert [e["step"] for e in read_events(run) if e["kind"] == "resume"][-1] == 6  # the fallback happened
+    for line in ("densetrain: warning: cannot load", "compiled cross-entropy unavailable"):
+        said = [(p.out + err).count(line) for p, (_, err) in zip(procs, res)]
+        assert said == [1, 0], (line, said, procs[1].out[-2000:])
+
+
 def test_resume_where_no_layout_keeps_the_intent_names_the_flags_that_would(prepared, tmp_path, monkeypatch, capsys):
     _, make = prepared
     # A batch of 2 sequences in micro-batches of 2 does not split over 2 data-parallel ranks; tensor parallel 2 runs it.
