@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import getpass
 import json
 import os
 import re
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -237,6 +239,29 @@ def set_aside_future(run_dir: Path, step: int, is_main: bool) -> list[Path]:
     return moved + set_aside(run_dir, step)
 
 
+def pin_inductor_cache() -> str:
+    """Give torch.compile (inductor) a cache directory of this torch version and CPU capability, unless
+    ``TORCHINDUCTOR_CACHE_DIR`` is set; must run before the first compile. Returns the directory in effect.
+
+    The directory is torch's default (``<tempdir>/torchinductor_<user>``, as
+    ``torch._inductor.runtime.cache_dir_utils.default_cache_dir`` builds it) plus
+    ``<torch version>-<capability>``, the capability being the one ATen dispatches to
+    (:func:`torch.backends.cpu.get_cpu_capability`, lowered; ``ATEN_CPU_CAPABILITY`` can lower it), e.g.
+    ``/tmp/torchinductor_alice/2.13.0+cpu-avx512``. Why: inductor's cache key leaves the capability out,
+    and kernels cached under AVX-512 segfaulted when loaded from a shared directory under
+    ``ATEN_CPU_CAPABILITY=avx2`` (nodes of a cluster with mixed CPUs sharing a home or /tmp).
+    """
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # the user's choice (or an earlier compile's) stands
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):  # no passwd entry (some containers): torch names it by uid too
+            user = f"uid_{os.getuid()}"
+        base = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+        cap = torch.backends.cpu.get_cpu_capability().lower()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"{torch.__version__}-{cap}")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, rollback_to: int | None = None,
           skip_batches: int = 0, keep_layout_intent: bool = False) -> Run:
     """Build the :class:`Run` of ``cfg``; with ``resume``, restored from the newest loadable checkpoint
@@ -255,6 +280,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     info = init_distributed(cfg.train.device, layout_keeping_intent(cfg) if keep_layout_intent else cfg.parallel)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
+    pin_inductor_cache()  # before anything compiles (train.compile, compile_blocks, bf16 cross-entropy)
     run_dir = Path(cfg.train.run_dir)
     train_streams = open_streams(cfg, "train")
     try:
