@@ -50,14 +50,14 @@ def _history(run_dir: Path) -> tuple[list[dict], set[str]]:
 
 def _wandb_services() -> list[str]:
     """The W&B service processes (``wandb-core``) this process has started and that still run (Linux /proc)."""
-    kids = [c for t in Path("/proc/self/task").iterdir() for c in (t / "children").read_text().split()]
-    cmds = []
-    for pid in kids:
+    def read(path: Path) -> str:
         try:
-            cmds.append((Path("/proc") / pid / "cmdline").read_bytes().decode(errors="replace"))
-        except OSError:  # exited meanwhile
-            pass
-    return [c for c in cmds if "wandb-core" in c]
+            return path.read_bytes().decode(errors="replace")
+        except OSError:  # a thread or a child that ended meanwhile
+            return ""
+
+    kids = [pid for task in Path("/proc/self/task").iterdir() for pid in read(task / "children").split()]
+    return [cmd for cmd in (read(Path("/proc") / pid / "cmdline") for pid in kids) if "wandb-core" in cmd]
 
 
 def _check_written(run_dir: Path, segments: int) -> None:
