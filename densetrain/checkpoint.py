@@ -133,6 +133,24 @@ class CheckpointError(TrainError):
     previous checkpoints are intact and no temporary directory is left behind."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint holds another model: its model tensors' names or shapes differ from the model's
+    (a ``model.*`` setting changed since it was saved)."""
+
+
+def _model_mismatch(model_sd: dict, saved: dict) -> str:
+    """The first tensors whose shape differs between the model's state dict (global shapes, also of
+    DTensors) and the ``model.*`` tensors of checkpoint metadata ``saved``, or that only one of them
+    has, as ``name: SHAPE saved, SHAPE in the model``; '' when they agree."""
+    want = {k: tuple(v.shape) for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
+    got = {k[len("model."):]: tuple(v.size) for k, v in saved.items() if k.startswith("model.") and hasattr(v, "size")}
+    # An entry saved as something else than a tensor is not a shape question: the load refuses it by name.
+    other = {k[len("model."):] for k in saved if k.startswith("model.")} - set(got)
+    names = sorted(n for n in set(got) | set(want) if n not in other and got.get(n) != want.get(n))
+    return ", ".join(f"{n}: {list(got[n]) if n in got else 'none'} saved, "
+                     f"{list(want[n]) if n in want else 'none'} in the model" for n in names[:3])
+
+
 def _agree(ok: bool) -> bool:
     """True on every rank iff ``ok`` on every rank (one collective; a single process just returns ok)."""
     if not dist.is_initialized():
@@ -381,7 +399,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         FileNotFoundError: ``path`` is not a complete checkpoint (no COMPLETE marker).
         CheckpointReadError: a file is missing or unreadable (one line naming it); UntrustedCheckpointError
             (a subclass): a file would build anything but plain data (nothing is run).
-        CheckpointError: anything else (a truncated shard, another model shape, a torn RNG file).
+        CheckpointMismatchError: the checkpoint's model tensors have other names or shapes than ``model``'s.
+        CheckpointError: anything else (a truncated shard, a torn RNG file).
     """
     path = Path(path)
     if not (path / "COMPLETE").exists():
@@ -396,6 +415,9 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
             state = {"model": model_sd, "optim": optim_sd}
         else:
             state = {"model": get_model_state_dict(model)}
+        diff = _model_mismatch(state["model"], saved)
+        if diff:
+            raise CheckpointMismatchError(f"{path}: the checkpoint's model tensors do not match the model ({diff})")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed.*")
             dcp.load(state, storage_reader=reader, planner=PlainDataPlanner(path))
@@ -405,6 +427,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         rng = path / f"rng_{_rank()}.json"
         if rng.exists():
             _set_rng_state(json.loads(rng.read_text()))
+    except CheckpointMismatchError:
+        raise
     except (Exception, CheckpointException) as e:  # a truncated shard, another model shape, a torn RNG file
         ours = next((x for x in _causes(e) if isinstance(x, CheckpointReadError)), None)
         if ours is not None:  # already one line naming the file (dcp_read)
@@ -571,7 +595,7 @@ class Checkpointer:
             UntrustedCheckpointError: the newest one holds a crafted file (no fallback then).
         """
         done = list_complete(self.run_dir)
-        errors = []
+        errors, mismatch = [], False
         for _, path in reversed(done):
             try:
                 return path, load_checkpoint(path, model, optimizer)
@@ -582,8 +606,11 @@ class Checkpointer:
             except (Exception, CheckpointException) as e:
                 first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
                 errors.append(f"{path.name}: {type(e).__name__}: {first}")
-                print(f"densetrain: warning: cannot load {path} ({type(e).__name__}: {first}); trying an older one")
+                mismatch |= isinstance(e, CheckpointMismatchError)
+                if _rank() == 0:  # every rank tries the same checkpoints: one line, not one per rank
+                    print(f"densetrain: warning: cannot load {path} ({type(e).__name__}: {first}); trying an older one")
         if done:
-            raise TrainError(f"{self.run_dir}: no checkpoint could be loaded ({'; '.join(errors)}); "
-                             f"model.* settings cannot change on --resume")
+            # The hint only where it is the cause: for a corrupt file it would send the user the wrong way.
+            hint = "; model.* settings cannot change on --resume" if mismatch else ""
+            raise TrainError(f"{self.run_dir}: no checkpoint could be loaded ({'; '.join(errors)}){hint}")
         return None, None

@@ -9,7 +9,6 @@ overrides (see ``densetrain train --help-config``). Errors in user input end wit
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from densetrain.config import Config, help_text, list_presets, load_config, parse_overrides
 from densetrain.config.smoke import scale_down
 from densetrain.errors import ConfigError, DataError, TrainError, disk_full_error, is_disk_full
-from densetrain.fileio import recover_folder_swap
+from densetrain.fileio import json_text, recover_folder_swap
 from densetrain.hf import tokenizer_files
 from densetrain.train.preempt import EXIT_PREEMPTED, Preempted
 
@@ -59,7 +58,7 @@ def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
 
     summary = prepare(cfg, force=args.force, verify=args.verify)
     if _is_main():
-        print(json.dumps({k: v for k, v in summary.items() if k != "sources"}, indent=1, default=str)[:2000])
+        print(json_text({k: v for k, v in summary.items() if k != "sources"}, indent=1, default=str)[:2000])
     return 0
 
 
@@ -84,7 +83,7 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
     summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches,
                     keep_layout_intent=bool(args.resume) and not args.layout_flags)
     if _is_main():  # torchrun: one summary, not one per rank
-        print(json.dumps(summary, indent=1))
+        print(json_text(summary, indent=1))
     return 0
 
 
@@ -94,8 +93,8 @@ def cmd_blame(cfg: Config, args: argparse.Namespace) -> int:
 
     res = blame(Path(args.run_dir), args.step)
     if args.json:
-        print(json.dumps({**res, "samples": [{k: v for k, v in s.items() if k != "tokens"} for s in res["samples"]]},
-                         indent=1))
+        print(json_text({**res, "samples": [{k: v for k, v in s.items() if k != "tokens"} for s in res["samples"]]},
+                        indent=1))
     else:
         print(format_blame(res))
     return 0
@@ -113,7 +112,7 @@ def cmd_replay(cfg: Config, args: argparse.Namespace) -> int:
                                               "text": f"replay of step {args.step} failed: {e}"}, action="failed")
         raise
     append_event(Path(args.run_dir), res)
-    print(json.dumps(res, indent=1) if args.json else res["text"])
+    print(json_text(res, indent=1) if args.json else res["text"])
     return 0
 
 
@@ -124,7 +123,7 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
         raise ConfigError(f"--limit {args.limit}: expected a number of examples per task >= 0 (0 = all)")
     result = evaluate_checkpoint(cfg, Path(args.checkpoint), tasks=args.tasks, limit=args.limit)
     if _is_main():
-        print(json.dumps(result, indent=1))
+        print(json_text(result, indent=1))
     return 0
 
 
@@ -170,6 +169,22 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _usable_tokenizer(path: Path, vocab_size: int) -> tuple[Path | None, str]:
+    """(``path``, '') when the HF folder's ``tokenizer.json`` loads as a densetrain tokenizer (an EOS token
+    found) with at most ``vocab_size`` ids, else (None, why not)."""
+    from densetrain.data.tokenizer import Tokenizer
+
+    if not path.is_file():
+        return None, f"no tokenizer.json in {path.parent}"
+    try:
+        tok = Tokenizer.from_file(path)
+    except DataError as e:
+        return None, str(e)
+    if tok.vocab_size > vocab_size:
+        return None, f"{path}: {tok.vocab_size} token ids, more than the model's vocab_size {vocab_size}"
+    return path, ""
+
+
 def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
     """Load a local HF Llama folder into a densetrain checkpoint (step 0) under --out RUN_DIR."""
     from densetrain.checkpoint import save_checkpoint
@@ -186,12 +201,22 @@ def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
     model = Transformer(mcfg)
     model.load_state_dict(sd, strict=True)
     cfg.train.run_dir = args.out
+    # The model's own tokenizer, copied into the run (self-contained: the HF folder may go), is the run's
+    # data.tokenizer: a run continued from the import tokenizes (and evaluates) with the ids it was trained on.
+    tok_file, note = _usable_tokenizer(Path(args.hf_dir) / "tokenizer.json", mcfg.vocab_size)
+    if tok_file:
+        cfg.data.tokenizer = str(out.resolve() / "tokenizer.json")
+    else:
+        note = (f"; {note}: data.tokenizer stays {cfg.data.tokenizer!r} (set it in {out / 'config.toml'} to "
+                "the model's tokenizer before training on)")
     # Written in .NAME.tmp-PID, then renamed to --out: a failure or a kill -9 leaves no half-made run
     # that blocks the re-run (which deletes the folder of a killed import).
     recover_folder_swap(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
         tmp.mkdir(parents=True)
+        if tok_file:
+            shutil.copyfile(tok_file, tmp / "tokenizer.json")
         save_config(cfg, tmp / "config.toml")
         path = save_checkpoint(tmp, 0, model, build_optimizer(model, cfg), {"step": 0, "tokens": 0}, keep=0)
         os.replace(tmp, out)  # onto a missing or empty --out (checked above)
@@ -201,7 +226,8 @@ def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
             raise disk_full_error(out, "the imported run") from None
         raise
     path = out / path.relative_to(tmp)
-    print(f"imported {args.hf_dir} -> {path} ({model.num_params() / 1e6:.2f}M parameters)")
+    print(f"imported {args.hf_dir} -> {path} ({model.num_params() / 1e6:.2f}M parameters, data.tokenizer "
+          f"{cfg.data.tokenizer}){note}")
     return 0
 
 
@@ -244,8 +270,48 @@ TRAIN_EPILOG = (f"SIGTERM or Ctrl-C (SIGINT): the current step finishes, a check
                 "(status 143 / 130). Exit status 2: bad input (one line).")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with the project's one-line errors, for the command and every subcommand (subparsers are
+    made of the parent's class): ``densetrain: error: MESSAGE (see PROG --help)`` and exit status 2,
+    instead of argparse's usage block (printed by rank 0 only under torchrun)."""
+
+    def error(self, message: str):
+        if _is_main():
+            print(f"densetrain: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+CHECKPOINT_ARG = "a run directory with checkpoints (RUN_DIR) or one checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX)"
+RUN_ARG = "a run directory of densetrain train"
+RUN_DIR_ARGS = {  # command -> (positional argument, the file it reads first there or None, what it must name)
+    "eval": ("checkpoint", None, CHECKPOINT_ARG),
+    "export": ("checkpoint", None, CHECKPOINT_ARG),
+    "blame": ("run_dir", "config.toml", RUN_ARG),
+    "replay": ("run_dir", "config.toml", RUN_ARG),
+    "report": ("run_dir", "metrics.jsonl", RUN_ARG),
+    "import-hf": ("hf_dir", "config.json", "a local Hugging Face Llama folder (config.json + *.safetensors)"),
+}
+
+
+def _check_path_arg(args: argparse.Namespace) -> None:
+    """The command's directory argument is a directory holding the file the command reads first, else one
+    line naming it and what was expected (eval/export: :func:`densetrain.tools.offline_eval.find_checkpoint`
+    says which checkpoint is missing)."""
+    if args.command not in RUN_DIR_ARGS:
+        return
+    arg, needs, expected = RUN_DIR_ARGS[args.command]
+    path = Path(getattr(args, arg))
+    if not path.is_dir():
+        why = "not a directory" if path.exists() else "no such directory"
+    elif needs and not (path / needs).exists():
+        why = f"no {needs} here"
+    else:
+        return
+    raise ConfigError(f"{path}: {why}; densetrain {args.command} expects {expected}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="densetrain",
         description="Pretrain dense decoder-only language models: data prep -> staged training -> evaluation.",
         epilog="Any config field can be overridden: --section.key=value (e.g. --optim.peak_lr=3e-4). "
@@ -305,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     from densetrain.tools.commands import add_subcommands
 
     add_subcommands(sub)
+    p.commands = sub.choices  # name -> subparser (its error() names its own --help)
     return p
 
 
@@ -334,9 +401,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if hasattr(args, "func"):  # mup-check | lr-sweep | plan: own flags; plan's memory plan takes overrides
             if rest and args.command != "plan":
-                parser.error(f"unrecognized arguments: {' '.join(rest)}")
+                parser.commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
             args.overrides = parse_overrides(rest)  # --section.key=value, e.g. --parallel.tp=4
             return args.func(args)
+        if not args.help_config:
+            _check_path_arg(args)
         if args.command in ("report", "blame", "replay") and not args.help_config:
             return COMMANDS[args.command][0](None, args)
         cfg = _config_from(args, rest)

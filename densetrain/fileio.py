@@ -5,6 +5,10 @@ the process is killed (kill -9) in the middle. What a killed writer leaves (``.N
 ``.NAME.tmp-PID`` / ``.NAME.old-PID`` folders of a dead PID) is swept by the next run
 (:func:`sweep_stale_temps`, :func:`recover_folder_swap`); whole folders are swapped in one atomic
 step where the OS can (:func:`exchange_paths`).
+
+Every JSON file and printout of the project is strict JSON (RFC 8259), made by :func:`json_text`: a
+non-finite float (a NaN loss, an infinite ratio) becomes ``null``, never Python's ``NaN`` / ``Infinity``,
+which other JSON readers (browsers, jq, pandas) refuse.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -68,9 +73,26 @@ def sweep_stale_temps(root: Path) -> list[Path]:
     return removed
 
 
+def finite_or_null(obj):
+    """``obj`` (JSON values: dicts, lists, numbers, strings) with every NaN or infinite float replaced by None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_or_null(v) for v in obj]
+    return obj
+
+
+def json_text(obj, indent: int | None = None, **kw) -> str:
+    """``obj`` as strict JSON text (non-finite floats as ``null``, module docstring); ``kw`` go to
+    :func:`json.dumps` (e.g. ``default=str``). The one JSON encoder of the project's files and printouts."""
+    return json.dumps(finite_or_null(obj), indent=indent, allow_nan=False, **kw)
+
+
 def atomic_write_json(path: Path, obj) -> None:
-    """Write ``obj`` as indented JSON atomically."""
-    atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+    """Write ``obj`` as indented strict JSON (:func:`json_text`) atomically."""
+    atomic_write_bytes(Path(path), (json_text(obj, indent=2) + "\n").encode())
 
 
 def pid_alive(pid: int) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import resource
 import sys
 import time
@@ -24,7 +23,7 @@ import torch
 
 from densetrain.config import Config, ModelConfig
 from densetrain.errors import ConfigError
-from densetrain.fileio import atomic_write_bytes
+from densetrain.fileio import atomic_write_bytes, json_text
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -100,7 +99,8 @@ class WandbSink:
     The W&B run id is kept in ``RUN_DIR/wandb_run_id``, so ``--resume`` continues the same W&B run. W&B
     cannot delete history: after a rollback or a resume the re-done steps are logged again (the events
     say why), where TensorBoard and metrics.jsonl drop the superseded records. Events go into one
-    incremental table ``events`` (columns step, kind, action, text).
+    incremental table ``events`` (columns step, kind, action, text). :meth:`close` returns once the W&B
+    files are complete on disk (it ends W&B's service process, so any other W&B run of the process too).
 
     Raises:
         ConfigError: the ``wandb`` package is not installed.
@@ -130,26 +130,22 @@ class WandbSink:
         self.run.log({"events": self.events, "step": step})
 
     def close(self) -> None:
+        """Finish the run and wait until W&B's service process has written its files and exited."""
         self.run.finish()
+        # finish() only tells the service to close the run: its file could still be a bare header when
+        # finish() returned (10 of 30 times on a loaded machine), and under torchrun the ranks leave with
+        # os._exit (cli.entry), which skips W&B's own atexit teardown. teardown() waits for the service.
+        self.wandb.teardown()
 
 
 def _scalars(metrics: dict) -> dict[str, float]:
     """The numeric entries of a record (what TensorBoard and W&B plot; strings such as the stage are not)."""
     return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-def finite_or_null(obj):
-    """``obj`` (JSON values: dicts, lists, numbers, strings) with every NaN or infinite float replaced by None."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: finite_or_null(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite_or_null(v) for v in obj]
-    return obj
 
 
 def json_line(rec: dict) -> str:
     """One strict JSON line (no newline) of ``rec``: non-finite floats become ``null`` (module docstring)."""
-    return json.dumps(finite_or_null(rec), allow_nan=False)
+    return json_text(rec)
 
 
 class MetricsLogger:

@@ -84,6 +84,46 @@ def test_import_hf_of_tensors_that_do_not_fit_the_config(hf_dir, tmp_path, capsy
     assert main(["import-hf", str(hf_dir), "--out", out]) == 0  # the same folder, repaired, imports
 
 
+@pytest.mark.parametrize("argv", [["eval", "{}"], ["export", "{}", "{}/../hf"], ["blame", "{}", "3"],
+                                  ["replay", "{}", "3"], ["report", "{}"], ["import-hf", "{}", "--out", "{}/../r"]])
+def test_a_directory_argument_that_does_not_exist_names_it_and_what_was_expected(tmp_path, capsys, argv):
+    missing = tmp_path / "no-such-run"
+    err = _run(capsys, *[a.format(missing) for a in argv])
+    assert err.startswith(f"densetrain: error: {missing}: no such directory; densetrain {argv[0]} expects a "), err
+    assert ("checkpoint" if argv[0] in ("eval", "export") else "config.json" if argv[0] == "import-hf"
+            else "run directory") in err, err
+
+
+def test_a_directory_that_is_not_what_the_command_reads_says_what_was_expected(tmp_path, capsys):
+    err = _run(capsys, "eval", str(tmp_path))
+    assert f"{tmp_path}: no complete checkpoint" in err and "expected a run directory with checkpoints" in err, err
+    for argv, needs in ((["blame", str(tmp_path), "3"], "config.toml"), (["report", str(tmp_path)], "metrics.jsonl"),
+                        (["import-hf", str(tmp_path), "--out", str(tmp_path / "r")], "config.json")):
+        err = _run(capsys, *argv)
+        assert err.startswith(f"densetrain: error: {tmp_path}: no {needs} here; densetrain {argv[0]} expects "), err
+
+
+def _argparse_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("densetrain: error: "), (argv, err)
+    return err
+
+
+def test_argparse_errors_are_one_line_for_the_command_and_every_subcommand(capsys):
+    from densetrain.cli import build_parser
+
+    assert _argparse_error(capsys, ["bogus"]).endswith("(see densetrain --help)\n")
+    for name, sub in build_parser().commands.items():
+        # An option that takes a value, given without one; and a positional of the wrong type where it has one.
+        opt = next(a.option_strings[0] for a in sub._actions if a.option_strings and a.nargs is None
+                   and a.const is None and not isinstance(a.default, bool) and a.dest != "help")
+        err = _argparse_error(capsys, [name, opt])
+        assert "expected one argument" in err and err.endswith(f"(see densetrain {name} --help)\n"), (name, err)
+    assert "argument step: invalid int value: 'x'" in _argparse_error(capsys, ["blame", "runs/demo", "x"])
+
+
 def test_skip_batches_must_be_a_count_used_with_rollback(tmp_path, capsys):
     save_config(load_config(preset="tiny"), tmp_path / "config.toml")
     for extra in (["--rollback-to", "2", "--skip-batches", "-3"], ["--skip-batches", "3"]):

@@ -1,4 +1,4 @@
-"""``densetrain export`` from sharded checkpoints (densetrain/hf.py ``export_hf_from_checkpoint``): a
+"""``densetrain export`` from sharded checkpoints (densetrain/hf/export.py ``export_hf_from_checkpoint``): a
 checkpoint saved by 2 FSDP2 ranks exports to safetensors that ``transformers`` LlamaForCausalLM loads
 with our logits; small file limits give HF's sharded layout with an index; μP multipliers are folded
 as in the in-memory export; the export reads one tensor at a time (peak memory well below the model)."""

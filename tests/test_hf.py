@@ -1,4 +1,4 @@
-"""Hugging Face interop (densetrain/hf.py): export -> LlamaForCausalLM parity, import round trip."""
+"""Hugging Face interop (densetrain/hf/): export -> LlamaForCausalLM parity, import round trip."""
 
 from __future__ import annotations
 
@@ -240,3 +240,48 @@ def test_cli_export_to_transformers_and_import_back(prepared, tmp_path):
     load_checkpoint(find_checkpoint(imported), model2, None)
     with torch.no_grad():
         torch.testing.assert_close(model2(ids), ours, atol=1e-5, rtol=1e-5)
+
+
+def test_import_hf_makes_the_models_tokenizer_the_runs(prepared, tmp_path, capsys):
+    """A folder written by transformers (model and tokenizer): the imported run's data.tokenizer is a copy
+    of its tokenizer.json, with the same ids as transformers, even once the HF folder is gone."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    from densetrain.cli import main
+    from densetrain.config import load_config
+    from densetrain.data.tokenizer import load_tokenizer
+    from densetrain.hf import tokenizer_files
+
+    shards, _ = prepared
+    tok = load_tokenizer("bpe", shards)
+    hf_dir, run = tmp_path / "hf", tmp_path / "run"
+    conf = transformers.LlamaConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    transformers.LlamaForCausalLM(conf).save_pretrained(str(hf_dir))
+    (hf_dir / "tokenizer.json").write_bytes(tokenizer_files(tok, 64)["tokenizer.json"])
+    transformers.PreTrainedTokenizerFast(tokenizer_file=str(hf_dir / "tokenizer.json")).save_pretrained(str(hf_dir))
+    text = (STDLIB / "json" / "decoder.py").read_text(encoding="utf-8")[:800] + "\n# naïve café, 数据\n"
+    want = transformers.AutoTokenizer.from_pretrained(str(hf_dir))(text, add_special_tokens=False)["input_ids"]
+
+    assert main(["import-hf", str(hf_dir), "--out", str(run)]) == 0
+    assert f"data.tokenizer {(run / 'tokenizer.json').resolve()}" in capsys.readouterr().out
+    shutil.rmtree(hf_dir)
+    cfg = load_config(path=run / "config.toml")
+    assert cfg.data.tokenizer == str((run / "tokenizer.json").resolve())
+    mine = load_tokenizer(cfg.data.tokenizer, cfg.data.shards_dir)
+    assert mine.encode(text) == want == tok.encode(text) and mine.eos_id == tok.eos_id
+
+    # Without a tokenizer.json the import says that data.tokenizer is left as configured.
+    transformers.LlamaForCausalLM(conf).save_pretrained(str(hf_dir))
+    assert main(["import-hf", str(hf_dir), "--out", str(tmp_path / "run2")]) == 0
+    assert "no tokenizer.json in" in capsys.readouterr().out
+    assert load_config(path=tmp_path / "run2" / "config.toml").data.tokenizer == "bpe"
+    # One densetrain cannot use (no EOS token to end documents with): the weights import, the tokenizer is named.
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+
+    HFTokenizer(WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]")).save(str(hf_dir / "tokenizer.json"))
+    assert main(["import-hf", str(hf_dir), "--out", str(tmp_path / "run3")]) == 0
+    assert "tokenizer.json: no EOS token" in capsys.readouterr().out
+    assert load_config(path=tmp_path / "run3" / "config.toml").data.tokenizer == "bpe"

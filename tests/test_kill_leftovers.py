@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import densetrain.hf as hf
+import densetrain.hf.export as hf  # the module whose exchange_paths the export calls
 from densetrain.config import ModelConfig
 from densetrain.model.llama import Transformer
 

@@ -189,7 +189,8 @@ def test_manual_rollback_sets_checkpoints_aside_and_blame_matches_the_batch(prep
     run = tmp_path / "run"
     before = {r["step"]: r for r in _train_records(run)}
     train(cfg, resume=True, rollback_to=10, skip_batches=2)
-    assert sorted(p.name for p in (run / "checkpoints_set_aside").iterdir()) == ["step_00000020", "step_00000030"]
+    assert sorted(p.name for p in (run / "checkpoints_set_aside").iterdir()) == ["step_00000020", "step_00000030",
+                                                                               "summary.json"]  # of step 30
     assert [s for s, _ in list_complete(run)] == [10, 20, 30]  # the new trajectory saved them again
     recs = _train_records(run)
     assert [r["step"] for r in recs] == list(range(1, 31))
@@ -254,3 +255,24 @@ def test_heartbeat_dumps_every_threads_stack_when_no_step_completes(tmp_path, ca
     assert not (tmp_path / "hang_rank0.txt").exists()  # a beat re-arms it; nothing dumped meanwhile
     hb.stop()
     stuck.set()
+
+
+def test_rollback_sets_aside_the_summary_report_and_evals_of_the_abandoned_steps(prepared, tmp_path):
+    """After --rollback-to STEP no file of the run dir shows numbers of steps after STEP (they stay in
+    checkpoints_set_aside/); the evaluation of STEP itself stays."""
+    from densetrain.cli import main
+
+    _, make = prepared
+    cfg = make(tmp_path, **{**QUIET, "train.steps": 6, "checkpoint.every": 2, "checkpoint.keep": 0})
+    train(cfg)
+    run, aside = tmp_path / "run", tmp_path / "run" / "checkpoints_set_aside"
+    for step in (2, 4):
+        assert main(["eval", str(run / "checkpoints" / f"step_{step:08d}")]) == 0
+    assert main(["report", str(run)]) == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 6
+    train(cfg, resume=True, rollback_to=2, stop_after=3)  # the new future stops before summary.json
+    assert not any((run / n).exists() for n in ("summary.json", "report.html", "report.png"))
+    assert [p.name for p in (run / "evals").iterdir()] == ["step_00000002.json"]
+    assert json.loads((aside / "summary.json").read_text())["steps"] == 6
+    assert json.loads((aside / "evals" / "step_00000004.json").read_text())["step"] == 4
+    assert {"report.html", "report.png", "step_00000004", "step_00000006"} <= {p.name for p in aside.iterdir()}

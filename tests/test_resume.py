@@ -77,7 +77,7 @@ def trajectory(run: Path) -> dict[int, tuple]:
     return {r["step"]: (r["loss"], r["grad_norm"], r["sample_index"], r["lr"]) for r in recs}
 
 
-def check_stopped(run: Path, results, at_least: int) -> int:
+def check_stopped(run: Path, procs, results, at_least: int) -> int:
     """Every rank exited 75 after one whole step with its checkpoint and the event; returns that step."""
     assert [rc for rc, _ in results] == [EXIT_PREEMPTED] * len(results), [err[-3000:] for _, err in results]
     (ev,) = [e for e in read_events(run) if e["kind"] == "preempt"]
@@ -88,6 +88,9 @@ def check_stopped(run: Path, results, at_least: int) -> int:
     last = results[0][1].strip().splitlines()[-1]
     assert last == f"densetrain: stopped by SIGTERM after step {step} (checkpoint step_{step:08d} written); " \
                    f"continue with: densetrain train --resume {run}", results[0][1][-2000:]
+    # That line once in all the output (stdout and stderr of every rank): rank 0's stderr.
+    said = [(p.out + err).count("continue with: densetrain train --resume") for p, (_, err) in zip(procs, results)]
+    assert said == [1] + [0] * (len(procs) - 1), said
     return step
 
 
@@ -104,7 +107,7 @@ def test_sigterm_at_a_random_step_resumes_bitwise(prepared, tmp_path):
     procs = start(fresh(cfg, tmp_path))
     wait_for_step(run, k, procs)
     procs[0].send_signal(signal.SIGTERM)
-    step = check_stopped(run, finish(procs), k)
+    step = check_stopped(run, procs, finish(procs), k)
     assert main(["train", "--resume", str(run)]) == 0  # the plain command
     assert trajectory(run) == want, f"signal after step {k}, stopped at {step}"
 
@@ -131,7 +134,7 @@ def test_sigterm_on_one_of_two_ranks_stops_both_and_resumes_bitwise(prepared, fs
     procs = start(fresh(cfg, tmp_path), world=2)
     wait_for_step(run, k, procs)
     procs[1].send_signal(signal.SIGTERM)  # only rank 1 is told: the step-boundary all-reduce tells rank 0
-    step = check_stopped(run, finish(procs), k)
+    step = check_stopped(run, procs, finish(procs), k)
     procs = start(["--resume", str(run)], world=2)
     resumed = finish(procs)
     assert [rc for rc, _ in resumed] == [0, 0], [err[-3000:] for _, err in resumed]
@@ -231,6 +234,25 @@ def test_plain_resume_at_another_world_size_keeps_the_layout_intent(fsdp_run, tm
     assert [e["text"] for e in layout_events(two)][-1] == line
     assert f"[step 6] {line}" in procs[0].out
     assert_close(trajectory(two), want, range(7, 9))
+
+
+def test_under_torchrun_the_lines_said_once_come_from_rank_0_only(fsdp_run, tmp_path, monkeypatch):
+    """A 2-rank resume whose newest checkpoint is torn (a truncated shard), in bf16 where inductor has no
+    compiler (CXX names none): the warning that falls back to the older checkpoint and the one that falls
+    back to eager cross-entropy are each printed once in all the output, by rank 0 (before: by each rank)."""
+    _, ref = fsdp_run
+    run = copy_until(ref, tmp_path / "run", 8)
+    shard = next((run / "checkpoints" / "step_00000008").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # no kernel compiled elsewhere
+    procs = start(["--resume", str(run), "--train.dtype=bf16"], world=2)
+    res = finish(procs)
+    assert [rc for rc, _ in res] == [0, 0], [err[-3000:] for _, err in res]
+    assert [e["step"] for e in read_events(run) if e["kind"] == "resume"][-1] == 6  # the fallback happened
+    for line in ("densetrain: warning: cannot load", "compiled cross-entropy unavailable"):
+        said = [(p.out + err).count(line) for p, (_, err) in zip(procs, res)]
+        assert said == [1, 0], (line, said, procs[1].out[-2000:])
 
 
 def test_resume_where_no_layout_keeps_the_intent_names_the_flags_that_would(prepared, tmp_path, monkeypatch, capsys):

@@ -13,7 +13,7 @@ import pytest
 from conftest import one_source_config
 
 from densetrain.data.prepare import prepare
-from densetrain.data.shards import sha256_file
+from densetrain.data.shards import TokenFiles, sha256_file
 from densetrain.data.streams import open_streams
 from densetrain.errors import DataError
 
@@ -74,3 +74,31 @@ def test_an_intact_shard_with_a_new_mtime_is_hashed_once_and_recorded(cfg):
     _, after = _train_shard(cfg)
     assert after["splits"]["train"]["shards"][0]["mtime_ns"] == ds.stat().st_mtime_ns
     assert manifest["splits"]["train"]["shards"][0]["mtime_ns"] != ds.stat().st_mtime_ns
+
+
+def test_a_start_checks_token_ids_from_the_recorded_maximum_and_reads_a_shard_only_without_one(cfg):
+    ds, manifest = _train_shard(cfg)
+    entry = manifest["splits"]["train"]["shards"][0]
+    assert entry["max_token"] == TokenFiles(ds).max_token() < cfg.model.vocab_size  # prepare recorded it
+    # An id past model.vocab_size (50304) written in place, the mtime put back: the start takes the shard
+    # as prepare wrote it (a stat, as for the sha256) and its recorded maximum answers: no token is read
+    # (before: the whole shard was read at every start, and this edit refused).
+    st = ds.stat()
+    ids = np.fromfile(ds, dtype="<u2")
+    ids[7] = 60000
+    ids.tofile(ds)
+    os.utime(ds, ns=(st.st_atime_ns, st.st_mtime_ns))
+    open_streams(cfg, "train")
+    # Without a recorded maximum (a manifest of an older densetrain) the shard is read and refused, in one
+    # line naming it and the offending id; a recorded maximum past the vocabulary is refused the same way.
+    sub = Path(cfg.data.shards_dir) / "email" / "manifest.json"
+    for recorded in (None, 50304):
+        if recorded is None:
+            del entry["max_token"]
+        else:
+            entry["max_token"] = recorded
+        sub.write_text(json.dumps(manifest))
+        with pytest.raises(DataError) as e:
+            open_streams(cfg, "train")
+        msg = str(e.value)
+        assert msg.startswith(f"{ds}: token id 60000 >= vocabulary size 50304 at token offset 7 ") and "\n" not in msg

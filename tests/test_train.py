@@ -163,7 +163,7 @@ def test_corrupt_latest_checkpoint_falls_back_and_existing_run_is_protected(prep
                for r in read_metrics(tmp_path / "run"))
 
 
-def test_model_change_on_resume_is_a_one_line_error(prepared, tmp_path):
+def test_model_change_on_resume_is_a_one_line_error_and_only_it_blames_the_model_settings(prepared, tmp_path):
     from densetrain.errors import TrainError
 
     _, make = prepared
@@ -171,8 +171,16 @@ def test_model_change_on_resume_is_a_one_line_error(prepared, tmp_path):
     train(cfg, stop_after=2)
     wider = make(tmp_path, **{"train.steps": 4, "eval.every": 0, "model.d_model": 128,
                               "stages": [{"name": "main", "start": 0.0}]})
-    with pytest.raises(TrainError, match="no checkpoint could be loaded .* model.. settings cannot change on --resume"):
+    with pytest.raises(TrainError, match=r"no checkpoint could be loaded .*do not match the model "
+                                         r"\(layers.0.attention.wk.weight: \[32, 64\] saved, \[64, 128\] in the model.*"
+                                         r"; model.. settings cannot change on --resume$"):
         train(wider, resume=True)
+    # A corrupt checkpoint of the same model: the error names the damage, not model.* settings.
+    shard = next((tmp_path / "run" / "checkpoints" / "step_00000002").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(TrainError, match="no checkpoint could be loaded") as e:
+        train(cfg, resume=True)
+    assert "model.*" not in str(e.value) and "step_00000002" in str(e.value), e.value
 
 
 def test_resume_without_any_checkpoint_starts_over(prepared, tmp_path):

@@ -88,9 +88,10 @@ def write_shard(
         tokenizer_name: written into the ``.metadata`` file.
 
     Returns:
-        ``{'file': name of the .ds, 'tokens': int, 'documents': int, 'sha256': of the .ds,
-        'index_sha256': of the .ds.index, 'mtime_ns' / 'index_mtime_ns': of the written files}`` (the
-        mtimes are the fast path of :func:`check_shard_hashes`).
+        ``{'file': name of the .ds, 'tokens': int, 'documents': int, 'max_token': the largest id (-1 when
+        empty), 'sha256': of the .ds, 'index_sha256': of the .ds.index, 'mtime_ns' / 'index_mtime_ns': of
+        the written files}`` (the mtimes are the fast path of :func:`check_shard_hashes`; ``max_token``
+        spares :meth:`TokenFiles.check_vocab` a read of the shard).
 
     Raises:
         DataError: a token id is negative or does not fit in ``token_size`` bytes.
@@ -100,6 +101,7 @@ def write_shard(
     arrays = [np.asarray(t) for t in docs_tokens]
     lengths = np.array([a.size for a in arrays], dtype=np.uint64)
     flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+    hi = -1
     if flat.size:
         lo, hi = int(flat.min()), int(flat.max())
         if lo < 0 or hi > np.iinfo(dtype).max:
@@ -115,6 +117,7 @@ def write_shard(
         "file": ds.name,
         "tokens": n_tokens,
         "documents": len(arrays),
+        "max_token": hi,
         "sha256": hashlib.sha256(data).hexdigest(),
         "index_sha256": hashlib.sha256(index).hexdigest(),
         "mtime_ns": ds.stat().st_mtime_ns,
@@ -325,17 +328,26 @@ class TokenFiles:
             best = max(best, self._max[i])
         return best
 
-    def check_vocab(self, vocab_size: int) -> None:
-        """Check that every token id is < ``vocab_size``.
+    def check_vocab(self, vocab_size: int, recorded: list[int | None] | None = None) -> None:
+        """Check that every token id is < ``vocab_size``, reading only the files that need it.
 
-        Reads each file once (max over the memmap); the per-file maxima are cached. Only when a
-        file fails is it read again, to locate the offending token.
+        A file is not read when its token size holds no id >= ``vocab_size`` (uint16 and ``vocab_size``
+        >= 65536) or when ``recorded`` gives its largest id below ``vocab_size``; any other file is read
+        once (max over the memmap; the per-file maxima are cached), and a failing one again, to locate
+        the offending token.
 
+        Args:
+            recorded: per file of :attr:`files`, its largest id as its manifest recorded it (``max_token``
+                of :func:`write_shard`; only for a file the manifest's sha256 check has vouched for), or
+                None where unknown.
         Raises:
             DataError: naming the first file holding an id >= ``vocab_size``, its largest id, the
                 token offset (within the file) and document of that id, and how many ids are out of range.
         """
         for i, (f, mm) in enumerate(zip(self.files, self._maps)):
+            known = recorded[i] if recorded is not None else None
+            if np.iinfo(self.dtype).max < vocab_size or (known is not None and known < vocab_size):
+                continue
             if i not in self._max:
                 self._max[i] = int(mm.max()) if mm.size else -1
             if self._max[i] >= vocab_size:

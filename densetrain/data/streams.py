@@ -60,9 +60,14 @@ def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
             raise DataError(f"{stream.files[0].parent}: {len(stream)} tokens but the manifest says {entry['tokens']}; "
                              f"the shards changed after `densetrain prepare`; re-run it")
         # Ids edited in place keep every size: the sha256s catch them (a stat per file unless one changed).
-        check_shard_hashes(sub.parent, sub_manifest.get("splits", {}).get(split, {}).get("shards", []), sub)
-        # An id past the embedding table would index out of bounds mid-run (or silently on GPU).
-        stream.check_vocab(cfg.model.vocab_size)
+        shards = sub_manifest.get("splits", {}).get(split, {}).get("shards", [])
+        check_shard_hashes(sub.parent, shards, sub)
+        # An id past the embedding table would index out of bounds mid-run (or silently on GPU). A shard the
+        # sha256 check vouched for (it has a sha256 and an mtime now) is what prepare wrote: its recorded
+        # largest id answers without reading it; others (older manifests, datatrove folders) are read.
+        known = {(sub.parent / sh["path"]).resolve(): sh["max_token"] for sh in shards
+                 if "max_token" in sh and "sha256" in sh and "mtime_ns" in sh}
+        stream.check_vocab(cfg.model.vocab_size, [known.get(f.resolve()) for f in stream.files])
         streams[src.name] = stream
     if not streams:
         raise DataError(f"{manifest}: no source has {split} tokens")

@@ -22,9 +22,10 @@ The memory plan (and ``train --dry-run``) takes ``--section.key=value`` override
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from densetrain.fileio import atomic_write_json, json_text
 
 
 def _positive_list(text: str, kind: type, what: str) -> list:
@@ -98,7 +99,7 @@ def cmd_lr_sweep(args: argparse.Namespace) -> int:
         # JSON object keys must be strings: widths and lrs become their str().
         def keyed(d):
             return {str(k): keyed(v) if isinstance(v, dict) else v for k, v in d.items()}
-        out.write_text(json.dumps([keyed(r) for r in results], indent=1))
+        atomic_write_json(out, [keyed(r) for r in results])
         print(f"wrote {out}")
     return 0
 
@@ -125,7 +126,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         return _error(str(e))
-    print(json.dumps(res, indent=1) if args.json else format_plan(res))
+    print(json_text(res, indent=1) if args.json else format_plan(res))
     return 0
 
 
@@ -151,7 +152,7 @@ def _layout_plan(args: argparse.Namespace) -> int:
     except (ValueError, ConfigError) as e:
         return _error(str(e))
     if args.json:
-        print(json.dumps(res, indent=1, default=str))
+        print(json_text(res, indent=1, default=str))
     else:
         print(note + format_layout_plan(res, show=0 if args.all_layouts else 12) + _unfit_note(cfg, args.gpus))
     return 0

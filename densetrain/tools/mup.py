@@ -26,7 +26,6 @@ losses are nats per token; activation sizes are mean absolute coordinate values 
 
 from __future__ import annotations
 
-import json
 import math
 import sysconfig
 import time
@@ -38,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from densetrain.config import Config, ModelConfig, ScheduleConfig, validate
+from densetrain.fileio import atomic_write_json
 from densetrain.model.init import build_model
 from densetrain.model.llama import Transformer
 from densetrain.optim import build_optimizer, set_lr
@@ -414,7 +414,7 @@ def write_coord_check(
         + "\n"
     )
     (out / "coord_check.md").write_text(md)
-    (out / "coord_check.json").write_text(json.dumps(results, indent=1))
+    atomic_write_json(out / "coord_check.json", results)
     return {
         "png": str(png), "markdown": str(out / "coord_check.md"), "json": str(out / "coord_check.json"),
         "growth": {r["init"]: r["growth"] for r in results}, "results": results,

@@ -12,7 +12,6 @@ from densetrain.data.tokenizer import load_tokenizer
 from densetrain.evals.downstream import downstream_metrics
 from densetrain.evals.valloss import evaluate_val, val_table
 from densetrain.fileio import atomic_write_json
-from densetrain.metrics import finite_or_null
 from densetrain.model.init import build_model
 from densetrain.parallel import autocast_for, init_distributed
 from densetrain.schedule import resolve_stages, stage_at
@@ -29,7 +28,9 @@ def find_checkpoint(path: Path) -> Path:
         return path
     ckpt = latest_checkpoint(path)
     if ckpt is None:
-        raise FileNotFoundError(f"{path}: no complete checkpoint here")
+        raise FileNotFoundError(f"{path}: no complete checkpoint (no COMPLETE marker here nor in "
+                                f"{path / 'checkpoints'}/step_*); expected a run directory with checkpoints "
+                                f"(RUN_DIR) or one checkpoint (RUN_DIR/checkpoints/step_XXXXXXXX)")
     return ckpt
 
 
@@ -82,5 +83,5 @@ def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0
             print(line, file=sys.stderr, flush=True)
         out = eval_path(path)
         out.parent.mkdir(exist_ok=True)
-        atomic_write_json(out, finite_or_null(result))
+        atomic_write_json(out, result)
     return result

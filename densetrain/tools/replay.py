@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import os
 import sys
@@ -42,6 +41,7 @@ from densetrain.config import load_config
 from densetrain.config.recovery import MACHINE_FAULTS
 from densetrain.data.provenance import window_documents
 from densetrain.errors import DataError
+from densetrain.fileio import json_text
 from densetrain.loss import IGNORE_INDEX, token_losses
 from densetrain.metrics import read_events, read_metrics
 from densetrain.optim import set_lr
@@ -283,7 +283,7 @@ def append_event(run_dir: Path, v: dict, action: str | None = None) -> None:
     # One write() on an O_APPEND descriptor: replays started for spikes in a row may finish together.
     fd = os.open(Path(run_dir) / "events_replay.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        os.write(fd, (json.dumps(rec) + "\n").encode())
+        os.write(fd, (json_text(rec) + "\n").encode())
         os.fsync(fd)
     finally:
         os.close(fd)

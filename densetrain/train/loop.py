@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from densetrain.checkpoint import list_complete, load_checkpoint, set_aside
+from densetrain.checkpoint import list_complete, load_checkpoint
 from densetrain.config import Config
 from densetrain.errors import TrainError
 from densetrain.evals.downstream import downstream_metrics
@@ -29,7 +29,7 @@ from densetrain.optim import set_lr
 from densetrain.parallel import all_reduce_max
 from densetrain.schedule import Stage, lr_for, stage_at
 from densetrain.train.preempt import StopRequest, stop_run
-from densetrain.train.setup import Run, setup, unlock_run_dir
+from densetrain.train.setup import Run, set_aside_future, setup, unlock_run_dir
 from densetrain.train.step import StepResult, compute_step
 from densetrain.train.watchers import Verdict, decide
 
@@ -138,7 +138,8 @@ def commit(run: Run, result: StepResult, verdict: Verdict) -> None:
 
 def rollback(run: Run, result: StepResult) -> None:
     """Go back to the newest complete checkpoint at or before ``result.rollback_before`` (where the
-    trouble began): model, optimizer, RNG and counters restored, later checkpoints set aside, the
+    trouble began): model, optimizer, RNG and counters restored, later checkpoints (and summary, report,
+    evaluations of later steps) set aside, the
     sampler left where it is, so the data that led to the trouble is skipped; the metrics past the
     checkpoint are rewritten, the event says what was skipped.
 
@@ -152,7 +153,7 @@ def rollback(run: Run, result: StepResult) -> None:
         raise TrainError(f"step {result.index}: trouble since step {before} and no checkpoint at or before it to "
                          f"roll back to; lower optim.peak_lr or save checkpoints more often (checkpoint.every)")
     step, path = done[-1]
-    set_aside(run.run_dir, step)
+    set_aside_future(run.run_dir, step, run.info.is_main)  # and the files made from the steps after it
     saved = load_checkpoint(path, run.model, run.optimizer)
     skipped = [saved["sampler"]["samples_seen"], run.sampler.state["samples_seen"]]
     from_step = run.state.step

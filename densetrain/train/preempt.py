@@ -104,8 +104,11 @@ def stop_run(run, signum: int) -> None:
         save_checkpoint(run.run_dir, step, run.model, run.optimizer, run.state_dict(), run.checkpointer.keep)
     dt = time.perf_counter() - t0
     ckpt = path.name if step else ""
-    err = Preempted(name, step, ckpt, run.run_dir)
-    log.event(step, str(err), kind="preempt", action="stop",
+    # The event (echoed on the console) says what happened; the line naming the resume command is the
+    # exception's, printed once by whoever catches it (the CLI: rank 0 only), not twice.
+    log.event(step, f"{name}: stopped after step {step}, "
+                    + (f"checkpoint {ckpt} written in {dt:.2f}s" if ckpt else "no step taken, nothing to save"),
+              kind="preempt", action="stop",
               values={"signal": name, "checkpoint": ckpt, "seconds": dt, "exit_status": EXIT_PREEMPTED})
     log.close()
-    raise err
+    raise Preempted(name, step, ckpt, run.run_dir)

@@ -26,6 +26,7 @@ Events name the source and the documents of the flagged step's batch (see ``dens
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict, deque
 
 import numpy as np
@@ -131,7 +132,7 @@ class DataProbe(Watcher):
                 else:
                     hist.append(rate)
             lsum, ntok = self.loss[i]
-            if ntok:
+            if ntok and math.isfinite(lsum):  # a skipped NaN step: no trend point (and none saved as null)
                 self.loss_history[s].append(lsum / ntok)
         self._trend(run, result)
         self.loss[:] = 0

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import getpass
+import json
 import os
+import re
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +25,7 @@ from densetrain.data.shards import TokenFiles
 from densetrain.data.streams import data_fingerprint, open_streams
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
 from densetrain.errors import TrainError
+from densetrain.fileio import fsync_dir
 from densetrain.metrics import MetricsLogger, measure_peak_flops
 from densetrain.model.llama import Transformer
 from densetrain.optim import build_optimizer
@@ -192,12 +197,78 @@ def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
     return watchers
 
 
+_EVAL_NAME = re.compile(r"step_(\d+)\.json")  # RUN_DIR/evals/step_XXXXXXXX.json (densetrain eval)
+
+
+def set_aside_future(run_dir: Path, step: int, is_main: bool) -> list[Path]:
+    """A rollback to ``step`` (``--rollback-to`` or the guard's): set aside, in
+    ``RUN_DIR/checkpoints_set_aside/``, the checkpoints after ``step`` (:func:`set_aside`) and every file
+    made from those abandoned steps, so that no file of the run directory shows numbers of steps that no
+    longer exist: ``summary.json`` of a later step (or unreadable), ``report.html`` / ``report.png`` (made
+    from the metrics being rewound; ``densetrain report`` redraws them) and ``evals/step_N.json`` of
+    N > ``step`` (into ``checkpoints_set_aside/evals/``). Each is moved by one rename (kept, as the
+    checkpoints are; a second rollback past the same file adds ``.1``, ``.2``, ...); rank 0 moves, every
+    rank waits (in :func:`set_aside`).
+
+    Returns:
+        The new paths of the files and checkpoints moved.
+    """
+    run_dir, moved = Path(run_dir), []
+    if is_main:
+        aside = run_dir / "checkpoints_set_aside"
+        stale = [run_dir / "report.html", run_dir / "report.png"]
+        try:
+            if json.loads((run_dir / "summary.json").read_text())["steps"] > step:
+                stale.append(run_dir / "summary.json")
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, TypeError, KeyError):  # unreadable: it cannot be trusted either
+            stale.append(run_dir / "summary.json")
+        evals = run_dir / "evals"
+        if evals.is_dir():
+            stale += [p for p in sorted(evals.iterdir()) if (m := _EVAL_NAME.fullmatch(p.name)) and int(m[1]) > step]
+        for path in (p for p in stale if p.is_file()):
+            dest_dir = aside / path.parent.relative_to(run_dir)
+            dest_dir.mkdir(parents=True, exist_ok=True)
+            dest, k = dest_dir / path.name, 1
+            while dest.exists():
+                dest, k = dest_dir / f"{path.name}.{k}", k + 1
+            os.replace(path, dest)
+            fsync_dir(path.parent)
+            moved.append(dest)
+    return moved + set_aside(run_dir, step)
+
+
+def pin_inductor_cache() -> str:
+    """Give torch.compile (inductor) a cache directory of this torch version and CPU capability, unless
+    ``TORCHINDUCTOR_CACHE_DIR`` is set; must run before the first compile. Returns the directory in effect.
+
+    The directory is torch's default (``<tempdir>/torchinductor_<user>``, as
+    ``torch._inductor.runtime.cache_dir_utils.default_cache_dir`` builds it) plus
+    ``<torch version>-<capability>``, the capability being the one ATen dispatches to
+    (:func:`torch.backends.cpu.get_cpu_capability`, lowered; ``ATEN_CPU_CAPABILITY`` can lower it), e.g.
+    ``/tmp/torchinductor_alice/2.13.0+cpu-avx512``. Why: inductor's cache key leaves the capability out,
+    and kernels cached under AVX-512 segfaulted when loaded from a shared directory under
+    ``ATEN_CPU_CAPABILITY=avx2`` (nodes of a cluster with mixed CPUs sharing a home or /tmp).
+    """
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # the user's choice (or an earlier compile's) stands
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):  # no passwd entry (some containers): torch names it by uid too
+            user = f"uid_{os.getuid()}"
+        base = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+        cap = torch.backends.cpu.get_cpu_capability().lower()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"{torch.__version__}-{cap}")
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, rollback_to: int | None = None,
           skip_batches: int = 0, keep_layout_intent: bool = False) -> Run:
     """Build the :class:`Run` of ``cfg``; with ``resume``, restored from the newest loadable checkpoint
     (a fresh start when there is none). ``stop_after`` ends this invocation after that many steps in
     total (the schedule still refers to ``cfg.train.steps``). ``rollback_to`` (with ``resume``): set the
-    checkpoints after that step aside (moved, not deleted) and resume from it; ``skip_batches``: then
+    checkpoints after that step aside (moved, not deleted; with the files made from them:
+    :func:`set_aside_future`) and resume from it; ``skip_batches``: then
     advance the sampler past that many global batches without training on them. ``keep_layout_intent``
     (a plain ``--resume``, no ``--parallel.*`` flags): on a world size the configured degrees do not fit,
     lay the processes out as :func:`layout_keeping_intent` says, and say so in one event.
@@ -211,6 +282,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         torch.set_num_threads(cfg.train.threads)
     if cfg.train.keep_freed_memory and info.device.type == "cpu":
         keep_freed_memory()
+    pin_inductor_cache()  # before anything compiles (train.compile, compile_blocks, bf16 cross-entropy)
     run_dir = Path(cfg.train.run_dir)
     train_streams = open_streams(cfg, "train")
     try:
@@ -227,7 +299,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         if rollback_to not in [s for s, _ in list_complete(run_dir)]:
             raise TrainError(f"{run_dir}: no complete checkpoint at step {rollback_to} to roll back to "
                              f"(have: {[s for s, _ in list_complete(run_dir)]})")
-        set_aside(run_dir, rollback_to)
+        set_aside_future(run_dir, rollback_to, info.is_main)
     ckpt, saved = checkpointer.load_latest(model, optimizer) if resume else (None, None)
     if not resume:
         _refuse_existing_run(run_dir, info)  # (resume without a checkpoint yet, e.g. killed early: start over)

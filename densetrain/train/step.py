@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -151,7 +152,8 @@ def training_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.
     try:
         return _compiled_losses(logits, targets)
     except Exception as e:  # inductor needs a working C++ toolchain
-        print(f"compiled cross-entropy unavailable ({type(e).__name__}); eager from now on", flush=True)
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank fails alike: said once, by rank 0
+            print(f"compiled cross-entropy unavailable ({type(e).__name__}); eager from now on", flush=True)
         _compiled_losses = False
         return token_losses(logits, targets)
 

@@ -1,0 +1,47 @@
+"""The inductor cache directory a run gives torch.compile (:func:`densetrain.train.setup.pin_inductor_cache`):
+one per torch version and CPU capability under torch's default, so kernels built under AVX-512 are never
+loaded under ATEN_CPU_CAPABILITY=avx2 from a shared /tmp or home; a directory the user set is kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from densetrain.train.setup import pin_inductor_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A fresh process under ATEN_CPU_CAPABILITY (ATen reads it once, at start): the directory pinned and the capability.
+_PIN = """
+import json, torch
+from densetrain.train.setup import pin_inductor_cache
+print(json.dumps({"pinned": pin_inductor_cache(), "cap": torch.backends.cpu.get_cpu_capability()}))
+"""
+
+
+def test_the_inductor_cache_is_per_cpu_capability_unless_the_user_set_one(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    # This process, as a run starts it (the variable unset; restored afterwards): under torch's own default
+    # directory, named by the torch version and the capability ATen runs (before: the default itself,
+    # whatever the capability), and inductor compiles into it.
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cap = torch.backends.cpu.get_cpu_capability()
+    native = pin_inductor_cache()
+    assert native == os.path.join(default_cache_dir(), f"{torch.__version__}-{cap.lower()}") == cache_dir()
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    r = subprocess.run([sys.executable, "-c", _PIN], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**env, "PYTHONPATH": str(ROOT), "ATEN_CPU_CAPABILITY": "default"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    low = json.loads(r.stdout.strip().splitlines()[-1])
+    assert low == {"pinned": os.path.join(default_cache_dir(), f"{torch.__version__}-default"), "cap": "DEFAULT"}
+    if cap != "DEFAULT":  # every x86-64 CPU with AVX2 or better
+        assert native != low["pinned"]
+    # A directory the user chose stands.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert pin_inductor_cache() == str(tmp_path / "mine") == os.environ["TORCHINDUCTOR_CACHE_DIR"]
