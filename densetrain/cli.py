@@ -14,14 +14,11 @@ import shutil
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
-
 from densetrain.config import Config, help_text, list_presets, load_config, parse_overrides
 from densetrain.config.smoke import scale_down
-from densetrain.errors import ConfigError, DataError, TrainError, disk_full_error, is_disk_full
+from densetrain.errors import (EXIT_PREEMPTED, ConfigError, DataError, Preempted, TrainError, disk_full_error,
+                               is_disk_full)
 from densetrain.fileio import json_text, recover_folder_swap
-from densetrain.hf import tokenizer_files
-from densetrain.train.preempt import EXIT_PREEMPTED, Preempted
 
 
 def _is_main() -> bool:
@@ -149,6 +146,8 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     except ValueError as e:
         raise TrainError(str(e)) from None
     tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
+    from densetrain.hf import tokenizer_files
+
     try:  # tokenizer.json + tokenizer_config.json with the same ids in transformers
         files, note = tokenizer_files(tok, st.seq_len), ""
     except DataError as e:  # e.g. tiktoken:cl100k_base (gaps in its special ids)
@@ -419,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return COMMANDS[args.command][0](cfg, args)
         finally:  # under torchrun: leave the process group cleanly on every rank (no teardown warnings)
+            import torch.distributed as dist
+
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
     except (ConfigError, DataError, TrainError, FileNotFoundError) as e:

@@ -12,6 +12,20 @@ class DataError(ValueError):
     """A data problem (missing input, bad shard, tokenizer mismatch) with a one-line message."""
 
 
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): stopped on SIGTERM/SIGINT with a checkpoint; --resume continues
+
+
+class Preempted(Exception):
+    """The run stopped on a signal after ``step`` with checkpoint ``checkpoint`` (a directory name, or ''
+    when the run had not taken a step yet); the message is one line saying how to continue."""
+
+    def __init__(self, signame: str, step: int, checkpoint: str, run_dir):
+        self.signame, self.step, self.checkpoint = signame, step, checkpoint
+        saved = f"checkpoint {checkpoint} written" if checkpoint else "no step taken, nothing to save"
+        super().__init__(f"stopped by {signame} after step {step} ({saved}); continue with: "
+                         f"densetrain train --resume {run_dir}")
+
+
 class TrainError(RuntimeError):
     """A problem that stops training, with a one-line message (missing data, bad resume, ...)."""
 

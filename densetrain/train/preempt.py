@@ -25,25 +25,14 @@ import time
 import torch
 
 from densetrain.checkpoint import save_checkpoint
+from densetrain.errors import EXIT_PREEMPTED, Preempted  # noqa: F401  (re-exported: the loop and tests use them here)
 from densetrain.parallel import all_reduce_max
 
-EXIT_PREEMPTED = 75
 """Exit status after a stop on SIGTERM/SIGINT with the checkpoint written: ``EX_TEMPFAIL`` of BSD's
 sysexits.h ("temporary failure; the user is invited to retry"), i.e. resume. Under torchrun the workers
 exit with it and torchrun itself exits 1 (it was signalled too); the ``preempt`` event says what happened."""
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class Preempted(Exception):
-    """The run stopped on a signal after ``step`` with checkpoint ``checkpoint`` (a directory name, or ''
-    when the run had not taken a step yet); the message is one line saying how to continue."""
-
-    def __init__(self, signame: str, step: int, checkpoint: str, run_dir):
-        self.signame, self.step, self.checkpoint = signame, step, checkpoint
-        saved = f"checkpoint {checkpoint} written" if checkpoint else "no step taken, nothing to save"
-        super().__init__(f"stopped by {signame} after step {step} ({saved}); continue with: "
-                         f"densetrain train --resume {run_dir}")
 
 
 class StopRequest:
