@@ -270,3 +270,17 @@ def test_twin_refused_where_hf_takes_a_special_token_spelled_by_a_piece(trained,
     assert tok.tiktoken_twin is None
     texts = ["zzzz", *random_texts(10, seed=5)]
     assert tok.encode_batch(texts) == hf_ids(tok, texts)
+
+
+def test_truncation_and_padding_in_the_file_are_ignored(trained, tmp_path):
+    """A tokenizer.json saved with truncation (max_length 4) and padding: HF would cut every document to 4
+    tokens and pad the short ones; densetrain encodes them whole, on the twin as for the plain file."""
+    def cut_and_pad(d):
+        d["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+        d["padding"] = {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                        "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    tok = _edited(trained, tmp_path, cut_and_pad)
+    texts = ["a text that is longer than four tokens for sure", "a", *random_texts(CHECK_EVERY, seed=7)]
+    assert tok.tiktoken_twin is not None
+    assert tok.encode_batch(texts) == trained.encode_batch(texts) == hf_ids(trained, texts)
+    assert len(tok.encode(texts[0])) > 4

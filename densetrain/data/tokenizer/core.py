@@ -109,7 +109,8 @@ class Tokenizer:
 
         The EOS is the first of ``<|endoftext|>``, ``</s>``, ``<|end_of_text|>`` present in the
         vocabulary; the BOS as :func:`_tokenizer_json_bos` finds it. Special/added tokens in input text
-        are encoded as plain text, and a post-processor's BOS is never added (:meth:`encode`).
+        are encoded as plain text, a post-processor's BOS is never added (:meth:`encode`), and the file's
+        ``truncation`` and ``padding`` are ignored (documents are encoded whole, unpadded).
 
         Raises:
             DataError: the file is missing or unreadable, or it has none of the EOS tokens.
@@ -133,6 +134,10 @@ class Tokenizer:
         # Treat special tokens appearing in the text as ordinary characters: a web page that
         # mentions "<|endoftext|>" must not end the document early.
         tok.encode_special_tokens = True
+        # A file saved after enable_truncation/enable_padding carries them: HF would cut every document to
+        # max_length tokens, or pad a batch's texts with pad_id, and the shards lose text or gain padding.
+        tok.no_truncation()
+        tok.no_padding()
         vocab = tok.get_vocab(with_added_tokens=True)
         vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1 if vocab else 0)
         sha = hashlib.sha256(data).hexdigest()
