@@ -1,7 +1,7 @@
 """Tokenizers: a trained byte-level BPE (HF ``tokenizers``), any ``tokenizer.json``, the named ``gpt2`` and
 ``llama3``, any tiktoken rank file, or a tiktoken encoding by name.
 
-All sit behind one small :class:`Tokenizer` interface. Two rules hold for every kind:
+All sit behind one small :class:`Tokenizer` interface. These rules hold for every kind:
 
 * Encoding never turns text into special tokens: a document containing the characters
   ``<|endoftext|>`` is encoded like any other text. Only :attr:`Tokenizer.eos_id`, appended by
@@ -390,7 +390,7 @@ scripts, combining marks, emoji sequences, astral and private-use characters, co
 
 
 TWIN_SPLIT_REGEXES = frozenset(sc.pat_str for sc in SCHEMES.values())
-"""The ``Split`` regexes a twin may have: GPT-2's and Llama 3's (also in Meta's Llama 3 tokenizer.json),
+"""The ``Split`` regexes a twin may have: GPT-2's and Llama 3's (:data:`densetrain.data.tokenizer.named.SCHEMES`),
 whose pieces in HF's Oniguruma and tiktoken's fancy-regex agree on every code point of planes 0-1 and a
 sample above, in contexts of letters, digits, marks, apostrophes and spaces (tests/test_tokenizer_twin.py,
 ``byte_pair_tokenizer``). Another regex is refused, not probed: the engines read the same text
