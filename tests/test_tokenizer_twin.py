@@ -70,13 +70,18 @@ def test_twin_gives_hf_ids_on_fineweb(trained):
     assert [twin.encode_ordinary(t) for t in texts] == trained._hf_batch(texts)
 
 
-def test_exported_tokenizer_json_has_a_twin(tmp_path):
-    """The tokenizer.json densetrain writes for a tiktoken file (Split + ByteLevel, ignore_merges); GPT-2's
-    (Llama 3's also has one, measured by hand: its 128,256-token probe takes ~10 s here)."""
-    name = "gpt2"
-    path = tmp_path / "tokenizer.json"
-    path.write_text(load_tokenizer(name, ".").hf_json(), encoding="utf-8")
-    tok = Tokenizer.from_file(path)
+@pytest.fixture(scope="module")
+def exported_gpt2(tmp_path_factory) -> Tokenizer:
+    """The tokenizer.json densetrain writes for GPT-2's rank file (Split + ByteLevel, ignore_merges)."""
+    path = tmp_path_factory.mktemp("gpt2") / "tokenizer.json"
+    path.write_text(load_tokenizer("gpt2", ".").hf_json(), encoding="utf-8")
+    return Tokenizer.from_file(path)
+
+
+def test_exported_tokenizer_json_has_a_twin(exported_gpt2):
+    """The tokenizer.json densetrain writes for a tiktoken file; GPT-2's (Llama 3's also has one, measured
+    by hand: its 128,256-token probe takes ~10 s here)."""
+    name, tok = "gpt2", exported_gpt2
     assert tok.tiktoken_twin is not None
     texts = random_texts(100, seed=1)
     assert tok.encode_batch(texts) == hf_ids(tok, texts) == load_tokenizer(name, ".").encode_batch(texts)
@@ -140,3 +145,142 @@ def test_a_parent_checked_twin_skips_the_probe_and_the_spot_check_still_holds(tr
     assert tok.tiktoken_twin.encode_ordinary("jvk") != tok.encode("jvk")  # and wrong
     texts = ["jvk " * 3] * CHECK_EVERY
     assert tok.encode_batch(texts) == hf_ids(tok, texts)
+
+
+CONTEXTS = ("a{c}b {c}1{c}'{c}s {c}{c} x{c}\u0301 {c}  {c}\n{c}'S{c}\t", "{c}", " {c} ", "٣{c}²{c}Ⅻ{c}〇{c}一")
+
+
+def adversarial_texts(seed: int = 0, per_category: int = 25) -> list[str]:
+    """Code points of every Unicode general category (unassigned ones too: newer than a regex engine's
+    tables) next to letters, digits, marks, apostrophes and whitespace, and texts at the regexes' edges."""
+    import unicodedata
+
+    rng = random.Random(seed)
+    by_cat: dict[str, list[int]] = {}
+    for c in range(0, 0x110000, 7):  # every 7th code point: all 30 categories, in ~0.1 s
+        by_cat.setdefault(unicodedata.category(chr(c)), []).append(c)
+    picks = [c for cat in sorted(by_cat) for c in rng.sample(by_cat[cat], min(per_category, len(by_cat[cat])))]
+    texts = [form.format(c=chr(c)) for c in picks for form in CONTEXTS if not 0xD800 <= c < 0xE000]
+    return texts + [
+        "", " ", "  ", "a ", "a  ", "a \n", " \n ", "\n\n \n", "a\u00a0 b", "x" * 5000, "ab" * 3000, "é" * 2000,
+        "1" * 3000, " " * 3000 + "a", "\t\n " * 500, "<|endoftext|>", "a<|endoftext|>b", "</s><s> <|end_of_text|>",
+        "\x00\x01\x02 \x00", "'S 'LL 'Ve 'RE 'D 'M 'T 'ſ", "’s ’S", "👨‍👩‍👧‍👦 ❤️ ☺︎ 🏳️‍🌈", "e\u0301\u0301\u0301",
+        "9\u0301", "'\u0301s", " '\u0301s", "a\u2028b\u2029c\u3000d\u200be", " \u0301 \u0301\u0301", "\u00a0\u00a0x",
+    ]
+
+
+@pytest.mark.parametrize("which", ["trained", "gpt2"])
+def test_twin_gives_hf_ids_on_every_unicode_category(request, which):
+    """The twin alone (no spot check) against HF on adversarial texts (all 1.1M code points in these
+    contexts gave HF's ids on the prepare demo's BPE 8192)."""
+    tok = request.getfixturevalue("exported_gpt2" if which == "gpt2" else "trained")
+    texts = adversarial_texts()
+    assert [tok.tiktoken_twin.encode_ordinary(t) for t in texts] == tok._hf_batch(texts)
+
+
+def byte_pair_tokenizer(path: Path, pre_tokenizer: str) -> Tokenizer:
+    """A BPE of every byte pair around the ASCII context bytes of :data:`CONTEXTS` (and of any two non-ASCII
+    bytes), merged in a random order: a piece boundary that differs between HF's and the twin's split regex
+    shows in the ids, where a trained vocabulary rarely has a token across it."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from densetrain.data.tokenizer.hf import bytes_to_unicode
+    from densetrain.data.tokenizer.named import SCHEMES
+
+    bu = bytes_to_unicode()
+    ctx = set(b"abxsS1'\n\t \xcc\x81")
+    pairs = [(x, y) for x in range(256) for y in range(256) if x in ctx or y in ctx or min(x, y) >= 0x80]
+    random.Random(0).shuffle(pairs)
+    vocab = {bu[b]: b for b in range(256)} | {bu[x] + bu[y]: 256 + i for i, (x, y) in enumerate(pairs)}
+    hf = HFTokenizer(models.BPE(vocab, [(bu[x], bu[y]) for x, y in pairs]))
+    if pre_tokenizer == "bytelevel":  # the trained BPE's: HF's own GPT-2 regex
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:  # the exported tokenizer.json's (and Meta's Llama 3 one's)
+        hf.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(SCHEMES[pre_tokenizer].pat_str), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(["<|endoftext|>"])
+    hf.save(str(path))
+    return Tokenizer.from_file(path)
+
+
+@pytest.mark.parametrize("pre_tokenizer", ["bytelevel", "gpt2", "llama3"])
+def test_twin_splits_as_hf_on_every_unicode_category(tmp_path, pre_tokenizer):
+    """The regexes' character classes (``\\p{L}``, ``\\p{N}``, ``\\s``, ``(?i:'s)``) in Oniguruma and fancy-regex,
+    seen through the byte-pair vocabulary (scanned by hand on every code point of planes 0-1 and every 16th
+    / 64th above: no difference; it does see a character moved into another class)."""
+    tok = byte_pair_tokenizer(tmp_path / "tokenizer.json", pre_tokenizer)
+    assert tok.tiktoken_twin is not None
+    texts = adversarial_texts(seed=6, per_category=5)
+    assert [tok.tiktoken_twin.encode_ordinary(t) for t in texts] == tok._hf_batch(texts)
+
+
+def test_lone_surrogates_encode_as_tiktoken_does_wherever_they_are_in_a_batch(trained):
+    """json.loads gives a str with a lone surrogate for '"a\\ud800b"'; HF refuses it (TypeError), tiktoken
+    encodes U+FFFD. Either way a text's ids must not depend on whether the spot check sampled it."""
+    odd = ["a\ud800b", "\udc00", "x\udfff y", "\ud83d\ude00 ok", "\ude00\ud83d"]
+    fixed = ["a\ufffdb", "\ufffd", "x\ufffd y", "\U0001f600 ok", "\ufffd\ufffd"]
+    want = [trained.encode(t) for t in fixed]
+    assert [trained.encode(t) for t in odd] == want
+    assert [trained.tiktoken_twin.encode_ordinary(t) for t in odd] == want
+    got = trained.encode_batch(odd + ["plain"] * CHECK_EVERY + odd)  # sampled at 0, not at CHECK_EVERY + 5
+    assert got[:5] == got[-5:] == want
+    gpt2 = load_tokenizer("gpt2", ".")  # the other kind: tiktoken itself
+    assert gpt2.encode("a\ud800b") == gpt2.encode("a\ufffdb")
+
+
+def test_twin_refused_for_a_split_regex_the_engines_read_differently(tmp_path):
+    """``$`` is a line anchor in HF's Oniguruma, a text anchor in tiktoken's fancy-regex: the same Split regex
+    gives other pieces, which no probe of this vocabulary would show."""
+    import tiktoken
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from densetrain.data.tokenizer.hf import bytes_to_unicode
+
+    bu = bytes_to_unicode()
+    pat = r"[ab]+$|.|\n"
+    hf = HFTokenizer(models.BPE({**{bu[b]: b for b in range(256)}, "ab": 256}, [("a", "b")]))
+    hf.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pat), "isolated"),
+                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(["<|endoftext|>"])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_file(tmp_path / "tokenizer.json")
+    naive = tiktoken.Encoding("naive", pat_str=pat, special_tokens={},
+                              mergeable_ranks={**{bytes([b]): b for b in range(256)}, b"ab": 256})
+    texts = ["ab\nab", *random_texts(2 * CHECK_EVERY, seed=4)]
+    assert tok.encode("ab\nab") == [256, 10, 256] != naive.encode_ordinary("ab\nab") == [97, 98, 10, 256]
+    assert tok.tiktoken_twin is None
+    assert tok.encode_batch(texts) == hf_ids(tok, texts)
+
+
+def test_twin_refused_where_hf_takes_a_special_token_spelled_by_a_piece(trained, tmp_path):
+    """With ``ignore_merges`` HF's BPE looks a whole piece up in the vocabulary, special tokens included."""
+    def add(d):
+        n = max(d["model"]["vocab"].values()) + 1
+        d["model"].update(ignore_merges=True)
+        d["model"]["vocab"]["zzzz"] = n
+        d["added_tokens"].append({"id": n, "content": "zzzz", "single_word": False, "lstrip": False,
+                                  "rstrip": False, "normalized": False, "special": True})
+    tok = _edited(trained, tmp_path, add)
+    assert tok.encode("(zzzz") == [tok._impl.token_to_id("("), tok._impl.token_to_id("zzzz")]
+    assert tok.tiktoken_twin is None
+    texts = ["zzzz", *random_texts(10, seed=5)]
+    assert tok.encode_batch(texts) == hf_ids(tok, texts)
+
+
+def test_truncation_and_padding_in_the_file_are_ignored(trained, tmp_path):
+    """A tokenizer.json saved with truncation (max_length 4) and padding: HF would cut every document to 4
+    tokens and pad the short ones; densetrain encodes them whole, on the twin as for the plain file."""
+    def cut_and_pad(d):
+        d["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+        d["padding"] = {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                        "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    tok = _edited(trained, tmp_path, cut_and_pad)
+    texts = ["a text that is longer than four tokens for sure", "a", *random_texts(CHECK_EVERY, seed=7)]
+    assert tok.tiktoken_twin is not None
+    assert tok.encode_batch(texts) == trained.encode_batch(texts) == hf_ids(trained, texts)
+    assert len(tok.encode(texts[0])) > 4

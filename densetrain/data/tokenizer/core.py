@@ -1,7 +1,7 @@
 """Tokenizers: a trained byte-level BPE (HF ``tokenizers``), any ``tokenizer.json``, the named ``gpt2`` and
 ``llama3``, any tiktoken rank file, or a tiktoken encoding by name.
 
-All sit behind one small :class:`Tokenizer` interface. Two rules hold for every kind:
+All sit behind one small :class:`Tokenizer` interface. These rules hold for every kind:
 
 * Encoding never turns text into special tokens: a document containing the characters
   ``<|endoftext|>`` is encoded like any other text. Only :attr:`Tokenizer.eos_id`, appended by
@@ -9,6 +9,9 @@ All sit behind one small :class:`Tokenizer` interface. Two rules hold for every 
   it, are ever special tokens in the shards.
 * Encoding adds nothing (no BOS/EOS from a post-processor): ``decode(encode(t)) == t`` for the
   byte-level tokenizers (trained BPE, tiktoken).
+* A ``str`` holding surrogate code points (``json.loads`` gives one for a JSON line with an unpaired
+  ``"\\ud800"`` escape, as broken web text has) is encoded as tiktoken encodes it: a high+low pair as the
+  character it stands for, an unpaired one as U+FFFD (HF ``tokenizers`` refuses such a str: TypeError).
 
 The trained BPE (:func:`train_bpe`) is GPT-2 style byte-level BPE: ByteLevel pre-tokenizer
 (GPT-2 split regex, no prefix space) and decoder, no normalizer, all 256 byte symbols in the
@@ -106,7 +109,8 @@ class Tokenizer:
 
         The EOS is the first of ``<|endoftext|>``, ``</s>``, ``<|end_of_text|>`` present in the
         vocabulary; the BOS as :func:`_tokenizer_json_bos` finds it. Special/added tokens in input text
-        are encoded as plain text, and a post-processor's BOS is never added (:meth:`encode`).
+        are encoded as plain text, a post-processor's BOS is never added (:meth:`encode`), and the file's
+        ``truncation`` and ``padding`` are ignored (documents are encoded whole, unpadded).
 
         Raises:
             DataError: the file is missing or unreadable, or it has none of the EOS tokens.
@@ -130,6 +134,10 @@ class Tokenizer:
         # Treat special tokens appearing in the text as ordinary characters: a web page that
         # mentions "<|endoftext|>" must not end the document early.
         tok.encode_special_tokens = True
+        # A file saved after enable_truncation/enable_padding carries them: HF would cut every document to
+        # max_length tokens, or pad a batch's texts with pad_id, and the shards lose text or gain padding.
+        tok.no_truncation()
+        tok.no_padding()
         vocab = tok.get_vocab(with_added_tokens=True)
         vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1 if vocab else 0)
         sha = hashlib.sha256(data).hexdigest()
@@ -240,7 +248,7 @@ class Tokenizer:
         """Token ids of ``text`` (no special tokens added or recognised)."""
         if self.kind == "tiktoken":
             return self._impl.encode_ordinary(text)
-        return self._impl.encode(text, add_special_tokens=False).ids
+        return self._hf_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text (the ids :meth:`encode` gives), encoded in parallel on all available
@@ -271,7 +279,10 @@ class Tokenizer:
         impl = self._impl
         # encode_batch_fast skips character offsets, which we never use (tokenizers >= 0.20).
         fn = getattr(impl, "encode_batch_fast", None) or impl.encode_batch
-        return [e.ids for e in fn(texts, add_special_tokens=False)]
+        try:
+            return [e.ids for e in fn(texts, add_special_tokens=False)]
+        except TypeError:  # a str with surrogates (or not a str: then it is raised again below)
+            return [e.ids for e in fn([_without_surrogates(t) for t in texts], add_special_tokens=False)]
 
     @property
     def tiktoken_twin(self):
@@ -378,6 +389,16 @@ TWIN_PROBE = (
 scripts, combining marks, emoji sequences, astral and private-use characters, code."""
 
 
+TWIN_SPLIT_REGEXES = frozenset(sc.pat_str for sc in SCHEMES.values())
+"""The ``Split`` regexes a twin may have: GPT-2's and Llama 3's (:data:`densetrain.data.tokenizer.named.SCHEMES`),
+whose pieces in HF's Oniguruma and tiktoken's fancy-regex agree on every code point of planes 0-1 and a
+sample above, in contexts of letters, digits, marks, apostrophes and spaces (tests/test_tokenizer_twin.py,
+``byte_pair_tokenizer``). Another regex is refused, not probed: the engines read the same text
+differently (``$`` and ``^`` are line anchors in Oniguruma, text anchors in fancy-regex: ``[ab]+$|.|\\n``
+splits ``"ab\\nab"`` into ``ab|\\n|ab`` in one, ``a|b|\\n|ab`` in the other), and a probe shows that only
+where the vocabulary has a token across the difference."""
+
+
 def _tiktoken_batch(enc, texts: list[str]) -> list[list[int]]:
     """``encode_ordinary`` of each text, on ``RAYON_NUM_THREADS`` threads (default: the usable CPUs)."""
     threads = int(os.environ.get("RAYON_NUM_THREADS") or 0) or usable_cpus()
@@ -398,15 +419,16 @@ def _tiktoken_twin(tok, data: bytes, probe: bool = True):
 
     1. the file is plain byte-level BPE: no normalizer; the pre-tokenizer GPT-2's ``ByteLevel``
        (``use_regex``, no prefix space: the regex :data:`densetrain.data.tokenizer.named.GPT2_PAT`
-       matches the same pieces) or a ``Split`` regex (isolated) followed by ``ByteLevel`` without its
-       regex (the tokenizer.json densetrain exports for tiktoken files); BPE without dropout, unknown
-       token, subword prefix/suffix or byte fallback; every added token special (they are plain
-       text here: ``encode_special_tokens``);
+       matches the same pieces) or a ``Split`` regex (isolated) of :data:`TWIN_SPLIT_REGEXES` followed by
+       ``ByteLevel`` without its regex (the tokenizer.json densetrain exports for tiktoken files); BPE
+       without dropout, unknown token, subword prefix/suffix or byte fallback; every added token special
+       (they are plain text here: ``encode_special_tokens``);
     2. every vocab entry maps to bytes, all 256 bytes are tokens, every longer token is made by a
        merge, and the merges come in non-decreasing id order;
     3. (``probe``) it gives HF's ids for every vocab token that is valid UTF-8, on its own (where a joined pair
        makes a token that HF makes from another pair, the token itself usually shows it:
-       tests/test_tokenizer_twin.py), and for :data:`TWIN_PROBE`.
+       tests/test_tokenizer_twin.py), special tokens of the model's vocabulary included (HF's BPE with
+       ``ignore_merges`` gives a piece spelling one its id), and for :data:`TWIN_PROBE`.
 
     These checks find differences, they do not prove there are none (a neighbour can take a
     token's first bytes in a longer piece), so :meth:`Tokenizer.encode_batch` still checks a
@@ -437,6 +459,8 @@ def _tiktoken_twin(tok, data: bytes, probe: bool = True):
               and not pre["pretokenizers"][1].get("use_regex", True)
               and not pre["pretokenizers"][1].get("add_prefix_space")):
             pat = pre["pretokenizers"][0]["pattern"]["Regex"]
+            if pat not in TWIN_SPLIT_REGEXES:
+                return None
         else:
             return None
         added = d.get("added_tokens") or []
@@ -445,6 +469,9 @@ def _tiktoken_twin(tok, data: bytes, probe: bool = True):
         specials = {t["content"] for t in added}
         to_byte = {c: b for b, c in bytes_to_unicode().items()}
         vocab = {t: i for t, i in model["vocab"].items() if t not in specials}
+        # a special token in the model's vocabulary: HF's BPE takes a piece that spells it whole (ignore_merges)
+        special_pieces = [bytes(to_byte[c] for c in t) for t in model["vocab"]
+                          if t in specials and all(c in to_byte for c in t)]
         ranks = {bytes(to_byte[c] for c in t): i for t, i in vocab.items()}
         if len(ranks) != len(vocab) or any(bytes([b]) not in ranks for b in range(256)):
             return None
@@ -464,13 +491,21 @@ def _tiktoken_twin(tok, data: bytes, probe: bool = True):
         return None
     if not probe:
         return enc
-    pieces = [t.decode("utf-8") for t in ranks if _utf8(t)]
+    pieces = [t.decode("utf-8") for t in (*ranks, *special_pieces) if _utf8(t)]
     probe = [TWIN_PROBE, *TWIN_PROBE.split("\n"), *pieces]
     fn = getattr(tok, "encode_batch_fast", None) or tok.encode_batch
     want = [e.ids for e in fn(probe, add_special_tokens=False)]
     if [enc.encode_ordinary(t) for t in probe] != want:
         return None
     return enc
+
+
+def _without_surrogates(text):
+    """``text`` as tiktoken's ``encode_ordinary`` takes it: surrogate pairs joined, lone surrogates U+FFFD
+    (tiktoken/core.py); anything but a ``str`` as it is."""
+    if not isinstance(text, str):
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 def _utf8(b: bytes) -> bool:
