@@ -16,8 +16,15 @@ from pathlib import Path
 
 from densetrain.config import Config, help_text, list_presets, load_config, parse_overrides
 from densetrain.config.smoke import scale_down
-from densetrain.errors import EXIT_PREEMPTED, ConfigError, DataError, Preempted, TrainError
-from densetrain.errors import disk_full_error, is_disk_full
+from densetrain.errors import (
+    EXIT_PREEMPTED,
+    ConfigError,
+    DataError,
+    Preempted,
+    TrainError,
+    disk_full_error,
+    is_disk_full,
+)
 from densetrain.fileio import json_text, recover_folder_swap
 
 
