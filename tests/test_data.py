@@ -81,6 +81,8 @@ _BAD_JSONL = [
     b"   ",
     b"[1, 2]",
     b'{"text": "world", "id": 7}',
+    b'{"text": "lone \\ud800 half"}',  # JSON escapes of text that is not Unicode (no UTF-8 bytes exist for it)
+    b'{"text": "a pair \\ud83d\\ude00 is an emoji"}',
 ]
 
 
@@ -93,17 +95,19 @@ def test_jsonl_bad_records_are_counted_with_location(tmp_path, name):
     assert [(d.text, d.line, d.doc_id, d.source_file) for d in docs] == [
         ("hello", 1, "doc-a", name),
         ("world", 8, f"{name}:8", name),  # a non-string id falls back to file:line
+        ("a pair \U0001f600 is an emoji", 10, f"{name}:10", name),
     ]
-    assert skips.total == 5
+    assert skips.total == 6
     assert dict(skips.counts) == {
         "malformed JSON": 1, "invalid UTF-8": 1, "missing text field": 1, "text field not a string": 1,
-        "not a JSON object": 1,
+        "not a JSON object": 1, "unpaired surrogate": 1,
     }
     ex = "\n".join(skips.examples)
     for line, reason in [(2, "malformed JSON"), (3, "invalid UTF-8"), (4, "missing text field"),
-                         (5, "text field not a string"), (7, "not a JSON object")]:
+                         (5, "text field not a string"), (7, "not a JSON object"),
+                         (9, "unpaired surrogate: \\ud800 at character 6 of 'text'")]:
         assert f"{name}:{line}: {reason}" in ex
-    assert skips.summary()["total"] == 5
+    assert skips.summary()["total"] == 6
 
 
 def test_text_paragraphs_dirs_globs(tmp_path):

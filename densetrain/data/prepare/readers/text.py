@@ -21,6 +21,7 @@ import gzip
 import io
 import json
 import os
+import re
 import zlib
 from pathlib import Path
 from typing import IO, Iterator
@@ -151,6 +152,11 @@ def _decode_lines(data: bytes, name: str, first: int, skips: SkipLog) -> str | N
     return "\n".join(kept) if kept else None
 
 
+# A JSON \\uXXXX escape of a UTF-16 surrogate (D800-DFFF): Python's json module joins a valid pair into one
+# character and keeps a lone half as an unencodable str (orjson, as datatrove reads JSONL, refuses the record).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def _jsonl_record(raw: bytes, name: str, lineno: int, text_field: str, skips: SkipLog) -> Document | None:
     if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]  # a UTF-8 byte-order mark (Windows editors write one): not part of the record
@@ -174,6 +180,13 @@ def _jsonl_record(raw: bytes, name: str, lineno: int, text_field: str, skips: Sk
     if not isinstance(text, str):
         skips.add(name, lineno, "text field not a string", f"{text_field!r} is {type(text).__name__}")
         return None
+    if _SURROGATE_ESCAPE.search(line):  # JSON can spell half a UTF-16 pair; such text has no UTF-8 bytes
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # skipped like an invalid UTF-8 line: later stages could not write it
+            skips.add(name, lineno, "unpaired surrogate", f"\\u{ord(text[e.start]):04x} at character "
+                      f"{e.start + 1} of {text_field!r}")
+            return None
     return record_document(text, name, lineno, obj)
 
 
