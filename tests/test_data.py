@@ -631,3 +631,17 @@ def test_threshold_change_redoes_only_the_sources_using_that_filter(tmp_path, ca
     prepare(cfg)
     out = capsys.readouterr().out
     assert "code: up to date" in out and "prose: up to date" not in out
+
+
+def test_skips_past_the_printed_ones_are_pointed_to_once(tmp_path, capsys):
+    raw = b"\n".join([b'{"text": "unterminated'] * 3 + [b'{"body": 1}'] * 3 + [b'{"text": "kept"}']) + b"\n"
+    (tmp_path / "bad.jsonl").write_bytes(raw)
+    skips = SkipLog(print_first=2)
+    docs = list(iter_documents(SourceConfig(name="s", paths=["bad.jsonl"]), tmp_path, skips))
+    assert [d.text for d in docs] == ["kept"] and skips.total == 6
+    err = capsys.readouterr().err.splitlines()
+    assert err[:2] == ["[data] skipped bad.jsonl:1: malformed JSON: Unterminated string starting at (column 10)",
+                       "[data] skipped bad.jsonl:2: malformed JSON: Unterminated string starting at (column 10)"]
+    assert len(err) == 3 and "bad.jsonl and others" in err[2] and "manifest.json (stats.skipped)" in err[2]
+    assert skips.examples[3:] == ["bad.jsonl:4: missing text field: 'text'", "bad.jsonl:5: missing text field: 'text'",
+                                  "bad.jsonl:6: missing text field: 'text'"]

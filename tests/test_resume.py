@@ -162,6 +162,20 @@ def test_second_signal_exits_at_once(prepared, tmp_path):
     assert [s for s, _ in list_complete(run)] == []  # nothing was saved after the second signal
 
 
+def test_resume_of_a_run_stopped_before_its_first_checkpoint_says_it_starts_over(prepared, tmp_path):
+    """A run killed before its first checkpoint (e.g. by a second signal) has a config.toml and no checkpoint:
+    --resume starts it from step 0, and says so (console and events.jsonl) instead of silently."""
+    _, make = prepared
+    cfg = make(tmp_path / "early", **{**OV, "train.steps": 4})
+    run = Path(cfg.train.run_dir)
+    run.mkdir(parents=True)
+    save_config(cfg, run / "config.toml")
+    assert train(cfg, resume=True)["steps"] == 4
+    said = [e for e in read_events(run) if e["kind"] == "resume"]
+    assert [(e["step"], e["text"]) for e in said] == [(0, f"{run}: no checkpoint yet, so --resume starts the run "
+                                                          "from step 0")]
+
+
 def test_resume_after_a_stop_between_final_checkpoint_and_summary_writes_the_summary(prepared, tmp_path, capsys):
     _, make = prepared
     cfg = make(tmp_path / "done", **{**OV, "train.steps": 8, "eval.every": 4})

@@ -323,6 +323,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         _log_resume(run, ckpt, saved)
         if keep_layout_intent:
             _log_layout(run, saved)
+    elif resume:  # stopped before its first checkpoint (e.g. a second signal): say it starts over, not silently
+        run.log.event(0, f"{run_dir}: no checkpoint yet, so --resume starts the run from step 0", kind="resume")
     if rollback_to is not None:
         skip_data(run, skip_batches, f"manual rollback to step {rollback_to}")
     if cfg.eval.tasks or cfg.eval.final_tasks:

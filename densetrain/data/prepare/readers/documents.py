@@ -47,6 +47,7 @@ class SkipLog:
     print_first: int = 5
     counts: Counter = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
+    told_rest: bool = False
 
     @property
     def total(self) -> int:
@@ -63,6 +64,10 @@ class SkipLog:
             self.examples.append(msg)
         if printed:
             print(f"[data] skipped {msg}", file=sys.stderr)
+        elif not self.told_rest:  # say once where the skips no longer printed are
+            self.told_rest = True
+            print(f"[data] skipped more records ({file} and others): each is counted, the first {self.keep} "
+                  "named, in the source's manifest.json (stats.skipped)", file=sys.stderr)
 
     def merge(self, other: "SkipLog") -> None:
         """Add another log's counts and examples to this one."""

@@ -168,7 +168,7 @@ def _jsonl_record(raw: bytes, name: str, lineno: int, text_field: str, skips: Sk
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        skips.add(name, lineno, "malformed JSON", e.msg)
+        skips.add(name, lineno, "malformed JSON", f"{e.msg} (column {e.colno})")
         return None
     if not isinstance(obj, dict):
         skips.add(name, lineno, "not a JSON object", type(obj).__name__)
