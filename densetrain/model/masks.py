@@ -41,6 +41,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from densetrain.model.compiling import pin_inductor_cache
+
 
 def document_ids(tokens: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
     """Document index and position in the document of every token of packed rows.
@@ -70,6 +72,7 @@ def _flex():
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+            pin_inductor_cache()
             _FLEX = (torch.compile(flex_attention, dynamic=False), create_block_mask)
         except (ImportError, RuntimeError):  # pragma: no cover - old torch or no compiler
             _FLEX = False

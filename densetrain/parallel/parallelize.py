@@ -20,6 +20,7 @@ import math
 import torch
 from torch import nn
 
+from densetrain.model.compiling import pin_inductor_cache
 from densetrain.model.init import build_model
 from densetrain.model.llama import Transformer
 from densetrain.parallel.dist import DistInfo
@@ -46,6 +47,8 @@ def build_parallel_model(cfg, info: DistInfo) -> tuple[Transformer, nn.Module]:
         if par.compile_blocks:
             compile_blocks(model)
         step_model = parallelize(model, info)
+        if cfg.train.compile:
+            pin_inductor_cache()
         return model, torch.compile(step_model) if cfg.train.compile else step_model
 
     with torch.device("meta"):
@@ -232,6 +235,7 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
 def compile_blocks(model: Transformer) -> None:
     """``torch.compile`` each block in place (``nn.Module.compile``: names unchanged); blocks have the
     same code, so one compiled graph serves them all."""
+    pin_inductor_cache()
     for block in model.layers:
         block.compile()
 

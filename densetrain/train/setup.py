@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import getpass
 import json
 import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +25,7 @@ from densetrain.data.tokenizer import Tokenizer, load_tokenizer
 from densetrain.errors import TrainError
 from densetrain.fileio import fsync_dir
 from densetrain.metrics import MetricsLogger, measure_peak_flops
+from densetrain.model.compiling import pin_inductor_cache
 from densetrain.model.llama import Transformer
 from densetrain.optim import build_optimizer
 from densetrain.parallel import DistInfo, all_reduce_sum, autocast_for, build_parallel_model, init_distributed
@@ -237,29 +236,6 @@ def set_aside_future(run_dir: Path, step: int, is_main: bool) -> list[Path]:
             fsync_dir(path.parent)
             moved.append(dest)
     return moved + set_aside(run_dir, step)
-
-
-def pin_inductor_cache() -> str:
-    """Give torch.compile (inductor) a cache directory of this torch version and CPU capability, unless
-    ``TORCHINDUCTOR_CACHE_DIR`` is set; must run before the first compile. Returns the directory in effect.
-
-    The directory is torch's default (``<tempdir>/torchinductor_<user>``, as
-    ``torch._inductor.runtime.cache_dir_utils.default_cache_dir`` builds it) plus
-    ``<torch version>-<capability>``, the capability being the one ATen dispatches to
-    (:func:`torch.backends.cpu.get_cpu_capability`, lowered; ``ATEN_CPU_CAPABILITY`` can lower it), e.g.
-    ``/tmp/torchinductor_alice/2.13.0+cpu-avx512``. Why: inductor's cache key leaves the capability out,
-    and kernels cached under AVX-512 segfaulted when loaded from a shared directory under
-    ``ATEN_CPU_CAPABILITY=avx2`` (nodes of a cluster with mixed CPUs sharing a home or /tmp).
-    """
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # the user's choice (or an earlier compile's) stands
-        try:
-            user = getpass.getuser()
-        except (KeyError, OSError):  # no passwd entry (some containers): torch names it by uid too
-            user = f"uid_{os.getuid()}"
-        base = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
-        cap = torch.backends.cpu.get_cpu_capability().lower()
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"{torch.__version__}-{cap}")
-    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, rollback_to: int | None = None,

@@ -24,6 +24,7 @@ from densetrain.loss import (
     z_loss_sum,
     z_loss_sum_from_lse,
 )
+from densetrain.model.compiling import pin_inductor_cache
 from densetrain.model.masks import document_ids
 from densetrain.parallel import all_reduce_sum, clip_grad_norm, grad_sync, unwrap
 from densetrain.parallel.context import chunk_index, shard_rows
@@ -148,6 +149,7 @@ def training_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.
     if logits.dtype != torch.bfloat16 or logits.device.type != "cpu" or _compiled_losses is False:
         return token_losses(logits, targets)
     if _compiled_losses is None:
+        pin_inductor_cache()  # before the first compile of the process (model/compiling.py)
         _compiled_losses = torch.compile(token_losses)
     try:
         return _compiled_losses(logits, targets)
