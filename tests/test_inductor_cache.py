@@ -42,6 +42,9 @@ def test_the_inductor_cache_is_per_cpu_capability_unless_the_user_set_one(tmp_pa
     assert low == {"pinned": os.path.join(default_cache_dir(), f"{torch.__version__}-default"), "cap": "DEFAULT"}
     if cap != "DEFAULT":  # every x86-64 CPU with AVX2 or better
         assert native != low["pinned"]
+    # torch's own default, as inductor leaves it in the environment after a compile elsewhere, is no choice:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert pin_inductor_cache() == native
     # A directory the user chose stands.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert pin_inductor_cache() == str(tmp_path / "mine") == os.environ["TORCHINDUCTOR_CACHE_DIR"]

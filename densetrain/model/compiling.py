@@ -18,7 +18,8 @@ import torch
 
 def pin_inductor_cache() -> str:
     """Give torch.compile (inductor) a cache directory of this torch version and CPU capability, unless
-    ``TORCHINDUCTOR_CACHE_DIR`` is set; must run before the first compile. Returns the directory in effect.
+    ``TORCHINDUCTOR_CACHE_DIR`` names another directory than torch's default; runs before each compile site's first
+    compile. Returns the directory in effect.
 
     The directory is torch's default (``<tempdir>/torchinductor_<user>``, as
     ``torch._inductor.runtime.cache_dir_utils.default_cache_dir`` builds it) plus
@@ -28,12 +29,14 @@ def pin_inductor_cache() -> str:
     and kernels cached under AVX-512 segfaulted when loaded from a shared directory under
     ``ATEN_CPU_CAPABILITY=avx2`` (nodes of a cluster with mixed CPUs sharing a home or /tmp).
     """
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:  # the user's choice (or an earlier compile's) stands
-        try:
-            user = getpass.getuser()
-        except (KeyError, OSError):  # no passwd entry (some containers): torch names it by uid too
-            user = f"uid_{os.getuid()}"
-        base = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (some containers): torch names it by uid too
+        user = f"uid_{os.getuid()}"
+    base = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    # Unset, or torch's own default: inductor writes that into the environment at its first compile (one of
+    # the user's, or of a library's, before ours), so it is not a choice; any other directory is the user's.
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, base):
         cap = torch.backends.cpu.get_cpu_capability().lower()
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"{torch.__version__}-{cap}")
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
