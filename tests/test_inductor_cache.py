@@ -24,6 +24,16 @@ print(json.dumps({"pinned": pin_inductor_cache(), "cap": torch.backends.cpu.get_
 """
 
 
+def _fresh_at_default_capability(code: str) -> dict:
+    """The JSON last printed by ``python -c code`` in a fresh process under ``ATEN_CPU_CAPABILITY=default``
+    (ATen reads it once, at start) with ``TORCHINDUCTOR_CACHE_DIR`` unset."""
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**env, "PYTHONPATH": str(ROOT), "ATEN_CPU_CAPABILITY": "default"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 def test_the_inductor_cache_is_per_cpu_capability_unless_the_user_set_one(tmp_path, monkeypatch):
     from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
@@ -34,11 +44,7 @@ def test_the_inductor_cache_is_per_cpu_capability_unless_the_user_set_one(tmp_pa
     cap = torch.backends.cpu.get_cpu_capability()
     native = pin_inductor_cache()
     assert native == os.path.join(default_cache_dir(), f"{torch.__version__}-{cap.lower()}") == cache_dir()
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    r = subprocess.run([sys.executable, "-c", _PIN], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**env, "PYTHONPATH": str(ROOT), "ATEN_CPU_CAPABILITY": "default"})
-    assert r.returncode == 0, r.stderr[-2000:]
-    low = json.loads(r.stdout.strip().splitlines()[-1])
+    low = _fresh_at_default_capability(_PIN)
     assert low == {"pinned": os.path.join(default_cache_dir(), f"{torch.__version__}-default"), "cap": "DEFAULT"}
     if cap != "DEFAULT":  # every x86-64 CPU with AVX2 or better
         assert native != low["pinned"]
@@ -64,9 +70,5 @@ print(json.dumps({"dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"), "cap": torch
 def test_a_compile_outside_a_run_pins_the_directory_first():
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    r = subprocess.run([sys.executable, "-c", _DIRECT], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**env, "PYTHONPATH": str(ROOT), "ATEN_CPU_CAPABILITY": "default"})
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = _fresh_at_default_capability(_DIRECT)
     assert got == {"dir": os.path.join(default_cache_dir(), f"{torch.__version__}-default"), "cap": "DEFAULT"}
