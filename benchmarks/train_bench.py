@@ -340,7 +340,7 @@ def main() -> None:
 
     from densetrain.config import ModelConfig
     from densetrain.metrics import flops_per_token, measure_peak_flops
-    from densetrain.parallel.wrap import cpu_has_bf16
+    from densetrain.model.precision import cpu_has_bf16, resolve_dtype
 
     if not (a.shards / "manifest.json").exists():
         raise SystemExit(f"{a.shards}: no demo shards; run `densetrain prepare --preset tiny` first")
@@ -358,6 +358,7 @@ def main() -> None:
                 if ln.startswith("model name")), "unknown CPU")
     print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, threads {a.threads}, bf16 matmul instructions: "
           f"{cpu_has_bf16()}; torch {torch.__version__}; load average {os.getloadavg()[0]:.2f}")
+    print(f"densetrain's default train.dtype=auto is {resolve_dtype('auto', torch.device('cpu'))} here")
     counts = export_nanogpt_data(a.shards, work / "nanogpt_data")
     print(f"data: {sum(counts['train'].values()):,} train / {sum(counts['val'].values()):,} val tokens "
           f"({', '.join(counts['train'])}) -> {work / 'nanogpt_data'}")

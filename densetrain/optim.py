@@ -25,6 +25,7 @@ from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from densetrain.config import Config
 from densetrain.model.init import is_hidden_matrix, mup_lr_scale
+from densetrain.model.precision import resolve_dtype
 
 
 def param_groups(model: nn.Module, cfg: Config) -> list[dict]:
@@ -169,21 +170,24 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
     """AdamW over :func:`param_groups` (``optim.name = 'adamw'``) or :class:`MuonAdamW` ('muon'); lr is
     set per step by the loop (initial value 0).
 
-    The fused AdamW kernel (one pass over each parameter, grad, exp_avg, exp_avg_sq) is used on CPU and
-    CUDA unless ``train.dtype`` is 'fp32', which keeps the multi-tensor ``foreach`` kernel: the two
-    round differently (max 2.4e-7 apart after 10 steps), and the recorded golden fp32 trajectory was
-    made with ``foreach``. Measured on 2 Zen 4 cores for a 13.8M-parameter model: fused ~7 ms per
-    step, foreach ~50-60 ms. Parameters and both moments are fp32 in every case (master weights); Muon's
-    momentum is fp32 and its Newton-Schulz runs in bf16 (torch's, after Jordan et al. 2024), in fp32 when
-    ``train.dtype`` is 'fp32' (so fp32 runs keep fp32 agreement across layouts).
+    The fused AdamW kernel (one pass over each parameter, grad, exp_avg, exp_avg_sq) is used on CPU and CUDA unless
+    the run's dtype is 'fp32' (``train.dtype``, 'auto' as :func:`densetrain.model.precision.resolve_dtype` resolves
+    it on the parameters' device), which keeps the multi-tensor ``foreach`` kernel: the two round differently (max
+    2.4e-7 apart after 10 steps), and the recorded golden fp32 trajectory was made with ``foreach``. Measured on 2
+    Zen 4 cores for a 13.8M-parameter model: fused ~7 ms per step, foreach ~50-60 ms. Parameters and both moments
+    are fp32 in every case (master weights); Muon's momentum is fp32 and its Newton-Schulz runs in bf16 (torch's,
+    after Jordan et al. 2024), in fp32 when the run's dtype is 'fp32' (so fp32 runs keep fp32 agreement across
+    layouts).
     """
     o = cfg.optim
-    kernel = {"foreach": True} if cfg.train.dtype == "fp32" else {"fused": True}
+    param = next(model.parameters(), None)
+    fp32 = resolve_dtype(cfg.train.dtype, param.device if param is not None else torch.device("cpu")) == "fp32"
+    kernel = {"foreach": True} if fp32 else {"fused": True}
     adamw = {"betas": (o.beta1, o.beta2), "eps": o.eps, "weight_decay": o.weight_decay, **kernel}
     groups = param_groups(model, cfg)
     if o.name == "muon":
         muon = {"momentum": o.muon_momentum, "nesterov": o.muon_nesterov, "weight_decay": o.muon_weight_decay,
-                "ns_steps": o.muon_ns_steps, "adjust_lr_fn": o.muon_adjust_lr, "ns_fp32": cfg.train.dtype == "fp32"}
+                "ns_steps": o.muon_ns_steps, "adjust_lr_fn": o.muon_adjust_lr, "ns_fp32": fp32}
         return MuonAdamW(groups, muon, adamw)
     return torch.optim.AdamW(groups, lr=0.0, **adamw)
 

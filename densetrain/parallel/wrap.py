@@ -4,11 +4,11 @@ sync during accumulation, the global grad norm and clipping, unwrapping for eval
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 from torch import nn
 
+from densetrain.model.precision import resolve_dtype
 from densetrain.parallel.dist import DistInfo
 
 
@@ -90,31 +90,12 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
-def cpu_has_bf16() -> bool:
-    """True when this CPU has bf16 matmul instructions (AVX512-BF16 or AMX-BF16 tiles), which oneDNN
-    uses for bf16 matmuls (measured on Zen 4 with AVX512-BF16: ~2.2x the fp32 matmul rate). Without
-    them bf16 matmuls are emulated and slower than fp32."""
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-
-
-_AUTO_SAID: set[str] = set()
-
-
 def autocast_for(dtype: str, device: torch.device) -> contextlib.AbstractContextManager | None:
     """The autocast context of ``train.dtype`` on ``device`` (None for fp32). Parameters, gradients and
     optimizer state stay fp32 (master weights); autocast runs matmuls and attention in bf16.
-
-    'auto' is bf16 on CUDA and on a CPU with bf16 matmul instructions (:func:`cpu_has_bf16`), else fp32;
-    the CPU choice is printed once per process.
+    'auto' is :func:`resolve_dtype`'s choice.
     """
-    if dtype == "auto":
-        bf16 = device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16())
-        dtype = "bf16" if bf16 else "fp32"
-        if device.type == "cpu" and dtype not in _AUTO_SAID and int(os.environ.get("RANK", "0")) == 0:
-            _AUTO_SAID.add(dtype)
-            print("train.dtype=auto: " + ("bf16 autocast with fp32 master weights (this CPU has bf16 matmul "
-                                          "instructions)" if bf16 else "fp32 (this CPU has no AVX512-BF16/AMX-BF16 "
-                                          "instructions, bf16 matmuls would be emulated)"), flush=True)
+    dtype = resolve_dtype(dtype, device)
     if dtype == "fp32":
         return None
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

@@ -311,8 +311,10 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     if missing:
         log.event(step, f"WARNING: sources without data left out of every mix: {missing}")
     if info.is_main and ckpt is None:
-        log.event(step, f"model: {model.num_params() / 1e6:.2f}M parameters; peak {run.peak_flops / 1e12:.3f} "
-                        f"TFLOP/s per device ({'declared' if cfg.logging.peak_flops else 'measured by matmul probe'})")
+        log.event(step, f"model: {model.num_params() / 1e6:.2f}M parameters; "
+                        f"{'bf16 autocast' if autocast else 'fp32'} (train.dtype={cfg.train.dtype}); peak "
+                        f"{run.peak_flops / 1e12:.3f} TFLOP/s per device "
+                        f"({'declared' if cfg.logging.peak_flops else 'measured by matmul probe'})")
     return run
 
 
