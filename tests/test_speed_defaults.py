@@ -1,6 +1,7 @@
-"""The fast CPU defaults are correct: train.dtype='auto' is bf16 exactly where this CPU's bf16 matmuls are
-measured clearly faster than its fp32 ones, the bf16 paths (matmul attention, compiled cross-entropy, fused
-AdamW) compute what the fp32 ones do within bf16 rounding, the fp32 path is unchanged, and a bf16 run ends within 1% of the fp32 loss."""
+"""The fast CPU defaults are correct: train.dtype='auto' is bf16 exactly where this CPU's bf16 matmuls are measured
+clearly faster than its fp32 ones, the bf16 paths (matmul attention, compiled cross-entropy, fused AdamW) compute
+what the fp32 ones do within bf16 rounding, the fp32 path is unchanged, and a bf16 run ends within 1% of the fp32
+loss."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import torch.nn.functional as F
 
 from densetrain.loss import token_losses
 from densetrain.metrics import read_metrics
+from densetrain.model import precision
 from densetrain.model.llama import causal_attention
 from densetrain.optim import build_optimizer
-from densetrain.model import precision
 from densetrain.parallel import wrap
 from densetrain.train import train
 from densetrain.train.step import training_token_losses
