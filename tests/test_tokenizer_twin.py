@@ -284,3 +284,25 @@ def test_truncation_and_padding_in_the_file_are_ignored(trained, tmp_path):
     assert tok.tiktoken_twin is not None
     assert tok.encode_batch(texts) == trained.encode_batch(texts) == hf_ids(trained, texts)
     assert len(tok.encode(texts[0])) > 4
+
+
+def test_the_scale_path_ignores_them_too(trained, tmp_path):
+    """datatrove's DocumentTokenizer (the scale path, :class:`TokenizeStep`) encodes with the file as saved:
+    a tokenizer.json with truncation (max_length 4) cut every document there to 4 tokens + EOS."""
+    pytest.importorskip("datatrove")
+    from densetrain.data.prepare.scale.steps import TokenizeStep
+
+    def cut_and_pad(d):
+        d["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+        d["padding"] = {"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                        "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    edited = _edited(trained, tmp_path, cut_and_pad)
+    texts = ["a text that is longer than four tokens for sure", "a"]
+
+    def ids(path):
+        step = TokenizeStep(str(tmp_path / "out"), tokenizer_name_or_path=str(path), eos_token=trained.eos_token)
+        return [e.ids for e in step.tokenizer.encode_batch(texts)]
+
+    got = ids(edited.name)
+    assert got == ids(trained.name)
+    assert got == [[*t, trained.eos_id] for t in hf_ids(trained, texts)] and len(got[0]) > 5

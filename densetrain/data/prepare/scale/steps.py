@@ -225,6 +225,7 @@ class TokenizeStep(DocumentTokenizer):
 
     * Text that looks like a special token (``<|endoftext|>`` in a web page) is encoded as plain
       text, as :class:`densetrain.data.tokenizer.Tokenizer` does; only the appended EOS is special.
+    * A file's saved truncation and padding are ignored (documents are encoded whole), as there too.
     * Task 0 writes ``identity`` (:meth:`Tokenizer.identity`) as ``IDENTITY_FILE`` into
       ``identity_folder``, so the output is checked by content hash
       (:func:`~densetrain.data.prepare.scale.folder.check_datatrove_folder`).
@@ -241,6 +242,10 @@ class TokenizeStep(DocumentTokenizer):
     def tokenizer(self):
         tok = DocumentTokenizer.tokenizer.func(self)
         tok.encode_special_tokens = True
+        # A tokenizer.json saved after enable_truncation/enable_padding carries them, and datatrove encodes
+        # with the file as it is: every document would be cut to max_length (as Tokenizer does, ignore them).
+        tok.no_truncation()
+        tok.no_padding()
         return tok
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
