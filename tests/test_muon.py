@@ -167,12 +167,16 @@ def test_resume_with_muon_is_bitwise(prepared, tmp_path):
             assert torch.equal(s1[k][name], s2[k][name]), (k, name)
 
 
-def test_fsdp2_muon_matches_single_process(prepared, tmp_path):
+@pytest.mark.parametrize("layout", [{"parallel.dp_replicate": 1, "parallel.dp_shard": 2},
+                                    {"parallel.dp_replicate": 1, "parallel.tp": 2}], ids=["fsdp2", "tp2"])
+def test_distributed_muon_matches_single_process(prepared, tmp_path, layout):
+    """Muon's Newton-Schulz needs whole matrices: FSDP2 shards rows, tensor parallelism splits wq/wk/wv/w1/w3
+    by rows and wo/w2 by columns; both gather each matrix (GatheredMuon) and must step as one process does."""
     _, make = prepared
     common = {**MUON, "train.steps": 6, "checkpoint.every": 6}
     single = make(tmp_path / "single", **common)
     train(single)
-    par = make(tmp_path / "par", **common, **{"parallel.dp_replicate": 1, "parallel.dp_shard": 2})
+    par = make(tmp_path / "par", **common, **layout)
     save_config(par, tmp_path / "par.toml")
     env = {**gloo_env(2), "PYTHONPATH": str(ROOT)}
     procs = [forked.Popen([sys.executable, "-m", "densetrain", "train", "--config", str(tmp_path / "par.toml")],
