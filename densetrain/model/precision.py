@@ -50,7 +50,8 @@ def cpu_matmul_rates(n: int = 1024, trials: int = 3) -> tuple[float, float]:
     """(fp32, bf16) FLOP/s of ``n x n`` matmuls on this CPU with the current thread count: the best of
     ``trials`` single matmuls each, the two dtypes interleaved so that a moment of load hits both.
     About 0.1 s at 1024 on 2 cores; measured once per process."""
-    a = {dt: torch.randn(n, n, dtype=dt) for dt in (torch.float32, torch.bfloat16)}
+    gen = torch.Generator().manual_seed(0)  # not the global RNG: a run's draws must not depend on a probe
+    a = {dt: torch.randn(n, n, dtype=dt, generator=gen) for dt in (torch.float32, torch.bfloat16)}
     best = dict.fromkeys(a, float("inf"))
     for dt in a:
         a[dt] @ a[dt]  # warm-up: thread pool, oneDNN kernel selection
