@@ -431,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
                 dist.destroy_process_group()
     except (ConfigError, DataError, TrainError, FileNotFoundError) as e:
         if _is_main():  # torchrun: one line, not one per rank
-            print(f"densetrain: error: {e}", file=sys.stderr)
+            # A config error is the user's key or flag: point at the subcommand's help, which lists them.
+            see = f" (see {parser.commands[args.command].prog} --help)" if isinstance(e, ConfigError) else ""
+            print(f"densetrain: error: {e}{see}", file=sys.stderr)
         return 2
     except Preempted as e:  # SIGTERM / Ctrl-C: stopped at a step boundary with a checkpoint (train/preempt.py)
         if _is_main():

@@ -101,10 +101,10 @@ def test_cli_error_is_one_line():
                    capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "densetrain: error: model.n_heads (4) must be divisible by model.n_kv_heads (3)"]
+        "densetrain: error: model.n_heads (4) must be divisible by model.n_kv_heads (3) (see densetrain train --help)"]
 
 
-def test_partial_config_file_applies_over_the_tiny_preset(tmp_path):
+def test_partial_config_file_applies_over_a_named_preset(tmp_path):
     from densetrain.cli import _config_from, build_parser
 
     f = tmp_path / "m.toml"

