@@ -125,6 +125,10 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
 
     if args.limit < 0:  # else a ValueError traceback from the task loader
         raise ConfigError(f"--limit {args.limit}: expected a number of examples per task >= 0 (0 = all)")
+    if args.tasks:  # an unknown task name fails now, not after the model and checkpoint have loaded
+        from densetrain.registry.tasks import resolve_tasks
+
+        resolve_tasks([t.strip() for t in args.tasks.split(",") if t.strip()])
     result = evaluate_checkpoint(cfg, Path(args.checkpoint), tasks=args.tasks, limit=args.limit)
     if _is_main():
         print(json_text(result, indent=1))

@@ -52,3 +52,11 @@ def test_the_help_pointer_names_the_subcommand_of_the_command_line(tmp_path):
                                      "(0 = all) (see densetrain eval --help)"]
 
 
+def test_an_unknown_eval_task_fails_before_the_checkpoint_is_looked_at(capsys, tmp_path):
+    """The run directory holds no checkpoint at all: the task name is what is reported (before, the
+    missing checkpoint was, or with one the model loaded first)."""
+    err = _error(capsys, "eval", str(tmp_path), "--tasks", "light, nosuch")
+    assert err.startswith("densetrain: error: unknown downstream task 'nosuch' (valid: light, all,"), err
+    assert "hellaswag" in err and "gsm8k" in err
+
+
