@@ -50,9 +50,10 @@ def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
                               f"to resume (one stopped during start-up has none yet): start it again with the "
                               f"command that started it, e.g. densetrain train --preset NAME --train.run_dir {run}")
         path, preset = resolved, None
-    if not preset:
-        # A config file is applied over a preset (default tiny), so a partial file works; a complete
-        # file (a run's config.toml) sets every key and the preset underneath does not matter.
+    if not (preset or path):
+        # Without --config the tiny preset is the config. A --config file alone is the whole config (keys it
+        # leaves out take the built-in defaults), as in torchtitan and OLMo-core: under a silent tiny preset a
+        # user's file trained on the demo corpus (data.demo_corpus = true) with the preset's sources and stages.
         preset = "tiny"
     return load_config(preset=preset, path=path, overrides=parse_overrides(rest))
 
@@ -332,8 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_, description=help_, epilog=TRAIN_EPILOG if name == "train" else None)
         sp.add_argument("--preset", help=f"preset name ({', '.join(list_presets())}); "
                         + ("default: the checkpoint's run config (RUN_DIR/config.toml), tiny without one"
-                           if name in ("eval", "export") else "default tiny"))
-        sp.add_argument("--config", help="TOML config file (applied over the preset)")
+                           if name in ("eval", "export") else "default tiny, none with --config"))
+        sp.add_argument("--config", help="TOML config file: the whole config, keys it leaves out at the built-in "
+                        "defaults (densetrain train --help-config); with --preset NAME it is applied over that "
+                        "preset instead")
         sp.add_argument("--help-config", action="store_true", help="list every config key with its meaning")
         if name == "train":
             sp.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint, "

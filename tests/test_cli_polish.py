@@ -60,3 +60,26 @@ def test_an_unknown_eval_task_fails_before_the_checkpoint_is_looked_at(capsys, t
     assert "hellaswag" in err and "gsm8k" in err
 
 
+def test_a_config_file_alone_is_the_whole_config(tmp_path):
+    """Its unset keys take the built-in defaults: not tiny's demo corpus, sources and stages."""
+    f = tmp_path / "mine.toml"
+    f.write_text('[train]\nsteps = 20\nrun_dir = "runs/mine"\n')
+    alone = _cli("train", "--config", str(f), "--help-config")
+    over_tiny = _cli("train", "--preset", "tiny", "--config", str(f), "--help-config")
+    assert alone.returncode == over_tiny.returncode == 0, alone.stderr + over_tiny.stderr
+    for out in (alone.stdout, over_tiny.stdout):
+        assert "--train.steps=20\n" in out and '--train.run_dir="runs/mine"\n' in out
+    assert "--data.demo_corpus=false\n" in alone.stdout and "--data.sources=[0 tables]\n" in alone.stdout
+    assert "--data.demo_corpus=true\n" in over_tiny.stdout and "--data.sources=[6 tables]\n" in over_tiny.stdout
+
+
+def test_prepare_with_a_config_file_without_sources_says_so(capsys, tmp_path, monkeypatch):
+    """Before, the tiny preset underneath built the demo corpus for it (into ./.cache: hence the chdir)."""
+    monkeypatch.chdir(tmp_path)
+    f = tmp_path / "mine.toml"
+    f.write_text(f'[data]\nshards_dir = "{tmp_path / "shards"}"\n')
+    assert _error(capsys, "prepare", "--config", str(f)) == (
+        "densetrain: error: data.sources is empty: configure at least one source (or set data.demo_corpus = true)")
+    assert not (tmp_path / "shards").exists()
+
+

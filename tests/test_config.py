@@ -109,7 +109,7 @@ def test_partial_config_file_applies_over_a_named_preset(tmp_path):
 
     f = tmp_path / "m.toml"
     f.write_text("[train]\nsteps = 20\n")
-    args, rest = build_parser().parse_known_args(["train", "--config", str(f)])
+    args, rest = build_parser().parse_known_args(["train", "--preset", "tiny", "--config", str(f)])
     cfg = _config_from(args, rest)
     assert cfg.train.steps == 20
     assert [s.name for s in cfg.data.sources] == [s.name for s in load_config("tiny").data.sources]
