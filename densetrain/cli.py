@@ -158,20 +158,17 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     except ValueError as e:
         raise TrainError(str(e)) from None
     tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
-    from densetrain.hf import tokenizer_files
+    from densetrain.hf import generation_config_file, special_token_ids, tokenizer_files
 
     try:  # tokenizer.json + tokenizer_config.json with the same ids in transformers
         files, note = tokenizer_files(tok, st.seq_len), ""
     except DataError as e:  # e.g. tiktoken:cl100k_base (gaps in its special ids)
         files, note = {}, f"; no tokenizer files ({e})"
+    files["generation_config.json"] = generation_config_file(tok)
     try:
         out = export_hf_from_checkpoint(
             path, cfg.model, Path(args.out), max_position_embeddings=st.seq_len,
-            # Without a BOS token (GPT-2 style), name the EOS (the document separator) as BOS too,
-            # or transformers falls back to id 1 as the start of an unprompted generation.
-            extra_config={"eos_token_id": tok.eos_id,
-                          "bos_token_id": tok.bos_id if tok.bos_id is not None else tok.eos_id},
-            extra_files=files)
+            extra_config=special_token_ids(tok), extra_files=files)
     except ValueError as e:  # the checkpoint was made for another model.* shape: one line, not a traceback
         raise TrainError(str(e)) from None
     except (RuntimeError, OSError, CheckpointException) as e:  # a truncated or corrupt shard file

@@ -5,6 +5,7 @@ tiny demo preset underneath), an export's config.json and tokenizer name the sam
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -83,3 +84,28 @@ def test_prepare_with_a_config_file_without_sources_says_so(capsys, tmp_path, mo
     assert not (tmp_path / "shards").exists()
 
 
+def test_export_config_and_tokenizer_name_the_same_special_ids(tmp_path):
+    """Llama 3's tokenizer (a BOS of its own) and GPT-2's (none): what transformers reads from the export's
+    config.json, generation_config.json and tokenizer files."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    from densetrain.config import ModelConfig
+    from densetrain.data.tokenizer import load_tokenizer
+    from densetrain.hf import generation_config_file, hf_config_dict, special_token_ids, tokenizer_files
+
+    for name, bos in (("llama3", 128000), ("gpt2", None)):
+        tok = load_tokenizer(name, ".")
+        out = tmp_path / name
+        out.mkdir()
+        files = {**tokenizer_files(tok, 256), "generation_config.json": generation_config_file(tok)}
+        for fname, content in files.items():
+            (out / fname).write_bytes(content)
+        cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=64)
+        (out / "config.json").write_text(json.dumps(hf_config_dict(cfg, extra=special_token_ids(tok))))
+        hc = transformers.AutoConfig.from_pretrained(str(out), local_files_only=True)
+        ht = transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+        gen = transformers.GenerationConfig.from_pretrained(str(out), local_files_only=True)
+        assert (hc.bos_token_id, hc.eos_token_id, hc.pad_token_id) == (bos, tok.eos_id, tok.eos_id)
+        assert (ht.bos_token_id, ht.eos_token_id, ht.pad_token_id) == (bos, tok.eos_id, tok.eos_id)
+        assert ht(["a", "a longer text"], padding=True)["input_ids"][0][-1] == tok.eos_id  # padding works
+        # an unprompted generate() starts from the BOS, or without one from the document separator
+        assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (bos or tok.eos_id, tok.eos_id, tok.eos_id)
