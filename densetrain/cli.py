@@ -88,8 +88,33 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
     summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches,
                     keep_layout_intent=bool(args.resume) and not args.layout_flags)
     if _is_main():  # torchrun: one summary, not one per rank
-        print(json_text(summary, indent=1))
+        print("\n".join(summary_lines(summary, Path(cfg.train.run_dir))))
     return 0
+
+
+def summary_lines(summary: dict, run_dir: Path) -> list[str]:
+    """The few lines ``densetrain train`` ends with: steps, the last train loss and the median throughput
+    (from ``metrics.jsonl``: a resumed run's whole history), the final validation loss and bits per byte,
+    and where the files are. The whole summary (per-source tables, tasks, samples: pages of JSON) is in
+    ``summary.json``, which ``densetrain report`` shows."""
+    from statistics import median
+
+    from densetrain.metrics import read_metrics
+
+    # a skipped (non-finite) step's loss is null in the file
+    recs = [r for r in read_metrics(run_dir) if r.get("kind") == "train" and isinstance(r.get("loss"), float)]
+    lines = [f"done: {summary['steps']} steps, {summary['tokens']:,} tokens"
+             + (f", {summary['skipped_steps']} skipped" if summary.get("skipped_steps") else "")]
+    if recs:
+        lines.append(f"final train loss {recs[-1]['loss']:.4f} (step {recs[-1]['step']}), "
+                     f"median {median(r['tokens_per_sec'] for r in recs) / 1e3:.1f}k tokens/s")
+    val = summary.get("val", {}).get("all", {})  # read back from summary.json on a resume: NaN is null there
+    if isinstance(val.get("loss"), float):
+        bpb = f", {val['bpb']:.4f} bits per byte" if isinstance(val.get("bpb"), float) else ""
+        lines.append(f"val loss {val['loss']:.4f}{bpb}")
+    have = [f for f in ("summary.json", "metrics.jsonl", "checkpoints") if (run_dir / f).exists()]
+    lines.append(f"files: {run_dir}/ ({', '.join(have)}); densetrain report {run_dir} for the full report")
+    return lines
 
 
 def cmd_blame(cfg: Config, args: argparse.Namespace) -> int:

@@ -84,6 +84,32 @@ def test_prepare_with_a_config_file_without_sources_says_so(capsys, tmp_path, mo
     assert not (tmp_path / "shards").exists()
 
 
+def test_train_ends_with_a_short_summary_and_keeps_summary_json(prepared, tmp_path):
+    from densetrain.config import save_config
+    from densetrain.metrics import read_metrics
+
+    _, make = prepared
+    cfg = make(tmp_path, **{"train.steps": 4, "eval.every": 0, "checkpoint.every": 0,
+                            "stages": [{"name": "main", "start": 0.0}]})
+    save_config(cfg, tmp_path / "cfg.toml")
+    r = _cli("train", "--config", str(tmp_path / "cfg.toml"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 4 and "val" in summary and "email" in summary["val"]  # the file is whole
+    train = [x for x in read_metrics(run) if x["kind"] == "train"]
+    rates = sorted(x["tokens_per_sec"] for x in train)
+    tail = r.stdout[r.stdout.index("done: "):].splitlines()
+    allv = summary["val"]["all"]
+    assert tail == [
+        f"done: 4 steps, {summary['tokens']:,} tokens",
+        f"final train loss {train[-1]['loss']:.4f} (step 4), median {(rates[1] + rates[2]) / 2 / 1e3:.1f}k tokens/s",
+        f"val loss {allv['loss']:.4f}, {allv['bpb']:.4f} bits per byte",
+        f"files: {run}/ (summary.json, metrics.jsonl, checkpoints); densetrain report {run} for the full report",
+    ]
+    assert '"unigram_entropy"' not in r.stdout  # the per-source tables stay in summary.json
+
+
 def test_export_config_and_tokenizer_name_the_same_special_ids(tmp_path):
     """Llama 3's tokenizer (a BOS of its own) and GPT-2's (none): what transformers reads from the export's
     config.json, generation_config.json and tokenizer files."""
