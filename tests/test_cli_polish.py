@@ -74,6 +74,17 @@ def test_a_config_file_alone_is_the_whole_config(tmp_path):
     assert "--data.demo_corpus=true\n" in over_tiny.stdout and "--data.sources=[6 tables]\n" in over_tiny.stdout
 
 
+def test_plan_reads_a_config_file_alone_as_the_whole_config(tmp_path):
+    """As train does: the file's stages have no sources without tiny's underneath."""
+    f = tmp_path / "mine.toml"
+    f.write_text("[train]\nsteps = 20\n")
+    plan = ("plan", "--config", str(f), "--gpus", "1", "--gpu-memory-gib", "80")
+    alone, over_tiny = _cli(*plan), _cli(*plan, "--preset", "tiny")
+    assert over_tiny.returncode == 0 and "dp_replicate=1 dp_shard=1 tp=1" in over_tiny.stdout, over_tiny.stderr
+    assert alone.returncode == 2 and alone.stderr.startswith("densetrain: error: stages[0] 'main': no source"), \
+        alone.stderr
+
+
 def test_prepare_with_a_config_file_without_sources_says_so(capsys, tmp_path, monkeypatch):
     """Before, the tiny preset underneath built the demo corpus for it (into ./.cache: hence the chdir)."""
     monkeypatch.chdir(tmp_path)
