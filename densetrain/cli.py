@@ -50,9 +50,10 @@ def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
                               f"to resume (one stopped during start-up has none yet): start it again with the "
                               f"command that started it, e.g. densetrain train --preset NAME --train.run_dir {run}")
         path, preset = resolved, None
-    if not preset:
-        # A config file is applied over a preset (default tiny), so a partial file works; a complete
-        # file (a run's config.toml) sets every key and the preset underneath does not matter.
+    if not (preset or path):
+        # Without --config the tiny preset is the config. A --config file alone is the whole config (keys it
+        # leaves out take the built-in defaults), as in torchtitan and OLMo-core: under a silent tiny preset a
+        # user's file trained on the demo corpus (data.demo_corpus = true) with the preset's sources and stages.
         preset = "tiny"
     return load_config(preset=preset, path=path, overrides=parse_overrides(rest))
 
@@ -87,8 +88,33 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
     summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches,
                     keep_layout_intent=bool(args.resume) and not args.layout_flags)
     if _is_main():  # torchrun: one summary, not one per rank
-        print(json_text(summary, indent=1))
+        print("\n".join(summary_lines(summary, Path(cfg.train.run_dir))))
     return 0
+
+
+def summary_lines(summary: dict, run_dir: Path) -> list[str]:
+    """The few lines ``densetrain train`` ends with: steps, the last train loss and the median throughput
+    (from ``metrics.jsonl``: a resumed run's whole history), the final validation loss and bits per byte,
+    and where the files are. The whole summary (per-source tables, tasks, samples: pages of JSON) is in
+    ``summary.json``, which ``densetrain report`` shows."""
+    from statistics import median
+
+    from densetrain.metrics import read_metrics
+
+    # a skipped (non-finite) step's loss is null in the file
+    recs = [r for r in read_metrics(run_dir) if r.get("kind") == "train" and isinstance(r.get("loss"), float)]
+    lines = [f"done: {summary['steps']} steps, {summary['tokens']:,} tokens"
+             + (f", {summary['skipped_steps']} skipped" if summary.get("skipped_steps") else "")]
+    if recs:
+        lines.append(f"final train loss {recs[-1]['loss']:.4f} (step {recs[-1]['step']}), "
+                     f"median {median(r['tokens_per_sec'] for r in recs) / 1e3:.1f}k tokens/s")
+    val = summary.get("val", {}).get("all", {})  # read back from summary.json on a resume: NaN is null there
+    if isinstance(val.get("loss"), float):
+        bpb = f", {val['bpb']:.4f} bits per byte" if isinstance(val.get("bpb"), float) else ""
+        lines.append(f"val loss {val['loss']:.4f}{bpb}")
+    have = [f for f in ("summary.json", "metrics.jsonl", "checkpoints") if (run_dir / f).exists()]
+    lines.append(f"files: {run_dir}/ ({', '.join(have)}); densetrain report {run_dir} for the full report")
+    return lines
 
 
 def cmd_blame(cfg: Config, args: argparse.Namespace) -> int:
@@ -125,6 +151,10 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
 
     if args.limit < 0:  # else a ValueError traceback from the task loader
         raise ConfigError(f"--limit {args.limit}: expected a number of examples per task >= 0 (0 = all)")
+    if args.tasks:  # an unknown task name fails now, not after the model and checkpoint have loaded
+        from densetrain.registry.tasks import resolve_tasks
+
+        resolve_tasks([t.strip() for t in args.tasks.split(",") if t.strip()])
     result = evaluate_checkpoint(cfg, Path(args.checkpoint), tasks=args.tasks, limit=args.limit)
     if _is_main():
         print(json_text(result, indent=1))
@@ -153,20 +183,17 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     except ValueError as e:
         raise TrainError(str(e)) from None
     tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
-    from densetrain.hf import tokenizer_files
+    from densetrain.hf import generation_config_file, special_token_ids, tokenizer_files
 
     try:  # tokenizer.json + tokenizer_config.json with the same ids in transformers
         files, note = tokenizer_files(tok, st.seq_len), ""
     except DataError as e:  # e.g. tiktoken:cl100k_base (gaps in its special ids)
         files, note = {}, f"; no tokenizer files ({e})"
+    files["generation_config.json"] = generation_config_file(tok)
     try:
         out = export_hf_from_checkpoint(
             path, cfg.model, Path(args.out), max_position_embeddings=st.seq_len,
-            # Without a BOS token (GPT-2 style), name the EOS (the document separator) as BOS too,
-            # or transformers falls back to id 1 as the start of an unprompted generation.
-            extra_config={"eos_token_id": tok.eos_id,
-                          "bos_token_id": tok.bos_id if tok.bos_id is not None else tok.eos_id},
-            extra_files=files)
+            extra_config=special_token_ids(tok), extra_files=files)
     except ValueError as e:  # the checkpoint was made for another model.* shape: one line, not a traceback
         raise TrainError(str(e)) from None
     except (RuntimeError, OSError, CheckpointException) as e:  # a truncated or corrupt shard file
@@ -328,8 +355,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_, description=help_, epilog=TRAIN_EPILOG if name == "train" else None)
         sp.add_argument("--preset", help=f"preset name ({', '.join(list_presets())}); "
                         + ("default: the checkpoint's run config (RUN_DIR/config.toml), tiny without one"
-                           if name in ("eval", "export") else "default tiny"))
-        sp.add_argument("--config", help="TOML config file (applied over the preset)")
+                           if name in ("eval", "export") else "default tiny, none with --config"))
+        sp.add_argument("--config", help="TOML config file: the whole config, keys it leaves out at the built-in "
+                        "defaults (densetrain train --help-config); with --preset NAME it is applied over that "
+                        "preset instead")
         sp.add_argument("--help-config", action="store_true", help="list every config key with its meaning")
         if name == "train":
             sp.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its newest complete checkpoint, "
@@ -431,7 +460,9 @@ def main(argv: list[str] | None = None) -> int:
                 dist.destroy_process_group()
     except (ConfigError, DataError, TrainError, FileNotFoundError) as e:
         if _is_main():  # torchrun: one line, not one per rank
-            print(f"densetrain: error: {e}", file=sys.stderr)
+            # A config error is the user's key or flag: point at the subcommand's help, which lists them.
+            see = f" (see {parser.commands[args.command].prog} --help)" if isinstance(e, ConfigError) else ""
+            print(f"densetrain: error: {e}{see}", file=sys.stderr)
         return 2
     except Preempted as e:  # SIGTERM / Ctrl-C: stopped at a step boundary with a checkpoint (train/preempt.py)
         if _is_main():

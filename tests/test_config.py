@@ -101,15 +101,15 @@ def test_cli_error_is_one_line():
                    capture_output=True, text=True)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "densetrain: error: model.n_heads (4) must be divisible by model.n_kv_heads (3)"]
+        "densetrain: error: model.n_heads (4) must be divisible by model.n_kv_heads (3) (see densetrain train --help)"]
 
 
-def test_partial_config_file_applies_over_the_tiny_preset(tmp_path):
+def test_partial_config_file_applies_over_a_named_preset(tmp_path):
     from densetrain.cli import _config_from, build_parser
 
     f = tmp_path / "m.toml"
     f.write_text("[train]\nsteps = 20\n")
-    args, rest = build_parser().parse_known_args(["train", "--config", str(f)])
+    args, rest = build_parser().parse_known_args(["train", "--preset", "tiny", "--config", str(f)])
     cfg = _config_from(args, rest)
     assert cfg.train.steps == 20
     assert [s.name for s in cfg.data.sources] == [s.name for s in load_config("tiny").data.sources]

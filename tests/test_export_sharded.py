@@ -73,8 +73,8 @@ def test_cli_export_of_a_two_rank_fsdp2_checkpoint_matches_our_logits(fsdp_run, 
     cfg, ckpt = fsdp_run
     out = tmp_path / "hf"
     assert main(["export", str(ckpt.parent.parent), "--format", "hf", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
-                                                     "tokenizer_config.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                     "tokenizer.json", "tokenizer_config.json"]
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     ours, theirs = our_logits(cfg, ckpt, tokens), hf_logits(out, tokens)

@@ -228,9 +228,13 @@ def test_cli_export_to_transformers_and_import_back(prepared, tmp_path):
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
     assert hf_tok.decode(tok.encode(text)) == tok.decode(tok.encode(text)) == text
-    # HF knows where documents end: the tokenizer's EOS and the model config agree with ours
+    # HF knows where documents end: the tokenizer's EOS and the model config agree with ours; PAD is the EOS;
+    # no BOS in either (before, config.json said 0 against the tokenizer's None), yet an unprompted
+    # generate() starts from the document separator
     assert hf_tok.eos_token == tok.eos_token and hf_tok.eos_token_id == tok.eos_id == hf.config.eos_token_id
-    assert hf.config.bos_token_id == tok.eos_id
+    assert hf_tok.pad_token_id == hf.config.pad_token_id == tok.eos_id
+    assert hf_tok.bos_token_id is None and hf.config.bos_token_id is None and tok.bos_id is None
+    assert hf.generation_config.bos_token_id == tok.eos_id
     assert len({(f.stat().st_mode & 0o777) for f in out.iterdir()}) == 1  # weights as readable as the rest
 
     assert main(["import-hf", str(out), "--out", str(imported)]) == 0

@@ -281,7 +281,8 @@ def test_resume_where_no_layout_keeps_the_intent_names_the_flags_that_would(prep
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["densetrain: error: parallel: no layout of 2 processes keeps the run's intent (DDP: data-parallel "
                    "ranks hold replicas; configured dp_replicate=-1 dp_shard=1 tp=1) and runs every stage; add to "
-                   "--resume one of: --parallel.dp_replicate=1 --parallel.dp_shard=1 --parallel.tp=2"]
+                   "--resume one of: --parallel.dp_replicate=1 --parallel.dp_shard=1 --parallel.tp=2 "
+                   "(see densetrain train --help)"]
 
 
 @pytest.mark.parametrize("given,world,want", [

@@ -37,6 +37,12 @@ def validate(cfg: Config) -> None:
     check_config(m.base_d_model > 0, f"model.base_d_model must be positive, got {m.base_d_model}")
     check_config(m.logit_softcap >= 0, f"model.logit_softcap must be >= 0 (0 = off), got {m.logit_softcap}")
 
+    # train's sizes before the checks that compare other keys with them: --train.steps=-5 names
+    # train.steps, not schedule.warmup_steps (which must be shorter than it)
+    t = cfg.train
+    for k in ("steps", "seq_len", "batch_size", "micro_batch_size"):
+        check_config(getattr(t, k) > 0, f"train.{k} must be a positive integer, got {getattr(t, k)}")
+
     o = cfg.optim
     check_config(0 < o.peak_lr < float("inf"), f"optim.peak_lr must be a positive finite number, got {o.peak_lr}")
     check_config(o.eps > 0, f"optim.eps must be positive (Adam divides by sqrt(v) + eps), got {o.eps}")
@@ -67,11 +73,6 @@ def validate(cfg: Config) -> None:
     check_config(0 <= s.warmup_fraction < 1, f"schedule.warmup_fraction must be in [0, 1), got {s.warmup_fraction}")
     check_config(s.unit in ("steps", "tokens"), f"schedule.unit must be steps or tokens, got '{s.unit}'")
 
-    t = cfg.train
-    check_config(t.steps > 0, f"train.steps must be positive, got {t.steps}")
-    check_config(t.seq_len > 0, f"train.seq_len must be positive, got {t.seq_len}")
-    check_config(t.batch_size > 0 and t.micro_batch_size > 0,
-                 "train.batch_size and train.micro_batch_size must be positive")
     check_config(
         t.batch_size % t.micro_batch_size == 0,
         f"train.batch_size ({t.batch_size}) must be divisible by train.micro_batch_size ({t.micro_batch_size})",

@@ -13,7 +13,9 @@ from densetrain.hf.export import (
     checkpoint_model_tensors,
     export_hf,
     export_hf_from_checkpoint,
+    generation_config_file,
     read_checkpoint_tensor,
+    special_token_ids,
     tokenizer_files,
 )
 from densetrain.hf.load import import_hf
@@ -27,6 +29,7 @@ from densetrain.hf.mapping import (
 
 __all__ = [
     "check_checkpoint_matches", "check_export_target", "checkpoint_model_tensors", "export_hf",
-    "export_hf_from_checkpoint", "from_hf_state_dict", "hf_config_dict", "import_hf", "read_checkpoint_tensor",
-    "rope_parameters", "rope_scaling_from_hf", "to_hf_state_dict", "tokenizer_files",
+    "export_hf_from_checkpoint", "from_hf_state_dict", "generation_config_file", "hf_config_dict", "import_hf",
+    "read_checkpoint_tensor", "rope_parameters", "rope_scaling_from_hf", "special_token_ids", "to_hf_state_dict",
+    "tokenizer_files",
 ]

@@ -35,6 +35,27 @@ if TYPE_CHECKING:
     from densetrain.data.tokenizer import Tokenizer
 
 
+def special_token_ids(tok: Tokenizer) -> dict[str, int | None]:
+    """``bos_token_id``, ``eos_token_id``, ``pad_token_id`` of an export's ``config.json``: the ids of the
+    tokens :func:`tokenizer_files` names, so transformers' config and tokenizer agree.
+
+    PAD is the EOS, as Llama 3 and Qwen exports do: without a pad token transformers' batched
+    ``tokenizer(..., padding=True)`` fails; padded positions are masked, so the id filling them does not
+    matter. BOS is null for a tokenizer without one (GPT-2 style, the trained BPE): naming the EOS there
+    (as exports did) left ``config.bos_token_id`` 0 against the tokenizer's None.
+    """
+    return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.eos_id}
+
+
+def generation_config_file(tok: Tokenizer) -> bytes:
+    """``generation_config.json``: :func:`special_token_ids`, except that without a BOS an unprompted
+    ``model.generate()`` starts from the EOS, the document separator the model was trained on (with a null
+    BOS it has no start token and fails)."""
+    ids = special_token_ids(tok)
+    ids["bos_token_id"] = tok.eos_id if tok.bos_id is None else tok.bos_id
+    return json_text(ids, indent=2).encode() + b"\n"
+
+
 def tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, bytes]:
     """The tokenizer files of an export: ``tokenizer.json`` and ``tokenizer_config.json`` (name -> content).
 
@@ -43,7 +64,7 @@ def tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, bytes]:
     (:meth:`Tokenizer.hf_json`); a converted tokenizer with a BOS (Llama 3) starts every encoding with it,
     as the shards start every document (Meta's post-processor), one without (GPT-2) adds nothing.
     ``tokenizer_config.json`` names the EOS (so HF generation stops where our documents end), the BOS where
-    the tokenizer has one, and ``model_max_length``.
+    the tokenizer has one, the EOS again as PAD (:func:`special_token_ids` says why) and ``model_max_length``.
 
     Raises:
         DataError: a tiktoken encoding that cannot be converted (e.g. cl100k_base: gaps in its special ids).
@@ -51,6 +72,7 @@ def tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, bytes]:
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token}
     if tok.bos_token is not None:
         config["bos_token"] = tok.bos_token
+    config["pad_token"] = tok.eos_token
     config["model_max_length"] = model_max_length
     return {"tokenizer.json": tok.hf_json().encode("utf-8"),
             "tokenizer_config.json": json_text(config, indent=2).encode() + b"\n"}

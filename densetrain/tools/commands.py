@@ -146,7 +146,8 @@ def _layout_plan(args: argparse.Namespace) -> int:
         preset = nearest_preset(args.params)["name"]
         note = f"(shape of preset '{preset}', the nearest to {args.params:.3g} parameters, for the activations)\n"
     try:
-        cfg = load_config(preset=preset or "tiny", path=args.config, overrides=getattr(args, "overrides", []))
+        # as in train: a --config file alone is the whole config, not one over the tiny preset
+        cfg = load_config(preset=preset, path=args.config, overrides=getattr(args, "overrides", []))
         res = layout_plan(cfg, args.gpus, args.gpu_memory_gib, gpu_peak_flops=args.gpu_peak_flops, mfu=args.mfu,
                           tokens=args.tokens, params=args.params, gpus_per_node=args.gpus_per_node)
     except (ValueError, ConfigError) as e:
@@ -237,7 +238,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens-per-param", type=float, default=20.0,
                    help="compute-optimal tokens per parameter (default %(default)s)")
     p.add_argument("--preset", help="memory plan: preset name (e.g. llama3-8b)")
-    p.add_argument("--config", help="memory plan: TOML config file")
+    p.add_argument("--config", help="memory plan: TOML config file, the whole config (with --preset: applied over it)")
     p.add_argument("--gpus", type=int, help="memory plan: number of GPUs")
     p.add_argument("--gpu-memory-gib", type=float, help="memory plan: memory per GPU, GiB")
     p.add_argument("--gpu-peak-flops", type=float, default=989e12,
