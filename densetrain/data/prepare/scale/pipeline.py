@@ -294,8 +294,9 @@ def main(argv: list[str] | None = None) -> None:
     (``--stage.minhash_cluster.mem_per_cpu_gb=16``). Values are TOML, else strings.
     """
     p = argparse.ArgumentParser(prog="python -m densetrain.data.prepare.scale", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="tiny", help="preset under the config file (default tiny)")
-    p.add_argument("--config", help="TOML config file (applied over the preset)")
+    p.add_argument("--preset", default=None, help="preset under the config file (default: tiny without --config; "
+                                                  "with --config only when given, as for densetrain train)")
+    p.add_argument("--config", help="TOML config file: the whole config, or over --preset when that is given")
     p.add_argument("--source", required=True, help="name of the data.sources entry to process")
     p.add_argument("--output", required=True, help="tokenized output folder (then a format='datatrove' source)")
     p.add_argument("--work", default=None, help="intermediate files and logs (default OUTPUT.work)")
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
             if k.startswith("stage."):
                 name, _, arg = k[len("stage."):].partition(".")
                 stage_kw.setdefault(name, {})[arg] = v
-        cfg = load_config(preset=a.preset, path=a.config,
+        cfg = load_config(preset=a.preset or (None if a.config else "tiny"), path=a.config,
                           overrides=[(k, v) for k, v in pairs if not k.startswith(("executor.", "stage."))])
         names = [s.name for s in cfg.data.sources]
         if a.source not in names:
