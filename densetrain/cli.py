@@ -46,7 +46,7 @@ def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
     if getattr(args, "resume", None):
         run, resolved = Path(args.resume), Path(args.resume) / "config.toml"
         if not resolved.exists():  # the config is the first file a run writes: none yet, nothing to resume
-            raise ConfigError(f"{run}: {'no config.toml' if run.is_dir() else 'no such run directory'}, so no run "
+            raise TrainError(f"{run}: {'no config.toml' if run.is_dir() else 'no such run directory'}, so no run "
                               f"to resume (one stopped during start-up has none yet): start it again with the "
                               f"command that started it, e.g. densetrain train --preset NAME --train.run_dir {run}")
         path, preset = resolved, None
