@@ -8,11 +8,17 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import forked
 import pytest
+import torch
 
 from densetrain.cli import main
+from densetrain.config import load_config, save_config
+from densetrain.errors import TrainError
+from densetrain.metrics import read_metrics
+from densetrain.train import train
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
@@ -143,6 +149,44 @@ def test_export_config_and_tokenizer_name_the_same_special_ids(tmp_path):
         gen = transformers.GenerationConfig.from_pretrained(str(out), local_files_only=True)
         assert (hc.bos_token_id, hc.eos_token_id, hc.pad_token_id) == (bos, tok.eos_id, tok.eos_id)
         assert (ht.bos_token_id, ht.eos_token_id, ht.pad_token_id) == (bos, tok.eos_id, tok.eos_id)
-        assert ht(["a", "a longer text"], padding=True)["input_ids"][0][-1] == tok.eos_id  # padding works
+        assert ht.padding_side == "left"  # a decoder's batched generate() continues from the last position
+        assert ht(["a", "a longer text"], padding=True)["input_ids"][0][0] == tok.eos_id  # padding works
         # an unprompted generate() starts from the BOS, or without one from the document separator
         assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (bos or tok.eos_id, tok.eos_id, tok.eos_id)
+
+
+@pytest.mark.parametrize("flag,line", [
+    ("--eval.every=-1", "eval.every must be >= 0, got -1"),  # was accepted: validation after every step
+    ("--eval.tasks_every=-2", "eval.tasks_every must be >= 0, got -2"),
+    ("--eval.samples=-1", "eval.samples must be >= 0, got -1"),
+    ("--eval.max_batches=0", "eval.max_batches must be >= 1, got 0"),
+    ("--optim.grad_clip=-1", "optim.grad_clip must be >= 0, got -1.0"),  # was "weight_decay, grad_clip, z_loss"
+])
+def test_negative_eval_and_optim_values_are_named(capsys, flag, line):
+    assert _error(capsys, "train", flag) == f"densetrain: error: {line} (see densetrain train --help)"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_cuda_without_a_gpu_is_one_line(prepared, tmp_path, capsys):
+    """Was a RuntimeError traceback through cli, loop and setup (exit 1)."""
+    _, make = prepared
+    save_config(make(tmp_path), tmp_path / "cfg.toml")
+    err = _error(capsys, "train", "--config", str(tmp_path / "cfg.toml"), "--train.device=cuda")
+    assert err.startswith("densetrain: error: train.device is 'cuda' but torch sees no CUDA device here"), err
+
+
+def test_a_start_that_failed_before_its_first_step_is_no_run_to_protect(prepared, tmp_path):
+    """A failed start leaves config.toml, the lock and an empty metrics.jsonl. The corrected command used to
+    be refused ('already holds a run; continue it with --resume'), and that --resume trained from the failed
+    start's config.toml. Now it starts; a run that recorded a step is still protected."""
+    _, make = prepared
+    cfg = make(tmp_path, **{"train.steps": 4, "eval.every": 0, "checkpoint.every": 0, "logging.tensorboard": False})
+    run = Path(cfg.train.run_dir)
+    run.mkdir(parents=True)
+    save_config(make(tmp_path, **{"train.steps": 99}), run / "config.toml")  # the failed start's config
+    (run / "metrics.jsonl").touch()
+    train(cfg)
+    assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"] == [1, 2, 3, 4]
+    assert load_config(path=run / "config.toml").train.steps == 4  # the corrected config, not the failed one's
+    with pytest.raises(TrainError, match="already holds a run; continue it with --resume"):
+        train(cfg)

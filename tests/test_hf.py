@@ -235,6 +235,16 @@ def test_cli_export_to_transformers_and_import_back(prepared, tmp_path):
     assert hf_tok.pad_token_id == hf.config.pad_token_id == tok.eos_id
     assert hf_tok.bos_token_id is None and hf.config.bos_token_id is None and tok.bos_id is None
     assert hf.generation_config.bos_token_id == tok.eos_id
+    # Batched greedy generation of prompts of different lengths continues each as it would alone: the padding
+    # is on the left (on the right, the short prompt's continuation followed its PAD tokens and changed).
+    prompts = [text[:40], text[:400]]
+    batch = hf_tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        together = hf.generate(**batch, max_new_tokens=6, do_sample=False)[:, batch["input_ids"].shape[1]:]
+        for row, prompt in enumerate(prompts):
+            one = hf_tok(prompt, return_tensors="pt", add_special_tokens=False)
+            alone = hf.generate(**one, max_new_tokens=6, do_sample=False)[0, one["input_ids"].shape[1]:]
+            assert together[row].tolist() == alone.tolist(), (row, prompt)
     assert len({(f.stat().st_mode & 0o777) for f in out.iterdir()}) == 1  # weights as readable as the rest
 
     assert main(["import-hf", str(out), "--out", str(imported)]) == 0

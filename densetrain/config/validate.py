@@ -49,8 +49,8 @@ def validate(cfg: Config) -> None:
     check_config(0 <= o.min_lr <= o.peak_lr,
                  f"optim.min_lr must be in [0, optim.peak_lr={o.peak_lr}], got {o.min_lr}")
     check_config(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
-    check_config(o.weight_decay >= 0 and o.grad_clip >= 0 and o.z_loss >= 0,
-                 "optim.weight_decay, grad_clip, z_loss must be >= 0")
+    for k in ("weight_decay", "grad_clip", "z_loss"):
+        check_config(getattr(o, k) >= 0, f"optim.{k} must be >= 0, got {getattr(o, k)}")
     check_config(o.name in ("adamw", "muon"), f"optim.name must be 'adamw' or 'muon', got '{o.name}'")
     if o.name == "muon":
         check_config(0 < o.muon_lr < float("inf"), f"optim.muon_lr must be a positive finite number, got {o.muon_lr}")
@@ -86,6 +86,9 @@ def validate(cfg: Config) -> None:
     check_config(e.position_len >= 0 and e.position_docs >= 1,
                  f"eval.position_len must be >= 0 and eval.position_docs >= 1, got {e.position_len}, {e.position_docs}")
     check_config(t.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}")
+    for k in ("every", "tasks_every", "tasks_limit", "final_limit", "samples"):  # 0 = at the end / all / none
+        check_config(getattr(e, k) >= 0, f"eval.{k} must be >= 0, got {getattr(e, k)}")
+    check_config(e.max_batches >= 1, f"eval.max_batches must be >= 1, got {e.max_batches}")
     for k in ("every", "mfu_every"):
         check_config(getattr(cfg.logging, k) >= 1, f"logging.{k} must be >= 1, got {getattr(cfg.logging, k)}")
     for k in ("every", "keep"):

@@ -64,7 +64,8 @@ def tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, bytes]:
     (:meth:`Tokenizer.hf_json`); a converted tokenizer with a BOS (Llama 3) starts every encoding with it,
     as the shards start every document (Meta's post-processor), one without (GPT-2) adds nothing.
     ``tokenizer_config.json`` names the EOS (so HF generation stops where our documents end), the BOS where
-    the tokenizer has one, the EOS again as PAD (:func:`special_token_ids` says why) and ``model_max_length``.
+    the tokenizer has one, the EOS again as PAD (:func:`special_token_ids` says why), left padding (for
+    batched generation) and ``model_max_length``.
 
     Raises:
         DataError: a tiktoken encoding that cannot be converted (e.g. cl100k_base: gaps in its special ids).
@@ -73,6 +74,9 @@ def tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, bytes]:
     if tok.bos_token is not None:
         config["bos_token"] = tok.bos_token
     config["pad_token"] = tok.eos_token
+    # A decoder continues from the last position of each row: batched generate() needs the padding on the
+    # left (right padding puts PAD tokens between a short prompt and its continuation).
+    config["padding_side"] = "left"
     config["model_max_length"] = model_max_length
     return {"tokenizer.json": tok.hf_json().encode("utf-8"),
             "tokenizer_config.json": json_text(config, indent=2).encode() + b"\n"}

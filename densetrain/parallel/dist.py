@@ -69,13 +69,16 @@ def init_distributed(device: str = "auto", parallel=None) -> DistInfo:
         device: 'auto' (cuda when available), 'cpu' or 'cuda'.
         parallel: a :class:`~densetrain.config.schema.ParallelConfig` (None: every rank a DDP replica).
     Raises:
-        RuntimeError: 'cuda' requested but not available.
-        ConfigError: the layout's degrees do not multiply to the world size (the message lists layouts that do).
+        ConfigError: 'cuda' requested but not available; the layout's degrees do not multiply to the world
+            size (the message lists layouts that do).
     """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is available")
+        from densetrain.errors import ConfigError
+
+        raise ConfigError("train.device is 'cuda' but torch sees no CUDA device here (torch "
+                          f"{torch.__version__}); use train.device = 'auto' or 'cpu'")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -132,9 +132,14 @@ def _layouts_that_fit(batch_size: int, world: int, model) -> str:
 
 
 def _refuse_existing_run(run_dir: Path, info: DistInfo) -> None:
-    """Refuse to mix a new run into an old one's metrics and checkpoints. Rank 0 looks (the run dir
-    may be on its node only) and every rank learns the answer, so none is left waiting."""
-    taken = info.is_main and ((run_dir / "metrics.jsonl").exists() or bool(list_complete(run_dir)))
+    """Refuse to mix a new run into an old one's metrics and checkpoints (a run that recorded a step or saved
+    a checkpoint). Rank 0 looks (the run dir may be on its node only) and every rank learns the answer, so
+    none is left waiting."""
+    # A start that failed before its first step (no val tokens, a bad source) leaves config.toml, the lock and
+    # an empty metrics.jsonl: that is no run to protect, and sending the user to --resume would train from the
+    # failed start's config.toml instead of the corrected one.
+    metrics = run_dir / "metrics.jsonl"
+    taken = info.is_main and ((metrics.exists() and metrics.stat().st_size > 0) or bool(list_complete(run_dir)))
     if all_reduce_sum(torch.tensor([int(taken)], device=info.device)).item():
         raise TrainError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
                          f"or choose another --train.run_dir")
