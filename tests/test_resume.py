@@ -341,3 +341,19 @@ def test_a_second_trainer_on_a_running_run_is_refused_and_a_signal_in_the_last_s
     assert list_complete(run)[-1][0] == 4 and not (run / "summary.json").exists()  # the final evals not run
     assert main(["train", "--resume", str(run)]) == 0  # the lock went with the process; --resume completes it
     assert (run / "summary.json").exists()
+
+
+def test_resume_with_another_train_steps_says_the_schedule_is_recomputed(prepared, tmp_path):
+    """A finished 4-step run resumed with train.steps=6: the cosine curve is recomputed over 6 steps, so step 5's
+    lr rises above the min_lr step 4 ended at. That used to happen without a word; now an event says it."""
+    _, make = prepared
+    cfg = make(tmp_path / "r", **{**OV, "train.steps": 4, "checkpoint.every": 4})
+    train(cfg)
+    run = Path(cfg.train.run_dir)
+    longer = make(tmp_path / "r", **{**OV, "train.steps": 6, "checkpoint.every": 4})
+    train(longer, resume=True)
+    lrs = {r["step"]: r["lr"] for r in read_metrics(run) if r["kind"] == "train"}
+    assert lrs[5] > lrs[4]
+    said = [e["text"] for e in read_events(run) if "train.steps changed" in e["text"]]
+    assert said == ["WARNING: train.steps changed from 4 to 6 on resume: the lr schedule and the stage starts are "
+                    "recomputed over 6 steps from step 4"]

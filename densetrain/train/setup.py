@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 
 from densetrain.checkpoint import Checkpointer, list_complete, set_aside
-from densetrain.config import Config, save_config
+from densetrain.config import Config, load_config, save_config
 from densetrain.data.mixture import MixtureSampler
 from densetrain.data.provenance import window_documents
 from densetrain.data.shards import TokenFiles
 from densetrain.data.streams import data_fingerprint, open_streams
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
-from densetrain.errors import TrainError
+from densetrain.errors import ConfigError, TrainError
 from densetrain.fileio import fsync_dir
 from densetrain.metrics import MetricsLogger, measure_peak_flops
 from densetrain.model.compiling import pin_inductor_cache
@@ -204,6 +204,14 @@ def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
 _EVAL_NAME = re.compile(r"step_(\d+)\.json")  # RUN_DIR/evals/step_XXXXXXXX.json (densetrain eval)
 
 
+def _configured_steps(run_dir: Path) -> int | None:
+    """``train.steps`` of the run's saved config.toml (None when it cannot be read)."""
+    try:
+        return load_config(path=run_dir / "config.toml").train.steps
+    except (ConfigError, OSError):
+        return None
+
+
 def set_aside_future(run_dir: Path, step: int, is_main: bool) -> list[Path]:
     """A rollback to ``step`` (``--rollback-to`` or the guard's): set aside, in
     ``RUN_DIR/checkpoints_set_aside/``, the checkpoints after ``step`` (:func:`set_aside`) and every file
@@ -284,12 +292,18 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     ckpt, saved = checkpointer.load_latest(model, optimizer) if resume else (None, None)
     if not resume:
         _refuse_existing_run(run_dir, info)  # (resume without a checkpoint yet, e.g. killed early: start over)
+    old_steps = _configured_steps(run_dir) if saved and info.is_main else None
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.toml")
     step = saved["step"] if saved else 0
     log = MetricsLogger(run_dir, info.rank, cfg.logging.tensorboard, resume_step=step if resume else None,
                         wandb=cfg if cfg.logging.wandb else None)
+    if old_steps is not None and old_steps != cfg.train.steps:
+        # The lr curve and the stage starts are fractions of train.steps: a resume with another total
+        # recomputes both from here on (e.g. a finished cosine run climbs back above min_lr).
+        log.event(step, f"WARNING: train.steps changed from {old_steps} to {cfg.train.steps} on resume: the lr "
+                        f"schedule and the stage starts are recomputed over {cfg.train.steps} steps from step {step}")
     autocast = autocast_for(cfg.train.dtype, info.device)
     run = Run(cfg=cfg, info=info, run_dir=run_dir, stages=stages, train_streams=train_streams,
               val_streams=open_streams(cfg, "val"), sampler=MixtureSampler(train_streams), model=model,
