@@ -92,7 +92,8 @@ class DataConfig:
     shards_dir: str = ".cache/densetrain/shards"
     """Output directory of token shards and manifests (one subdirectory per source and split)."""
     tokenizer: str = "bpe"
-    """'bpe' (train a byte-level BPE with HF tokenizers on the corpus), 'tiktoken:cl100k_base', or a tokenizer.json
+    """'bpe' (train a byte-level BPE with HF tokenizers on the corpus), 'gpt2' or 'llama3' (their tiktoken rank
+    files, installed by ``python -m densetrain.data.tokenizer``), 'tiktoken:cl100k_base', or a tokenizer.json
     path."""
     tokenizer_vocab_size: int = 8192
     """Vocabulary size when training a BPE tokenizer."""
