@@ -358,7 +358,7 @@ def main() -> None:
                 if ln.startswith("model name")), "unknown CPU")
     print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, threads {a.threads}, bf16 matmul instructions: "
           f"{cpu_has_bf16()}; torch {torch.__version__}; load average {os.getloadavg()[0]:.2f}")
-    print(f"densetrain's default train.dtype=auto is {resolve_dtype('auto', torch.device('cpu'))} here")
+    resolve_dtype("auto", torch.device("cpu"))  # prints what densetrain's default becomes here, with both rates
     counts = export_nanogpt_data(a.shards, work / "nanogpt_data")
     print(f"data: {sum(counts['train'].values()):,} train / {sum(counts['val'].values()):,} val tokens "
           f"({', '.join(counts['train'])}) -> {work / 'nanogpt_data'}")

@@ -152,9 +152,9 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
     if args.limit < 0:  # else a ValueError traceback from the task loader
         raise ConfigError(f"--limit {args.limit}: expected a number of examples per task >= 0 (0 = all)")
     if args.tasks:  # an unknown task name fails now, not after the model and checkpoint have loaded
-        from densetrain.registry.tasks import resolve_tasks
+        from densetrain.registry.tasks import parse_task_list, resolve_tasks
 
-        resolve_tasks([t.strip() for t in args.tasks.split(",") if t.strip()])
+        resolve_tasks(parse_task_list(args.tasks))
     result = evaluate_checkpoint(cfg, Path(args.checkpoint), tasks=args.tasks, limit=args.limit)
     if _is_main():
         print(json_text(result, indent=1))

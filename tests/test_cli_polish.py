@@ -190,3 +190,15 @@ def test_a_start_that_failed_before_its_first_step_is_no_run_to_protect(prepared
     assert load_config(path=run / "config.toml").train.steps == 4  # the corrected config, not the failed one's
     with pytest.raises(TrainError, match="already holds a run; continue it with --resume"):
         train(cfg)
+
+
+def test_the_scale_entry_point_fails_in_one_line_with_status_2(capsys, tmp_path):
+    """``python -m densetrain.data.prepare.scale`` with a missing --config: one line and exit status 2 as the
+    densetrain command gives (it exited 1 through SystemExit's message)."""
+    pytest.importorskip("datatrove")
+    from densetrain.data.prepare.scale.pipeline import main as scale_main
+
+    with pytest.raises(SystemExit) as e:
+        scale_main(["--config", str(tmp_path / "none.toml"), "--source", "web", "--output", str(tmp_path / "out")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == f"densetrain: error: {tmp_path / 'none.toml'}: config file not found\n"

@@ -46,7 +46,15 @@ import torch
 from densetrain.evals.generative import evaluate_generative
 from densetrain.evals.scoring import build_requests, eval_mode, score_requests
 from densetrain.registry.gen_tasks import GEN_TASKS
-from densetrain.registry.tasks import TASKS, Example, load_examples, parse_spec, resolve_tasks, result_name
+from densetrain.registry.tasks import (
+    TASKS,
+    Example,
+    load_examples,
+    parse_spec,
+    parse_task_list,
+    resolve_tasks,
+    result_name,
+)
 
 __all__ = [
     "METRICS",
@@ -248,6 +256,6 @@ def downstream_metrics(model, tokenizer, tasks: str, limit: int, seq_len: int, d
         limit: the first ``limit`` questions per task; 0 = all.
         seq_len: the model's context in tokens.
     """
-    names = [t.strip() for t in tasks.split(",") if t.strip()]
-    res = evaluate_tasks(model, tokenizer, names, limit or None, device, seq_len_max=seq_len, autocast=autocast)
+    res = evaluate_tasks(model, tokenizer, parse_task_list(tasks), limit or None, device, seq_len_max=seq_len,
+                         autocast=autocast)
     return {f"eval/{task}/{k}": v for task, r in res.items() for k, v in r.items()}, truncation_warnings(res, seq_len)

@@ -49,7 +49,9 @@ def choose_cpu_dtype(has_bf16: bool, fp32_flops: float, bf16_flops: float) -> tu
 def cpu_matmul_rates(n: int = 1024, trials: int = 3) -> tuple[float, float]:
     """(fp32, bf16) FLOP/s of ``n x n`` matmuls on this CPU with the current thread count: the best of
     ``trials`` single matmuls each, the two dtypes interleaved so that a moment of load hits both.
-    About 0.1 s at 1024 on 2 cores; measured once per process."""
+    About 0.1 s at 1024 on 2 cores; measured once per process. Not :func:`densetrain.metrics.measure_peak_flops`
+    (the mfu denominator, ~0.7 s per dtype, a layer above this one): a ratio of two dtypes measured side by
+    side is what the choice needs, not either peak."""
     gen = torch.Generator().manual_seed(0)  # not the global RNG: a run's draws must not depend on a probe
     a = {dt: torch.randn(n, n, dtype=dt, generator=gen) for dt in (torch.float32, torch.bfloat16)}
     best = dict.fromkeys(a, float("inf"))

@@ -246,6 +246,11 @@ def result_name(spec: str) -> str:
     return f"{name}_{k}shot" if k else name
 
 
+def parse_task_list(text: str) -> list[str]:
+    """The names of a comma-separated task list (``eval.tasks``, ``--tasks``), blanks dropped."""
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
 def resolve_tasks(names) -> list[str]:
     """Expand group names (``'light'``, ``'all'``), check task names and shot counts; keeps order,
     drops repeats.

@@ -30,7 +30,7 @@ from densetrain.model.llama import Transformer
 from densetrain.optim import build_optimizer
 from densetrain.parallel import DistInfo, all_reduce_sum, autocast_for, build_parallel_model, init_distributed
 from densetrain.parallel.mesh import intent, keep_intent, resolve_layout
-from densetrain.registry.tasks import data_root, resolve_tasks
+from densetrain.registry.tasks import data_root, parse_task_list, resolve_tasks
 from densetrain.schedule import Stage, resolve_stages, stage_at
 from densetrain.train.faults import FaultInjector
 from densetrain.train.guard import Guard
@@ -324,7 +324,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         skip_data(run, skip_batches, f"manual rollback to step {rollback_to}")
     if cfg.eval.tasks or cfg.eval.final_tasks:
         # Fail now, not after hours of training: unknown task names or missing task data.
-        resolve_tasks([t.strip() for t in f"{cfg.eval.tasks},{cfg.eval.final_tasks}".split(",") if t.strip()])
+        resolve_tasks(parse_task_list(f"{cfg.eval.tasks},{cfg.eval.final_tasks}"))
         data_root()
     missing = sorted(set(run.source_names) - set(train_streams))
     if missing:

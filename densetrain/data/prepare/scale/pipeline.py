@@ -62,6 +62,7 @@ output and work folders).
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -320,8 +321,9 @@ def main(argv: list[str] | None = None) -> None:
             raise ConfigError(f"--source '{a.source}' is not among data.sources {names}")
         pipe = datatrove_pipeline(cfg, names.index(a.source), a.output, a.work, tasks=a.tasks, workers=a.workers,
                                   executor=a.executor, bucket_workers=a.bucket_workers, stage_kwargs=stage_kw, **kw)
-    except (ConfigError, DataError) as e:
-        raise SystemExit(f"densetrain: error: {e}") from None
+    except (ConfigError, DataError) as e:  # one line and exit status 2, as the densetrain command
+        print(f"densetrain: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"[scale] stages: {', '.join(f'{n} ({e.world_size} tasks)' for n, e in pipe.stages.items())}", flush=True)
     pipe.run()
     print(f"[scale] output: {pipe.output_dir}  (a source with format = \"datatrove\" and paths = [that folder])")
