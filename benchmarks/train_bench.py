@@ -24,7 +24,8 @@ records in ``metrics.jsonl``; nanoGPT: its per-iteration ``time``), both coverin
 The first ``--skip`` steps (compile, warm-up) are left out of tokens/s; their excess over the steady step
 time is reported as "warm-up/compile s". Both processes get the same thread count and
 ``OMP_WAIT_POLICY=PASSIVE`` (densetrain's default; with OpenMP's busy-wait a second busy process made
-training ~6x slower on these 2 cores). Both optimisers: AdamW, same peak/min lr, warmup, cosine, betas,
+training ~6x slower on these 2 cores; ``--omp-wait-policy ACTIVE`` measures the idle-machine spin instead).
+Both optimisers: AdamW, same peak/min lr, warmup, cosine, betas,
 weight decay, clipping. Loss after the budget: validation loss (nats/token) of each trainer on its own
 evaluator over the same held-out tokens (densetrain: ``val/all/loss``, every source's val windows,
 ``eval.max_batches`` per source; nanoGPT: ``--eval-iters`` random batches of val.bin), plus densetrain fp32
@@ -162,8 +163,11 @@ def worker(spec: str) -> None:
         (Path(cfg.train.run_dir).parent / "cpu_stamps.json").write_text(json.dumps(stamps))
 
 
-def _env(threads: int) -> dict:
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS=str(threads))
+WAIT_POLICY = "PASSIVE"  # --omp-wait-policy: both trainers' OpenMP wait policy
+
+
+def _env(threads: int, wait_policy: str | None = None) -> dict:
+    env = dict(os.environ, OMP_WAIT_POLICY=wait_policy or WAIT_POLICY, OMP_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
@@ -325,9 +329,14 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                     help="also run densetrain with these config overrides (values as JSON, else strings), "
                          "alternating with the default; repeatable (one A/B per change)")
+    ap.add_argument("--omp-wait-policy", choices=["PASSIVE", "ACTIVE"], default="PASSIVE",
+                    help="OpenMP wait policy of both trainers (ACTIVE: idle threads spin; only on an otherwise "
+                         "idle machine; the CPU-time probe stays PASSIVE)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--cpu-peak", type=int, help=argparse.SUPPRESS)  # child: cpu_time_peak with the trainers' env
     a = ap.parse_args()
+    global WAIT_POLICY
+    WAIT_POLICY = a.omp_wait_policy
     if a.worker:
         return worker(a.worker)
     if a.cpu_peak:
@@ -356,7 +365,8 @@ def main() -> None:
         print(f"nanoGPT: {nanogpt} at commit {_git_commit(nanogpt)}")
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), "unknown CPU")
-    print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, threads {a.threads}, bf16 matmul instructions: "
+    print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, threads {a.threads}, OMP_WAIT_POLICY {a.omp_wait_policy}, "
+          f"bf16 matmul instructions: "
           f"{cpu_has_bf16()}; torch {torch.__version__}; load average {os.getloadavg()[0]:.2f}")
     resolve_dtype("auto", torch.device("cpu"))  # prints what densetrain's default becomes here, with both rates
     counts = export_nanogpt_data(a.shards, work / "nanogpt_data")
@@ -365,7 +375,8 @@ def main() -> None:
     dev = torch.device("cpu")
     peaks = {"fp32": measure_peak_flops(dev, torch.float32), "bf16": measure_peak_flops(dev, torch.bfloat16),
              "bf16_cpu": float(subprocess.run([sys.executable, __file__, "--cpu-peak", str(a.threads)],
-                                              env=_env(a.threads), capture_output=True, text=True, check=True).stdout)}
+                                              env=_env(a.threads, "PASSIVE"), capture_output=True, text=True,
+                                              check=True).stdout)}
 
     results: dict[str, dict[str, list[RunResult]]] = {}
     for shape_name in SHAPES if a.shape == "both" else [a.shape]:

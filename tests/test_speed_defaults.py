@@ -5,6 +5,7 @@ loss."""
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -155,3 +156,17 @@ def test_keep_freed_memory_reuses_large_blocks():
     # glibc's default: a fresh mapping each time, a fault per page (4 KiB here: 16384; fewer with huge pages)
     assert after < before
     assert after < 0.05 * 16384  # the freed heap block is reused: (almost) no faults
+
+
+@pytest.mark.parametrize("given,expected", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_omp_wait_policy_default_and_kept(given, expected):
+    """Importing densetrain sets OMP_WAIT_POLICY=PASSIVE before torch loads OpenMP, and keeps a policy
+    the user set (README: ACTIVE for a machine nothing else uses): checked in a fresh interpreter, where
+    the variable is what libgomp reads when torch loads."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given:
+        env["OMP_WAIT_POLICY"] = given
+    code = ("import os, sys; import densetrain; assert 'torch' not in sys.modules; "
+            "print(os.environ['OMP_WAIT_POLICY'])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected
