@@ -334,9 +334,8 @@ def main() -> None:
                          "idle machine; the CPU-time probe stays PASSIVE)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--cpu-peak", type=int, help=argparse.SUPPRESS)  # child: cpu_time_peak with the trainers' env
+    ap.error = lambda msg: ap.exit(2, f"train_bench.py: {msg} (see --help)\n")  # one line, not the usage block
     a = ap.parse_args()
-    global WAIT_POLICY
-    WAIT_POLICY = a.omp_wait_policy
     if a.worker:
         return worker(a.worker)
     if a.cpu_peak:
@@ -344,6 +343,8 @@ def main() -> None:
 
         torch.set_num_threads(a.cpu_peak)
         return print(cpu_time_peak(torch.bfloat16, a.cpu_peak))
+    global WAIT_POLICY
+    WAIT_POLICY = a.omp_wait_policy  # the trainers' children (their environment is set by _env)
 
     import torch
 
