@@ -357,3 +357,36 @@ def test_resume_with_another_train_steps_says_the_schedule_is_recomputed(prepare
     said = [e["text"] for e in read_events(run) if "train.steps changed" in e["text"]]
     assert said == ["WARNING: train.steps changed from 4 to 6 on resume: the lr schedule and the stage starts are "
                     "recomputed over 6 steps from step 4"]
+
+
+def test_resume_with_dtype_auto_keeps_the_dtype_the_run_was_trained_in(prepared, tmp_path):
+    """train.dtype = 'auto' is measured per process; a resume on a CPU near the bf16 threshold, or on another
+    CPU, must not switch the run's precision mid-way. A run trained in fp32 for 3 steps, resumed with 'auto'
+    (bf16 on a CPU where bf16 pays, like CI's Zen 4), continues in fp32: its 6 steps equal an uninterrupted
+    fp32 run's bit for bit, an event says why, the saved config.toml keeps 'auto', and the offline eval of
+    its checkpoint with 'auto' is the fp32 one."""
+    from densetrain.checkpoint import read_trainer_state
+    from densetrain.config import load_config
+
+    _, make = prepared
+    ov = {**OV, "train.steps": 6, "checkpoint.every": 3, "train.dtype": "fp32", "stages": [
+        {"name": "main", "start": 0.0, "mix": {"email": 0.5, "json": 0.5}}]}
+    ref = make(tmp_path / "ref", **ov)
+    train(ref)
+    cfg = make(tmp_path / "r", **ov)
+    train(cfg, stop_after=3)
+    run = Path(cfg.train.run_dir)
+    assert read_trainer_state(list_complete(run)[-1][1])["dtype"] == "fp32"
+    train(make(tmp_path / "r", **{**ov, "train.dtype": "auto"}), resume=True)
+    assert trajectory(run) == trajectory(Path(ref.train.run_dir))
+    assert read_trainer_state(list_complete(run)[-1][1])["dtype"] == "fp32"
+    said = [e["text"] for e in read_events(run) if e["text"].startswith("train.dtype=auto")]
+    assert said == ["train.dtype=auto: fp32, the dtype of checkpoint step_00000003 (a resumed run keeps its "
+                    "precision; set train.dtype to change it)"]
+    assert load_config(path=run / "config.toml").train.dtype == "auto"
+    # The offline eval of a checkpoint follows it too: 'auto' evaluates in fp32 here, as the run trained.
+    from densetrain.tools.offline_eval import evaluate_checkpoint
+
+    auto = evaluate_checkpoint(make(tmp_path / "r", **{**ov, "train.dtype": "auto"}), run)["val"]
+    assert auto == evaluate_checkpoint(make(tmp_path / "r", **ov), run)["val"]
+    assert auto != evaluate_checkpoint(make(tmp_path / "r", **{**ov, "train.dtype": "bf16"}), run)["val"]

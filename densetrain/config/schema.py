@@ -202,7 +202,8 @@ class TrainConfig:
     """'auto' (cuda if available, else cpu), 'cpu' or 'cuda'."""
     dtype: str = "auto"
     """Autocast dtype: 'auto' (bf16 on GPU; on a CPU bf16 where it has AVX512-BF16/AMX-BF16 and its bf16 matmuls
-    measure >= 1.3x its fp32 ones at start, else fp32: densetrain/model/precision.py), 'bf16' or 'fp32';
+    measure >= 1.3x its fp32 ones at start, else fp32: densetrain/model/precision.py; a resume keeps the dtype
+    its checkpoint was trained in), 'bf16' or 'fp32';
     parameters, gradients and AdamW state stay fp32. An fp32 run ('fp32', or 'auto' resolved to it) also keeps
     the foreach AdamW kernel (the recorded golden trajectory); otherwise the fused kernel is used."""
     compile: bool = False

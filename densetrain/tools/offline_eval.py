@@ -47,7 +47,8 @@ def eval_path(checkpoint: Path) -> Path:
 def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0) -> dict:
     """Validation loss and bits per byte per source of checkpoint ``path`` (a ``step_XXXXXXXX``
     directory or a run directory, meaning its newest complete checkpoint), at the sequence length
-    and RoPE base of the stage the checkpoint was saved in, plus downstream ``tasks`` (comma list or
+    and RoPE base of the stage the checkpoint was saved in (and, for ``train.dtype = 'auto'``, in the dtype it
+    was trained in: ``trainer_state.json`` ``dtype``), plus downstream ``tasks`` (comma list or
     group, ``task:k`` for k shots; first ``limit`` examples each, 0 = all). Writes the result to
     :func:`eval_path` (``RUN_DIR/evals/step_XXXXXXXX.json``, which ``densetrain report`` shows and
     checkpoint retention does not delete) and returns the same dict (non-finite numbers are ``null``
@@ -68,7 +69,9 @@ def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0
     model.set_rope(st.rope_theta, st.rope_scaling)
     tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
     streams = open_streams(cfg, "val")
-    autocast = autocast_for(cfg.train.dtype, info.device)
+    # 'auto' evaluates in the dtype the checkpoint was trained in (as a resume keeps it), not a new measurement.
+    dtype = state.get("dtype", "auto") if cfg.train.dtype == "auto" else cfg.train.dtype
+    autocast = autocast_for(dtype, info.device)
     val = evaluate_val(model, streams, st.seq_len, st.micro_batch_size, cfg.eval.max_batches, info.device,
                        autocast, tok, tok.eos_id if st.document_mask else None, st.reset_positions)
     result = {

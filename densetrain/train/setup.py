@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from densetrain.checkpoint import Checkpointer, list_complete, set_aside
+from densetrain.checkpoint import Checkpointer, list_complete, read_trainer_state, set_aside
 from densetrain.config import Config, load_config, save_config
 from densetrain.data.mixture import MixtureSampler
 from densetrain.data.provenance import window_documents
@@ -93,6 +93,7 @@ class Run:
         """The checkpoint's ``trainer_state.json``: counters, sampler position, data fingerprint, watchers."""
         return {**self.state.state_dict(), "data": self.data_id, "sampler": self.sampler.state_dict(),
                 "world_size": self.info.world_size, "layout": dataclasses.asdict(self.info.layout),
+                "dtype": "bf16" if self.autocast else "fp32",  # what train.dtype = 'auto' keeps on resume
                 "watchers": {w.name: w.state_dict() for w in self.watchers}}
 
     def load_state_dict(self, d: dict) -> None:
@@ -204,6 +205,26 @@ def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
 _EVAL_NAME = re.compile(r"step_(\d+)\.json")  # RUN_DIR/evals/step_XXXXXXXX.json (densetrain eval)
 
 
+def keep_started_dtype(cfg: Config, run_dir: Path, step: int | None = None) -> tuple[Config, str | None]:
+    """``cfg`` with ``train.dtype = 'auto'`` replaced by the dtype the run's checkpoint was trained in
+    (``trainer_state.json`` ``dtype``: checkpoint ``step``, or the newest complete one), and a line saying so;
+    ``(cfg, None)`` when the dtype is explicit or no checkpoint records one (those before this field measure
+    again). Why: 'auto' is measured per process (:func:`densetrain.model.precision.resolve_dtype`), and a
+    resume on a CPU near the bf16 threshold, or on another CPU (an Intel without AMX picks fp32 where a Zen 4
+    picks bf16), would switch a run's precision in the middle; a resume continues it instead. An explicit
+    ``train.dtype`` still changes it."""
+    if cfg.train.dtype != "auto":
+        return cfg, None
+    done = dict(list_complete(run_dir))
+    path = done.get(step) if step is not None else (done[max(done)] if done else None)
+    saved = read_trainer_state(path).get("dtype") if path is not None else None
+    if saved not in ("bf16", "fp32"):
+        return cfg, None
+    kept = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=saved))
+    return kept, (f"train.dtype=auto: {saved}, the dtype of checkpoint {path.name} (a resumed run keeps its "
+                  f"precision; set train.dtype to change it)")
+
+
 def _configured_steps(run_dir: Path) -> int | None:
     """``train.steps`` of the run's saved config.toml (None when it cannot be read)."""
     try:
@@ -279,6 +300,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     except ValueError as e:
         raise TrainError(str(e)) from None
     check_stages(stages, train_streams, info, cfg.model)
+    saved_cfg = cfg  # config.toml keeps the user's train.dtype ('auto' stays 'auto')
+    cfg, dtype_note = keep_started_dtype(cfg, run_dir, rollback_to) if resume else (cfg, None)
     model, dp_model = build_parallel_model(cfg, info)  # meta -> TP -> AC -> compile -> FSDP2 -> init (or DDP)
     optimizer = build_optimizer(model, cfg)
     last = min(cfg.train.steps, stop_after) if stop_after else cfg.train.steps
@@ -295,7 +318,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     old_steps = _configured_steps(run_dir) if saved and info.is_main else None
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.toml")
+        save_config(saved_cfg, run_dir / "config.toml")
     step = saved["step"] if saved else 0
     log = MetricsLogger(run_dir, info.rank, cfg.logging.tensorboard, resume_step=step if resume else None,
                         wandb=cfg if cfg.logging.wandb else None)
@@ -304,6 +327,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         # recomputes both from here on (e.g. a finished cosine run climbs back above min_lr).
         log.event(step, f"WARNING: train.steps changed from {old_steps} to {cfg.train.steps} on resume: the lr "
                         f"schedule and the stage starts are recomputed over {cfg.train.steps} steps from step {step}")
+    if dtype_note:
+        log.event(step, dtype_note, kind="resume")
     autocast = autocast_for(cfg.train.dtype, info.device)
     run = Run(cfg=cfg, info=info, run_dir=run_dir, stages=stages, train_streams=train_streams,
               val_streams=open_streams(cfg, "val"), sampler=MixtureSampler(train_streams), model=model,
