@@ -130,8 +130,30 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     # Scale q (T x head_dim), not the scores (T x T); an additive mask has a free backward (masked_fill's is not).
     q = q * (q.shape[-1] ** -0.5 if scale is None else scale)  # (B, H, T, head_dim)
     future = torch.full((T, T), float("-inf"), dtype=q.dtype, device=q.device).triu_(1)  # (T, T) -inf above diagonal
-    p = torch.softmax(q @ k.transpose(-2, -1) + future, dim=-1, dtype=torch.float32)  # (B, H, T, T) fp32
-    return p.to(q.dtype) @ v  # (B, H, T, head_dim)
+    return _Bf16Softmax.apply(q @ k.transpose(-2, -1) + future) @ v  # (B, H, T, head_dim)
+
+
+class _Bf16Softmax(torch.autograd.Function):
+    """softmax(scores) over the last dimension, computed in fp32 and returned in bf16 (bitwise
+    ``torch.softmax(scores, -1, dtype=torch.float32).to(torch.bfloat16)``), whose backward uses that bf16 output:
+    ``dS = P * (dP - rowsum(P * dP))`` in fp32 arithmetic from bf16 P and dP, returned in bf16.
+
+    Why: the bf16 probabilities are kept for ``P @ v``'s backward anyway, so the fp32 ones (twice the bytes of
+    a (B, H, T, T) tensor) need not be kept, cast or, under ``parallel.compile_blocks``, recomputed (inductor
+    re-ran the exponentials in the backward). The cost is P's bf16 rounding (relative 2^-9) in the softmax
+    gradient, as FlashAttention's backward rounds P for dV. Shapes: scores (..., T) bf16 -> (..., T) bf16.
+    """
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor) -> torch.Tensor:
+        p = torch.softmax(scores, dim=-1, dtype=torch.float32).to(scores.dtype)
+        ctx.save_for_backward(p)
+        return p
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        (p,) = ctx.saved_tensors
+        return torch._softmax_backward_data(grad, p, -1, p.dtype)
 
 
 # --------------------------------------------------------------------------------------------------
