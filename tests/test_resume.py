@@ -390,3 +390,9 @@ def test_resume_with_dtype_auto_keeps_the_dtype_the_run_was_trained_in(prepared,
     auto = evaluate_checkpoint(make(tmp_path / "r", **{**ov, "train.dtype": "auto"}), run)["val"]
     assert auto == evaluate_checkpoint(make(tmp_path / "r", **ov), run)["val"]
     assert auto != evaluate_checkpoint(make(tmp_path / "r", **{**ov, "train.dtype": "bf16"}), run)["val"]
+    # An unreadable newest trainer_state.json (the resume falls back past it) does not stop the choice either.
+    from densetrain.train.setup import keep_started_dtype
+
+    (list_complete(run)[-1][1] / "trainer_state.json").write_text("{not json")
+    kept, said = keep_started_dtype(make(tmp_path / "r", **{**ov, "train.dtype": "auto"}), run)
+    assert kept.train.dtype == "fp32" and "step_00000003" in said

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from densetrain.checkpoint import Checkpointer, list_complete, read_trainer_state, set_aside
+from densetrain.checkpoint import Checkpointer, CheckpointError, list_complete, read_trainer_state, set_aside
 from densetrain.config import Config, load_config, save_config
 from densetrain.data.mixture import MixtureSampler
 from densetrain.data.provenance import window_documents
@@ -215,9 +215,16 @@ def keep_started_dtype(cfg: Config, run_dir: Path, step: int | None = None) -> t
     ``train.dtype`` still changes it."""
     if cfg.train.dtype != "auto":
         return cfg, None
-    done = dict(list_complete(run_dir))
-    path = done.get(step) if step is not None else (done[max(done)] if done else None)
-    saved = read_trainer_state(path).get("dtype") if path is not None else None
+    done = list_complete(run_dir)[::-1]  # newest first: the one a resume loads, or older ones if it is unreadable
+    for path in [p for s, p in done if s == step] if step is not None else [p for _, p in done]:
+        try:
+            state = read_trainer_state(path)
+            saved = state.get("dtype") if isinstance(state, dict) else None
+            break
+        except CheckpointError:  # the resume itself says what is wrong with it and falls back
+            continue
+    else:
+        return cfg, None
     if saved not in ("bf16", "fp32"):
         return cfg, None
     kept = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=saved))
