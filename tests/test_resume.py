@@ -396,3 +396,16 @@ def test_resume_with_dtype_auto_keeps_the_dtype_the_run_was_trained_in(prepared,
     (list_complete(run)[-1][1] / "trainer_state.json").write_text("{not json")
     kept, said = keep_started_dtype(make(tmp_path / "r", **{**ov, "train.dtype": "auto"}), run)
     assert kept.train.dtype == "fp32" and "step_00000003" in said
+
+
+def test_two_ranks_resumed_with_dtype_auto_agree_on_the_dtype_of_the_checkpoint(fsdp_run, tmp_path):
+    """Under torchrun every rank reads the checkpoint's dtype and the ranks check they agree (one all-reduce
+    that every rank reaches): the fp32 FSDP2 run resumed at step 4 with --train.dtype auto goes on bitwise."""
+    _, ref = fsdp_run
+    run = copy_until(ref, tmp_path / "auto", 4)
+    res = finish(start(["--resume", str(run), "--train.dtype", "auto"], world=2))
+    assert [rc for rc, _ in res] == [0, 0], [err[-3000:] for _, err in res]
+    assert trajectory(run) == trajectory(ref)
+    assert [e["text"] for e in read_events(run) if e["text"].startswith("train.dtype=auto")] == [
+        "train.dtype=auto: fp32, the dtype of checkpoint step_00000004 (a resumed run keeps its precision; set "
+        "train.dtype to change it)"]

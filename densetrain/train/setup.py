@@ -205,27 +205,39 @@ def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
 _EVAL_NAME = re.compile(r"step_(\d+)\.json")  # RUN_DIR/evals/step_XXXXXXXX.json (densetrain eval)
 
 
-def keep_started_dtype(cfg: Config, run_dir: Path, step: int | None = None) -> tuple[Config, str | None]:
+def keep_started_dtype(cfg: Config, run_dir: Path, step: int | None = None,
+                       device: torch.device | None = None) -> tuple[Config, str | None]:
     """``cfg`` with ``train.dtype = 'auto'`` replaced by the dtype the run's checkpoint was trained in
     (``trainer_state.json`` ``dtype``: checkpoint ``step``, or the newest complete one), and a line saying so;
     ``(cfg, None)`` when the dtype is explicit or no checkpoint records one (those before this field measure
     again). Why: 'auto' is measured per process (:func:`densetrain.model.precision.resolve_dtype`), and a
     resume on a CPU near the bf16 threshold, or on another CPU (an Intel without AMX picks fp32 where a Zen 4
     picks bf16), would switch a run's precision in the middle; a resume continues it instead. An explicit
-    ``train.dtype`` still changes it."""
+    ``train.dtype`` still changes it. In a process group every rank must find the same (else one rank would
+    skip the all-reduce that measuring does while another reaches it): one MIN/MAX all-reduce on ``device``.
+
+    Raises:
+        TrainError: the ranks found different dtypes (or some none), e.g. a run directory not shared by all.
+    """
     if cfg.train.dtype != "auto":
         return cfg, None
     done = list_complete(run_dir)[::-1]  # newest first: the one a resume loads, or older ones if it is unreadable
-    for path in [p for s, p in done if s == step] if step is not None else [p for _, p in done]:
+    saved, path = None, None
+    for path in [p for s, p in done if step is None or s <= step]:  # a rollback loads `step` or falls back
         try:
             state = read_trainer_state(path)
-            saved = state.get("dtype") if isinstance(state, dict) else None
-            break
         except CheckpointError:  # the resume itself says what is wrong with it and falls back
             continue
-    else:
-        return cfg, None
-    if saved not in ("bf16", "fp32"):
+        saved = state.get("dtype") if isinstance(state, dict) else None
+        break
+    code = {"fp32": 1, "bf16": 2}.get(saved, 0)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        codes = torch.tensor([code, -code], device=device)
+        torch.distributed.all_reduce(codes, op=torch.distributed.ReduceOp.MAX)
+        if int(codes[0]) != -int(codes[1]):
+            raise TrainError(f"{run_dir}: the ranks read different train.dtype records from its checkpoints "
+                             "(is the run directory shared by every rank?); set train.dtype explicitly to resume")
+    if not code:
         return cfg, None
     kept = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=saved))
     return kept, (f"train.dtype=auto: {saved}, the dtype of checkpoint {path.name} (a resumed run keeps its "
@@ -308,7 +320,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         raise TrainError(str(e)) from None
     check_stages(stages, train_streams, info, cfg.model)
     saved_cfg = cfg  # config.toml keeps the user's train.dtype ('auto' stays 'auto')
-    cfg, dtype_note = keep_started_dtype(cfg, run_dir, rollback_to) if resume else (cfg, None)
+    cfg, dtype_note = keep_started_dtype(cfg, run_dir, rollback_to, info.device) if resume else (cfg, None)
     model, dp_model = build_parallel_model(cfg, info)  # meta -> TP -> AC -> compile -> FSDP2 -> init (or DDP)
     optimizer = build_optimizer(model, cfg)
     last = min(cfg.train.steps, stop_after) if stop_after else cfg.train.steps
