@@ -361,41 +361,44 @@ def test_resume_with_another_train_steps_says_the_schedule_is_recomputed(prepare
 
 def test_resume_with_dtype_auto_keeps_the_dtype_the_run_was_trained_in(prepared, tmp_path):
     """train.dtype = 'auto' is measured per process; a resume on a CPU near the bf16 threshold, or on another
-    CPU, must not switch the run's precision mid-way. A run trained in fp32 for 3 steps, resumed with 'auto'
-    (bf16 on a CPU where bf16 pays, like CI's Zen 4), continues in fp32: its 6 steps equal an uninterrupted
-    fp32 run's bit for bit, an event says why, the saved config.toml keeps 'auto', and the offline eval of
-    its checkpoint with 'auto' is the fp32 one."""
+    CPU, must not switch the run's precision mid-way. A run trained for 3 steps in the dtype 'auto' does NOT
+    pick on this CPU (fp32 where auto is bf16, as on CI's Zen 4; bf16 where auto is fp32), resumed with 'auto',
+    continues in it: its 6 steps equal an uninterrupted run's in that dtype bit for bit, an event says why, the
+    saved config.toml keeps 'auto', and the offline eval of its checkpoint with 'auto' is the one in that dtype."""
+    import torch
+
     from densetrain.checkpoint import read_trainer_state
     from densetrain.config import load_config
+    from densetrain.model.precision import resolve_dtype
+    from densetrain.tools.offline_eval import evaluate_checkpoint
+    from densetrain.train.setup import keep_started_dtype
 
+    other = resolve_dtype("auto", torch.device("cpu"))
+    started = "fp32" if other == "bf16" else "bf16"
     _, make = prepared
-    ov = {**OV, "train.steps": 6, "checkpoint.every": 3, "train.dtype": "fp32", "stages": [
+    ov = {**OV, "train.steps": 6, "checkpoint.every": 3, "train.dtype": started, "stages": [
         {"name": "main", "start": 0.0, "mix": {"email": 0.5, "json": 0.5}}]}
     ref = make(tmp_path / "ref", **ov)
     train(ref)
     cfg = make(tmp_path / "r", **ov)
     train(cfg, stop_after=3)
     run = Path(cfg.train.run_dir)
-    assert read_trainer_state(list_complete(run)[-1][1])["dtype"] == "fp32"
+    assert read_trainer_state(list_complete(run)[-1][1])["dtype"] == started
     train(make(tmp_path / "r", **{**ov, "train.dtype": "auto"}), resume=True)
     assert trajectory(run) == trajectory(Path(ref.train.run_dir))
-    assert read_trainer_state(list_complete(run)[-1][1])["dtype"] == "fp32"
+    assert read_trainer_state(list_complete(run)[-1][1])["dtype"] == started
     said = [e["text"] for e in read_events(run) if e["text"].startswith("train.dtype=auto")]
-    assert said == ["train.dtype=auto: fp32, the dtype of checkpoint step_00000003 (a resumed run keeps its "
+    assert said == [f"train.dtype=auto: {started}, the dtype of checkpoint step_00000003 (a resumed run keeps its "
                     "precision; set train.dtype to change it)"]
     assert load_config(path=run / "config.toml").train.dtype == "auto"
-    # The offline eval of a checkpoint follows it too: 'auto' evaluates in fp32 here, as the run trained.
-    from densetrain.tools.offline_eval import evaluate_checkpoint
-
+    # The offline eval of a checkpoint follows it too: 'auto' evaluates in the dtype the run trained in.
     auto = evaluate_checkpoint(make(tmp_path / "r", **{**ov, "train.dtype": "auto"}), run)["val"]
     assert auto == evaluate_checkpoint(make(tmp_path / "r", **ov), run)["val"]
-    assert auto != evaluate_checkpoint(make(tmp_path / "r", **{**ov, "train.dtype": "bf16"}), run)["val"]
+    assert auto != evaluate_checkpoint(make(tmp_path / "r", **{**ov, "train.dtype": other}), run)["val"]
     # An unreadable newest trainer_state.json (the resume falls back past it) does not stop the choice either.
-    from densetrain.train.setup import keep_started_dtype
-
     (list_complete(run)[-1][1] / "trainer_state.json").write_text("{not json")
     kept, said = keep_started_dtype(make(tmp_path / "r", **{**ov, "train.dtype": "auto"}), run)
-    assert kept.train.dtype == "fp32" and "step_00000003" in said
+    assert kept.train.dtype == started and "step_00000003" in said
 
 
 def test_two_ranks_resumed_with_dtype_auto_agree_on_the_dtype_of_the_checkpoint(fsdp_run, tmp_path):

@@ -208,7 +208,8 @@ _EVAL_NAME = re.compile(r"step_(\d+)\.json")  # RUN_DIR/evals/step_XXXXXXXX.json
 def keep_started_dtype(cfg: Config, run_dir: Path, step: int | None = None,
                        device: torch.device | None = None) -> tuple[Config, str | None]:
     """``cfg`` with ``train.dtype = 'auto'`` replaced by the dtype the run's checkpoint was trained in
-    (``trainer_state.json`` ``dtype``: checkpoint ``step``, or the newest complete one), and a line saying so;
+    (``trainer_state.json`` ``dtype`` of the newest readable complete checkpoint, at or before ``step`` for a
+    rollback, as the load picks it), and a line saying so;
     ``(cfg, None)`` when the dtype is explicit or no checkpoint records one (those before this field measure
     again). Why: 'auto' is measured per process (:func:`densetrain.model.precision.resolve_dtype`), and a
     resume on a CPU near the bf16 threshold, or on another CPU (an Intel without AMX picks fp32 where a Zen 4
