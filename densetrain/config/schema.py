@@ -219,6 +219,10 @@ class TrainConfig:
     reset_positions: bool = True
     """With document masking, restart RoPE positions at 0 at each document in the window (false: positions
     count from the window start)."""
+    gc_freq: int = 50
+    """Python's automatic garbage collection is off while training; one generation-1 collection runs every
+    ``gc_freq`` optimizer steps (torchtitan's ``training.gc_freq``; it ran inside steps while the other threads
+    waited, ~1-2% of a CPU step). 0 keeps Python's automatic collection."""
     max_nonfinite_steps: int = 10
     """Stop with an error after this many consecutive steps with a non-finite loss or gradient."""
 

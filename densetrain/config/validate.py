@@ -85,6 +85,7 @@ def validate(cfg: Config) -> None:
                  f"eval.position_buckets must increase strictly from 0 (e.g. [0, 256, 1024]), got {e.position_buckets}")
     check_config(e.position_len >= 0 and e.position_docs >= 1,
                  f"eval.position_len must be >= 0 and eval.position_docs >= 1, got {e.position_len}, {e.position_docs}")
+    check_config(t.gc_freq >= 0, f"train.gc_freq must be >= 0 (0: Python's automatic collection), got {t.gc_freq}")
     check_config(t.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}")
     for k in ("every", "tasks_every", "tasks_limit", "final_limit", "samples"):  # 0 = at the end / all / none
         check_config(getattr(e, k) >= 0, f"eval.{k} must be >= 0, got {getattr(e, k)}")

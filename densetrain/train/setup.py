@@ -32,6 +32,7 @@ from densetrain.parallel import DistInfo, all_reduce_sum, autocast_for, build_pa
 from densetrain.parallel.mesh import intent, keep_intent, resolve_layout
 from densetrain.registry.tasks import data_root, parse_task_list, resolve_tasks
 from densetrain.schedule import Stage, resolve_stages, stage_at
+from densetrain.train.collect import GarbageCollection
 from densetrain.train.faults import FaultInjector
 from densetrain.train.guard import Guard
 from densetrain.train.probe import DataProbe
@@ -199,6 +200,8 @@ def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
         watchers.append(Watchdog(cfg.watchdog, info.rank, info.world_size, run_dir))
     if cfg.probe.every:
         watchers.append(DataProbe(cfg.probe, [s.name for s in cfg.data.sources]))
+    if cfg.train.gc_freq:
+        watchers.append(GarbageCollection(cfg.train.gc_freq))
     return watchers
 
 
