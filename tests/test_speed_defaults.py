@@ -217,10 +217,10 @@ def test_omp_wait_policy_default_and_kept(given, expected):
 def test_gc_off_during_training_with_a_young_pass_every_gc_freq_steps(prepared, tmp_path):
     """train.gc_freq (torchtitan's training.gc_freq): from the first step to the end of the run Python's automatic
     collections are off, even while cyclic garbage piles up; generation-1 passes run before the first step and
-    after every gc_freq-th step; afterwards the process's collector is on again. With 0 nothing changes."""
+    after every gc_freq-th step, a full one after every FULL_EVERY-th of those; afterwards the process's collector is on again. With 0 nothing changes."""
     import gc
 
-    from densetrain.train.collect import GarbageCollection
+    from densetrain.train.collect import FULL_EVERY, GarbageCollection
 
     _, make = prepared
     settings = {"train.steps": 6, "train.threads": 1, "eval.every": 0, "checkpoint.every": 0,
@@ -252,7 +252,7 @@ def test_gc_off_during_training_with_a_young_pass_every_gc_freq_steps(prepared, 
             cycles.append(a)
         del cycles, a
         assert seen == [(1, True)]  # the pass before the first step, then nothing automatic
-        for step in range(1, 9):
+        for step in range(1, 4 * FULL_EVERY + 1):
             run.state.step = step
             w.after_step(run, None, None)
         w.close()
@@ -261,5 +261,6 @@ def test_gc_off_during_training_with_a_young_pass_every_gc_freq_steps(prepared, 
         gc.callbacks.remove(record)
     assert off[3] == [1, 1], off  # after steps 3 and 6 (the one before step 1 ran while still on)
     assert off[0] == [], off  # gc_freq 0: Python's automatic collection throughout
-    assert seen == [(1, True), (1, False), (1, False)], seen  # steps 4 and 8
+    young = [(1, False)] * (FULL_EVERY - 1)  # steps 4, 8, ...; a full pass at step 4 * FULL_EVERY
+    assert seen == [(1, True), *young, (2, False)], seen
     assert gc.isenabled()
