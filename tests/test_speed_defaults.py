@@ -217,7 +217,8 @@ def test_omp_wait_policy_default_and_kept(given, expected):
 def test_gc_off_during_training_with_a_young_pass_every_gc_freq_steps(prepared, tmp_path):
     """train.gc_freq (torchtitan's training.gc_freq): from the first step to the end of the run Python's automatic
     collections are off, even while cyclic garbage piles up; generation-1 passes run before the first step and
-    after every gc_freq-th step, a full one after every FULL_EVERY-th of those; afterwards the process's collector is on again. With 0 nothing changes."""
+    after every gc_freq-th step, a full one after every FULL_EVERY-th of those; afterwards the process's
+    collector is on again. With 0 nothing changes."""
     import gc
 
     from densetrain.train.collect import FULL_EVERY, GarbageCollection
