@@ -2,13 +2,16 @@
 ``train.gc_freq`` steps.
 
 Why: the cyclic collector starts on its own after every ~700 new container objects, and each training step
-creates thousands (autograd nodes, compiled-graph wrappers, the optimizer's per-parameter lists), so it ran
-within steps, on the main thread, while the other threads waited for it: ~1-2% of a bf16 step at the 13.8M
-benchmark shape on 2 Zen 4 cores with ``parallel.compile_blocks`` (benchmarks/RESULTS.md). torchtitan does
-the same (``training.gc_freq``, default 50, a generation-1 collection). Tensors are freed by reference
-counting as before; only objects in reference cycles wait for the next pass. Cycles that outlive a young pass
-(still referenced then) reach the oldest generation, which a full pass clears every ``FULL_EVERY`` young passes
-(~0.27 s with the ~390k objects a set-up 13.8M run tracks, so ~0.3 ms per step at the default), and at the end.
+creates thousands (autograd nodes, compiled-graph wrappers, the optimizer's per-parameter lists). Over 44 steps
+of the 13.8M benchmark shape with ``parallel.compile_blocks`` (2 Zen 4 cores) it ran 254 times inside steps,
+278 ms in all, most of it one full pass over the ~390k objects a set-up run tracks (0.26-0.27 s each): a pause
+of the main thread while the other threads wait, at a step no other rank shares. Steady steps themselves change
+little (708 vs 710 ms in 10-step blocks alternating in one process). Here every rank collects at the same steps,
+between steps. torchtitan does the same (``training.gc_freq``, default 50, a generation-1 collection).
+
+Tensors are freed by reference counting as before; only objects in reference cycles wait for the next pass.
+Cycles that outlive a young pass (still referenced then) reach the oldest generation, which a full pass clears
+every ``FULL_EVERY`` young passes (~0.3 ms per step at the default); after the run Python's collector is back.
 """
 
 from __future__ import annotations
