@@ -251,3 +251,31 @@ def test_a_batch_that_does_not_split_over_ranks_names_the_layouts_that_would(pre
         check_stages(stages, streams, on(16, 16), cfg.model)
     with pytest.raises(TrainError, match="no layout of 48 ranks runs it"):
         check_stages(stages, streams, on(48, 48), cfg.model)
+
+
+def test_mfu_above_one_measures_the_peak_again_once_or_says_a_declared_one_is_low(prepared, tmp_path):
+    """A start-up probe that read low (a busy machine then) would give mfu > 100%: the first such step measures
+    the peak again and keeps the larger; a declared logging.peak_flops is kept and said once to be too low."""
+    from densetrain.metrics import read_events
+    from densetrain.train.loop import _train
+    from densetrain.train.setup import setup, unlock_run_dir
+
+    _, make = prepared
+    settings = {"train.steps": 6, "train.threads": 1, "eval.every": 0, "checkpoint.every": 0,
+                "logging.tensorboard": False, "logging.mfu_every": 1}
+    run = setup(make(tmp_path / "measured", **settings, **{"logging.peak_flops": 0.0}))  # 0: measured
+    run.peak_flops = 1.0  # as if the start-up probe had read (almost) nothing
+    try:
+        _train(run)
+    finally:
+        unlock_run_dir(run.run_dir)
+    assert run.peak_flops > 1e8  # measured again: a real matmul rate
+    mfu = [r["mfu"] for r in read_metrics(tmp_path / "measured" / "run") if r["kind"] == "train"]
+    assert len(mfu) == 6 and all(0 < m < 1 for m in mfu), mfu
+    said = [e for e in read_events(tmp_path / "measured" / "run") if e["kind"] == "mfu"]
+    assert len(said) == 1 and "measured again" in said[0]["text"] and said[0]["step"] == 1
+    train(make(tmp_path / "declared", **settings, **{"logging.peak_flops": 1.0}))
+    mfu = [r["mfu"] for r in read_metrics(tmp_path / "declared" / "run") if r["kind"] == "train"]
+    assert all(m > 1e6 for m in mfu), mfu  # the user's number stays the denominator
+    said = [e for e in read_events(tmp_path / "declared" / "run") if e["kind"] == "mfu"]
+    assert len(said) == 1 and "logging.peak_flops = 1" in said[0]["text"], said
