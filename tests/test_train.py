@@ -279,3 +279,34 @@ def test_mfu_above_one_measures_the_peak_again_once_or_says_a_declared_one_is_lo
     assert all(m > 1e6 for m in mfu), mfu  # the user's number stays the denominator
     said = [e for e in read_events(tmp_path / "declared" / "run") if e["kind"] == "mfu"]
     assert len(said) == 1 and "logging.peak_flops = 1" in said[0]["text"], said
+
+
+def test_a_plan_that_repeats_a_source_more_than_four_times_is_warned_with_the_epochs_the_sampler_makes(
+        prepared, tmp_path):
+    """planned_epochs is what the sampler really does: drawing every batch of the plan (all three stages, their
+    mixes and batch sizes) completes floor(planned) passes of each source (give or take the one a batch crossing
+    an epoch boundary starts early). A fresh run planned beyond MAX_EPOCHS says so once at set-up; one within
+    it does not."""
+    from densetrain.metrics import read_events
+    from densetrain.schedule import stage_at
+    from densetrain.train.setup import MAX_EPOCHS, planned_epochs, setup, unlock_run_dir
+    from densetrain.train.step import draw_samples
+
+    _, make = prepared
+    run = setup(make(tmp_path / "few", **{"train.steps": 10}))
+    unlock_run_dir(run.run_dir)
+    assert not [e for e in read_events(tmp_path / "few" / "run") if e["kind"] == "data"]  # 10 steps: no warning
+    sizes = {n: len(s) for n, s in run.train_streams.items()}
+    steps = int(6 * max(sizes.values()) / run.stages[0].batch_tokens)  # ~6 passes over the larger source
+    run = setup(make(tmp_path / "many", **{"train.steps": steps}))  # the stage table of `steps` steps
+    unlock_run_dir(run.run_dir)
+    epochs = planned_epochs(run.stages, run.train_streams, steps)
+    assert set(epochs) == {n for st in run.stages for n in st.mix} and max(epochs.values()) > MAX_EPOCHS
+    said = [e for e in read_events(tmp_path / "many" / "run") if e["kind"] == "data"]
+    assert len(said) == 1 and "repeats training data" in said[0]["text"], said
+    for step in range(steps):
+        draw_samples(run.sampler, stage_at(step, run.stages), range(0))
+    done = run.sampler.state["epoch"]
+    for name, e in epochs.items():
+        assert int(e) - 1 <= done[name] <= int(e) + 1, (name, e, done[name])
+    assert said[0]["values"]["epochs"] == {n: round(e, 2) for n, e in epochs.items()}

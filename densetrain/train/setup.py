@@ -122,6 +122,36 @@ def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], info: Dist
                              + _layouts_that_fit(st.batch_size, info.world_size, model))
 
 
+MAX_EPOCHS = 4.0
+"""Planned passes over a source's train tokens beyond which a run is warned: Muennighoff et al. 2023 ("Scaling
+Data-Constrained Language Models") find up to ~4 epochs about as good as unique data, and quickly less after."""
+
+
+def planned_epochs(stages: list[Stage], streams: dict[str, TokenFiles], steps: int) -> dict[str, float]:
+    """Passes over each source's train tokens that ``steps`` optimizer steps of the stage table plan: for every
+    stage, its steps x ``batch_tokens`` x the source's mix weight, over ``len(streams[source])`` tokens."""
+    ends = [st.start_step for st in stages[1:]] + [steps]
+    planned: dict[str, float] = {}
+    for st, end in zip(stages, ends, strict=True):
+        for name, weight in st.mix.items():
+            planned[name] = planned.get(name, 0.0) + max(0, end - st.start_step) * st.batch_tokens * weight
+    return {name: tokens / len(streams[name]) for name, tokens in planned.items()}
+
+
+def warn_repeats(run: "Run", steps: int) -> None:
+    """One event on a fresh run whose plan passes over some source more than :data:`MAX_EPOCHS` times: its
+    validation loss then measures memorisation as much as learning (a demo-sized corpus under a long run)."""
+    epochs = planned_epochs(run.stages, run.train_streams, steps)
+    over = {name: e for name, e in epochs.items() if e > MAX_EPOCHS}
+    if over:
+        run.log.event(run.state.step, "WARNING: the plan repeats training data: "
+                      + ", ".join(f"'{n}' {e:.1f} epochs ({len(run.train_streams[n]):,} train tokens)"
+                                  for n, e in sorted(over.items(), key=lambda kv: -kv[1]))
+                      + f"; more than {MAX_EPOCHS:g} passes gain little over fewer (Muennighoff et al. 2023) and "
+                      f"val loss then reflects memorisation too: prepare more data or train fewer steps",
+                      kind="data", values={"epochs": {n: round(e, 2) for n, e in epochs.items()}})
+
+
 def _layouts_that_fit(batch_size: int, world: int, model) -> str:
     """The tensor-parallel degrees of ``world`` ranks whose data-parallel size divides ``batch_size``
     (one sequence per rank and micro-batch), as advice for the error above."""
@@ -377,6 +407,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     missing = sorted(set(run.source_names) - set(train_streams))
     if missing:
         log.event(step, f"WARNING: sources without data left out of every mix: {missing}")
+    if ckpt is None:
+        warn_repeats(run, cfg.train.steps)
     if info.is_main and ckpt is None:
         log.event(step, f"model: {model.num_params() / 1e6:.2f}M parameters; "
                         f"{'bf16 autocast' if autocast else 'fp32'} (train.dtype={cfg.train.dtype}); peak "
