@@ -142,9 +142,10 @@ class _Bf16Softmax(torch.autograd.Function):
     a (B, H, T, T) tensor) need not be kept, cast or, under ``parallel.compile_blocks``, recomputed (inductor
     re-ran the exponentials in the backward). The cost is P's bf16 rounding (relative 2^-9) in the softmax
     gradient, as FlashAttention's backward rounds P for dV. Eager, the forward is ATen's bf16 CPU softmax,
-    which computes each row in fp32 and rounds once (bitwise the fp32 softmax cast to bf16 with AVX-512 and
-    AVX2 kernels; one pass instead of softmax-then-cast: attention block forward + backward -1.7% at the 13.8M
-    benchmark shape, 2 Zen 4 cores). Compiled, inductor's own fused kernel computes the same in fp32.
+    which computes each row in fp32 and rounds once (the fp32 softmax cast to bf16, bitwise but for rare
+    one-ulp differences, ~1 in 10^7 values with AVX-512 kernels; one pass instead of softmax-then-cast:
+    attention block forward + backward -1.7% at the 13.8M benchmark shape, 2 Zen 4 cores). Compiled,
+    inductor's own fused kernel computes the same in fp32.
     Shapes: scores (..., T) bf16 -> (..., T) bf16.
     """
 

@@ -107,6 +107,7 @@ def _replay_config(cfg, tmp: Path):
     rc.guard.replica_every = rc.guard.update_every = 0
     rc.guard.replay = False
     rc.watchdog.every, rc.watchdog.hang_seconds, rc.probe.every = 0, 0.0, 0
+    rc.train.gc_freq = 0  # the replay calls before_step only: a gc watcher would leave the collector off
     rc.logging.tensorboard = False
     return rc
 
