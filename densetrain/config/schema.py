@@ -222,8 +222,8 @@ class TrainConfig:
     gc_freq: int = 50
     """Python's automatic garbage collection is off while training; one generation-1 collection runs every
     ``gc_freq`` optimizer steps, a full one every 20 of those (torchtitan's ``training.gc_freq``): collections,
-    a full one ~0.27 s at the 13.8M benchmark shape, happen between steps, at the same step on every rank,
-    instead of inside a step. 0 keeps Python's automatic collection."""
+    a full one ~0.27 s at the 13.8M benchmark shape, run after an optimizer step, at the same step on every
+    rank, instead of anywhere inside steps. 0 keeps Python's automatic collection."""
     max_nonfinite_steps: int = 10
     """Stop with an error after this many consecutive steps with a non-finite loss or gradient."""
 

@@ -1,5 +1,5 @@
-"""Python's garbage collector during training: off between steps, one young-generation pass every
-``train.gc_freq`` steps.
+"""Python's garbage collector during training: automatic collection off, one young-generation pass after
+every ``train.gc_freq``-th optimizer step.
 
 Why: the cyclic collector starts on its own after every ~700 new container objects, and each training step
 creates thousands (autograd nodes, compiled-graph wrappers, the optimizer's per-parameter lists). Over 44 steps

@@ -24,12 +24,12 @@ from densetrain.evals.position_loss import position_eval
 from densetrain.evals.samples import source_samples
 from densetrain.evals.valloss import evaluate_val, val_overall, val_table
 from densetrain.fileio import atomic_write_json
-from densetrain.metrics import flops_per_token, measure_peak_flops, memory_stats, read_metrics
+from densetrain.metrics import flops_per_token, memory_stats, read_metrics
 from densetrain.optim import set_lr
 from densetrain.parallel import all_reduce_max
 from densetrain.schedule import Stage, lr_for, stage_at
 from densetrain.train.preempt import StopRequest, stop_run
-from densetrain.train.setup import Run, set_aside_future, setup, unlock_run_dir
+from densetrain.train.setup import Run, probe_peak_flops, set_aside_future, setup, unlock_run_dir
 from densetrain.train.step import StepResult, compute_step
 from densetrain.train.watchers import Verdict, decide
 
@@ -206,7 +206,7 @@ def mfu_above_one(run: Run, step: int, achieved: float) -> float:
                             f"what this run reaches ({achieved:.3g} FLOP/s per device); declare the device's "
                             f"real peak", kind="mfu")
         return achieved / before
-    again = measure_peak_flops(run.info.device, torch.bfloat16 if run.autocast else torch.float32)
+    again = probe_peak_flops(run.info.device, run.autocast)
     run.peak_flops = max(before, again)
     run.log.event(step, f"mfu above 100% ({achieved / before:.0%}): the start-up matmul probe read "
                         f"{before / 1e12:.3f} TFLOP/s (a busy machine then?); measured again "

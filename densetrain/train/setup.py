@@ -122,6 +122,11 @@ def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], info: Dist
                              + _layouts_that_fit(st.batch_size, info.world_size, model))
 
 
+def probe_peak_flops(device: torch.device, autocast) -> float:
+    """The mfu denominator measured on ``device`` in the dtype the run's matmuls use (bf16 under ``autocast``)."""
+    return measure_peak_flops(device, torch.bfloat16 if autocast else torch.float32)
+
+
 MAX_EPOCHS = 4.0
 """Planned passes over a source's train tokens beyond which a run is warned: Muennighoff et al. 2023 ("Scaling
 Data-Constrained Language Models") find up to ~4 epochs about as good as unique data, and quickly less after."""
@@ -134,11 +139,11 @@ def planned_epochs(stages: list[Stage], streams: dict[str, TokenFiles], steps: i
     planned: dict[str, float] = {}
     for st, end in zip(stages, ends, strict=True):
         for name, weight in st.mix.items():
-            planned[name] = planned.get(name, 0.0) + max(0, end - st.start_step) * st.batch_tokens * weight
+            planned[name] = planned.get(name, 0.0) + (end - st.start_step) * st.batch_tokens * weight
     return {name: tokens / len(streams[name]) for name, tokens in planned.items()}
 
 
-def warn_repeats(run: "Run", steps: int) -> None:
+def warn_repeats(run: Run, steps: int) -> None:
     """One event on a fresh run whose plan passes over some source more than :data:`MAX_EPOCHS` times: its
     validation loss then measures memorisation as much as learning (a demo-sized corpus under a long run)."""
     epochs = planned_epochs(run.stages, run.train_streams, steps)
@@ -388,8 +393,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
               dp_model=dp_model, optimizer=optimizer,
               tokenizer=load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir)),  # val bpb, downstream tasks
               log=log, checkpointer=checkpointer, watchers=make_watchers(cfg, info, run_dir), autocast=autocast,
-              peak_flops=cfg.logging.peak_flops or measure_peak_flops(info.device,
-                                                                      torch.bfloat16 if autocast else torch.float32),
+              peak_flops=cfg.logging.peak_flops or probe_peak_flops(info.device, autocast),
               last_step=last, data_id=data_fingerprint(train_streams))
     if saved:
         run.load_state_dict(saved)
