@@ -3,6 +3,7 @@ injected faults (bitflip, bad_batch, lr_jump) on real training runs (gloo ranks 
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import textwrap
@@ -151,7 +152,7 @@ def test_bad_batch_spike_replays_as_data_and_names_the_injected_documents(prepar
     assert share >= 0.8 and all(d["loss"] > spike["values"]["median"] for d in v["documents"])
     assert v["ranks"][0]["differs"] == [] and v["suspect_ranks"] == []
     assert replay(run, 28)["documents"] == v["documents"]  # the command gives the same verdict
-    assert __import__("gc").isenabled()  # the replay's loop (before_step only) leaves Python's collector on
+    assert gc.isenabled()  # the replay's loop (before_step only) leaves Python's collector on
     assert [e.action for e in report_events(run) if e.kind == "replay"] == ["data"]  # the report lists the verdict
 
 
