@@ -37,7 +37,12 @@ peaks measured in this process before and after the runs (:func:`densetrain.metr
 fp32 and bf16; the larger of the two measurements). On a shared machine, where wall time depends on the
 other processes, each densetrain run also reports CPU-ms per step and a CPU-time MFU (the same FLOPs over
 CPU-seconds / threads, against the 1024^3 probe timed by CPU time); ``--variant KEY=VALUE`` adds paired runs
-of densetrain with config overrides (one A/B per change). Overheads (``--overheads``): one densetrain run of the
+of densetrain with config overrides (one A/B per change). MFU is against the peak of the dtype a trainer ran in
+(densetrain's default: what ``train.dtype = 'auto'`` chose here; nanoGPT: fp32), and against the bf16 peak too
+only where the CPU has bf16 instructions (elsewhere bf16 is emulated at ~1 GFLOP/s and that ratio means nothing).
+``--matmuls`` times each matrix product of the step alone in the default's dtype (shapes as autograd passes
+them, glibc's heap kept as in training) against the probe timed the same way, and prints their sum against
+the default's median step: what is matmul time, what is the rest. Overheads (``--overheads``): one densetrain run of the
 ``tiny`` preset with its own checkpoint / eval intervals, shares of wall time from its step-time breakdown.
 """
 
@@ -300,6 +305,97 @@ def cpu_time_peak(dtype, threads: int, n: int = 1024, trials: int = 15) -> float
     return 2.0 * n**3 / best * threads
 
 
+def step_matmuls(shape: dict) -> list[tuple[str, int, tuple, tuple, bool, bool]]:
+    """The matrix products of one densetrain train step at ``shape`` (tied head, matmul attention, every
+    head its own K/V): ``(name, calls per step, A shape, B shape, A transposed, B transposed)``, A @ B with
+    the transposes as autograd makes them: A and B are the stored shapes, each used transposed where
+    flagged (``F.linear`` forward ``x @ W^T``, input gradient ``dY @ W``,
+    weight gradient ``dY^T @ x``; batched attention products over B x H). FLOPs: 2 * prod(M, K, N) per
+    (batched) product."""
+    d, ff, L, T, B = shape["d_model"], shape["d_ff"], shape["n_layers"], shape["seq_len"], shape["batch"]
+    M, H = B * T, shape["n_heads"]
+    hd = d // H
+    out = []
+    for name, k, n, count in (("wq/wk/wv/wo", d, d, 4 * L), ("w1/w3", d, ff, 2 * L), ("w2", ff, d, L),
+                              ("head", d, VOCAB, 1)):
+        out += [(f"{name} fwd", count, (M, k), (n, k), False, True),       # x @ W^T
+                (f"{name} dX", count, (M, n), (n, k), False, False),       # dY @ W
+                (f"{name} dW", count, (M, n), (M, k), True, False)]        # dY^T @ x
+    bh = (B * H,)
+    out += [("attn q@k^T", L, bh + (T, hd), bh + (T, hd), False, True),
+            ("attn p@v", L, bh + (T, T), bh + (T, hd), False, False),
+            ("attn dP=dO@v^T", L, bh + (T, hd), bh + (T, hd), False, True),
+            ("attn dV=p^T@dO", L, bh + (T, T), bh + (T, hd), True, False),
+            ("attn dQ=dS@k", L, bh + (T, T), bh + (T, hd), False, False),
+            ("attn dK=dS^T@q", L, bh + (T, T), bh + (T, hd), True, False)]
+    return out
+
+
+def time_matmuls(shape_name: str, dtype_name: str, threads: int, repeats: int = 5, calls: int = 20) -> dict:
+    """Child process: each product of :func:`step_matmuls` timed alone (wall clock, best of ``repeats`` means
+    over ``calls`` calls, inputs allocated once, glibc's heap kept as in training by
+    :func:`densetrain.train.step.keep_freed_memory`) and the 1024^3 probe the same way; JSON-ready."""
+    import torch
+
+    from densetrain.train.step import keep_freed_memory
+
+    keep_freed_memory()  # as in training: without it every new output is page-faulted in (~10% at this shape)
+    torch.set_num_threads(threads)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    gen = torch.Generator().manual_seed(0)
+
+    def operand(dims, transposed):
+        if not transposed:
+            return torch.randn(dims, dtype=dtype, generator=gen)
+        return torch.randn(dims, dtype=dtype, generator=gen).transpose(-2, -1)
+
+    def best_s(a, b) -> float:
+        a @ b
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                a @ b
+            best = min(best, (time.perf_counter() - t0) / calls)
+        return best
+
+    probe = torch.randn(1024, 1024, dtype=dtype, generator=gen)
+    rows = []
+    for name, count, sa, sb, ta, tb in step_matmuls(SHAPES[shape_name]):
+        a, b = operand(sa, ta), operand(sb, tb)
+        flops = 2.0 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.numel() // (a.shape[-2] * a.shape[-1]))
+        rows.append({"name": name, "count": count, "flops": flops, "s": best_s(a, b),
+                     "dims": f"{'x'.join(map(str, a.shape))} @ {'x'.join(map(str, b.shape))}"})
+    return {"dtype": dtype_name, "probe_flops": 2.0 * 1024**3 / best_s(probe, probe), "rows": rows}
+
+
+def matmul_report(shape_name: str, threads: int, dtype: str, runs: list, flops_per_token, ModelConfig) -> None:
+    """Print :func:`time_matmuls` (run in a child with the trainers' environment): each product's time and
+    rate as a share of the probe, their sum per step against the default's median step, and the MFU the step
+    would have if it were its matmuls alone (the ceiling of removing every non-matmul cost)."""
+    out = subprocess.run([sys.executable, __file__, "--matmul-worker", f"{shape_name},{dtype},{threads}"],
+                         env=_env(threads), capture_output=True, text=True, check=True).stdout
+    t = json.loads(out.strip().splitlines()[-1])
+    probe, shape = t["probe_flops"], SHAPES[shape_name]
+    print(f"-- {shape_name} matmuls alone ({dtype}, {threads} threads, best of 5 x 20 calls; probe 1024^3 "
+          f"{probe / 1e9:.0f} GFLOP/s measured the same way)")
+    total_s = total_f = 0.0
+    for r in t["rows"]:
+        rate = r["flops"] / r["s"]
+        total_s, total_f = total_s + r["count"] * r["s"], total_f + r["count"] * r["flops"]
+        print(f"  {r['name']:16s} {r['dims']:28s} x{r['count']:3d}  {r['s'] * 1e3:7.3f} ms  {rate / 1e9:6.0f} GFLOP/s "
+              f"({100 * rate / probe:5.1f}% of probe)  {r['count'] * r['s'] * 1e3:7.1f} ms/step")
+    step_s = statistics.median(r.median_s for r in runs)
+    tok = shape["batch"] * shape["seq_len"]
+    model_flops = flops_per_token(_model_config(shape, ModelConfig), shape["seq_len"]) * tok
+    if dtype != "bf16":
+        print("  (fp32 attention runs SDPA's fused CPU kernel, not these attn products: they stand in for its FLOPs)")
+    print(f"  sum: {total_f / 1e9:.1f} GFLOP in {total_s * 1e3:.0f} ms ({100 * total_f / total_s / probe:.1f}% of "
+          f"probe); densetrain's median step {step_s * 1e3:.0f} ms, so matmuls {100 * total_s / step_s:.0f}% and "
+          f"the rest {(step_s - total_s) * 1e3:.0f} ms; MFU if the step were its matmuls: "
+          f"{100 * model_flops / total_s / probe:.1f}% (model FLOPs {model_flops / 1e9:.1f} G/step)")
+
+
 def _overrides(text: str) -> dict:
     """``"a.b=1,c.d=false"`` -> ``{"a.b": 1, "c.d": False}`` (each value JSON if it parses, else the string)."""
     out = {}
@@ -333,7 +429,11 @@ def main() -> None:
                     help="OpenMP wait policy of both trainers (ACTIVE: idle threads spin; only on an otherwise "
                          "idle machine; the CPU-time probe stays PASSIVE)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--cpu-peak", type=int, help=argparse.SUPPRESS)  # child: cpu_time_peak with the trainers' env
+    ap.add_argument("--matmuls", action="store_true",
+                    help="also time each matrix product of the step alone (in the default's dtype) against the "
+                         "1024^3 probe: the step's matmul time, the rest is non-matmul work")
+    ap.add_argument("--cpu-peak", help=argparse.SUPPRESS)  # child: "THREADS,DTYPE", cpu_time_peak in the trainers' env
+    ap.add_argument("--matmul-worker", help=argparse.SUPPRESS)  # child: "SHAPE,DTYPE,THREADS", time_matmuls
     ap.error = lambda msg: ap.exit(2, f"train_bench.py: {msg} (see --help)\n")  # one line, not the usage block
     a = ap.parse_args()
     if a.worker:
@@ -341,8 +441,12 @@ def main() -> None:
     if a.cpu_peak:
         import torch
 
-        torch.set_num_threads(a.cpu_peak)
-        return print(cpu_time_peak(torch.bfloat16, a.cpu_peak))
+        threads, dtype = a.cpu_peak.split(",")
+        torch.set_num_threads(int(threads))
+        return print(cpu_time_peak({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], int(threads)))
+    if a.matmul_worker:
+        shape_name, dtype, threads = a.matmul_worker.split(",")
+        return print(json.dumps(time_matmuls(shape_name, dtype, int(threads))))
     global WAIT_POLICY
     WAIT_POLICY = a.omp_wait_policy  # the trainers' children (their environment is set by _env)
 
@@ -369,13 +473,13 @@ def main() -> None:
     print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, threads {a.threads}, OMP_WAIT_POLICY {a.omp_wait_policy}, "
           f"bf16 matmul instructions: "
           f"{cpu_has_bf16()}; torch {torch.__version__}; load average {os.getloadavg()[0]:.2f}")
-    resolve_dtype("auto", torch.device("cpu"))  # prints what densetrain's default becomes here, with both rates
+    auto = resolve_dtype("auto", torch.device("cpu"))  # prints what the default becomes here, with both rates
     counts = export_nanogpt_data(a.shards, work / "nanogpt_data")
     print(f"data: {sum(counts['train'].values()):,} train / {sum(counts['val'].values()):,} val tokens "
           f"({', '.join(counts['train'])}) -> {work / 'nanogpt_data'}")
     dev = torch.device("cpu")
     peaks = {"fp32": measure_peak_flops(dev, torch.float32), "bf16": measure_peak_flops(dev, torch.bfloat16),
-             "bf16_cpu": float(subprocess.run([sys.executable, __file__, "--cpu-peak", str(a.threads)],
+             "cpu": float(subprocess.run([sys.executable, __file__, "--cpu-peak", f"{a.threads},{auto}"],
                                               env=_env(a.threads, "PASSIVE"), capture_output=True, text=True,
                                               check=True).stdout)}
 
@@ -387,6 +491,8 @@ def main() -> None:
         kinds = (["nanogpt"] if nanogpt else []) + kinds + (["nanogpt-compile"] if nanogpt and a.nanogpt_compile
                                                              else [])
         res = results[shape_name] = {k: [] for k in kinds}
+        dtypes = {k: "fp32" if k.startswith("nanogpt") or k.endswith("fp32") else variants.get(k, {}).get(
+            "train.dtype", auto) for k in kinds}
         print(f"\n== {shape_name}: {shape}; {a.steps} steps x {shape['batch'] * shape['seq_len']} tokens, "
               f"{a.runs} alternating runs of {', '.join(kinds)}")
         for r in range(a.runs):
@@ -411,19 +517,31 @@ def main() -> None:
     # A probe slowed by a moment of load (a VM's neighbours, a run just ended) would inflate MFU, even past 100%.
     peaks.update({k: max(peaks[k], after[k]) for k in after})
     for shape_name, res in results.items():
-        report(shape_name, SHAPES[shape_name], res, peaks, flops_per_token, ModelConfig)
+        report(shape_name, SHAPES[shape_name], res, peaks, flops_per_token, ModelConfig, dtypes, auto)
+        if a.matmuls:
+            matmul_report(shape_name, a.threads, auto, res["densetrain"], flops_per_token, ModelConfig)
     if a.overheads:
         overheads(work, a.shards, a.threads, a.overheads)
     print(f"\nscratch: {work}")
 
 
-def report(shape_name: str, shape: dict, res: dict, peaks: dict, flops_per_token, ModelConfig) -> None:
+def _model_config(shape: dict, ModelConfig):
+    return ModelConfig(vocab_size=VOCAB, d_model=shape["d_model"], n_layers=shape["n_layers"],
+                       n_heads=shape["n_heads"], n_kv_heads=shape["n_kv_heads"], d_ff=shape["d_ff"],
+                       tie_embeddings=True)
+
+
+def report(shape_name: str, shape: dict, res: dict, peaks: dict, flops_per_token, ModelConfig, dtypes: dict,
+           auto: str) -> None:
     """Median tokens/s per trainer, ratio vs nanoGPT with the spread over runs paired in order, MFU against
-    both measured peaks, the final losses."""
+    the measured peak of the dtype each trainer ran in (and against the bf16 peak too where this CPU has bf16
+    instructions: without them bf16 is emulated and its "peak" means nothing), the final losses. The CPU-time
+    MFU is against the probe of ``auto``, the default's dtype here."""
     tok = shape["batch"] * shape["seq_len"]
-    cfg = ModelConfig(vocab_size=VOCAB, d_model=shape["d_model"], n_layers=shape["n_layers"],
-                      n_heads=shape["n_heads"], n_kv_heads=shape["n_kv_heads"], d_ff=shape["d_ff"],
-                      tie_embeddings=True)
+    cfg = _model_config(shape, ModelConfig)
+    from densetrain.model.precision import cpu_has_bf16
+
+    shown = ["fp32", "bf16"] if cpu_has_bf16() else ["fp32"]
     fpt = {"densetrain": flops_per_token(cfg, shape["seq_len"]), "nanogpt": flops_per_token_gpt(shape)}
     print(f"-- {shape_name} summary (median of per-run medians; FLOPs/token densetrain {fpt['densetrain'] / 1e6:.1f}M, "
           f"nanoGPT {fpt['nanogpt'] / 1e6:.1f}M)")
@@ -432,16 +550,16 @@ def report(shape_name: str, shape: dict, res: dict, peaks: dict, flops_per_token
         tps = [tok / r.median_s for r in runs]
         f = fpt["nanogpt" if k.startswith("nanogpt") else "densetrain"]
         med = statistics.median(tps)
-        line = (f"  {k:16s} {med:7.0f} tok/s (runs {min(tps):.0f}-{max(tps):.0f})  "
-                f"MFU {100 * f * med / peaks['fp32']:5.1f}% of fp32 peak, {100 * f * med / peaks['bf16']:5.1f}% of "
-                f"bf16 peak  val loss {statistics.median([r.val_loss for r in runs]):.4f}  "
+        mfu = ", ".join(f"{100 * f * med / peaks[dt]:5.1f}% of {dt} peak" for dt in shown)
+        line = (f"  {k:16s} {med:7.0f} tok/s (runs {min(tps):.0f}-{max(tps):.0f})  {dtypes[k]}  MFU {mfu}  "
+                f"val loss {statistics.median([r.val_loss for r in runs]):.4f}  "
                 f"warm-up/compile {statistics.median([r.warmup_s for r in runs]):.1f} s")
-        if "cpu_step_s" in runs[0].extra:
+        if "cpu_step_s" in runs[0].extra and dtypes[k] == auto:
             cpu_ms = statistics.median([r.extra["cpu_step_s"] for r in runs]) * 1e3
             threads = max(1, int(runs[0].extra.get("threads", 1)))
-            cpu_mfu = f * tok / (cpu_ms / 1e3 / threads) / peaks["bf16_cpu"]
+            cpu_mfu = f * tok / (cpu_ms / 1e3 / threads) / peaks["cpu"]
             line += (f"  {cpu_ms:.0f} CPU-ms/step (CPU-time MFU: {100 * cpu_mfu:.1f}% of the probe's "
-                     f"{peaks['bf16_cpu'] / 1e9:.0f} bf16 GFLOP per CPU-second x {threads} threads)")
+                     f"{peaks['cpu'] / 1e9:.0f} {auto} GFLOP per CPU-second x {threads} threads)")
         if "loop_overhead_s" in runs[0].extra:
             line += (f"  data wait {1e3 * statistics.median([r.extra['data_wait_s'] for r in runs]):.1f} ms/step, "
                      f"log+checks {1e3 * statistics.median([r.extra['loop_overhead_s'] for r in runs]):.1f} ms/step")
