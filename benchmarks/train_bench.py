@@ -306,18 +306,19 @@ def cpu_time_peak(dtype, threads: int, n: int = 1024, trials: int = 15) -> float
 
 
 def step_matmuls(shape: dict) -> list[tuple[str, int, tuple, tuple, bool, bool]]:
-    """The matrix products of one densetrain train step at ``shape`` (tied head, matmul attention, every
-    head its own K/V): ``(name, calls per step, A shape, B shape, A transposed, B transposed)``, A @ B with
-    the transposes as autograd makes them: A and B are the stored shapes, each used transposed where
-    flagged (``F.linear`` forward ``x @ W^T``, input gradient ``dY @ W``,
-    weight gradient ``dY^T @ x``; batched attention products over B x H). FLOPs: 2 * prod(M, K, N) per
-    (batched) product."""
+    """The matrix products of one densetrain train step at ``shape`` (tied head, bf16 matmul attention with
+    K/V repeated to every query head): ``(name, calls per step, A shape, B shape, A transposed, B
+    transposed)``, one product A @ B each, A and B given as stored and used transposed where flagged, as
+    autograd passes them (``F.linear`` forward ``x @ W^T``, input gradient ``dY @ W``, weight gradient
+    ``dY^T @ x``; attention's products batched over B x n_heads). FLOPs: 2 M K N per (batched) product;
+    their sum is :func:`densetrain.metrics.flops_per_token` times the step's tokens (tests/test_train_bench.py)."""
     d, ff, L, T, B = shape["d_model"], shape["d_ff"], shape["n_layers"], shape["seq_len"], shape["batch"]
     M, H = B * T, shape["n_heads"]
     hd = d // H
+    kv = shape["n_kv_heads"] * hd
     out = []
-    for name, k, n, count in (("wq/wk/wv/wo", d, d, 4 * L), ("w1/w3", d, ff, 2 * L), ("w2", ff, d, L),
-                              ("head", d, VOCAB, 1)):
+    for name, k, n, count in (("wq", d, d, L), ("wk/wv", d, kv, 2 * L), ("wo", d, d, L), ("w1/w3", d, ff, 2 * L),
+                              ("w2", ff, d, L), ("head", d, VOCAB, 1)):
         out += [(f"{name} fwd", count, (M, k), (n, k), False, True),       # x @ W^T
                 (f"{name} dX", count, (M, n), (n, k), False, False),       # dY @ W
                 (f"{name} dW", count, (M, n), (M, k), True, False)]        # dY^T @ x
