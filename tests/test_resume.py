@@ -55,7 +55,7 @@ def fresh(cfg, tmp: Path) -> list[str]:
 
 
 def wait_for_step(run: Path, step: int, procs, timeout: float = 120) -> None:
-    """Until rank 0 has logged ``step`` (the run is then inside a later step)."""
+    """Until rank 0 has logged ``step`` (the run is then at that step's stop check, or inside a later step)."""
     t0 = time.monotonic()
     while not any(r["kind"] == "train" and r["step"] >= step for r in read_metrics(run)):
         assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
@@ -146,11 +146,14 @@ def test_sigterm_on_one_of_two_ranks_stops_both_and_resumes_bitwise(prepared, fs
 
 def test_second_signal_exits_at_once(prepared, tmp_path):
     _, make = prepared
-    # Steps of ~2 s: the graceful path would need the rest of the step and a checkpoint.
-    cfg = make(tmp_path / "twice", **OV, faults=[{"kind": "slow_rank", "step": 0, "rank": 0, "ms": 2000}])
+    # Steps of ~3 s: the graceful path would need the rest of the step and a checkpoint.
+    cfg = make(tmp_path / "twice", **OV, faults=[{"kind": "slow_rank", "step": 0, "rank": 0, "ms": 3000}])
     run = Path(cfg.train.run_dir)
     procs = start(fresh(cfg, tmp_path))
     wait_for_step(run, 1, procs)
+    # Step 1's record is written before the loop's stop check for step 1: a signal in that window stops the run
+    # gracefully after step 1 (a fresh-clone CI run hit it). 0.5 s later the run is inside step 2's sleep.
+    time.sleep(0.5)
     procs[0].send_signal(signal.SIGINT)
     time.sleep(0.3)
     t0 = time.monotonic()
