@@ -74,6 +74,7 @@ SHAPES = {
              "batch": 16, "peak_lr": 4e-3, "min_lr": 2e-4},
 }
 VOCAB = 8192
+TORCH_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # train.dtype's words -> torch attribute names
 
 
 @dataclass
@@ -342,13 +343,12 @@ def time_matmuls(shape_name: str, dtype_name: str, threads: int, repeats: int = 
 
     keep_freed_memory()  # as in training: without it every new output is page-faulted in (~10% at this shape)
     torch.set_num_threads(threads)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    dtype = getattr(torch, TORCH_DTYPES[dtype_name])
     gen = torch.Generator().manual_seed(0)
 
     def operand(dims, transposed):
-        if not transposed:
-            return torch.randn(dims, dtype=dtype, generator=gen)
-        return torch.randn(dims, dtype=dtype, generator=gen).transpose(-2, -1)
+        x = torch.randn(dims, dtype=dtype, generator=gen)
+        return x.transpose(-2, -1) if transposed else x
 
     def best_s(a, b) -> float:
         a @ b
@@ -367,7 +367,8 @@ def time_matmuls(shape_name: str, dtype_name: str, threads: int, repeats: int = 
         flops = 2.0 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.numel() // (a.shape[-2] * a.shape[-1]))
         rows.append({"name": name, "count": count, "flops": flops, "s": best_s(a, b),
                      "dims": f"{'x'.join(map(str, a.shape))} @ {'x'.join(map(str, b.shape))}"})
-    return {"dtype": dtype_name, "probe_flops": 2.0 * 1024**3 / best_s(probe, probe), "rows": rows}
+    return {"dtype": dtype_name, "probe_flops": 2.0 * 1024**3 / best_s(probe, probe), "rows": rows,
+            "repeats": repeats, "calls": calls}
 
 
 def matmul_report(shape_name: str, threads: int, dtype: str, runs: list, flops_per_token, ModelConfig) -> None:
@@ -378,7 +379,8 @@ def matmul_report(shape_name: str, threads: int, dtype: str, runs: list, flops_p
                          env=_env(threads), capture_output=True, text=True, check=True).stdout
     t = json.loads(out.strip().splitlines()[-1])
     probe, shape = t["probe_flops"], SHAPES[shape_name]
-    print(f"-- {shape_name} matmuls alone ({dtype}, {threads} threads, best of 5 x 20 calls; probe 1024^3 "
+    print(f"-- {shape_name} matmuls alone ({dtype}, {threads} threads, best of {t['repeats']} x {t['calls']} calls; "
+          "probe 1024^3 "
           f"{probe / 1e9:.0f} GFLOP/s measured the same way)")
     total_s = total_f = 0.0
     for r in t["rows"]:
@@ -444,7 +446,7 @@ def main() -> None:
 
         threads, dtype = a.cpu_peak.split(",")
         torch.set_num_threads(int(threads))
-        return print(cpu_time_peak({"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], int(threads)))
+        return print(cpu_time_peak(getattr(torch, TORCH_DTYPES[dtype]), int(threads)))
     if a.matmul_worker:
         shape_name, dtype, threads = a.matmul_worker.split(",")
         return print(json.dumps(time_matmuls(shape_name, dtype, int(threads))))
@@ -458,7 +460,7 @@ def main() -> None:
     from densetrain.model.precision import cpu_has_bf16, resolve_dtype
 
     if not (a.shards / "manifest.json").exists():
-        raise SystemExit(f"{a.shards}: no demo shards; run `densetrain prepare --preset tiny` first")
+        ap.error(f"--shards {a.shards}: no demo shards (manifest.json); run `densetrain prepare --preset tiny` first")
     work = a.work or Path(tempfile.mkdtemp(prefix="train_bench-"))
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(a.threads)

@@ -44,14 +44,13 @@ def test_the_products_flops_are_the_models_flops_formula(name):
     want = flops_per_token(bench._model_config(shape, ModelConfig), shape["seq_len"]) * tokens
     assert total == want  # 183.6 GFLOP per step at gpt-13.8m; GQA's narrower K/V counted by both
 
+
 def test_the_linear_products_are_what_autograd_runs():
     """Every aten::mm of a real fp32 forward + backward of the model (GQA, tied head) at a small shape, by its
     operand shapes, against the non-attention entries of step_matmuls (fp32 attention is SDPA, not mm)."""
     shape = SMALL_GQA
-    cfg = ModelConfig(vocab_size=bench.VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
-                      tie_embeddings=True)
     torch.manual_seed(0)
-    model = Transformer(cfg)
+    model = Transformer(bench._model_config(shape, ModelConfig))
     tokens = torch.randint(0, bench.VOCAB, (shape["batch"], shape["seq_len"]))
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         model(tokens).float().sum().backward()
