@@ -25,7 +25,7 @@ from densetrain.data.prepare.readers.paths import estimated_text_bytes
 from densetrain.data.prepare.readers.sources import iter_documents
 from densetrain.data.shards import SHARD_MAX_TOKENS, token_dtype, write_shard
 from densetrain.data.tokenizer import Tokenizer
-from densetrain.data.tokenizer.core import checked_twins
+from densetrain.data.tokenizer.twin import checked_twins
 from densetrain.fileio import atomic_write_bytes, atomic_write_json
 from densetrain.registry.filters import resolve_filter_names
 
