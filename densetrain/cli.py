@@ -99,7 +99,7 @@ def summary_lines(summary: dict, run_dir: Path) -> list[str]:
     ``summary.json``, which ``densetrain report`` shows."""
     from statistics import median
 
-    from densetrain.metrics import read_metrics
+    from densetrain.metrics import format_rate, read_metrics
 
     # a skipped (non-finite) step's loss is null in the file
     recs = [r for r in read_metrics(run_dir) if r.get("kind") == "train" and isinstance(r.get("loss"), float)]
@@ -107,7 +107,7 @@ def summary_lines(summary: dict, run_dir: Path) -> list[str]:
              + (f", {summary['skipped_steps']} skipped" if summary.get("skipped_steps") else "")]
     if recs:
         lines.append(f"final train loss {recs[-1]['loss']:.4f} (step {recs[-1]['step']}), "
-                     f"median {median(r['tokens_per_sec'] for r in recs) / 1e3:.1f}k tokens/s")
+                     f"median {format_rate(median(r['tokens_per_sec'] for r in recs))}")
     val = summary.get("val", {}).get("all", {})  # read back from summary.json on a resume: NaN is null there
     if isinstance(val.get("loss"), float):
         bpb = f", {val['bpb']:.4f} bits per byte" if isinstance(val.get("bpb"), float) else ""

@@ -249,7 +249,8 @@ class LoggingConfig:
     every: int = 1
     """Console line every N steps (metrics.jsonl and TensorBoard get every step)."""
     mfu_every: int = 10
-    """Compute mfu and memory every N steps."""
+    """Compute mfu and memory every N steps (and at the first and last step); memory is the peak since the
+    previous sample (:func:`densetrain.metrics.memory_stats`)."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for mfu; 0 measures it once with a matmul probe at start."""
     tensorboard: bool = True

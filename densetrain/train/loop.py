@@ -24,7 +24,7 @@ from densetrain.evals.position_loss import position_eval
 from densetrain.evals.samples import source_samples
 from densetrain.evals.valloss import evaluate_val, val_overall, val_table
 from densetrain.fileio import atomic_write_json
-from densetrain.metrics import flops_per_token, memory_stats, read_metrics
+from densetrain.metrics import flops_per_token, format_rate, memory_stats, read_metrics
 from densetrain.optim import set_lr
 from densetrain.parallel import all_reduce_max
 from densetrain.schedule import Stage, lr_for, stage_at
@@ -178,7 +178,7 @@ def log_step(run: Run, r: StepResult, seconds: float) -> None:
         metrics["z_loss"] = r.stats.z_loss_sum / max(n, 1)
     for s, (lsum, ntok) in r.stats.per_source.items():
         metrics[f"train/{s}/loss"] = lsum / ntok
-    if step % cfg.logging.mfu_every == 0 or step == 1:
+    if step % cfg.logging.mfu_every == 0 or step == 1 or step == run.last_step:  # the last: no peak goes unsampled
         achieved = flops_per_token(cfg.model, st.seq_len) * n / seconds
         metrics["mfu"] = achieved / (run.peak_flops * run.info.world_size)
         if metrics["mfu"] > 1.0:
@@ -188,7 +188,7 @@ def log_step(run: Run, r: StepResult, seconds: float) -> None:
     if step % cfg.logging.every == 0 or step == run.last_step:
         mfu = f" | mfu {metrics['mfu'] * 100:.1f}%" if "mfu" in metrics else ""
         run.log.console(f"step {step:>5}/{cfg.train.steps} | {st.name:<12} | loss {r.loss:.4f} | lr {r.lr:.2e} | "
-                        f"grad_norm {r.grad_norm:.3f} | {metrics['tokens_per_sec'] / 1e3:.1f}k tok/s{mfu}")
+                        f"grad_norm {r.grad_norm:.3f} | {format_rate(metrics['tokens_per_sec'])}{mfu}")
 
 
 def mfu_above_one(run: Run, step: int, achieved: float) -> float:
