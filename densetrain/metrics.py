@@ -3,11 +3,12 @@ console).
 
 Metric names are the field's: ``loss``, ``grad_norm``, ``lr``, ``tokens_per_sec``, ``mfu``,
 ``val/<source>/loss``; in TensorBoard and W&B the records of another kind than train/eval/update are
-under a prefix (``perf/rank<r>/``, ``final/``: :func:`series_tag`), so that one tag is one series. Every record carries ``step`` (steps completed: iterations of the loop,
-those whose update the guard skipped included) and ``tokens`` (target tokens consumed, summed over
-ranks). Both files are strict JSON, one object a line: a
-non-finite number (a NaN loss of a skipped step) is written as ``null`` (:func:`json_line`), never as
-Python's ``NaN``/``Infinity``, which other JSON readers (browsers, jq, pandas' ``lines=True``) refuse.
+under a prefix (``perf/rank<r>/``, ``final/``: :func:`series_tag`), so that one tag is one series.
+Every record carries ``step`` (steps completed: iterations of the loop, those whose update the guard
+skipped included) and ``tokens`` (target tokens consumed, summed over ranks). Both files are strict
+JSON, one object a line: a non-finite number (a NaN loss of a skipped step) is written as ``null``
+(:func:`json_line`), never as Python's ``NaN``/``Infinity``, which other JSON readers (browsers, jq,
+pandas' ``lines=True``) refuse.
 """
 
 from __future__ import annotations
