@@ -2,6 +2,7 @@
 miss no peak, the console's rate is readable at any speed."""
 
 import importlib.util
+import json
 import mmap
 from collections import Counter
 
@@ -65,3 +66,23 @@ def test_memory_sample_is_the_peak_since_the_previous_one():
                                         (4_560_000.0, "4.56M tok/s"), (999.0, "999 tok/s")])
 def test_console_rate_is_readable_at_any_speed(rate, text):
     assert format_rate(rate) == text
+
+
+def test_downstream_panel_keeps_bits_per_byte_off_the_scores_axis(tmp_path):
+    from densetrain.report.html import _downstream_fig
+    from densetrain.report.png import write_png
+    from densetrain.report.run import headline_keys, load_run
+
+    # records as the loop writes them: arc_easy's headline is acc, gsm8k_bpb's is bits per byte
+    recs = [{"kind": "train", "step": s, "time": 0.0, "loss": 5.0 - s / 10, "lr": 1e-3, "stage": "main"}
+            for s in range(1, 5)]
+    recs += [{"kind": k, "step": 4, "time": 0.0, "eval/arc_easy/acc": 0.5, "eval/arc_easy/acc_norm": 0.25,
+              "eval/arc_easy/bpb": 0.5, "eval/arc_easy/headline": 0.5, "eval/gsm8k_bpb/bpb": 1.75,
+              "eval/gsm8k_bpb/headline": 1.75, "eval/gsm8k_bpb/n": 2} for k in ("eval", "final_eval")]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    data = load_run(tmp_path)
+    assert headline_keys(data.evals) == (["eval/arc_easy/headline"], ["eval/gsm8k_bpb/headline"])
+    fig = _downstream_fig(data)
+    axis = {t.name: t.yaxis for t in fig.data}
+    assert axis["arc_easy"] == "y" and axis["gsm8k_bpb"] == "y2" and axis["gsm8k_bpb (final)"] == "y2"
+    assert write_png(data, tmp_path / "report.png").stat().st_size > 20_000
