@@ -42,9 +42,11 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from densetrain.evals.generative import evaluate_generative
 from densetrain.evals.scoring import build_requests, eval_mode, score_requests
+from densetrain.progress import Progress
 from densetrain.registry.gen_tasks import GEN_TASKS
 from densetrain.registry.tasks import (
     TASKS,
@@ -235,14 +237,16 @@ def evaluate_tasks(
     names = resolve_tasks(task_names)
     gen = [n for n in names if n in GEN_TASKS]  # never with shots: resolve_tasks refuses them
     out = evaluate_generative(model, tokenizer, gen, limit, device, batch_size, seq_len_max, autocast) if gen else {}
-    with eval_mode(model) as model:
-        for spec in names:
-            if spec in out:
-                continue
-            name, shots = parse_spec(spec)
-            examples, requests = _task_requests(tokenizer, name, shots, limit, seq_len_max)
-            loglik = score_requests(model, requests, device, batch_size, autocast, tokenizer.eos_id)
-            out[result_name(spec)] = _finish(_sums(examples, requests, loglik), TASKS[name].headline)
+    mc = {spec: _task_requests(tokenizer, *parse_spec(spec), limit, seq_len_max) for spec in names if spec not in out}
+    main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    with eval_mode(model) as model, Progress(sum(len(r) for _, r in mc.values()), "[eval] downstream", "rows",
+                                             enabled=main) as bar:
+        for done, (spec, (examples, requests)) in enumerate(mc.items()):
+            bar.update(0, f"{done} of {len(mc)} tasks, now {result_name(spec)}")
+            loglik = score_requests(model, requests, device, batch_size, autocast, tokenizer.eos_id,
+                                    progress=bar.update)
+            out[result_name(spec)] = _finish(_sums(examples, requests, loglik), TASKS[parse_spec(spec)[0]].headline)
+        bar.update(0, f"{len(mc)} tasks")
     return {result_name(spec): out[result_name(spec)] for spec in names}
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -184,6 +185,7 @@ def score_requests(
     autocast: contextlib.AbstractContextManager | None = None,
     pad_id: int = 0,
     split: bool = True,
+    progress: Callable[[int], None] | None = None,
 ) -> np.ndarray:
     """Sum of continuation log-probabilities of every request (module docstring: batching, split).
 
@@ -197,6 +199,8 @@ def score_requests(
         pad_id: id written into padding positions (never scored, never attended to by scored ones).
         split: deal the batches over the data-parallel ranks (all ranks must call together, each
             runs ``ceil(n_batches / dp_size)`` forwards); False scores everything on this process.
+        progress: called after each forward with the number of requests it stands for (this rank's
+            share of the forwards times ``len(requests)``: the calls add up to ``len(requests)``).
 
     Returns:
         (len(requests),) float64, nats (<= 0), the same on every rank. Identical requests get
@@ -216,11 +220,16 @@ def score_requests(
     batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
     rank, size = dp_rank_size() if split else (0, 1)
     sums = np.zeros(len(keys), dtype=np.float64)
-    for b in even_split(len(batches), rank, size):
+    mine, reported = even_split(len(batches), rank, size), 0
+    for i, b in enumerate(mine):
         chunk = batches[-1 if b is None else b]  # None: the shortest batch stands in, result discarded
         ll = _score_batch(model, keys, chunk, device, autocast, pad_id)
         if b is not None:
             sums[chunk] = ll
+        if progress is not None:  # every rank runs as many forwards, so its share of them is the job's
+            now = len(requests) * (i + 1) // len(mine)
+            progress(now - reported)
+            reported = now
     if size > 1:
         sums = all_reduce_sum(torch.from_numpy(sums).to(device)).cpu().numpy()
     return sums[slot]
