@@ -11,7 +11,12 @@ OLMES, Gu et al. 2024, sec. 3.3):
 
 * ``acc``          -- the raw sum (OLMES ``acc_raw``, harness ``acc``);
 * ``acc_norm``     -- the sum divided by the number of characters of the scored continuation, its
-  leading space included (OLMES ``acc_per_char``, harness ``acc_norm``);
+  leading space included: OLMES ``acc_per_char`` (and olmo_eval's ``len_norm``). The name is kept for
+  the records and headlines that use it; it is *not* lm-eval-harness' ``acc_norm``:
+* ``acc_norm_harness`` -- the sum divided by the characters of the choice without its leading
+  whitespace, as lm-eval-harness' ``acc_norm`` divides by ``len(choice)`` (the continuation is the
+  target delimiter ``" "`` + the choice there). The two disagree where a short choice is close: 4-8
+  of 500 verdicts in a cross-check against the harness;
 * ``acc_per_byte`` -- the sum divided by its number of UTF-8 bytes (harness ``acc_bytes``).
 
 Ties go to the lowest choice index (``argmax``). We also report ``bpb``: bits per UTF-8 byte of the
@@ -67,31 +72,34 @@ __all__ = [
     "truncation_warnings",
 ]
 
-METRICS = ("acc", "acc_norm", "acc_per_byte", "bpb")
+METRICS = ("acc", "acc_norm", "acc_norm_harness", "acc_per_byte", "bpb")
 """Metric keys of each task's result (plus ``'headline'``, ``'n'`` and ``'truncated'``)."""
 
 _LN2 = math.log(2.0)
 
 
-def choice_metrics(loglik, n_chars, n_bytes, label: int) -> dict[str, float]:
+def choice_metrics(loglik, n_chars, n_bytes, label: int, n_chars_choice=None) -> dict[str, float]:
     """Metrics of one question from its choices' log-likelihoods.
 
     Args:
         loglik: (n_choices,) sums of continuation log-probs (nats).
         n_chars, n_bytes: (n_choices,) continuation lengths in characters / UTF-8 bytes (> 0).
         label: index of the correct choice.
+        n_chars_choice: (n_choices,) characters without the leading whitespace (> 0; default ``n_chars``).
 
     Returns:
-        ``{'acc', 'acc_norm', 'acc_per_byte'}`` each 1.0 or 0.0 (arg-max of the raw, per-character
-        and per-byte scores; ties to the lowest index), and ``'bpb'`` = ``-loglik[label] /
-        n_bytes[label] / ln 2`` (bits per byte of the correct continuation).
+        ``{'acc', 'acc_norm', 'acc_norm_harness', 'acc_per_byte'}`` each 1.0 or 0.0 (arg-max of the raw,
+        per-character, per-character-of-the-choice and per-byte scores; ties to the lowest index), and
+        ``'bpb'`` = ``-loglik[label] / n_bytes[label] / ln 2`` (bits per byte of the correct continuation).
     """
     ll = np.asarray(loglik, dtype=np.float64)
     chars = np.asarray(n_chars, dtype=np.float64)
+    choice = chars if n_chars_choice is None else np.asarray(n_chars_choice, dtype=np.float64)
     nbytes = np.asarray(n_bytes, dtype=np.float64)
     return {
         "acc": float(int(np.argmax(ll)) == label),
         "acc_norm": float(int(np.argmax(ll / chars)) == label),
+        "acc_norm_harness": float(int(np.argmax(ll / choice)) == label),
         "acc_per_byte": float(int(np.argmax(ll / nbytes)) == label),
         "bpb": float(-ll[label] / nbytes[label] / _LN2),
     }
@@ -118,13 +126,13 @@ def _task_requests(tokenizer, name: str, shots: int, limit: int | None, seq_len_
 
 
 def _sums(examples, requests, loglik) -> np.ndarray:
-    """[n, sum acc, sum acc_norm, sum acc_per_byte, sum bpb, questions with a truncated request]
-    over ``examples``."""
+    """[n, the sum of each of :data:`METRICS`, questions with a truncated request] over ``examples``."""
     sums = np.zeros(2 + len(METRICS), dtype=np.float64)
     i = 0
     for ex in examples:
         reqs = requests[i : i + ex.n_choices]
-        m = choice_metrics(loglik[i : i + ex.n_choices], [r.n_chars for r in reqs], [r.n_bytes for r in reqs], ex.label)
+        m = choice_metrics(loglik[i : i + ex.n_choices], [r.n_chars for r in reqs], [r.n_bytes for r in reqs], ex.label,
+                           [r.n_chars_choice for r in reqs])
         sums[0] += 1
         sums[1 : 1 + len(METRICS)] += [m[k] for k in METRICS]
         sums[-1] += any(r.n_truncated for r in reqs)

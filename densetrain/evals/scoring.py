@@ -14,9 +14,10 @@ separate encoding as in olmo_eval):
   first continuation characters into one token (``encode("de") + encode("f")``, not the ``"def"``
   token). The harness instead encodes ``context + continuation`` jointly and scores the ids after the
   first ``len(encode(context))``, which then need not be the continuation's text. ``n_chars`` /
-  ``n_bytes`` (the per-character / per-byte normalisers) count the continuation string after the
-  move, which is exactly the text its tokens decode to for the lossless tokenizers used here
-  (byte-level BPE, tiktoken);
+  ``n_bytes`` (the per-character / per-byte normalisers: OLMES ``acc_per_char``, ``acc_per_byte``)
+  count the continuation string after the move (``n_chars_choice``, lm-eval-harness' ``acc_norm``
+  normaliser, the same without its leading whitespace), which is exactly the text its tokens decode
+  to for the lossless tokenizers used here (byte-level BPE, tiktoken);
 * every request starts with one *start token*: the tokenizer's BOS when it defines one
   (``bos_id``), else its EOS -- training documents follow an EOS in the shards, so the first real
   token is conditioned as in training. The start token is context, never scored.
@@ -83,6 +84,8 @@ class Request:
         n_chars: characters of the scored text (per-char normaliser).
         n_bytes: UTF-8 bytes of the scored text (per-byte normaliser).
         n_truncated: ids dropped after the start token to fit ``seq_len_max`` (0 when all fit).
+        n_chars_choice: characters of the scored text without its leading whitespace (lm-eval-harness'
+            ``acc_norm`` normaliser, ``len(choice)``; ``n_chars`` for an all-whitespace text).
     """
 
     tokens: tuple[int, ...]
@@ -90,6 +93,7 @@ class Request:
     n_chars: int
     n_bytes: int
     n_truncated: int = 0
+    n_chars_choice: int = 0
 
     @property
     def n_scored(self) -> int:
@@ -149,7 +153,8 @@ def build_requests(tokenizer, pairs: list[tuple[str, str]], seq_len_max: int = 2
             if extra > n_ctx - 1:  # the head of the continuation went too: normalise by what is scored
                 cont = tokenizer.decode(tokens[1:])
             n_ctx = max(n_ctx - extra, 1)
-        out.append(Request(tuple(tokens), n_ctx, len(cont), len(cont.encode("utf-8")), extra))
+        out.append(Request(tuple(tokens), n_ctx, len(cont), len(cont.encode("utf-8")), extra,
+                           len(cont.lstrip()) or len(cont)))
     return out
 
 

@@ -374,6 +374,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     if not resume:
         _refuse_existing_run(run_dir, info)  # (resume without a checkpoint yet, e.g. killed early: start over)
     old_steps = _configured_steps(run_dir) if saved and info.is_main else None
+    started = (run_dir / "config.toml").exists()  # an earlier attempt, before this one writes it
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(saved_cfg, run_dir / "config.toml")
@@ -400,8 +401,10 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         _log_resume(run, ckpt, saved)
         if keep_layout_intent:
             _log_layout(run, saved)
-    elif resume:  # stopped before its first checkpoint (e.g. a second signal): say it starts over, not silently
+    elif resume and started:  # stopped before its first checkpoint (e.g. a second signal): say it starts over
         run.log.event(0, f"{run_dir}: no checkpoint yet, so --resume starts the run from step 0", kind="resume")
+    elif resume:  # nothing there yet (`make demo` on a fresh clone resumes whatever it finds)
+        run.log.event(0, f"{run_dir}: a new run (nothing to resume there yet)", kind="resume")
     if rollback_to is not None:
         skip_data(run, skip_batches, f"manual rollback to step {rollback_to}")
     if cfg.eval.tasks or cfg.eval.final_tasks:
