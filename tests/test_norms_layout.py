@@ -73,7 +73,7 @@ for name, layout in LAYOUTS.items():
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     true_grad = math.sqrt(sum(float(full(p.grad).double().square().sum()) for _, p in named))
     grad_norm = float(clip_grad_norm(model, float("inf")))
-    watcher = UpdateNorms(GuardConfig(), info.world_size)
+    watcher = UpdateNorms(GuardConfig())
     watcher.install(model, opt)
     watcher.measure = True
     before = {n: full(p).detach().double().clone() for n, p in named}
@@ -123,7 +123,7 @@ def test_update_norm_warning_names_the_group_that_moved_most(tmp_path):
     opt = torch.optim.AdamW([{"params": rest}, {"params": hot}], lr=1e-3)
     log = MetricsLogger(tmp_path, tensorboard=False)
     run = types.SimpleNamespace(model=model, optimizer=opt, log=log, lr_scale=1.0, state=types.SimpleNamespace(step=0))
-    watcher = UpdateNorms(GuardConfig(update_every=1, min_history=4, window=8), 1)
+    watcher = UpdateNorms(GuardConfig(update_every=1, min_history=4, window=8))
     x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     for step in range(7):
         run.state.step = step

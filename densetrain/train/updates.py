@@ -48,8 +48,10 @@ class UpdateNorms(Watcher):
 
     name = "updates"
 
-    def __init__(self, cfg: GuardConfig, world_size: int):
-        self.cfg, self.world = cfg, world_size
+    def __init__(self, cfg: GuardConfig, extra_group=None):
+        """``extra_group``: the pipeline-stage group the norms are also summed over
+        (:class:`densetrain.parallel.norms.FullNorms`), None without pipeline stages."""
+        self.cfg, self.extra_group = cfg, extra_group
         self.history: deque[float] = deque(maxlen=cfg.window)
         self.installed = False
         self.measure = False
@@ -63,7 +65,8 @@ class UpdateNorms(Watcher):
         self.groups = list(dict.fromkeys(layer_group(n) for n, _ in named))  # model order
         self.local = [local_part(p) for _, p in named]
         self.before = [torch.empty_like(t) for t in self.local]  # the copy an update is measured against
-        self.full = FullNorms([p for _, p in named], [self.groups.index(layer_group(n)) for n, _ in named])
+        self.full = FullNorms([p for _, p in named], [self.groups.index(layer_group(n)) for n, _ in named],
+                              extra_group=self.extra_group)
         optimizer.register_step_pre_hook(self._pre)
         optimizer.register_step_post_hook(self._post)
         self.installed = True
