@@ -5,7 +5,8 @@ FSDP2 x CP, in one launch of 4 gloo ranks (one mesh per layout). The truth is co
 the gathered full tensors in float64.
 
 Before the fix the logged update norm under DDP was 1/sqrt(world) of the true one (plain parameters were
-weighted by 1/world and no all-reduce ran when no parameter was a DTensor).
+weighted by 1/world and no all-reduce ran when no parameter was a DTensor). The same launch checks the
+pipeline-stage sum (``FullNorms(..., extra_group=...)``) on two stages of two replicas.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from densetrain.config import load_config
 from densetrain.config.recovery import GuardConfig
 from densetrain.optim import build_optimizer, set_lr
 from densetrain.parallel import build_parallel_model, clip_grad_norm, init_distributed
+from densetrain.parallel.norms import FullNorms
 from densetrain.train.updates import UpdateNorms, layer_group
 
 LAYOUTS = json.loads(os.environ["LAYOUTS"])
@@ -89,6 +91,13 @@ for name, layout in LAYOUTS.items():
     u_all, p_all = sum(u for u, _ in truth.values()), sum(p for _, p in truth.values())
     want.update({"update_norm": math.sqrt(u_all), "update_ratio": math.sqrt(u_all / p_all)})
     res[name] = {"grad_norm": grad_norm, "true_grad_norm": true_grad, "metrics": watcher.metrics(), "want": want}
+# Pipeline stages (as a pipeline would lay them out): ranks 0, 1 hold stage 0's tensors (DDP replicas),
+# ranks 2, 3 stage 1's; the pipeline groups {0, 2} and {1, 3} join the ranks of the same replica.
+rank = torch.distributed.get_rank()
+pp_groups = [torch.distributed.new_group([0, 2]), torch.distributed.new_group([1, 3])]
+stage = rank // 2
+mine = [torch.full((3,), 1.0 + stage), torch.full((2,), 10.0 * (1 + stage))]  # group 0, group 1 of the model
+res["stages"] = FullNorms(mine, [0, 1], extra_group=pp_groups[rank % 2]).norms(mine).tolist()
 with open(f"{out}.{os.environ['RANK']}", "w") as f:
     json.dump(res, f)
 torch.distributed.destroy_process_group()
@@ -100,6 +109,10 @@ def test_norms_are_the_full_tensors_on_every_layout_and_rank(tmp_path, monkeypat
     monkeypatch.setenv("LAYOUTS", json.dumps(LAYOUTS))
     out = run_script_ranks(_WORKER, tmp_path, "norms", world=4, timeout=300)
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(4)]
+    # two pipeline stages of two replicas each: every rank gets the norms of both stages' tensors per group
+    want = [(3 * 1.0**2 + 3 * 2.0**2) ** 0.5, (2 * 10.0**2 + 2 * 20.0**2) ** 0.5]
+    for res in ranks:
+        assert res["stages"][0] == pytest.approx(want, rel=1e-6)  # fp32 norms of the local parts
     for name in LAYOUTS:
         for r, res in enumerate(ranks):
             got = res[name]

@@ -5,18 +5,21 @@ the update and parameter norms of the update watcher (:mod:`densetrain.train.upd
 every norm densetrain logs or judges is the norm of the full tensor on one process, and identical on every
 rank (the result of one all-reduce).
 
-Rule: a rank's local part of a tensor is held by ``copies`` ranks of the reduction group (the world by
-default): a plain tensor (one process, a DDP replica) by all of them, a DTensor by ``size / (product of
-the mesh sizes of its sharding placements)`` (its Replicate dimensions and the mesh dimensions it is not
-on). Each rank adds its local sum of squares divided by ``copies``, and one all-reduce of the sums per
-group gives each full tensor's squares counted once. The sums are float64 (a layer group's squares of
-fp32 values lose nothing; ``1 / copies`` is exact for the power-of-two degrees of real layouts).
+Rule: a rank's local part of a tensor is held by ``copies`` ranks: a plain tensor (one process, a DDP
+replica) by every rank of its pipeline stage (the whole world without pipeline stages), a DTensor by
+``stage size / (product of the mesh sizes of its sharding placements)`` (its Replicate dimensions and
+the mesh dimensions it is not on). Each rank adds its local sum of squares divided by ``copies``, and
+one all-reduce over the world of the sums per group gives each full tensor's squares counted once.
+The sums are float64 (a layer group's squares of fp32 values lose nothing; ``1 / copies`` is exact for
+the power-of-two degrees of real layouts).
 
-Pipeline stages: each stage holds different parameters, so the sums of one stage's group are added
-over the stages afterwards: pass the group that joins the ranks with the same coordinates in every other
-dimension (the pipeline dimension of the mesh) as ``extra_group``, and the stage's own ranks as
-``group``. Group indices must then mean the same group on every stage (e.g. indices into the whole
-model's list of layer groups, zero where a stage has none of a group).
+Pipeline stages: each stage holds different tensors, so the norm of the model is the sum over the
+stages. Pass the pipeline group (the ranks with this rank's coordinates in every other mesh dimension)
+as ``extra_group``: its size is the number of stages, the world holds ``world / stages`` ranks per
+stage, and the one all-reduce over the world adds the stages' sums. Group indices must then mean the
+same group on every stage (e.g. indices into the whole model's list of layer groups; a stage without a
+group's tensors adds zero to it), and every rank must call the reduction, also a stage without tensors
+of its own.
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ def summed(t: torch.Tensor) -> torch.Tensor:
     return t.redistribute(t.device_mesh, [Replicate() if pl.is_partial() else pl for pl in t.placements])
 
 
-def copies(t: torch.Tensor, group=None) -> int:
-    """How many ranks of ``group`` (None: the world; 1 without a process group) hold the same local data
-    as this rank for ``t`` (a parameter, plain or DTensor).
+def copies(t: torch.Tensor, stages: int = 1) -> int:
+    """How many ranks hold the same local data as this rank for ``t`` (a parameter or gradient, plain or
+    DTensor), with ``stages`` pipeline stages sharing the world (1 without a process group).
 
     Every placement but ``Replicate`` splits the tensor: ``Shard`` and FSDP2's ``_StridedShard`` under
     tensor parallelism (which is not a ``Shard`` subclass in torch 2.13).
@@ -57,7 +60,7 @@ def copies(t: torch.Tensor, group=None) -> int:
     """
     if not _distributed():
         return 1
-    size = dist.get_world_size(group)
+    size = dist.get_world_size() // stages
     if not hasattr(t, "placements"):
         return size
     if any(pl.is_partial() for pl in t.placements):
@@ -73,31 +76,26 @@ class FullNorms:
         tensors: tensors (plain or DTensor) with the layout of the measured ones: the parameters for
             the parameters and their updates, the gradients for the gradients (a gradient's placements
             may differ from its parameter's: tensor parallelism's row-wise embedding has a Replicate
-            gradient).
+            gradient). At least one.
         groups: the group index (0 .. n_groups - 1) of each tensor; None: one group.
-        group: the process group whose ranks together hold one copy of the tensors (None: the world).
-        extra_group: ranks holding *different* tensors whose sums add up (pipeline stages; module
-            docstring), or None.
+        extra_group: the pipeline-stage process group whose sums are added too (module docstring), or None.
 
-    :meth:`reduce` is a collective over ``group`` (and ``extra_group``): every rank calls it.
+    :meth:`reduce` is a collective over the world: every rank calls it.
     """
 
-    def __init__(self, tensors: list[torch.Tensor], groups: list[int] | None = None, group=None, extra_group=None):
+    def __init__(self, tensors: list[torch.Tensor], groups: list[int] | None = None, extra_group=None):
         device = local_part(tensors[0]).device
         index = torch.tensor(groups if groups is not None else [0] * len(tensors), dtype=torch.long)
-        n_groups = int(index.max()) + 1 if len(index) else 1
-        self.onehot = torch.nn.functional.one_hot(index, n_groups).double().to(device)  # (tensors, groups)
-        self.weight = torch.tensor([1.0 / copies(t, group) for t in tensors], dtype=torch.float64, device=device)
-        self.group, self.extra_group = group, extra_group
+        self.onehot = torch.nn.functional.one_hot(index, int(index.max()) + 1).double().to(device)  # (tensors, groups)
+        stages = dist.get_world_size(extra_group) if extra_group is not None and _distributed() else 1
+        self.weight = torch.tensor([1.0 / copies(t, stages) for t in tensors], dtype=torch.float64, device=device)
 
     def reduce(self, local_sq: torch.Tensor) -> torch.Tensor:
         """(k, tensors) sums of squares of the local parts -> (k, groups) float64 squared full norms per
-        group, identical on every rank."""
+        group, identical on every rank (one all-reduce)."""
         sums = (local_sq.double() * self.weight) @ self.onehot
         if _distributed():
-            dist.all_reduce(sums, group=self.group)
-            if self.extra_group is not None:
-                dist.all_reduce(sums, group=self.extra_group)
+            dist.all_reduce(sums)
         return sums
 
     def norms(self, *tensor_lists: list[torch.Tensor]) -> torch.Tensor:
