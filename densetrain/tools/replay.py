@@ -121,7 +121,7 @@ def _row_losses(run, stage, samples) -> torch.Tensor:
                                                 stage.reset_positions):
             with run.autocast or contextlib.nullcontext():
                 logits = run.model(x, **more)
-            out.append(token_losses(logits, y).float().cpu() * (y != IGNORE_INDEX).cpu())
+            out.append(torch.where(y != IGNORE_INDEX, token_losses(logits, y), 0.0).float().cpu())  # select, not * mask
     return torch.cat(out)
 
 

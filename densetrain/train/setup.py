@@ -230,7 +230,7 @@ def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
     if cfg.guard.replica_every and replica_groups(info.layout):  # after the guard: it sets run.lr_scale first
         watchers.append(ReplicaCheck(cfg.guard, info))
     if cfg.guard.update_every:
-        watchers.append(UpdateNorms(cfg.guard, info.world_size))
+        watchers.append(UpdateNorms(cfg.guard))
     if cfg.watchdog.every or cfg.watchdog.hang_seconds:
         watchers.append(Watchdog(cfg.watchdog, info.rank, info.world_size, run_dir))
     if cfg.probe.every:
