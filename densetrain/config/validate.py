@@ -272,6 +272,11 @@ state), ten times the largest dense models trained to date (~10^12); a larger co
 file, refused from the arithmetic before a layer is built (building 10^8 layers, even on the meta device,
 loops for hours)."""
 
+MAX_LAYERS = 1000
+"""Most transformer blocks a config may describe: the deepest published transformer has 1,000 layers
+(DeepNet, Wang et al. 2022); Llama 3 405B has 126. Blocks are built one by one in Python (~4 ms each even
+on the meta device), so 10^8 layers of a tiny width, under :data:`MAX_PARAMS`, would loop for days."""
+
 SEED_RANGE = 2**64
 """Seeds are in [0, 2**64): torch.manual_seed and numpy's SeedSequence take 64-bit values."""
 
@@ -288,7 +293,7 @@ def model_params(m) -> int:
 def validate_bounds(cfg) -> None:
     """Bounds a value can break without failing a type check: an empty run directory (the current folder,
     whose files a run would overwrite), a negative held-out cap, seeds outside the generators' range, a
-    negative peak FLOP/s, and a model too large to exist (:data:`MAX_PARAMS`)."""
+    negative peak FLOP/s, and a model too large or too deep to exist (:data:`MAX_PARAMS`, :data:`MAX_LAYERS`)."""
     t, d = cfg.train, cfg.data
     check_config(t.run_dir.strip() != "", "train.run_dir must name a directory, got ''")
     check_config(d.max_val_tokens >= 0, f"data.max_val_tokens must be >= 0, got {d.max_val_tokens}")
@@ -297,6 +302,8 @@ def validate_bounds(cfg) -> None:
     check_config(cfg.logging.peak_flops >= 0,
                  f"logging.peak_flops must be >= 0 (0 measures it), got {cfg.logging.peak_flops}")
     m = cfg.model
+    check_config(m.n_layers <= MAX_LAYERS, f"model.n_layers must be at most {MAX_LAYERS} (the deepest published "
+                                           f"transformer, DeepNet 2022), got {m.n_layers}")
     if min(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff) > 0:  # else named below
         n = model_params(m)
         check_config(n <= MAX_PARAMS, f"model: {n:.3g} parameters (vocab_size {m.vocab_size}, d_model {m.d_model}, "

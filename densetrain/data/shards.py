@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from densetrain.errors import DataError
-from densetrain.fileio import atomic_write_bytes
+from densetrain.fileio import MAX_CONFIG_BYTES, atomic_write_bytes, read_text_bounded
 
 SHARD_MAX_TOKENS = 1 << 26
 """Max tokens per train shard file (64 Mi) that ``prepare`` and the datatrove pipeline write; a longer
@@ -182,7 +182,7 @@ def _read_metadata_token_size(ds: Path) -> int | None:
     meta = ds.with_name(ds.name + ".metadata")
     if not meta.is_file():
         return None
-    first = meta.read_text(errors="replace").split("\n", 1)[0]
+    first = read_text_bounded(meta, MAX_CONFIG_BYTES, errors="replace").split("\n", 1)[0]
     if "|" in first:
         tail = first.rsplit("|", 1)[1].strip()
         if tail.isdigit():

@@ -26,7 +26,7 @@ _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
 def _read_hf_config(conf_path: Path) -> dict:
     """``config.json`` as a dict. Raises: FileNotFoundError (absent); DataError (unreadable, not JSON,
     not an object), one line naming the file and the line/column."""
-    if not conf_path.is_file():
+    if not conf_path.exists() and not conf_path.is_symlink():  # not a regular file: read_json says what it is
         raise FileNotFoundError(f"{conf_path}: not found; import-hf expects a folder with config.json + *.safetensors")
     try:
         hc = read_json(conf_path)  # a regular file of at most 16 MiB, nesting Python's parser can follow

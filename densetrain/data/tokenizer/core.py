@@ -53,7 +53,7 @@ from typing import Iterable, Iterator
 from densetrain.data.tokenizer.named import RANK_FILES, SCHEMES, rank_file_path
 from densetrain.data.tokenizer.probe import probe_encoder, raise_if_panic
 from densetrain.errors import DataError
-from densetrain.fileio import atomic_write_bytes
+from densetrain.fileio import MAX_JSON_BYTES, atomic_write_bytes, read_bytes_bounded
 
 EOS_TOKEN = "<|endoftext|>"
 """The EOS token of a trained BPE (id 0) and of tiktoken encodings."""
@@ -120,7 +120,7 @@ class Tokenizer:
 
         path = Path(path)
         try:
-            data = path.read_bytes()
+            data = read_bytes_bounded(path, MAX_JSON_BYTES)  # a regular file (not a FIFO, not /dev/zero), <= 1 GiB
         except FileNotFoundError:
             raise DataError(f"{path}: tokenizer file not found (data.tokenizer: 'bpe', 'gpt2', 'llama3', "
                             "'tiktoken:<encoding>', or a path to a tokenizer.json / .tiktoken file)") from None
