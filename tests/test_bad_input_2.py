@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import small_config
 
 from densetrain.cli import main
 from densetrain.config import Config, ModelConfig
@@ -280,3 +281,19 @@ def test_a_corpus_jsonl_line_nested_too_deeply_is_skipped_and_a_fifo_is_refused(
     os.mkfifo(tmp_path / "pipe.jsonl")
     with _deadline(30), pytest.raises(ReadRefused, match=r"pipe\.jsonl: is a FIFO, expected a regular file"):
         list(iter_jsonl(tmp_path / "pipe.jsonl", "pipe.jsonl", "text", 1 << 24, SkipLog()))
+
+
+def test_a_prepare_manifest_that_is_not_a_regular_file_or_not_an_object(tmp_path):
+    from densetrain.data.streams import open_streams
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    cfg = small_config(tmp_path, shards)
+    os.mkfifo(shards / "manifest.json")
+    with _deadline(30), pytest.raises(DataError, match=r"manifest\.json: cannot read the manifest \(.*manifest"
+                                                       r"\.json: is a FIFO, expected a regular file\)"):
+        open_streams(cfg, "train")
+    (shards / "manifest.json").unlink()
+    (shards / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(DataError, match=r"manifest\.json: expected a JSON object \(a prepare manifest\), got list"):
+        open_streams(cfg, "train")
