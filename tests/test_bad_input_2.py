@@ -297,3 +297,19 @@ def test_a_prepare_manifest_that_is_not_a_regular_file_or_not_an_object(tmp_path
     (shards / "manifest.json").write_text("[1, 2]")
     with pytest.raises(DataError, match=r"manifest\.json: expected a JSON object \(a prepare manifest\), got list"):
         open_streams(cfg, "train")
+
+
+def test_an_async_save_on_a_full_disk_says_so_and_leaves_no_tmp(prepared, tmpfs, tmp_path, capsys):
+    from test_full_disk import fill
+
+    from densetrain.config import save_config
+
+    _, make = prepared
+    cfg = make(tmp_path, **{"train.run_dir": str(tmpfs / "run"), "checkpoint.async_save": True,
+                            "checkpoint.every": 5, "logging.tensorboard": False, "eval.every": 0})
+    save_config(cfg, tmp_path / "c.toml")
+    (tmpfs / "run").mkdir()
+    fill(tmpfs, leave=60000)  # the first checkpoint's write (and the metrics after it) run out of space
+    err = _run(capsys, "train", "--config", str(tmp_path / "c.toml"))
+    assert "no space left" in err, err
+    assert not list((tmpfs / "run" / "checkpoints").glob("*.tmp")), sorted((tmpfs / "run").rglob("*"))
