@@ -147,6 +147,14 @@ def test_a_config_that_is_not_a_regular_file(tmp_path, capsys, kind, expected):
     assert f"{path}: {expected}" in err, err
 
 
+def test_a_config_larger_than_any_config_is_refused_before_it_is_read(tmp_path, capsys):
+    big = tmp_path / "big.toml"
+    with open(big, "wb") as f:
+        f.truncate(17 << 20)  # sparse: 17 MiB of size, nothing written
+    err = _run(capsys, "train", "--config", str(big))
+    assert f"{big}: 17825792 bytes, larger than the 16777216-byte limit for this file" in err, err
+
+
 @pytest.mark.parametrize("kind", ["zero", "fifo"])
 def test_import_hf_of_a_config_json_that_is_not_a_regular_file(hf_dir, tmp_path, capsys, kind):
     (hf_dir / "config.json").unlink()
