@@ -585,6 +585,21 @@ class Checkpointer:
                           "steps_during_write": p.steps_during_write})
         return path
 
+    def abandon_pending(self) -> None:
+        """Leaving on an error with a save in flight (a full disk under the run's other files): wait up to
+        60 s for its background write to end, then delete its ``.tmp`` (rank 0), so no half-written
+        ``step_N.tmp`` stays behind; the write's own outcome no longer matters."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return
+        if p.future is not None:
+            try:
+                p.future.result(timeout=60)
+            except BaseException:  # noqa: BLE001 - a failed or unfinished write: it is deleted either way
+                pass
+        if _rank() == 0:
+            shutil.rmtree(p.tmp, ignore_errors=True)
+
     def load_latest(self, model, optimizer) -> tuple[Path | None, dict | None]:
         """Load the newest complete checkpoint that loads cleanly; fall back to older ones, saying why.
 

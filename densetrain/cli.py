@@ -29,8 +29,17 @@ from densetrain.fileio import json_text, recover_folder_swap
 
 
 def _is_main() -> bool:
-    """Rank 0 (or no torchrun): the process that prints results and errors; the others stay quiet."""
+    """Rank 0 (or no torchrun): the process that prints results; the others stay quiet (errors: :func:`say_error`)."""
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def say_error(text: str) -> None:
+    """Print ``densetrain: error: TEXT`` to stderr at once, on every rank: under torchrun a failing rank may
+    be stopped by the launcher before another rank prints, so each says its own first error (``[rank N]``
+    tells them apart) and flushes before returning."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    where = f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
+    print(f"densetrain: error: {where}{text}", file=sys.stderr, flush=True)
 
 
 def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
@@ -309,8 +318,7 @@ class Parser(argparse.ArgumentParser):
     instead of argparse's usage block (printed by rank 0 only under torchrun)."""
 
     def error(self, message: str):
-        if _is_main():
-            print(f"densetrain: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        say_error(f"{message} (see {self.prog} --help)")
         sys.exit(2)
 
 
@@ -426,7 +434,7 @@ def entry() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; user errors print one line (on rank 0 only under torchrun) and return 2 on every rank."""
+    """Run one command; user errors print one line (on every rank under torchrun: :func:`say_error`) and return 2."""
     import densetrain  # noqa: F401  (sets CPU threading defaults before torch loads)
 
     parser = build_parser()
@@ -459,10 +467,9 @@ def main(argv: list[str] | None = None) -> int:
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
     except (ConfigError, DataError, TrainError, FileNotFoundError) as e:
-        if _is_main():  # torchrun: one line, not one per rank
-            # A config error is the user's key or flag: point at the subcommand's help, which lists them.
-            see = f" (see {parser.commands[args.command].prog} --help)" if isinstance(e, ConfigError) else ""
-            print(f"densetrain: error: {e}{see}", file=sys.stderr)
+        # A config error is the user's key or flag: point at the subcommand's help, which lists them.
+        see = f" (see {parser.commands[args.command].prog} --help)" if isinstance(e, ConfigError) else ""
+        say_error(f"{e}{see}")
         return 2
     except Preempted as e:  # SIGTERM / Ctrl-C: stopped at a step boundary with a checkpoint (train/preempt.py)
         if _is_main():
@@ -472,9 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except OSError as e:  # a full disk, a read-only or unwritable path in a writer without its own handling
-        if int(os.environ.get("RANK", "0")) == 0:
-            what = f"no space left on {e.filename or 'the device'} ({e.strerror})" if is_disk_full(e) else str(e)
-            print(f"densetrain: error: {what}", file=sys.stderr)
+        say_error(f"no space left on {e.filename or 'the device'} ({e.strerror})" if is_disk_full(e) else str(e))
         return 2
     except KeyboardInterrupt:
         if _is_main():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import resource
 import sys
 import time
@@ -24,8 +25,8 @@ from pathlib import Path
 import torch
 
 from densetrain.config import Config, ModelConfig
-from densetrain.errors import ConfigError
-from densetrain.fileio import atomic_write_bytes, json_text
+from densetrain.errors import ConfigError, DataError
+from densetrain.fileio import atomic_write_bytes, json_text, read_text_bounded
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -135,7 +136,9 @@ class WandbSink:
     files are complete on disk (it ends W&B's service process, so any other W&B run of the process too).
 
     Raises:
-        ConfigError: the ``wandb`` package is not installed.
+        ConfigError: the ``wandb`` package is not installed, or W&B cannot start the run (not logged in, no
+            network): one line saying how to log in or go offline.
+        DataError: ``RUN_DIR/wandb_run_id`` does not hold a run id.
     """
 
     def __init__(self, run_dir: Path, cfg: Config):
@@ -146,10 +149,18 @@ class WandbSink:
                               "or set logging.wandb = false") from None
         self.wandb = wandb
         id_file = run_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]  # W&B: [a-z0-9]
+        run_id = read_text_bounded(id_file, 1024).strip() if id_file.exists() else uuid.uuid4().hex[:12]
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):  # ours are 12 of [a-z0-9]; W&B refuses /\#?%:
+            raise DataError(f"{id_file}: not a W&B run id (1-64 letters, digits, _ or -), got {run_id[:80]!r}; "
+                            "delete the file to start a new W&B run")
         atomic_write_bytes(id_file, run_id.encode())
-        self.run = wandb.init(project=cfg.logging.wandb_project, name=cfg.logging.wandb_name or run_dir.name,
-                              id=run_id, resume="allow", dir=str(run_dir), config=dataclasses.asdict(cfg))
+        try:
+            self.run = wandb.init(project=cfg.logging.wandb_project, name=cfg.logging.wandb_name or run_dir.name,
+                                  id=run_id, resume="allow", dir=str(run_dir), config=dataclasses.asdict(cfg))
+        except Exception as e:  # wandb.errors.UsageError (not logged in), CommError (no network), ...
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConfigError(f"logging.wandb: W&B could not start the run ({first}); log in with `wandb login`, "
+                              "or run offline with WANDB_MODE=offline, or set logging.wandb = false") from None
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         self.events = wandb.Table(columns=["step", "kind", "action", "text"], log_mode="INCREMENTAL")

@@ -70,7 +70,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from densetrain.evals.execution import humaneval_program, run_programs
+from densetrain.evals.execution import humaneval_program, require_sandbox, run_programs
 from densetrain.evals.scoring import build_requests, eval_mode, score_requests, start_token
 from densetrain.model.llama import KVCache
 from densetrain.parallel import all_reduce_max, all_reduce_sum, dp_rank_size, even_split
@@ -327,6 +327,8 @@ def _generation_sums(model, tokenizer, task: GenTask, problems: tuple[Problem, .
     stand_in = problems[by_length[-1]]  # the shortest prompt, generated for and discarded
     budget = task.max_new_tokens if max_new_tokens is None else max_new_tokens
     prompts = [stand_in.prompt if i is None else problems[i].prompt for i in share]
+    if task.headline != "exact_match":
+        require_sandbox()  # before generating: no namespaces here is one line, and no program runs unisolated
     texts, n_gen, cut = generate_completions(model, tokenizer, prompts, task.stop, budget, device, seq_len_max,
                                              batch_size, autocast, lockstep=size > 1)
     real = [j for j, i in enumerate(share) if i is not None]

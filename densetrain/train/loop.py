@@ -98,6 +98,9 @@ def _train(run: Run) -> dict:
             stop_run(run, signum)
         stop.restore()  # the final evaluations can be interrupted: --resume then completes them
         return finish(run, stage)
+    except BaseException:
+        run.checkpointer.abandon_pending()  # an error with an async save in flight leaves no step_N.tmp
+        raise
     finally:
         stop.restore()
         for w in run.watchers:

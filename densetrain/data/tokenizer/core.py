@@ -51,9 +51,10 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from densetrain.data.tokenizer.named import RANK_FILES, SCHEMES, rank_file_path
+from densetrain.data.tokenizer.probe import probe_encoder, raise_if_panic
 from densetrain.data.tokenizer.twin import CHECK_EVERY, twin_for
 from densetrain.errors import DataError
-from densetrain.fileio import atomic_write_bytes
+from densetrain.fileio import MAX_JSON_BYTES, atomic_write_bytes, read_bytes_bounded
 
 EOS_TOKEN = "<|endoftext|>"
 """The EOS token of a trained BPE (id 0) and of tiktoken encodings."""
@@ -120,7 +121,7 @@ class Tokenizer:
 
         path = Path(path)
         try:
-            data = path.read_bytes()
+            data = read_bytes_bounded(path, MAX_JSON_BYTES)  # a regular file (not a FIFO, not /dev/zero), <= 1 GiB
         except FileNotFoundError:
             raise DataError(f"{path}: tokenizer file not found (data.tokenizer: 'bpe', 'gpt2', 'llama3', "
                             "'tiktoken:<encoding>', or a path to a tokenizer.json / .tiktoken file)") from None
@@ -139,6 +140,7 @@ class Tokenizer:
         # max_length tokens, or pad a batch's texts with pad_id, and the shards lose text or gain padding.
         tok.no_truncation()
         tok.no_padding()
+        probe_encoder(lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)], str(path))
         vocab = tok.get_vocab(with_added_tokens=True)
         vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1 if vocab else 0)
         sha = hashlib.sha256(data).hexdigest()
@@ -284,6 +286,9 @@ class Tokenizer:
             return [e.ids for e in fn(texts, add_special_tokens=False)]
         except TypeError:  # a str with surrogates (or not a str: then it is raised again below)
             return [e.ids for e in fn([_without_surrogates(t) for t in texts], add_special_tokens=False)]
+        except BaseException as e:  # a Rust panic (not an Exception): one line naming the tokenizer
+            raise_if_panic(e, self.name)
+            raise
 
     @property
     def tiktoken_twin(self):
