@@ -8,6 +8,7 @@ appears. A missing or garbage ``.metadata`` is one line too, without DCP's trace
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import pickle
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from densetrain.checkpoint import list_complete, load_checkpoint
 from densetrain.cli import main
-from densetrain.dcp_read import _ALLOWED, _MetadataUnpickler, read_metadata
+from densetrain.dcp_read import _ALLOWED, _MetadataUnpickler, hash_file, read_marker, read_metadata
 from densetrain.model.init import build_model
 from densetrain.optim import build_optimizer
 from densetrain.train import train
@@ -57,8 +58,16 @@ def _copy(honest_run, tmp_path) -> tuple[Path, list[Path]]:
     return run, [p for _, p in list_complete(run)]
 
 
+def forge_marker(ckpt: Path) -> None:
+    """Rewrite the completion marker with the digests of the files as they are now, as a forger would: the
+    digests find damage, not intent (xxh3 is no signature), so the trust rule must hold on its own."""
+    files = {p.name: hash_file(p) for p in sorted(ckpt.iterdir()) if p.is_file() and p.name != "COMPLETE"}
+    (ckpt / "COMPLETE").write_text(json.dumps({"step": read_marker(ckpt)["step"], "hash": "xxh3_64", "files": files}))
+
+
 def _craft_metadata(ckpt: Path, marker: Path) -> Path:
     (ckpt / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    forge_marker(ckpt)
     return ckpt / ".metadata"
 
 
@@ -75,6 +84,7 @@ def _craft_payload(ckpt: Path, cfg, marker: Path) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed.*|Detected an existing checkpoint")
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt))
+    forge_marker(ckpt)
 
 
 def _commands(run: Path, ckpt: Path, out: Path) -> dict[str, list[str]]:
@@ -129,6 +139,7 @@ def test_missing_or_garbage_metadata_is_one_line_everywhere(honest_run, tmp_path
     for c in ckpts:
         meta = c / ".metadata"
         meta.unlink() if damage == "missing" else meta.write_bytes(b"\x80\x04garbage, not a pickle")
+        forge_marker(c)
     for name in ("eval", "export"):
         err = _one_line_error(capsys, _commands(run, ckpts[-1], tmp_path / "hf")[name], caplog)
         assert f"{meta}: " in err and ("missing" in err if damage == "missing" else "not DCP metadata" in err), err
