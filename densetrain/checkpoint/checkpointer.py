@@ -161,7 +161,7 @@ class Checkpointer:
         return None, None
 
     def _say_passed_over(self, newest: int) -> None:
-        """Before a resume: one line (console and :attr:`notes`, which setup logs as events) per checkpoint
+        """Before a resume: one line in :attr:`notes` (setup logs them as events, console included) per checkpoint
         directory newer than the one loaded that is passed over: a ``step_N.tmp`` of a save that was killed
         (the next save sweeps it) or a ``step_N`` without its completion marker."""
         root = checkpoint_dir(self.run_dir)
@@ -173,5 +173,3 @@ class Checkpointer:
                 "no completion marker (a save that did not finish, or a damaged checkpoint)"
             self.notes.append(f"passed over {p}: {what}; resuming from "
                               + (f"step_{newest:08d}" if newest >= 0 else "no checkpoint"))
-            if _rank() == 0:
-                print(f"densetrain: warning: {self.notes[-1]}", flush=True)

@@ -387,6 +387,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
                         f"schedule and the stage starts are recomputed over {cfg.train.steps} steps from step {step}")
     if dtype_note:
         log.event(step, dtype_note, kind="resume")
+    for note in checkpointer.notes:  # newer checkpoint directories the resume passed over (partial saves)
+        log.event(step, note, kind="resume", action="pass_over")
     autocast = autocast_for(cfg.train.dtype, info.device)
     run = Run(cfg=cfg, info=info, run_dir=run_dir, stages=stages, train_streams=train_streams,
               val_streams=open_streams(cfg, "val"), sampler=MixtureSampler(train_streams), model=model,
