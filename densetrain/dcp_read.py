@@ -133,13 +133,16 @@ _UNVERIFIED: set[str] = set()  # checkpoints already said to have no hashes (onc
 _VERIFIED: dict[str, tuple[int, int]] = {}  # checkpoint -> its marker's (inode, mtime) when wholly verified
 
 
-def verify_checkpoint(ckpt_dir: str | Path, names: list[str] | None = None, part: tuple[int, int] = (0, 1)) -> bool:
+def verify_checkpoint(ckpt_dir: str | Path, names: list[str] | None = None, part: tuple[int, int] = (0, 1),
+                      once: bool = False) -> bool:
     """Check the files of checkpoint ``ckpt_dir`` against the sizes and digests of its ``COMPLETE`` marker.
 
     Args:
         names: only these files (e.g. ``["trainer_state.json"]``); None: every file the marker lists.
         part: ``(rank, world)``: check only every ``world``-th file from the ``rank``-th (the ranks of a
             process group share the work; each must call it).
+        once: skip a checkpoint this process already verified whole, marker unchanged (an export reads it
+            tensor by tensor, each through a reader of its own); never for a read that may come much later.
     Returns:
         True when verified; False when the marker records no hashes (a checkpoint of an older densetrain:
         read unverified, said once per checkpoint on stderr) or ``ckpt_dir`` has no marker (not ours).
@@ -154,7 +157,7 @@ def verify_checkpoint(ckpt_dir: str | Path, names: list[str] | None = None, part
         return False
     whole = names is None and part == (0, 1)
     key = str(ckpt_dir.resolve())
-    if whole and _VERIFIED.get(key) == (st.st_ino, st.st_mtime_ns):  # export reads tensor by tensor: once
+    if once and whole and _VERIFIED.get(key) == (st.st_ino, st.st_mtime_ns):  # export reads tensor by tensor: once
         return True
     files = read_marker(ckpt_dir).get("files")
     if files is None:
@@ -244,7 +247,7 @@ class TrustedReader(FileSystemReader):
 
     def __init__(self, path: str | Path, verify: bool = True):
         if verify:
-            verify_checkpoint(path)
+            verify_checkpoint(path, once=True)
         super().__init__(str(path))
         self._dir = Path(path)
         self._cache: dict[int | None, Metadata] = {}
