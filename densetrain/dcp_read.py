@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from densetrain.errors import TrainError
+from densetrain.fileio import json_text
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # What DCP's .metadata pickles (torch 2.4-2.13): its dataclasses, the storage info of the filesystem writer,
@@ -338,7 +339,7 @@ def check_trainer_state(state, where: str | Path, step: int | None = None) -> di
         CheckpointReadError: one line naming ``where``, the key and what was expected.
     """
     def bad(key: str, want: str, got=None) -> CheckpointReadError:
-        return CheckpointReadError(f"{where}: {key}: expected {want}, got {json.dumps(got)[:80]}")
+        return CheckpointReadError(f"{where}: {key}: expected {want}, got {json_text(got)[:80]}")
 
     if not isinstance(state, dict):
         raise bad("(top level)", "an object", state)
