@@ -90,7 +90,7 @@ def main() -> None:
                 ckpt_load.verify_checkpoint = VERIFY if verify else (lambda *a, **k: False)
                 path = latest_checkpoint(run)
                 times["load" if verify else "load_base"].append(_timed(lambda p=path: load_checkpoint(p, model, opt)))
-            times["finite"].append(_timed(lambda: all(bool(torch.isfinite(p).all()) for p in model.parameters())))
+            times["finite"].append(_timed(lambda: all(bool(torch.isfinite(p.sum())) for p in model.parameters())))
         ckpt_save.hash_file = hash_file
         ckpt_load.verify_checkpoint = VERIFY
         size = sum(f.stat().st_size for f in latest_checkpoint(run).iterdir())
