@@ -8,7 +8,6 @@ appears. A missing or garbage ``.metadata`` is one line too, without DCP's trace
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import pickle
@@ -19,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import forge_marker
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from densetrain.checkpoint import list_complete, load_checkpoint
 from densetrain.cli import main
-from densetrain.dcp_read import _ALLOWED, _MetadataUnpickler, hash_file, read_marker, read_metadata
+from densetrain.dcp_read import _ALLOWED, _MetadataUnpickler, read_metadata
 from densetrain.model.init import build_model
 from densetrain.optim import build_optimizer
 from densetrain.train import train
@@ -56,13 +56,6 @@ def _copy(honest_run, tmp_path) -> tuple[Path, list[Path]]:
     run = tmp_path / "run"
     shutil.copytree(honest_run[0], run)
     return run, [p for _, p in list_complete(run)]
-
-
-def forge_marker(ckpt: Path) -> None:
-    """Rewrite the completion marker with the digests of the files as they are now, as a forger would: the
-    digests find damage, not intent (xxh3 is no signature), so the trust rule must hold on its own."""
-    files = {p.name: hash_file(p) for p in sorted(ckpt.iterdir()) if p.is_file() and p.name != "COMPLETE"}
-    (ckpt / "COMPLETE").write_text(json.dumps({"step": read_marker(ckpt)["step"], "hash": "xxh3_64", "files": files}))
 
 
 def _craft_metadata(ckpt: Path, marker: Path) -> Path:

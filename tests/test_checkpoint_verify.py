@@ -7,6 +7,7 @@ checkpoint a live reader holds a lease on; a resume names the partial saves it p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -26,26 +27,14 @@ from densetrain.dcp_read import verify_checkpoint
 from densetrain.metrics import read_events
 from densetrain.model.init import build_model
 from densetrain.optim import build_optimizer
-from densetrain.train import train
 from densetrain.train.loop import rollback
 from densetrain.train.setup import setup
 from densetrain.train.step import StepResult
 
 
-@pytest.fixture(scope="module")
-def honest_run(prepared, tmp_path_factory):
-    """A run stopped after step 3 of 4 with checkpoints of steps 2 and 3, and its config."""
-    _, make = prepared
-    tmp = tmp_path_factory.mktemp("verify")
-    cfg = make(tmp, **{"train.steps": 4, "checkpoint.every": 2, "checkpoint.keep": 0, "eval.every": 0,
-                       "logging.tensorboard": False, "stages": [{"name": "main", "start": 0.0}]})
-    train(cfg, stop_after=3)
-    return tmp / "run", cfg
-
-
-def _copy(honest_run, tmp_path):
+def _copy(stopped_run, tmp_path):
     run = tmp_path / "run"
-    shutil.copytree(honest_run[0], run)
+    shutil.copytree(stopped_run[0], run)
     return run, [p for _, p in list_complete(run)]
 
 
@@ -75,8 +64,8 @@ def _one_line(capsys, argv) -> str:
 
 
 @pytest.mark.parametrize("damage", [_random_bytes, _flip_bit], ids=["200KB_random", "one_bit"])
-def test_damaged_payload_is_refused_by_every_reader_naming_the_file(honest_run, tmp_path, capsys, damage):
-    run, ckpts = _copy(honest_run, tmp_path)
+def test_damaged_payload_is_refused_by_every_reader_naming_the_file(stopped_run, tmp_path, capsys, damage):
+    run, ckpts = _copy(stopped_run, tmp_path)
     shard = ckpts[-1] / "__0_0.distcp"
     damage(shard)
     err = _one_line(capsys, ["train", "--resume", str(run)])
@@ -92,8 +81,8 @@ def test_damaged_payload_is_refused_by_every_reader_naming_the_file(honest_run, 
     assert main(["train", "--resume", str(run), "--rollback-to", "2"]) == 0
 
 
-def test_marker_records_every_file_and_an_old_marker_is_read_unverified(honest_run, tmp_path, capfd):
-    run, ckpts = _copy(honest_run, tmp_path)
+def test_marker_records_every_file_and_an_old_marker_is_read_unverified(stopped_run, tmp_path, capfd):
+    run, ckpts = _copy(stopped_run, tmp_path)
     marker = json.loads((ckpts[-1] / "COMPLETE").read_text())
     assert marker["step"] == 3 and marker["hash"] == "xxh3_64"
     assert set(marker["files"]) == {p.name for p in ckpts[-1].iterdir()} - {"COMPLETE"}
@@ -111,10 +100,10 @@ def _result(run, index, before):
                       stats=None, first_sample=run.sampler.state["samples_seen"], data_s=0.0, rollback_before=before)
 
 
-def test_guard_rollback_passes_over_damaged_and_nonfinite_checkpoints(honest_run, tmp_path):
-    run_dir, ckpts = _copy(honest_run, tmp_path)
-    cfg = honest_run[1]
-    cfg.train.run_dir = str(run_dir)
+def test_guard_rollback_passes_over_damaged_and_nonfinite_checkpoints(stopped_run, tmp_path):
+    run_dir, ckpts = _copy(stopped_run, tmp_path)
+    cfg = stopped_run[1]
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(run_dir)))
     run = setup(cfg, resume=True)
     assert run.state.step == 3
     # Step 4 saved with a NaN weight (its digests are honest: damaged before the save, e.g. memory).
@@ -137,8 +126,8 @@ def test_guard_rollback_passes_over_damaged_and_nonfinite_checkpoints(honest_run
     run.log.close()
 
 
-def test_resume_names_the_partial_saves_it_passes_over(honest_run, tmp_path, capsys):
-    run, ckpts = _copy(honest_run, tmp_path)
+def test_resume_names_the_partial_saves_it_passes_over(stopped_run, tmp_path, capsys):
+    run, ckpts = _copy(stopped_run, tmp_path)
     partial = run / "checkpoints" / "step_00000004.tmp"
     shutil.copytree(ckpts[-1], partial)
     (partial / "COMPLETE").unlink()
@@ -150,9 +139,9 @@ def test_resume_names_the_partial_saves_it_passes_over(honest_run, tmp_path, cap
     assert f"passed over {markerless}: no completion marker" in said[1], said
 
 
-def test_retention_keeps_a_checkpoint_a_live_reader_holds(honest_run, tmp_path, capfd):
-    run, ckpts = _copy(honest_run, tmp_path)
-    cfg = honest_run[1]
+def test_retention_keeps_a_checkpoint_a_live_reader_holds(stopped_run, tmp_path, capfd):
+    run, ckpts = _copy(stopped_run, tmp_path)
+    cfg = stopped_run[1]
     model = build_model(cfg.model, cfg.train.seed, torch.device("cpu"))
     opt = build_optimizer(model, cfg)
     dead = run / "checkpoints" / "step_00000003.reader-999999999"  # a reader that was killed
@@ -174,6 +163,6 @@ def test_retention_keeps_a_checkpoint_a_live_reader_holds(honest_run, tmp_path, 
     stale = run / "evals" / ".step_00000002.json.tmp999999999"
     stale.parent.mkdir()
     stale.write_text('{"trunc')
-    shutil.copytree(honest_run[0] / "checkpoints" / "step_00000003", run / "checkpoints" / "step_00000003")
+    shutil.copytree(stopped_run[0] / "checkpoints" / "step_00000003", run / "checkpoints" / "step_00000003")
     assert main(["eval", str(run / "checkpoints" / "step_00000003")]) == 0
     assert not stale.exists() and json.loads((run / "evals" / "step_00000003.json").read_text())["step"] == 3

@@ -13,33 +13,17 @@ import shutil
 import time
 
 import pytest
+from conftest import forge_marker
 
 from densetrain.checkpoint import list_complete, read_trainer_state
 from densetrain.cli import main
-from densetrain.dcp_read import CheckpointReadError, hash_file, read_marker, read_metadata
-from densetrain.train import train
+from densetrain.dcp_read import CheckpointReadError, read_metadata
 
 
-@pytest.fixture(scope="module")
-def honest_run(prepared, tmp_path_factory):
-    """A run stopped after step 3 of 4 with checkpoints of steps 2 and 3."""
-    _, make = prepared
-    tmp = tmp_path_factory.mktemp("runfiles")
-    cfg = make(tmp, **{"train.steps": 4, "checkpoint.every": 2, "checkpoint.keep": 0, "eval.every": 0,
-                       "logging.tensorboard": False, "stages": [{"name": "main", "start": 0.0}]})
-    train(cfg, stop_after=3)
-    return tmp / "run"
-
-
-def _copy(honest_run, tmp_path):
+def _copy(stopped_run, tmp_path):
     run = tmp_path / "run"
-    shutil.copytree(honest_run, run)
+    shutil.copytree(stopped_run[0], run)
     return run, [p for _, p in list_complete(run)]
-
-
-def _forge_marker(ckpt):
-    files = {p.name: hash_file(p) for p in sorted(ckpt.iterdir()) if p.is_file() and p.name != "COMPLETE"}
-    (ckpt / "COMPLETE").write_text(json.dumps({"step": read_marker(ckpt)["step"], "hash": "xxh3_64", "files": files}))
 
 
 def _one_line(capsys, argv) -> str:
@@ -95,9 +79,9 @@ TRAINER_STATE_CASES = [
 
 @pytest.mark.parametrize("key,value,words", TRAINER_STATE_CASES, ids=[f"{c[0]}-{i}" for i, c in
                                                                      enumerate(TRAINER_STATE_CASES)])
-def test_crafted_trainer_state_is_one_line_naming_the_key(honest_run, tmp_path, key, value, words):
+def test_crafted_trainer_state_is_one_line_naming_the_key(stopped_run, tmp_path, key, value, words):
     ckpt = tmp_path / "step_00000003"
-    shutil.copytree(honest_run / "checkpoints" / "step_00000003", ckpt)
+    shutil.copytree(stopped_run[0] / "checkpoints" / "step_00000003", ckpt)
     path = ckpt / "trainer_state.json"
     if key == "raw":
         path.write_text(value)
@@ -107,20 +91,20 @@ def test_crafted_trainer_state_is_one_line_naming_the_key(honest_run, tmp_path, 
         if key:
             _set(state, key, value)
         path.write_text(json.dumps(state))
-    _forge_marker(ckpt)
+    forge_marker(ckpt)
     with pytest.raises(CheckpointReadError) as e:
         read_trainer_state(ckpt)
     assert str(e.value).startswith(f"{path}: ") and words in str(e.value), str(e.value)
     assert "\n" not in str(e.value)
 
 
-def test_crafted_trainer_state_through_the_commands(honest_run, tmp_path, capsys):
-    run, ckpts = _copy(honest_run, tmp_path)
+def test_crafted_trainer_state_through_the_commands(stopped_run, tmp_path, capsys):
+    run, ckpts = _copy(stopped_run, tmp_path)
     for c in ckpts:
         state = json.loads((c / "trainer_state.json").read_text())
         state["sampler"]["samples_seen"] = -4  # a traceback deep in the sampler before, or a wrong batch
         (c / "trainer_state.json").write_text(json.dumps(state))
-        _forge_marker(c)
+        forge_marker(c)
     where = f"{ckpts[1]}/trainer_state.json: sampler.samples_seen: expected an integer >= 0"
     assert where in _one_line(capsys, ["blame", str(run), "3"])
     assert where in _one_line(capsys, ["eval", str(ckpts[1])])
@@ -141,8 +125,8 @@ EVENT_CASES = [
 ]
 
 
-def test_crafted_rollback_events_are_one_line_in_blame(honest_run, tmp_path, capsys):
-    run, _ = _copy(honest_run, tmp_path)
+def test_crafted_rollback_events_are_one_line_in_blame(stopped_run, tmp_path, capsys):
+    run, _ = _copy(stopped_run, tmp_path)
     honest = (run / "events.jsonl").read_text()
     for extra, words in EVENT_CASES:
         event = {"kind": "rollback", "step": 2, "rank": 0, "time": time.time(), "text": "crafted", **extra}
@@ -154,8 +138,8 @@ def test_crafted_rollback_events_are_one_line_in_blame(honest_run, tmp_path, cap
     assert main(["blame", str(run), "3"]) == 0
 
 
-def test_metadata_cannot_point_reads_outside_the_checkpoint(honest_run, tmp_path, capsys):
-    run, ckpts = _copy(honest_run, tmp_path)
+def test_metadata_cannot_point_reads_outside_the_checkpoint(stopped_run, tmp_path, capsys):
+    run, ckpts = _copy(stopped_run, tmp_path)
     ckpt = ckpts[-1]
     outside = tmp_path / "elsewhere.distcp"  # a readable file outside: before, eval read the weights from it
     shutil.copy(ckpt / "__0_0.distcp", outside)
@@ -164,26 +148,26 @@ def test_metadata_cannot_point_reads_outside_the_checkpoint(honest_run, tmp_path
         info.relative_path = "../../../elsewhere.distcp"
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
     (ckpt / "__0_0.distcp").unlink()
-    _forge_marker(ckpt)
+    forge_marker(ckpt)
     for argv in (["eval", str(ckpt)], ["export", str(ckpt), "--format", "hf", str(tmp_path / "hf")]):
         err = _one_line(capsys, argv)
         assert f"{ckpt}/.metadata: refused: a storage entry points at '../../../elsewhere.distcp'" in err, err
     for info in md.storage_data.values():
         info.relative_path = str(outside)  # an absolute path
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
-    _forge_marker(ckpt)
+    forge_marker(ckpt)
     assert "refused: a storage entry points at" in _one_line(capsys, ["eval", str(ckpt)])
 
 
-def test_blame_refuses_shards_other_than_the_step_was_trained_on(honest_run, tmp_path, capsys):
-    run, ckpts = _copy(honest_run, tmp_path)
+def test_blame_refuses_shards_other_than_the_step_was_trained_on(stopped_run, tmp_path, capsys):
+    run, ckpts = _copy(stopped_run, tmp_path)
     assert main(["blame", str(run), "3"]) == 0
     capsys.readouterr()
     # The checkpoint after step 3 records the shards it trained on; now they differ (as after a re-prepare).
     state = json.loads((ckpts[-1] / "trainer_state.json").read_text())
     state["data"]["email"] = "0123456789abcdef"
     (ckpts[-1] / "trainer_state.json").write_text(json.dumps(state))
-    _forge_marker(ckpts[-1])
+    forge_marker(ckpts[-1])
     err = _one_line(capsys, ["blame", str(run), "3"])
     assert "the train shards of ['email'] differ from those step 3 was trained on (recorded in step_00000003)" in err
     # Step 2's batch: the checkpoint after it is step_00000002, whose record still matches.
