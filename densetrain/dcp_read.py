@@ -76,13 +76,15 @@ class CheckpointCorruptError(CheckpointReadError):
 
 
 HASH = "xxh3_64"  # the digest the marker records (module docstring)
+_WINDOW = 16 << 20  # bytes mapped at a time by hash_file (a multiple of mmap.ALLOCATIONGRANULARITY)
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a file inside the checkpoint directory, nothing else
 
 
 def hash_file(path: Path, fsync: bool = False) -> dict:
-    """``{"bytes": size, "xxh3_64": hex digest}`` of regular file ``path``, hashed through a read-only memory
-    map (4x faster than chunked reads here: no copy out of the page cache); ``fsync``: also fsync it (the
-    save hashes and fsyncs each file in one pass).
+    """``{"bytes": size, "xxh3_64": hex digest}`` of regular file ``path``, hashed through read-only memory
+    maps of 16 MiB at a time (4x faster than chunked reads here: no copy out of the page cache; one window
+    mapped at a time, so the resident memory of a reader, e.g. an export, stays small); ``fsync``: also
+    fsync it (the save hashes and fsyncs each file in one pass).
 
     Raises:
         OSError: unreadable, or not a regular file (a FIFO would block, a device never end).
@@ -93,8 +95,8 @@ def hash_file(path: Path, fsync: bool = False) -> dict:
         if not stat.S_ISREG(st.st_mode):
             raise OSError(f"{path}: not a regular file")
         h = xxhash.xxh3_64()
-        if st.st_size:
-            with mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ) as m:
+        for offset in range(0, st.st_size, _WINDOW):
+            with mmap.mmap(fd, min(_WINDOW, st.st_size - offset), access=mmap.ACCESS_READ, offset=offset) as m:
                 h.update(m)
         if fsync:
             os.fsync(fd)

@@ -14,9 +14,9 @@ Layout of ``RUN_DIR/checkpoints/step_00000050/``:
 
 Contents verified: every read (resume, rollback, eval, export, replay, blame) checks the files against
 the marker first; a difference, or non-finite weights, is :class:`~densetrain.dcp_read.CheckpointCorruptError`,
-one line naming the file. ``--resume`` then refuses (no silent fall back to an older checkpoint: storage
-that damages files should be looked at; ``--rollback-to STEP`` resumes from an older one on purpose), and
-the guard's rollback passes over such a checkpoint to an older one, saying so. A checkpoint of an older
+one line naming the file. ``--resume`` then falls back to the next older checkpoint, with that line on
+the console (as for any checkpoint that does not load), and the guard's rollback passes over such a
+checkpoint to an older one, in an event; ``eval`` and ``export`` refuse it. A checkpoint of an older
 densetrain, without digests, is read unverified, said once.
 
 Readers beside a writer: ``eval`` and ``export`` of a run that is still training hold a read lease on the
@@ -68,11 +68,11 @@ from densetrain.checkpoint.save import (
     save_checkpoint,
     start_async_save,
 )
-from densetrain.dcp_read import CheckpointCorruptError
+from densetrain.dcp_read import CheckpointCorruptError, CheckpointReadError
 
 __all__ = [
-    "CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError", "Checkpointer", "PendingSave",
-    "checkpoint_dir", "cpu_stager", "describe_error", "finish_async_save", "latest_checkpoint", "leased_checkpoint",
-    "list_complete", "load_checkpoint", "read_trainer_state", "save_checkpoint", "set_aside", "start_async_save",
-    "sweep",
+    "CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError", "CheckpointReadError", "Checkpointer",
+    "PendingSave", "checkpoint_dir", "cpu_stager", "describe_error", "finish_async_save", "latest_checkpoint",
+    "leased_checkpoint", "list_complete", "load_checkpoint", "read_trainer_state", "save_checkpoint", "set_aside",
+    "start_async_save", "sweep",
 ]

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from densetrain.checkpoint.common import _STEP_DIR, _agree, _rank, checkpoint_dir, list_complete
 from densetrain.checkpoint.load import CheckpointMismatchError, load_checkpoint
 from densetrain.checkpoint.save import PendingSave, cpu_stager, finish_async_save, save_checkpoint, start_async_save
-from densetrain.dcp_read import CheckpointCorruptError, CheckpointReadError, UntrustedCheckpointError
+from densetrain.dcp_read import CheckpointReadError, UntrustedCheckpointError
 from densetrain.errors import TrainError
 
 
@@ -119,15 +119,15 @@ class Checkpointer:
         return path
 
     def load_latest(self, model, optimizer) -> tuple[Path | None, dict | None]:
-        """Load the newest complete checkpoint that loads cleanly; fall back to older ones, saying why.
+        """Load the newest complete checkpoint that loads cleanly; fall back to older ones, saying why (one line
+        per checkpoint passed over, naming the file: unreadable, of another model shape, damaged — its files
+        differ from their digests — or holding non-finite weights).
 
         Returns:
             (path, trainer_state), or (None, None) when the run has no complete checkpoint.
         Raises:
             TrainError: checkpoints exist but none loads (corrupt, or made for another model shape).
             UntrustedCheckpointError: the newest one holds a crafted file (no fallback then).
-            CheckpointCorruptError: the newest one differs from its save or holds non-finite weights (no
-                fallback either; the line names the file and the older checkpoints).
         """
         done = list_complete(self.run_dir)
         self._say_passed_over(done[-1][0] if done else -1)
@@ -141,11 +141,6 @@ class Checkpointer:
                 return path, state
             except UntrustedCheckpointError:
                 raise  # someone crafted a file in this run: stop, do not quietly resume from an older one
-            except CheckpointCorruptError as e:  # damaged storage: look at it, do not quietly go back further
-                older = [s for s, p in done if p != path]
-                raise CheckpointCorruptError(
-                    f"{e}; --resume does not fall back past a damaged checkpoint"
-                    + (f": resume from an older one with --rollback-to STEP (have {older})" if older else "")) from None
             # A corrupt file or a shape mismatch after a model.* change; DCP wraps failures in
             # CheckpointException, which derives from BaseException, hence listed explicitly.
             except (Exception, CheckpointException) as e:

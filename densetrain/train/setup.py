@@ -15,7 +15,14 @@ from pathlib import Path
 
 import torch
 
-from densetrain.checkpoint import Checkpointer, CheckpointError, list_complete, read_trainer_state, set_aside
+from densetrain.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointReadError,
+    list_complete,
+    read_trainer_state,
+    set_aside,
+)
 from densetrain.config import Config, load_config, save_config
 from densetrain.data.mixture import MixtureSampler
 from densetrain.data.provenance import window_documents
@@ -265,7 +272,7 @@ def keep_started_dtype(cfg: Config, run_dir: Path, step: int | None = None,
     for path in [p for s, p in done if step is None or s <= step]:  # a rollback loads `step` or falls back
         try:
             state = read_trainer_state(path)
-        except CheckpointError:  # the resume itself says what is wrong with it and falls back
+        except (CheckpointError, CheckpointReadError):  # the resume itself says what is wrong with it, falls back
             continue
         saved = state.get("dtype") if isinstance(state, dict) else None
         break
