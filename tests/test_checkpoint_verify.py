@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,9 +26,11 @@ from densetrain.checkpoint import (
 )
 from densetrain.cli import main
 from densetrain.dcp_read import verify_checkpoint
+from densetrain.errors import TrainError
 from densetrain.metrics import read_events
 from densetrain.model.init import build_model
 from densetrain.optim import build_optimizer
+from densetrain.train.guard import Guard
 from densetrain.train.loop import rollback
 from densetrain.train.setup import setup
 from densetrain.train.step import StepResult
@@ -166,3 +169,23 @@ def test_retention_keeps_a_checkpoint_a_live_reader_holds(stopped_run, tmp_path,
     shutil.copytree(stopped_run[0] / "checkpoints" / "step_00000003", run / "checkpoints" / "step_00000003")
     assert main(["eval", str(run / "checkpoints" / "step_00000003")]) == 0
     assert not stale.exists() and json.loads((run / "evals" / "step_00000003.json").read_text())["step"] == 3
+
+
+def test_guard_stop_with_nonfinite_weights_blames_the_weights_not_the_lr(stopped_run):
+    """Non-finite steps with no rollback left, and the weights themselves not finite (a damaged load, memory):
+    the line says so and advises no lr change (before: 'resume ... with a lower optim.peak_lr')."""
+    cfg = stopped_run[1]
+    model = build_model(cfg.model, cfg.train.seed, torch.device("cpu"))
+    guard = Guard(dataclasses.replace(cfg.guard, rollback=False), max_nonfinite=1)
+    result = StepResult(index=5, stage=None, lr=0.0, loss=float("nan"), grad_norm=float("nan"), stats=None,
+                        first_sample=0, data_s=0.0)
+    run = SimpleNamespace(model=model)
+    with pytest.raises(TrainError) as e:  # finite weights: the lr may well be the cause
+        guard.judge(run, result)
+    assert "optim.peak_lr" in str(e.value)
+    with torch.no_grad():
+        model.layers[1].feed_forward.w2.weight[3, 4] = float("inf")
+    with pytest.raises(TrainError) as e:
+        guard.judge(run, result)
+    assert "the weights themselves are not finite (layers.1.feed_forward.w2.weight)" in str(e.value)
+    assert "peak_lr" not in str(e.value) and "not an lr problem" in str(e.value), str(e.value)
