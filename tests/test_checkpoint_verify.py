@@ -30,6 +30,7 @@ from densetrain.errors import TrainError
 from densetrain.metrics import read_events
 from densetrain.model.init import build_model
 from densetrain.optim import build_optimizer
+from densetrain.report import write_report
 from densetrain.train.guard import Guard
 from densetrain.train.loop import rollback
 from densetrain.train.setup import setup
@@ -189,3 +190,14 @@ def test_guard_stop_with_nonfinite_weights_blames_the_weights_not_the_lr(stopped
         guard.judge(run, result)
     assert "the weights themselves are not finite (layers.1.feed_forward.w2.weight)" in str(e.value)
     assert "peak_lr" not in str(e.value) and "not an lr problem" in str(e.value), str(e.value)
+
+
+def test_report_sweeps_what_a_killed_report_left_and_writes_whole_files(stopped_run, tmp_path):
+    run, _ = _copy(stopped_run, tmp_path)
+    left = [run / ".report.html.tmp999999999", run / ".report.png.tmp999999999"]  # a report killed mid-write
+    for p in left:
+        p.write_text("<html><body>half a pag")
+    write_report(run)
+    assert not any(p.exists() for p in left)
+    assert (run / "report.html").read_text().endswith("</html>\n")
+    assert (run / "report.png").read_bytes().startswith(b"\x89PNG")
