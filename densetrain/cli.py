@@ -173,16 +173,25 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     """Write a Hugging Face LlamaForCausalLM folder (config.json + safetensors + tokenizer) from a checkpoint
     of any layout, read one tensor at a time (files of at most 2 GiB, with an index when there are more)."""
+    from densetrain.checkpoint import leased_checkpoint
+    from densetrain.hf import check_export_target
+    from densetrain.tools.offline_eval import find_checkpoint
+
+    check_export_target(Path(args.out))  # before any work: an export never replaces a run or other files
+    given = Path(args.checkpoint)
+    # A read lease: the retention of a run still training keeps this checkpoint until the export is done.
+    with leased_checkpoint(find_checkpoint(given), None if (given / "COMPLETE").exists() else given) as path:
+        return _export_checkpoint(cfg, args, path)
+
+
+def _export_checkpoint(cfg: Config, args: argparse.Namespace, path: Path) -> int:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from densetrain.checkpoint import describe_error, read_trainer_state
     from densetrain.data.tokenizer import load_tokenizer
-    from densetrain.hf import check_checkpoint_matches, check_export_target, export_hf_from_checkpoint
+    from densetrain.hf import check_checkpoint_matches, export_hf_from_checkpoint
     from densetrain.schedule import resolve_stages, stage_at
-    from densetrain.tools.offline_eval import find_checkpoint
 
-    check_export_target(Path(args.out))  # before any work: an export never replaces a run or other files
-    path = find_checkpoint(Path(args.checkpoint))
     state = read_trainer_state(path)
     # The exported RoPE base and context length are those of the stage the checkpoint was saved in.
     st = stage_at(max(state["step"] - 1, 0), resolve_stages(cfg))

@@ -250,3 +250,50 @@ def read_toml(path, max_bytes: int = MAX_CONFIG_BYTES) -> dict:
         return tomllib.loads(text)
     except RecursionError:
         raise ReadRefused(path, _TOO_DEEP) from None
+
+
+def take_lease(target: Path) -> Path | None:
+    """A read lease on ``target`` (a file or folder that another process may delete, e.g. a checkpoint under
+    retention): the empty file ``NAME.reader-PID`` beside it, which the deleter consults
+    (:func:`leases_of`) after taking ``target`` out of sight. Returns the lease's path, or None where the
+    folder is not writable (a read-only copy of a run: nothing deletes there)."""
+    lease = Path(target).with_name(f"{Path(target).name}.reader-{os.getpid()}")
+    try:
+        lease.touch()
+        fsync_dir(lease.parent)
+    except OSError:
+        return None
+    return lease
+
+
+def release_lease(lease: Path | None) -> None:
+    """Drop a lease of :func:`take_lease` (None: nothing to drop)."""
+    if lease is not None:
+        Path(lease).unlink(missing_ok=True)
+
+
+def leases_of(target: Path) -> list[int]:
+    """PIDs of the live processes holding a read lease on ``target`` (:func:`take_lease`); leases of processes
+    no longer running (a killed reader) are deleted on the way."""
+    target, live = Path(target), []
+    pattern = re.compile(rf"{re.escape(target.name)}\.reader-(\d+)")
+    for p in target.parent.iterdir() if target.parent.is_dir() else ():
+        m = pattern.fullmatch(p.name)
+        if m and pid_alive(int(m.group(1))):
+            live.append(int(m.group(1)))
+        elif m:
+            p.unlink(missing_ok=True)
+    return live
+
+
+def sweep_temps_of(target: Path) -> list[Path]:
+    """Delete the temp files :func:`atomic_write_bytes` left beside ``target`` (``.NAME.tmpPID``) when its
+    writer was killed (its PID no longer runs); a live writer's stay. Returns the deleted paths."""
+    target, removed = Path(target), []
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.tmp(\d+)")
+    for p in target.parent.iterdir() if target.parent.is_dir() else ():
+        m = pattern.fullmatch(p.name)
+        if m and not pid_alive(int(m.group(1))):
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed

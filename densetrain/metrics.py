@@ -347,12 +347,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def read_events(run_dir: Path) -> list[dict]:
     """All structured events of a run (``events.jsonl`` and other ranks' ``events_rank<r>.jsonl``),
-    ordered by time; torn lines skipped."""
+    ordered by time; torn lines, and lines that are no event object, skipped."""
     out = []
     for path in sorted(Path(run_dir).glob("events*.jsonl")):
         for line in path.read_text().splitlines():
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return sorted(out, key=lambda e: e.get("time", 0))
+                e = json.loads(line)
+            except (json.JSONDecodeError, RecursionError):
+                continue
+            if isinstance(e, dict):
+                out.append(e)
+    return sorted(out, key=lambda e: e["time"] if type(e.get("time")) in (int, float) else 0)

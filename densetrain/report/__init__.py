@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from densetrain.fileio import sweep_temps_of
 from densetrain.report.html import PANELS, write_html
 from densetrain.report.png import write_png
 from densetrain.report.run import RunData, load_run, read_events, source_name
@@ -25,6 +26,8 @@ def write_report(run_dir: Path) -> str:
         FileNotFoundError: the run directory has no training records in metrics.jsonl.
     """
     data = load_run(Path(run_dir))
+    for name in ("report.png", "report.html"):  # what a killed report left (.report.html.tmpPID of a dead PID)
+        sweep_temps_of(data.run_dir / name)
     png = write_png(data, data.run_dir / "report.png")
     page = write_html(data, data.run_dir / "report.html")
     lines = [f"report: {page} (open in a browser; works offline)", f"        {png}"]

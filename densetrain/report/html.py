@@ -22,6 +22,7 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
+from densetrain.fileio import atomic_write_bytes
 from densetrain.report.run import (
     PALETTE,
     STAGE_FILLS,
@@ -67,7 +68,7 @@ def write_html(data: RunData, out: Path) -> Path:
             f"<title>densetrain report: {html.escape(str(data.run_dir))}</title><style>{_CSS}</style>"
             f"<script type='text/javascript'>{get_plotlyjs()}</script></head>\n"
             f"<body>\n" + "\n".join(body) + "\n</body></html>\n")
-    out.write_text(page, encoding="utf-8")
+    atomic_write_bytes(out, page.encode("utf-8"))  # a killed report leaves the old page, never half of one
     return out
 
 

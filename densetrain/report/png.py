@@ -6,10 +6,12 @@ tokens/s and MFU per rank, memory, downstream headline scores (bits per byte on 
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from densetrain.fileio import atomic_write_bytes
 from densetrain.report.run import (
     PALETTE,
     STAGE_FILLS,
@@ -92,7 +94,9 @@ def write_png(data: RunData, out: Path) -> Path:
                     ha="left", fontsize=8, color="0.3")
     fig.suptitle(f"densetrain run: {data.run_dir}")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    atomic_write_bytes(out, buf.getvalue())  # a killed report leaves the old image, never half of one
     return out
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from densetrain.checkpoint import list_complete, load_checkpoint
+from densetrain.checkpoint import CheckpointCorruptError, list_complete, load_checkpoint
 from densetrain.config import Config
 from densetrain.errors import TrainError
 from densetrain.evals.downstream import downstream_metrics
@@ -146,8 +146,12 @@ def rollback(run: Run, result: StepResult) -> None:
     sampler left where it is, so the data that led to the trouble is skipped; the metrics past the
     checkpoint are rewritten, the event says what was skipped.
 
+    A checkpoint that fails verification (its files differ from the save) or holds non-finite weights is
+    never rolled back to: it is passed over, said in an event, for the next older one.
+
     Raises:
-        TrainError: no checkpoint that old.
+        TrainError: no checkpoint that old; CheckpointCorruptError: none that old is intact (the cause is
+            the checkpoints, so no lr advice).
     """
     run.checkpointer.finish_pending(run.log)  # a save in flight is set aside below like any later one
     before = result.rollback_before if result.rollback_before is not None else result.index
@@ -155,9 +159,16 @@ def rollback(run: Run, result: StepResult) -> None:
     if not done:
         raise TrainError(f"step {result.index}: trouble since step {before} and no checkpoint at or before it to "
                          f"roll back to; lower optim.peak_lr or save checkpoints more often (checkpoint.every)")
-    step, path = done[-1]
-    set_aside_future(run.run_dir, step, run.info.is_main)  # and the files made from the steps after it
-    saved = load_checkpoint(path, run.model, run.optimizer)
+    for k, (step, path) in enumerate(reversed(done)):
+        set_aside_future(run.run_dir, step, run.info.is_main)  # and the files made from the steps after it
+        try:
+            saved = load_checkpoint(path, run.model, run.optimizer)
+            break
+        except CheckpointCorruptError as e:
+            if k == len(done) - 1:
+                raise CheckpointCorruptError(f"{e}; no intact checkpoint at or before step {before} to roll back "
+                                             "to") from None
+            run.log.event(step, f"rollback: passed over {path.name} ({e})", kind="rollback", action="pass_over")
     skipped = [saved["sampler"]["samples_seen"], run.sampler.state["samples_seen"]]
     from_step = run.state.step
     run.state.load_state_dict(saved)

@@ -15,7 +15,14 @@ from pathlib import Path
 
 import torch
 
-from densetrain.checkpoint import Checkpointer, CheckpointError, list_complete, read_trainer_state, set_aside
+from densetrain.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointReadError,
+    list_complete,
+    read_trainer_state,
+    set_aside,
+)
 from densetrain.config import Config, load_config, save_config
 from densetrain.data.mixture import MixtureSampler
 from densetrain.data.provenance import window_documents
@@ -265,7 +272,7 @@ def keep_started_dtype(cfg: Config, run_dir: Path, step: int | None = None,
     for path in [p for s, p in done if step is None or s <= step]:  # a rollback loads `step` or falls back
         try:
             state = read_trainer_state(path)
-        except CheckpointError:  # the resume itself says what is wrong with it and falls back
+        except (CheckpointError, CheckpointReadError):  # the resume itself says what is wrong with it, falls back
             continue
         saved = state.get("dtype") if isinstance(state, dict) else None
         break
@@ -388,6 +395,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
                         f"schedule and the stage starts are recomputed over {cfg.train.steps} steps from step {step}")
     if dtype_note:
         log.event(step, dtype_note, kind="resume")
+    for note in checkpointer.notes:  # newer checkpoint directories the resume passed over (partial saves)
+        log.event(step, note, kind="resume", action="pass_over")
     autocast = autocast_for(cfg.train.dtype, info.device)
     run = Run(cfg=cfg, info=info, run_dir=run_dir, stages=stages, train_streams=train_streams,
               val_streams=open_streams(cfg, "val"), sampler=MixtureSampler(train_streams), model=model,
