@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from densetrain.evals.stop import StopCheck, stop_point
 from densetrain.parallel import all_reduce_sum, dp_rank_size, even_split, unwrap
 
 __all__ = ["Request", "build_requests", "encode_pair", "eval_mode", "score_requests", "start_token"]
@@ -184,6 +185,7 @@ def score_requests(
     autocast: contextlib.AbstractContextManager | None = None,
     pad_id: int = 0,
     split: bool = True,
+    should_stop: StopCheck = None,
 ) -> np.ndarray:
     """Sum of continuation log-probabilities of every request (module docstring: batching, split).
 
@@ -197,6 +199,7 @@ def score_requests(
         pad_id: id written into padding positions (never scored, never attended to by scored ones).
         split: deal the batches over the data-parallel ranks (all ranks must call together, each
             runs ``ceil(n_batches / dp_size)`` forwards); False scores everything on this process.
+        should_stop: asked before each forward batch (:mod:`densetrain.evals.stop`).
 
     Returns:
         (len(requests),) float64, nats (<= 0), the same on every rank. Identical requests get
@@ -204,6 +207,7 @@ def score_requests(
 
     Raises:
         ValueError: batch_size < 1.
+        EvalStopped: ``should_stop()`` said True.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -217,6 +221,7 @@ def score_requests(
     rank, size = dp_rank_size() if split else (0, 1)
     sums = np.zeros(len(keys), dtype=np.float64)
     for b in even_split(len(batches), rank, size):
+        stop_point(should_stop)
         chunk = batches[-1 if b is None else b]  # None: the shortest batch stands in, result discarded
         ll = _score_batch(model, keys, chunk, device, autocast, pad_id)
         if b is not None:
