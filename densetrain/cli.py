@@ -326,6 +326,32 @@ RUN_DIR_ARGS = {  # command -> (positional argument, the file it reads first the
 }
 
 
+RUN_CONFIG_COMMANDS = ("report", "blame", "replay")  # read RUN_DIR/config.toml as the run wrote it: no overrides
+UNUSED_SECTIONS = {  # command -> config sections it never reads (it works on one checkpoint, in this process)
+    "eval": ("optim", "checkpoint", "logging", "parallel", "guard", "watchdog", "probe", "faults"),
+    "export": ("optim", "checkpoint", "logging", "eval", "parallel", "guard", "watchdog", "probe", "faults"),
+}
+
+
+def refuse_unused_overrides(args: argparse.Namespace, rest: list[str]) -> None:
+    """An override the command would not use is refused, not ignored: ``report``, ``blame`` and ``replay``
+    take none (nor ``--preset`` / ``--config``), ``eval`` and ``export`` none of the sections they never read
+    (``--parallel.*`` among them: a checkpoint of any layout is read whole, in one process).
+
+    Raises:
+        ConfigError: one line naming the first such argument.
+    """
+    if args.command in RUN_CONFIG_COMMANDS:
+        given = rest + [f"--{k}" for k in ("preset", "config") if getattr(args, k, None)]
+        if given:
+            raise ConfigError(f"{given[0]}: densetrain {args.command} reads the run's own config.toml and takes no "
+                              "--preset, --config or --section.key=value overrides")
+    for key, _ in parse_overrides(rest) if args.command in UNUSED_SECTIONS else []:
+        if key.split(".")[0] in UNUSED_SECTIONS[args.command]:
+            raise ConfigError(f"--{key}: densetrain {args.command} does not use [{key.split('.')[0]}] (it reads one "
+                              "checkpoint of any layout in this process); leave it out")
+
+
 def _check_path_arg(args: argparse.Namespace) -> None:
     """The command's directory argument is a directory holding the file the command reads first, else one
     line naming it and what was expected (eval/export: :func:`densetrain.tools.offline_eval.find_checkpoint`
@@ -441,7 +467,9 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
         if not args.help_config:
             _check_path_arg(args)
-        if args.command in ("report", "blame", "replay") and not args.help_config:
+        if not args.help_config:
+            refuse_unused_overrides(args, rest)
+        if args.command in RUN_CONFIG_COMMANDS and not args.help_config:
             return COMMANDS[args.command][0](None, args)
         cfg = _config_from(args, rest)
         if getattr(args, "smoke", False):
