@@ -2,8 +2,9 @@
 ``mup-check | lr-sweep | plan`` (argument handling in :mod:`densetrain.tools.commands`).
 
 Every command takes ``--preset NAME`` and/or ``--config FILE`` plus ``--section.key=value``
-overrides (see ``densetrain train --help-config``). Errors in user input end with one line
-``densetrain: error: ...`` and exit status 2, never a traceback.
+overrides (see ``densetrain train --help-config``), except ``report``, ``blame`` and ``replay``, which read
+the run's own ``config.toml``; an override a command does not use is refused (:func:`refuse_unused_overrides`).
+Errors in user input end with one line ``densetrain: error: ...`` and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
