@@ -206,7 +206,7 @@ def compare_ranks(partials: list[dict], row_losses: np.ndarray, grad_norm: float
     dp_size = max(p["dp_rank"] for p in partials) + 1
     per = batch_size // dp_size
     total = float(row_losses.sum())
-    scale = loss_sum / total if loss_sum is not None and total and not math.isclose(loss_sum, total) else 1.0
+    scale = loss_sum / total if loss_sum is not None and total else 1.0
     out = []
     for p in partials:
         mine = float(row_losses[p["dp_rank"] * per:(p["dp_rank"] + 1) * per].sum()) * scale
@@ -217,7 +217,7 @@ def compare_ranks(partials: list[dict], row_losses: np.ndarray, grad_norm: float
     return out
 
 
-def check_replayable(run_dir: Path, step: int, rtol: float) -> None:
+def check_arguments(run_dir: Path, step: int, rtol: float) -> None:
     """The arguments of :func:`replay` make sense: ``rtol`` finite and >= 0, ``step`` >= 1.
 
     Raises:
@@ -265,7 +265,7 @@ def replay(run_dir: str | Path, step: int, rtol: float = 1e-3) -> dict:
             state; or the replayed sampler does not reach the recorded batch (one line each).
     """
     run_dir = Path(run_dir)
-    check_replayable(run_dir, step, rtol)
+    check_arguments(run_dir, step, rtol)
     cfg = load_config(path=run_dir / "config.toml")
     index = step - 1
     logged, spike = _logged(run_dir, cfg, step)
