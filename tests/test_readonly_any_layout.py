@@ -90,7 +90,10 @@ def test_bad_rtol_and_step_and_unused_overrides_are_refused_in_one_line(fsdp_run
     assert "densetrain export does not use [optim]" in one_error(capsys, "export", run, "out", "--optim.peak_lr=1")
 
 
-def test_eval_of_the_sharded_checkpoint_in_one_process(fsdp_run, capsys):
+def test_eval_and_blame_of_the_sharded_run_in_one_process(fsdp_run, capsys):
+    assert main(["blame", str(fsdp_run), "3", "--json"]) == 0
+    logged = next(r for r in read_metrics(fsdp_run) if r["kind"] == "train" and r["step"] == 3)
+    assert json.loads(capsys.readouterr().out)["sample_index"] == logged["sample_index"]
     assert main(["eval", str(fsdp_run)]) == 0
     res = json.loads(capsys.readouterr().out)
     # The final validation the 2-rank run logged, recomputed from its sharded checkpoint in one process.

@@ -139,7 +139,8 @@ def position_eval(model: torch.nn.Module, cfg, stages: list[Stage], val_streams:
     """The training loop's call after update ``step``: the metrics to log (:func:`position_metrics`
     plus ``'position_eval'``: ``'before <stage>'`` or ``'final'``), or None when not due
     (:func:`position_eval_due`), disabled (``eval.position_buckets = []``) or without long-document
-    sources with held-out data. ``cfg`` is the run's :class:`densetrain.config.Config`."""
+    sources with held-out data. ``cfg`` is the run's :class:`densetrain.config.Config`; ``should_stop``: asked
+    before each document's forward (:func:`evaluate_position_loss`)."""
     tag = position_eval_due(step, stages, cfg.train.steps) if cfg.eval.position_buckets else None
     long_docs = {s.name: val_streams[s.name] for s in cfg.data.sources if s.long_docs and s.name in val_streams}
     if tag is None or not long_docs:

@@ -494,11 +494,13 @@ def _log_layout_used(run: Run, saved: dict | None) -> None:
     """The start's one line on the layout (fresh or resumed, any layout), when :func:`_log_layout` said none."""
     lay, world = run.info.layout, run.info.world_size
     was_world, was = (saved.get("world_size"), saved.get("layout")) if saved else (None, None)
-    moved = saved is not None and (was_world not in (None, world) or was not in (None, dataclasses.asdict(lay)))
-    run.log.event(run.state.step, f"layout: {world} process(es) as {lay}: {layout_words(lay)}"
-                  + (f" (checkpoint written on {was_world} process(es)"
-                     + (f" as dp_replicate={was['dp_replicate']} dp_shard={was['dp_shard']} tp={was['tp']}"
-                        if isinstance(was, dict) else "") + ")" if moved else ""),
+    note = ""
+    if saved is not None and (was_world not in (None, world) or was not in (None, dataclasses.asdict(lay))):
+        # resumed with --parallel.* flags on another layout than the checkpoint's
+        note = f" (checkpoint written on {was_world} process(es)" + (
+            f" as dp_replicate={was['dp_replicate']} dp_shard={was['dp_shard']} tp={was['tp']})"
+            if isinstance(was, dict) else ")")
+    run.log.event(run.state.step, f"layout: {world} process(es) as {lay}: {layout_words(lay)}{note}",
                   kind="parallel", values={"layout": dataclasses.asdict(lay), "world_size": world,
                                            "checkpoint_world_size": was_world, "checkpoint_layout": was})
 
