@@ -299,7 +299,8 @@ COMMANDS = {
 }
 
 
-TRAIN_EPILOG = (f"SIGTERM or Ctrl-C (SIGINT): the current step finishes, a checkpoint is written and the run exits "
+TRAIN_EPILOG = (f"SIGTERM or Ctrl-C (SIGINT): the current step finishes (an in-loop evaluation stops after its "
+                f"current batch), a checkpoint is written and the run exits "
                 f"with status {EXIT_PREEMPTED}; continue it with --resume RUN_DIR. A second signal exits at once "
                 "(status 143 / 130). Exit status 2: bad input (one line).")
 

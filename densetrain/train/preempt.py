@@ -64,9 +64,10 @@ class StopRequest:
         for s in SIGNALS:  # a second signal: the default action (terminate), at once
             signal.signal(s, signal.SIG_DFL)
         if int(os.environ.get("RANK", "0")) == 0:  # os.write: safe wherever the main thread was interrupted
-            os.write(2, f"densetrain: {signal.Signals(signum).name} received: finishing the current step, then a "
-                        f"checkpoint and exit {EXIT_PREEMPTED}; send it again to stop at once (the steps since the "
-                        f"last checkpoint are lost)\n".encode())
+            os.write(2, f"densetrain: {signal.Signals(signum).name} received: finishing the current step (an "
+                        f"evaluation is abandoned after its current batch), then a checkpoint and exit "
+                        f"{EXIT_PREEMPTED}; send it again to stop at once (the steps since the last checkpoint are "
+                        f"lost)\n".encode())
 
     def requested(self) -> int:
         """At a step boundary, on every rank: the signal number (SIGTERM over SIGINT) if any rank noted one,
