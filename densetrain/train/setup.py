@@ -408,13 +408,10 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     if saved:
         run.load_state_dict(saved)
         _log_resume(run, ckpt, saved)
-        _log_rng(run, ckpt)
+        if keep_layout_intent:
+            _log_layout(run, saved)
     elif resume:  # stopped before its first checkpoint (e.g. a second signal): say it starts over, not silently
         run.log.event(0, f"{run_dir}: no checkpoint yet, so --resume starts the run from step 0", kind="resume")
-    if not (saved and keep_layout_intent and _log_layout(run, saved)):
-        _log_layout_used(run, saved)
-    groups, values = describe_groups(optimizer, cfg.optim.peak_lr)
-    log.event(step, f"optimizer: {groups}", kind="optimizer", values={"groups": values})
     if rollback_to is not None:
         skip_data(run, skip_batches, f"manual rollback to step {rollback_to}")
     if cfg.eval.tasks or cfg.eval.final_tasks:
@@ -426,6 +423,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         log.event(step, f"WARNING: sources without data left out of every mix: {missing}")
     if ckpt is None:
         warn_repeats(run, cfg.train.steps)
+    _log_decisions(run, saved, ckpt, keep_layout_intent)
     if info.is_main and ckpt is None:
         log.event(step, f"model: {model.num_params() / 1e6:.2f}M parameters; "
                         f"{'bf16 autocast' if autocast else 'fp32'} (train.dtype={cfg.train.dtype}); peak "
@@ -490,13 +488,23 @@ def layout_words(lay) -> str:
     return ", ".join(parts) or "one process, no parallelism"
 
 
+def _log_decisions(run: Run, saved: dict | None, ckpt: Path | None, keep_layout_intent: bool) -> None:
+    """What this start decided, said once each: the layout (unless :func:`_log_layout` said it), the
+    parameters of each optimizer, and on a resume the RNG state of each rank."""
+    if not (saved and keep_layout_intent and _layout_moved(run, saved)):
+        _log_layout_used(run, saved)
+    groups, values = describe_groups(run.optimizer, run.cfg.optim.peak_lr)
+    run.log.event(run.state.step, f"optimizer: {groups}", kind="optimizer", values={"groups": values})
+    if saved:
+        _log_rng(run, ckpt)
+
+
 def _log_layout_used(run: Run, saved: dict | None) -> None:
     """The start's one line on the layout (fresh or resumed, any layout), when :func:`_log_layout` said none."""
     lay, world = run.info.layout, run.info.world_size
     was_world, was = (saved.get("world_size"), saved.get("layout")) if saved else (None, None)
     note = ""
-    if saved is not None and (was_world not in (None, world) or was not in (None, dataclasses.asdict(lay))):
-        # resumed with --parallel.* flags on another layout than the checkpoint's
+    if saved is not None and _layout_moved(run, saved):  # resumed with --parallel.* flags on another layout
         note = f" (checkpoint written on {was_world} process(es)" + (
             f" as dp_replicate={was['dp_replicate']} dp_shard={was['dp_shard']} tp={was['tp']})"
             if isinstance(was, dict) else ")")
@@ -523,14 +531,21 @@ def _log_rng(run: Run, ckpt: Path) -> None:
                           "rng_unused": unused})
 
 
-def _log_layout(run: Run, saved: dict) -> bool:
+def _layout_moved(run: Run, saved: dict) -> bool:
+    """The run resumes on another world size or layout than the checkpoint ``saved`` records."""
+    world = run.info.world_size
+    return not (saved.get("world_size", world) == world
+                and saved.get("layout") in (None, dataclasses.asdict(run.info.layout)))
+
+
+def _log_layout(run: Run, saved: dict) -> None:
     """One line (console and events.jsonl) when a resume runs on another world size or layout than the
-    checkpoint's: the layout chosen and the intent it keeps. Returns whether it said one."""
+    checkpoint's: the layout chosen and the intent it keeps."""
     p, lay, world = run.cfg.parallel, run.info.layout, run.info.world_size
     was_world = saved.get("world_size", world)
     was = saved.get("layout")
-    if was_world == world and was in (None, dataclasses.asdict(lay)):
-        return False
+    if not _layout_moved(run, saved):
+        return
     try:
         as_configured = resolve_layout(p.dp_replicate, p.dp_shard, p.tp, world, cp=p.cp) == lay
     except ValueError:
@@ -543,7 +558,6 @@ def _log_layout(run: Run, saved: dict) -> bool:
                                                               f"dp_shard={p.dp_shard} tp={p.tp} does not fit)"),
                   kind="layout", values={"layout": dataclasses.asdict(lay), "world_size": world,
                                          "checkpoint_world_size": was_world, "checkpoint_layout": was})
-    return True
 
 
 def _log_resume(run: Run, ckpt: Path, saved: dict) -> None:
