@@ -184,8 +184,8 @@ def score_requests(
     batch_size: int = 32,
     autocast: contextlib.AbstractContextManager | None = None,
     pad_id: int = 0,
-    split: bool = True,
     should_stop: StopCheck = None,
+    split: bool = True,
 ) -> np.ndarray:
     """Sum of continuation log-probabilities of every request (module docstring: batching, split).
 
@@ -197,9 +197,9 @@ def score_requests(
         batch_size: sequences per forward; peak memory is about ``batch_size * T * V`` logits.
         autocast: optional autocast context for the forward (log-probs are computed in >= fp32).
         pad_id: id written into padding positions (never scored, never attended to by scored ones).
+        should_stop: asked before each forward batch (:mod:`densetrain.evals.stop`).
         split: deal the batches over the data-parallel ranks (all ranks must call together, each
             runs ``ceil(n_batches / dp_size)`` forwards); False scores everything on this process.
-        should_stop: asked before each forward batch (:mod:`densetrain.evals.stop`).
 
     Returns:
         (len(requests),) float64, nats (<= 0), the same on every rank. Identical requests get
@@ -221,8 +221,8 @@ def score_requests(
     rank, size = dp_rank_size() if split else (0, 1)
     sums = np.zeros(len(keys), dtype=np.float64)
     for b in even_split(len(batches), rank, size):
-        stop_point(should_stop)
         chunk = batches[-1 if b is None else b]  # None: the shortest batch stands in, result discarded
+        stop_point(should_stop)
         ll = _score_batch(model, keys, chunk, device, autocast, pad_id)
         if b is not None:
             sums[chunk] = ll
