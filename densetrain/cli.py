@@ -2,8 +2,9 @@
 ``mup-check | lr-sweep | plan`` (argument handling in :mod:`densetrain.tools.commands`).
 
 Every command takes ``--preset NAME`` and/or ``--config FILE`` plus ``--section.key=value``
-overrides (see ``densetrain train --help-config``). Errors in user input end with one line
-``densetrain: error: ...`` and exit status 2, never a traceback.
+overrides (see ``densetrain train --help-config``), except ``report``, ``blame`` and ``replay``, which read
+the run's own ``config.toml``; an override a command does not use is refused (:func:`refuse_unused_overrides`).
+Errors in user input end with one line ``densetrain: error: ...`` and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -316,7 +317,8 @@ COMMANDS = {
 }
 
 
-TRAIN_EPILOG = (f"SIGTERM or Ctrl-C (SIGINT): the current step finishes, a checkpoint is written and the run exits "
+TRAIN_EPILOG = (f"SIGTERM or Ctrl-C (SIGINT): the current step finishes (an in-loop evaluation stops after its "
+                f"current batch), a checkpoint is written and the run exits "
                 f"with status {EXIT_PREEMPTED}; continue it with --resume RUN_DIR. A second signal exits at once "
                 "(status 143 / 130). Exit status 2: bad input (one line).")
 
@@ -341,6 +343,32 @@ RUN_DIR_ARGS = {  # command -> (positional argument, the file it reads first the
     "report": ("run_dir", "metrics.jsonl", RUN_ARG),
     "import-hf": ("hf_dir", "config.json", "a local Hugging Face Llama folder (config.json + *.safetensors)"),
 }
+
+
+RUN_CONFIG_COMMANDS = ("report", "blame", "replay")  # read RUN_DIR/config.toml as the run wrote it: no overrides
+UNUSED_SECTIONS = {  # command -> config sections it never reads (it works on one checkpoint, in this process)
+    "eval": ("optim", "checkpoint", "logging", "parallel", "guard", "watchdog", "probe", "faults"),
+    "export": ("optim", "checkpoint", "logging", "eval", "parallel", "guard", "watchdog", "probe", "faults"),
+}
+
+
+def refuse_unused_overrides(args: argparse.Namespace, rest: list[str]) -> None:
+    """An override the command would not use is refused, not ignored: ``report``, ``blame`` and ``replay``
+    take none (nor ``--preset`` / ``--config``), ``eval`` and ``export`` none of the sections they never read
+    (``--parallel.*`` among them: a checkpoint of any layout is read whole, in one process).
+
+    Raises:
+        ConfigError: one line naming the first such argument.
+    """
+    if args.command in RUN_CONFIG_COMMANDS:
+        given = rest + [f"--{k}" for k in ("preset", "config") if getattr(args, k, None)]
+        if given:
+            raise ConfigError(f"{given[0]}: densetrain {args.command} reads the run's own config.toml and takes no "
+                              "--preset, --config or --section.key=value overrides")
+    for key, _ in parse_overrides(rest) if args.command in UNUSED_SECTIONS else []:
+        if key.split(".")[0] in UNUSED_SECTIONS[args.command]:
+            raise ConfigError(f"--{key}: densetrain {args.command} does not use [{key.split('.')[0]}] (it reads one "
+                              "checkpoint of any layout in this process); leave it out")
 
 
 def _check_path_arg(args: argparse.Namespace) -> None:
@@ -458,7 +486,9 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
         if not args.help_config:
             _check_path_arg(args)
-        if args.command in ("report", "blame", "replay") and not args.help_config:
+        if not args.help_config:
+            refuse_unused_overrides(args, rest)
+        if args.command in RUN_CONFIG_COMMANDS and not args.help_config:
             return COMMANDS[args.command][0](None, args)
         cfg = _config_from(args, rest)
         if getattr(args, "smoke", False):

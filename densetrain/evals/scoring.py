@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from densetrain.evals.stop import StopCheck, stop_point
 from densetrain.parallel import all_reduce_sum, dp_rank_size, even_split, unwrap
 
 __all__ = ["Request", "build_requests", "encode_pair", "eval_mode", "score_requests", "start_token"]
@@ -189,6 +190,7 @@ def score_requests(
     batch_size: int = 32,
     autocast: contextlib.AbstractContextManager | None = None,
     pad_id: int = 0,
+    should_stop: StopCheck = None,
     split: bool = True,
     progress: Callable[[int], None] | None = None,
 ) -> np.ndarray:
@@ -202,6 +204,7 @@ def score_requests(
         batch_size: sequences per forward; peak memory is about ``batch_size * T * V`` logits.
         autocast: optional autocast context for the forward (log-probs are computed in >= fp32).
         pad_id: id written into padding positions (never scored, never attended to by scored ones).
+        should_stop: asked before each forward batch (:mod:`densetrain.evals.stop`).
         split: deal the batches over the data-parallel ranks (all ranks must call together, each
             runs ``ceil(n_batches / dp_size)`` forwards); False scores everything on this process.
         progress: called after each forward with the number of requests it stands for (this rank's
@@ -213,6 +216,7 @@ def score_requests(
 
     Raises:
         ValueError: batch_size < 1.
+        EvalStopped: ``should_stop()`` said True.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -228,6 +232,7 @@ def score_requests(
     mine, reported = even_split(len(batches), rank, size), 0
     for i, b in enumerate(mine):
         chunk = batches[-1 if b is None else b]  # None: the shortest batch stands in, result discarded
+        stop_point(should_stop)
         ll = _score_batch(model, keys, chunk, device, autocast, pad_id)
         if b is not None:
             sums[chunk] = ll

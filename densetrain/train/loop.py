@@ -5,7 +5,8 @@
 
 and the explicit calls it makes are the functions below it. Setup lives in :mod:`densetrain.train.setup`,
 the step in :mod:`densetrain.train.step`, the decision point in :mod:`densetrain.train.watchers`. A SIGTERM
-or Ctrl-C stops the run at the next step boundary, checkpointed (:mod:`densetrain.train.preempt`).
+or Ctrl-C stops the run at the next step boundary, or between two batches of an in-loop evaluation (which is
+then abandoned), checkpointed (:mod:`densetrain.train.preempt`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from densetrain.errors import TrainError
 from densetrain.evals.downstream import downstream_metrics
 from densetrain.evals.position_loss import position_eval
 from densetrain.evals.samples import source_samples
+from densetrain.evals.stop import EvalStopped, StopCheck
 from densetrain.evals.valloss import evaluate_val, val_overall, val_table
 from densetrain.fileio import atomic_write_json
 from densetrain.metrics import flops_per_token, format_rate, memory_stats, read_metrics
@@ -73,7 +75,7 @@ def _train(run: Run) -> dict:
             run.checkpointer.poll(run.log)  # completes an async save whose background write has finished
             signum = stop.requested()  # the same answer on every rank (one all-reduce)
             if signum:
-                stop_run(run, signum)  # raises Preempted once the checkpoint is written
+                stop_run(run, signum, noted_at=stop.noted_at)  # raises Preempted once the checkpoint is written
             st = stage_at(run.state.step, run.stages)
             if st != stage:
                 enter_stage(run, st)
@@ -90,12 +92,12 @@ def _train(run: Run) -> dict:
             if verdict == Verdict.ROLLBACK:
                 continue
             log_step(run, result, time.perf_counter() - t0)
-            evaluate(run, st)
+            evaluate(run, st, stop)  # a signal in it: the evaluation is abandoned, the step checkpointed
             run.checkpointer.save_if_due(run.state.step, run.model, run.optimizer, run.state_dict(), result.finite,
                                          run.log)
         signum = stop.requested()  # a signal during the last step: stop as promised (exit 75), before the
         if signum:                 # final evaluations, which the --resume of a complete run then does
-            stop_run(run, signum)
+            stop_run(run, signum, noted_at=stop.noted_at)
         stop.restore()  # the final evaluations can be interrupted: --resume then completes them
         return finish(run, stage)
     except BaseException:
@@ -228,46 +230,59 @@ def mfu_above_one(run: Run, step: int, achieved: float) -> float:
     return achieved / run.peak_flops
 
 
-def evaluate(run: Run, st: Stage) -> None:
+def evaluate(run: Run, st: Stage, stop: StopRequest | None = None) -> None:
     """Validation loss/bpb every ``eval.every`` steps and downstream tasks every ``eval.tasks_every``
-    (both also at the last step of the schedule)."""
+    (both also at the last step of the schedule), and the loss by position when due. With ``stop``, each
+    evaluation asks it between forward batches (every rank at the same batches); a signal abandons the
+    evaluation and stops the run with the step checkpointed (:func:`densetrain.train.preempt.stop_run`)."""
     cfg, step = run.cfg, run.state.step
-    if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.train.steps:
-        t0 = time.perf_counter()
-        val = run.last_val = validate(run, st)
-        vm = {f"val/{s}/{k}": v[k] for s, v in {**val, "all": val_overall(val)}.items() for k in ("loss", "bpb")}
-        vm["time/eval_s"] = time.perf_counter() - t0
-        run.eval_seconds += vm["time/eval_s"]
-        run.log.log(step, vm, kind="eval")
-        run.log.console("  val " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in vm.items() if k.endswith("/loss")))
-    pm = position_eval(run.model, cfg, run.stages, run.val_streams, step, run.info.device, run.autocast)
-    if pm:  # loss by position in long documents, before each long stage and at the end
-        run.log.log(step, pm, kind="eval")
-        run.position_loss[pm["position_eval"]] = {k[len("val_pos/"):]: v for k, v in pm.items()
-                                                  if k.startswith("val_pos/")}
-        run.log.console(f"  val by position ({pm['position_eval']}) " + " ".join(
-            f"{k.split('/')[2]} {v:.3f}" for k, v in pm.items() if k.startswith("val_pos/all/") and k.endswith("loss")))
-    if cfg.eval.tasks and ((cfg.eval.tasks_every and step % cfg.eval.tasks_every == 0) or step == cfg.train.steps):
-        t0 = time.perf_counter()
-        dm = run_tasks(run, st, cfg.eval.tasks, cfg.eval.tasks_limit)
-        dm["time/tasks_s"] = time.perf_counter() - t0
-        run.eval_seconds += dm["time/tasks_s"]
-        run.log.log(step, dm, kind="eval")
-        run.log.console("  tasks " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in dm.items()
-                                               if k.endswith("/headline")))
+    should_stop = stop.asked if stop is not None else None
+    what = "validation"
+    try:
+        if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.train.steps:
+            t0 = time.perf_counter()
+            val = run.last_val = validate(run, st, should_stop)
+            vm = {f"val/{s}/{k}": v[k] for s, v in {**val, "all": val_overall(val)}.items() for k in ("loss", "bpb")}
+            vm["time/eval_s"] = time.perf_counter() - t0
+            run.eval_seconds += vm["time/eval_s"]
+            run.log.log(step, vm, kind="eval")
+            run.log.console("  val " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in vm.items()
+                                                if k.endswith("/loss")))
+        what = "loss by position"
+        pm = position_eval(run.model, cfg, run.stages, run.val_streams, step, run.info.device, run.autocast,
+                           should_stop)
+        if pm:  # loss by position in long documents, before each long stage and at the end
+            run.log.log(step, pm, kind="eval")
+            run.position_loss[pm["position_eval"]] = {k[len("val_pos/"):]: v for k, v in pm.items()
+                                                      if k.startswith("val_pos/")}
+            run.log.console(f"  val by position ({pm['position_eval']}) " + " ".join(
+                f"{k.split('/')[2]} {v:.3f}" for k, v in pm.items()
+                if k.startswith("val_pos/all/") and k.endswith("loss")))
+        what = "downstream tasks"
+        if cfg.eval.tasks and ((cfg.eval.tasks_every and step % cfg.eval.tasks_every == 0)
+                               or step == cfg.train.steps):
+            t0 = time.perf_counter()
+            dm = run_tasks(run, st, cfg.eval.tasks, cfg.eval.tasks_limit, should_stop)
+            dm["time/tasks_s"] = time.perf_counter() - t0
+            run.eval_seconds += dm["time/tasks_s"]
+            run.log.log(step, dm, kind="eval")
+            run.log.console("  tasks " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in dm.items()
+                                                   if k.endswith("/headline")))
+    except EvalStopped:  # every rank got the same all-reduced answer at the same batch
+        stop_run(run, stop.agreed, abandoned=what, noted_at=stop.noted_at)
 
 
-def validate(run: Run, st: Stage) -> dict:
+def validate(run: Run, st: Stage, should_stop: StopCheck = None) -> dict:
     """Validation loss (and bpb) per source of the model as it is, with stage ``st``'s sequences."""
     return evaluate_val(run.model, run.val_streams, st.seq_len, st.micro_batch_size, run.cfg.eval.max_batches,
                         run.info.device, run.autocast, run.tokenizer,
-                        run.tokenizer.eos_id if st.document_mask else None, st.reset_positions)
+                        run.tokenizer.eos_id if st.document_mask else None, st.reset_positions, should_stop)
 
 
-def run_tasks(run: Run, st: Stage, tasks: str, limit: int) -> dict:
+def run_tasks(run: Run, st: Stage, tasks: str, limit: int, should_stop: StopCheck = None) -> dict:
     """Downstream metrics of ``tasks``; each truncation warning is logged once per run."""
     dm, warnings = downstream_metrics(run.model, run.tokenizer, tasks, limit, st.seq_len, run.info.device,
-                                      run.autocast)
+                                      run.autocast, should_stop)
     for line in sorted(set(warnings) - run.warned):
         run.log.event(run.state.step, line)
     run.warned |= set(warnings)

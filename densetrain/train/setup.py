@@ -34,7 +34,7 @@ from densetrain.fileio import fsync_dir
 from densetrain.metrics import MetricsLogger, measure_peak_flops
 from densetrain.model.compiling import pin_inductor_cache
 from densetrain.model.llama import Transformer
-from densetrain.optim import build_optimizer
+from densetrain.optim import build_optimizer, describe_groups
 from densetrain.parallel import DistInfo, all_reduce_sum, autocast_for, build_parallel_model, init_distributed
 from densetrain.parallel.mesh import intent, keep_intent, resolve_layout
 from densetrain.registry.tasks import data_root, parse_task_list, resolve_tasks
@@ -214,12 +214,20 @@ def lock_run_dir(run_dir: Path, info: DistInfo) -> None:
             os.close(fd)
         else:
             _RUN_LOCKS[run_dir.resolve()] = fd
-            with contextlib.suppress(OSError):  # the pid is for the message only (a full disk: the write
-                os.ftruncate(fd, 0)              # that matters, config.toml, then says so)
-                os.pwrite(fd, str(os.getpid()).encode(), 0)
     if all_reduce_sum(torch.tensor([int(bool(held_by))], device=info.device)).item():
         raise TrainError(f"{run_dir} is being trained by another process (pid {held_by or 'on rank 0'}); "
                          f"wait for it to end or stop it before resuming")
+
+
+def claim_run_dir(run_dir: Path) -> None:
+    """Write this process's pid into the ``.lock`` it holds (for the message that refuses a second trainer),
+    once setup has accepted the run: a ``train`` refused after taking the lock (an existing run without
+    ``--resume``, no checkpoint at ``--rollback-to``) leaves the file of the run it refused as it was."""
+    fd = _RUN_LOCKS.get(Path(run_dir).resolve())
+    if fd is not None:
+        with contextlib.suppress(OSError):  # the pid is for the message only (a full disk: the write
+            os.ftruncate(fd, 0)              # that matters, config.toml, then says so)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
 
 
 def unlock_run_dir(run_dir: Path) -> None:
@@ -380,6 +388,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     ckpt, saved = checkpointer.load_latest(model, optimizer) if resume else (None, None)
     if not resume:
         _refuse_existing_run(run_dir, info)  # (resume without a checkpoint yet, e.g. killed early: start over)
+    if info.is_main:
+        claim_run_dir(run_dir)
     old_steps = _configured_steps(run_dir) if saved and info.is_main else None
     started = (run_dir / "config.toml").exists()  # an earlier attempt, before this one writes it
     if info.is_main:
@@ -425,6 +435,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         log.event(step, f"WARNING: sources without data left out of every mix: {missing}")
     if ckpt is None:
         warn_repeats(run, cfg.train.steps)
+    _log_decisions(run, saved, ckpt, keep_layout_intent)
     if info.is_main and ckpt is None:
         log.event(step, f"model: {model.num_params() / 1e6:.2f}M parameters; "
                         f"{'bf16 autocast' if autocast else 'fp32'} (train.dtype={cfg.train.dtype}); peak "
@@ -469,13 +480,83 @@ def layout_keeping_intent(cfg: Config):
     return dataclasses.replace(p, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp, cp=lay.cp)
 
 
+def layout_words(lay) -> str:
+    """How a resolved :class:`~densetrain.parallel.mesh.Layout` splits the work, in words (the wrapper
+    :func:`densetrain.parallel.build_parallel_model` applies for it), e.g. ``FSDP2: fully_shard over 2
+    data-parallel ranks``."""
+    parts = []
+    if lay.dp_shard > 1:
+        parts.append(f"HSDP: FSDP2 shard groups of {lay.dp_shard} ranks, {lay.dp_replicate} replicas"
+                     if lay.dp_replicate > 1 else f"FSDP2: fully_shard over {lay.dp_shard} data-parallel ranks")
+    elif lay.uses_fsdp:
+        parts.append(f"FSDP2 without parameter sharding ({lay.dp_size} data-parallel replica(s); it reduces the "
+                     "tensor- or context-parallel gradients)")
+    elif lay.dp_size > 1:
+        parts.append(f"DDP: {lay.dp_size} replicas")
+    if lay.tp > 1:
+        parts.append(f"tensor parallel {lay.tp}")
+    if lay.cp > 1:
+        parts.append(f"context parallel {lay.cp}")
+    return ", ".join(parts) or "one process, no parallelism"
+
+
+def _log_decisions(run: Run, saved: dict | None, ckpt: Path | None, keep_layout_intent: bool) -> None:
+    """What this start decided, said once each: the layout (unless :func:`_log_layout` said it), the
+    parameters of each optimizer, and on a resume the RNG state of each rank."""
+    if not (saved and keep_layout_intent and _layout_moved(run, saved)):
+        _log_layout_used(run, saved)
+    groups, values = describe_groups(run.optimizer, run.cfg.optim.peak_lr)
+    run.log.event(run.state.step, f"optimizer: {groups}", kind="optimizer", values={"groups": values})
+    if saved:
+        _log_rng(run, ckpt)
+
+
+def _log_layout_used(run: Run, saved: dict | None) -> None:
+    """The start's one line on the layout (fresh or resumed, any layout), when :func:`_log_layout` said none."""
+    lay, world = run.info.layout, run.info.world_size
+    was_world, was = (saved.get("world_size"), saved.get("layout")) if saved else (None, None)
+    note = ""
+    if saved is not None and _layout_moved(run, saved):  # resumed with --parallel.* flags on another layout
+        note = f" (checkpoint written on {was_world} process(es)" + (
+            f" as dp_replicate={was['dp_replicate']} dp_shard={was['dp_shard']} tp={was['tp']})"
+            if isinstance(was, dict) else ")")
+    run.log.event(run.state.step, f"layout: {world} process(es) as {lay}: {layout_words(lay)}{note}",
+                  kind="parallel", values={"layout": dataclasses.asdict(lay), "world_size": world,
+                                           "checkpoint_world_size": was_world, "checkpoint_layout": was})
+
+
+def _log_rng(run: Run, ckpt: Path) -> None:
+    """One line on the resumed RNG state: restored on the ranks whose ``rng_<rank>.json`` the checkpoint
+    holds; a rank beyond the processes that wrote it (a resume on more of them) keeps the state its process
+    started with (torch's default seed; nothing in the step draws from it today)."""
+    saved = sorted(int(m[1]) for p in ckpt.glob("rng_*.json") if (m := re.fullmatch(r"rng_(\d+)\.json", p.name)))
+    world = run.info.world_size
+    fresh = [r for r in range(world) if r not in saved]
+    unused = [r for r in saved if r >= world]
+    text = ("RNG state restored from the checkpoint on every rank" if not fresh else
+            f"RNG state restored on {world - len(fresh)} of {world} ranks; rank(s) {fresh} have none in "
+            f"{ckpt.name} (written by {len(saved)} process(es)) and keep their process's initial state")
+    if unused:
+        text += f"; the saved states of rank(s) {unused} are not used on {world} process(es)"
+    run.log.event(run.state.step, text, kind="resume",
+                  values={"rng_restored": [r for r in range(world) if r in saved], "rng_fresh": fresh,
+                          "rng_unused": unused})
+
+
+def _layout_moved(run: Run, saved: dict) -> bool:
+    """The run resumes on another world size or layout than the checkpoint ``saved`` records."""
+    world = run.info.world_size
+    return not (saved.get("world_size", world) == world
+                and saved.get("layout") in (None, dataclasses.asdict(run.info.layout)))
+
+
 def _log_layout(run: Run, saved: dict) -> None:
     """One line (console and events.jsonl) when a resume runs on another world size or layout than the
     checkpoint's: the layout chosen and the intent it keeps."""
     p, lay, world = run.cfg.parallel, run.info.layout, run.info.world_size
     was_world = saved.get("world_size", world)
     was = saved.get("layout")
-    if was_world == world and was in (None, dataclasses.asdict(lay)):
+    if not _layout_moved(run, saved):
         return
     try:
         as_configured = resolve_layout(p.dp_replicate, p.dp_shard, p.tp, world, cp=p.cp) == lay
