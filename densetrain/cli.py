@@ -404,8 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "report":
             sp.add_argument("run_dir", help="run directory")
     from densetrain.tools.commands import add_subcommands
+    from densetrain.tools.ladder.command import add_ladder_command
 
     add_subcommands(sub)
+    add_ladder_command(sub)
     p.commands = sub.choices  # name -> subparser (its error() names its own --help)
     return p
 
@@ -434,8 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     args.layout_flags = [a for a in rest if a.startswith(("--parallel.dp_replicate", "--parallel.dp_shard",
                                                           "--parallel.tp", "--parallel.cp"))]
     try:
-        if hasattr(args, "func"):  # mup-check | lr-sweep | plan: own flags; plan's memory plan takes overrides
-            if rest and args.command != "plan":
+        if hasattr(args, "func"):  # mup-check | lr-sweep | plan | ladder: own flags; plan and ladder take overrides
+            if rest and args.command not in ("plan", "ladder"):
                 parser.commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
             args.overrides = parse_overrides(rest)  # --section.key=value, e.g. --parallel.tp=4
             return args.func(args)

@@ -358,14 +358,15 @@ def fit_curve(n, s1, s2, loss, delta: float = HUBER_DELTA) -> Curve:
 
     def obj(x):
         e, a, alpha, b, beta, c = x
-        tn, ts = np.exp(a - alpha * ln), np.exp(b - beta * ls1)
-        pred = np.exp(e) + tn + ts - c * frac
-        if np.any(pred <= 0):
-            return 1e6, np.zeros(6)
-        lo, dr = huber(np.log(pred) - ll, delta)
-        g = dr / pred
-        return float(lo.sum()), np.array([g @ np.full_like(pred, np.exp(e)), g @ tn, -(g * ln) @ tn, g @ ts,
-                                          -(g * ls1) @ ts, -(g @ frac)])
+        with np.errstate(over="ignore", invalid="ignore"):  # a step far out: rejected below, not an error
+            tn, ts = np.exp(a - alpha * ln), np.exp(b - beta * ls1)
+            pred = np.exp(e) + tn + ts - c * frac
+            if not np.all(np.isfinite(pred)) or np.any(pred <= 0):
+                return 1e6, np.zeros(6)
+            lo, dr = huber(np.log(pred) - ll, delta)
+            g = dr / pred
+            return float(lo.sum()), np.array([g @ np.full_like(pred, np.exp(e)), g @ tn, -(g * ln) @ tn, g @ ts,
+                                              -(g * ls1) @ ts, -(g @ frac)])
 
     bounds = [(None, np.log(loss.min())), (None, None), (0.0, 3.0), (None, None), (0.0, 3.0), (0.0, None)]
     best = None
@@ -378,3 +379,20 @@ def fit_curve(n, s1, s2, loss, delta: float = HUBER_DELTA) -> Curve:
     c = Curve(*_curve_of(best.x))
     rel = loss / c.loss(n, s1, s2) - 1.0
     return Curve(*_curve_of(best.x), scale=float(1.4826 * np.median(np.abs(rel))))
+
+
+def fit_prediction(fit: dict, n: float, d: float) -> dict:
+    """The predicted final loss (and bpb) of a run of ``n`` parameters on ``d`` tokens from a ladder's fit
+    (``fit.json`` of ``densetrain ladder fit`` as a dict: ``approach3`` with ``law`` and ``bootstrap``,
+    ``bpb_per_nat``, ``largest_budget``, ``level``), with its interval and ``extrapolation``: ``6 n d`` over
+    the ladder's largest budget."""
+    a3 = fit["approach3"]
+    law = Law(**a3["law"])
+    boot = [Law(*b) for b in a3.get("bootstrap", [])]
+    level = fit.get("level", LEVEL)
+    p = predict(law, boot, n, d, level) if boot else Interval(float(law.loss(n, d)), np.nan, np.nan, level)
+    out = {"n": n, "d": d, "flops": 6.0 * n * d, "loss": p.value, "loss_lo": p.lo, "loss_hi": p.hi, "level": level,
+           "extrapolation": 6.0 * n * d / fit["largest_budget"]}
+    r = fit.get("bpb_per_nat")
+    out.update({"bpb": p.value * r, "bpb_lo": p.lo * r, "bpb_hi": p.hi * r} if r else {"bpb": None})
+    return out
