@@ -51,6 +51,11 @@ def run_areas(cfg: Config, stages: list[Stage], lam: float = ANNEAL_MOMENTUM) ->
                           [stage_at(i, stages).batch_tokens for i in steps], cfg.optim.peak_lr, lam)
 
 
+def planned_tokens(cfg: Config, stages: list[Stage]) -> float:
+    """The tokens of the whole schedule (every step's stage batch)."""
+    return float(sum(stage_at(i, stages).batch_tokens for i in range(cfg.train.steps)))
+
+
 def read_fit(ladder_dir: str | Path) -> dict:
     """``LADDER_DIR/fit.json`` as written by ``densetrain ladder fit``.
 
@@ -105,8 +110,7 @@ class OffCurve(Watcher):
         self.s1, self.s2 = run_areas(self.cfg, run.stages, self.fit.get("lam", ANNEAL_MOMENTUM))
         m = self.cfg.model
         self.n = float(run.model.num_params() - m.vocab_size * m.d_model)
-        d = float(sum(stage_at(i, run.stages).batch_tokens for i in range(self.cfg.train.steps)))
-        self.prediction = fit_prediction(self.fit, self.n, d)
+        self.prediction = fit_prediction(self.fit, self.n, planned_tokens(self.cfg, run.stages))
         if self.rank == 0 and run.state.step == 0:
             run.log.event(0, f"ladder {self.cfg.eval.ladder}: {prediction_line(self.prediction)}", kind="prediction",
                           values=self.prediction)

@@ -70,6 +70,34 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan_prediction(args: argparse.Namespace) -> int | None:
+    """``densetrain plan --ladder LADDER_DIR --preset/--config ...`` (or a config with ``eval.ladder`` and no
+    ``--gpus``): print the run's predicted final val loss and bpb; None when the plan asks for no prediction."""
+    from densetrain.config import load_config
+
+    if not (args.ladder or ((args.preset or args.config) and args.gpus is None)):
+        return None
+    if not (args.preset or args.config):
+        raise ConfigError("plan --ladder predicts the run of a --preset or --config (with its overrides)")
+    cfg = load_config(preset=args.preset, path=args.config, overrides=getattr(args, "overrides", []))
+    ladder = args.ladder or cfg.eval.ladder
+    if not ladder:
+        return None
+
+    from densetrain.law import fit_prediction
+    from densetrain.schedule import resolve_stages
+    from densetrain.tools.ladder.grid import N_KEY, param_counts
+    from densetrain.train.curve import planned_tokens, prediction_line, read_fit
+
+    try:
+        stages = resolve_stages(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    p = fit_prediction(read_fit(ladder), float(param_counts(cfg)[N_KEY]), planned_tokens(cfg, stages))
+    print(f"ladder {ladder}: {prediction_line(p)}")
+    return 0
+
+
 def add_ladder_command(subparsers: argparse._SubParsersAction) -> None:
     """Add ``ladder`` (with ``fit`` and ``report``) to ``subparsers``; each sets ``func(args) -> int``."""
     h = "scaling ladder: isoFLOP grid of model sizes x compute budgets (WSD runs with cooldown branches)"

@@ -1,0 +1,133 @@
+"""densetrain ladder end to end on the test corpus: a micro-ladder (2 sizes x 3 budgets: approach 3 needs 5
+points) killed mid-way and resumed, its fit, a run's prediction, the off_curve alarm, plan --ladder."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from densetrain.cli import main
+from densetrain.config import load_config, save_config
+from densetrain.metrics import flops_per_token, read_events, read_metrics
+from densetrain.tools.ladder.fit import fit_ladder
+from densetrain.tools.ladder.launcher import finished, print_commands, run_ladder
+from densetrain.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES, BUDGETS = [32, 64], [2.5e9, 5e9, 1e10]
+
+
+def base_config(prepared, tmp):
+    return prepared[1](tmp, **{"eval.every": 10, "logging.every": 1000, "logging.tensorboard": False})
+
+
+@pytest.fixture(scope="module")
+def ladder(prepared, tmp_path_factory):
+    """The micro-ladder, killed (SIGKILL) after its first point and resumed: (ladder dir, the first record as
+    the killed process wrote it, the main run's metrics before the resume)."""
+    tmp = tmp_path_factory.mktemp("ladder")
+    cfg = base_config(prepared, tmp)
+    save_config(cfg, tmp / "base.toml")
+    out = tmp / "L"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "densetrain", "ladder", "--config", str(tmp / "base.toml"),
+                             "--sizes", "32,64", "--budgets", ",".join(map(str, BUDGETS)), "--out", str(out),
+                             "--no-progress"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not finished(out) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    first = finished(out)
+    assert list(first) == ["d32_c2"], first  # the first size's main WSD run, recorded before the kill
+    main_metrics = read_metrics(out / "runs" / "d32_c2")
+    run_ladder(cfg, SIZES, BUDGETS, out, progress=False)
+    return out, first["d32_c2"], main_metrics
+
+
+def test_ladder_points_resume_and_fit(ladder):
+    out, first, main_metrics = ladder
+    recs = finished(out)
+    assert sorted(recs) == [f"d{d}_c{j}" for d in SIZES for j in range(3)]
+    assert recs["d32_c2"] == first  # the resume skipped the finished point: record kept, run not redone
+    assert read_metrics(out / "runs" / "d32_c2") == main_metrics
+    cfg = load_config(path=out / "runs" / "d64_c1" / "config.toml")
+    r = recs["d64_c1"]
+    # N: the real model's parameters without the input embedding table; D: every step's 8 x 32 tokens
+    assert r["params_no_embed"] == r["params"] - 512 * 64 and r["tokens"] == r["steps"] * 256
+    assert r["flops_6nd"] == 6 * r["params_no_embed"] * r["tokens"]
+    assert r["flops"] == pytest.approx(flops_per_token(cfg.model, 32) * r["tokens"])
+    assert abs(r["flops_6nd"] / r["budget"] - 1) < 0.1  # on its isoFLOP budget, to a step
+    # a cooldown branch: starts from the main run's checkpoint at its decay start (lr still the peak there in
+    # the main run) and ends at min_lr; its own metrics begin after the branch point
+    main_run = {m["step"]: m for m in read_metrics(out / "runs" / "d64_c2") if m["kind"] == "train"}
+    branch = [m for m in read_metrics(out / "runs" / "d64_c1") if m["kind"] == "train"]
+    assert r["branch_from"] > 0 and branch[0]["step"] == r["branch_from"] + 1
+    assert main_run[r["branch_from"]]["lr"] == pytest.approx(3e-3) and branch[-1]["lr"] == pytest.approx(3e-4)
+    assert branch[0]["lr"] < 3e-3 and set(r["val"]) == {"email", "json", "all"}
+
+    fit = fit_ladder(out, samples=30)
+    assert json.loads((out / "fit.json").read_text())["points"] == fit["points"] == 6
+    for k, iv in fit["approach3"]["intervals"].items():
+        assert iv["lo"] <= iv["value"] * (1 + 1e-9) and iv["value"] <= iv["hi"] * (1 + 1e-9), k
+    assert fit["approach3"]["intervals"]["tokens_per_param"]["value"] > 0
+    assert "3+ sizes" in fit["approach2"]["skipped"]  # two sizes: no parabola
+    assert set(fit["curves"]) == {"all", "email", "json"}
+    assert 0 < fit["bpb_per_nat"] < 1 / 0.6931  # bytes per token > 1
+
+    assert main(["ladder", "report", str(out)]) == 0
+    assert (out / "ladder.png").stat().st_size > 10_000 and "plotly" in (out / "ladder.html").read_text()[:200_000]
+
+
+def test_prediction_and_off_curve_alarm(ladder, tmp_path, capsys):
+    """The ladder's largest run trained again with eval.ladder: clean, no alarm; with duplicated 'email'
+    windows from the middle, off_curve names 'email' before the final evaluation."""
+    out = ladder[0]
+    if not (out / "fit.json").exists():
+        fit_ladder(out, samples=30)
+    results = {}
+    for name, faults in (("clean", []), ("dup", [{"kind": "duplicate_data", "step": 30, "source": "email"}])):
+        cfg = load_config(path=out / "runs" / "d64_c2" / "config.toml",
+                          overrides=[("train.run_dir", str(tmp_path / name)), ("eval.ladder", str(out)),
+                                     ("eval.every", 5), ("faults", faults)])
+        train(cfg)
+        events = read_events(tmp_path / name)
+        results[name] = (events, json.loads((tmp_path / name / "summary.json").read_text()))
+    events, summary = results["clean"]
+    first = [e for e in events if e["step"] == 0]
+    pred = next(e for e in first if e["kind"] == "prediction")  # among the run's first lines
+    assert "predicted final val loss" in pred["text"] and "1x the ladder's largest budget" in pred["text"]
+    p = summary["prediction"]
+    assert p["loss_lo"] <= p["loss"] <= p["loss_hi"] and abs(p["extrapolation"] - 1) < 0.01
+    assert p["actual_loss"] == summary["val"]["all"]["loss"] and p["off_curve"] == []
+    # the clean run is the ladder's own: its outcome lies within 5% of the prediction
+    assert abs(p["actual_loss"] / p["loss"] - 1) < 0.05
+    assert not [e for e in events if e["kind"] == "off_curve"]
+    events, summary = results["dup"]
+    alarms = [e for e in events if e["kind"] == "off_curve"]
+    assert len(alarms) == 1 and alarms[0]["step"] < 61 and "email" in alarms[0]["values"]["sources"]
+    assert "json" not in alarms[0]["values"]["sources"] and summary["prediction"]["off_curve"] == ["email"]
+
+    # plan --ladder: the same prediction without training; 100x the tokens warns
+    conf = str(out / "runs" / "d64_c2" / "config.toml")
+    assert main(["plan", "--config", conf, "--ladder", str(out)]) == 0
+    assert f"predicted final val loss {p['loss']:.4f}" in capsys.readouterr().out
+    assert main(["plan", "--config", conf, "--ladder", str(out), "--train.steps=6100"]) == 0
+    assert "WARNING: 100x past the ladder's largest budget" in capsys.readouterr().out
+
+
+def test_print_commands(prepared, tmp_path):
+    lines = print_commands(base_config(prepared, tmp_path), SIZES, BUDGETS, tmp_path / "L")
+    assert len(lines) == 6 and lines[0].startswith("densetrain train --config") and "d32_c2.toml" in lines[0]
+    branch = load_config(path=tmp_path / "L" / "configs" / "d32_c0.toml")
+    main_cfg = load_config(path=tmp_path / "L" / "configs" / "d32_c2.toml")
+    start = branch.train.steps - round(0.15 * branch.train.steps)  # the branch's WSD decay start
+    assert f"step_{start:08d}" in lines[1] and start % main_cfg.checkpoint.every == 0
+    assert main_cfg.checkpoint.keep == 0 and branch.schedule.warmup_steps == main_cfg.schedule.warmup_steps == 2
