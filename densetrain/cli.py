@@ -271,6 +271,16 @@ def cmd_report(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ladder_report(args: argparse.Namespace) -> int:
+    """``densetrain ladder report LADDER_DIR [--run RUN_DIR]``: the scaling panel (here: tools do not import report)."""
+    from densetrain.report.ladder import write_ladder_report
+    from densetrain.tools.ladder.command import ladder_dir_arg
+
+    for path in write_ladder_report(ladder_dir_arg(args.ladder_dir), Path(args.run) if args.run else None):
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_demo(cfg: Config, args: argparse.Namespace) -> int:
     """prepare -> train -> final evaluation -> report, in one go (what `make demo` runs)."""
     from densetrain.data.prepare import prepare
@@ -407,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     from densetrain.tools.ladder.command import add_ladder_command
 
     add_subcommands(sub)
-    add_ladder_command(sub)
+    add_ladder_command(sub, cmd_ladder_report)
     p.commands = sub.choices  # name -> subparser (its error() names its own --help)
     return p
 

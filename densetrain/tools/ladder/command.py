@@ -25,7 +25,12 @@ def _numbers(kind: type, what: str):
     return parse
 
 
-def _ladder_dir(path: str) -> Path:
+def ladder_dir_arg(path: str) -> Path:
+    """``path`` as a ladder directory.
+
+    Raises:
+        ConfigError: no ladder there.
+    """
     p = Path(path)
     if not (p / PLAN).exists():
         raise ConfigError(f"{p}: no {PLAN} here; expected a ladder directory of densetrain ladder")
@@ -55,18 +60,10 @@ def cmd_ladder(args: argparse.Namespace) -> int:
 def cmd_fit(args: argparse.Namespace) -> int:
     from densetrain.tools.ladder.fit import fit_ladder, format_fit
 
-    ladder_dir = _ladder_dir(args.ladder_dir)
+    ladder_dir = ladder_dir_arg(args.ladder_dir)
     fit = fit_ladder(ladder_dir, samples=args.samples)
     print(format_fit(fit))
     print(f"wrote {ladder_dir / 'fit.json'}")
-    return 0
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    from densetrain.report.ladder import write_ladder_report
-
-    for path in write_ladder_report(_ladder_dir(args.ladder_dir), Path(args.run) if args.run else None):
-        print(f"wrote {path}")
     return 0
 
 
@@ -98,8 +95,9 @@ def plan_prediction(args: argparse.Namespace) -> int | None:
     return 0
 
 
-def add_ladder_command(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``ladder`` (with ``fit`` and ``report``) to ``subparsers``; each sets ``func(args) -> int``."""
+def add_ladder_command(subparsers: argparse._SubParsersAction, cmd_report) -> None:
+    """Add ``ladder`` (with ``fit`` and ``report``) to ``subparsers``; each sets ``func(args) -> int``.
+    ``cmd_report(args) -> int`` draws the panel: the caller's (the cli), as tools do not import report."""
     h = "scaling ladder: isoFLOP grid of model sizes x compute budgets (WSD runs with cooldown branches)"
     p = subparsers.add_parser("ladder", help=h, description=h + "; then `ladder fit` and `ladder report`. Any "
                               "--section.key=value override applies to the base config.")
