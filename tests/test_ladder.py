@@ -16,6 +16,7 @@ import pytest
 from densetrain.cli import main
 from densetrain.config import load_config, save_config
 from densetrain.metrics import flops_per_token, read_events, read_metrics
+from densetrain.report import write_report
 from densetrain.tools.ladder.fit import fit_ladder
 from densetrain.tools.ladder.launcher import finished, print_commands, run_ladder
 from densetrain.train import train
@@ -114,6 +115,7 @@ def test_prediction_and_off_curve_alarm(ladder, tmp_path, capsys):
     alarms = [e for e in events if e["kind"] == "off_curve"]
     assert len(alarms) == 1 and alarms[0]["step"] < 61 and "email" in alarms[0]["values"]["sources"]
     assert "json" not in alarms[0]["values"]["sources"] and summary["prediction"]["off_curve"] == ["email"]
+    assert f"outcome {summary['val']['all']['loss']:.3f}; off_curve: email" in write_report(tmp_path / "dup")
 
     # plan --ladder: the same prediction without training; 100x the tokens warns
     conf = str(out / "runs" / "d64_c2" / "config.toml")
