@@ -135,7 +135,9 @@ def fit_law(n, d, loss, delta: float = HUBER_DELTA, starts: np.ndarray | None = 
         t = _lse_terms(grid, ln, ld)  # (4500, points, 3)
         obj = huber(logsumexp(t, axis=-1) - ll, delta)[0].sum(axis=1)
         starts = grid[np.argsort(obj)[:_KEEP_STARTS]]
-    bounds = [(None, None)] * 3 + [(0.0, 5.0)] * 2  # negative exponents are no scaling law
+    # Negative exponents are no scaling law; E = e^-20 is zero for any loss (a lower bound keeps it a number
+    # where the data puts E at 0), e^100 the largest coefficient that keeps the fit's arithmetic finite.
+    bounds = [(-20.0, 20.0), (-20.0, 100.0), (-20.0, 100.0), (0.0, 5.0), (0.0, 5.0)]
     best = None
     for x0 in starts:
         res = minimize(_objective, x0, args=(ln, ld, ll, delta), jac=True, method="L-BFGS-B", bounds=bounds,
@@ -182,7 +184,9 @@ def bootstrap_law(n, d, loss, law: Law, samples: int = 200, seed: int = 0, delta
         idx = rng.integers(0, len(n), len(n))
         if len(np.unique(idx)) < 5:
             continue
-        out.append(fit_law(n[idx], d[idx], loss[idx], delta, starts=starts))
+        refit = fit_law(n[idx], d[idx], loss[idx], delta, starts=starts)
+        if np.all(np.isfinite(law_vector(refit))):
+            out.append(refit)
     return out
 
 
@@ -368,7 +372,7 @@ def fit_curve(n, s1, s2, loss, delta: float = HUBER_DELTA) -> Curve:
             return float(lo.sum()), np.array([g @ np.full_like(pred, np.exp(e)), g @ tn, -(g * ln) @ tn, g @ ts,
                                               -(g * ls1) @ ts, -(g @ frac)])
 
-    bounds = [(None, np.log(loss.min())), (None, None), (0.0, 3.0), (None, None), (0.0, 3.0), (0.0, None)]
+    bounds = [(-20.0, np.log(loss.min())), (-20.0, 100.0), (0.0, 3.0), (-20.0, 100.0), (0.0, 3.0), (0.0, None)]
     best = None
     for e0, alpha0, beta0 in itertools.product([-1.0, 0.5 * np.log(loss.min())], [0.3, 1.0], [0.3, 0.8]):
         x0 = [min(e0, np.log(loss.min()) - 0.1), np.log(0.3 * loss.min()) + alpha0 * ln.mean(), alpha0,

@@ -73,6 +73,10 @@ def test_ladder_points_resume_and_fit(ladder):
     assert r["branch_from"] > 0 and branch[0]["step"] == r["branch_from"] + 1
     assert main_run[r["branch_from"]]["lr"] == pytest.approx(3e-3) and branch[-1]["lr"] == pytest.approx(3e-4)
     assert branch[0]["lr"] < 3e-3 and set(r["val"]) == {"email", "json", "all"}
+    # the main run trained in segments: checkpoints at its branch starts and its end only
+    starts = sorted(recs[f"d64_c{j}"]["branch_from"] for j in (0, 1))
+    assert sorted(p.name for p in (out / "runs" / "d64_c2" / "checkpoints").iterdir()) == [
+        f"step_{s:08d}" for s in starts + [recs["d64_c2"]["steps"]]]
 
     fit = fit_ladder(out, samples=30)
     assert json.loads((out / "fit.json").read_text())["points"] == fit["points"] == 6

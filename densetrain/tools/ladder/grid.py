@@ -14,7 +14,9 @@ the size's largest budget; each smaller budget is a *cooldown branch*: the main 
 step where the branch's own decay begins, continued with ``train.steps`` = the branch's length (the WSD lr
 up to that step is the main run's, so the branch is the run a WSD run of that length would have been;
 Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations"). The main
-run checkpoints at every branch's start (``checkpoint.every`` = their greatest common divisor, all kept).
+run checkpoints at every branch's start: run here, it trains in segments that end there
+(``train(stop_after=start)``, each segment's last step checkpointed, ``checkpoint.every = 0``); as cluster commands
+(one ``densetrain train`` per run), ``checkpoint.every`` is the starts' greatest common divisor, all kept.
 Warmup is a fixed number of steps (the config's, or its fraction of the shortest run) so every branch shares
 it. A ladder trains one stage: the config's first stage's mix (stage starts are fractions of a run's length,
 which branches of different lengths would move).
@@ -140,17 +142,23 @@ def build_grid(cfg: Config, sizes: list[int], budgets: list[float]) -> Grid:
     return grid
 
 
-def point_config(cfg: Config, grid: Grid, p: Point, run_dir: str) -> Config:
+def point_config(cfg: Config, grid: Grid, p: Point, run_dir: str, segments: bool = False) -> Config:
     """The config of point ``p``: the resized model, one stage, WSD with fixed warmup, its length and
-    checkpoints (the main run: at every branch start, all kept)."""
+    checkpoints (all kept; a main run's at every branch start: ``segments`` when it is trained in segments that
+    end there, else every greatest common divisor of the starts)."""
     out = scaled_model(cfg, p.d_model)
     out.stages = [StageConfig(name="main", start=0.0, mix=dict(cfg.stages[0].mix))]
     out.schedule.kind, out.schedule.unit, out.schedule.warmup_steps = "wsd", "steps", grid.warmup_steps
     out.train.steps, out.train.run_dir = p.steps, run_dir
-    out.checkpoint.every = grid.checkpoint_every[p.main] if not p.branch_from else p.steps
+    out.checkpoint.every = 0 if segments or p.branch_from else grid.checkpoint_every[p.main]
     out.checkpoint.keep = 0
     out.checkpoint.async_save = False
     out.faults = []
     out.eval.ladder = ""
     validate(out)
     return out
+
+
+def branch_starts(grid: Grid, main: str) -> list[int]:
+    """The steps of main run ``main`` where its cooldown branches start, ascending."""
+    return sorted(p.branch_from for p in grid.points if p.main == main and p.branch_from)

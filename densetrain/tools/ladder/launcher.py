@@ -26,7 +26,7 @@ from densetrain.errors import ConfigError
 from densetrain.fileio import atomic_write_bytes, atomic_write_json, json_text
 from densetrain.metrics import flops_per_token, read_metrics
 from densetrain.schedule import resolve_stages, warmup_steps
-from densetrain.tools.ladder.grid import N_KEY, Grid, Point, build_grid, param_counts, point_config
+from densetrain.tools.ladder.grid import N_KEY, Grid, Point, branch_starts, build_grid, param_counts, point_config
 from densetrain.train import train
 from densetrain.train.curve import CURVE_FROM, run_areas
 
@@ -128,10 +128,15 @@ def run_ladder(cfg: Config, sizes: list[int], budgets: list[float], ladder_dir: 
         print(f"ladder {ladder_dir}: {len(grid.points) - len(todo)} of {len(grid.points)} points done, skipped")
     for p in tqdm(todo, desc="ladder", unit="run", disable=not progress):
         run_dir = ladder_dir / "runs" / p.name
-        pcfg = point_config(cfg, grid, p, str(run_dir))
+        pcfg = point_config(cfg, grid, p, str(run_dir), segments=True)
         if p.branch_from:
             _branch_start(ladder_dir / "runs" / p.main, run_dir, p.branch_from)
-        train(pcfg, resume=True)
+        else:  # in segments that end at the branch starts: each end is checkpointed (and kept)
+            for stop in branch_starts(grid, p.name):
+                if not (run_dir / "checkpoints" / f"step_{stop:08d}").is_dir():
+                    train(pcfg, resume=True, stop_after=stop)
+        if not (run_dir / "summary.json").exists():  # (a run killed after its last checkpoint: the summary now)
+            train(pcfg, resume=True)
         record_point(ladder_dir, point_record(pcfg, p, run_dir))
     return list(finished(ladder_dir).values())
 
