@@ -15,6 +15,7 @@ import pytest
 
 from densetrain.cli import main
 from densetrain.config import load_config, save_config
+from densetrain.errors import ConfigError
 from densetrain.metrics import flops_per_token, read_events, read_metrics
 from densetrain.report import write_report
 from densetrain.tools.ladder.fit import fit_ladder
@@ -31,34 +32,37 @@ def base_config(prepared, tmp):
 
 @pytest.fixture(scope="module")
 def ladder(prepared, tmp_path_factory):
-    """The micro-ladder, killed (SIGKILL) after its first point and resumed: (ladder dir, the first record as
-    the killed process wrote it, the main run's metrics before the resume)."""
+    """The micro-ladder, killed (SIGKILL) after its first point and resumed: (ladder dir, the records the killed
+    process wrote, the first main run's metrics before the resume)."""
     tmp = tmp_path_factory.mktemp("ladder")
     cfg = base_config(prepared, tmp)
     save_config(cfg, tmp / "base.toml")
     out = tmp / "L"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    err = open(tmp / "err", "w")
     proc = subprocess.Popen([sys.executable, "-m", "densetrain", "ladder", "--config", str(tmp / "base.toml"),
                              "--sizes", "32,64", "--budgets", ",".join(map(str, BUDGETS)), "--out", str(out),
-                             "--no-progress"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--no-progress"], env=env, stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.time() + 300
     while not finished(out) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    err.close()
     first = finished(out)
-    assert list(first) == ["d32_c2"], first  # the first size's main WSD run, recorded before the kill
+    # the first size's main WSD run recorded before the kill, the rest not
+    assert "d32_c2" in first and len(first) < 6, (first, proc.returncode, (tmp / "err").read_text()[-2000:])
     main_metrics = read_metrics(out / "runs" / "d32_c2")
     run_ladder(cfg, SIZES, BUDGETS, out, progress=False)
-    return out, first["d32_c2"], main_metrics
+    return out, first, main_metrics
 
 
 def test_ladder_points_resume_and_fit(ladder):
     out, first, main_metrics = ladder
     recs = finished(out)
     assert sorted(recs) == [f"d{d}_c{j}" for d in SIZES for j in range(3)]
-    assert recs["d32_c2"] == first  # the resume skipped the finished point: record kept, run not redone
-    assert read_metrics(out / "runs" / "d32_c2") == main_metrics
+    assert all(recs[k] == r for k, r in first.items())  # the resume skipped the finished points: records kept,
+    assert read_metrics(out / "runs" / "d32_c2") == main_metrics  # the run not redone
     cfg = load_config(path=out / "runs" / "d64_c1" / "config.toml")
     r = recs["d64_c1"]
     # N: the real model's parameters without the input embedding table; D: every step's 8 x 32 tokens
@@ -130,10 +134,17 @@ def test_prediction_and_off_curve_alarm(ladder, tmp_path, capsys):
 
 
 def test_print_commands(prepared, tmp_path):
-    lines = print_commands(base_config(prepared, tmp_path), SIZES, BUDGETS, tmp_path / "L")
+    cfg = base_config(prepared, tmp_path)
+    lines = print_commands(cfg, SIZES, BUDGETS, tmp_path / "L")
     assert len(lines) == 6 and lines[0].startswith("densetrain train --config") and "d32_c2.toml" in lines[0]
     branch = load_config(path=tmp_path / "L" / "configs" / "d32_c0.toml")
     main_cfg = load_config(path=tmp_path / "L" / "configs" / "d32_c2.toml")
     start = branch.train.steps - round(0.15 * branch.train.steps)  # the branch's WSD decay start
     assert f"step_{start:08d}" in lines[1] and start % main_cfg.checkpoint.every == 0
     assert main_cfg.checkpoint.keep == 0 and branch.schedule.warmup_steps == main_cfg.schedule.warmup_steps == 2
+    # the same directory with another recipe or grid: refused in one line naming what differs
+    cfg.optim.peak_lr = 1e-3
+    with pytest.raises(ConfigError, match=r"another config \(sections \['optim'\] differ\)"):
+        print_commands(cfg, SIZES, BUDGETS, tmp_path / "L")
+    with pytest.raises(ConfigError, match="expected the same sizes and budgets"):
+        print_commands(cfg, [32], BUDGETS, tmp_path / "L")

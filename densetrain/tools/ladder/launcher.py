@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from densetrain.config import Config, load_config, save_config
+from densetrain.config import Config, load_config, save_config, to_dict
 from densetrain.errors import ConfigError
 from densetrain.fileio import atomic_write_bytes, atomic_write_json, json_text
 from densetrain.metrics import flops_per_token, read_metrics
@@ -50,6 +50,12 @@ def open_ladder(ladder_dir: Path, cfg: Config | None = None, sizes: list[int] | 
         elif sorted(set(sizes)) != plan["sizes"] or sorted(set(budgets)) != plan["budgets"]:
             raise ConfigError(f"{plan_path}: a ladder of sizes {plan['sizes']} x budgets {plan['budgets']} is there; "
                               f"expected the same sizes and budgets to continue it (or another LADDER_DIR)")
+        else:  # points of two recipes in one fit would be no law of either
+            base = to_dict(load_config(path=ladder_dir / "base.toml"))
+            changed = sorted(k for k, v in to_dict(cfg).items() if base.get(k) != v)
+            if changed:
+                raise ConfigError(f"{ladder_dir / 'base.toml'}: the ladder there was started from another config "
+                                  f"(sections {changed} differ); expected the same config to continue it")
     elif cfg is None:
         raise ConfigError(f"{ladder_dir}: no {PLAN}; expected a ladder directory of densetrain ladder")
     grid = build_grid(cfg, sizes, budgets)
