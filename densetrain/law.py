@@ -19,6 +19,10 @@
   ``C * S2``; we divide S2 by S1 so that a cooldown over the same fraction of a run buys the same loss at
   every length (Hägele et al. 2024 find the cooldown's gain does not grow with the run), and we add
   Chinchilla's N term so one fit covers every size of a ladder. :func:`schedule_areas`, :func:`fit_curve`.
+- **Downstream, step 2** (Bhagia et al. 2024, "Establishing Task Scaling Laws via Compute-Efficient Model
+  Ladders", eq. 2; Llama 3's two-step): a task's accuracy as a sigmoid of the loss,
+  ``Acc(L) = a / (1 + exp(-k (L - L0))) + b`` (k < 0: accuracy rises as the loss falls); step 1 is the loss
+  prediction above. :func:`fit_accuracy`.
 
 Units: N in parameters, D and S1/S2 in tokens, C in FLOPs (``6 N D``), losses in nats per token. Used by
 ``densetrain ladder`` (the fits), ``plan`` (a prediction) and the training watcher ``train/curve.py``.
@@ -30,7 +34,7 @@ import itertools
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy.optimize import minimize
+from scipy.optimize import curve_fit, minimize
 from scipy.special import logsumexp
 
 HUBER_DELTA = 1e-3
@@ -385,11 +389,43 @@ def fit_curve(n, s1, s2, loss, delta: float = HUBER_DELTA) -> Curve:
     return Curve(*_curve_of(best.x), scale=float(1.4826 * np.median(np.abs(rel))))
 
 
+@dataclass(frozen=True)
+class Sigmoid:
+    """``Acc(L) = a / (1 + exp(-k (L - L0))) + b`` (module docstring)."""
+
+    a: float
+    k: float
+    L0: float
+    b: float
+
+    def acc(self, loss):
+        return self.a / (1.0 + np.exp(-self.k * (np.asarray(loss, float) - self.L0))) + self.b
+
+
+def fit_accuracy(loss, acc) -> Sigmoid:
+    """Step 2 of the downstream two-step: the sigmoid of a task's accuracy ``acc`` against the loss ``loss``
+    (least squares, scipy's curve_fit; started at the observed range and a slope of -5 per nat).
+
+    Raises:
+        ValueError: fewer than 4 points, or no fit converged.
+    """
+    loss, acc = np.asarray(loss, float), np.asarray(acc, float)
+    if len(loss) < 4:
+        raise ValueError(f"the accuracy sigmoid has 4 parameters; {len(loss)} points are too few")
+    p0 = [max(acc.max() - acc.min(), 1e-3), -5.0, float(np.median(loss)), float(acc.min())]
+    try:
+        p, _ = curve_fit(lambda x, a, k, l0, b: Sigmoid(a, k, l0, b).acc(x), loss, acc, p0=p0, maxfev=20000)
+    except RuntimeError as e:
+        raise ValueError(f"the accuracy sigmoid did not converge: {e}") from None
+    return Sigmoid(*(float(v) for v in p))
+
+
 def fit_prediction(fit: dict, n: float, d: float) -> dict:
     """The predicted final loss (and bpb) of a run of ``n`` parameters on ``d`` tokens from a ladder's fit
     (``fit.json`` of ``densetrain ladder fit`` as a dict: ``approach3`` with ``law`` and ``bootstrap``,
-    ``bpb_per_nat``, ``largest_budget``, ``level``), with its interval and ``extrapolation``: ``6 n d`` over
-    the ladder's largest budget."""
+    ``bpb_per_nat``, ``largest_budget``, ``level``, ``downstream``), with its interval and ``extrapolation``:
+    ``6 n d`` over the ladder's largest budget; ``downstream``: per task the accuracy at the predicted loss and
+    at the interval's ends ``[value, at lo, at hi]``."""
     a3 = fit["approach3"]
     law = Law(**a3["law"])
     boot = [Law(*b) for b in a3.get("bootstrap", [])]
@@ -399,4 +435,7 @@ def fit_prediction(fit: dict, n: float, d: float) -> dict:
            "extrapolation": 6.0 * n * d / fit["largest_budget"]}
     r = fit.get("bpb_per_nat")
     out.update({"bpb": p.value * r, "bpb_lo": p.lo * r, "bpb_hi": p.hi * r} if r else {"bpb": None})
+    if fit.get("downstream"):  # step 2 at the predicted loss and at its interval's ends
+        out["downstream"] = {t: [float(Sigmoid(**s).acc(x)) for x in (p.value, p.lo, p.hi)]
+                             for t, s in fit["downstream"].items()}
     return out

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from densetrain.cli import main
@@ -18,7 +19,8 @@ from densetrain.config import load_config, save_config
 from densetrain.errors import ConfigError
 from densetrain.metrics import flops_per_token, read_events, read_metrics
 from densetrain.report import write_report
-from densetrain.tools.ladder.fit import fit_ladder
+from densetrain.law import Law, fit_prediction
+from densetrain.tools.ladder.fit import fit_ladder, fit_records, format_fit
 from densetrain.tools.ladder.launcher import finished, print_commands, run_ladder
 from densetrain.train import train
 
@@ -148,3 +150,24 @@ def test_print_commands(prepared, tmp_path):
         print_commands(cfg, SIZES, BUDGETS, tmp_path / "L")
     with pytest.raises(ConfigError, match="expected the same sizes and budgets"):
         print_commands(cfg, [32], BUDGETS, tmp_path / "L")
+
+
+def test_fit_records_two_step_from_task_scores():
+    """fit_records on synthetic points of a known law with a task score each: the sigmoid of accuracy on loss is
+    fitted and a prediction carries the task's accuracy (the micro-ladder records no task scores)."""
+    law = Law(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
+    recs = []
+    for c in (1e18, 1e19, 1e20, 1e21):
+        for f in (1 / 8, 1 / 3, 1, 3, 8):
+            n = law.optimal(c)[0] * f
+            loss = float(law.loss(n, c / (6 * n)))
+            acc = 0.5 / (1 + float(np.exp(6 * (loss - 2.6)))) + 0.25
+            recs.append({"budget": c, "params_no_embed": n, "tokens": c / (6 * n), "curve": [],
+                         "val": {"all": {"loss": loss, "bpb": loss / 0.6931 / 4}}, "downstream": {"t/headline": acc}})
+    fit = fit_records(recs, samples=10)
+    assert fit["approach3"]["law"]["alpha"] == pytest.approx(0.34, abs=0.01)
+    assert fit["approach2"]["a"]["value"] == pytest.approx(0.28 / 0.62, abs=0.05)
+    assert fit["bpb_per_nat"] == pytest.approx(1 / 0.6931 / 4) and "downstream t/headline" in format_fit(fit)
+    p = fit_prediction(fit, *law.optimal(1e22))
+    assert p["downstream"]["t/headline"][0] == pytest.approx(0.5 / (1 + np.exp(6 * (p["loss"] - 2.6))) + 0.25,
+                                                             abs=0.01)

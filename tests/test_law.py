@@ -9,9 +9,11 @@ from densetrain.law import (
     Law,
     bootstrap_isoflop,
     bootstrap_law,
+    fit_accuracy,
     fit_curve,
     fit_isoflop,
     fit_law,
+    fit_prediction,
     isoflop_intervals,
     law_intervals,
     predict,
@@ -116,3 +118,23 @@ def test_curve_recovers_schedule_aware_law():
     assert curve.loss(2e6, end[0][-1], end[1][-1]) == pytest.approx(f(true, 2e6, end[0][-1], end[1][-1]), rel=0.01)
     assert curve.C == pytest.approx(true["C"], rel=0.25)
     assert 0.001 < curve.scale < 0.006  # the residual scale is the noise's (0.3%)
+
+
+def test_accuracy_sigmoid_and_two_step_prediction():
+    # accuracy from 25% (chance) to 75% as the loss falls through 3.2 nats, 0.5 points of noise
+    loss = np.linspace(4.5, 2.8, 12)
+    true = 0.5 / (1 + np.exp(4.0 * (loss - 3.2))) + 0.25
+    sig = fit_accuracy(loss, true + 0.005 * np.random.default_rng(0).standard_normal(12))
+    assert sig.L0 == pytest.approx(3.2, abs=0.1) and sig.k == pytest.approx(-4.0, rel=0.25)
+    assert sig.acc(2.6) == pytest.approx(0.5 / (1 + np.exp(4.0 * (2.6 - 3.2))) + 0.25, abs=0.02)
+    # step 1 + step 2 from a fit.json-shaped dict: the accuracy at the predicted loss and its interval's ends
+    n, d = isoflop_grid()
+    law = fit_law(n, d, TRUE.loss(n, d))
+    fit = {"approach3": {"law": {k: getattr(law, k) for k in ("E", "A", "B", "alpha", "beta")},
+                         "bootstrap": [[law.E * f, law.A, law.B, law.alpha, law.beta] for f in (0.98, 1.0, 1.02)]},
+           "largest_budget": BUDGETS[-1], "downstream": {"t/headline": {"a": sig.a, "k": sig.k, "L0": sig.L0,
+                                                                        "b": sig.b}}}
+    p = fit_prediction(fit, *TRUE.optimal(BUDGETS[-1]))
+    assert p["extrapolation"] == pytest.approx(1.0) and p["bpb"] is None
+    acc, at_lo, at_hi = p["downstream"]["t/headline"]
+    assert acc == pytest.approx(float(sig.acc(p["loss"]))) and at_hi < acc < at_lo  # lower loss, higher accuracy

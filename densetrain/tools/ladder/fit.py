@@ -7,7 +7,8 @@
 - bits per byte per nat (the held-out text's bytes per token, the same for every point), for bpb predictions;
 - the schedule-aware curve (:class:`densetrain.law.Curve`) of every source and of all of them, on the
   validations of every run past warmup;
-- the downstream two-step is not fitted yet (no ladder of this repository records task scores by default).
+- the downstream two-step's step 2 (accuracy as a sigmoid of the val loss) for every task headline the points
+  recorded (``eval.final_tasks`` in the ladder's config), from 4 points on.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from densetrain.law import (
     LEVEL,
     bootstrap_isoflop,
     bootstrap_law,
+    fit_accuracy,
     fit_curve,
     fit_isoflop,
     fit_law,
@@ -64,6 +66,15 @@ def fit_records(records: list[dict], samples: int = 200, seed: int = 0) -> dict:
     bpb = [r["val"]["all"].get("bpb") for r in recs]
     if all(isinstance(b, float) for b in bpb):
         out["bpb_per_nat"] = float(np.median(np.array(bpb) / loss))
+    heads = sorted({k for r in recs for k in r.get("downstream", {}) if k.endswith("/headline")})
+    for task in heads:  # the downstream two-step's step 2, where the ladder has task scores
+        pts = [(r["val"]["all"]["loss"], r["downstream"][task]) for r in recs if task in r.get("downstream", {})]
+        try:
+            sig = fit_accuracy(*map(np.array, zip(*pts)))
+        except ValueError as e:
+            out.setdefault("downstream_skipped", {})[task] = str(e)
+            continue
+        out.setdefault("downstream", {})[task] = {"a": sig.a, "k": sig.k, "L0": sig.L0, "b": sig.b}
     out["curves"] = {}
     keys = sorted({k for r in recs for c in r["curve"] for k in c["loss"]})
     for key in keys:
@@ -104,6 +115,8 @@ def format_fit(fit: dict) -> str:
     else:
         lines.append(f"approach 2: N_opt ~ C^{_iv(a2['a'], '.3f')}, D_opt ~ C^{_iv(a2['b'], '.3f')}; tokens per "
                      f"parameter at {fit['largest_budget']:.3g} FLOPs {_iv(a2['tokens_per_param'], '.3g')}")
+    for t, g in fit.get("downstream", {}).items():
+        lines.append(f"downstream {t}: {g['a']:.3g} / (1 + exp(-{g['k']:.3g} (L - {g['L0']:.4g}))) + {g['b']:.3g}")
     for k, c in fit.get("curves", {}).items():
         lines.append(f"curve {k}: E {c['E']:.4g} A {c['A']:.4g} alpha {c['alpha']:.3f} B {c['B']:.4g} "
                      f"beta {c['beta']:.3f} C {c['C']:.4g}; residual scale {c['scale']:.2%}")
