@@ -17,9 +17,9 @@ import pytest
 from densetrain.cli import main
 from densetrain.config import load_config, save_config
 from densetrain.errors import ConfigError
+from densetrain.law import Law, fit_prediction
 from densetrain.metrics import flops_per_token, read_events, read_metrics
 from densetrain.report import write_report
-from densetrain.law import Law, fit_prediction
 from densetrain.tools.ladder.fit import fit_ladder, fit_records, format_fit
 from densetrain.tools.ladder.launcher import finished, print_commands, run_ladder
 from densetrain.train import train
