@@ -138,6 +138,10 @@ def test_prediction_and_off_curve_alarm(ladder, tmp_path, capsys):
 def test_print_commands(prepared, tmp_path):
     cfg = base_config(prepared, tmp_path)
     lines = print_commands(cfg, SIZES, BUDGETS, tmp_path / "L")
+    assert lines[0] == ("# ladder: 6 points (2 sizes x 3 budgets), 2 WSD runs + 4 cooldown branches; every run: "
+                        "schedule wsd (decay_fraction 0.15, linear), warmup 2 steps, one stage with the mix of the "
+                        "config's first stage, no faults")
+    lines = lines[1:]
     assert len(lines) == 6 and lines[0].startswith("densetrain train --config") and "d32_c2.toml" in lines[0]
     branch = load_config(path=tmp_path / "L" / "configs" / "d32_c0.toml")
     main_cfg = load_config(path=tmp_path / "L" / "configs" / "d32_c2.toml")

@@ -67,6 +67,15 @@ def open_ladder(ladder_dir: Path, cfg: Config | None = None, sizes: list[int] | 
     return cfg, grid
 
 
+def describe(cfg: Config, grid: Grid) -> str:
+    """One line saying how the ladder's runs differ from ``cfg`` (the decisions the grid makes for them)."""
+    mains = sum(1 for p in grid.points if not p.branch_from)
+    return (f"ladder: {len(grid.points)} points ({len(grid.sizes)} sizes x {len(grid.budgets)} budgets), {mains} WSD "
+            f"runs + {len(grid.points) - mains} cooldown branches; every run: schedule wsd (decay_fraction "
+            f"{cfg.schedule.decay_fraction:g}, {cfg.schedule.decay_shape}), warmup {grid.warmup_steps} steps, one "
+            f"stage with the mix of the config's first stage, no faults")
+
+
 def finished(ladder_dir: Path) -> dict[str, dict]:
     """The records of ``ladder.jsonl`` by point name."""
     path = ladder_dir / POINTS
@@ -130,6 +139,7 @@ def run_ladder(cfg: Config, sizes: list[int], budgets: list[float], ladder_dir: 
     cfg, grid = open_ladder(ladder_dir, cfg, sizes, budgets)
     done = finished(ladder_dir)
     todo = [p for p in _order(grid) if p.name not in done]
+    print(describe(cfg, grid))
     if len(todo) < len(grid.points):
         print(f"ladder {ladder_dir}: {len(grid.points) - len(todo)} of {len(grid.points)} points done, skipped")
     for p in tqdm(todo, desc="ladder", unit="run", disable=not progress):
@@ -165,7 +175,7 @@ def print_commands(cfg: Config, sizes: list[int], budgets: list[float], ladder_d
     """One shell command per run (main runs, then the branches that need their checkpoints), with each run's
     config written to ``LADDER_DIR/configs``; ``densetrain ladder fit`` collects the finished runs."""
     cfg, grid = open_ladder(ladder_dir, cfg, sizes, budgets)
-    lines = []
+    lines = [f"# {describe(cfg, grid)}"]
     for p in _order(grid):
         run_dir = ladder_dir / "runs" / p.name
         conf = ladder_dir / "configs" / f"{p.name}.toml"
