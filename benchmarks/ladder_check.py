@@ -88,7 +88,6 @@ def main() -> None:
     d_model = min(cands, key=lambda d: abs(param_counts(scaled_model(cfg, d))[N_KEY] - n_opt))
     grid = build_grid(cfg, [d_model], [target])
     p = Point(name="unseen", d_model=d_model, budget=target, steps=grid.points[-1].steps, main="unseen")
-    grid.checkpoint_every["unseen"] = p.steps
     rcfg = point_config(cfg, grid, p, str(out / "unseen"))
     rcfg.schedule.warmup_steps = json.loads((out / "ladder" / "ladder.json").read_text())["warmup_steps"]
     rcfg.eval.ladder = str(out / "ladder")

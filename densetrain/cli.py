@@ -85,8 +85,10 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
         raise ConfigError(f"--skip-batches {args.skip_batches}: expected a number of global batches >= 0, "
                           "with --rollback-to STEP")
     # A plain --resume keeps the run's layout intent at any world size; --parallel.* flags are obeyed as given.
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ConfigError(f"--stop-after {args.stop_after}: expected a step >= 1")
     summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches,
-                    keep_layout_intent=bool(args.resume) and not args.layout_flags)
+                    keep_layout_intent=bool(args.resume) and not args.layout_flags, stop_after=args.stop_after)
     if _is_main():  # torchrun: one summary, not one per rank
         print("\n".join(summary_lines(summary, Path(cfg.train.run_dir))))
     return 0
@@ -380,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "after STEP aside (moved to RUN_DIR/checkpoints_set_aside) and continue from STEP")
             sp.add_argument("--skip-batches", type=int, default=0, metavar="N",
                             help="with --rollback-to: skip the next N global batches of data")
+            sp.add_argument("--stop-after", type=int, metavar="STEP", help="stop after STEP steps in total, with a "
+                            "checkpoint there (the schedule still runs to train.steps; --resume continues): the "
+                            "segments of a ladder's main run (densetrain ladder --print-commands)")
         if name in ("train", "prepare", "eval", "demo"):
             sp.add_argument("--smoke", action="store_true", help="the same recipe scaled down to a few CPU steps "
                             "with every stage (run dir gets a -smoke suffix): a check before a long run")

@@ -79,10 +79,12 @@ def test_ladder_points_resume_and_fit(ladder):
     assert r["branch_from"] > 0 and branch[0]["step"] == r["branch_from"] + 1
     assert main_run[r["branch_from"]]["lr"] == pytest.approx(3e-3) and branch[-1]["lr"] == pytest.approx(3e-4)
     assert branch[0]["lr"] < 3e-3 and set(r["val"]) == {"email", "json", "all"}
-    # the main run trained in segments: checkpoints at its branch starts and its end only
-    starts = sorted(recs[f"d64_c{j}"]["branch_from"] for j in (0, 1))
-    assert sorted(p.name for p in (out / "runs" / "d64_c2" / "checkpoints").iterdir()) == [
-        f"step_{s:08d}" for s in starts + [recs["d64_c2"]["steps"]]]
+    # the main run trained in segments ending at the branch starts, each start copied for its branch at once
+    # (the main run's own retention, checkpoint.keep = 2, has deleted them there since)
+    for j in (0, 1):
+        start = recs[f"d64_c{j}"]["branch_from"]
+        assert (out / "runs" / f"d64_c{j}" / "checkpoints" / f"step_{start:08d}").is_dir()
+        assert not (out / "runs" / "d64_c2" / "checkpoints" / f"step_{start:08d}").exists()
 
     fit = fit_ladder(out, samples=30)
     assert json.loads((out / "fit.json").read_text())["points"] == fit["points"] == 6
@@ -142,12 +144,25 @@ def test_print_commands(prepared, tmp_path):
                         "schedule wsd (decay_fraction 0.15, linear), warmup 2 steps, one stage with the mix of the "
                         "config's first stage, no faults")
     lines = lines[1:]
-    assert len(lines) == 6 and lines[0].startswith("densetrain train --config") and "d32_c2.toml" in lines[0]
     branch = load_config(path=tmp_path / "L" / "configs" / "d32_c0.toml")
-    main_cfg = load_config(path=tmp_path / "L" / "configs" / "d32_c2.toml")
-    start = branch.train.steps - round(0.15 * branch.train.steps)  # the branch's WSD decay start
-    assert f"step_{start:08d}" in lines[1] and start % main_cfg.checkpoint.every == 0
-    assert main_cfg.checkpoint.keep == 0 and branch.schedule.warmup_steps == main_cfg.schedule.warmup_steps == 2
+    starts = [c.train.steps - round(0.15 * c.train.steps) for c in  # the branches' WSD decay starts
+              (branch, load_config(path=tmp_path / "L" / "configs" / "d32_c1.toml"))]
+    main_dir = tmp_path / "L" / "runs" / "d32_c2"
+    assert len(lines) == 6 and lines[0] == " && ".join([
+        f"densetrain train --config {tmp_path}/L/configs/d32_c2.toml --stop-after {starts[0]}",
+        f"mkdir -p {tmp_path}/L/runs/d32_c0/checkpoints && cp -r {main_dir}/checkpoints/step_{starts[0]:08d} "
+        f"{tmp_path}/L/runs/d32_c0/checkpoints/",
+        f"densetrain train --resume {main_dir} --stop-after {starts[1]}",
+        f"mkdir -p {tmp_path}/L/runs/d32_c1/checkpoints && cp -r {main_dir}/checkpoints/step_{starts[1]:08d} "
+        f"{tmp_path}/L/runs/d32_c1/checkpoints/",
+        f"densetrain train --resume {main_dir}"])
+    assert lines[1] == (f"cp {tmp_path}/L/configs/d32_c0.toml {tmp_path}/L/runs/d32_c0/config.toml && "
+                        f"densetrain train --resume {tmp_path}/L/runs/d32_c0")
+    assert branch.schedule.kind == "wsd" and branch.schedule.warmup_steps == 2 and branch.stages[0].mix == {
+        "email": 0.5, "json": 0.5} and len(branch.stages) == 1
+    # the first command's --stop-after: a checkpoint at that step, no summary (the run is not done)
+    assert main(["train", "--config", str(tmp_path / "L" / "configs" / "d32_c2.toml"), "--stop-after", "3"]) == 0
+    assert (main_dir / "checkpoints" / "step_00000003").is_dir() and not (main_dir / "summary.json").exists()
     # the same directory with another recipe or grid: refused in one line naming what differs
     cfg.optim.peak_lr = 1e-3
     with pytest.raises(ConfigError, match=r"another config \(sections \['optim'\] differ\)"):

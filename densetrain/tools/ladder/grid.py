@@ -13,10 +13,10 @@ law counts (:data:`N_KEY`). D is rounded to whole steps of the config's ``batch_
 the size's largest budget; each smaller budget is a *cooldown branch*: the main run's checkpoint at the
 step where the branch's own decay begins, continued with ``train.steps`` = the branch's length (the WSD lr
 up to that step is the main run's, so the branch is the run a WSD run of that length would have been;
-Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations"). The main
-run checkpoints at every branch's start: run here, it trains in segments that end there
-(``train(stop_after=start)``, each segment's last step checkpointed, ``checkpoint.every = 0``); as cluster commands
-(one ``densetrain train`` per run), ``checkpoint.every`` is the starts' greatest common divisor, all kept.
+Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations"). A main
+run trains in segments that end at its branch starts (``train --stop-after``: each segment's last step is
+checkpointed), and each start checkpoint is copied into its branch's run directory at once, so the config's
+own ``checkpoint.every`` and ``keep`` stay as they are.
 Warmup is a fixed number of steps (the config's, or its fraction of the shortest run) so every branch shares
 it. A ladder trains one stage: the config's first stage's mix (stage starts are fractions of a run's length,
 which branches of different lengths would move).
@@ -25,7 +25,6 @@ which branches of different lengths would move).
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 
 from densetrain.config import Config, StageConfig, validate
@@ -57,7 +56,6 @@ class Grid:
     sizes: list[int]
     budgets: list[float]
     points: list[Point] = field(default_factory=list)
-    checkpoint_every: dict[str, int] = field(default_factory=dict)
     warmup_steps: int = 0
 
 
@@ -126,7 +124,6 @@ def build_grid(cfg: Config, sizes: list[int], budgets: list[float]) -> Grid:
     grid.warmup_steps = w if w >= 0 else max(1, round(cfg.schedule.warmup_fraction * shortest))
     for d in grid.sizes:
         main = f"d{d}_c{len(grid.budgets) - 1}"
-        starts = []
         for j, c in enumerate(grid.budgets):
             steps = lengths[d, c]
             start = steps - round(f * steps)
@@ -136,29 +133,18 @@ def build_grid(cfg: Config, sizes: list[int], budgets: list[float]) -> Grid:
                 if start <= grid.warmup_steps:
                     raise ConfigError(f"ladder: size d_model={d} at budget {c:.3g} FLOPs decays from step {start}, "
                                       f"inside the {grid.warmup_steps} warmup steps: raise the budgets")
-                starts.append(start)
             grid.points.append(Point(f"d{d}_c{j}", d, c, steps, main, start if j < len(grid.budgets) - 1 else 0))
-        grid.checkpoint_every[main] = math.gcd(*starts) if starts else lengths[d, grid.budgets[-1]]
     return grid
 
 
-def point_config(cfg: Config, grid: Grid, p: Point, run_dir: str, segments: bool = False) -> Config:
-    """The config of point ``p``: the resized model, one stage, WSD with fixed warmup, its length and
-    checkpoints (all kept; a main run's at every branch start: ``segments`` when it is trained in segments that
-    end there, else every greatest common divisor of the starts)."""
+def point_config(cfg: Config, grid: Grid, p: Point, run_dir: str) -> Config:
+    """The config of point ``p``: the resized model, one stage, WSD with fixed warmup, its length, no faults."""
     out = scaled_model(cfg, p.d_model)
     out.stages = [StageConfig(name="main", start=0.0, mix=dict(cfg.stages[0].mix))]
     out.schedule.kind, out.schedule.unit, out.schedule.warmup_steps = "wsd", "steps", grid.warmup_steps
     out.train.steps, out.train.run_dir = p.steps, run_dir
-    out.checkpoint.every = 0 if segments or p.branch_from else grid.checkpoint_every[p.main]
-    out.checkpoint.keep = 0
-    out.checkpoint.async_save = False
     out.faults = []
     out.eval.ladder = ""
     validate(out)
     return out
 
-
-def branch_starts(grid: Grid, main: str) -> list[int]:
-    """The steps of main run ``main`` where its cooldown branches start, ascending."""
-    return sorted(p.branch_from for p in grid.points if p.main == main and p.branch_from)

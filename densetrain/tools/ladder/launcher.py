@@ -9,8 +9,9 @@ The ladder directory::
     LADDER_DIR/runs/NAME/      each point's run directory (NAME = d<d_model>_c<budget index>)
     LADDER_DIR/configs/        with --print-commands: each run's config
 
-A re-run skips the points in ``ladder.jsonl`` and resumes an unfinished run from its newest checkpoint
-(a cooldown branch first copies its start checkpoint from the size's main run).
+A re-run skips the points in ``ladder.jsonl`` and resumes an unfinished run from its newest checkpoint.
+A size's main run trains in segments that end at its branches' starts (``stop_after``); each segment's last
+checkpoint is copied into its branch's ``checkpoints/`` at once, so the main run's retention may delete it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from densetrain.errors import ConfigError
 from densetrain.fileio import atomic_write_bytes, atomic_write_json, json_text
 from densetrain.metrics import flops_per_token, read_metrics
 from densetrain.schedule import resolve_stages, warmup_steps
-from densetrain.tools.ladder.grid import N_KEY, Grid, Point, branch_starts, build_grid, param_counts, point_config
+from densetrain.tools.ladder.grid import N_KEY, Grid, Point, build_grid, param_counts, point_config
 from densetrain.train import train
 from densetrain.train.curve import CURVE_FROM, run_areas
 
@@ -117,6 +118,11 @@ def _order(grid: Grid) -> list[Point]:
     return sorted(grid.points, key=lambda p: (p.d_model, p.branch_from != 0, p.budget))
 
 
+def _branches(grid: Grid, main: Point) -> list[Point]:
+    """The cooldown branches of main run ``main``, by their start step."""
+    return sorted((b for b in grid.points if b.main == main.name and b.branch_from), key=lambda b: b.branch_from)
+
+
 def _branch_start(main_dir: Path, run_dir: Path, step: int) -> None:
     """Give a branch its start: the main run's checkpoint of ``step`` copied into ``run_dir/checkpoints``
     (copied to a temporary name, then renamed, so a kill leaves no partial checkpoint)."""
@@ -144,13 +150,15 @@ def run_ladder(cfg: Config, sizes: list[int], budgets: list[float], ladder_dir: 
         print(f"ladder {ladder_dir}: {len(grid.points) - len(todo)} of {len(grid.points)} points done, skipped")
     for p in tqdm(todo, desc="ladder", unit="run", disable=not progress):
         run_dir = ladder_dir / "runs" / p.name
-        pcfg = point_config(cfg, grid, p, str(run_dir), segments=True)
-        if p.branch_from:
+        pcfg = point_config(cfg, grid, p, str(run_dir))
+        if not p.branch_from:  # in segments ending at the branch starts, each start given to its branch at once
+            for b in _branches(grid, p):
+                branch_dir = ladder_dir / "runs" / b.name
+                if not (branch_dir / "checkpoints" / f"step_{b.branch_from:08d}").is_dir():
+                    train(pcfg, resume=True, stop_after=b.branch_from)
+                    _branch_start(run_dir, branch_dir, b.branch_from)
+        else:
             _branch_start(ladder_dir / "runs" / p.main, run_dir, p.branch_from)
-        else:  # in segments that end at the branch starts: each end is checkpointed (and kept)
-            for stop in branch_starts(grid, p.name):
-                if not (run_dir / "checkpoints" / f"step_{stop:08d}").is_dir():
-                    train(pcfg, resume=True, stop_after=stop)
         if not (run_dir / "summary.json").exists():  # (a run killed after its last checkpoint: the summary now)
             train(pcfg, resume=True)
         record_point(ladder_dir, point_record(pcfg, p, run_dir))
@@ -181,11 +189,16 @@ def print_commands(cfg: Config, sizes: list[int], budgets: list[float], ladder_d
         conf = ladder_dir / "configs" / f"{p.name}.toml"
         conf.parent.mkdir(parents=True, exist_ok=True)
         save_config(point_config(cfg, grid, p, str(run_dir)), conf)
-        if not p.branch_from:
-            lines.append(f"densetrain train --config {conf}")
+        if not p.branch_from:  # in segments, each start copied for its branch (see run_ladder)
+            stops = [b.branch_from for b in _branches(grid, p)]
+            cmds = [f"densetrain train --config {conf}" + (f" --stop-after {stops[0]}" if stops else "")]
+            for i, b in enumerate(_branches(grid, p)):
+                dest = ladder_dir / "runs" / b.name / "checkpoints"
+                cmds.append(f"mkdir -p {dest} && cp -r {run_dir}/checkpoints/step_{b.branch_from:08d} {dest}/")
+                cmds.append(f"densetrain train --resume {run_dir}"
+                            + (f" --stop-after {stops[i + 1]}" if i + 1 < len(stops) else ""))
+            lines.append(" && ".join(cmds))
         else:
-            start = ladder_dir / "runs" / p.main / "checkpoints" / f"step_{p.branch_from:08d}"
-            lines.append(f"mkdir -p {run_dir}/checkpoints && cp -r {start} {run_dir}/checkpoints/ && "
-                         f"cp {conf} {run_dir}/config.toml && densetrain train --resume {run_dir}")
+            lines.append(f"cp {conf} {run_dir}/config.toml && densetrain train --resume {run_dir}")
     return lines
 
