@@ -95,8 +95,10 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
         raise ConfigError(f"--skip-batches {args.skip_batches}: expected a number of global batches >= 0, "
                           "with --rollback-to STEP")
     # A plain --resume keeps the run's layout intent at any world size; --parallel.* flags are obeyed as given.
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ConfigError(f"--stop-after {args.stop_after}: expected a step >= 1")
     summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches,
-                    keep_layout_intent=bool(args.resume) and not args.layout_flags)
+                    keep_layout_intent=bool(args.resume) and not args.layout_flags, stop_after=args.stop_after)
     if _is_main():  # torchrun: one summary, not one per rank
         print("\n".join(summary_lines(summary, Path(cfg.train.run_dir))))
     return 0
@@ -290,6 +292,16 @@ def cmd_report(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ladder_report(args: argparse.Namespace) -> int:
+    """``densetrain ladder report LADDER_DIR [--run RUN_DIR]``: the scaling panel (here: tools do not import report)."""
+    from densetrain.report.ladder import write_ladder_report
+    from densetrain.tools.ladder.command import ladder_dir_arg
+
+    for path in write_ladder_report(ladder_dir_arg(args.ladder_dir), Path(args.run) if args.run else None):
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_demo(cfg: Config, args: argparse.Namespace) -> int:
     """prepare -> train -> final evaluation -> report, in one go (what `make demo` runs)."""
     from densetrain.data.prepare import prepare
@@ -415,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "after STEP aside (moved to RUN_DIR/checkpoints_set_aside) and continue from STEP")
             sp.add_argument("--skip-batches", type=int, default=0, metavar="N",
                             help="with --rollback-to: skip the next N global batches of data")
+            sp.add_argument("--stop-after", type=int, metavar="STEP", help="stop after STEP steps in total, with a "
+                            "checkpoint there (the schedule still runs to train.steps; --resume continues): the "
+                            "segments of a ladder's main run (densetrain ladder --print-commands)")
         if name in ("train", "prepare", "eval", "demo"):
             sp.add_argument("--smoke", action="store_true", help="the same recipe scaled down to a few CPU steps "
                             "with every stage (run dir gets a -smoke suffix): a check before a long run")
@@ -449,8 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "report":
             sp.add_argument("run_dir", help="run directory")
     from densetrain.tools.commands import add_subcommands
+    from densetrain.tools.ladder.command import add_ladder_command
 
     add_subcommands(sub)
+    add_ladder_command(sub, cmd_ladder_report)
     p.commands = sub.choices  # name -> subparser (its error() names its own --help)
     return p
 
@@ -479,8 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     args.layout_flags = [a for a in rest if a.startswith(("--parallel.dp_replicate", "--parallel.dp_shard",
                                                           "--parallel.tp", "--parallel.cp"))]
     try:
-        if hasattr(args, "func"):  # mup-check | lr-sweep | plan: own flags; plan's memory plan takes overrides
-            if rest and args.command != "plan":
+        if hasattr(args, "func"):  # mup-check | lr-sweep | plan | ladder: own flags; plan and ladder take overrides
+            if rest and args.command not in ("plan", "ladder"):
                 parser.commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
             args.overrides = parse_overrides(rest)  # --section.key=value, e.g. --parallel.tp=4
             return args.func(args)

@@ -94,6 +94,9 @@ def validate(cfg: Config) -> None:
     for k in ("every", "tasks_every", "tasks_limit", "final_limit", "samples"):  # 0 = at the end / all / none
         check_config(getattr(e, k) >= 0, f"eval.{k} must be >= 0, got {getattr(e, k)}")
     check_config(e.max_batches >= 1, f"eval.max_batches must be >= 1, got {e.max_batches}")
+    check_config(e.off_curve_patience >= 1, f"eval.off_curve_patience must be >= 1, got {e.off_curve_patience}")
+    check_config(0 <= e.off_curve_margin < 1, f"eval.off_curve_margin must be in [0, 1) (0: from the fit), got "
+                                              f"{e.off_curve_margin}")
     for k in ("every", "mfu_every"):
         check_config(getattr(cfg.logging, k) >= 1, f"logging.{k} must be >= 1, got {getattr(cfg.logging, k)}")
     for k in ("every", "keep"):

@@ -108,8 +108,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Print the Chinchilla plan (one of --flops/--params/--tokens/--hours), or, with ``--gpus``, the
     memory and layout plan of a preset / config (``--params N --tokens D`` may replace its size and
     length); ``--json`` prints the result as JSON."""
+    from densetrain.tools.ladder.command import plan_prediction
     from densetrain.tools.plan import format_plan, plan
 
+    if (code := plan_prediction(args)) is not None:  # --ladder (or eval.ladder): the run's predicted loss
+        return code
     if args.gpus is not None or args.preset or args.config:
         return _layout_plan(args)
     if getattr(args, "overrides", None):
@@ -253,4 +256,6 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                    "(default %(default)s)")
     p.add_argument("--all-layouts", action="store_true", help="memory plan: list every layout")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
+    p.add_argument("--ladder", help="a fitted ladder directory (densetrain ladder fit): print the predicted final "
+                   "val loss and bpb of the --preset/--config run (also when its eval.ladder is set, without --gpus)")
     p.set_defaults(func=cmd_plan)

@@ -40,6 +40,7 @@ from densetrain.parallel.mesh import intent, keep_intent, resolve_layout
 from densetrain.registry.tasks import data_root, parse_task_list, resolve_tasks
 from densetrain.schedule import Stage, resolve_stages, stage_at
 from densetrain.train.collect import GarbageCollection
+from densetrain.train.curve import OffCurve
 from densetrain.train.faults import FaultInjector
 from densetrain.train.guard import Guard
 from densetrain.train.probe import DataProbe
@@ -252,6 +253,8 @@ def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
         watchers.append(DataProbe(cfg.probe, [s.name for s in cfg.data.sources]))
     if cfg.train.gc_freq:
         watchers.append(GarbageCollection(cfg.train.gc_freq))
+    if cfg.eval.ladder:
+        watchers.append(OffCurve(cfg, info.rank))
     return watchers
 
 
