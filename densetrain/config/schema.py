@@ -335,11 +335,13 @@ class ParallelConfig:
     activations held), '1f1b' (at most pp micro-batches in flight) or 'interleaved_1f1b' (pp_virtual_stages stages
     per rank: a bubble pp_virtual_stages times smaller, more point-to-point messages)."""
     pp_virtual_stages: int = 1
-    """Stages per pipeline rank; >= 2 only with pp_schedule = 'interleaved_1f1b' (rank r holds stages r, r + pp, ...)."""
+    """Stages per pipeline rank; >= 2 only with pp_schedule = 'interleaved_1f1b' (rank r holds stages r, r + pp,
+    ...)."""
     pp_microbatches: int = 0
     """Micro-batches (of micro_batch_size rows) per pipeline schedule call; 0: the fewest of at least pp that keep the
     bubble (pp - 1) / (pp_virtual_stages * (microbatches + pp - 1)) under 15%, capped by the micro-batches a rank has.
-    Fewer than pp is refused. A rank's batch runs as batch / (dp * micro_batch_size * pp_microbatches) schedule calls."""
+    Fewer than pp is refused. A rank's batch runs as batch / (dp * micro_batch_size * pp_microbatches) schedule
+    calls."""
     pp_layers_per_stage: int = 0
     """Layers per pipeline stage, the embedding and the output head counted as one layer each; 0: as even as possible
     (n_layers + 2 over pp * pp_virtual_stages stages). Must then multiply to n_layers + 2 exactly."""

@@ -228,7 +228,8 @@ def validate_pipeline(cfg: Config) -> None:
     check_config(p.pp_virtual_stages >= 2 if interleaved else p.pp_virtual_stages == 1,
                  f"parallel.pp_virtual_stages ({p.pp_virtual_stages}) must be >= 2 with pp_schedule "
                  f"'interleaved_1f1b' and 1 with '{p.pp_schedule}'")
-    check_config(p.pp_microbatches >= 0, f"parallel.pp_microbatches must be >= 0 (0: automatic), got {p.pp_microbatches}")
+    check_config(p.pp_microbatches >= 0,
+                 f"parallel.pp_microbatches must be >= 0 (0: automatic), got {p.pp_microbatches}")
     check_config(p.pp_layers_per_stage >= 0, f"parallel.pp_layers_per_stage must be >= 0, got {p.pp_layers_per_stage}")
     if p.pp == 1:
         return

@@ -2,11 +2,11 @@
 size, and the one ``DeviceMesh`` built from them.
 
 The mesh is row-major with ``pp`` (pipeline stages) outermost: its point-to-point activations are the
-lightest traffic, so its groups may cross nodes the most. ``tp`` is innermost, so the ranks of one tensor-parallel group are
-consecutive (on one node, over the fastest link: NVLink), then the context-parallel group (its K/V
-all-gather is the next heaviest traffic), then the FSDP shard group, then replicas (HSDP's all-reduce
-crosses nodes the least often, after pipeline stages). Global rank ``r`` of ``W`` sits at pipeline stage
-``r // (W / pp)``, and within its stage's ``W / pp`` ranks at
+lightest traffic, so its groups may cross nodes the most. ``tp`` is innermost, so the ranks of one
+tensor-parallel group are consecutive (on one node, over the fastest link: NVLink), then the
+context-parallel group (its K/V all-gather is the next heaviest traffic), then the FSDP shard group,
+then replicas (HSDP's all-reduce crosses nodes the least often, after pipeline stages). Global rank
+``r`` of ``W`` sits at pipeline stage ``r // (W / pp)``, and within its stage's ``W / pp`` ranks at
 ``(i // (dp_shard * cp * tp), (i // (cp * tp)) % dp_shard, (i // tp) % cp, i % tp)`` with ``i = r % (W / pp)``.
 """
 

@@ -269,4 +269,5 @@ def pipeline_summary(parts: list[StagePart], microbatches: int, pp: int, virtual
         ([("embedding")] if p.embedding else []) + ([f"blocks {p.layers.start}-{p.layers.stop - 1}"]
                                                      if len(p.layers) else []) + (["head"] if p.head else []))
         for p in parts)
-    return f"{held}; {microbatches} micro-batches per schedule call, bubble {bubble_fraction(pp, microbatches, virtual):.1%}"
+    bubble = bubble_fraction(pp, microbatches, virtual)
+    return f"{held}; {microbatches} micro-batches per schedule call, bubble {bubble:.1%}"

@@ -292,8 +292,8 @@ def pipelined_forward_backward(pipe: PipelineModel, micro_batches: list, n_token
         if z_loss > 0:
             zl = z_loss_sum(logits, mask)
             objective = objective + z_loss * zl
-            z_sums += [zl.detach()] if record else []
         if record:
+            z_sums.extend([zl.detach()] if z_loss > 0 else [])
             row_losses.append(row_loss_sums(losses.detach()))
             row_tokens.append(mask.sum(dim=1))
         return objective * scale
