@@ -451,10 +451,13 @@ def layout_keeping_intent(cfg: Config):
     def runs(lay) -> bool:
         return (all(getattr(m, k) % lay.tp == 0 for k in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"))
                 and all(st.batch_size % (lay.dp_size * st.micro_batch_size) == 0 for st in stages)
-                and all(st.seq_len % (2 * lay.cp) == 0 for st in stages))  # cp's 2*cp load-balanced chunks
+                and all(st.seq_len % (2 * lay.cp) == 0 for st in stages)  # cp's 2*cp load-balanced chunks
+                and all(st.batch_size // (lay.dp_size * st.micro_batch_size) >= lay.pp for st in stages))
 
-    lay = keep_intent(p.dp_replicate, p.dp_shard, p.tp, int(os.environ.get("WORLD_SIZE", "1")), runs, cp=p.cp)
-    return dataclasses.replace(p, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp, cp=lay.cp)
+    lay = keep_intent(p.dp_replicate, p.dp_shard, p.tp, int(os.environ.get("WORLD_SIZE", "1")), runs, cp=p.cp,
+                      pp=p.pp)
+    return dataclasses.replace(p, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp, cp=lay.cp,
+                               pp=lay.pp)
 
 
 def _log_layout(run: Run, saved: dict) -> None:
@@ -466,7 +469,7 @@ def _log_layout(run: Run, saved: dict) -> None:
     if was_world == world and was in (None, dataclasses.asdict(lay)):
         return
     try:
-        as_configured = resolve_layout(p.dp_replicate, p.dp_shard, p.tp, world, cp=p.cp) == lay
+        as_configured = resolve_layout(p.dp_replicate, p.dp_shard, p.tp, world, cp=p.cp, pp=p.pp) == lay
     except ValueError:
         as_configured = False
     written = f"{was_world} process(es)" + (f" as dp_replicate={was['dp_replicate']} dp_shard={was['dp_shard']} "
