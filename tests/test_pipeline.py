@@ -42,7 +42,8 @@ from densetrain.loss import IGNORE_INDEX
 from densetrain.model.init import build_model
 from densetrain.optim import build_optimizer, set_lr
 from densetrain.parallel import build_parallel_model, clip_grad_norm, init_distributed
-from densetrain.train.step import forward_backward, reduce_stats
+from densetrain.data.mixture import Sample
+from densetrain.train.step import forward_backward, make_micro_batches, reduce_stats
 
 B, T, STEPS = 8, 16, 5
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -50,17 +51,17 @@ SCENARIOS = {
     2: {"gpipe": {"pp_schedule": "gpipe", "pp_microbatches": 2},  # 4 schedule calls per step
         "1f1b": {"pp_schedule": "1f1b"},  # the default count: one call of 8
         "interleaved_1f1b": {"pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "pp_microbatches": 4}},
-    4: {"pp2_dp_shard2": {"dp_shard": 2, "pp_microbatches": 2}, "pp2_tp2": {"tp": 2}},
+    4: {"pp2_dp_shard2": {"dp_shard": 2, "pp_microbatches": 2}, "pp2_tp2": {"tp": 2}, "pp2_cp2": {"cp": 2}},
 }[WORLD]
 
 
-def batch(step):
+def batch(step, ragged=True):
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randint(0, 64, (B, T + 1), generator=g)
     y = x[:, 1:].clone()
-    for r in range(B // 2):  # the first half of the rows keeps few targets
+    for r in range(B // 2 if ragged else 0):  # the first half of the rows keeps few targets
         y[r, 2 + r:] = IGNORE_INDEX
-    return x[:, :-1], y
+    return x[:, :-1], y, x
 
 
 def micro(x, y):
@@ -73,6 +74,7 @@ def scenario(layout):
         ("model.n_kv_heads", 2), ("model.d_ff", 64), ("model.tie_embeddings", False), ("train.seed", 3),
         ("train.device", "cpu"), ("train.dtype", "fp32"), ("optim.weight_decay", 0.1), ("eval.tasks", ""),
         ("eval.final_tasks", ""), ("eval.samples", 0), ("parallel.pp", 2), ("parallel.dp_replicate", 1),
+        ("model.document_mask", False), ("stages", [{"name": "main"}]),
         *[(f"parallel.{k}", v) for k, v in layout.items()]])
     info = init_distributed("cpu", cfg.parallel)
     model, step_model = build_parallel_model(cfg, info)
@@ -82,10 +84,15 @@ def scenario(layout):
     res = {"loss": [], "ref_loss": [], "grad_norm": [], "ref_grad_norm": [], "names": sorted(model.state_dict())}
     per = B // info.dp_size
     for step in range(STEPS):
-        x, y = batch(step)
+        x, y, rows = batch(step, ragged=info.cp_size == 1)  # context parallelism: rows of whole targets
         n_global = int((y != IGNORE_INDEX).sum())
         mine = slice(info.dp_rank * per, (info.dp_rank + 1) * per)
-        stats = forward_backward(step_model, micro(x[mine], y[mine]), n_global, info.grad_scale)
+        if info.cp_size > 1:
+            smp = [Sample(i, "s", rows[i].numpy()) for i in range(B)][mine]
+            mbs = make_micro_batches(smp, 1, info.device, cp=(info.cp_rank, info.cp_size, info.cp_mesh))
+        else:
+            mbs = micro(x[mine], y[mine])
+        stats = forward_backward(step_model, mbs, n_global, info.grad_scale)
         stats = reduce_stats(stats, ["s"], info.device, info.pp_group)
         res["loss"].append(stats.loss_sum / stats.n_tokens)
         res["grad_norm"].append(float(clip_grad_norm(model, 1.0, info.pp_group)))
@@ -99,7 +106,7 @@ def scenario(layout):
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     ref_sd = ref.state_dict()
     res["param_max_abs_diff"] = max(float((full[k] - ref_sd[k]).abs().max()) for k in full)
-    x, _ = batch(99)
+    x, _, _ = batch(99)
     with torch.no_grad():
         res["logits_max_abs_diff"] = float((step_model(x[:2]) - ref(x[:2])).abs().max())
     res["decisions"] = step_model.decisions
@@ -141,7 +148,7 @@ def test_the_default_micro_batch_count_keeps_the_bubble_under_15_percent():
 
 @pytest.mark.parametrize("overrides, match", [
     ({"parallel.pp": 2, "model.tie_embeddings": True}, "model.tie_embeddings set: the embedding and the head"),
-    ({"parallel.pp": 2, "parallel.cp": 2}, "parallel.cp set"),
+    ({"parallel.pp": 2, "parallel.cp": 2, "model.document_mask": True}, "parallel.cp set: context parallelism runs"),
     ({"parallel.pp": 2, "eval.samples": 2}, "eval.samples set: generation"),
     ({"parallel.pp": 2, "parallel.pp_microbatches": 1}, r"pp_microbatches \(1\) must be >= parallel.pp"),
     ({"parallel.pp_schedule": "zero_bubble"}, "pp_schedule must be one of gpipe, 1f1b, interleaved_1f1b"),

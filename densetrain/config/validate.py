@@ -244,7 +244,9 @@ def validate_pipeline(cfg: Config) -> None:
                  f"parallel.pp_microbatches ({p.pp_microbatches}) must be >= parallel.pp ({p.pp}): fewer micro-batches "
                  f"than stages leave a stage idle the whole step")
     refused = (("model.tie_embeddings", m.tie_embeddings, "the embedding and the head sit on different stages"),
-               ("parallel.cp", p.cp != 1, "context parallelism is not composed with pipeline stages yet"),
+               ("parallel.cp", p.cp != 1 and (m.document_mask or any(st.document_mask for st in cfg.stages)),
+                "context parallelism runs through pipeline stages without document masks only (model.document_mask "
+                "and every stage's document_mask false)"),
                ("train.compile", cfg.train.compile, "whole-model compile cannot see a stage; use "
                                                     "parallel.compile_blocks"),
                ("eval.samples", cfg.eval.samples, "generation (KV cache) does not run through pipeline stages"),

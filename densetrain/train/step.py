@@ -304,7 +304,9 @@ def pipelined_forward_backward(pipe: PipelineModel, micro_batches: list, n_token
         group = micro_batches[g : g + m]
         x, y = torch.cat([mb[0] for mb in group]), torch.cat([mb[1] for mb in group])
         more = [mb[3] if len(mb) > 3 else {} for mb in group]
-        kwargs = {k: torch.cat([d[k] for d in more]) for k in more[0]}
+        # Tensors (doc_ids, positions) are split again by the schedule; other inputs (context parallelism's
+        # attention, the same for every micro-batch without document masks) are handed to each micro-batch.
+        kwargs = {k: torch.cat([d[k] for d in more]) if isinstance(v, torch.Tensor) else v for k, v in more[0].items()}
         with autocast or contextlib.nullcontext():
             pipe.step(x, y, m, loss_fn, **kwargs)
         if pipe.is_last:
