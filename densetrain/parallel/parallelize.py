@@ -30,11 +30,13 @@ from densetrain.parallel.pipeline import PipelineModel, keep_parts, part_view, r
 from densetrain.parallel.wrap import parallelize
 
 
-def build_parallel_model(cfg, info: DistInfo) -> tuple[Transformer, nn.Module]:
+def build_parallel_model(cfg, info: DistInfo, meta: bool = False) -> tuple[Transformer, nn.Module]:
     """The model of ``cfg`` laid out as ``cfg.parallel`` says on the mesh of ``info``.
 
     Args:
         cfg: the :class:`~densetrain.config.Config` (reads ``model``, ``parallel``, ``train``).
+        meta: stop before materialising: parameters stay on the meta device with this rank's shard shapes
+            (the dry run of one rank of a large job, :mod:`densetrain.tools.plan.rank`).
     Returns:
         ``(model, step_model)``: ``model`` is the module checkpoints and the optimizer use (under
         FSDP2/TP the same object, its parameters DTensors; under pipeline parallelism this rank's stages
@@ -43,7 +45,7 @@ def build_parallel_model(cfg, info: DistInfo) -> tuple[Transformer, nn.Module]:
     """
     par, layout = cfg.parallel, info.layout
     _check_seq_lens(cfg, layout)
-    if layout.pp == 1 and layout.tp == 1 and not layout.uses_fsdp:
+    if not meta and layout.pp == 1 and layout.tp == 1 and not layout.uses_fsdp:
         # Single process or DDP: the real model straight away (this path is the golden trajectory's).
         model = build_model(cfg.model, cfg.train.seed, info.device)
         apply_activation_checkpointing(model, par.activation_checkpointing)
@@ -72,6 +74,8 @@ def build_parallel_model(cfg, info: DistInfo) -> tuple[Transformer, nn.Module]:
         bf16 = info.device.type == "cuda" and cfg.train.dtype in ("auto", "bf16")
         for chunk in chunks:  # pipelined: no reshard between micro-batches (torchtitan's choice for PP)
             apply_fsdp(chunk, dp_mesh(info.mesh, layout), bf16, reshard_last=layout.pp > 1)
+    if meta:
+        return model, model
     model.to_empty(device=info.device)
     load_reference_weights(model, cfg, info.device)
     if layout.pp == 1:
