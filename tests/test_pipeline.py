@@ -51,7 +51,8 @@ SCENARIOS = {
     2: {"gpipe": {"pp_schedule": "gpipe", "pp_microbatches": 2},  # 4 schedule calls per step
         "1f1b": {"pp_schedule": "1f1b"},  # the default count: one call of 8
         "interleaved_1f1b": {"pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "pp_microbatches": 4}},
-    4: {"pp2_dp_shard2": {"dp_shard": 2, "pp_microbatches": 2}, "pp2_tp2": {"tp": 2}, "pp2_cp2": {"cp": 2}},
+    4: {"pp2_dp_shard2": {"dp_shard": 2, "pp_microbatches": 2}, "pp2_tp2": {"tp": 2}, "pp2_cp2": {"cp": 2},
+        "pp2_tp2_sp": {"tp": 2, "sequence_parallel": True}},
 }[WORLD]
 
 

@@ -460,7 +460,10 @@ class Transformer(nn.Module):
         T = tokens.shape[1]
         doc_mask = None if doc_ids is None or attend is not None else DocumentMask.build(doc_ids)
         if cache is None:
-            cos, sin = self.rope_cache(T if attend is None else attend.seq_len)  # (T, head_dim) each, float32
+            # positions index a table as long as they are (a pipeline stage under sequence parallelism gets
+            # T / tp tokens of hidden states, but whole rows of positions)
+            n = attend.seq_len if attend is not None else positions.shape[1] if positions is not None else T
+            cos, sin = self.rope_cache(n)  # (n, head_dim) each, float32
             if positions is not None:
                 cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, head_dim) each
         else:

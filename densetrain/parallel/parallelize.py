@@ -84,7 +84,8 @@ def build_parallel_model(cfg, info: DistInfo, meta: bool = False) -> tuple[Trans
         chunk.logit_mult = model.logit_mult
         chunk.reset_rope_cache()
     return model, PipelineModel(chunks, [p.index for p in parts], layout.pp * virtual, par.pp_schedule,
-                                info.pp_group, info.device, cfg.model.vocab_size, par.pp_microbatches)
+                                info.pp_group, info.device, cfg.model.vocab_size, par.pp_microbatches,
+                                par.sequence_parallel and layout.tp > 1)
 
 
 def _check_seq_lens(cfg, layout) -> None:

@@ -162,10 +162,12 @@ class PipelineModel(nn.Module):
         stages: their global stage indices. n_stages: ``pp * pp_virtual_stages``.
         schedule: one of :data:`SCHEDULE_NAMES`. group: the pipeline process group (the ``pp`` mesh dim).
         microbatches: ``parallel.pp_microbatches`` (0: automatic, :func:`resolve_microbatches`).
+        sequence_parallel: tensor parallel splits the hidden states between stages along time, so every
+            stage is given the rows' RoPE ``positions`` (its hidden states do not tell their length).
     """
 
     def __init__(self, chunks: list[nn.Module], stages: list[int], n_stages: int, schedule: str, group,
-                 device: torch.device, vocab_size: int, microbatches: int = 0):
+                 device: torch.device, vocab_size: int, microbatches: int = 0, sequence_parallel: bool = False):
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
         self.stages, self.n_stages, self.schedule_name = stages, n_stages, schedule
@@ -177,6 +179,13 @@ class PipelineModel(nn.Module):
         self._schedules: dict[tuple, object] = {}
         self._loss_fn: Callable | None = None
         self._inferring = False
+        self.sequence_parallel = sequence_parallel
+
+    def _with_positions(self, tokens: torch.Tensor, kwargs: dict) -> dict:
+        if self.sequence_parallel and kwargs.get("positions") is None and kwargs.get("attend") is None:
+            B, T = tokens.shape
+            kwargs = {**kwargs, "positions": torch.arange(T, device=tokens.device).expand(B, T)}
+        return kwargs
 
     def microbatches(self, available: int) -> int:
         """Micro-batches per schedule call when a rank runs ``available`` of them in a step
@@ -228,6 +237,7 @@ class PipelineModel(nn.Module):
         (``doc_ids``, ``positions``: (n_micro * b, T)), given to every stage. ``loss_fn(logits (b, T, vocab),
         targets (b, T), record) -> 0-d objective`` runs on the last stage per micro-batch (``record`` False:
         a stand-in call, its numbers are not to be counted); gradients accumulate."""
+        kwargs = self._with_positions(x, kwargs)
         key = (tuple(x.shape), tuple(sorted(kwargs)))
         sched = self._schedule(key, n_micro, train=True)
         self._loss_fn = loss_fn
@@ -249,7 +259,7 @@ class PipelineModel(nn.Module):
         if cache is not None or kwargs.get("head") is not None or kwargs.get("attend") is not None:
             raise TrainError("parallel.pp > 1: generation and chunked-head forwards do not run through pipeline "
                              "stages; set parallel.pp = 1 for them")
-        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        kwargs = self._with_positions(tokens, {k: v for k, v in kwargs.items() if v is not None})
         sched = self._schedule((tuple(tokens.shape), tuple(sorted(kwargs))), 1, train=False)
         out = sched.eval(*((tokens,) if self.is_first else ()), **kwargs)
         B, T = tokens.shape
