@@ -78,7 +78,8 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float, gpu_peak_flops: float = H
     (:func:`densetrain.loss.chunk_tokens_for`) and vocabulary-parallel under ``tp > 1`` (the trainer's
     ``parallel.loss_parallel`` default); ``sequence_parallel`` (off, the trainer's default) splits the norm
     regions of layouts with ``tp > 1`` by ``tp``. Suggested: the layout that runs every stage with the smallest
-    model-parallel degree ``tp * cp * pp``, then the least recomputation, then the smallest ``cp`` (its K/V all-
+    model-parallel degree ``tp * cp * pp``, then the least recomputation, then the fewest pipeline stages (a
+    bubble), then the smallest ``cp`` (its K/V all-
     gather grows with the sequence; Llama 3 used it only for the long stage), then the fewest shards (less
     communication). Per stage, ``best`` is the layout the same rule picks for that stage alone. Time per step:
     ``flops_per_token(seq_len) * batch_tokens / (gpus * peak * mfu)`` (the stage rows); each layout's ``days``
@@ -135,7 +136,7 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float, gpu_peak_flops: float = H
                         "days": layout_days(rows, per_stage)})
     def rank(x, stages):
         lay = x["layout"]
-        return (lay.tp * lay.cp * lay.pp, sum(AC_MODES.index(x["stages"][i]["ac"]) for i in stages), lay.cp,
+        return (lay.tp * lay.cp * lay.pp, sum(AC_MODES.index(x["stages"][i]["ac"]) for i in stages), lay.pp, lay.cp,
                 lay.dp_shard)
 
     every = range(len(rows))
