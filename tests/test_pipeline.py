@@ -96,7 +96,7 @@ def scenario(layout):
         stats = forward_backward(step_model, mbs, n_global, info.grad_scale)
         stats = reduce_stats(stats, ["s"], info.device, info.pp_group)
         res["loss"].append(stats.loss_sum / stats.n_tokens)
-        res["grad_norm"].append(float(clip_grad_norm(model, 1.0, info.pp_group)))
+        res["grad_norm"].append(float(clip_grad_norm(model, 1.0, extra_group=info.pp_group)))
         ref_stats = forward_backward(ref, micro(x, y), n_global, 1)
         res["ref_loss"].append(ref_stats.loss_sum / ref_stats.n_tokens)
         res["ref_grad_norm"].append(float(clip_grad_norm(ref, 1.0)))
@@ -205,3 +205,14 @@ def test_the_loop_at_pp2_matches_one_process_and_its_checkpoint_resumes_at_pp1(p
     one = copy_until(run, tmp_path / "one", 4)
     assert main(["train", "--resume", str(one)]) == 0  # 1 process: the pipeline degree falls to 1
     assert_close(trajectory(one), want, range(5, 9))
+
+
+def test_replica_groups_stay_within_a_pipeline_stage():
+    from densetrain.parallel.mesh import Layout, resolve_layout
+    from densetrain.train.replicas import replica_groups
+
+    assert replica_groups(Layout(2, 2, 1, 1, 2)) == [[0, 2], [1, 3], [4, 6], [5, 7]]  # HSDP within each stage
+    assert replica_groups(Layout(2, 1, 1, 1, 2)) == []  # pipelined data-parallel ranks shard (FSDP2)
+    assert resolve_layout(-1, 2, 1, 8, pp=2) == Layout(2, 2, 1, 1, 2)
+    with pytest.raises(ConfigError, match=r"parallel.pp \(3\) must divide the world size 8"):
+        resolve_layout(-1, 1, 1, 8, pp=3)

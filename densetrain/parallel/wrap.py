@@ -51,11 +51,11 @@ def _fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, group=None) -> torch.Tensor:
+def clip_grad_norm(model: nn.Module, max_norm: float, extra_group=None) -> torch.Tensor:
     """Clip the gradients of ``model`` to total L2 norm ``max_norm`` (``inf``: measure only); return the
     norm of the *full* gradient before clipping as a 0-d tensor, identical on every rank.
 
-    ``group``: the pipeline process group when ``model`` is one pipeline stage's part: the squared norms of
+    ``extra_group``: the pipeline process group when ``model`` is one pipeline stage's part: the squared norms of
     the stages (disjoint parameters) are summed over it, so the norm and the clipping cover every stage.
 
     Plain tensors (single process; DDP after its all-reduce) go through ``torch.nn.utils.clip_grad_norm_``
@@ -67,16 +67,16 @@ def clip_grad_norm(model: nn.Module, max_norm: float, group=None) -> torch.Tenso
     from torch.distributed.tensor import DTensor
 
     params = [p for p in model.parameters() if p.grad is not None]
-    if group is None and not any(isinstance(p.grad, DTensor) for p in params):
+    if extra_group is None and not any(isinstance(p.grad, DTensor) for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     norms = [torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)]
     for p in params:
         n = torch.linalg.vector_norm(p.grad, 2, dtype=torch.float32)
         norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
     total = torch.linalg.vector_norm(torch.stack(norms), 2)
-    if group is not None:
+    if extra_group is not None:
         square = total.double() ** 2
-        dist.all_reduce(square, group=group)
+        dist.all_reduce(square, group=extra_group)
         total = square.sqrt().float()
     if max_norm != float("inf"):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -378,7 +378,7 @@ def compute_step(run, stage: Stage, lr: float) -> StepResult:
     for w in run.watchers:  # fault injection (a NaN gradient on one rank, a loss spike)
         w.on_grads(run, stats)
     grad_norm = float(clip_grad_norm(run.model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"),
-                                     info.pp_group))
+                                     extra_group=info.pp_group))
     stats.nonfinite_ranks = local_nonfinite(stats, grad_norm)
     stats = reduce_stats(stats, run.source_names, info.device, info.pp_group)
     loss = stats.loss_sum / max(stats.n_tokens, 1)
