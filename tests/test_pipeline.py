@@ -9,9 +9,10 @@ torch.distributed (gloo, CPU, fp32), one process per rank.
   ``interleaved_1f1b`` (2 stages per rank) on 2 ranks; pp 2 x dp_shard 2 and pp 2 x tp 2 on 4. The loss
   and the grad norm equal the reference's within 1e-5 relative on every rank, and every parameter after
   the steps too; the forward-only schedule gives every rank the reference's logits.
-- The real loop at pp 2 (2 ranks) through a stage switch that changes seq_len, with async checkpoints and
-  validation: its losses are the 1-process run's; its step-4 checkpoint resumes on 1 process (pp 1) with
-  the 1-process run's next losses.
+- The real loop at pp 2 (2 ranks) through a stage switch that changes seq_len, with async checkpoints,
+  validation and a NaN gradient injected on the first stage's rank: its losses and its skip are the
+  1-process run's; its step-4 checkpoint resumes on 1 process (pp 1) with the 1-process run's next losses.
+  SIGTERM to one pipeline rank stops both after the same step, with its checkpoint.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from test_resume import assert_close, copy_until, finish, fresh, start, trajecto
 from densetrain.cli import main
 from densetrain.config import load_config
 from densetrain.errors import ConfigError
-from densetrain.metrics import read_metrics
+from densetrain.metrics import read_events, read_metrics
 from densetrain.parallel.pipeline import bubble_fraction, resolve_microbatches, split_stages
 from densetrain.train import train
 
@@ -192,14 +193,19 @@ def test_the_loop_at_pp2_matches_one_process_and_its_checkpoint_resumes_at_pp1(p
           "model.n_layers": 4, "model.tie_embeddings": False, "eval.samples": 0,
           "stages": [{"name": "main", "start": 0.0, "mix": {"email": 0.5, "json": 0.5}},
                      {"name": "long_context", "start": 0.5, "seq_len": 64, "rope_theta": 100000.0}]}
-    ref = make(tmp_path / "ref", **ov)
+    nan = [{"kind": "nan_grad", "step": 2, "rank": 0}]  # at pp 2: a gradient of the first stage only
+    ref = make(tmp_path / "ref", **ov, faults=nan)
     train(ref)
     want = trajectory(Path(ref.train.run_dir))
-    cfg = make(tmp_path / "pp", **ov, **{"parallel.pp": 2, "parallel.dp_replicate": 1, "checkpoint.async_save": True})
+    cfg = make(tmp_path / "pp", **ov, **{"parallel.pp": 2, "parallel.dp_replicate": 1, "checkpoint.async_save": True},
+               faults=nan)
     res = finish(start(fresh(cfg, tmp_path), world=2))
     assert [rc for rc, _ in res] == [0, 0], [err[-3000:] for _, err in res]
     run = Path(cfg.train.run_dir)
-    assert_close(trajectory(run), want, range(1, 9))  # 4 steps at seq_len 32, then 4 at 64
+    skips = lambda r: [(e["step"], e["kind"]) for e in read_events(r) if e.get("action") == "skip"]
+    assert skips(run) == skips(Path(ref.train.run_dir)) == [(2, "nonfinite")]  # the same skip, the same step
+    # 4 steps at seq_len 32, then 4 at 64; the skipped step's grad norm is NaN in both
+    assert_close(trajectory(run), want, [s for s in range(1, 9) if s != 3])
     val = lambda r: [m["val/all/loss"] for m in read_metrics(r) if m["kind"] == "eval" and "val/all/loss" in m]
     assert val(run) == pytest.approx(val(Path(ref.train.run_dir)), rel=1e-5) and len(val(run)) == 2
     one = copy_until(run, tmp_path / "one", 4)
@@ -216,3 +222,19 @@ def test_replica_groups_stay_within_a_pipeline_stage():
     assert resolve_layout(-1, 2, 1, 8, pp=2) == Layout(2, 2, 1, 1, 2)
     with pytest.raises(ConfigError, match=r"parallel.pp \(3\) must divide the world size 8"):
         resolve_layout(-1, 1, 1, 8, pp=3)
+
+
+def test_sigterm_to_one_pipeline_rank_stops_both_after_the_same_step(prepared, tmp_path):
+    import signal
+
+    from test_resume import OV, SLOW, check_stopped, wait_for_step
+
+    _, make = prepared
+    cfg = make(tmp_path / "stopped", **{**OV, "train.steps": 12, "model.n_layers": 4, "model.tie_embeddings": False,
+                                        "eval.samples": 0, "parallel.pp": 2, "parallel.dp_replicate": 1},
+               faults=SLOW)
+    run = Path(cfg.train.run_dir)
+    procs = start(fresh(cfg, tmp_path), world=2)
+    wait_for_step(run, 2, procs)
+    procs[1].send_signal(signal.SIGTERM)  # the last stage's rank: the first stage learns it from the reduction
+    check_stopped(run, procs, finish(procs), 2)
