@@ -238,3 +238,16 @@ def test_sigterm_to_one_pipeline_rank_stops_both_after_the_same_step(prepared, t
     wait_for_step(run, 2, procs)
     procs[1].send_signal(signal.SIGTERM)  # the last stage's rank: the first stage learns it from the reduction
     check_stopped(run, procs, finish(procs), 2)
+
+
+def test_a_stage_with_fewer_micro_batches_than_pipeline_stages_is_refused_before_the_first_step(prepared, tmp_path):
+    from test_resume import OV
+
+    _, make = prepared
+    cfg = make(tmp_path / "few", **{**OV, "model.n_layers": 4, "model.tie_embeddings": False, "eval.samples": 0,
+                                    "parallel.pp": 2, "parallel.dp_replicate": 1, "train.micro_batch_size": 8})
+    res = finish(start(fresh(cfg, tmp_path), world=2))
+    assert all(rc != 0 for rc, _ in res)
+    last = res[0][1].strip().splitlines()[-1]
+    assert "parallel.pp (2) needs at least 2 micro-batches per rank and step; a rank has 1 at stage 'main'" in last
+    assert not read_metrics(Path(cfg.train.run_dir))  # no step ran

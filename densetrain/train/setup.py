@@ -30,6 +30,7 @@ from densetrain.model.llama import Transformer
 from densetrain.optim import build_optimizer
 from densetrain.parallel import DistInfo, all_reduce_sum, autocast_for, build_parallel_model, init_distributed
 from densetrain.parallel.mesh import intent, keep_intent, resolve_layout
+from densetrain.parallel.pipeline import resolve_microbatches
 from densetrain.registry.tasks import data_root, parse_task_list, resolve_tasks
 from densetrain.schedule import Stage, resolve_stages, stage_at
 from densetrain.train.collect import GarbageCollection
@@ -104,12 +105,15 @@ class Run:
             w.load_state_dict(d.get("watchers", {}).get(w.name, {}))
 
 
-def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], info: DistInfo, model) -> None:
-    """Every stage can draw a full sequence from each source of its mix and splits over the ranks.
+def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], info: DistInfo, model,
+                 parallel=None) -> None:
+    """Every stage can draw a full sequence from each source of its mix and splits over the ranks (and,
+    under pipeline parallelism, gives every rank enough micro-batches for the stages: ``parallel``).
 
     Raises:
         TrainError: a source shorter than one sequence, or a batch that does not divide over the
             data-parallel ranks; the message names the layouts (``parallel.tp``) that would run it.
+        ConfigError: a stage with fewer micro-batches per rank than pipeline stages.
     """
     for st in stages:
         for name in st.mix:
@@ -120,6 +124,9 @@ def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], info: Dist
             raise TrainError(f"stage '{st.name}': batch of {st.batch_size} sequences does not split into "
                              f"{info.dp_size} data-parallel ranks x micro_batch_size {st.micro_batch_size}; "
                              + _layouts_that_fit(st.batch_size, info.world_size, model))
+        if parallel is not None and info.pp_size > 1:
+            resolve_microbatches(parallel.pp_microbatches, info.pp_size, parallel.pp_virtual_stages,
+                                 st.batch_size // (info.dp_size * st.micro_batch_size), f" at stage '{st.name}'")
 
 
 def probe_peak_flops(device: torch.device, autocast) -> float:
@@ -357,7 +364,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         stages = resolve_stages(cfg, available=set(train_streams))
     except ValueError as e:
         raise TrainError(str(e)) from None
-    check_stages(stages, train_streams, info, cfg.model)
+    check_stages(stages, train_streams, info, cfg.model, cfg.parallel)
     saved_cfg = cfg  # config.toml keeps the user's train.dtype ('auto' stays 'auto')
     cfg, dtype_note = keep_started_dtype(cfg, run_dir, rollback_to, info.device) if resume else (cfg, None)
     model, dp_model = build_parallel_model(cfg, info)  # meta -> TP -> AC -> compile -> FSDP2 -> init (or DDP)
