@@ -5,8 +5,9 @@ torch.distributed (gloo, CPU, fp32), one process per rank.
 - Parity: every rank trains a plain single-process reference alongside its pipelined model, through the
   real ``forward_backward`` / ``reduce_stats`` / ``clip_grad_norm`` of :mod:`densetrain.train.step`, 5 AdamW
   steps over a 4-block model with ragged targets (data-parallel ranks hold different token counts) and
-  gradient accumulation (several schedule calls per step): pp 2 with ``gpipe``, ``1f1b``,
-  ``interleaved_1f1b`` (2 stages per rank) on 2 ranks; pp 2 x dp_shard 2 and pp 2 x tp 2 on 4. The loss
+  gradient accumulation (several schedule calls per step): pp 2 with ``gpipe``, ``1f1b`` (also with
+  selective activation checkpointing and Muon), ``interleaved_1f1b`` (2 stages per rank) on 2 ranks; pp 2 x
+  dp_shard 2, pp 2 x tp 2 (with and without sequence parallelism) and pp 2 x cp 2 on 4. The loss
   and the grad norm equal the reference's within 1e-5 relative on every rank, and every parameter after
   the steps too; the forward-only schedule gives every rank the reference's logits.
 - The real loop at pp 2 (2 ranks) through a stage switch that changes seq_len, with async checkpoints,
@@ -51,7 +52,8 @@ WORLD = int(os.environ["WORLD_SIZE"])
 SCENARIOS = {
     2: {"gpipe": {"pp_schedule": "gpipe", "pp_microbatches": 2},  # 4 schedule calls per step
         "1f1b": {"pp_schedule": "1f1b"},  # the default count: one call of 8
-        "interleaved_1f1b": {"pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "pp_microbatches": 4}},
+        "interleaved_1f1b": {"pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "pp_microbatches": 4},
+        "1f1b_ac_muon": {"activation_checkpointing": "selective", "optim.name": "muon"}},
     4: {"pp2_dp_shard2": {"dp_shard": 2, "pp_microbatches": 2}, "pp2_tp2": {"tp": 2}, "pp2_cp2": {"cp": 2},
         "pp2_tp2_sp": {"tp": 2, "sequence_parallel": True}},
 }[WORLD]
@@ -77,7 +79,7 @@ def scenario(layout):
         ("train.device", "cpu"), ("train.dtype", "fp32"), ("optim.weight_decay", 0.1), ("eval.tasks", ""),
         ("eval.final_tasks", ""), ("eval.samples", 0), ("parallel.pp", 2), ("parallel.dp_replicate", 1),
         ("model.document_mask", False), ("stages", [{"name": "main"}]),
-        *[(f"parallel.{k}", v) for k, v in layout.items()]])
+        *[(k if "." in k else f"parallel.{k}", v) for k, v in layout.items()]])
     info = init_distributed("cpu", cfg.parallel)
     model, step_model = build_parallel_model(cfg, info)
     opt = build_optimizer(model, cfg)
