@@ -210,6 +210,14 @@ def test_the_loop_at_pp2_matches_one_process_and_its_checkpoint_resumes_at_pp1(p
     assert_close(trajectory(run), want, [s for s in range(1, 9) if s != 3])
     val = lambda r: [m["val/all/loss"] for m in read_metrics(r) if m["kind"] == "eval" and "val/all/loss" in m]
     assert val(run) == pytest.approx(val(Path(ref.train.run_dir)), rel=1e-5) and len(val(run)) == 2
+    # The pp 2 checkpoint exports to Hugging Face with the 1-process run's weights (one tensor of each stage).
+    from safetensors.torch import load_file
+
+    for r, name in ((run, "pp"), (Path(ref.train.run_dir), "ref")):
+        assert main(["export", str(r), "--format", "hf", str(tmp_path / f"hf_{name}")]) == 0
+    got, ref_w = (load_file(next((tmp_path / f"hf_{n}").glob("*.safetensors"))) for n in ("pp", "ref"))
+    assert sorted(got) == sorted(ref_w) and "lm_head.weight" in got and "model.embed_tokens.weight" in got
+    assert max(float((got[k] - ref_w[k]).abs().max()) for k in got) < 1e-4
     one = copy_until(run, tmp_path / "one", 4)
     assert main(["train", "--resume", str(one)]) == 0  # 1 process: the pipeline degree falls to 1
     assert_close(trajectory(one), want, range(5, 9))
