@@ -184,8 +184,10 @@ def test_pipeline_layouts_match_one_process(world, tmp_path):
               max(abs(a - b) / b for r in ranks for a, b in zip(r[name]["loss"], r[name]["ref_loss"])),
               "max |param - single|", max(r[name]["param_max_abs_diff"] for r in ranks))
     if world == 2:
-        assert "as 4 gpipe call(s) of 2" in ranks[0]["gpipe"]["decisions"][0]
-        assert "as 1 1f1b call(s) of 8 over 2 stages (bubble 11.1%)" in ranks[0]["1f1b"]["decisions"][0]
+        assert ranks[0]["gpipe"]["decisions"][0] == ("pipeline: 2 stages over 2 ranks, schedule gpipe; stage 0 "
+                                                     "(rank 0): embedding + blocks 0-1; 1 (rank 1): blocks 2-3 + head")
+        assert "as 4 gpipe call(s) of 2" in ranks[0]["gpipe"]["decisions"][1]
+        assert "as 1 1f1b call(s) of 8 over 2 stages (bubble 11.1%)" in ranks[0]["1f1b"]["decisions"][1]
 
 
 def test_the_loop_at_pp2_matches_one_process_and_its_checkpoint_resumes_at_pp1(prepared, tmp_path):

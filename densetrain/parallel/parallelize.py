@@ -26,7 +26,14 @@ from densetrain.model.init import build_model
 from densetrain.model.llama import Transformer
 from densetrain.parallel.dist import DistInfo
 from densetrain.parallel.mesh import dp_mesh
-from densetrain.parallel.pipeline import PipelineModel, keep_parts, part_view, rank_stages, split_stages
+from densetrain.parallel.pipeline import (
+    PipelineModel,
+    describe_split,
+    keep_parts,
+    part_view,
+    rank_stages,
+    split_stages,
+)
 from densetrain.parallel.wrap import parallelize
 
 
@@ -59,8 +66,8 @@ def build_parallel_model(cfg, info: DistInfo, meta: bool = False) -> tuple[Trans
     with torch.device("meta"):
         model = Transformer(cfg.model)
     virtual = par.pp_virtual_stages if layout.pp > 1 else 1
-    parts = [split_stages(cfg.model.n_layers, layout.pp * virtual, par.pp_layers_per_stage)[s]
-             for s in rank_stages(info.pp_rank, layout.pp, virtual)]
+    split = split_stages(cfg.model.n_layers, layout.pp * virtual, par.pp_layers_per_stage if layout.pp > 1 else 0)
+    parts = [split[s] for s in rank_stages(info.pp_rank, layout.pp, virtual)]
     if layout.pp > 1:
         keep_parts(model, parts)
     if layout.tp > 1:
@@ -83,9 +90,11 @@ def build_parallel_model(cfg, info: DistInfo, meta: bool = False) -> tuple[Trans
     for chunk in chunks:
         chunk.logit_mult = model.logit_mult
         chunk.reset_rope_cache()
-    return model, PipelineModel(chunks, [p.index for p in parts], layout.pp * virtual, par.pp_schedule,
-                                info.pp_group, info.device, cfg.model.vocab_size, par.pp_microbatches,
-                                par.sequence_parallel and layout.tp > 1)
+    n_stages, sp = layout.pp * virtual, par.sequence_parallel and layout.tp > 1
+    pipe = PipelineModel(chunks, [p.index for p in parts], n_stages, par.pp_schedule, info.pp_group, info.device,
+                         cfg.model.vocab_size, par.pp_microbatches, sp)
+    pipe.decisions.append(describe_split(split, layout.pp, par.pp_schedule))  # logged by the first step
+    return model, pipe
 
 
 def _check_seq_lens(cfg, layout) -> None:

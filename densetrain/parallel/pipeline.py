@@ -273,11 +273,10 @@ def last_stage_rank(n_stages: int, virtual: int) -> int:
     return (n_stages - 1) % (n_stages // virtual)
 
 
-def pipeline_summary(parts: list[StagePart], microbatches: int, pp: int, virtual: int) -> str:
-    """One line for the run's log: the stages this rank holds and the schedule's bubble."""
-    held = "; ".join(f"stage {p.index}: " + ", ".join(
-        ([("embedding")] if p.embedding else []) + ([f"blocks {p.layers.start}-{p.layers.stop - 1}"]
-                                                     if len(p.layers) else []) + (["head"] if p.head else []))
-        for p in parts)
-    bubble = bubble_fraction(pp, microbatches, virtual)
-    return f"{held}; {microbatches} micro-batches per schedule call, bubble {bubble:.1%}"
+def describe_split(parts: list[StagePart], pp: int, schedule: str) -> str:
+    """One line for the run's log: what every stage holds and which pipeline rank runs it."""
+    def what(p: StagePart) -> str:
+        held = (["embedding"] if p.embedding else []) + (
+            [f"blocks {p.layers.start}-{p.layers.stop - 1}"] if len(p.layers) else []) + (["head"] if p.head else [])
+        return f"{p.index} (rank {p.index % pp}): {' + '.join(held)}"
+    return f"pipeline: {len(parts)} stages over {pp} ranks, schedule {schedule}; stage " + "; ".join(map(what, parts))
