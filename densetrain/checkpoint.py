@@ -138,15 +138,17 @@ class CheckpointMismatchError(CheckpointError):
     (a ``model.*`` setting changed since it was saved)."""
 
 
-def _model_mismatch(model_sd: dict, saved: dict) -> str:
+def _model_mismatch(model_sd: dict, saved: dict, elsewhere: frozenset = frozenset()) -> str:
     """The first tensors whose shape differs between the model's state dict (global shapes, also of
     DTensors) and the ``model.*`` tensors of checkpoint metadata ``saved``, or that only one of them
-    has, as ``name: SHAPE saved, SHAPE in the model``; '' when they agree."""
+    has, as ``name: SHAPE saved, SHAPE in the model``; '' when they agree. ``elsewhere``: names the
+    whole model has that this rank does not hold (a pipeline stage's model: the other stages check theirs)."""
     want = {k: tuple(v.shape) for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
     got = {k[len("model."):]: tuple(v.size) for k, v in saved.items() if k.startswith("model.") and hasattr(v, "size")}
     # An entry saved as something else than a tensor is not a shape question: the load refuses it by name.
     other = {k[len("model."):] for k in saved if k.startswith("model.")} - set(got)
-    names = sorted(n for n in set(got) | set(want) if n not in other and got.get(n) != want.get(n))
+    names = sorted(n for n in set(got) | set(want)
+                   if n not in other and got.get(n) != want.get(n) and not (n not in want and n in elsewhere))
     return ", ".join(f"{n}: {list(got[n]) if n in got else 'none'} saved, "
                      f"{list(want[n]) if n in want else 'none'} in the model" for n in names[:3])
 
@@ -295,7 +297,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     tmp, final, error = _start(run_dir, step, trainer_state)
 
     def write_shards() -> None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed.*")  # single-process DCP warns
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
@@ -355,7 +357,7 @@ def start_async_save(run_dir: Path, step: int, model: torch.nn.Module, optimizer
     pending = PendingSave(step, tmp, final, None, error)
 
     def stage_and_launch() -> None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
         atomic_write_json(tmp / f"rng_{_rank()}.json", _rng_state())
         if process_group is None:
             # DCP warns that a single process is assumed, from its writer thread, outside any catch_warnings.
@@ -410,12 +412,13 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         reader = TrustedReader(path)
         saved = reader.read_metadata().state_dict_metadata  # a missing, torn or crafted file: one line, here
         if optimizer is not None:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            opts = _options(model, saved)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
             _keep_saved_optimizer_state(optim_sd, saved)
             state = {"model": model_sd, "optim": optim_sd}
         else:
             state = {"model": get_model_state_dict(model)}
-        diff = _model_mismatch(state["model"], saved)
+        diff = _model_mismatch(state["model"], saved, getattr(model, "full_state_names", frozenset()))
         if diff:
             raise CheckpointMismatchError(f"{path}: the checkpoint's model tensors do not match the model ({diff})")
         with warnings.catch_warnings():
@@ -423,7 +426,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
             dcp.load(state, storage_reader=reader, planner=PlainDataPlanner(path))
         set_model_state_dict(model, state["model"])  # strict: every tensor of the model was read
         if optimizer is not None:  # not strict: parameters without saved state start afresh (see above)
-            set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(
+                strict=False, flatten_optimizer_state_dict=opts.flatten_optimizer_state_dict))
         rng = path / f"rng_{_rank()}.json"
         if rng.exists():
             _set_rng_state(json.loads(rng.read_text()))
@@ -437,6 +441,19 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     return trainer_state
 
 
+def _options(model, saved: dict | None = None) -> StateDictOptions:
+    """The optimizer state's form: flattened (``param_groups.<name>.<key>``, ``state.<name>.<key>``) for a
+    pipeline stage's model (``full_state_names``, densetrain/parallel/pipeline.py), whose indexed param
+    groups would overwrite another stage's in the checkpoint (DCP keeps one copy of a key); else torch's
+    nested default. Loading follows the checkpoint's form (``saved``: its metadata), so either loads at any
+    pipeline degree."""
+    if saved is None:
+        flat = hasattr(model, "full_state_names")
+    else:
+        flat = any(k.startswith("optim.param_groups.") and not k.split(".")[2].isdigit() for k in saved)
+    return StateDictOptions(flatten_optimizer_state_dict=flat)
+
+
 def _keep_saved_optimizer_state(optim_sd: dict, saved: dict) -> None:
     """Drop from ``optim_sd`` (``get_state_dict``'s optimizer half, which holds state for every parameter)
     the parameters that have no state in the checkpoint: AdamW makes none for a parameter that never had a
@@ -445,6 +462,12 @@ def _keep_saved_optimizer_state(optim_sd: dict, saved: dict) -> None:
     for fqn in list(optim_sd.get("state", {})):
         if not any(f"optim.state.{fqn}.{k}" in saved for k in optim_sd["state"][fqn]):
             del optim_sd["state"][fqn]
+    flat = [k for k in optim_sd if k.startswith("state.")]  # the flattened form: state.<fqn>.<key>
+    for fqn in {k[len("state."):].rsplit(".", 1)[0] for k in flat}:
+        keys = [k for k in flat if k.rsplit(".", 1)[0] == f"state.{fqn}"]
+        if not any(f"optim.{k}" in saved for k in keys):
+            for k in keys:
+                del optim_sd[k]
 
 
 def read_trainer_state(path: Path) -> dict:

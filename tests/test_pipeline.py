@@ -12,7 +12,8 @@ torch.distributed (gloo, CPU, fp32), one process per rank.
   the steps too; the forward-only schedule gives every rank the reference's logits.
 - The real loop at pp 2 (2 ranks) through a stage switch that changes seq_len, with async checkpoints,
   validation and a NaN gradient injected on the first stage's rank: its losses and its skip are the
-  1-process run's; its step-4 checkpoint resumes on 1 process (pp 1) with the 1-process run's next losses.
+  1-process run's; its step-4 checkpoint resumes on 1 process (pp 1) and on 4 ranks (pp 4) with the
+  1-process run's next losses, and exports to Hugging Face.
   SIGTERM to one pipeline rank stops both after the same step, with its checkpoint.
 """
 
@@ -194,7 +195,7 @@ def test_the_loop_at_pp2_matches_one_process_and_its_checkpoint_resumes_at_pp1(p
     _, make = prepared
     ov = {"train.steps": 8, "checkpoint.every": 4, "checkpoint.keep": 0, "eval.every": 4, "eval.max_batches": 1,
           "logging.tensorboard": False, "watchdog.every": 0, "probe.every": 0, "train.device": "cpu",
-          "model.n_layers": 4, "model.tie_embeddings": False, "eval.samples": 0,
+          "model.n_layers": 4, "model.tie_embeddings": False, "eval.samples": 0, "train.micro_batch_size": 1,
           "stages": [{"name": "main", "start": 0.0, "mix": {"email": 0.5, "json": 0.5}},
                      {"name": "long_context", "start": 0.5, "seq_len": 64, "rope_theta": 100000.0}]}
     nan = [{"kind": "nan_grad", "step": 2, "rank": 0}]  # at pp 2: a gradient of the first stage only
@@ -223,6 +224,10 @@ def test_the_loop_at_pp2_matches_one_process_and_its_checkpoint_resumes_at_pp1(p
     one = copy_until(run, tmp_path / "one", 4)
     assert main(["train", "--resume", str(one)]) == 0  # 1 process: the pipeline degree falls to 1
     assert_close(trajectory(one), want, range(5, 9))
+    four = copy_until(run, tmp_path / "four", 4)  # and on 4 ranks as 4 stages (6 layers: 2, 2, 1, 1)
+    res = finish(start(["--resume", str(four), "--parallel.pp=4"], world=4))
+    assert [rc for rc, _ in res] == [0] * 4, [err[-3000:] for _, err in res]
+    assert_close(trajectory(four), want, range(5, 9))
 
 
 def test_replica_groups_stay_within_a_pipeline_stage():
@@ -249,7 +254,10 @@ def test_sigterm_to_one_pipeline_rank_stops_both_after_the_same_step(prepared, t
     procs = start(fresh(cfg, tmp_path), world=2)
     wait_for_step(run, 2, procs)
     procs[1].send_signal(signal.SIGTERM)  # the last stage's rank: the first stage learns it from the reduction
-    check_stopped(run, procs, finish(procs), 2)
+    step = check_stopped(run, procs, finish(procs), 2)
+    res = finish(start(["--resume", str(run), "--train.steps", str(step + 2), "--faults=[]"], world=2))
+    assert [rc for rc, _ in res] == [0, 0], [err[-3000:] for _, err in res]  # pp 2 resumes at pp 2
+    assert sorted(trajectory(run)) == list(range(1, step + 3))
 
 
 def test_a_stage_with_fewer_micro_batches_than_pipeline_stages_is_refused_before_the_first_step(prepared, tmp_path):

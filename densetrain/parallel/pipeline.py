@@ -123,7 +123,9 @@ class LayerDict(nn.ModuleDict):
 def keep_parts(model: nn.Module, parts: list[StagePart]) -> None:
     """Trim ``model`` (a :class:`~densetrain.model.llama.Transformer`, usually on meta) in place to the
     union of ``parts``: other stages' blocks dropped, the embedding / norm and head set to None where no
-    part holds them."""
+    part holds them. ``model.full_state_names`` keeps the whole model's state names (a checkpoint of the
+    whole model is then not taken for another model's, :func:`densetrain.checkpoint.load_checkpoint`)."""
+    model.full_state_names = frozenset(model.state_dict())
     keep = sorted({i for p in parts for i in p.layers})
     model.layers = LayerDict({str(i): model.layers[i] for i in keep})
     if not any(p.embedding for p in parts):
