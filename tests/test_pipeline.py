@@ -213,6 +213,14 @@ def test_the_loop_at_pp2_matches_one_process_and_its_checkpoint_resumes_at_pp1(p
     assert_close(trajectory(run), want, [s for s in range(1, 9) if s != 3])
     val = lambda r: [m["val/all/loss"] for m in read_metrics(r) if m["kind"] == "eval" and "val/all/loss" in m]
     assert val(run) == pytest.approx(val(Path(ref.train.run_dir)), rel=1e-5) and len(val(run)) == 2
+    # Update norms per layer group (step 5) are the whole model's on every stage: the 1-process values.
+    upd = lambda r: [m for m in read_metrics(r) if m["kind"] == "update"]
+    got_u, want_u = upd(run), upd(Path(ref.train.run_dir))
+    assert [m["step"] for m in got_u] == [m["step"] for m in want_u] and want_u
+    for g, w in zip(got_u, want_u):
+        keys = {k for k in w if k.startswith("update")}
+        assert keys == {k for k in g if k.startswith("update")} and "update/layers.3" in keys
+        assert {k: g[k] for k in keys} == pytest.approx({k: w[k] for k in keys}, rel=1e-4)
     # The pp 2 checkpoint exports to Hugging Face with the 1-process run's weights (one tensor of each stage).
     from safetensors.torch import load_file
 
