@@ -63,6 +63,7 @@ from torch.distributed.checkpoint.state_dict import (
 from densetrain.dcp_read import CheckpointReadError, PlainDataPlanner, TrustedReader, UntrustedCheckpointError
 from densetrain.errors import TrainError
 from densetrain.fileio import atomic_write_json, fsync_dir
+from densetrain.parallel import collective_timeout
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -532,7 +533,8 @@ class Checkpointer:
             self.finish_pending(log)  # at most one save in flight
             t0 = time.perf_counter()
             if self._group is None and dist.is_initialized():
-                self._group = dist.new_group(backend="gloo")  # every rank is here: a collective call is safe
+                # every rank is here: a collective call is safe; parallel.timeout_s as on every group
+                self._group = dist.new_group(backend="gloo", timeout=collective_timeout())
             self.pending = start_async_save(self.run_dir, step, model, optimizer, state, self._group,
                                             self.on_written, self._stager)
             dt = time.perf_counter() - t0

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from densetrain.checkpoint import Checkpointer, CheckpointError, list_complete, read_trainer_state, set_aside
-from densetrain.config import Config, load_config, save_config
+from densetrain.config import Config, load_config, save_config, to_dict
 from densetrain.data.mixture import MixtureSampler
 from densetrain.data.provenance import window_documents
 from densetrain.data.shards import TokenFiles
@@ -24,7 +24,7 @@ from densetrain.data.streams import data_fingerprint, open_streams
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
 from densetrain.errors import ConfigError, TrainError
 from densetrain.fileio import fsync_dir
-from densetrain.metrics import MetricsLogger, measure_peak_flops
+from densetrain.metrics import MetricsLogger, measure_peak_flops, read_metrics
 from densetrain.model.compiling import pin_inductor_cache
 from densetrain.model.llama import Transformer
 from densetrain.optim import build_optimizer
@@ -35,6 +35,7 @@ from densetrain.schedule import Stage, resolve_stages, stage_at
 from densetrain.train.collect import GarbageCollection
 from densetrain.train.faults import FaultInjector
 from densetrain.train.guard import Guard
+from densetrain.train.health import HealthWatch
 from densetrain.train.probe import DataProbe
 from densetrain.train.replicas import ReplicaCheck, replica_groups
 from densetrain.train.state import TrainState
@@ -182,6 +183,51 @@ def _refuse_existing_run(run_dir: Path, info: DistInfo) -> None:
                          f"or choose another --train.run_dir")
 
 
+RUN_IDENTITY = ("model", "data", "stages", "optim", "schedule")
+"""The config sections (and ``train.seed``) that make a run the run it is: ``train.resume = 'auto'`` continues a
+run directory only when its config.toml agrees on them (other keys, e.g. ``train.steps`` or ``[faults]``, may
+change on a restart, as they may on --resume)."""
+
+
+def check_same_run(run_dir: Path, cfg: Config, info: DistInfo) -> None:
+    """``train.resume = 'auto'``: refuse a run directory whose ``config.toml`` is another run's (differs in
+    :data:`RUN_IDENTITY`). Rank 0 reads it; every rank learns the answer.
+
+    Raises:
+        TrainError: one line naming the first differing key and both values.
+    """
+    diff = ""
+    if info.is_main and (run_dir / "config.toml").exists():
+        old, new = to_dict(load_config(path=run_dir / "config.toml")), to_dict(cfg)
+        old["train"], new["train"] = {"seed": old["train"]["seed"]}, {"seed": new["train"]["seed"]}
+        for section in (*RUN_IDENTITY, "train"):
+            a, b = old.get(section), new.get(section)
+            if a != b:
+                keys = [k for k in {**a, **b} if a.get(k) != b.get(k)] if isinstance(a, dict) else []
+                k = keys[0] if keys else ""
+                diff = (f"{section}.{k}: {a.get(k)!r} there, {b.get(k)!r} here" if k else f"{section} differs")
+                break
+    if all_reduce_sum(torch.tensor([int(bool(diff))], device=info.device)).item():
+        raise TrainError(f"train.resume=auto: {run_dir} holds another run ({diff or 'its config.toml differs'}); "
+                         f"choose another --train.run_dir, or continue that run with --resume {run_dir}")
+
+
+def log_restart(run: Run, logged: int | None) -> None:
+    """Under torchrun's elastic agent (``TORCHELASTIC_RESTART_COUNT`` > 0): one ``restart`` event naming the
+    attempt, the step resumed from and the steps redone (``logged``: the last step the previous attempt
+    recorded in metrics.jsonl, read before the resume rewound it; None when unknown)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt < 1:
+        return
+    step = run.state.step
+    redone = max(0, logged - step) if logged is not None else None
+    run.log.event(step, f"restart attempt {attempt} (TORCHELASTIC_RESTART_COUNT): continuing from step {step}"
+                        + (f"; {redone} step(s) redone (the previous attempt had reached step {logged})"
+                           if redone is not None else ""),
+                  kind="restart", values={"attempt": attempt, "step": step, "redone_steps": redone,
+                                          "previous_step": logged})
+
+
 _RUN_LOCKS: dict[Path, int] = {}  # run dir -> the open lock file of this process (flock is per open file)
 
 
@@ -237,6 +283,8 @@ def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
         watchers.append(DataProbe(cfg.probe, [s.name for s in cfg.data.sources]))
     if cfg.train.gc_freq:
         watchers.append(GarbageCollection(cfg.train.gc_freq))
+    if cfg.health.every:  # last: its checks run after the watchdog has timed the step
+        watchers.append(HealthWatch(cfg.health, next((w for w in watchers if isinstance(w, Watchdog)), None)))
     return watchers
 
 
@@ -333,7 +381,8 @@ def set_aside_future(run_dir: Path, step: int, is_main: bool) -> list[Path]:
 def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, rollback_to: int | None = None,
           skip_batches: int = 0, keep_layout_intent: bool = False) -> Run:
     """Build the :class:`Run` of ``cfg``; with ``resume``, restored from the newest loadable checkpoint
-    (a fresh start when there is none). ``stop_after`` ends this invocation after that many steps in
+    (a fresh start when there is none; ``train.resume = 'auto'`` is ``resume`` after :func:`check_same_run`).
+    ``stop_after`` ends this invocation after that many steps in
     total (the schedule still refers to ``cfg.train.steps``). ``rollback_to`` (with ``resume``): set the
     checkpoints after that step aside (moved, not deleted; with the files made from them:
     :func:`set_aside_future`) and resume from it; ``skip_batches``: then
@@ -358,6 +407,9 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     except ValueError as e:
         raise TrainError(str(e)) from None
     check_stages(stages, train_streams, info, cfg.model)
+    if cfg.train.resume == "auto":  # the same command restarts the job: continue the run dir's own run
+        check_same_run(run_dir, cfg, info)
+        resume = True
     saved_cfg = cfg  # config.toml keeps the user's train.dtype ('auto' stays 'auto')
     cfg, dtype_note = keep_started_dtype(cfg, run_dir, rollback_to, info.device) if resume else (cfg, None)
     model, dp_model = build_parallel_model(cfg, info)  # meta -> TP -> AC -> compile -> FSDP2 -> init (or DDP)
@@ -378,6 +430,9 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(saved_cfg, run_dir / "config.toml")
     step = saved["step"] if saved else 0
+    # The last step the previous attempt recorded, before the logger rewinds metrics.jsonl to the checkpoint.
+    logged = max((r["step"] for r in read_metrics(run_dir) if r.get("kind") == "train"), default=None) \
+        if resume and info.is_main else None
     log = MetricsLogger(run_dir, info.rank, cfg.logging.tensorboard, resume_step=step if resume else None,
                         wandb=cfg if cfg.logging.wandb else None)
     if old_steps is not None and old_steps != cfg.train.steps:
@@ -402,6 +457,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
             _log_layout(run, saved)
     elif resume:  # stopped before its first checkpoint (e.g. a second signal): say it starts over, not silently
         run.log.event(0, f"{run_dir}: no checkpoint yet, so --resume starts the run from step 0", kind="resume")
+    if resume:
+        log_restart(run, logged)
     if rollback_to is not None:
         skip_data(run, skip_batches, f"manual rollback to step {rollback_to}")
     if cfg.eval.tasks or cfg.eval.final_tasks:

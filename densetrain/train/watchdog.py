@@ -23,22 +23,33 @@ the same forward time and only its data and optimizer phases tell it apart.
 
 The heartbeat thread: when no step completes for ``watchdog.hang_seconds``, every rank dumps its
 Python stacks with ``faulthandler`` to stderr and ``RUN_DIR/hang_rank<r>.txt`` (once per hang),
-before the collective timeout kills the job, so the stack of the rank that is stuck can be read.
+before the collective timeout kills the job, so the stack of the rank that is stuck can be read. It also
+rewrites ``RUN_DIR/heartbeat/rank<r>.json`` (host, pid, last step, wall time) every few seconds: a rank
+whose process stopped answering (SIGSTOP, a wedged driver, a swapping node) leaves a stale file. When a
+collective times out (``parallel.timeout_s``), :func:`collective_timeout_line` names the collective and,
+from those files, the ranks that did not arrive (gloo's timeout message does not say which peer it waited
+for), so the job exits with one line and torchrun's elastic agent can restart it.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import json
+import os
+import re
+import socket
 import sys
 import threading
 import time
+import traceback
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from densetrain.config.recovery import WatchdogConfig
 from densetrain.metrics import flops_per_token
-from densetrain.parallel import all_reduce_max
+from densetrain.parallel import all_reduce_max, collective_timeout
 from densetrain.train.watchers import Verdict, Watcher
 
 PHASES = ("data", "forward", "backward", "sync", "optimizer", "checkpoint", "eval")
@@ -46,21 +57,42 @@ LOCAL = ("data", "forward", "optimizer")  # phases with no collective: only a ra
 
 
 class Heartbeat:
-    """A daemon thread that dumps all Python stacks when :meth:`beat` is not called for ``seconds``."""
+    """A daemon thread that dumps all Python stacks when :meth:`beat` is not called for ``seconds``, and
+    rewrites the rank's heartbeat file ``beat_file`` every ``every`` seconds (module docstring)."""
 
-    def __init__(self, seconds: float, path, log=None):
+    def __init__(self, seconds: float, path, log=None, beat_file: Path | None = None, every: float = 5.0):
         self.seconds, self.path, self.log = seconds, path, log
+        self.beat_file, self.every = beat_file, min(every, seconds / 4)
         self.last = time.monotonic()
+        self.step = 0
         self.dumped = False
         self._stop = threading.Event()
+        self._write_beat()
         self.thread = threading.Thread(target=self._watch, name="densetrain-heartbeat", daemon=True)
         self.thread.start()
 
-    def beat(self) -> None:
-        self.last, self.dumped = time.monotonic(), False
+    def beat(self, step: int = 0) -> None:
+        self.last, self.dumped, self.step = time.monotonic(), False, step
+
+    def _write_beat(self) -> None:
+        """The heartbeat file, replaced by a rename (a reader never sees half of it; no fsync: it matters only
+        while the job runs)."""
+        if self.beat_file is None:
+            return
+        rank = int(self.beat_file.stem.removeprefix("rank"))
+        rec = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "step": self.step,
+               "time": time.time(), "every": self.every}
+        try:
+            self.beat_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.beat_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(rec))
+            os.replace(tmp, self.beat_file)
+        except OSError:  # a full disk must not stop the watcher; the stale file then says so
+            pass
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(5.0, self.seconds / 4)):
+        while not self._stop.wait(self.every):
+            self._write_beat()
             idle = time.monotonic() - self.last
             if idle >= self.seconds and not self.dumped:
                 self.dumped = True
@@ -92,7 +124,12 @@ class Watchdog(Watcher):
         self.marks: tuple[float, float] = (0.0, 0.0)
         self.stage_index = -1
         self.tokens = 0
-        self.heartbeat = Heartbeat(cfg.hang_seconds, run_dir / f"hang_rank{rank}.txt") if cfg.hang_seconds else None
+        self.reports = 0  # throughput drops reported so far (the health watcher checks the hardware after each)
+        # Heartbeats a few times per collective timeout: a rank silent for longer than that is stale, not slow.
+        every = min(5.0, collective_timeout().total_seconds() / 4)
+        self.heartbeat = Heartbeat(cfg.hang_seconds, run_dir / f"hang_rank{rank}.txt",
+                                   beat_file=run_dir / "heartbeat" / f"rank{rank}.json",
+                                   every=every) if cfg.hang_seconds else None
 
     def before_step(self, run) -> None:
         # Checkpoint and eval time since the last step began (they follow a step's after_step): recorded
@@ -105,7 +142,7 @@ class Watchdog(Watcher):
 
     def after_step(self, run, result, verdict: Verdict) -> None:
         if self.heartbeat is not None:
-            self.heartbeat.beat()
+            self.heartbeat.beat(run.state.step)
         if verdict == Verdict.ROLLBACK:
             return
         if result.stage.index != self.stage_index:  # another seq_len / batch: another cost per step
@@ -153,6 +190,7 @@ class Watchdog(Watcher):
         if not new:
             return
         self.flagged |= set(new)
+        self.reports += 1
         run.log.event(run.state.step, "throughput drop: " + "; ".join(text for _, text in new.values()),
                       kind="throughput", action="report",
                       values={"ranks": list(new), "phases": {str(r): phase for r, (phase, _) in new.items()},
@@ -205,3 +243,53 @@ class Watchdog(Watcher):
     def close(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
+
+
+_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+
+
+def read_heartbeats(run_dir: Path) -> dict[int, dict]:
+    """rank -> its last heartbeat record (``RUN_DIR/heartbeat/rank<r>.json``; unreadable files left out)."""
+    out = {}
+    for path in sorted((Path(run_dir) / "heartbeat").glob("rank*.json")):
+        try:
+            rec = json.loads(path.read_text())
+            out[int(rec["rank"])] = rec
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def stale_ranks(beats: dict[int, dict], world: int, now: float | None = None) -> dict[int, str]:
+    """Ranks (of ``world``) whose heartbeat is stale (older than 3 beats, at least 2 s) or missing: rank -> why."""
+    now = time.time() if now is None else now
+    out = {}
+    for r in range(world):
+        rec = beats.get(r)
+        if rec is None:
+            out[r] = "no heartbeat file"
+        elif now - rec["time"] > max(3 * rec.get("every", 5.0), 2.0):
+            out[r] = (f"host {rec.get('host')}, pid {rec.get('pid')}: last heartbeat {now - rec['time']:.0f} s ago, "
+                      f"after step {rec.get('step')}")
+    return out
+
+
+def collective_timeout_line(exc: BaseException, run_dir: Path, rank: int, world: int) -> str | None:
+    """One line for a collective that timed out (``exc``, as torch.distributed raises it): the collective
+    (the torch.distributed call and the densetrain line that made it), the timeout, and the ranks that did not
+    arrive, from the heartbeat files (:func:`stale_ranks`); None when ``exc`` is no collective timeout."""
+    if not isinstance(exc, RuntimeError) or not _TIMEOUT.search(str(exc)):
+        return None
+    frames = traceback.extract_tb(exc.__traceback__)
+    c10d = [f for f in frames if f.filename.endswith("distributed_c10d.py")]
+    ours = [f for f in frames if "densetrain" in f.filename and not f.filename.endswith("distributed_c10d.py")]
+    if not c10d:
+        return None
+    call = c10d[0].name
+    where = f" in {Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name}()" if ours else ""
+    stale = {r: why for r, why in stale_ranks(read_heartbeats(run_dir), world).items() if r != rank}
+    missing = ("rank(s) not arriving: " + "; ".join(f"{r} ({why})" for r, why in sorted(stale.items())) if stale
+               else "no stale heartbeat: every rank's process answers, one is busy elsewhere (see "
+                    f"{run_dir}/hang_rank*.txt after watchdog.hang_seconds)")
+    return (f"rank {rank}: collective {call}{where} timed out after {collective_timeout().total_seconds():g} s "
+            f"(parallel.timeout_s); {missing}")
