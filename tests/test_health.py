@@ -71,7 +71,8 @@ def test_slow_memory_on_rank_1_watchdog_then_health_names_rank_1_memory(prepared
     health = [e for e in events if e["kind"] == "health"]
     assert health, [e["text"] for e in events]
     assert all(e["step"] >= drop[0]["step"] for e in health)  # nothing before the fault: the start-up check is clean
-    assert {(e["values"]["rank"], e["values"]["figure"]) for e in health} == {(1, "memory")}, [e["text"] for e in health]
+    named = {(e["values"]["rank"], e["values"]["figure"]) for e in health}
+    assert named == {(1, "memory")}, [e["text"] for e in health]
     assert health[0]["values"]["ratio"] < 0.6 and "after the watchdog's throughput drop" in health[0]["text"]
     checks = [r for r in read_metrics(run) if r["kind"] == "health"]
     assert sorted({(r["step"], r["rank"]) for r in checks}) == [(0, 0), (0, 1), (drop[0]["step"], 0),

@@ -456,7 +456,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         if keep_layout_intent:
             _log_layout(run, saved)
     elif resume:  # stopped before its first checkpoint (e.g. a second signal): say it starts over, not silently
-        run.log.event(0, f"{run_dir}: no checkpoint yet, so --resume starts the run from step 0", kind="resume")
+        how = "train.resume=auto" if cfg.train.resume == "auto" else "--resume"
+        run.log.event(0, f"{run_dir}: no checkpoint yet, so {how} starts the run from step 0", kind="resume")
     if resume:
         log_restart(run, logged)
     if rollback_to is not None:

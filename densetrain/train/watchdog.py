@@ -26,7 +26,7 @@ Python stacks with ``faulthandler`` to stderr and ``RUN_DIR/hang_rank<r>.txt`` (
 before the collective timeout kills the job, so the stack of the rank that is stuck can be read. It also
 rewrites ``RUN_DIR/heartbeat/rank<r>.json`` (host, pid, last step, wall time) every few seconds: a rank
 whose process stopped answering (SIGSTOP, a wedged driver, a swapping node) leaves a stale file. When a
-collective times out (``parallel.timeout_s``), :func:`collective_timeout_line` names the collective and,
+collective times out (``parallel.timeout_s``) or loses a peer, :func:`collective_failure_line` names the collective and,
 from those files, the ranks that did not arrive (gloo's timeout message does not say which peer it waited
 for), so the job exits with one line and torchrun's elastic agent can restart it.
 """
@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from densetrain.config.recovery import WatchdogConfig
+from densetrain.fileio import pid_alive
 from densetrain.metrics import flops_per_token
 from densetrain.parallel import all_reduce_max, collective_timeout
 from densetrain.train.watchers import Verdict, Watcher
@@ -246,6 +247,7 @@ class Watchdog(Watcher):
 
 
 _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_PEER_GONE = re.compile(r"connection (reset|closed) by peer|broken pipe", re.IGNORECASE)
 
 
 def read_heartbeats(run_dir: Path) -> dict[int, dict]:
@@ -260,36 +262,46 @@ def read_heartbeats(run_dir: Path) -> dict[int, dict]:
     return out
 
 
-def stale_ranks(beats: dict[int, dict], world: int, now: float | None = None) -> dict[int, str]:
-    """Ranks (of ``world``) whose heartbeat is stale (older than 3 beats, at least 2 s) or missing: rank -> why."""
+def silent_ranks(beats: dict[int, dict], world: int, now: float | None = None) -> dict[int, str]:
+    """Ranks (of ``world``) that stopped answering: heartbeat stale (older than 3 beats, at least 2 s), missing,
+    or written by a process of this host that no longer exists: rank -> why."""
     now = time.time() if now is None else now
-    out = {}
+    host, out = socket.gethostname(), {}
     for r in range(world):
         rec = beats.get(r)
         if rec is None:
             out[r] = "no heartbeat file"
+            continue
+        where = f"host {rec.get('host')}, pid {rec.get('pid')}"
+        if rec.get("host") == host and not pid_alive(int(rec.get("pid", 0))):
+            out[r] = f"{where}: the process is gone, after step {rec.get('step')}"
         elif now - rec["time"] > max(3 * rec.get("every", 5.0), 2.0):
-            out[r] = (f"host {rec.get('host')}, pid {rec.get('pid')}: last heartbeat {now - rec['time']:.0f} s ago, "
-                      f"after step {rec.get('step')}")
+            out[r] = f"{where}: last heartbeat {now - rec['time']:.0f} s ago, after step {rec.get('step')}"
     return out
 
 
-def collective_timeout_line(exc: BaseException, run_dir: Path, rank: int, world: int) -> str | None:
-    """One line for a collective that timed out (``exc``, as torch.distributed raises it): the collective
-    (the torch.distributed call and the densetrain line that made it), the timeout, and the ranks that did not
-    arrive, from the heartbeat files (:func:`stale_ranks`); None when ``exc`` is no collective timeout."""
-    if not isinstance(exc, RuntimeError) or not _TIMEOUT.search(str(exc)):
+def collective_failure_line(exc: BaseException, run_dir: Path, rank: int, world: int) -> str | None:
+    """One line for a collective that timed out (``parallel.timeout_s``) or lost a peer (a killed rank), from
+    ``exc`` as torch.distributed raises it: the collective (the torch.distributed call and the densetrain line
+    that made it) and the ranks that did not arrive, from the heartbeat files (:func:`silent_ranks`; gloo's
+    message does not say which peer it waited for). None when ``exc`` is neither."""
+    timed_out, gone = _TIMEOUT.search(str(exc)), _PEER_GONE.search(str(exc))
+    if not isinstance(exc, RuntimeError) or not (timed_out or gone):
         return None
     frames = traceback.extract_tb(exc.__traceback__)
     c10d = [f for f in frames if f.filename.endswith("distributed_c10d.py")]
-    ours = [f for f in frames if "densetrain" in f.filename and not f.filename.endswith("distributed_c10d.py")]
-    if not c10d:
+    ours = [f for f in frames if "densetrain" in f.filename]
+    if c10d:
+        call = c10d[0].name
+    elif any(f.name in ("backward", "run_backward", "_engine_run_backward") for f in frames):
+        call = "gradient reduction (DDP/FSDP hooks in the backward)"  # started by autograd, not by Python
+    else:
         return None
-    call = c10d[0].name
     where = f" in {Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name}()" if ours else ""
-    stale = {r: why for r, why in stale_ranks(read_heartbeats(run_dir), world).items() if r != rank}
-    missing = ("rank(s) not arriving: " + "; ".join(f"{r} ({why})" for r, why in sorted(stale.items())) if stale
-               else "no stale heartbeat: every rank's process answers, one is busy elsewhere (see "
-                    f"{run_dir}/hang_rank*.txt after watchdog.hang_seconds)")
-    return (f"rank {rank}: collective {call}{where} timed out after {collective_timeout().total_seconds():g} s "
-            f"(parallel.timeout_s); {missing}")
+    what = (f"timed out after {collective_timeout().total_seconds():g} s (parallel.timeout_s)" if timed_out
+            else f"failed: {gone.group(0).lower()}")
+    silent = {r: why for r, why in silent_ranks(read_heartbeats(run_dir), world).items() if r != rank}
+    missing = ("rank(s) not arriving: " + "; ".join(f"{r} ({why})" for r, why in sorted(silent.items())) if silent
+               else "every other rank's heartbeat is fresh: one is alive but busy elsewhere (its stack: "
+                    f"{run_dir}/hang_rank<r>.txt after watchdog.hang_seconds)")
+    return f"rank {rank}: collective {call}{where} {what}; {missing}"

@@ -1,0 +1,46 @@
+"""No hang lasts: a rank that stops answering (SIGSTOP, from outside) makes the other exit within
+``parallel.timeout_s`` (plus the rest of its step and its exit) with one line naming the collective and the
+rank that did not arrive (its heartbeat file, RUN_DIR/heartbeat/rank1.json, went stale), and exit status 1,
+which torchrun's elastic agent answers with a restart."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+from test_resume import OV, finish, fresh, start, wait_for_step
+
+TIMEOUT_S = 6
+
+
+def test_a_stopped_rank_times_out_the_other_naming_it(prepared, tmp_path):
+    _, make = prepared
+    cfg = make(tmp_path, **{**OV, "train.steps": 40, "parallel.timeout_s": TIMEOUT_S},
+               faults=[{"kind": "slow_rank", "step": 0, "rank": 0, "ms": 100}])
+    run = Path(cfg.train.run_dir)
+    procs = start(fresh(cfg, tmp_path), world=2)
+    try:
+        wait_for_step(run, 2, procs)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        procs[0].wait(timeout=TIMEOUT_S + 60)
+        waited = time.monotonic() - t0
+    finally:
+        for p in procs:  # the stopped rank: SIGKILL ends it without SIGCONT; nothing is left behind
+            if p.poll() is None:
+                p.kill()
+                os.kill(p.pid, signal.SIGCONT)
+    (rc, err), _ = finish(procs)
+    assert rc == 1, err[-3000:]
+    assert TIMEOUT_S <= waited < TIMEOUT_S + 12, waited
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"densetrain: error: rank 0: collective (all_reduce|broadcast|all_gather\w*|gradient reduction \(DDP/FSDP "
+        rf"hooks in the backward\)) in \w+\.py:\d+ \w+\(\) timed out after {TIMEOUT_S} s \(parallel\.timeout_s\); "
+        rf"rank\(s\) not arriving: 1 \(host \S+, pid {procs[1].pid}: last heartbeat \d+ s ago, after step \d+\)",
+        last), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert procs[1].poll() is not None
