@@ -23,7 +23,7 @@ advice.
 
 Used by ``densetrain doctor`` (:func:`doctor`) and the training watcher :mod:`densetrain.train.health`.
 The ``slow_memory`` rehearsal fault (:mod:`densetrain.train.faults`) calls :func:`throttle_memory`, after
-which this process's copy benchmark makes ``factor`` copies for each one it counts.
+which this process's copy benchmark reads ``1/factor`` of the real bandwidth.
 """
 
 from __future__ import annotations
@@ -61,8 +61,10 @@ ADVICE = {  # the seed's 7.2: find the device, then exclude the node and replace
 
 
 def throttle_memory(factor: float) -> None:
-    """Rehearsal only (the ``slow_memory`` fault): from now on :func:`memory_bandwidth` in this process makes
-    ``round(factor)`` copies for each copy it counts, so the figure reads ~``1/factor`` of the real one."""
+    """Rehearsal only (the ``slow_memory`` fault): from now on :func:`memory_bandwidth` in this process reports
+    ``1/factor`` of the bandwidth it measured, as a device whose memory is ``factor`` times slower would read.
+    Scaled, not slowed by more copies: ranks that share one host's memory (a CPU test) would lose bandwidth
+    too, and a wait would make the check ``factor`` times longer."""
     _THROTTLE["memory"] = max(1.0, float(factor))
 
 
@@ -102,13 +104,8 @@ def memory_bandwidth(device: torch.device, mib: int = 64, seconds: float = 0.02,
     """Bytes/s of copying a ``mib`` MiB buffer on ``device`` (read + write counted, as STREAM's copy)."""
     src = torch.ones(mib * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
-    copies = max(1, round(_THROTTLE["memory"]))
-
-    def copy():
-        for _ in range(copies):
-            dst.copy_(src)
-
-    return _best_rate(copy, 2.0 * src.numel() * 4, device, seconds, trials)
+    rate = _best_rate(lambda: dst.copy_(src), 2.0 * src.numel() * 4, device, seconds, trials)
+    return rate / _THROTTLE["memory"]
 
 
 def h2d_bandwidth(device: torch.device, mib: int = 64, seconds: float = 0.02, trials: int = 3) -> float:

@@ -64,6 +64,7 @@ def small_config(tmp: Path, shards_dir: Path, **overrides):
         "optim.peak_lr": 3e-3, "optim.min_lr": 3e-4, "schedule.warmup_steps": 2,
         "checkpoint.every": 5, "checkpoint.keep": 2, "eval.every": 5, "eval.max_batches": 2,
         "logging.mfu_every": 2, "logging.peak_flops": 1e11, "eval.tasks": "", "eval.final_tasks": "",
+        "health.every": 0,  # no hardware checks (~0.4-0.6 s a run); tests/test_health.py turns them on
     }
     base.update(overrides)
     return load_config(preset="tiny", overrides=list(base.items()))

@@ -18,7 +18,7 @@ from densetrain.metrics import read_events, read_metrics
 
 
 def test_outliers_against_the_median_and_the_rank_own_first_measurement():
-    cfg = HealthConfig(min_ratio=0.75, zscore=3.5)
+    cfg = HealthConfig(min_ratio=0.75, zscore=3.5)  # (the default min_ratio is 0.6)
     # 2 ranks: |z| is always 0.67, the ratio to the median decides; a latency is bad when high.
     rows = [Row(0, "a", {"memory": 10.0, "matmul": 5.0, "dp/all_reduce_lat": 1e-4}),
             Row(1, "b", {"memory": 4.0, "matmul": 5.2, "dp/all_reduce_lat": 1e-4})]
@@ -53,15 +53,18 @@ def test_slow_memory_throttles_the_copy_benchmark():
         after = memory_bandwidth(cpu, mib=16, seconds=0.02, trials=3)
     finally:
         throttle_memory(1.0)
-    assert 0.1 < after / before < 0.45, (before, after)
+    assert 0.1 < after / before < 0.45, (before, after)  # 1/4 of it, give or take the machine's noise
 
 
 def test_slow_memory_on_rank_1_watchdog_then_health_names_rank_1_memory(prepared, tmp_path):
     _, make = prepared
     ov = {"train.steps": 10, "eval.every": 0, "logging.tensorboard": False, "probe.every": 0, "checkpoint.every": 0,
           "train.device": "cpu", "stages": [{"name": "main", "start": 0.0, "mix": {"email": 0.5, "json": 0.5}}],
-          "watchdog.every": 2, "watchdog.warmup": 1, "watchdog.sustain": 2, "health.every": 1000}
-    cfg = make(tmp_path, **ov, faults=[{"kind": "slow_memory", "step": 2, "rank": 1, "factor": 4.0}])
+          "watchdog.every": 2, "watchdog.warmup": 1, "watchdog.sustain": 2, "health.every": 1000,
+          # A 2-core CPU shared with other jobs moved one rank's best-of-trials matmul rate to 0.24x of its own
+          # first and 0.32x of its peer's (measured): a low bar here, and a rank 1 whose memory reads 1/50.
+          "health.min_ratio": 0.15, "health.trials": 5}
+    cfg = make(tmp_path, **ov, faults=[{"kind": "slow_memory", "step": 2, "rank": 1, "factor": 50.0}])
     res = finish(start(fresh(cfg, tmp_path), world=2))
     assert [rc for rc, _ in res] == [0, 0], [err[-3000:] for _, err in res]
     run = Path(cfg.train.run_dir)
@@ -73,7 +76,7 @@ def test_slow_memory_on_rank_1_watchdog_then_health_names_rank_1_memory(prepared
     assert all(e["step"] >= drop[0]["step"] for e in health)  # nothing before the fault: the start-up check is clean
     named = {(e["values"]["rank"], e["values"]["figure"]) for e in health}
     assert named == {(1, "memory")}, [e["text"] for e in health]
-    assert health[0]["values"]["ratio"] < 0.6 and "after the watchdog's throughput drop" in health[0]["text"]
+    assert health[0]["values"]["ratio"] < 0.15 and "after the watchdog's throughput drop" in health[0]["text"]
     checks = [r for r in read_metrics(run) if r["kind"] == "health"]
     assert sorted({(r["step"], r["rank"]) for r in checks}) == [(0, 0), (0, 1), (drop[0]["step"], 0),
                                                                (drop[0]["step"], 1)]

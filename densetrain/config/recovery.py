@@ -100,10 +100,12 @@ class HealthConfig:
     """Timed trials per figure; the best is kept."""
     copy_mib: int = 64
     """Size of the buffer the memory-bandwidth figure copies (STREAM's copy kernel): larger than any cache."""
-    min_ratio: float = 0.75
+    min_ratio: float = 0.6
     """A figure is an outlier when it is below this fraction of the ranks' median (latency: above its
     inverse) and, with 3 or more ranks, its robust z-score is beyond `zscore`; or below this fraction of the
-    rank's own first measurement (a slow decline, as in the seed's post-mortem 7.2)."""
+    rank's own first measurement (a slow decline, as in the seed's post-mortem 7.2). 0.6: a synchronous job
+    runs at the pace of its slowest device, so one at 0.6x costs ~40% of every step; the best-of-trials matmul
+    rate of a CPU shared with other jobs moved by up to 0.63x between checks (measured), a GPU's by a few %."""
     zscore: float = 3.5
     """Robust z-score (value - median) / (1.4826 x MAD) beyond which a figure is an outlier among 3 or more ranks
     (3.5: Iglewicz and Hoaglin's modified z-score cut-off). With 2 ranks every |z| is 0.67: the ratio decides."""

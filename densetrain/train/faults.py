@@ -13,9 +13,10 @@ nothing. Kinds:
 - ``slow_memory``: from ``step`` on, ``rank``'s memory-bound work is ``factor`` times slower: (1) in training,
   its first forward pass of each step first copies a 16 MiB buffer over and over for ``factor - 1`` times the
   duration of its previous forward pass without them (memory traffic, not a sleep: the phase the watchdog sees
-  grows by that factor); (2) the health check's copy benchmark on that rank makes ``round(factor)`` copies for
-  each one it counts (:func:`densetrain.health.throttle_memory`), so it reads ~``1/factor`` of the real
-  bandwidth. A rehearsal of 7.2's diagnosis, not a model of HBM: the matmul figure stays as it is.
+  grows by that factor); (2) the health check's copy benchmark on that rank reports ``1/factor`` of the
+  bandwidth it measured (:func:`densetrain.health.throttle_memory`: scaled, so that ranks sharing one host's
+  memory in a CPU rehearsal do not slow each other's measurement). A rehearsal of 7.2's diagnosis, not a
+  model of HBM: the matmul figure stays as it is.
 - ``hang``: at ``step``, ``rank``'s process stops answering: it sends itself SIGSTOP (every thread stops, the
   heartbeat too, as on a wedged node); the other ranks' next collective times out after ``parallel.timeout_s``
   and names it. Only SIGKILL (or SIGCONT) ends the stopped process: torchrun's agent sends SIGKILL after its

@@ -5,16 +5,20 @@ forward" is followed by "rank 1: memory bandwidth 0.4x the median" (the seed's p
 Every rank decides the same: the step is the same everywhere and the watchdog's verdicts come from a table
 every rank holds. Each check writes one ``health`` record per rank to metrics.jsonl and one ``health`` event
 per outlier; its time is outside the watchdog's step times (it runs after the watchdog's ``after_step``).
+The run's first check is kept in ``RUN_DIR/health_first.json`` (not in the checkpoint, whose contents stay
+deterministic), so that a restarted or resumed run still compares each rank with its first measurement.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import torch
 
 from densetrain.config.recovery import HealthConfig
+from densetrain.fileio import atomic_write_json
 from densetrain.health import Row, check
 from densetrain.train.watchers import Verdict, Watcher
 
@@ -29,12 +33,6 @@ class HealthWatch(Watcher):
         self.first: list[Row] | None = None
         self.started = False
         self.seen = 0  # watchdog reports already followed by a check
-
-    def state_dict(self) -> dict:
-        return {"first": [dataclasses.asdict(r) for r in self.first or []]}
-
-    def load_state_dict(self, d: dict) -> None:
-        self.first = [Row(**r) for r in d.get("first", [])] or None
 
     def before_step(self, run) -> None:
         if not self.started:
@@ -51,12 +49,20 @@ class HealthWatch(Watcher):
 
     def check(self, run, why: str) -> list[dict]:
         """Measure, gather, judge; log the records and the outliers' events. Returns the outliers."""
+        path = run.run_dir / "health_first.json"
+        if self.first is None and path.exists():  # a restart: the run's first check, from its first start
+            try:
+                self.first = [Row(**r) for r in json.loads(path.read_text())]
+            except (OSError, ValueError, TypeError):
+                self.first = None  # measured again below
         t0 = time.perf_counter()
         rows, outliers = check(run.info.device, torch.bfloat16 if run.autocast else torch.float32, run.info.mesh,
                                self.cfg, self.first)
         seconds = time.perf_counter() - t0
         if self.first is None:
             self.first = rows
+            if run.info.is_main:
+                atomic_write_json(path, [dataclasses.asdict(r) for r in rows])
         step = run.state.step
         for r in rows:
             run.log.log(step, {"rank": r.rank, "host": r.host, "why": why, "seconds": seconds,
