@@ -40,7 +40,7 @@ def test_a_stopped_rank_times_out_the_other_naming_it(prepared, tmp_path):
     assert re.fullmatch(
         r"densetrain: error: rank 0: collective (all_reduce|broadcast|all_gather\w*|gradient reduction \(DDP/FSDP "
         rf"hooks in the backward\)) in \w+\.py:\d+ \w+\(\) timed out after {TIMEOUT_S} s \(parallel\.timeout_s\); "
-        rf"rank\(s\) not arriving: 1 \(host \S+, pid {procs[1].pid}: last heartbeat \d+ s ago, after step \d+\)",
+        rf"rank\(s\) not arriving: 1 \(host \S+, pid {procs[1].pid}: last heartbeat \d+ s ago, at step \d+\)",
         last), err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert procs[1].poll() is not None

@@ -276,7 +276,7 @@ def silent_ranks(beats: dict[int, dict], world: int, now: float | None = None) -
         if rec.get("host") == host and not pid_alive(int(rec.get("pid", 0))):
             out[r] = f"{where}: the process is gone, after step {rec.get('step')}"
         elif now - rec["time"] > max(3 * rec.get("every", 5.0), 2.0):
-            out[r] = f"{where}: last heartbeat {now - rec['time']:.0f} s ago, after step {rec.get('step')}"
+            out[r] = f"{where}: last heartbeat {now - rec['time']:.0f} s ago, at step {rec.get('step')}"
     return out
 
 
