@@ -1,4 +1,4 @@
-"""Command line: ``densetrain prepare | train | eval | export | import-hf | report | demo``, plus
+"""Command line: ``densetrain prepare | train | eval | export | import-hf | report | demo | doctor``, plus
 ``mup-check | lr-sweep | plan`` (argument handling in :mod:`densetrain.tools.commands`).
 
 Every command takes ``--preset NAME`` and/or ``--config FILE`` plus ``--section.key=value``
