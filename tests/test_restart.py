@@ -1,7 +1,8 @@
 """A job that restarts itself with the same command (``train.resume = 'auto'``): under ``torchrun
---max-restarts=2`` a kill -9 of rank 1 at a random step makes the elastic agent restart both ranks, which
-continue from the newest checkpoint bit for bit (FSDP2, 2 gloo ranks) with a ``restart`` event; 'auto' starts
-a fresh run in an empty directory and refuses a directory that holds another run."""
+--max-restarts=2`` a kill -9 of rank 1 at a random step, then (in the restarted job) rank 1 killed while an
+async save is being written, make the elastic agent restart both ranks twice; they continue from the newest
+complete checkpoint bit for bit (FSDP2, 2 gloo ranks) with a ``restart`` event each time; 'auto' starts a fresh
+run in an empty directory and refuses a directory that holds another run."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from densetrain.checkpoint import list_complete
 from densetrain.metrics import read_events
 
 FSDP = {**OV, "train.steps": 8, "checkpoint.every": 2, "parallel.dp_replicate": 1, "parallel.dp_shard": 2,
-        "train.resume": "auto"}
+        "train.resume": "auto", "checkpoint.async_save": True}
 
 
 def worker_pid(agent: int, rank: int, attempt: int = 0) -> int | None:
@@ -48,9 +49,10 @@ def test_torchrun_restarts_after_kill_9_and_continues_bitwise(prepared, tmp_path
     assert [e["text"] for e in read_events(ref) if e["kind"] in ("resume", "restart")] == [
         f"{ref}: no checkpoint yet, so train.resume=auto starts the run from step 0"]
 
-    # The same run under torchrun's elastic agent; rank 0 sleeps 300 ms per step (no change to the math) so
-    # that the kill lands inside the run.
-    cfg = make(tmp_path / "elastic", **FSDP, faults=[{"kind": "slow_rank", "step": 0, "rank": 0, "ms": 200}])
+    # The same run under torchrun's elastic agent; rank 0 sleeps 200 ms per step (no change to the math) so
+    # that the kill lands inside the run; rank 1 dies again while the async save of step 6 is being written.
+    cfg = make(tmp_path / "elastic", **FSDP, faults=[{"kind": "slow_rank", "step": 0, "rank": 0, "ms": 200},
+                                                     {"kind": "kill", "step": 5, "rank": 1, "during_checkpoint": True}])
     run = Path(cfg.train.run_dir)
     # torchrun's workers otherwise share the agent's rendezvous store, whose keys outlive a restart: a restarted
     # rank can read the killed attempt's gloo address and fail to connect (pytorch/pytorch#135712).
@@ -59,7 +61,7 @@ def test_torchrun_restarts_after_kill_9_and_continues_bitwise(prepared, tmp_path
                               "--max-restarts=2", "-m", "densetrain", "train", *fresh(cfg, tmp_path)],
                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        k = random.Random().randint(2, 5)
+        k = random.Random().randint(2, 4)
         wait_for_step(run, k, [agent], timeout=150)
         pid = worker_pid(agent.pid, 1)
         assert pid is not None
@@ -72,14 +74,18 @@ def test_torchrun_restarts_after_kill_9_and_continues_bitwise(prepared, tmp_path
             agent.communicate()
     assert agent.returncode == 0, err[-4000:]
     assert trajectory(run) == trajectory(ref), f"rank 1 killed after step {k}"
-    (ev,) = [e for e in read_events(run) if e["kind"] == "restart"]
-    ckpt = ev["step"]
-    assert ev["values"]["attempt"] == 1 and ckpt in (2, 4) and ckpt <= k + 1
-    assert ev["values"]["redone_steps"] == ev["values"]["previous_step"] - ckpt >= 0
-    assert ev["values"]["previous_step"] >= k
+    first, second = [e for e in read_events(run) if e["kind"] == "restart"]
+    ckpt = first["step"]
+    assert first["values"]["attempt"] == 1 and ckpt in (2, 4) and ckpt <= k + 1
+    assert first["values"]["redone_steps"] == first["values"]["previous_step"] - ckpt >= 0
+    assert first["values"]["previous_step"] >= k
+    # The save of step 6 was cut short by the kill: no marker, so the second restart continues from step 4.
+    assert second["values"]["attempt"] == 2 and second["step"] == 4
+    assert second["values"]["redone_steps"] == second["values"]["previous_step"] - 4 >= 2
     assert [s for s, _ in list_complete(run)][-1] == 8
-    print(f"killed after step {k}; restart from {ckpt}, {ev['values']['redone_steps']} steps redone; "
-          f"{ev['time'] - t_kill:.1f}s from the kill to the restarted run's resume")
+    print(f"killed after step {k}; restart from {ckpt}, {first['values']['redone_steps']} steps redone; "
+          f"{first['time'] - t_kill:.1f}s from the kill to the restarted run's resume; killed during the async "
+          f"save of step 6: restart from 4, {second['values']['redone_steps']} steps redone")
 
 
 def test_auto_refuses_a_directory_of_another_run(prepared, tmp_path):
