@@ -76,7 +76,8 @@ def test_torchrun_restarts_after_kill_9_and_continues_bitwise(prepared, tmp_path
     assert trajectory(run) == trajectory(ref), f"rank 1 killed after step {k}"
     first, second = [e for e in read_events(run) if e["kind"] == "restart"]
     ckpt = first["step"]
-    assert first["values"]["attempt"] == 1 and ckpt in (2, 4) and ckpt <= k + 1
+    # (step 0: the async save of step 2 was still being written when rank 1 died after step 2)
+    assert first["values"]["attempt"] == 1 and ckpt in (0, 2, 4) and ckpt <= k + 1
     assert first["values"]["redone_steps"] == first["values"]["previous_step"] - ckpt >= 0
     assert first["values"]["previous_step"] >= k
     # The save of step 6 was cut short by the kill: no marker, so the second restart continues from step 4.

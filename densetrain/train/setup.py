@@ -189,24 +189,34 @@ run directory only when its config.toml agrees on them (other keys, e.g. ``train
 change on a restart, as they may on --resume)."""
 
 
+def _first_difference(old: dict, new: dict) -> str:
+    """``'section.key: OLD there, NEW here'`` for the first key of :data:`RUN_IDENTITY` (or ``train.seed``) in
+    which two configs (:func:`~densetrain.config.to_dict`) differ; '' when they agree."""
+    pairs = [(sec, old.get(sec), new.get(sec)) for sec in RUN_IDENTITY]
+    pairs.append(("train", {"seed": old["train"]["seed"]}, {"seed": new["train"]["seed"]}))
+    for section, a, b in pairs:
+        if a == b:
+            continue
+        if not (isinstance(a, dict) and isinstance(b, dict)):  # [[stages]]: a list
+            return f"[{section}] differs"
+        k = next(k for k in {**a, **b} if a.get(k) != b.get(k))
+        return f"{section}.{k}: {a.get(k)!r} there, {b.get(k)!r} here"
+    return ""
+
+
 def check_same_run(run_dir: Path, cfg: Config, info: DistInfo) -> None:
     """``train.resume = 'auto'``: refuse a run directory whose ``config.toml`` is another run's (differs in
-    :data:`RUN_IDENTITY`). Rank 0 reads it; every rank learns the answer.
+    :data:`RUN_IDENTITY`) or does not load. Rank 0 reads it; every rank learns the answer.
 
     Raises:
         TrainError: one line naming the first differing key and both values.
     """
     diff = ""
     if info.is_main and (run_dir / "config.toml").exists():
-        old, new = to_dict(load_config(path=run_dir / "config.toml")), to_dict(cfg)
-        old["train"], new["train"] = {"seed": old["train"]["seed"]}, {"seed": new["train"]["seed"]}
-        for section in (*RUN_IDENTITY, "train"):
-            a, b = old.get(section), new.get(section)
-            if a != b:
-                keys = [k for k in {**a, **b} if a.get(k) != b.get(k)] if isinstance(a, dict) else []
-                k = keys[0] if keys else ""
-                diff = (f"{section}.{k}: {a.get(k)!r} there, {b.get(k)!r} here" if k else f"{section} differs")
-                break
+        try:
+            diff = _first_difference(to_dict(load_config(path=run_dir / "config.toml")), to_dict(cfg))
+        except ConfigError as e:  # said by rank 0 once every rank has learnt that there is a difference
+            diff = f"its config.toml does not load: {e}"
     if all_reduce_sum(torch.tensor([int(bool(diff))], device=info.device)).item():
         raise TrainError(f"train.resume=auto: {run_dir} holds another run ({diff or 'its config.toml differs'}); "
                          f"choose another --train.run_dir, or continue that run with --resume {run_dir}")

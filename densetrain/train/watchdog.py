@@ -61,8 +61,9 @@ class Heartbeat:
     """A daemon thread that dumps all Python stacks when :meth:`beat` is not called for ``seconds``, and
     rewrites the rank's heartbeat file ``beat_file`` every ``every`` seconds (module docstring)."""
 
-    def __init__(self, seconds: float, path, log=None, beat_file: Path | None = None, every: float = 5.0):
-        self.seconds, self.path, self.log = seconds, path, log
+    def __init__(self, seconds: float, path, log=None, beat_file: Path | None = None, every: float = 5.0,
+                 rank: int = 0):
+        self.seconds, self.path, self.log, self.rank = seconds, path, log, rank
         self.beat_file, self.every = beat_file, min(every, seconds / 4)
         self.last = time.monotonic()
         self.step = 0
@@ -80,8 +81,7 @@ class Heartbeat:
         while the job runs)."""
         if self.beat_file is None:
             return
-        rank = int(self.beat_file.stem.removeprefix("rank"))
-        rec = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "step": self.step,
+        rec = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": self.step,
                "time": time.time(), "every": self.every}
         try:
             self.beat_file.parent.mkdir(parents=True, exist_ok=True)
@@ -130,7 +130,7 @@ class Watchdog(Watcher):
         every = min(5.0, collective_timeout().total_seconds() / 4)
         self.heartbeat = Heartbeat(cfg.hang_seconds, run_dir / f"hang_rank{rank}.txt",
                                    beat_file=run_dir / "heartbeat" / f"rank{rank}.json",
-                                   every=every) if cfg.hang_seconds else None
+                                   every=every, rank=rank) if cfg.hang_seconds else None
 
     def before_step(self, run) -> None:
         # Checkpoint and eval time since the last step began (they follow a step's after_step): recorded
@@ -300,8 +300,13 @@ def collective_failure_line(exc: BaseException, run_dir: Path, rank: int, world:
     where = f" in {Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name}()" if ours else ""
     what = (f"timed out after {collective_timeout().total_seconds():g} s (parallel.timeout_s)" if timed_out
             else f"failed: {gone.group(0).lower()}")
-    silent = {r: why for r, why in silent_ranks(read_heartbeats(run_dir), world).items() if r != rank}
-    missing = ("rank(s) not arriving: " + "; ".join(f"{r} ({why})" for r, why in sorted(silent.items())) if silent
-               else "every other rank's heartbeat is fresh: one is alive but busy elsewhere (its stack: "
-                    f"{run_dir}/hang_rank<r>.txt after watchdog.hang_seconds)")
+    beats = read_heartbeats(run_dir)
+    silent = {r: why for r, why in silent_ranks(beats, world).items() if r != rank}
+    if not beats:  # doctor, or watchdog.hang_seconds = 0: nothing on disk tells
+        missing = f"which rank did not arrive is unknown (no heartbeat files in {run_dir}/heartbeat)"
+    elif silent:
+        missing = "rank(s) not arriving: " + "; ".join(f"{r} ({why})" for r, why in sorted(silent.items()))
+    else:
+        missing = ("every other rank's heartbeat is fresh: one is alive but busy elsewhere (its stack: "
+                   f"{run_dir}/hang_rank<r>.txt after watchdog.hang_seconds)")
     return f"rank {rank}: collective {call}{where} {what}; {missing}"
