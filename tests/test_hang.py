@@ -1,7 +1,7 @@
-"""No hang lasts: a rank that stops answering (SIGSTOP, from outside) makes the other exit within
-``parallel.timeout_s`` (plus the rest of its step and its exit) with one line naming the collective and the
-rank that did not arrive (its heartbeat file, RUN_DIR/heartbeat/rank1.json, went stale), and exit status 1,
-which torchrun's elastic agent answers with a restart."""
+"""No hang lasts: a rank that stops answering (SIGSTOP from outside, or the ``hang`` fault) makes the other
+exit within ``parallel.timeout_s`` (plus the rest of its step and its exit) with one line naming the collective
+and the rank that did not arrive (its heartbeat file, RUN_DIR/heartbeat/rank1.json, went stale), and exit
+status 1, which torchrun's elastic agent answers with a restart."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 from test_resume import OV, finish, fresh, start, wait_for_step
+
+from densetrain.metrics import read_events
 
 TIMEOUT_S = 6
 
@@ -44,3 +46,23 @@ def test_a_stopped_rank_times_out_the_other_naming_it(prepared, tmp_path):
         last), err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     assert procs[1].poll() is not None
+
+
+def test_the_hang_fault_stops_its_rank_at_its_step(prepared, tmp_path):
+    _, make = prepared
+    cfg = make(tmp_path, **{**OV, "train.steps": 40, "parallel.timeout_s": TIMEOUT_S},
+               faults=[{"kind": "hang", "step": 3, "rank": 1}])
+    procs = start(fresh(cfg, tmp_path), world=2)
+    try:
+        procs[0].wait(timeout=TIMEOUT_S + 90)
+        state = Path(f"/proc/{procs[1].pid}/stat").read_text().split()[2]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                os.kill(p.pid, signal.SIGCONT)
+    (rc, err), _ = finish(procs)
+    assert rc == 1 and state == "T", (state, err[-3000:])  # T: stopped
+    assert "rank(s) not arriving: 1 (" in err.strip().splitlines()[-1], err[-3000:]
+    (ev,) = [e for e in read_events(Path(cfg.train.run_dir)) if e["kind"] == "fault"]
+    assert ev["step"] == 3 and ev["text"] == "injected fault hang: rank 1 stops answering (SIGSTOP to itself)"
