@@ -79,7 +79,8 @@ class FaultInjector(Watcher):
         self.memory_factor = 1.0  # slow_memory: how many times slower this rank's memory-bound work is
         self.copy_s = 0.0  # slow_memory: seconds of extra copies in the step's forward pass
         self.forward_s = 0.0  # slow_memory: the previous step's forward time without the extra copies
-        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # slow_memory: what it copies
+        self.device: torch.device | None = None
 
     def _now(self, run, kind: str, from_step: bool = False) -> list[FaultConfig]:
         step, out = run.state.step, []
@@ -138,9 +139,9 @@ class FaultInjector(Watcher):
 
     def _slow_memory(self, run) -> None:
         """Turn on ``slow_memory`` (module docstring) from its step: the hook and the health benchmark's factor."""
+        self.copy_s = 0.0  # this step's extra copies are still to come
         slow = [f for f in self._now(run, "slow_memory", from_step=True) if f.rank == self.rank]
-        if not slow or self.memory_factor > 1:
-            self.copy_s = 0.0
+        if not slow or self.memory_factor > 1:  # none, or on already
             return
         self.memory_factor = max(f.factor for f in slow)
         throttle_memory(self.memory_factor)

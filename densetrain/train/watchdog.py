@@ -105,6 +105,7 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+        self.thread.join(timeout=5)  # no heartbeat file half-written after the run has returned
 
 
 class Watchdog(Watcher):
