@@ -5,17 +5,41 @@ status 1, which torchrun's elastic agent answers with a restart."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import time
 from pathlib import Path
 
+from conftest import run_script_ranks
 from test_resume import OV, finish, fresh, start, wait_for_step
 
 from densetrain.metrics import read_events
 
 TIMEOUT_S = 6
+
+_GROUPS = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import torch, torch.distributed as dist
+from densetrain.config.schema import ParallelConfig
+from densetrain.parallel import init_distributed
+info = init_distributed("cpu", ParallelConfig(dp_replicate=1, dp_shard=1, tp=2, timeout_s=7))
+groups = {name: info.mesh[name].get_group() for name in info.mesh.mesh_dim_names}
+with open(f"{sys.argv[2]}.{info.rank}", "w") as f:
+    json.dump({name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+               for name, g in {**groups, "world": dist.group.WORLD}.items()}, f)
+dist.destroy_process_group()
+"""
+
+
+def test_every_group_of_the_mesh_waits_parallel_timeout_s(tmp_path):
+    # torch's init_device_mesh makes its subgroups with the backend default (gloo: 1800 s), not the world's
+    out = run_script_ranks(_GROUPS, tmp_path, "groups")
+    for r in range(2):
+        got = json.loads(Path(f"{out}.{r}").read_text())
+        assert got == {"dp_replicate": 7.0, "dp_shard": 7.0, "cp": 7.0, "tp": 7.0, "world": 7.0}
 
 
 def test_a_stopped_rank_times_out_the_other_naming_it(prepared, tmp_path):

@@ -79,8 +79,7 @@ def set_group_timeouts(mesh, timeout: timedelta, flattened: bool = False) -> Non
     ``parallel.timeout_s``; torchtitan's ``set_pg_timeouts`` does the same with the same torch call."""
     groups = list(mesh.get_all_groups()) + ([mesh["dp_shard_cp"].get_group()] if flattened else [])
     for g in groups:
-        if dist.get_world_size(g) > 1:
-            dist.distributed_c10d._set_pg_timeout(timeout, g)
+        dist.distributed_c10d._set_pg_timeout(timeout, g)
 
 
 def init_distributed(device: str = "auto", parallel=None) -> DistInfo:
