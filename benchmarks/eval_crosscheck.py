@@ -49,7 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from densetrain.config import ModelConfig  # noqa: E402
-from densetrain.evals.downstream import METRICS, evaluate_tasks  # noqa: E402
+from densetrain.evals.downstream import evaluate_tasks  # noqa: E402
 from densetrain.evals.scoring import start_token  # noqa: E402
 from densetrain.model.llama import Transformer  # noqa: E402
 from densetrain.registry.tasks import MMLU_CATEGORIES, TASKS, parse_spec, resolve_tasks, result_name  # noqa: E402
@@ -134,6 +134,10 @@ def olmo_tokenizer(tokenizer):
     return Adapter()
 
 
+OLMO_METRICS = ("acc", "acc_norm", "acc_per_byte", "bpb")
+"""Our metrics that olmo_eval computes too (``acc_norm_harness``, lm-eval-harness' normalisation, it has not)."""
+
+
 @torch.no_grad()
 def olmo_scores(model, tokenizer, label: str, device, limit: int | None = None, batch_size: int = 32,
                 model_ctx_len: int = 2048) -> dict:
@@ -194,7 +198,7 @@ def reference(model, tokenizer, spec: str, device, limit=None, batch_size=32, mo
         raise ValueError("mmlu interleaves subjects; cross-check it on the full set or per category")
     parts = [scores(label.replace("<category>", c), None) for c in MMLU_CATEGORIES]
     n = sum(p["n"] for p in parts)
-    return {**{k: sum(p[k] * p["n"] for p in parts) / n for k in METRICS}, "n": n}
+    return {**{k: sum(p[k] * p["n"] for p in parts) / n for k in OLMO_METRICS}, "n": n}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -218,7 +222,7 @@ def crosscheck(model, tokenizer, names, device, limit=None, batch_size=32, seq_l
         whole = "<category>" in olmo_label(name)
         ref = reference(model, tokenizer, name, device, None if whole else limit, batch_size, seq_len_max, cache)
         t2 = time.time()
-        diff = max(abs(ours[k] - ref[k]) for k in METRICS)
+        diff = max(abs(ours[k] - ref[k]) for k in OLMO_METRICS)
         if ours["n"] != ref["n"]:
             diff = math.inf
         worst = max(worst, diff)
@@ -231,10 +235,10 @@ def crosscheck(model, tokenizer, names, device, limit=None, batch_size=32, seq_l
 def print_table(rows, header: bool = True) -> None:
     if header:
         head = f"{'task':<22}{'n':>6}  {'headline':<9}"
-        head += "".join(f"{k + ' ours':>18}{'olmo_eval':>11}" for k in METRICS)
+        head += "".join(f"{k + ' ours':>18}{'olmo_eval':>11}" for k in OLMO_METRICS)
         print(head + f"{'max|diff|':>11}{'t_ours':>8}{'t_ref':>7}", flush=True)
     for name, ours, ref, diff, t_ours, t_ref in rows:
-        cells = "".join(f"{ours[k]:>18.6f}{ref[k]:>11.6f}" for k in METRICS)
+        cells = "".join(f"{ours[k]:>18.6f}{ref[k]:>11.6f}" for k in OLMO_METRICS)
         headline = TASKS[parse_spec(name)[0]].headline
         print(f"{result_name(name):<22}{ours['n']:>6}  {headline:<9}{cells}{diff:>11.1e}{t_ours:>7.1f}s{t_ref:>6.1f}s",
               flush=True)

@@ -2,8 +2,9 @@
 ``mup-check | lr-sweep | plan`` (argument handling in :mod:`densetrain.tools.commands`).
 
 Every command takes ``--preset NAME`` and/or ``--config FILE`` plus ``--section.key=value``
-overrides (see ``densetrain train --help-config``). Errors in user input end with one line
-``densetrain: error: ...`` and exit status 2, never a traceback.
+overrides (see ``densetrain train --help-config``), except ``report``, ``blame`` and ``replay``, which read
+the run's own ``config.toml``; an override a command does not use is refused (:func:`refuse_unused_overrides`).
+Errors in user input end with one line ``densetrain: error: ...`` and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -29,8 +30,17 @@ from densetrain.fileio import json_text, recover_folder_swap
 
 
 def _is_main() -> bool:
-    """Rank 0 (or no torchrun): the process that prints results and errors; the others stay quiet."""
+    """Rank 0 (or no torchrun): the process that prints results; the others stay quiet (errors: :func:`say_error`)."""
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def say_error(text: str) -> None:
+    """Print ``densetrain: error: TEXT`` to stderr at once, on every rank: under torchrun a failing rank may
+    be stopped by the launcher before another rank prints, so each says its own first error (``[rank N]``
+    tells them apart) and flushes before returning."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    where = f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
+    print(f"densetrain: error: {where}{text}", file=sys.stderr, flush=True)
 
 
 def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
@@ -85,8 +95,10 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
         raise ConfigError(f"--skip-batches {args.skip_batches}: expected a number of global batches >= 0, "
                           "with --rollback-to STEP")
     # A plain --resume keeps the run's layout intent at any world size; --parallel.* flags are obeyed as given.
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ConfigError(f"--stop-after {args.stop_after}: expected a step >= 1")
     summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches,
-                    keep_layout_intent=bool(args.resume) and not args.layout_flags)
+                    keep_layout_intent=bool(args.resume) and not args.layout_flags, stop_after=args.stop_after)
     if _is_main():  # torchrun: one summary, not one per rank
         print("\n".join(summary_lines(summary, Path(cfg.train.run_dir))))
     return 0
@@ -99,7 +111,7 @@ def summary_lines(summary: dict, run_dir: Path) -> list[str]:
     ``summary.json``, which ``densetrain report`` shows."""
     from statistics import median
 
-    from densetrain.metrics import read_metrics
+    from densetrain.metrics import format_rate, read_metrics
 
     # a skipped (non-finite) step's loss is null in the file
     recs = [r for r in read_metrics(run_dir) if r.get("kind") == "train" and isinstance(r.get("loss"), float)]
@@ -107,7 +119,7 @@ def summary_lines(summary: dict, run_dir: Path) -> list[str]:
              + (f", {summary['skipped_steps']} skipped" if summary.get("skipped_steps") else "")]
     if recs:
         lines.append(f"final train loss {recs[-1]['loss']:.4f} (step {recs[-1]['step']}), "
-                     f"median {median(r['tokens_per_sec'] for r in recs) / 1e3:.1f}k tokens/s")
+                     f"median {format_rate(median(r['tokens_per_sec'] for r in recs))}")
     val = summary.get("val", {}).get("all", {})  # read back from summary.json on a resume: NaN is null there
     if isinstance(val.get("loss"), float):
         bpb = f", {val['bpb']:.4f} bits per byte" if isinstance(val.get("bpb"), float) else ""
@@ -164,16 +176,25 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     """Write a Hugging Face LlamaForCausalLM folder (config.json + safetensors + tokenizer) from a checkpoint
     of any layout, read one tensor at a time (files of at most 2 GiB, with an index when there are more)."""
+    from densetrain.checkpoint import leased_checkpoint
+    from densetrain.hf import check_export_target
+    from densetrain.tools.offline_eval import find_checkpoint
+
+    check_export_target(Path(args.out))  # before any work: an export never replaces a run or other files
+    given = Path(args.checkpoint)
+    # A read lease: the retention of a run still training keeps this checkpoint until the export is done.
+    with leased_checkpoint(find_checkpoint(given), None if (given / "COMPLETE").exists() else given) as path:
+        return _export_checkpoint(cfg, args, path)
+
+
+def _export_checkpoint(cfg: Config, args: argparse.Namespace, path: Path) -> int:
     from torch.distributed.checkpoint.api import CheckpointException
 
     from densetrain.checkpoint import describe_error, read_trainer_state
     from densetrain.data.tokenizer import load_tokenizer
-    from densetrain.hf import check_checkpoint_matches, check_export_target, export_hf_from_checkpoint
+    from densetrain.hf import check_checkpoint_matches, export_hf_from_checkpoint
     from densetrain.schedule import resolve_stages, stage_at
-    from densetrain.tools.offline_eval import find_checkpoint
 
-    check_export_target(Path(args.out))  # before any work: an export never replaces a run or other files
-    path = find_checkpoint(Path(args.checkpoint))
     state = read_trainer_state(path)
     # The exported RoPE base and context length are those of the stage the checkpoint was saved in.
     st = stage_at(max(state["step"] - 1, 0), resolve_stages(cfg))
@@ -271,6 +292,16 @@ def cmd_report(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ladder_report(args: argparse.Namespace) -> int:
+    """``densetrain ladder report LADDER_DIR [--run RUN_DIR]``: the scaling panel (here: tools do not import report)."""
+    from densetrain.report.ladder import write_ladder_report
+    from densetrain.tools.ladder.command import ladder_dir_arg
+
+    for path in write_ladder_report(ladder_dir_arg(args.ladder_dir), Path(args.run) if args.run else None):
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_demo(cfg: Config, args: argparse.Namespace) -> int:
     """prepare -> train -> final evaluation -> report, in one go (what `make demo` runs)."""
     from densetrain.data.prepare import prepare
@@ -321,7 +352,8 @@ COMMANDS = {
 }
 
 
-TRAIN_EPILOG = (f"SIGTERM or Ctrl-C (SIGINT): the current step finishes, a checkpoint is written and the run exits "
+TRAIN_EPILOG = (f"SIGTERM or Ctrl-C (SIGINT): the current step finishes (an in-loop evaluation stops after its "
+                f"current batch), a checkpoint is written and the run exits "
                 f"with status {EXIT_PREEMPTED}; continue it with --resume RUN_DIR. A second signal exits at once "
                 "(status 143 / 130). Exit status 2: bad input (one line).")
 
@@ -332,8 +364,7 @@ class Parser(argparse.ArgumentParser):
     instead of argparse's usage block (printed by rank 0 only under torchrun)."""
 
     def error(self, message: str):
-        if _is_main():
-            print(f"densetrain: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        say_error(f"{message} (see {self.prog} --help)")
         sys.exit(2)
 
 
@@ -347,6 +378,32 @@ RUN_DIR_ARGS = {  # command -> (positional argument, the file it reads first the
     "report": ("run_dir", "metrics.jsonl", RUN_ARG),
     "import-hf": ("hf_dir", "config.json", "a local Hugging Face Llama folder (config.json + *.safetensors)"),
 }
+
+
+RUN_CONFIG_COMMANDS = ("report", "blame", "replay")  # read RUN_DIR/config.toml as the run wrote it: no overrides
+UNUSED_SECTIONS = {  # command -> config sections it never reads (it works on one checkpoint, in this process)
+    "eval": ("optim", "checkpoint", "logging", "parallel", "guard", "watchdog", "probe", "faults"),
+    "export": ("optim", "checkpoint", "logging", "eval", "parallel", "guard", "watchdog", "probe", "faults"),
+}
+
+
+def refuse_unused_overrides(args: argparse.Namespace, rest: list[str]) -> None:
+    """An override the command would not use is refused, not ignored: ``report``, ``blame`` and ``replay``
+    take none (nor ``--preset`` / ``--config``), ``eval`` and ``export`` none of the sections they never read
+    (``--parallel.*`` among them: a checkpoint of any layout is read whole, in one process).
+
+    Raises:
+        ConfigError: one line naming the first such argument.
+    """
+    if args.command in RUN_CONFIG_COMMANDS:
+        given = rest + [f"--{k}" for k in ("preset", "config") if getattr(args, k, None)]
+        if given:
+            raise ConfigError(f"{given[0]}: densetrain {args.command} reads the run's own config.toml and takes no "
+                              "--preset, --config or --section.key=value overrides")
+    for key, _ in parse_overrides(rest) if args.command in UNUSED_SECTIONS else []:
+        if key.split(".")[0] in UNUSED_SECTIONS[args.command]:
+            raise ConfigError(f"--{key}: densetrain {args.command} does not use [{key.split('.')[0]}] (it reads one "
+                              "checkpoint of any layout in this process); leave it out")
 
 
 def _check_path_arg(args: argparse.Namespace) -> None:
@@ -393,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "after STEP aside (moved to RUN_DIR/checkpoints_set_aside) and continue from STEP")
             sp.add_argument("--skip-batches", type=int, default=0, metavar="N",
                             help="with --rollback-to: skip the next N global batches of data")
+            sp.add_argument("--stop-after", type=int, metavar="STEP", help="stop after STEP steps in total, with a "
+                            "checkpoint there (the schedule still runs to train.steps; --resume continues): the "
+                            "segments of a ladder's main run (densetrain ladder --print-commands)")
         if name in ("train", "prepare", "eval", "demo"):
             sp.add_argument("--smoke", action="store_true", help="the same recipe scaled down to a few CPU steps "
                             "with every stage (run dir gets a -smoke suffix): a check before a long run")
@@ -427,8 +487,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "report":
             sp.add_argument("run_dir", help="run directory")
     from densetrain.tools.commands import add_subcommands
+    from densetrain.tools.ladder.command import add_ladder_command
 
     add_subcommands(sub)
+    add_ladder_command(sub, cmd_ladder_report)
     p.commands = sub.choices  # name -> subparser (its error() names its own --help)
     return p
 
@@ -449,7 +511,7 @@ def entry() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; user errors print one line (on rank 0 only under torchrun) and return 2 on every rank."""
+    """Run one command; user errors print one line (on every rank under torchrun: :func:`say_error`) and return 2."""
     import densetrain  # noqa: F401  (sets CPU threading defaults before torch loads)
 
     parser = build_parser()
@@ -458,14 +520,16 @@ def main(argv: list[str] | None = None) -> int:
                                                           "--parallel.tp", "--parallel.cp"))]
     cfg = None
     try:
-        if hasattr(args, "func"):  # mup-check | lr-sweep | plan: own flags; plan's memory plan takes overrides
-            if rest and args.command != "plan":
+        if hasattr(args, "func"):  # mup-check | lr-sweep | plan | ladder: own flags; plan and ladder take overrides
+            if rest and args.command not in ("plan", "ladder"):
                 parser.commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
             args.overrides = parse_overrides(rest)  # --section.key=value, e.g. --parallel.tp=4
             return args.func(args)
         if not args.help_config:
             _check_path_arg(args)
-        if args.command in ("report", "blame", "replay") and not args.help_config:
+        if not args.help_config:
+            refuse_unused_overrides(args, rest)
+        if args.command in RUN_CONFIG_COMMANDS and not args.help_config:
             return COMMANDS[args.command][0](None, args)
         cfg = _config_from(args, rest)
         if getattr(args, "smoke", False):
@@ -483,10 +547,9 @@ def main(argv: list[str] | None = None) -> int:
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
     except (ConfigError, DataError, TrainError, FileNotFoundError) as e:
-        if _is_main():  # torchrun: one line, not one per rank
-            # A config error is the user's key or flag: point at the subcommand's help, which lists them.
-            see = f" (see {parser.commands[args.command].prog} --help)" if isinstance(e, ConfigError) else ""
-            print(f"densetrain: error: {e}{see}", file=sys.stderr)
+        # A config error is the user's key or flag: point at the subcommand's help, which lists them.
+        see = f" (see {parser.commands[args.command].prog} --help)" if isinstance(e, ConfigError) else ""
+        say_error(f"{e}{see}")
         return 2
     except Preempted as e:  # SIGTERM / Ctrl-C: stopped at a step boundary with a checkpoint (train/preempt.py)
         if _is_main():
@@ -496,9 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except OSError as e:  # a full disk, a read-only or unwritable path in a writer without its own handling
-        if int(os.environ.get("RANK", "0")) == 0:
-            what = f"no space left on {e.filename or 'the device'} ({e.strerror})" if is_disk_full(e) else str(e)
-            print(f"densetrain: error: {what}", file=sys.stderr)
+        say_error(f"no space left on {e.filename or 'the device'} ({e.strerror})" if is_disk_full(e) else str(e))
         return 2
     except KeyboardInterrupt:
         if _is_main():

@@ -9,6 +9,14 @@ step where the OS can (:func:`exchange_paths`).
 Every JSON file and printout of the project is strict JSON (RFC 8259), made by :func:`json_text`: a
 non-finite float (a NaN loss, an infinite ratio) becomes ``null``, never Python's ``NaN`` / ``Infinity``,
 which other JSON readers (browsers, jq, pandas) refuse.
+
+Every file densetrain reads goes through :func:`open_regular` (or the readers built on it:
+:func:`read_bytes_bounded`, :func:`read_text_bounded`, :func:`read_json`, :func:`read_toml`,
+:func:`parse_json_line`): it must be a regular file once symlinks are followed (a link to ``/dev/zero``
+would be read until memory runs out, a FIFO would block the reader forever), no larger than a limit where
+its kind implies one; JSON/TOML nested deeper than Python's parsers recurse is refused, not a traceback. A refusal is a
+:class:`ReadRefused` (an ``OSError``, so every reader's "cannot read" handling and the CLI's one line apply).
+The documented exception: ``--config /dev/stdin`` style pipes are not supported; write the TOML to a file.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import math
 import os
 import re
 import shutil
+import stat
+import tomllib
 from pathlib import Path
 
 
@@ -152,3 +162,138 @@ def recover_folder_swap(target: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
     if left:
         fsync_dir(target.parent)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bounded, regular reads
+# --------------------------------------------------------------------------------------------------
+
+MAX_CONFIG_BYTES = 16 << 20
+"""TOML configs, HF config.json, small run files (markers, state, manifests): 16 MiB; ours are a few KiB."""
+MAX_JSON_BYTES = 1 << 30
+"""Large JSON files (a tokenizer.json: Llama 3's is 9 MB, the largest HF ones ~40 MB): 1 GiB."""
+_TOO_DEEP = "nested too deeply (Python's JSON/TOML parsers recurse once per level, ~1000 at most)"
+
+
+class ReadRefused(OSError):
+    """A file densetrain will not read: not a regular file, over its size limit, or nested too deeply.
+    ``str()`` is one line: ``PATH: why``; ``strerror`` is the why alone."""
+
+    def __init__(self, path, why: str):
+        super().__init__(errno.EINVAL, why, str(path))
+
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def open_regular(path, max_bytes: int | None = None):
+    """``path`` opened for binary reading after checking, on the opened descriptor (so a swap between check
+    and read cannot slip through), that it is a regular file (symlinks followed) of at most ``max_bytes``.
+    Opened non-blocking, so a FIFO is refused instead of waiting for a writer.
+
+    Raises: ReadRefused (not a regular file, too large); FileNotFoundError / PermissionError as ``open``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+            raise ReadRefused(path, f"is {kind}, expected a regular file" + (
+                f" (a link to {os.path.realpath(path)})" if os.path.islink(path) else ""))
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise ReadRefused(path, f"{st.st_size} bytes, larger than the {max_bytes}-byte limit for this file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bytes_bounded(path, max_bytes: int) -> bytes:
+    """The bytes of regular file ``path`` (:func:`open_regular`), at most ``max_bytes`` (also when it grows
+    while read). Raises: ReadRefused; OSError."""
+    with open_regular(path, max_bytes) as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ReadRefused(path, f"larger than the {max_bytes}-byte limit for this file")
+    return data
+
+
+def read_text_bounded(path, max_bytes: int = MAX_CONFIG_BYTES, errors: str = "strict") -> str:
+    """:func:`read_bytes_bounded` decoded as UTF-8. Raises: ReadRefused; OSError; UnicodeDecodeError."""
+    return read_bytes_bounded(path, max_bytes).decode("utf-8", errors=errors)
+
+
+def parse_json_line(text: str, where):
+    """``json.loads(text)``, a RecursionError (nesting deeper than the parser follows) turned into one line
+    naming ``where`` (a file, or 'FILE line N' for a JSONL line). Raises: ReadRefused; json.JSONDecodeError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ReadRefused(where, _TOO_DEEP) from None
+
+
+def read_json(path, max_bytes: int = MAX_CONFIG_BYTES):
+    """The JSON value in regular file ``path`` (:func:`open_regular`) of at most ``max_bytes``.
+    Raises: ReadRefused (also: nested too deeply); OSError; UnicodeDecodeError; json.JSONDecodeError."""
+    return parse_json_line(read_text_bounded(path, max_bytes), path)
+
+
+def read_toml(path, max_bytes: int = MAX_CONFIG_BYTES) -> dict:
+    """The TOML document in regular file ``path`` (:func:`open_regular`) of at most ``max_bytes``.
+    Raises: ReadRefused (also: nested too deeply); OSError; UnicodeDecodeError; tomllib.TOMLDecodeError."""
+    text = read_text_bounded(path, max_bytes)
+    try:
+        return tomllib.loads(text)
+    except RecursionError:
+        raise ReadRefused(path, _TOO_DEEP) from None
+
+
+def take_lease(target: Path) -> Path | None:
+    """A read lease on ``target`` (a file or folder that another process may delete, e.g. a checkpoint under
+    retention): the empty file ``NAME.reader-PID`` beside it, which the deleter consults
+    (:func:`leases_of`) after taking ``target`` out of sight. Returns the lease's path, or None where the
+    folder is not writable (a read-only copy of a run: nothing deletes there)."""
+    lease = Path(target).with_name(f"{Path(target).name}.reader-{os.getpid()}")
+    try:
+        lease.touch()
+        fsync_dir(lease.parent)
+    except OSError:
+        return None
+    return lease
+
+
+def release_lease(lease: Path | None) -> None:
+    """Drop a lease of :func:`take_lease` (None: nothing to drop)."""
+    if lease is not None:
+        Path(lease).unlink(missing_ok=True)
+
+
+def leases_of(target: Path) -> list[int]:
+    """PIDs of the live processes holding a read lease on ``target`` (:func:`take_lease`); leases of processes
+    no longer running (a killed reader) are deleted on the way."""
+    target, live = Path(target), []
+    pattern = re.compile(rf"{re.escape(target.name)}\.reader-(\d+)")
+    for p in target.parent.iterdir() if target.parent.is_dir() else ():
+        m = pattern.fullmatch(p.name)
+        if m and pid_alive(int(m.group(1))):
+            live.append(int(m.group(1)))
+        elif m:
+            p.unlink(missing_ok=True)
+    return live
+
+
+def sweep_temps_of(target: Path) -> list[Path]:
+    """Delete the temp files :func:`atomic_write_bytes` left beside ``target`` (``.NAME.tmpPID``) when its
+    writer was killed (its PID no longer runs); a live writer's stay. Returns the deleted paths."""
+    target, removed = Path(target), []
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.tmp(\d+)")
+    for p in target.parent.iterdir() if target.parent.is_dir() else ():
+        m = pattern.fullmatch(p.name)
+        if m and not pid_alive(int(m.group(1))):
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    return removed

@@ -36,7 +36,7 @@ def z_loss_sum(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     Returns:
         0-d fp32 tensor.
     """
-    return (torch.logsumexp(logits.float(), dim=-1) ** 2 * mask).sum()
+    return z_loss_sum_from_lse(torch.logsumexp(logits.float(), dim=-1), mask)
 
 
 LOGIT_CHUNK_ELEMENTS = 2**26
@@ -78,7 +78,7 @@ def chunked_head_losses(project, h: torch.Tensor, targets: torch.Tensor,
     cost is one more output projection per step (the recompute).
 
     Args:
-        project: ``h (n, d_model) -> logits (n, V)`` (the model's output head and logit multiplier; a
+        project: ``h (n, d_model) -> logits (n, V)`` (the model's logits, :meth:`Transformer.project`; a
             module call, so tensor-parallel hooks run per chunk).
         h: (B, T, d_model), the final norm's output. targets: (B, T) int64, ``IGNORE_INDEX`` where no loss.
         chunk_tokens: tokens per chunk (>= 1), e.g. from :func:`chunk_tokens_for`.
@@ -100,5 +100,8 @@ def chunked_head_losses(project, h: torch.Tensor, targets: torch.Tensor,
 
 
 def z_loss_sum_from_lse(lse: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """:func:`z_loss_sum` from ``log Z`` (B, T) already computed (the chunked path): 0-d fp32."""
-    return (lse.float() ** 2 * mask).sum()
+    """:func:`z_loss_sum` from ``log Z`` (B, T) already computed (the chunked path): 0-d fp32.
+
+    Masked by selection, not by multiplication: an infinite ``log Z`` at an ignored position (``inf * 0``
+    is NaN) must not reach the sum."""
+    return torch.where(mask, lse.float() ** 2, 0.0).sum()

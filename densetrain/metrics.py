@@ -2,17 +2,20 @@
 console).
 
 Metric names are the field's: ``loss``, ``grad_norm``, ``lr``, ``tokens_per_sec``, ``mfu``,
-``val/<source>/loss``. Every record carries ``step`` (steps completed: iterations of the loop,
-those whose update the guard skipped included) and ``tokens`` (target tokens consumed, summed over
-ranks). Both files are strict JSON, one object a line: a
-non-finite number (a NaN loss of a skipped step) is written as ``null`` (:func:`json_line`), never as
-Python's ``NaN``/``Infinity``, which other JSON readers (browsers, jq, pandas' ``lines=True``) refuse.
+``val/<source>/loss``; in TensorBoard and W&B the records of another kind than train/eval/update are
+under a prefix (``perf/rank<r>/``, ``final/``: :func:`series_tag`), so that one tag is one series.
+Every record carries ``step`` (steps completed: iterations of the loop, those whose update the guard
+skipped included) and ``tokens`` (target tokens consumed, summed over ranks). Both files are strict
+JSON, one object a line: a non-finite number (a NaN loss of a skipped step) is written as ``null``
+(:func:`json_line`), never as Python's ``NaN``/``Infinity``, which other JSON readers (browsers, jq,
+pandas' ``lines=True``) refuse.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import resource
 import sys
 import time
@@ -22,8 +25,8 @@ from pathlib import Path
 import torch
 
 from densetrain.config import Config, ModelConfig
-from densetrain.errors import ConfigError
-from densetrain.fileio import atomic_write_bytes, json_text
+from densetrain.errors import ConfigError, DataError
+from densetrain.fileio import atomic_write_bytes, json_text, read_text_bounded
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -80,14 +83,44 @@ def _sync(device: torch.device) -> None:
 
 
 def memory_stats(device: torch.device) -> dict[str, float]:
-    """Memory in GiB: ``mem/rss_peak_gib`` (process peak RSS) always; on CUDA also allocated/reserved."""
-    # ru_maxrss is KiB on Linux (bytes on macOS).
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    out = {"mem/rss_peak_gib": rss / 2**30}
+    """Peak memory in GiB since the previous call (the start of the process for the first): the peak
+    resident set ``mem/rss_peak_gib``, and on CUDA the peak allocated/reserved by torch
+    (``mem/allocated_gib``, ``mem/reserved_gib``); then the peaks are reset, so a series of calls
+    every k steps misses no peak in between (the peak of the run is the largest sample).
+
+    The resident peak is Linux's ``VmHWM`` (``/proc/self/status``), reset by writing ``5`` to
+    ``/proc/self/clear_refs`` (proc(5), Linux >= 4.0); where either is unavailable it is
+    ``ru_maxrss``, the peak since the process started (never reset). CUDA's peaks are reset with
+    ``torch.cuda.reset_peak_memory_stats``.
+    """
+    out = {"mem/rss_peak_gib": _rss_peak_since_last() / 2**30}
     if device.type == "cuda":
         out["mem/allocated_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         out["mem/reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
+        torch.cuda.reset_peak_memory_stats(device)
     return out
+
+
+def _rss_peak_since_last() -> int:
+    """Peak resident bytes since the previous call (``VmHWM``, then reset), or since start (``ru_maxrss``)."""
+    try:
+        with open("/proc/self/status") as f:
+            hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))  # kB
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return hwm
+    except (OSError, StopIteration, ValueError):
+        # ru_maxrss is KiB on Linux (bytes on macOS).
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def format_rate(tokens_per_sec: float) -> str:
+    """``tokens_per_sec`` for the console with three significant digits in a readable unit:
+    ``"37.5 tok/s"``, ``"12.3k tok/s"``, ``"4.56M tok/s"`` (never ``"0.0k"`` for a slow run)."""
+    for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(tokens_per_sec) >= scale:
+            return f"{tokens_per_sec / scale:.3g}{unit} tok/s"
+    return f"{tokens_per_sec:.3g} tok/s"
 
 
 class WandbSink:
@@ -103,7 +136,9 @@ class WandbSink:
     files are complete on disk (it ends W&B's service process, so any other W&B run of the process too).
 
     Raises:
-        ConfigError: the ``wandb`` package is not installed.
+        ConfigError: the ``wandb`` package is not installed, or W&B cannot start the run (not logged in, no
+            network): one line saying how to log in or go offline.
+        DataError: ``RUN_DIR/wandb_run_id`` does not hold a run id.
     """
 
     def __init__(self, run_dir: Path, cfg: Config):
@@ -114,10 +149,18 @@ class WandbSink:
                               "or set logging.wandb = false") from None
         self.wandb = wandb
         id_file = run_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]  # W&B: [a-z0-9]
+        run_id = read_text_bounded(id_file, 1024).strip() if id_file.exists() else uuid.uuid4().hex[:12]
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):  # ours are 12 of [a-z0-9]; W&B refuses /\#?%:
+            raise DataError(f"{id_file}: not a W&B run id (1-64 letters, digits, _ or -), got {run_id[:80]!r}; "
+                            "delete the file to start a new W&B run")
         atomic_write_bytes(id_file, run_id.encode())
-        self.run = wandb.init(project=cfg.logging.wandb_project, name=cfg.logging.wandb_name or run_dir.name,
-                              id=run_id, resume="allow", dir=str(run_dir), config=dataclasses.asdict(cfg))
+        try:
+            self.run = wandb.init(project=cfg.logging.wandb_project, name=cfg.logging.wandb_name or run_dir.name,
+                                  id=run_id, resume="allow", dir=str(run_dir), config=dataclasses.asdict(cfg))
+        except Exception as e:  # wandb.errors.UsageError (not logged in), CommError (no network), ...
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConfigError(f"logging.wandb: W&B could not start the run ({first}); log in with `wandb login`, "
+                              "or run offline with WANDB_MODE=offline, or set logging.wandb = false") from None
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         self.events = wandb.Table(columns=["step", "kind", "action", "text"], log_mode="INCREMENTAL")
@@ -138,9 +181,27 @@ class WandbSink:
         self.wandb.teardown()
 
 
-def _scalars(metrics: dict) -> dict[str, float]:
-    """The numeric entries of a record (what TensorBoard and W&B plot; strings such as the stage are not)."""
-    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+def _scalars(metrics: dict, kind: str = "train") -> dict[str, float]:
+    """The numeric entries of a record (what TensorBoard and W&B plot; strings such as the stage are not),
+    under the tag each gets there (:func:`series_tag`)."""
+    return {series_tag(kind, k, metrics): v for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and not (kind == "perf" and k == "rank")}
+
+
+def series_tag(kind: str, name: str, metrics: dict) -> str:
+    """The TensorBoard / W&B tag of metric ``name`` of a ``kind`` record: one tag, one series, one value per
+    step. ``train``, ``eval`` and ``update`` records keep the name (their names never meet at a step). The
+    watchdog's per-rank ``perf`` records (the same ``tokens_per_sec`` and ``mfu`` names, one record per rank,
+    at a step of a ``train`` record) go to ``perf/rank<r>/<name>``; the end-of-run ``final_eval`` (its tasks may
+    be those the last in-loop evaluation ran, at the same step) to ``final/<name>``; any other kind to
+    ``<kind>/<name>``. metrics.jsonl keeps the names as they are, with the ``kind`` beside them."""
+    if kind in ("train", "eval", "update"):
+        return name
+    if kind == "perf":
+        return f"perf/rank{metrics.get('rank', 0)}/{name}"
+    if kind == "final_eval":
+        return f"final/{name}"
+    return f"{kind}/{name}"
 
 
 def json_line(rec: dict) -> str:
@@ -214,11 +275,12 @@ class MetricsLogger:
             return
         rec = {"kind": kind, "step": step, "time": time.time(), **metrics}
         self.f.write(json_line(rec) + "\n")
+        scalars = _scalars(metrics, kind)
         if self.tb is not None:
-            for k, v in _scalars(metrics).items():
+            for k, v in scalars.items():
                 self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
-            self.wandb.log(step, _scalars(metrics))
+            self.wandb.log(step, scalars)
 
     def event(self, step: int, text: str, kind: str = "note", action: str | None = None, values: dict | None = None,
               all_ranks: bool = False) -> None:
@@ -285,12 +347,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def read_events(run_dir: Path) -> list[dict]:
     """All structured events of a run (``events.jsonl`` and other ranks' ``events_rank<r>.jsonl``),
-    ordered by time; torn lines skipped."""
+    ordered by time; torn lines, and lines that are no event object, skipped."""
     out = []
     for path in sorted(Path(run_dir).glob("events*.jsonl")):
         for line in path.read_text().splitlines():
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return sorted(out, key=lambda e: e.get("time", 0))
+                e = json.loads(line)
+            except (json.JSONDecodeError, RecursionError):
+                continue
+            if isinstance(e, dict):
+                out.append(e)
+    return sorted(out, key=lambda e: e["time"] if type(e.get("time")) in (int, float) else 0)

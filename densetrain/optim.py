@@ -196,3 +196,28 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
     """Set every group's lr to ``lr * group['lr_scale']``."""
     for g in opt.param_groups:
         g["lr"] = lr * g.get("lr_scale", 1.0)
+
+
+def describe_groups(optimizer: torch.optim.Optimizer, peak_lr: float) -> tuple[str, list[dict]]:
+    """Which parameters each optimizer got, for the run's start event (``peak_lr``: ``optim.peak_lr``): one
+    clause per group, e.g. ``Muon: 14 tensors, 0.10M params (64x64 x4, 32x64 x4, ...), peak lr 0.02,
+    weight_decay 0``, and the same as values (``optimizer``, ``tensors``, ``params``, ``shapes`` {"AxB": count},
+    ``peak_lr`` = ``peak_lr`` x the group's ``lr_scale``, ``weight_decay``, ``names``: the first four parameter
+    names). Shapes are the whole tensors' (a DTensor's global shape), whatever the layout."""
+    values = []
+    for g in optimizer.param_groups:
+        shapes: dict[str, int] = {}
+        for p in g["params"]:
+            key = "x".join(str(d) for d in p.shape)
+            shapes[key] = shapes.get(key, 0) + 1
+        values.append({"optimizer": "Muon" if g.get("muon") else "AdamW", "tensors": len(g["params"]),
+                       "params": sum(p.numel() for p in g["params"]), "shapes": shapes,
+                       "peak_lr": peak_lr * g.get("lr_scale", 1.0), "weight_decay": g["weight_decay"],
+                       "names": g.get("names", [])[:4]})
+    text = "; ".join(
+        f"{v['optimizer']}: {v['tensors']} tensors, {v['params'] / 1e6:.2f}M params ("
+        + ", ".join(f"{k} x{n}" for k, n in sorted(v["shapes"].items(), key=lambda kv: -kv[1])[:4])
+        + (", ..." if len(v["shapes"]) > 4 else "")
+        + f"), peak lr {v['peak_lr']:.3g}, weight_decay {v['weight_decay']:g}"
+        for v in values)
+    return text, values

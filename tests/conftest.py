@@ -213,3 +213,28 @@ def one_source_config(tmp: Path, shards_dir: Path, **overrides):
             "stages": [{"name": "main", "start": 0.0}], "data.tokenizer": "gpt2", "model.vocab_size": 50304,
             "data.decontam.enabled": False, "data.workers": 1}
     return small_config(tmp, shards_dir, **{**base, **overrides})
+
+
+@pytest.fixture(scope="session")
+def stopped_run(prepared, tmp_path_factory):
+    """(run dir, config) of a run stopped after step 3 of 4 with checkpoints of steps 2 and 3 (read only: copy
+    it before crafting files in it)."""
+    from densetrain.train import train
+
+    _, make = prepared
+    tmp = tmp_path_factory.mktemp("stopped")
+    cfg = make(tmp, **{"train.steps": 4, "checkpoint.every": 2, "checkpoint.keep": 0, "eval.every": 0,
+                       "logging.tensorboard": False, "stages": [{"name": "main", "start": 0.0}]})
+    train(cfg, stop_after=3)
+    return tmp / "run", cfg
+
+
+def forge_marker(ckpt: Path) -> None:
+    """Rewrite checkpoint ``ckpt``'s completion marker with the digests of its files as they are now, as a
+    forger would (the digests find damage, not intent): tests of crafted files reach the validation behind."""
+    import json
+
+    from densetrain.dcp_read import hash_file, read_marker
+
+    files = {p.name: hash_file(p) for p in sorted(ckpt.iterdir()) if p.is_file() and p.name != "COMPLETE"}
+    (ckpt / "COMPLETE").write_text(json.dumps({"step": read_marker(ckpt)["step"], "hash": "xxh3_64", "files": files}))

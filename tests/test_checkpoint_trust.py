@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import forge_marker
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from densetrain.checkpoint import list_complete, load_checkpoint
@@ -59,6 +60,7 @@ def _copy(honest_run, tmp_path) -> tuple[Path, list[Path]]:
 
 def _craft_metadata(ckpt: Path, marker: Path) -> Path:
     (ckpt / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    forge_marker(ckpt)
     return ckpt / ".metadata"
 
 
@@ -75,6 +77,7 @@ def _craft_payload(ckpt: Path, cfg, marker: Path) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed.*|Detected an existing checkpoint")
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt))
+    forge_marker(ckpt)
 
 
 def _commands(run: Path, ckpt: Path, out: Path) -> dict[str, list[str]]:
@@ -129,6 +132,7 @@ def test_missing_or_garbage_metadata_is_one_line_everywhere(honest_run, tmp_path
     for c in ckpts:
         meta = c / ".metadata"
         meta.unlink() if damage == "missing" else meta.write_bytes(b"\x80\x04garbage, not a pickle")
+        forge_marker(c)
     for name in ("eval", "export"):
         err = _one_line_error(capsys, _commands(run, ckpts[-1], tmp_path / "hf")[name], caplog)
         assert f"{meta}: " in err and ("missing" in err if damage == "missing" else "not DCP metadata" in err), err

@@ -103,7 +103,7 @@ def test_prepare_with_a_config_file_without_sources_says_so(capsys, tmp_path, mo
 
 def test_train_ends_with_a_short_summary_and_keeps_summary_json(prepared, tmp_path):
     from densetrain.config import save_config
-    from densetrain.metrics import read_metrics
+    from densetrain.metrics import format_rate, read_metrics
 
     _, make = prepared
     cfg = make(tmp_path, **{"train.steps": 4, "eval.every": 0, "checkpoint.every": 0,
@@ -120,7 +120,7 @@ def test_train_ends_with_a_short_summary_and_keeps_summary_json(prepared, tmp_pa
     allv = summary["val"]["all"]
     assert tail == [
         f"done: 4 steps, {summary['tokens']:,} tokens",
-        f"final train loss {train[-1]['loss']:.4f} (step 4), median {(rates[1] + rates[2]) / 2 / 1e3:.1f}k tokens/s",
+        f"final train loss {train[-1]['loss']:.4f} (step 4), median {format_rate((rates[1] + rates[2]) / 2)}",
         f"val loss {allv['loss']:.4f}, {allv['bpb']:.4f} bits per byte",
         f"files: {run}/ (summary.json, metrics.jsonl, checkpoints); densetrain report {run} for the full report",
     ]
@@ -151,8 +151,8 @@ def test_export_config_and_tokenizer_name_the_same_special_ids(tmp_path):
         assert (ht.bos_token_id, ht.eos_token_id, ht.pad_token_id) == (bos, tok.eos_id, tok.eos_id)
         assert ht.padding_side == "left"  # a decoder's batched generate() continues from the last position
         assert ht(["a", "a longer text"], padding=True)["input_ids"][0][0] == tok.eos_id  # padding works
-        # an unprompted generate() starts from the BOS, or without one from the document separator
-        assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (bos or tok.eos_id, tok.eos_id, tok.eos_id)
+        # generation_config.json names the ids config.json does (a BOS only where the tokenizer has one)
+        assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (bos, tok.eos_id, tok.eos_id)
 
 
 @pytest.mark.parametrize("flag,line", [

@@ -117,7 +117,7 @@ def test_partial_config_file_applies_over_a_named_preset(tmp_path):
 
 @pytest.mark.parametrize("key,value,msg", [
     ("optim.eps", 0.0, "optim.eps must be positive"),
-    ("optim.peak_lr", float("inf"), "optim.peak_lr must be a positive finite number"),
+    ("optim.peak_lr", float("inf"), "optim.peak_lr must be a finite number, got inf"),
     ("model.norm_eps", -1.0, "model.norm_eps must be positive"),
     ("logging.every", 0, "logging.every must be >= 1"),
     ("schedule.warmup_steps", 2000, "schedule.warmup_steps (2000) must be shorter than train.steps (1500)"),

@@ -177,6 +177,19 @@ def test_chunk_index_balances_causal_work():
     assert np.array_equal(chunk_index(8, 0, 1), np.arange(8))
 
 
+def test_attention_work_is_balanced_causal_but_not_with_documents():
+    """The work the split leaves each rank, as docs/distributed.md states it: equal for causal rows; a row
+    of documents of 4 and 12 tokens at cp 2 gives 52 and 36 query-key pairs (44 each would be balanced)."""
+    from densetrain.model.masks import document_ids
+    from densetrain.parallel.context import attention_work
+
+    causal = np.arange(16)[None]
+    assert [int(attention_work(causal, r, 2)[0]) for r in range(2)] == [68, 68]
+    tokens = np.array([[5, 5, 5, 0] + [5] * 12])  # EOS (0) ends the first document after 4 tokens
+    _, pos = document_ids(tokens, eos_id=0)
+    assert [int(attention_work(pos, r, 2)[0]) for r in range(2)] == [52, 36]
+
+
 def test_train_at_cp2_runs_every_stage_and_resumes_at_cp1_and_cp2xtp2(prepared, tmp_path):
     """The real training loop on 2 gloo ranks at cp 2 (document masking on, the default; full activation
     checkpointing; asynchronous checkpoint saves) through the main,

@@ -521,7 +521,7 @@ def test_crosscheck_against_olmo_eval(olmo_eval_mod, bpe, monkeypatch):
         mine = evaluate_tasks(model, bpe, [name], N_CROSS, "cpu", batch_size=16)[name]
         ref = cc.olmo_scores(model, bpe, TASKS[name].olmo_label, "cpu", batch_size=16)
         assert mine["n"] == ref["n"] == N_CROSS
-        for k in downstream.METRICS:
+        for k in cc.OLMO_METRICS:
             assert mine[k] == pytest.approx(ref[k], abs=1e-6), (name, k, mine[k], ref[k])
 
     # Lettered (MC) and 5-shot (contexts of ~800 tokens, so fewer questions): scores against
@@ -540,7 +540,7 @@ def test_crosscheck_against_olmo_eval(olmo_eval_mod, bpe, monkeypatch):
         mine = evaluate_tasks(model, bpe, [spec], n_shot, "cpu", batch_size=16)[result_name(spec)]
         ref = cc.olmo_scores(model, bpe, label, "cpu", batch_size=16)
         assert result_name(spec) == label.replace("_rc_", "_") and mine["n"] == ref["n"] == n_shot
-        for k in downstream.METRICS:
+        for k in cc.OLMO_METRICS:
             assert mine[k] == pytest.approx(ref[k], abs=1e-6), (spec, k, mine[k], ref[k])
 
     def ids(samples):

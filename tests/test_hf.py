@@ -229,12 +229,12 @@ def test_cli_export_to_transformers_and_import_back(prepared, tmp_path):
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
     assert hf_tok.decode(tok.encode(text)) == tok.decode(tok.encode(text)) == text
     # HF knows where documents end: the tokenizer's EOS and the model config agree with ours; PAD is the EOS;
-    # no BOS in either (before, config.json said 0 against the tokenizer's None), yet an unprompted
-    # generate() starts from the document separator
+    # no BOS in any of them (before, config.json said 0 against the tokenizer's None, then generation_config.json
+    # still did)
     assert hf_tok.eos_token == tok.eos_token and hf_tok.eos_token_id == tok.eos_id == hf.config.eos_token_id
     assert hf_tok.pad_token_id == hf.config.pad_token_id == tok.eos_id
     assert hf_tok.bos_token_id is None and hf.config.bos_token_id is None and tok.bos_id is None
-    assert hf.generation_config.bos_token_id == tok.eos_id
+    assert hf.generation_config.bos_token_id is None
     # Batched greedy generation of prompts of different lengths continues each as it would alone: the padding
     # is on the left (on the right, the short prompt's continuation followed its PAD tokens and changed).
     prompts = [text[:40], text[:400]]

@@ -159,10 +159,11 @@ for chunk in (0, 8):
     with torch.no_grad():
         lin.weight.copy_(w)
     parallelize_module(lin, mesh, ColwiseParallel(output_layouts=Replicate()))
-    model = types.SimpleNamespace(output=lin, logit_mult=0.5)
+    model = types.SimpleNamespace(output=lin)
+    project = lambda h, matmul: matmul(h) * 0.5  # the model's logits (Transformer.project) with a μP multiplier
     hc = h0.clone().requires_grad_()
     with loss_parallel_context(mesh):
-        losses, lse = vocab_parallel_head(model, mesh, y, chunk)(None, hc)
+        losses, lse = vocab_parallel_head(model, mesh, y, chunk)(project, hc)
         (losses.sum() + Z * z_loss_sum_from_lse(lse, mask)).backward()
     local = lin.weight.to_local().shape[0]
     rel = lambda a, b: float((a - b).abs().max() / b.abs().max())

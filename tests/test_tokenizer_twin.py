@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe
-from densetrain.data.tokenizer.core import CHECK_EVERY, TWIN_PROBE, checked_twins, trust_twins
+from densetrain.data.tokenizer.twin import CHECK_EVERY, TWIN_PROBE, checked_twins, trust_twins
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 FINEWEB = next((p / "shared/data/fineweb_sample" for p in Path(__file__).resolve().parents[1:4]

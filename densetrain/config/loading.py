@@ -32,7 +32,7 @@ import tomli_w
 from densetrain.config.schema import Config
 from densetrain.config.validate import validate
 from densetrain.errors import ConfigError
-from densetrain.fileio import atomic_write_bytes
+from densetrain.fileio import ReadRefused, atomic_write_bytes, read_toml
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
 
@@ -130,6 +130,8 @@ def _parse_value(text: str) -> Any:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         return text
+    except RecursionError:  # nested deeper than tomllib recurses: no config value is
+        raise ConfigError(f"override value {text[:40]}... is nested too deeply") from None
 
 
 def _set_path(d: dict, dotted: str, value: Any) -> None:
@@ -186,12 +188,14 @@ def list_presets() -> list[str]:
 
 def _read_toml(path: Path) -> dict:
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
+        return read_toml(path)  # a regular file of at most 16 MiB; too deep a nesting is one line too
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except IsADirectoryError:
         raise ConfigError(f"{path}: is a directory; --config expects a TOML file (e.g. RUN_DIR/config.toml)") from None
+    except ReadRefused as e:
+        hint = "; --config expects a TOML file (e.g. RUN_DIR/config.toml)" if "directory" in e.strerror else ""
+        raise ConfigError(f"{e}{hint}") from None
     except OSError as e:  # permission denied, an I/O error
         raise ConfigError(f"{path}: cannot read the config file ({e.strerror})") from None
     except tomllib.TOMLDecodeError as e:

@@ -253,7 +253,8 @@ class LoggingConfig:
     every: int = 1
     """Console line every N steps (metrics.jsonl and TensorBoard get every step)."""
     mfu_every: int = 10
-    """Compute mfu and memory every N steps."""
+    """Compute mfu and memory every N steps (and at the first and last step); memory is the peak since the
+    previous sample (:func:`densetrain.metrics.memory_stats`)."""
     peak_flops: float = 0.0
     """Peak FLOP/s of one device for mfu; 0 measures it once with a matmul probe at start."""
     tensorboard: bool = True
@@ -297,6 +298,16 @@ class EvalConfig:
     """Tokens scored per long document by the position-bucket evaluation; 0 = the longest stage's seq_len."""
     position_docs: int = 16
     """Documents per long-document source (data.sources[i].long_docs) scored by the position-bucket evaluation."""
+    ladder: str = ""
+    """A scaling ladder directory (densetrain ladder; its fit.json from densetrain ladder fit): the run's first lines,
+    summary.json and report give the predicted final val loss and bpb with an interval, and each validation is
+    compared with the run's predicted curve for its own lr schedule (train/curve.py); '' disables."""
+    off_curve_patience: int = 3
+    """With eval.ladder: an off_curve event when this many validations in a row are above the predicted curve's
+    band (per source and overall)."""
+    off_curve_margin: float = 0.0
+    """With eval.ladder: the band above the predicted curve, as a fraction of the loss; 0 = from the fit (3 times the
+    robust scale of its relative residuals on the ladder's runs, at least 0.01)."""
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import math
 
 from densetrain.config.filters import validate_filters
 from densetrain.config.recovery import validate_health, validate_recovery
@@ -19,6 +21,8 @@ from densetrain.registry.tasks import GROUPS, TASKS
 
 def validate(cfg: Config) -> None:
     """Check cross-field constraints; raise ConfigError naming the key on the first problem."""
+    validate_finite(cfg)
+    validate_bounds(cfg)
     m = cfg.model
     for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
         check_config(getattr(m, k) > 0, f"model.{k} must be positive, got {getattr(m, k)}")
@@ -91,6 +95,9 @@ def validate(cfg: Config) -> None:
     for k in ("every", "tasks_every", "tasks_limit", "final_limit", "samples"):  # 0 = at the end / all / none
         check_config(getattr(e, k) >= 0, f"eval.{k} must be >= 0, got {getattr(e, k)}")
     check_config(e.max_batches >= 1, f"eval.max_batches must be >= 1, got {e.max_batches}")
+    check_config(e.off_curve_patience >= 1, f"eval.off_curve_patience must be >= 1, got {e.off_curve_patience}")
+    check_config(0 <= e.off_curve_margin < 1, f"eval.off_curve_margin must be in [0, 1) (0: from the fit), got "
+                                              f"{e.off_curve_margin}")
     for k in ("every", "mfu_every"):
         check_config(getattr(cfg.logging, k) >= 1, f"logging.{k} must be >= 1, got {getattr(cfg.logging, k)}")
     for k in ("every", "keep"):
@@ -236,3 +243,74 @@ def validate_rope_scaling(rs, key: str, inherit: bool) -> None:
                      f"{key}: need 0 < beta_slow < beta_fast, got {rs.beta_slow}, {rs.beta_fast}")
         check_config(rs.attention_factor >= 0,
                      f"{key}.attention_factor must be >= 0 (0: YaRN's default), got {rs.attention_factor}")
+
+
+def _non_finite(obj, key: str):
+    """``(key, value)`` of the first NaN or infinite float under ``obj`` (dataclasses, lists, dicts), or None."""
+    if isinstance(obj, float):
+        return None if math.isfinite(obj) else (key, obj)
+    if dataclasses.is_dataclass(obj):
+        items = ((f"{key}.{f.name}" if key else f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    elif isinstance(obj, dict):
+        items = ((f"{key}.{k}", v) for k, v in obj.items())
+    elif isinstance(obj, list):
+        items = ((f"{key}[{i}]", v) for i, v in enumerate(obj))
+    else:
+        return None
+    for k, v in items:
+        bad = _non_finite(v, k)
+        if bad:
+            return bad
+    return None
+
+
+def validate_finite(cfg) -> None:
+    """Every float of the config tree (any section, list item or table value) is finite: ``nan`` fails every
+    comparison and ``inf`` passes every ``> 0``, so each later range check would let them through (a NaN
+    norm eps or Adam eps trains on NaN; an infinite soft-cap or lr_mult is silently a different run)."""
+    bad = _non_finite(cfg, "")
+    check_config(bad is None, f"{bad[0]} must be a finite number, got {bad[1]}" if bad else "")
+
+
+MAX_PARAMS = 10**13
+"""Largest model (parameters) a config may describe. 10^13 is 40 TB of fp32 weights (plus 80 TB of AdamW
+state), ten times the largest dense models trained to date (~10^12); a larger count is a typo or a crafted
+file, refused from the arithmetic before a layer is built (building 10^8 layers, even on the meta device,
+loops for hours)."""
+
+MAX_LAYERS = 1000
+"""Most transformer blocks a config may describe: the deepest published transformer has 1,000 layers
+(DeepNet, Wang et al. 2022); Llama 3 405B has 126. Blocks are built one by one in Python (~4 ms each even
+on the meta device), so 10^8 layers of a tiny width, under :data:`MAX_PARAMS`, would loop for days."""
+
+SEED_RANGE = 2**64
+"""Seeds are in [0, 2**64): torch.manual_seed and numpy's SeedSequence take 64-bit values."""
+
+
+def model_params(m) -> int:
+    """Parameters of a :class:`ModelConfig` (Python ints, no overflow): embeddings, the output head unless
+    tied, per block the q/k/v/o projections (k and v of width n_kv_heads * head_dim), the three SwiGLU
+    matrices and two RMSNorm gains, and the final norm. Equals ``Transformer(cfg).num_params()``."""
+    kv = m.n_kv_heads * (m.d_model // max(m.n_heads, 1))
+    block = 2 * m.d_model * m.d_model + 2 * m.d_model * kv + 3 * m.d_model * m.d_ff + 2 * m.d_model
+    return m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2) + m.n_layers * block + m.d_model
+
+
+def validate_bounds(cfg) -> None:
+    """Bounds a value can break without failing a type check: an empty run directory (the current folder,
+    whose files a run would overwrite), a negative held-out cap, seeds outside the generators' range, a
+    negative peak FLOP/s, and a model too large or too deep to exist (:data:`MAX_PARAMS`, :data:`MAX_LAYERS`)."""
+    t, d = cfg.train, cfg.data
+    check_config(t.run_dir.strip() != "", "train.run_dir must name a directory, got ''")
+    check_config(d.max_val_tokens >= 0, f"data.max_val_tokens must be >= 0, got {d.max_val_tokens}")
+    for key, seed in (("train.seed", t.seed), ("data.seed", d.seed)):
+        check_config(0 <= seed < SEED_RANGE, f"{key} must be in [0, 2**64), got {seed}")
+    check_config(cfg.logging.peak_flops >= 0,
+                 f"logging.peak_flops must be >= 0 (0 measures it), got {cfg.logging.peak_flops}")
+    m = cfg.model
+    check_config(m.n_layers <= MAX_LAYERS, f"model.n_layers must be at most {MAX_LAYERS} (the deepest published "
+                                           f"transformer, DeepNet 2022), got {m.n_layers}")
+    if min(m.vocab_size, m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff) > 0:  # else named below
+        n = model_params(m)
+        check_config(n <= MAX_PARAMS, f"model: {n:.3g} parameters (vocab_size {m.vocab_size}, d_model {m.d_model}, "
+                                      f"n_layers {m.n_layers}, d_ff {m.d_ff}) exceed the limit of {MAX_PARAMS:.0e}")

@@ -16,9 +16,10 @@ every rank runs the same sampler and keeps its own contiguous slice of each glob
 1-process and an N-process run see exactly the same data per optimizer step.
 
 **Order within a source.** Without a shuffle seed a source is read front to back (window ``k``
-starts at token ``k * seq_len``) and every epoch repeats the last. With ``shuffle_seed`` (the
-default ``data.shuffle = true``; the seed is ``train.seed``) an epoch of a source is one pass over
-its grid of ``W = (n - 1 - o) // seq_len`` windows, with window ``j`` of the epoch starting at
+starts at token ``k * seq_len``), wrapping to its front where the stream ends; an epoch is a pass of
+``W = (n - 1) // seq_len`` windows from where the last one stopped (the first starts at token 0).
+With ``shuffle_seed`` (the default ``data.shuffle = true``; the seed is ``train.seed``) an epoch of
+a source is one pass over its grid of ``W = (n - 1 - o) // seq_len`` windows, with window ``j`` of the epoch starting at
 ``o + perm(j) * seq_len``, where ``perm`` is a pseudo-random permutation of ``0 .. W-1`` (a
 balanced Feistel network with cycle walking, :class:`WindowPermutation`) and ``o`` a start offset,
 both keyed by (seed, source, epoch, seq_len) and computed on demand, so the state stays a few
@@ -36,15 +37,17 @@ the grid: it depends on seq_len, so a stage that changes a source's seq_len ends
 current epoch early (logged; its unvisited windows come back in the next epochs' permutations),
 whereas a document-level order would carry a token cursor across the change.
 
-**Epochs end at global-batch boundaries** (shuffled order). A global batch that took the last
+**Epochs end at global-batch boundaries** (both orders). A global batch that took the last
 windows of one epoch and the first of the next could hold the same window twice (the next
 permutation may start with a window the batch already has), and its rows, split over ranks, would
 come from two epochs. So before a batch is drawn, a source whose current epoch has fewer windows
-left than the batch takes from it starts its next epoch first; the few windows skipped come back in
-later permutations, as at a seq_len change. Only a source with fewer windows than one batch takes
-from it wraps inside the batch (a repeat is then unavoidable). File order wraps where the stream
-ends (the same tail every epoch: ending early would drop it for good); it repeats no window within
-a batch either. Each :class:`Sample` carries the epoch of its source it was drawn in.
+left than the batch takes from it starts its next epoch first. Shuffled, the few windows skipped
+come back in later permutations, as at a seq_len change; in file order nothing is skipped: the new
+epoch goes on from the window where the last stopped (so the stream wraps inside an epoch, not
+between two, and no tail is left out for good). Only a source with fewer windows than one batch
+takes from it wraps its epoch inside the batch (a repeat is then unavoidable). A seq_len change
+starts a new epoch in both orders (in file order the read position stays where it was).
+Each :class:`Sample` carries the epoch of its source it was drawn in.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class Sample:
     """One training sequence. ``tokens``: int64 array of shape ``(seq_len + 1,)``; ``start``: token
     offset of the window in its source's train stream (provenance: ``densetrain blame``); ``epoch``:
     the pass over its source the window was drawn in (0-based; the same for every row of a source in
-    a shuffled global batch, so every rank tags its rows alike)."""
+    a global batch, so every rank tags its rows alike)."""
 
     index: int
     source: str
@@ -128,8 +131,8 @@ class MixtureSampler:
     State (``state_dict()``; plain ints, JSON-serialisable):
         ``samples_seen``: global samples drawn so far.
         ``cursor[src]``: file order: token offset of the next window; shuffled: unused (0).
-        ``epoch[src]``: completed passes. ``window[src]`` / ``grid[src]``: shuffled order: windows
-        drawn in the current epoch and the seq_len of its window grid (0: none yet).
+        ``epoch[src]``: completed passes. ``window[src]`` / ``grid[src]``: windows drawn in the
+        current epoch and the seq_len of its window grid (0: none yet).
         ``shuffle_seed``: the order of the draws so far (None: file order; set by the first draw).
         ``stage``: stage the per-stage counts refer to; ``stage_drawn[src]`` / ``stage_total``:
         samples drawn in that stage (the deficit scheduler's memory).
@@ -203,7 +206,7 @@ class MixtureSampler:
             out.append(name)
         return out
 
-    def _end_epochs_before_batch(self, names: list[str], seq_len: int) -> None:
+    def _end_epochs_before_batch(self, names: list[str], seq_len: int, shuffled: bool) -> None:
         """Start the next epoch of each source whose current epoch (on the ``seq_len`` grid) has fewer
         windows left than the coming batch takes from it (module docstring: epochs end at batch boundaries)."""
         st = self.state
@@ -213,29 +216,17 @@ class MixtureSampler:
             if st["grid"][name] == seq_len and 0 < drawn < n_windows and n_windows - drawn < need <= n_windows:
                 st["epoch"][name] += 1
                 st["window"][name] = 0
+                left = (f"{n_windows - drawn} of {n_windows} windows left for later epochs" if shuffled else
+                        f"it goes on from token {st['cursor'][name]}, {n_windows - drawn} windows before its pass "
+                        f"of {n_windows} was done")
                 self.events.append(f"source '{name}' starts epoch {st['epoch'][name]} at sample {st['samples_seen']} "
-                                   f"({n_windows - drawn} of {n_windows} windows left for later epochs: a global batch "
-                                   f"holds no window twice)")
+                                   f"({left}: a global batch holds no window twice and one epoch of a source)")
 
-    def _advance(self, name: str, seq_len: int) -> int:
-        """Reserve the next window of ``name``; return its start offset (tokens)."""
-        stream = self.streams[name]
-        st = self.state
-        if len(stream) < seq_len + 1:
-            raise ValueError(f"source '{name}' has {len(stream)} tokens, fewer than one sequence of {seq_len + 1}")
-        if st["cursor"][name] + seq_len + 1 > len(stream):
-            # Out of data: start the next epoch of this source (upsampling); logged by the loop.
-            st["cursor"][name] = 0
-            st["epoch"][name] += 1
-            self.events.append(f"source '{name}' starts epoch {st['epoch'][name]} at sample {st['samples_seen']}")
-        start = st["cursor"][name]
-        st["cursor"][name] = start + seq_len
-        return start
-
-    def _advance_shuffled(self, name: str, seq_len: int, seed: int) -> int:
-        """Reserve the next window of ``name`` in its epoch's permutation; return its start offset."""
-        stream = self.streams[name]
-        st = self.state
+    def _start_window(self, name: str, seq_len: int) -> None:
+        """Epoch bookkeeping before a window of ``name`` is drawn, in either order: a new ``seq_len`` grid
+        starts a new epoch (one that was under way ends early), and so does a finished pass (every window of
+        the grid drawn: inside a batch only for a source with fewer windows than the batch takes from it)."""
+        stream, st = self.streams[name], self.state
         if len(stream) < seq_len + 1:
             raise ValueError(f"source '{name}' has {len(stream)} tokens, fewer than one sequence of {seq_len + 1}")
         grid = st["grid"][name]
@@ -251,6 +242,22 @@ class MixtureSampler:
             st["epoch"][name] += 1
             st["window"][name] = 0
             self.events.append(f"source '{name}' starts epoch {st['epoch'][name]} at sample {st['samples_seen']}")
+
+    def _advance(self, name: str, seq_len: int) -> int:
+        """Reserve the next window of ``name`` in file order; return its start offset (tokens)."""
+        st = self.state
+        self._start_window(name, seq_len)
+        if st["cursor"][name] + seq_len + 1 > len(self.streams[name]):
+            st["cursor"][name] = 0  # the stream ends: the pass goes on from its front (epochs: _start_window)
+        start = st["cursor"][name]
+        st["cursor"][name] = start + seq_len
+        st["window"][name] += 1
+        return start
+
+    def _advance_shuffled(self, name: str, seq_len: int, seed: int) -> int:
+        """Reserve the next window of ``name`` in its epoch's permutation; return its start offset."""
+        st = self.state
+        self._start_window(name, seq_len)
         perm, offset = self.epoch_order(name, st["epoch"][name], seq_len, seed)
         start = offset + perm(st["window"][name]) * seq_len
         st["window"][name] += 1
@@ -286,8 +293,7 @@ class MixtureSampler:
             st["stage_total"] = 0
         out = []
         keep = range(n) if keep is None else keep
-        if shuffle_seed is not None:
-            self._end_epochs_before_batch(self._batch_sources(n, mix), seq_len)
+        self._end_epochs_before_batch(self._batch_sources(n, mix), seq_len, shuffle_seed is not None)
         for i in range(n):
             name = self._choose(mix)
             if shuffle_seed is None:

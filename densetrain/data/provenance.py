@@ -13,13 +13,14 @@ import numpy as np
 
 from densetrain.data.shards import TokenFiles
 from densetrain.errors import DataError
+from densetrain.fileio import MAX_JSON_BYTES, read_json
 
 
 @lru_cache(maxsize=64)
 def _table(path: str) -> dict:
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        return read_json(Path(path), MAX_JSON_BYTES)  # a regular file; too deep a nesting is a ReadRefused
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: cannot read provenance ({e}); re-run `densetrain prepare`") from None
 
 

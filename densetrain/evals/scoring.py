@@ -14,9 +14,10 @@ separate encoding as in olmo_eval):
   first continuation characters into one token (``encode("de") + encode("f")``, not the ``"def"``
   token). The harness instead encodes ``context + continuation`` jointly and scores the ids after the
   first ``len(encode(context))``, which then need not be the continuation's text. ``n_chars`` /
-  ``n_bytes`` (the per-character / per-byte normalisers) count the continuation string after the
-  move, which is exactly the text its tokens decode to for the lossless tokenizers used here
-  (byte-level BPE, tiktoken);
+  ``n_bytes`` (the per-character / per-byte normalisers: OLMES ``acc_per_char``, ``acc_per_byte``)
+  count the continuation string after the move (``n_chars_choice``, lm-eval-harness' ``acc_norm``
+  normaliser, the same without its leading whitespace), which is exactly the text its tokens decode
+  to for the lossless tokenizers used here (byte-level BPE, tiktoken);
 * every request starts with one *start token*: the tokenizer's BOS when it defines one
   (``bos_id``), else its EOS -- training documents follow an EOS in the shards, so the first real
   token is conditioned as in training. The start token is context, never scored.
@@ -40,11 +41,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from densetrain.evals.stop import StopCheck, stop_point
 from densetrain.parallel import all_reduce_sum, dp_rank_size, even_split, unwrap
 
 __all__ = ["Request", "build_requests", "encode_pair", "eval_mode", "score_requests", "start_token"]
@@ -82,6 +85,8 @@ class Request:
         n_chars: characters of the scored text (per-char normaliser).
         n_bytes: UTF-8 bytes of the scored text (per-byte normaliser).
         n_truncated: ids dropped after the start token to fit ``seq_len_max`` (0 when all fit).
+        n_chars_choice: characters of the scored text without its leading whitespace (lm-eval-harness'
+            ``acc_norm`` normaliser, ``len(choice)``; ``n_chars`` for an all-whitespace text).
     """
 
     tokens: tuple[int, ...]
@@ -89,6 +94,7 @@ class Request:
     n_chars: int
     n_bytes: int
     n_truncated: int = 0
+    n_chars_choice: int = 0
 
     @property
     def n_scored(self) -> int:
@@ -148,7 +154,8 @@ def build_requests(tokenizer, pairs: list[tuple[str, str]], seq_len_max: int = 2
             if extra > n_ctx - 1:  # the head of the continuation went too: normalise by what is scored
                 cont = tokenizer.decode(tokens[1:])
             n_ctx = max(n_ctx - extra, 1)
-        out.append(Request(tuple(tokens), n_ctx, len(cont), len(cont.encode("utf-8")), extra))
+        out.append(Request(tuple(tokens), n_ctx, len(cont), len(cont.encode("utf-8")), extra,
+                           len(cont.lstrip()) or len(cont)))
     return out
 
 
@@ -183,7 +190,9 @@ def score_requests(
     batch_size: int = 32,
     autocast: contextlib.AbstractContextManager | None = None,
     pad_id: int = 0,
+    should_stop: StopCheck = None,
     split: bool = True,
+    progress: Callable[[int], None] | None = None,
 ) -> np.ndarray:
     """Sum of continuation log-probabilities of every request (module docstring: batching, split).
 
@@ -195,8 +204,11 @@ def score_requests(
         batch_size: sequences per forward; peak memory is about ``batch_size * T * V`` logits.
         autocast: optional autocast context for the forward (log-probs are computed in >= fp32).
         pad_id: id written into padding positions (never scored, never attended to by scored ones).
+        should_stop: asked before each forward batch (:mod:`densetrain.evals.stop`).
         split: deal the batches over the data-parallel ranks (all ranks must call together, each
             runs ``ceil(n_batches / dp_size)`` forwards); False scores everything on this process.
+        progress: called after each forward with the number of requests it stands for (this rank's
+            share of the forwards times ``len(requests)``: the calls add up to ``len(requests)``).
 
     Returns:
         (len(requests),) float64, nats (<= 0), the same on every rank. Identical requests get
@@ -204,6 +216,7 @@ def score_requests(
 
     Raises:
         ValueError: batch_size < 1.
+        EvalStopped: ``should_stop()`` said True.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -216,11 +229,17 @@ def score_requests(
     batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
     rank, size = dp_rank_size() if split else (0, 1)
     sums = np.zeros(len(keys), dtype=np.float64)
-    for b in even_split(len(batches), rank, size):
+    mine, reported = even_split(len(batches), rank, size), 0
+    for i, b in enumerate(mine):
         chunk = batches[-1 if b is None else b]  # None: the shortest batch stands in, result discarded
+        stop_point(should_stop)
         ll = _score_batch(model, keys, chunk, device, autocast, pad_id)
         if b is not None:
             sums[chunk] = ll
+        if progress is not None:  # every rank runs as many forwards, so its share of them is the job's
+            now = len(requests) * (i + 1) // len(mine)
+            progress(now - reported)
+            reported = now
     if size > 1:
         sums = all_reduce_sum(torch.from_numpy(sums).to(device)).cpu().numpy()
     return sums[slot]

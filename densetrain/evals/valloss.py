@@ -33,6 +33,7 @@ import torch
 
 from densetrain.data.shards import TokenFiles
 from densetrain.evals.scoring import eval_mode
+from densetrain.evals.stop import StopCheck, stop_point
 from densetrain.loss import token_losses
 from densetrain.model.masks import document_ids
 from densetrain.parallel import all_reduce_sum, dp_rank_size, even_split
@@ -91,6 +92,7 @@ def evaluate_val(
     tokenizer=None,
     eos_id: int | None = None,
     reset_positions: bool = False,
+    should_stop: StopCheck = None,
 ) -> dict[str, dict]:
     """Validation loss of every source: ``{source: {'loss': nats per token, 'tokens': scored tokens}}``,
     plus ``'bytes'`` (UTF-8 bytes of the scored text) and ``'bpb'`` (bits per byte, module
@@ -103,6 +105,10 @@ def evaluate_val(
     is set for the call (:func:`densetrain.evals.scoring.eval_mode`). With ``eos_id`` (a stage with
     document masking) windows are scored as training sees them: attention within documents, and with
     ``reset_positions`` RoPE positions restarting per document (:func:`densetrain.model.masks.document_ids`).
+
+    Raises:
+        EvalStopped: ``should_stop()`` (asked before each forward batch, on every rank at the same batches)
+            said True (:mod:`densetrain.evals.stop`).
     """
     rank, size = dp_rank_size()
     out = {}
@@ -113,6 +119,7 @@ def evaluate_val(
             mine = even_split(n_windows, rank, size)
             loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
             for i in range(0, len(mine), micro_batch_size):
+                stop_point(should_stop)
                 part = mine[i : i + micro_batch_size]
                 # None: window 0 stands in (same forward as the other ranks), its losses are dropped
                 rows = [stream.read((0 if k is None else k) * win, win + 1) for k in part]

@@ -48,12 +48,10 @@ def special_token_ids(tok: Tokenizer) -> dict[str, int | None]:
 
 
 def generation_config_file(tok: Tokenizer) -> bytes:
-    """``generation_config.json``: :func:`special_token_ids`, except that without a BOS an unprompted
-    ``model.generate()`` starts from the EOS, the document separator the model was trained on (with a null
-    BOS it has no start token and fails)."""
-    ids = special_token_ids(tok)
-    ids["bos_token_id"] = tok.eos_id if tok.bos_id is None else tok.bos_id
-    return json_text(ids, indent=2).encode() + b"\n"
+    """``generation_config.json``: :func:`special_token_ids`, the ids ``config.json`` and the tokenizer files
+    name (a BOS of 0 here against none there misled readers). Without a BOS, ``model.generate()`` needs a
+    prompt; the document separator the model was trained on starts one: ``generate(torch.tensor([[eos_id]]))``."""
+    return json_text(special_token_ids(tok), indent=2).encode() + b"\n"
 
 
 def tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, bytes]:

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from densetrain.config import Config, ModelConfig, validate
 from densetrain.errors import DataError
+from densetrain.fileio import ReadRefused, read_json
 from densetrain.hf.mapping import _hf_to_our_name, from_hf_state_dict, rope_scaling_from_hf
 from densetrain.model.llama import Transformer
 
@@ -25,12 +26,14 @@ _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_
 def _read_hf_config(conf_path: Path) -> dict:
     """``config.json`` as a dict. Raises: FileNotFoundError (absent); DataError (unreadable, not JSON,
     not an object), one line naming the file and the line/column."""
-    if not conf_path.is_file():
+    if not conf_path.exists() and not conf_path.is_symlink():  # not a regular file: read_json says what it is
         raise FileNotFoundError(f"{conf_path}: not found; import-hf expects a folder with config.json + *.safetensors")
     try:
-        hc = json.loads(conf_path.read_text(encoding="utf-8"))
+        hc = read_json(conf_path)  # a regular file of at most 16 MiB, nesting Python's parser can follow
     except json.JSONDecodeError as e:
         raise DataError(f"{conf_path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except ReadRefused as e:
+        raise DataError(str(e)) from None
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{conf_path}: cannot read ({e})") from None
     if not isinstance(hc, dict):

@@ -6,7 +6,7 @@ Architecture (Touvron et al. 2023, "LLaMA"; Dubey et al. 2024, "The Llama 3 Herd
     for each layer:
         h = h + attention(attention_norm(h))                       # pre-norm, residual
         h = h + feed_forward(ffn_norm(h))
-    logits = output(norm(h)) * logit_mult                          # (B, T, vocab_size)
+    logits = softcap(output(norm(h)) * logit_mult)                 # (B, T, vocab_size), Transformer.project
 
 No biases anywhere. Parameter names follow torchtitan (``tok_embeddings``, ``layers.{i}.attention.wq``,
 ...), so that DCP checkpoints and the Hugging Face mapping in :mod:`densetrain.hf` stay simple.
@@ -440,9 +440,9 @@ class Transformer(nn.Module):
                 positions: torch.Tensor | None = None, head=None, attend=None):
         """tokens: (B, T) int64 -> logits (B, T, vocab_size).
 
-        With ``head``, a function ``head(project, h)`` of the output projection ``project`` (``h (n,
-        d_model) -> logits (n, vocab_size)``, logit multiplier included) and the final norm's output
-        ``h`` (B, T, d_model), the forward returns what ``head`` returns instead of the logits: the
+        With ``head``, a function ``head(project, h)`` of the model's logits ``project`` (:meth:`project`:
+        ``h (n, d_model) -> logits (n, vocab_size)``, logit multiplier and soft-cap included) and the final
+        norm's output ``h`` (B, T, d_model), the forward returns what ``head`` returns instead of the logits: the
         chunked cross-entropy (:func:`densetrain.loss.chunked_head_losses`) never builds the whole
         logits. It runs inside the forward, where FSDP2 has the head's parameters gathered.
 
@@ -476,10 +476,23 @@ class Transformer(nn.Module):
             return head(self.project, self.norm(h))
         return self.project(self.norm(h))  # (B, T, vocab_size)
 
-    def project(self, h: torch.Tensor) -> torch.Tensor:
-        """Output head: h (..., d_model), the final norm's output -> logits (..., vocab_size), times
-        the μP logit multiplier."""
-        logits = self.output(h)
+    def project(self, h: torch.Tensor, matmul=None) -> torch.Tensor:
+        """The model's logits, the one definition every path uses (the training step, plain, chunked or
+        vocabulary-parallel; validation, task scoring, generation; the HF export folds the same
+        multiplier into ``lm_head``): ``cap * tanh(output(h) * logit_mult / cap)``, the soft-cap only
+        when ``model.logit_softcap > 0``, the μP multiplier only when not 1.
+
+        Args:
+            h: (..., d_model), the final norm's output.
+            matmul: ``h -> h @ output.weight^T`` computed another way (None: ``self.output``, the module
+                call, whose tensor-parallel hooks gather the logits). The vocabulary-parallel
+                cross-entropy (:mod:`densetrain.parallel.loss_parallel`) passes its own, whose logits
+                stay split over the vocabulary (a ``Shard(-1)`` DTensor: the elementwise steps below
+                apply to each slice). A tied head is the same matrix either way (``output.weight`` is
+                ``tok_embeddings.weight``).
+        Returns: logits (..., vocab_size), the dtype of the matmul's result.
+        """
+        logits = self.output(h) if matmul is None else matmul(h)
         if self.logit_mult != 1.0:
             logits = logits * self.logit_mult
         if self.cfg.logit_softcap > 0:  # model.logit_softcap: cap * tanh(logits / cap), Gemma 2's soft-capping

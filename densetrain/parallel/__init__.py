@@ -1,7 +1,8 @@
 """The parallel layer: process group and device mesh, device, data-parallel rank/size, parallelising a
 model (DDP, FSDP2, tensor parallel, activation checkpointing, per-block compile), context parallelism
 (sequences split along time, :mod:`~densetrain.parallel.context`), gradient sync, grad norm and
-clipping, even splits of evaluation work, precision.
+clipping, norms of full tensors in any layout (:mod:`~densetrain.parallel.norms`), even splits of
+evaluation work, precision.
 
 The model code knows nothing of parallelism; this package applies it afterwards (torchtitan's split),
 and the training loop and the evals ask it, never testing for DDP themselves. Under ``torchrun``

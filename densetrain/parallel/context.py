@@ -4,7 +4,14 @@ sec. 3.3.2: K/V are small under GQA, and a gathered K/V supports any mask, docum
 
 Load balance: the sequence of ``T`` tokens is cut into ``2 cp`` chunks of ``T / (2 cp)``; rank ``i``
 holds chunks ``i`` and ``2 cp - 1 - i``, so every rank has one early and one late chunk and the causal
-work (a query attends to the keys before it) is the same on every rank.
+work (a query attends to the keys before it) is the same on every rank. With document masking it is
+not: a query attends only to the keys of its own document, so a rank's work depends on where the
+documents of a row begin (:func:`attention_work`; a row of documents of 4 and 12 tokens at cp 2: 52
+and 36 query-key pairs, not 44 and 44). The split is kept (every row, every rank: the same time
+indices, which the step's token counts and the gathered keys' order rely on); the imbalance this costs
+on real document lengths is measured by ``benchmarks/cp_balance.py`` and stated in docs/distributed.md.
+It matters only where masked-out pairs are skipped (FlexAttention's block mask on CUDA); the CPU path's
+SDPA with a boolean mask computes every ``(T / cp) x T`` pair on every rank.
 
 Per micro-batch the step builds one :class:`ContextParallelAttention` from the rows' host arrays
 (:func:`shard_rows`), and the model calls it in every layer in place of its own attention (the model
@@ -33,6 +40,18 @@ def chunk_index(seq_len: int, rank: int, cp: int) -> np.ndarray:
     c = seq_len // (2 * cp)
     early, late = rank * c, (2 * cp - 1 - rank) * c
     return np.concatenate([np.arange(early, early + c), np.arange(late, late + c)])
+
+
+def attention_work(pos: np.ndarray, rank: int, cp: int) -> np.ndarray:
+    """Query-key pairs rank ``rank``'s queries attend to, per row: ``sum(pos + 1)`` over its tokens
+    (:func:`chunk_index`), a query at position ``p`` of its document seeing ``p + 1`` keys.
+
+    Args:
+        pos: (B, T) int positions of the tokens in their documents
+            (:func:`densetrain.model.masks.document_ids`; ``arange(T)`` per row without a document mask).
+    Returns: (B,) int64.
+    """
+    return (np.asarray(pos)[:, chunk_index(pos.shape[1], rank, cp)] + 1).sum(axis=1, dtype=np.int64)
 
 
 def gathered_index(seq_len: int, cp: int) -> np.ndarray:

@@ -10,6 +10,7 @@ from torch import nn
 
 from densetrain.model.precision import resolve_dtype
 from densetrain.parallel.dist import DistInfo
+from densetrain.parallel.norms import FullNorms, local_part, summed
 
 
 def parallelize(model: nn.Module, info: DistInfo) -> nn.Module:
@@ -50,26 +51,24 @@ def _fsdp_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(model: nn.Module, max_norm: float, extra_group=None) -> torch.Tensor:
     """Clip the gradients of ``model`` to total L2 norm ``max_norm`` (``inf``: measure only); return the
     norm of the *full* gradient before clipping as a 0-d tensor, identical on every rank.
 
-    Plain tensors (single process; DDP after its all-reduce) go through ``torch.nn.utils.clip_grad_norm_``
-    (the golden trajectory's arithmetic). With DTensor gradients (FSDP2 shards, tensor-parallel slices)
-    each gradient's norm is reduced over its mesh (``full_tensor`` of the DTensor norm: the shards'
-    squares summed; a replicated one counted once), then combined as torch does: the L2 norm of the
-    per-parameter norms, clip coefficient ``min(1, max_norm / (norm + 1e-6))``.
+    Plain tensors (single process; DDP after its all-reduce, every rank holding the whole gradient) go
+    through ``torch.nn.utils.clip_grad_norm_`` (the golden trajectory's arithmetic). With DTensor
+    gradients (FSDP2 / HSDP shards, tensor-parallel slices), or with ``extra_group`` (the pipeline
+    stages, each holding other parameters: :class:`densetrain.parallel.norms.FullNorms`), the local sums
+    of squares are reduced with one all-reduce, each shard counted once, then clipped as torch does:
+    coefficient ``min(1, max_norm / (norm + 1e-6))``.
     """
-    from torch.distributed.tensor import DTensor
-
     params = [p for p in model.parameters() if p.grad is not None]
-    if not any(isinstance(p.grad, DTensor) for p in params):
+    if extra_group is None and not any(hasattr(p.grad, "to_local") for p in params):
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    norms = []
-    for p in params:
-        n = torch.linalg.vector_norm(p.grad, 2, dtype=torch.float32)
-        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
-    total = torch.linalg.vector_norm(torch.stack(norms), 2)
+    # The gradients' own placements, not the parameters': under tensor parallelism the row-wise
+    # embedding's gradient is Replicate (every rank holds all of it) while its weight is Shard(0).
+    grads = [summed(p.grad) for p in params]
+    total = FullNorms(grads, extra_group=extra_group).norms([local_part(g) for g in grads])[0, 0].float()
     if max_norm != float("inf"):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for p in params:

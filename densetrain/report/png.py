@@ -1,20 +1,23 @@
 """``report.png``: the run on one static page (matplotlib, no display needed), nine panels in a 3 x 3
 grid: train loss (stage bands, validation points, the points on each side of a stage switch, the
 unigram baseline, event markers), validation loss and bits per byte per source, lr, grad_norm,
-tokens/s and MFU per rank, memory, downstream headline scores.
+tokens/s and MFU per rank, memory, downstream headline scores (bits per byte on axes of their own).
 """
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from densetrain.fileio import atomic_write_bytes
 from densetrain.report.run import (
     PALETTE,
     STAGE_FILLS,
     RunData,
     event_color,
+    headline_keys,
     keys,
     loss_at,
     per_rank,
@@ -63,17 +66,24 @@ def write_png(data: RunData, out: Path) -> Path:
             name = k[len("mem/"):] + ("" if label == "all ranks" else f" {label}")
             _line(mem_ax, pts, name, PALETTE[(i + j) % len(PALETTE)], marker=".")
     _finish(mem_ax, "memory (GiB)", bool(mem))
-    heads = keys(data.evals + data.final_evals + data.checkpoint_evals, "eval/", "/headline")
-    for i, k in enumerate(heads):
-        color = PALETTE[i % len(PALETTE)]
-        _line(ds_ax, points(data.evals, k), source_name(k), color, marker="o")
-        for recs, marker, ms in ((data.final_evals, "*", 11), (data.checkpoint_evals, "D", 7)):
-            pts = points(recs, k)
-            if pts:
-                ds_ax.plot(*zip(*pts), ls="none", marker=marker, ms=ms, color=color)
-    _finish(ds_ax, "downstream headline (star: final eval, diamond: densetrain eval)", bool(heads))
+    scores, bpb = headline_keys(data.evals + data.final_evals + data.checkpoint_evals)
+    panels = [ds_ax]
+    if scores and bpb:  # bits per byte (lower better, unbounded) never share the scores' axis: split the cell
+        cell = ds_ax.get_subplotspec().subgridspec(2, 1, hspace=0.7)
+        ds_ax.remove()
+        panels = [fig.add_subplot(cell[0]), fig.add_subplot(cell[1])]
+    groups = [(ks, title) for ks, title in ((scores, "downstream score"), (bpb, "downstream bits per byte")) if ks]
+    for ax, (heads, title) in zip(panels, groups or [([], "downstream headline")]):
+        for i, k in enumerate(heads):
+            color = PALETTE[i % len(PALETTE)]
+            _line(ax, points(data.evals, k), source_name(k), color, marker="o")
+            for recs, marker, ms in ((data.final_evals, "*", 11), (data.checkpoint_evals, "D", 7)):
+                pts = points(recs, k)
+                if pts:
+                    ax.plot(*zip(*pts), ls="none", marker=marker, ms=ms, color=color)
+        _finish(ax, f"{title} (star: final eval, diamond: densetrain eval)", bool(heads))
 
-    for ax in axes.flat:
+    for ax in [*(a for a in axes.flat if a is not ds_ax), *panels]:
         for i, sp in enumerate(data.spans):
             ax.axvspan(sp.first - 0.5, sp.last + 0.5, color=STAGE_FILLS[i % len(STAGE_FILLS)], zorder=0, lw=0)
         ax.set_xlim(*step_range(data))
@@ -84,7 +94,9 @@ def write_png(data: RunData, out: Path) -> Path:
                     ha="left", fontsize=8, color="0.3")
     fig.suptitle(f"densetrain run: {data.run_dir}")
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    atomic_write_bytes(out, buf.getvalue())  # a killed report leaves the old image, never half of one
     return out
 
 

@@ -196,6 +196,17 @@ def keys(records: list[dict], prefix: str, suffix: str = "") -> list[str]:
     return sorted({k for r in records for k in r if k.startswith(prefix) and k.endswith(suffix)})
 
 
+def headline_keys(records: list[dict]) -> tuple[list[str], list[str]]:
+    """The ``eval/<task>/headline`` names of ``records``, split by unit: ``(scores, bits_per_byte)``. Scores
+    are fractions in [0, 1], higher better (``acc``, ``acc_norm``, ``exact_match``, ``pass_at_1``); a task
+    whose headline is bits per byte (``gsm8k_bpb``, ``humaneval_bpb``: the headline equals its ``bpb`` and it
+    has no ``acc``) is lower-better and unbounded, so the two never share an axis."""
+    bpb = {k for r in records for k in r if k.startswith("eval/") and k.endswith("/headline")
+           and r.get(k[:-len("headline")] + "bpb") == r[k] and k[:-len("headline")] + "acc" not in r}
+    heads = keys(records, "eval/", "/headline")
+    return [k for k in heads if k not in bpb], [k for k in heads if k in bpb]
+
+
 def per_rank(data: RunData, key: str) -> dict[str, Points]:
     """``key`` per rank: from the ``kind="perf"`` records that carry a ``rank`` (one series each,
     ``"rank N"``), else the train records (``"all ranks"``: a single-rank run, or the global number)."""

@@ -6,18 +6,26 @@ re-drawn from the newest checkpoint before it (its sampler state), replaying the
 including the data that rollbacks skipped (from ``events.jsonl``). Each window is then mapped to
 documents through the shard index and ``provenance.json``. The replay checks itself against the
 record's ``sample_index`` and fails loudly when they disagree.
+
+The shards must be those the step was trained on: every checkpoint records a fingerprint of the train
+shards (``trainer_state.json`` ``data``: names, sizes, modification times), and the one saved after the
+step (else the one before it) must match the shards there now; after a re-prepare blame refuses in one
+line instead of naming other documents. The rollback events replayed are checked too (types, and bounds:
+``from_step`` within ``train.steps``, skipped samples within the step's ``sample_index``), so a crafted
+``events.jsonl`` cannot make the replay loop for ever or trace back.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from densetrain.checkpoint import list_complete, read_trainer_state
 from densetrain.config import load_config
 from densetrain.data.mixture import MixtureSampler
 from densetrain.data.provenance import window_documents
-from densetrain.data.streams import open_streams
-from densetrain.dcp_read import read_metadata
+from densetrain.data.streams import data_fingerprint, open_streams
+from densetrain.dcp_read import read_metadata, verify_checkpoint
 from densetrain.errors import DataError
 from densetrain.metrics import read_events, read_metrics
 from densetrain.schedule import resolve_stages, stage_at
@@ -54,17 +62,23 @@ def blame(run_dir: str | Path, step: int) -> dict:
     for s, path in list_complete(run_dir):
         if s <= index:
             start, base = s, path
+    _check_shards(run_dir, step, streams)
     if base is not None:
         # Only the JSON sampler state is used, but a checkpoint holding a crafted .metadata is refused as by
-        # every reader of checkpoints (the trust rule; one line naming the file).
+        # every reader of checkpoints (the trust rule; one line naming the file), a damaged one too.
+        verify_checkpoint(base, names=[".metadata"])
         read_metadata(base)
-        sampler.load_state_dict(read_trainer_state(base)["sampler"])
+        saved = read_trainer_state(base).get("sampler")
+        try:
+            if saved is None:
+                raise KeyError("missing")
+            sampler.load_state_dict(saved)
+        except (ValueError, TypeError, KeyError) as e:
+            raise DataError(f"{base}/trainer_state.json: sampler: {e} (expected the sampler state of this "
+                            "run's sources)") from None
     # Rollbacks to that checkpoint: the steps they undid drew data too (the data they skip), and a
     # manual rollback may skip batches; replayed in the order they happened.
-    for e in read_events(run_dir):
-        v = e.get("values", {})
-        if e.get("kind") != "rollback" or e.get("step") != start or start > index:
-            continue
+    for e, v in _rollback_events(run_dir, start, index, cfg.train.steps, record):
         if e.get("action") == "rollback":
             for s in range(start, v["from_step"]):
                 _draw(sampler, stages, s, keep=range(0))
@@ -84,6 +98,65 @@ def blame(run_dir: str | Path, step: int) -> dict:
         out.append({"index": smp.index, "source": smp.source, "start": smp.start, "tokens": smp.tokens.tolist(),
                     "documents": docs})
     return {"step": step, "stage": st.name, "sample_index": first, "samples": out}
+
+
+def _check_shards(run_dir: Path, step: int, streams) -> None:
+    """The train shards now are those step ``step`` was trained on: the data fingerprint recorded by the
+    first checkpoint saved at or after it (its process trained the step), else by the newest before it.
+
+    Raises:
+        DataError: they differ (re-prepared, or copied without keeping modification times).
+    """
+    done = list_complete(run_dir)
+    after = [(s, p) for s, p in done if s >= step]
+    s, path = (after[0] if after else done[-1]) if done else (None, None)
+    if path is None:
+        print(f"densetrain: note: {run_dir} has no checkpoint recording its train shards; blame cannot check that "
+              f"they are still the ones step {step} was trained on", file=sys.stderr)
+        return
+    recorded = read_trainer_state(path).get("data", {})
+    now = data_fingerprint(streams)
+    changed = sorted(k for k in set(recorded) | set(now) if recorded.get(k) != now.get(k))
+    if changed:
+        raise DataError(f"{run_dir}: the train shards of {changed} differ from those step {step} was trained on "
+                        f"(recorded in {path.name}): re-prepared since? blame would name other documents; "
+                        "blame with the shards the run used")
+
+
+def _rollback_events(run_dir: Path, start: int, index: int, max_step: int, record: dict) -> list[tuple[dict, dict]]:
+    """The rollback events of ``events.jsonl`` that returned to checkpoint ``start`` (only when ``start`` <=
+    ``index``), each with its values, checked: ``rollback`` has an integer ``from_step`` in
+    ``start + 1 .. max_step`` (``train.steps``); ``skip_data`` has ``skipped_samples`` ``[a, b]``, integers
+    with ``0 <= a <= b <=`` the record's ``sample_index`` (the samples seen before the step).
+
+    Raises:
+        DataError: one line naming events.jsonl, the event's step and the key.
+    """
+    if start > index:
+        return []
+    out, limit = [], record.get("sample_index")
+    for e in read_events(run_dir):
+        if not isinstance(e, dict) or e.get("kind") != "rollback" or e.get("step") != start:
+            continue
+        v = e.get("values", {})
+        where = f"{run_dir}/events.jsonl: rollback event at step {start}"
+        if not isinstance(v, dict):
+            raise DataError(f"{where}: values: expected an object")
+        if e.get("action") == "rollback":
+            f = v.get("from_step")
+            if type(f) is not int or not start < f <= max_step:
+                raise DataError(f"{where}: from_step: expected an integer in {start + 1}..{max_step} (train.steps), "
+                                f"got {str(f)[:40]}")
+        elif e.get("action") == "skip_data":
+            sk = v.get("skipped_samples")
+            if not (isinstance(sk, list) and len(sk) == 2 and all(type(x) is int for x in sk)
+                    and type(limit) is int and 0 <= sk[0] <= sk[1] <= limit):
+                raise DataError(f"{where}: skipped_samples: expected [first, last] integers with 0 <= first <= "
+                                f"last <= {limit} (the step's sample_index), got {str(sk)[:60]}")
+        else:
+            continue
+        out.append((e, v))
+    return out
 
 
 def format_blame(res: dict) -> str:

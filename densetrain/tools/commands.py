@@ -108,8 +108,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Print the Chinchilla plan (one of --flops/--params/--tokens/--hours), or, with ``--gpus``, the
     memory and layout plan of a preset / config (``--params N --tokens D`` may replace its size and
     length); ``--json`` prints the result as JSON."""
+    from densetrain.tools.ladder.command import plan_prediction
     from densetrain.tools.plan import format_plan, plan
 
+    if (code := plan_prediction(args)) is not None:  # --ladder (or eval.ladder): the run's predicted loss
+        return code
     if args.gpus is not None or args.preset or args.config:
         return _layout_plan(args)
     if getattr(args, "overrides", None):
@@ -122,7 +125,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         res = plan(
             flops=args.flops, params=args.params, tokens=args.tokens, hours=args.hours,
             tokens_per_sec=args.tokens_per_sec, peak_flops=args.peak_flops, mfu=args.mfu,
-            tokens_per_param=args.tokens_per_param,
+            tokens_per_param=args.tokens_per_param, gpu_peak_flops=args.gpu_peak_flops,
+            gpu_hour_price=args.gpu_hour_price,
         )
     except ValueError as e:
         return _error(str(e))
@@ -133,7 +137,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _layout_plan(args: argparse.Namespace) -> int:
     from densetrain.config import load_config
     from densetrain.errors import ConfigError
-    from densetrain.tools.plan import format_layout_plan, layout_plan, nearest_preset
+    from densetrain.tools.plan import format_layout_plan, gpu_cost, layout_plan, nearest_preset
 
     if args.gpus is None or args.gpu_memory_gib is None:
         return _error("the memory plan needs --gpus and --gpu-memory-gib")
@@ -150,6 +154,7 @@ def _layout_plan(args: argparse.Namespace) -> int:
         cfg = load_config(preset=preset, path=args.config, overrides=getattr(args, "overrides", []))
         res = layout_plan(cfg, args.gpus, args.gpu_memory_gib, gpu_peak_flops=args.gpu_peak_flops, mfu=args.mfu,
                           tokens=args.tokens, params=args.params, gpus_per_node=args.gpus_per_node)
+        res["cost"] = gpu_cost(args.gpus * res["seconds"] / 3600.0, args.gpu_hour_price)
     except (ValueError, ConfigError) as e:
         return _error(str(e))
     if args.json:
@@ -242,9 +247,15 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", type=int, help="memory plan: number of GPUs")
     p.add_argument("--gpu-memory-gib", type=float, help="memory plan: memory per GPU, GiB")
     p.add_argument("--gpu-peak-flops", type=float, default=989e12,
-                   help="memory plan: peak FLOP/s per GPU (default %(default)g, H100 SXM dense bf16)")
+                   help="peak FLOP/s per GPU, for the memory plan's time and every plan's GPU-hours (default "
+                        "%(default)g, H100 SXM dense bf16)")
+    p.add_argument("--gpu-hour-price", type=float,
+                   help="USD per GPU-hour: the plan prints the cost (GPU-hours at --mfu of --gpu-peak-flops, or "
+                        "GPUs x wall time)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="memory plan: tensor parallel stays within a node "
                    "(default %(default)s)")
     p.add_argument("--all-layouts", action="store_true", help="memory plan: list every layout")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
+    p.add_argument("--ladder", help="a fitted ladder directory (densetrain ladder fit): print the predicted final "
+                   "val loss and bpb of the --preset/--config run (also when its eval.ladder is set, without --gpus)")
     p.set_defaults(func=cmd_plan)

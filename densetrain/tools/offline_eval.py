@@ -5,13 +5,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from densetrain.checkpoint import latest_checkpoint, load_checkpoint
+from densetrain.checkpoint import latest_checkpoint, leased_checkpoint, load_checkpoint
 from densetrain.config import Config
 from densetrain.data.streams import open_streams
 from densetrain.data.tokenizer import load_tokenizer
 from densetrain.evals.downstream import downstream_metrics
 from densetrain.evals.valloss import evaluate_val, val_table
-from densetrain.fileio import atomic_write_json
+from densetrain.fileio import atomic_write_json, sweep_stale_temps
 from densetrain.model.init import build_model
 from densetrain.parallel import autocast_for, init_distributed
 from densetrain.schedule import resolve_stages, stage_at
@@ -61,10 +61,13 @@ def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0
         FileNotFoundError: no complete checkpoint at ``path``.
     """
 
-    path = find_checkpoint(path)
+    given, path = Path(path), find_checkpoint(path)
     info = init_distributed(cfg.train.device)
     model = build_model(cfg.model, cfg.train.seed, info.device)
-    state = load_checkpoint(path, model, None)
+    # A read lease: the retention of a run still training keeps the checkpoint until it is loaded (a run
+    # directory's newest, deleted before the lease: the newest then, said out loud).
+    with leased_checkpoint(path, None if (given / "COMPLETE").exists() else given) as path:
+        state = load_checkpoint(path, model, None)
     st = stage_at(max(state["step"] - 1, 0), resolve_stages(cfg))
     model.set_rope(st.rope_theta, st.rope_scaling)
     tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
@@ -86,5 +89,6 @@ def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0
             print(line, file=sys.stderr, flush=True)
         out = eval_path(path)
         out.parent.mkdir(exist_ok=True)
+        sweep_stale_temps(out.parent)  # what killed evaluations left (.step_N.json.tmpPID of a dead PID)
         atomic_write_json(out, result)
     return result

@@ -1,6 +1,7 @@
 """``densetrain replay RUN STEP``: was a spike caused by the data or by the machine?
 
-The step is recomputed from the run's newest checkpoint before it, in one process: the checkpoint's
+The step is recomputed from the run's newest checkpoint before it, in one process (whatever layout the run
+had: FSDP2, tensor or context parallel checkpoints are resharded on load): the checkpoint's
 model, optimizer, RNG and sampler state are loaded (without one, the seeded initial weights, which
 are those of a single process on any layout), the updates between it and ``STEP`` are applied
 again (skipping those the run skipped, and the data its rollbacks skipped, as ``densetrain blame``
@@ -20,12 +21,17 @@ also carries every rank's own part of them, else the train record):
 The verdict is printed and appended to ``RUN_DIR/events_replay.jsonl`` (kind ``replay``), which every
 reader of the run's events merges with ``events.jsonl`` (a replay may run while training still writes
 there). Runs made without ``train.dtype = fp32`` replay within their autocast noise only.
+
+A step that was non-finite and is non-finite again is reproduced (data or recipe, not the machine). What cannot be
+replayed is said in one line: a step without its record, or a record without the numbers compared, a
+checkpoint without the sampler state (an older densetrain), a negative or non-finite ``rtol``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import os
 import sys
@@ -36,11 +42,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from densetrain.checkpoint import list_complete
+from densetrain.checkpoint import CheckpointError, list_complete, read_trainer_state
 from densetrain.config import load_config
 from densetrain.config.recovery import MACHINE_FAULTS
 from densetrain.data.provenance import window_documents
-from densetrain.errors import DataError
+from densetrain.errors import ConfigError, DataError
 from densetrain.fileio import json_text
 from densetrain.loss import IGNORE_INDEX, token_losses
 from densetrain.metrics import read_events, read_metrics
@@ -64,45 +70,67 @@ def close(a: float | None, b: float | None, rtol: float) -> bool:
     return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-12)
 
 
+def _number(x) -> float | None:
+    """A logged number: a float (a non-finite one is ``null`` in strict JSON, read back as None), else None."""
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _finite(x) -> bool:
+    return _number(x) is not None and math.isfinite(x)
+
+
 def _logged(run_dir: Path, cfg, step: int) -> tuple[dict, dict | None]:
     """(``{"loss", "grad_norm", "sample_index", "median"}`` logged for ``step``, the guard's event or None).
+    ``median``: the guard's (its event's), else that of the finite train losses of the ``guard.window`` steps
+    before (skipped steps' losses are ``null`` and left out), None without any.
 
     Raises:
-        DataError: neither a guard event nor a train record for ``step``.
+        DataError: neither a guard event nor a train record for ``step``, or one without the numbers a replay
+            compares (a run written by an older densetrain).
     """
     events = [e for e in read_events(run_dir) if e.get("kind") in SPIKE_KINDS and e.get("step") == step - 1
               and e.get("rank", 0) == 0]
     records = [r for r in read_metrics(run_dir) if r.get("kind") == "train"]
+    window = [r["loss"] for r in records if isinstance(r.get("step"), int)
+              and step - cfg.guard.window <= r["step"] < step and _finite(r.get("loss"))]
+    median = float(np.median(window)) if window else None
     spike = events[-1] if events else None
     if spike:
-        v = spike["values"]
-        return {"loss": v["loss"], "grad_norm": v["grad_norm"], "sample_index": v["sample_index"],
-                "median": v.get("median")}, spike
-    rec = next((r for r in records if r["step"] == step), None)
-    if rec is None:
-        raise DataError(f"{run_dir}: no guard event and no train record for step {step}")
-    window = [r["loss"] for r in records if step - cfg.guard.window <= r["step"] < step and math.isfinite(r["loss"])]
-    return {"loss": rec["loss"], "grad_norm": rec["grad_norm"], "sample_index": rec["sample_index"],
-            "median": float(np.median(window)) if window else None}, None
+        src, where = spike.get("values", {}), f"{run_dir}/events.jsonl: the {spike['kind']} event of step {step}"
+    else:
+        src = next((r for r in records if r.get("step") == step), None)
+        if src is None:
+            raise DataError(f"{run_dir}: no guard event and no train record for step {step}")
+        where = f"{run_dir}/metrics.jsonl: the train record of step {step}"
+    if not isinstance(src.get("sample_index"), int) or not {"loss", "grad_norm"} <= set(src):
+        raise DataError(f"{where} has no loss, grad_norm and sample_index (a run of an older densetrain?): "
+                        "the step cannot be replayed")
+    # A non-finite number is null in the files: None, as close() takes it.
+    logged = {"loss": _number(src["loss"]), "grad_norm": _number(src["grad_norm"]),
+              "sample_index": src["sample_index"],
+              "median": _number(src.get("median")) if _number(src.get("median")) is not None else median}
+    return logged, spike
 
 
 def _original_path(run_dir: Path, start: int, index: int, spike: dict | None) -> tuple[list[dict], set[int]]:
     """What the run did between checkpoint ``start`` and update ``index`` (before the spike event, when
     there is one): the rollback events to ``start`` (whose skipped data must be skipped again) and the
     updates it skipped."""
-    until = spike["time"] if spike else math.inf
+    until = spike.get("time", math.inf) if spike else math.inf
     events = [e for e in read_events(run_dir) if e.get("time", 0) < until]
     rollbacks = [e for e in events if e.get("kind") == "rollback" and e.get("step") == start]
-    since = rollbacks[-1]["time"] if rollbacks else -math.inf
+    since = rollbacks[-1].get("time", -math.inf) if rollbacks else -math.inf
     skipped = {e["step"] for e in events if e.get("kind") in SPIKE_KINDS and e.get("action") == "skip"
                and start <= e["step"] < index and e.get("time", 0) > since and e.get("rank", 0) == 0}
     return rollbacks, skipped
 
 
 def _replay_config(cfg, tmp: Path):
-    """The run's config for a quiet one-process replay in ``tmp``: no device faults, no other watchers."""
+    """The run's config for a quiet one-process replay in ``tmp``: no device faults, no other watchers, and
+    one process whatever layout the run had (its checkpoint is resharded on load by DCP)."""
     rc = copy.deepcopy(cfg)
     rc.train.run_dir = str(tmp)
+    rc.parallel = dataclasses.replace(cfg.parallel, dp_replicate=1, dp_shard=1, tp=1, cp=1, sequence_parallel=False)
     rc.faults = [f for f in cfg.faults if f.kind not in MACHINE_FAULTS]
     rc.guard.replica_every = rc.guard.update_every = 0
     rc.guard.replay = False
@@ -121,7 +149,7 @@ def _row_losses(run, stage, samples) -> torch.Tensor:
                                                 stage.reset_positions):
             with run.autocast or contextlib.nullcontext():
                 logits = run.model(x, **more)
-            out.append(token_losses(logits, y).float().cpu() * (y != IGNORE_INDEX).cpu())
+            out.append(torch.where(y != IGNORE_INDEX, token_losses(logits, y), 0.0).float().cpu())  # select, not * mask
     return torch.cat(out)
 
 
@@ -152,11 +180,15 @@ def document_losses(run, samples, losses: torch.Tensor, median: float) -> list[d
 
 def carriers(docs: list[dict], share: float = SHARE, limit: int = 20) -> list[dict]:
     """The fewest documents (at most ``limit``), largest excess first, whose positive excess loss adds up
-    to ``share`` of the batch's; each with its ``share``."""
-    total = sum(d["excess"] for d in docs if d["excess"] > 0)
+    to ``share`` of the batch's; each with its ``share``. When some documents' loss is non-finite (a
+    non-finite step), those documents, with ``share`` None: they carry all of it."""
+    bad = [d for d in docs if not math.isfinite(d["loss"])]
+    if bad:
+        return [{**d, "share": None} for d in bad[:limit]]
+    total = sum(d["excess"] for d in docs if math.isfinite(d["excess"]) and d["excess"] > 0)
     out, acc = [], 0.0
     for d in docs:
-        if d["excess"] <= 0 or len(out) >= limit or (out and acc >= share * total):
+        if not total or not d["excess"] > 0 or len(out) >= limit or (out and acc >= share * total):
             break
         acc += d["excess"]
         out.append({**d, "share": d["excess"] / total})
@@ -164,18 +196,60 @@ def carriers(docs: list[dict], share: float = SHARE, limit: int = 20) -> list[di
 
 
 def compare_ranks(partials: list[dict], row_losses: np.ndarray, grad_norm: float, batch_size: int,
-                  rtol: float) -> list[dict]:
-    """Each rank's logged local loss sum (its rows of the batch) and gradient norm against the replay's."""
+                  rtol: float, loss_sum: float | None = None) -> list[dict]:
+    """Each rank's logged local loss sum (its rows of the batch) and gradient norm against the replay's.
+
+    ``row_losses``: (batch_size,) loss sums of the replayed rows (a plain forward); ``loss_sum``: the replayed
+    step's own loss sum over the batch, after the data faults the replay re-creates (``loss_spike`` scales the
+    step's loss after the forward): each rank's rows get their share of it, so a re-created fault does not look
+    like a rank's error. A non-finite replayed sum gives non-finite shares, which agree with non-finite logs."""
     dp_size = max(p["dp_rank"] for p in partials) + 1
     per = batch_size // dp_size
+    total = float(row_losses.sum())
+    scale = loss_sum / total if loss_sum is not None and total else 1.0
     out = []
     for p in partials:
-        mine = float(row_losses[p["dp_rank"] * per:(p["dp_rank"] + 1) * per].sum())
+        mine = float(row_losses[p["dp_rank"] * per:(p["dp_rank"] + 1) * per].sum()) * scale
         loss_ok, grad_ok = close(p["loss_sum"], mine, rtol), close(p["grad_norm"], grad_norm, rtol)
         out.append({"rank": p["rank"], "dp_rank": p["dp_rank"], "loss_sum": p["loss_sum"], "replayed_loss_sum": mine,
                     "grad_norm": p["grad_norm"], "replayed_grad_norm": grad_norm,
                     "differs": [k for k, ok in (("loss", loss_ok), ("grad_norm", grad_ok)) if not ok]})
     return out
+
+
+def check_arguments(run_dir: Path, step: int, rtol: float) -> None:
+    """The arguments of :func:`replay` make sense: ``rtol`` finite and >= 0, ``step`` >= 1.
+
+    Raises:
+        ConfigError: one line naming the bad value.
+    """
+    if not (isinstance(rtol, (int, float)) and math.isfinite(rtol) and rtol >= 0):
+        raise ConfigError(f"--rtol {rtol}: expected a finite relative tolerance >= 0 (e.g. 1e-3)")
+    if step < 1:
+        raise ConfigError(f"step {step}: expected a step >= 1 as in {run_dir}/metrics.jsonl (the STEP-th update)")
+
+
+def replay_start(run_dir: Path, index: int) -> tuple[int, Path | None]:
+    """(step, path) of the newest complete checkpoint at or before update ``index`` (``(0, None)``: none, the
+    seeded initial weights).
+
+    Raises:
+        DataError: that checkpoint's ``trainer_state.json`` lacks the sampler state (written by an older
+            densetrain) or cannot be read: the batches after it cannot be re-drawn.
+    """
+    before = [(s, p) for s, p in list_complete(run_dir) if s <= index]
+    if not before:
+        return 0, None
+    start, ckpt = before[-1]
+    try:
+        state = read_trainer_state(ckpt)
+    except CheckpointError as e:
+        raise DataError(f"{e}: step {index + 1} cannot be replayed from it") from None
+    if not isinstance(state, dict) or not isinstance(state.get("sampler"), dict) or not isinstance(
+            state.get("step"), int):
+        raise DataError(f"{ckpt}/trainer_state.json has no sampler state (written by an older densetrain?): the "
+                        f"batches after step {start} cannot be re-drawn, so step {index + 1} cannot be replayed")
+    return start, ckpt
 
 
 def replay(run_dir: str | Path, step: int, rtol: float = 1e-3) -> dict:
@@ -186,14 +260,16 @@ def replay(run_dir: str | Path, step: int, rtol: float = 1e-3) -> dict:
         "reproduced", "verdict": "data" | "machine", "ranks": [per-rank comparison], "suspect_ranks",
         "median", "documents": [carriers of the excess loss] (data), "text"}``.
     Raises:
-        DataError: no record of the step, or the replayed sampler does not reach the recorded batch.
+        ConfigError: ``rtol`` not finite or negative, ``step`` < 1.
+        DataError: no record of the step, or one without the numbers compared; a checkpoint without the sampler
+            state; or the replayed sampler does not reach the recorded batch (one line each).
     """
     run_dir = Path(run_dir)
+    check_arguments(run_dir, step, rtol)
     cfg = load_config(path=run_dir / "config.toml")
     index = step - 1
     logged, spike = _logged(run_dir, cfg, step)
-    before = [(s, p) for s, p in list_complete(run_dir) if s <= index]
-    start, ckpt = before[-1] if before else (0, None)  # none that early: the seeded initial weights
+    start, ckpt = replay_start(run_dir, index)  # none that early: the seeded initial weights
     rollbacks, skipped = _original_path(run_dir, start, index, spike)
     with tempfile.TemporaryDirectory(prefix="densetrain-replay-") as tmp, contextlib.redirect_stdout(sys.stderr):
         if ckpt is not None:
@@ -230,22 +306,35 @@ def replay(run_dir: str | Path, step: int, rtol: float = 1e-3) -> dict:
         median = logged["median"] if logged["median"] is not None else result.loss
         docs = document_losses(run, result.samples, losses, median)
         run.log.close()
-    ranks = compare_ranks(spike["values"]["ranks"], row_sums, result.grad_norm, st.batch_size, rtol) \
-        if spike and spike["values"].get("ranks") else []
+    ranks = compare_ranks(spike["values"]["ranks"], row_sums, result.grad_norm, st.batch_size, rtol,
+                          result.stats.loss_sum) if spike and spike["values"].get("ranks") else []
     differ = [r["rank"] for r in ranks if r["differs"]]
     suspects = differ if len(differ) < len(ranks) else []
-    reproduced = (close(logged["loss"], result.loss, rtol) and close(logged["grad_norm"], result.grad_norm, rtol)
-                  and not differ)
+    same = close(logged["loss"], result.loss, rtol) and close(logged["grad_norm"], result.grad_norm, rtol)
+    # A step that was non-finite and is again, from the same weights and data, reproduced: the data (or the
+    # recipe) made it so; the ranks' parts of a non-finite sum compare nothing more.
+    nonfinite = not (_finite(logged["loss"]) and _finite(logged["grad_norm"]))
+    reproduced = same and (not differ or nonfinite)
     # A reproduced step whose loss is not above the window's median has no excess to blame on documents.
-    excess = logged["loss"] is not None and not (math.isfinite(logged["loss"]) and logged["loss"] <= median)
+    excess = nonfinite or logged["loss"] > median
     verdict = ("data" if excess else "normal") if reproduced else "machine"
+    documents = carriers(docs) if verdict == "data" else []
+    if nonfinite and documents and documents[0]["share"] is not None:
+        documents = []  # finite in a plain forward (e.g. overflowed afterwards): excess over a median means nothing
     out = {"step": step, "index": index, "checkpoint": ckpt.name if ckpt else "the initial weights",
            "logged": {k: logged[k] for k in ("loss", "grad_norm")},
            "replayed": {"loss": result.loss, "grad_norm": result.grad_norm}, "reproduced": reproduced,
            "verdict": verdict, "ranks": ranks, "suspect_ranks": suspects,
-           "median": median, "documents": carriers(docs) if verdict == "data" else [], "rtol": rtol}
+           "median": median, "documents": documents, "rtol": rtol}
     out["text"] = verdict_text(out)
     return out
+
+
+def _doc_words(d: dict) -> str:
+    """``source file:line id=ID (share, loss)`` of one carrier of :func:`carriers`."""
+    where = f"{d['source']} {d['file']}" + (f":{d['line']}" if d["line"] is not None else "")
+    what = "loss non-finite" if d["share"] is None else f"{d['share']:.0%}, loss {d['loss']:.3f}"
+    return f"{where} id={d['doc_id']} ({what})"
 
 
 def verdict_text(v: dict) -> str:
@@ -258,14 +347,18 @@ def verdict_text(v: dict) -> str:
         return (f"{head}: reproduced, and the loss is not above the median {v['median']:.4g} of the guard's "
                 "window: not a spike, no data to blame")
     if v["verdict"] == "data":
-        share = sum(d["share"] for d in v["documents"])
-        docs = "; ".join(f"{d['source']} {d['file']}" + (f":{d['line']}" if d["line"] is not None else "")
-                         + f" id={d['doc_id']} ({d['share']:.0%}, loss "
-                         f"{d['loss']:.3f})" for d in v["documents"][:5])
+        docs = "; ".join(_doc_words(d) for d in v["documents"][:5])
         n = len(v["documents"])
+        more = f" and {n - 5} more" if n > 5 else ""
+        if not n:  # e.g. a non-finite step whose every document scores finite in a plain forward
+            return (f"{head}: reproduced, so the data or the recipe caused it (not the machine); no document "
+                    "stands out: the batch as a whole, or the weights and lr before it")
+        if v["documents"][0]["share"] is None:
+            return (f"{head}: reproduced, so the data caused it (not the machine); {n} document"
+                    f"{'s' if n != 1 else ''} with a non-finite loss: {docs}{more}")
+        share = sum(d["share"] for d in v["documents"])
         return (f"{head}: reproduced, so the data caused it; {n} document{'s carry' if n != 1 else ' carries'} "
-                f"{share:.0%} of the excess loss over the median {v['median']:.4g}: {docs}"
-                + (f" and {len(v['documents']) - 5} more" if len(v["documents"]) > 5 else ""))
+                f"{share:.0%} of the excess loss over the median {v['median']:.4g}: {docs}{more}")
     if v["suspect_ranks"]:
         what = ", ".join(f"rank {r['rank']} ({' and '.join(r['differs'])})" for r in v["ranks"] if r["differs"])
         return (f"{head}: not reproduced, so the machine (or nondeterminism) caused it; the replay differs from "

@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
+import torch
 
 from densetrain.config.recovery import GuardConfig
 from densetrain.errors import TrainError
@@ -85,7 +86,8 @@ class Guard(Watcher):
             if self.streak + 1 < self.max_nonfinite:
                 return Verdict.SKIP
             result.rollback_before = self.streak_start if self.streak else result.index
-            return self._rollback_or_stop(result, f"{self.streak + 1} consecutive non-finite steps")
+            return self._rollback_or_stop(result, f"{self.streak + 1} consecutive non-finite steps",
+                                          weights=_nonfinite_weight(run))
         spike, _, _ = self._spike(result.loss)
         if not spike:
             return Verdict.APPLY
@@ -95,9 +97,14 @@ class Guard(Watcher):
         result.rollback_before = recent[0]
         return self._rollback_or_stop(result, f"{len(recent)} loss spikes within {self.cfg.window} steps", stop=False)
 
-    def _rollback_or_stop(self, result, why: str, stop: bool = True) -> Verdict:
+    def _rollback_or_stop(self, result, why: str, stop: bool = True, weights: str = "") -> Verdict:
+        """``weights``: the name of a non-finite weight of this rank ('' when all are finite)."""
         if self.cfg.rollback and self.rollbacks < self.cfg.max_rollbacks:
             return Verdict.ROLLBACK
+        if stop and weights:  # skipped steps never write a non-finite update: the weights came so (a load, memory)
+            raise TrainError(f"{why} (last at step {result.index}): the weights themselves are not finite "
+                             f"({weights}), so every step is; not an lr problem: check the checkpoint resumed or "
+                             "rolled back to, and the machine's memory")
         if stop:
             raise TrainError(f"{why} (last at step {result.index}): the weights or the lr are broken; "
                              + ("rollbacks are off (guard.rollback = false); " if not self.cfg.rollback else
@@ -144,3 +151,12 @@ class Guard(Watcher):
     def load_state_dict(self, d: dict) -> None:
         self.history.extend(d.get("history", []))
         self.spikes = list(d.get("spikes", []))
+
+
+def _nonfinite_weight(run) -> str:
+    """Name of the first parameter of ``run.model`` with a non-finite value in this rank's part ('' if none)."""
+    for name, p in run.model.named_parameters():
+        t = p.to_local() if hasattr(p, "to_local") else p
+        if not bool(torch.isfinite(t.detach()).all()):
+            return name
+    return ""

@@ -5,7 +5,8 @@
 
 and the explicit calls it makes are the functions below it. Setup lives in :mod:`densetrain.train.setup`,
 the step in :mod:`densetrain.train.step`, the decision point in :mod:`densetrain.train.watchers`. A SIGTERM
-or Ctrl-C stops the run at the next step boundary, checkpointed (:mod:`densetrain.train.preempt`).
+or Ctrl-C stops the run at the next step boundary, or between two batches of an in-loop evaluation (which is
+then abandoned), checkpointed (:mod:`densetrain.train.preempt`).
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ from pathlib import Path
 
 import torch
 
-from densetrain.checkpoint import list_complete, load_checkpoint
+from densetrain.checkpoint import CheckpointCorruptError, list_complete, load_checkpoint
 from densetrain.config import Config
 from densetrain.errors import TrainError
 from densetrain.evals.downstream import downstream_metrics
 from densetrain.evals.position_loss import position_eval
 from densetrain.evals.samples import source_samples
+from densetrain.evals.stop import EvalStopped, StopCheck
 from densetrain.evals.valloss import evaluate_val, val_overall, val_table
 from densetrain.fileio import atomic_write_json
-from densetrain.metrics import flops_per_token, memory_stats, read_metrics
+from densetrain.metrics import flops_per_token, format_rate, memory_stats, read_metrics
 from densetrain.optim import set_lr
 from densetrain.parallel import all_reduce_max
 from densetrain.schedule import Stage, lr_for, stage_at
@@ -73,7 +75,7 @@ def _train(run: Run) -> dict:
             run.checkpointer.poll(run.log)  # completes an async save whose background write has finished
             signum = stop.requested()  # the same answer on every rank (one all-reduce)
             if signum:
-                stop_run(run, signum)  # raises Preempted once the checkpoint is written
+                stop_run(run, signum, noted_at=stop.noted_at)  # raises Preempted once the checkpoint is written
             st = stage_at(run.state.step, run.stages)
             if st != stage:
                 enter_stage(run, st)
@@ -90,14 +92,17 @@ def _train(run: Run) -> dict:
             if verdict == Verdict.ROLLBACK:
                 continue
             log_step(run, result, time.perf_counter() - t0)
-            evaluate(run, st)
+            evaluate(run, st, stop)  # a signal in it: the evaluation is abandoned, the step checkpointed
             run.checkpointer.save_if_due(run.state.step, run.model, run.optimizer, run.state_dict(), result.finite,
                                          run.log)
         signum = stop.requested()  # a signal during the last step: stop as promised (exit 75), before the
         if signum:                 # final evaluations, which the --resume of a complete run then does
-            stop_run(run, signum)
+            stop_run(run, signum, noted_at=stop.noted_at)
         stop.restore()  # the final evaluations can be interrupted: --resume then completes them
         return finish(run, stage)
+    except BaseException:
+        run.checkpointer.abandon_pending()  # an error with an async save in flight leaves no step_N.tmp
+        raise
     finally:
         stop.restore()
         for w in run.watchers:
@@ -143,8 +148,12 @@ def rollback(run: Run, result: StepResult) -> None:
     sampler left where it is, so the data that led to the trouble is skipped; the metrics past the
     checkpoint are rewritten, the event says what was skipped.
 
+    A checkpoint that fails verification (its files differ from the save) or holds non-finite weights is
+    never rolled back to: it is passed over, said in an event, for the next older one.
+
     Raises:
-        TrainError: no checkpoint that old.
+        TrainError: no checkpoint that old; CheckpointCorruptError: none that old is intact (the cause is
+            the checkpoints, so no lr advice).
     """
     run.checkpointer.finish_pending(run.log)  # a save in flight is set aside below like any later one
     before = result.rollback_before if result.rollback_before is not None else result.index
@@ -152,9 +161,16 @@ def rollback(run: Run, result: StepResult) -> None:
     if not done:
         raise TrainError(f"step {result.index}: trouble since step {before} and no checkpoint at or before it to "
                          f"roll back to; lower optim.peak_lr or save checkpoints more often (checkpoint.every)")
-    step, path = done[-1]
-    set_aside_future(run.run_dir, step, run.info.is_main)  # and the files made from the steps after it
-    saved = load_checkpoint(path, run.model, run.optimizer)
+    for k, (step, path) in enumerate(reversed(done)):
+        set_aside_future(run.run_dir, step, run.info.is_main)  # and the files made from the steps after it
+        try:
+            saved = load_checkpoint(path, run.model, run.optimizer)
+            break
+        except CheckpointCorruptError as e:
+            if k == len(done) - 1:
+                raise CheckpointCorruptError(f"{e}; no intact checkpoint at or before step {before} to roll back "
+                                             "to") from None
+            run.log.event(step, f"rollback: passed over {path.name} ({e})", kind="rollback", action="pass_over")
     skipped = [saved["sampler"]["samples_seen"], run.sampler.state["samples_seen"]]
     from_step = run.state.step
     run.state.load_state_dict(saved)
@@ -178,7 +194,7 @@ def log_step(run: Run, r: StepResult, seconds: float) -> None:
         metrics["z_loss"] = r.stats.z_loss_sum / max(n, 1)
     for s, (lsum, ntok) in r.stats.per_source.items():
         metrics[f"train/{s}/loss"] = lsum / ntok
-    if step % cfg.logging.mfu_every == 0 or step == 1:
+    if step % cfg.logging.mfu_every == 0 or step == 1 or step == run.last_step:  # the last: no peak goes unsampled
         achieved = flops_per_token(cfg.model, st.seq_len) * n / seconds
         metrics["mfu"] = achieved / (run.peak_flops * run.info.world_size)
         if metrics["mfu"] > 1.0:
@@ -188,7 +204,7 @@ def log_step(run: Run, r: StepResult, seconds: float) -> None:
     if step % cfg.logging.every == 0 or step == run.last_step:
         mfu = f" | mfu {metrics['mfu'] * 100:.1f}%" if "mfu" in metrics else ""
         run.log.console(f"step {step:>5}/{cfg.train.steps} | {st.name:<12} | loss {r.loss:.4f} | lr {r.lr:.2e} | "
-                        f"grad_norm {r.grad_norm:.3f} | {metrics['tokens_per_sec'] / 1e3:.1f}k tok/s{mfu}")
+                        f"grad_norm {r.grad_norm:.3f} | {format_rate(metrics['tokens_per_sec'])}{mfu}")
 
 
 def mfu_above_one(run: Run, step: int, achieved: float) -> float:
@@ -214,46 +230,59 @@ def mfu_above_one(run: Run, step: int, achieved: float) -> float:
     return achieved / run.peak_flops
 
 
-def evaluate(run: Run, st: Stage) -> None:
+def evaluate(run: Run, st: Stage, stop: StopRequest | None = None) -> None:
     """Validation loss/bpb every ``eval.every`` steps and downstream tasks every ``eval.tasks_every``
-    (both also at the last step of the schedule)."""
+    (both also at the last step of the schedule), and the loss by position when due. With ``stop``, each
+    evaluation asks it between forward batches (every rank at the same batches); a signal abandons the
+    evaluation and stops the run with the step checkpointed (:func:`densetrain.train.preempt.stop_run`)."""
     cfg, step = run.cfg, run.state.step
-    if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.train.steps:
-        t0 = time.perf_counter()
-        val = run.last_val = validate(run, st)
-        vm = {f"val/{s}/{k}": v[k] for s, v in {**val, "all": val_overall(val)}.items() for k in ("loss", "bpb")}
-        vm["time/eval_s"] = time.perf_counter() - t0
-        run.eval_seconds += vm["time/eval_s"]
-        run.log.log(step, vm, kind="eval")
-        run.log.console("  val " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in vm.items() if k.endswith("/loss")))
-    pm = position_eval(run.model, cfg, run.stages, run.val_streams, step, run.info.device, run.autocast)
-    if pm:  # loss by position in long documents, before each long stage and at the end
-        run.log.log(step, pm, kind="eval")
-        run.position_loss[pm["position_eval"]] = {k[len("val_pos/"):]: v for k, v in pm.items()
-                                                  if k.startswith("val_pos/")}
-        run.log.console(f"  val by position ({pm['position_eval']}) " + " ".join(
-            f"{k.split('/')[2]} {v:.3f}" for k, v in pm.items() if k.startswith("val_pos/all/") and k.endswith("loss")))
-    if cfg.eval.tasks and ((cfg.eval.tasks_every and step % cfg.eval.tasks_every == 0) or step == cfg.train.steps):
-        t0 = time.perf_counter()
-        dm = run_tasks(run, st, cfg.eval.tasks, cfg.eval.tasks_limit)
-        dm["time/tasks_s"] = time.perf_counter() - t0
-        run.eval_seconds += dm["time/tasks_s"]
-        run.log.log(step, dm, kind="eval")
-        run.log.console("  tasks " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in dm.items()
-                                               if k.endswith("/headline")))
+    should_stop = stop.asked if stop is not None else None
+    what = "validation"
+    try:
+        if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.train.steps:
+            t0 = time.perf_counter()
+            val = run.last_val = validate(run, st, should_stop)
+            vm = {f"val/{s}/{k}": v[k] for s, v in {**val, "all": val_overall(val)}.items() for k in ("loss", "bpb")}
+            vm["time/eval_s"] = time.perf_counter() - t0
+            run.eval_seconds += vm["time/eval_s"]
+            run.log.log(step, vm, kind="eval")
+            run.log.console("  val " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in vm.items()
+                                                if k.endswith("/loss")))
+        what = "loss by position"
+        pm = position_eval(run.model, cfg, run.stages, run.val_streams, step, run.info.device, run.autocast,
+                           should_stop)
+        if pm:  # loss by position in long documents, before each long stage and at the end
+            run.log.log(step, pm, kind="eval")
+            run.position_loss[pm["position_eval"]] = {k[len("val_pos/"):]: v for k, v in pm.items()
+                                                      if k.startswith("val_pos/")}
+            run.log.console(f"  val by position ({pm['position_eval']}) " + " ".join(
+                f"{k.split('/')[2]} {v:.3f}" for k, v in pm.items()
+                if k.startswith("val_pos/all/") and k.endswith("loss")))
+        what = "downstream tasks"
+        if cfg.eval.tasks and ((cfg.eval.tasks_every and step % cfg.eval.tasks_every == 0)
+                               or step == cfg.train.steps):
+            t0 = time.perf_counter()
+            dm = run_tasks(run, st, cfg.eval.tasks, cfg.eval.tasks_limit, should_stop)
+            dm["time/tasks_s"] = time.perf_counter() - t0
+            run.eval_seconds += dm["time/tasks_s"]
+            run.log.log(step, dm, kind="eval")
+            run.log.console("  tasks " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in dm.items()
+                                                   if k.endswith("/headline")))
+    except EvalStopped:  # every rank got the same all-reduced answer at the same batch
+        stop_run(run, stop.agreed, abandoned=what, noted_at=stop.noted_at)
 
 
-def validate(run: Run, st: Stage) -> dict:
+def validate(run: Run, st: Stage, should_stop: StopCheck = None) -> dict:
     """Validation loss (and bpb) per source of the model as it is, with stage ``st``'s sequences."""
     return evaluate_val(run.model, run.val_streams, st.seq_len, st.micro_batch_size, run.cfg.eval.max_batches,
                         run.info.device, run.autocast, run.tokenizer,
-                        run.tokenizer.eos_id if st.document_mask else None, st.reset_positions)
+                        run.tokenizer.eos_id if st.document_mask else None, st.reset_positions, should_stop)
 
 
-def run_tasks(run: Run, st: Stage, tasks: str, limit: int) -> dict:
+def run_tasks(run: Run, st: Stage, tasks: str, limit: int, should_stop: StopCheck = None) -> dict:
     """Downstream metrics of ``tasks``; each truncation warning is logged once per run."""
     dm, warnings = downstream_metrics(run.model, run.tokenizer, tasks, limit, st.seq_len, run.info.device,
-                                      run.autocast)
+                                      run.autocast, should_stop)
     for line in sorted(set(warnings) - run.warned):
         run.log.event(run.state.step, line)
     run.warned |= set(warnings)

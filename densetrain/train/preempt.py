@@ -9,6 +9,14 @@ the same step even when only some ranks received it (no rank is left waiting in 
 exists), logs a ``preempt`` event and raises :class:`Preempted`; the CLI exits with
 :data:`EXIT_PREEMPTED`, and ``densetrain train --resume RUN_DIR`` continues with the next step.
 
+An in-loop evaluation (validation loss, loss by position, downstream tasks) asks the same question
+between its forward batches (:meth:`StopRequest.asked`, handed down as ``should_stop``: evaluations sit
+below training and never import this module; :mod:`densetrain.evals.stop`). Every rank runs as many
+evaluation batches and asks before each, so every rank abandons the evaluation after the same batch; the
+step it followed is checkpointed as above, and its evaluation is not logged (the event says which was
+abandoned). The wait from the signal to the stop is therefore at most one training step or one
+evaluation batch (one generation batch for GSM8K / HumanEval), whichever is longer, plus the checkpoint.
+
 The handler also restores the default action of both signals, so a second signal ends the process at
 once, whatever it is doing (even inside a hung collective, where no Python code runs): exit status
 128 + the signal's number as for any process killed by it (143 for SIGTERM, 130 for SIGINT), the steps
@@ -45,25 +53,35 @@ class StopRequest:
     def __init__(self, device: torch.device):
         self.device = device
         self.signum = 0  # the first signal noted on this rank (0: none)
+        self.noted_at: float | None = None  # time.monotonic() when this rank noted it
+        self.agreed = 0  # the last answer of requested(): the same on every rank
         self._previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._note) for s in SIGNALS}
 
     def _note(self, signum: int, frame) -> None:
-        self.signum = signum
+        self.signum, self.noted_at = signum, time.monotonic()
         for s in SIGNALS:  # a second signal: the default action (terminate), at once
             signal.signal(s, signal.SIG_DFL)
         if int(os.environ.get("RANK", "0")) == 0:  # os.write: safe wherever the main thread was interrupted
-            os.write(2, f"densetrain: {signal.Signals(signum).name} received: finishing the current step, then a "
-                        f"checkpoint and exit {EXIT_PREEMPTED}; send it again to stop at once (the steps since the "
-                        f"last checkpoint are lost)\n".encode())
+            os.write(2, f"densetrain: {signal.Signals(signum).name} received: finishing the current step (an "
+                        f"evaluation is abandoned after its current batch), then a checkpoint and exit "
+                        f"{EXIT_PREEMPTED}; send it again to stop at once (the steps since the last checkpoint are "
+                        f"lost)\n".encode())
 
     def requested(self) -> int:
         """At a step boundary, on every rank: the signal number (SIGTERM over SIGINT) if any rank noted one,
         else 0. One all-reduce of one number under torchrun, the same answer on every rank."""
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return self.signum
-        return int(all_reduce_max(torch.tensor([self.signum], device=self.device)).item())
+            self.agreed = self.signum
+        else:
+            self.agreed = int(all_reduce_max(torch.tensor([self.signum], device=self.device)).item())
+        return self.agreed
+
+    def asked(self) -> bool:
+        """:meth:`requested` as the ``should_stop()`` of an evaluation (:mod:`densetrain.evals.stop`): every rank
+        must call it at the same points."""
+        return bool(self.requested())
 
     def restore(self) -> None:
         """Put back the actions the signals had before (Python's KeyboardInterrupt for SIGINT)."""
@@ -72,10 +90,12 @@ class StopRequest:
         self._previous = {}
 
 
-def stop_run(run, signum: int) -> None:
+def stop_run(run, signum: int, abandoned: str = "", noted_at: float | None = None) -> None:
     """Stop ``run`` at this step boundary (every rank calls it): finish the save in flight, save a
     checkpoint of the current step unless rank 0 has it complete already, log the ``preempt`` event,
-    close the metrics sinks.
+    close the metrics sinks. ``abandoned``: the evaluation of the step left unfinished (e.g. 'validation'),
+    said in the event; ``noted_at``: when this rank noted the signal (``time.monotonic()``), for the
+    event's ``waited_s`` (signal to stop decision, on rank 0 when it received the signal itself).
 
     Raises:
         Preempted: always, once the checkpoint is on disk.
@@ -83,6 +103,7 @@ def stop_run(run, signum: int) -> None:
     """
     name = signal.Signals(signum).name
     step, log = run.state.step, run.log
+    waited = None if noted_at is None else time.monotonic() - noted_at
     run.checkpointer.finish_pending(log)
     path = run.run_dir / "checkpoints" / f"step_{step:08d}"
     # Rank 0's view decides (the run directory may be on its node only), so every rank saves or none does.
@@ -93,11 +114,16 @@ def stop_run(run, signum: int) -> None:
         save_checkpoint(run.run_dir, step, run.model, run.optimizer, run.state_dict(), run.checkpointer.keep)
     dt = time.perf_counter() - t0
     ckpt = path.name if step else ""
+    values = {"signal": name, "checkpoint": ckpt, "seconds": dt, "exit_status": EXIT_PREEMPTED}
+    if abandoned:
+        values["abandoned"] = abandoned
+    if waited is not None:
+        values["waited_s"] = waited
     # The event (echoed on the console) says what happened; the line naming the resume command is the
     # exception's, printed once by whoever catches it (the CLI: rank 0 only), not twice.
-    log.event(step, f"{name}: stopped after step {step}, "
+    log.event(step, f"{name}: stopped after step {step}"
+                    + (f" (its {abandoned} abandoned part-way, not logged)" if abandoned else "") + ", "
                     + (f"checkpoint {ckpt} written in {dt:.2f}s" if ckpt else "no step taken, nothing to save"),
-              kind="preempt", action="stop",
-              values={"signal": name, "checkpoint": ckpt, "seconds": dt, "exit_status": EXIT_PREEMPTED})
+              kind="preempt", action="stop", values=values)
     log.close()
     raise Preempted(name, step, ckpt, run.run_dir)

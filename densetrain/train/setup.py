@@ -15,7 +15,14 @@ from pathlib import Path
 
 import torch
 
-from densetrain.checkpoint import Checkpointer, CheckpointError, list_complete, read_trainer_state, set_aside
+from densetrain.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointReadError,
+    list_complete,
+    read_trainer_state,
+    set_aside,
+)
 from densetrain.config import Config, load_config, save_config, to_dict
 from densetrain.data.mixture import MixtureSampler
 from densetrain.data.provenance import window_documents
@@ -27,12 +34,13 @@ from densetrain.fileio import fsync_dir
 from densetrain.metrics import MetricsLogger, measure_peak_flops, read_metrics
 from densetrain.model.compiling import pin_inductor_cache
 from densetrain.model.llama import Transformer
-from densetrain.optim import build_optimizer
+from densetrain.optim import build_optimizer, describe_groups
 from densetrain.parallel import DistInfo, all_reduce_sum, autocast_for, build_parallel_model, init_distributed
 from densetrain.parallel.mesh import intent, keep_intent, resolve_layout
 from densetrain.registry.tasks import data_root, parse_task_list, resolve_tasks
 from densetrain.schedule import Stage, resolve_stages, stage_at
 from densetrain.train.collect import GarbageCollection
+from densetrain.train.curve import OffCurve
 from densetrain.train.faults import FaultInjector
 from densetrain.train.guard import Guard
 from densetrain.train.health import HealthWatch
@@ -263,12 +271,20 @@ def lock_run_dir(run_dir: Path, info: DistInfo) -> None:
             os.close(fd)
         else:
             _RUN_LOCKS[run_dir.resolve()] = fd
-            with contextlib.suppress(OSError):  # the pid is for the message only (a full disk: the write
-                os.ftruncate(fd, 0)              # that matters, config.toml, then says so)
-                os.pwrite(fd, str(os.getpid()).encode(), 0)
     if all_reduce_sum(torch.tensor([int(bool(held_by))], device=info.device)).item():
         raise TrainError(f"{run_dir} is being trained by another process (pid {held_by or 'on rank 0'}); "
                          f"wait for it to end or stop it before resuming")
+
+
+def claim_run_dir(run_dir: Path) -> None:
+    """Write this process's pid into the ``.lock`` it holds (for the message that refuses a second trainer),
+    once setup has accepted the run: a ``train`` refused after taking the lock (an existing run without
+    ``--resume``, no checkpoint at ``--rollback-to``) leaves the file of the run it refused as it was."""
+    fd = _RUN_LOCKS.get(Path(run_dir).resolve())
+    if fd is not None:
+        with contextlib.suppress(OSError):  # the pid is for the message only (a full disk: the write
+            os.ftruncate(fd, 0)              # that matters, config.toml, then says so)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
 
 
 def unlock_run_dir(run_dir: Path) -> None:
@@ -286,13 +302,15 @@ def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
     if cfg.guard.replica_every and replica_groups(info.layout):  # after the guard: it sets run.lr_scale first
         watchers.append(ReplicaCheck(cfg.guard, info))
     if cfg.guard.update_every:
-        watchers.append(UpdateNorms(cfg.guard, info.world_size))
+        watchers.append(UpdateNorms(cfg.guard))
     if cfg.watchdog.every or cfg.watchdog.hang_seconds:
         watchers.append(Watchdog(cfg.watchdog, info.rank, info.world_size, run_dir))
     if cfg.probe.every:
         watchers.append(DataProbe(cfg.probe, [s.name for s in cfg.data.sources]))
     if cfg.train.gc_freq:
         watchers.append(GarbageCollection(cfg.train.gc_freq))
+    if cfg.eval.ladder:
+        watchers.append(OffCurve(cfg, info.rank))
     if cfg.health.every:  # last: its checks run after the watchdog has timed the step
         watchers.append(HealthWatch(cfg.health, next((w for w in watchers if isinstance(w, Watchdog)), None)))
     return watchers
@@ -323,7 +341,7 @@ def keep_started_dtype(cfg: Config, run_dir: Path, step: int | None = None,
     for path in [p for s, p in done if step is None or s <= step]:  # a rollback loads `step` or falls back
         try:
             state = read_trainer_state(path)
-        except CheckpointError:  # the resume itself says what is wrong with it and falls back
+        except (CheckpointError, CheckpointReadError):  # the resume itself says what is wrong with it, falls back
             continue
         saved = state.get("dtype") if isinstance(state, dict) else None
         break
@@ -435,7 +453,10 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     ckpt, saved = checkpointer.load_latest(model, optimizer) if resume else (None, None)
     if not resume:
         _refuse_existing_run(run_dir, info)  # (resume without a checkpoint yet, e.g. killed early: start over)
+    if info.is_main:
+        claim_run_dir(run_dir)
     old_steps = _configured_steps(run_dir) if saved and info.is_main else None
+    started = (run_dir / "config.toml").exists()  # an earlier attempt, before this one writes it
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(saved_cfg, run_dir / "config.toml")
@@ -452,6 +473,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
                         f"schedule and the stage starts are recomputed over {cfg.train.steps} steps from step {step}")
     if dtype_note:
         log.event(step, dtype_note, kind="resume")
+    for note in checkpointer.notes:  # newer checkpoint directories the resume passed over (partial saves)
+        log.event(step, note, kind="resume", action="pass_over")
     autocast = autocast_for(cfg.train.dtype, info.device)
     run = Run(cfg=cfg, info=info, run_dir=run_dir, stages=stages, train_streams=train_streams,
               val_streams=open_streams(cfg, "val"), sampler=MixtureSampler(train_streams), model=model,
@@ -465,9 +488,11 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         _log_resume(run, ckpt, saved)
         if keep_layout_intent:
             _log_layout(run, saved)
-    elif resume:  # stopped before its first checkpoint (e.g. a second signal): say it starts over, not silently
+    elif resume and started:  # stopped before its first checkpoint (e.g. a second signal): say it starts over
         how = "train.resume=auto" if cfg.train.resume == "auto" else "--resume"
         run.log.event(0, f"{run_dir}: no checkpoint yet, so {how} starts the run from step 0", kind="resume")
+    elif resume:  # nothing there yet (`make demo` on a fresh clone resumes whatever it finds)
+        run.log.event(0, f"{run_dir}: a new run (nothing to resume there yet)", kind="resume")
     if resume:
         log_restart(run, logged)
     if rollback_to is not None:
@@ -481,6 +506,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         log.event(step, f"WARNING: sources without data left out of every mix: {missing}")
     if ckpt is None:
         warn_repeats(run, cfg.train.steps)
+    _log_decisions(run, saved, ckpt, keep_layout_intent)
     if info.is_main and ckpt is None:
         log.event(step, f"model: {model.num_params() / 1e6:.2f}M parameters; "
                         f"{'bf16 autocast' if autocast else 'fp32'} (train.dtype={cfg.train.dtype}); peak "
@@ -525,13 +551,83 @@ def layout_keeping_intent(cfg: Config):
     return dataclasses.replace(p, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp, cp=lay.cp)
 
 
+def layout_words(lay) -> str:
+    """How a resolved :class:`~densetrain.parallel.mesh.Layout` splits the work, in words (the wrapper
+    :func:`densetrain.parallel.build_parallel_model` applies for it), e.g. ``FSDP2: fully_shard over 2
+    data-parallel ranks``."""
+    parts = []
+    if lay.dp_shard > 1:
+        parts.append(f"HSDP: FSDP2 shard groups of {lay.dp_shard} ranks, {lay.dp_replicate} replicas"
+                     if lay.dp_replicate > 1 else f"FSDP2: fully_shard over {lay.dp_shard} data-parallel ranks")
+    elif lay.uses_fsdp:
+        parts.append(f"FSDP2 without parameter sharding ({lay.dp_size} data-parallel replica(s); it reduces the "
+                     "tensor- or context-parallel gradients)")
+    elif lay.dp_size > 1:
+        parts.append(f"DDP: {lay.dp_size} replicas")
+    if lay.tp > 1:
+        parts.append(f"tensor parallel {lay.tp}")
+    if lay.cp > 1:
+        parts.append(f"context parallel {lay.cp}")
+    return ", ".join(parts) or "one process, no parallelism"
+
+
+def _log_decisions(run: Run, saved: dict | None, ckpt: Path | None, keep_layout_intent: bool) -> None:
+    """What this start decided, said once each: the layout (unless :func:`_log_layout` said it), the
+    parameters of each optimizer, and on a resume the RNG state of each rank."""
+    if not (saved and keep_layout_intent and _layout_moved(run, saved)):
+        _log_layout_used(run, saved)
+    groups, values = describe_groups(run.optimizer, run.cfg.optim.peak_lr)
+    run.log.event(run.state.step, f"optimizer: {groups}", kind="optimizer", values={"groups": values})
+    if saved:
+        _log_rng(run, ckpt)
+
+
+def _log_layout_used(run: Run, saved: dict | None) -> None:
+    """The start's one line on the layout (fresh or resumed, any layout), when :func:`_log_layout` said none."""
+    lay, world = run.info.layout, run.info.world_size
+    was_world, was = (saved.get("world_size"), saved.get("layout")) if saved else (None, None)
+    note = ""
+    if saved is not None and _layout_moved(run, saved):  # resumed with --parallel.* flags on another layout
+        note = f" (checkpoint written on {was_world} process(es)" + (
+            f" as dp_replicate={was['dp_replicate']} dp_shard={was['dp_shard']} tp={was['tp']})"
+            if isinstance(was, dict) else ")")
+    run.log.event(run.state.step, f"layout: {world} process(es) as {lay}: {layout_words(lay)}{note}",
+                  kind="parallel", values={"layout": dataclasses.asdict(lay), "world_size": world,
+                                           "checkpoint_world_size": was_world, "checkpoint_layout": was})
+
+
+def _log_rng(run: Run, ckpt: Path) -> None:
+    """One line on the resumed RNG state: restored on the ranks whose ``rng_<rank>.json`` the checkpoint
+    holds; a rank beyond the processes that wrote it (a resume on more of them) keeps the state its process
+    started with (torch's default seed; nothing in the step draws from it today)."""
+    saved = sorted(int(m[1]) for p in ckpt.glob("rng_*.json") if (m := re.fullmatch(r"rng_(\d+)\.json", p.name)))
+    world = run.info.world_size
+    fresh = [r for r in range(world) if r not in saved]
+    unused = [r for r in saved if r >= world]
+    text = ("RNG state restored from the checkpoint on every rank" if not fresh else
+            f"RNG state restored on {world - len(fresh)} of {world} ranks; rank(s) {fresh} have none in "
+            f"{ckpt.name} (written by {len(saved)} process(es)) and keep their process's initial state")
+    if unused:
+        text += f"; the saved states of rank(s) {unused} are not used on {world} process(es)"
+    run.log.event(run.state.step, text, kind="resume",
+                  values={"rng_restored": [r for r in range(world) if r in saved], "rng_fresh": fresh,
+                          "rng_unused": unused})
+
+
+def _layout_moved(run: Run, saved: dict) -> bool:
+    """The run resumes on another world size or layout than the checkpoint ``saved`` records."""
+    world = run.info.world_size
+    return not (saved.get("world_size", world) == world
+                and saved.get("layout") in (None, dataclasses.asdict(run.info.layout)))
+
+
 def _log_layout(run: Run, saved: dict) -> None:
     """One line (console and events.jsonl) when a resume runs on another world size or layout than the
     checkpoint's: the layout chosen and the intent it keeps."""
     p, lay, world = run.cfg.parallel, run.info.layout, run.info.world_size
     was_world = saved.get("world_size", world)
     was = saved.get("layout")
-    if was_world == world and was in (None, dataclasses.asdict(lay)):
+    if not _layout_moved(run, saved):
         return
     try:
         as_configured = resolve_layout(p.dp_replicate, p.dp_shard, p.tp, world, cp=p.cp) == lay

@@ -17,9 +17,11 @@ loss moves only at the next forward pass, so the warning comes first. A robust z
 ``update_norm`` event; with ``guard.update_lr_factor`` the lr is multiplied by it for
 ``guard.update_lr_steps`` steps. Flagged measurements do not enter the window.
 
-Sharded parameters (FSDP2, tensor parallel: DTensors) are measured on their local shards and the
-squares summed over ranks with one all-reduce, each divided by the number of ranks that hold the same
-shard; plain parameters (one process, DDP) are whole on every rank and need no collective.
+The event names the layer group that moved most: the largest ``update_ratio/<group>`` of the flagged step.
+
+Every norm is that of the full tensor on one process, for any layout (DDP replicas, FSDP2 / HSDP shards,
+tensor-parallel slices, context parallelism), and the same on every rank: the local parts' squares are
+reduced with one all-reduce by :class:`densetrain.parallel.norms.FullNorms`, each shard counted once.
 """
 
 from __future__ import annotations
@@ -28,10 +30,9 @@ import math
 from collections import deque
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
 
 from densetrain.config.recovery import GuardConfig
+from densetrain.parallel.norms import FullNorms, local_part
 from densetrain.train.guard import loss_z
 from densetrain.train.watchers import Verdict, Watcher
 
@@ -42,40 +43,32 @@ def layer_group(name: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
 
 
-def _copies(p: torch.Tensor, world: int) -> int:
-    """How many ranks hold the same local data as this rank for parameter ``p``."""
-    if not isinstance(p, DTensor):
-        return world
-    sharded = math.prod(p.device_mesh.size(i) for i, pl in enumerate(p.placements) if isinstance(pl, Shard))
-    return world // sharded
-
-
 class UpdateNorms(Watcher):
     """Update norms per layer group and the early warning (module docstring)."""
 
     name = "updates"
 
-    def __init__(self, cfg: GuardConfig, world_size: int):
-        self.cfg, self.world = cfg, world_size
+    def __init__(self, cfg: GuardConfig, extra_group=None):
+        """``extra_group``: the pipeline-stage group the norms are also summed over
+        (:class:`densetrain.parallel.norms.FullNorms`), None without pipeline stages."""
+        self.cfg, self.extra_group = cfg, extra_group
         self.history: deque[float] = deque(maxlen=cfg.window)
         self.installed = False
         self.measure = False
-        self.norms: tuple[torch.Tensor, torch.Tensor] | None = None  # (update, parameter) norm per tensor
+        self.norms: torch.Tensor | None = None  # (2, groups): update and parameter norms of the last step
         self.lr_until = -1  # steps below this use guard.update_lr_factor
         self.alert = False  # the last measurement was flagged (one event per episode)
 
-    def _install(self, run) -> None:
-        named = [(n, p) for n, p in run.model.named_parameters() if p.requires_grad]
+    def install(self, model, optimizer) -> None:
+        """Measure the updates of ``model``'s trainable parameters that ``optimizer`` applies (its step hooks)."""
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.groups = list(dict.fromkeys(layer_group(n) for n, _ in named))  # model order
-        self.local = [p.to_local() if isinstance(p, DTensor) else p for _, p in named]
+        self.local = [local_part(p) for _, p in named]
         self.before = [torch.empty_like(t) for t in self.local]  # the copy an update is measured against
-        index = torch.tensor([self.groups.index(layer_group(n)) for n, _ in named])
-        self.onehot = torch.nn.functional.one_hot(index, len(self.groups)).double().to(self.local[0].device)
-        self.weight = torch.tensor([1.0 / _copies(p, self.world) for _, p in named], dtype=torch.float64,
-                                   device=self.local[0].device)
-        self.collective = self.world > 1 and any(isinstance(p, DTensor) for _, p in named)
-        run.optimizer.register_step_pre_hook(self._pre)
-        run.optimizer.register_step_post_hook(self._post)
+        self.full = FullNorms([p for _, p in named], [self.groups.index(layer_group(n)) for n, _ in named],
+                              extra_group=self.extra_group)
+        optimizer.register_step_pre_hook(self._pre)
+        optimizer.register_step_post_hook(self._post)
         self.installed = True
 
     @torch.no_grad()
@@ -87,11 +80,20 @@ class UpdateNorms(Watcher):
     def _post(self, optimizer, args, kwargs) -> None:
         if self.measure:
             torch._foreach_sub_(self.before, self.local)  # old - new = -Δθ
-            self.norms = (torch.stack(torch._foreach_norm(self.before)), torch.stack(torch._foreach_norm(self.local)))
+            self.norms = self.full.norms(self.before, self.local)  # (2, groups), a collective
+
+    def metrics(self) -> dict[str, float]:
+        """The last measured step's record (module docstring): update norm and ratio per group and in total."""
+        u, p = self.norms.tolist()
+        metrics = {f"update/{g}": u[i] for i, g in enumerate(self.groups)}
+        metrics.update({f"update_ratio/{g}": u[i] / max(p[i], 1e-30) for i, g in enumerate(self.groups)})
+        total, ptotal = math.sqrt(sum(x * x for x in u)), math.sqrt(sum(x * x for x in p))
+        metrics.update({"update_norm": total, "update_ratio": total / max(ptotal, 1e-30)})
+        return metrics
 
     def before_step(self, run) -> None:
         if not self.installed:
-            self._install(run)
+            self.install(run.model, run.optimizer)
         self.measure, self.norms = run.state.step % self.cfg.update_every == 0, None
         if run.state.step < self.lr_until:
             run.lr_scale *= self.cfg.update_lr_factor
@@ -99,20 +101,12 @@ class UpdateNorms(Watcher):
     def after_step(self, run, result, verdict: Verdict) -> None:
         if verdict != Verdict.APPLY or self.norms is None:
             return
-        upd, par = self.norms
-        sq = torch.stack([upd.double() ** 2, par.double() ** 2]) * self.weight  # (2, tensors)
-        sums = sq @ self.onehot  # (2, groups): squares per layer group
-        if self.collective:
-            dist.all_reduce(sums)
-        u, p = sums.sqrt().tolist()
-        metrics = {f"update/{g}": u[i] for i, g in enumerate(self.groups)}
-        metrics.update({f"update_ratio/{g}": u[i] / max(p[i], 1e-30) for i, g in enumerate(self.groups)})
-        total, ptotal = math.sqrt(sum(x * x for x in u)), math.sqrt(sum(x * x for x in p))
-        metrics.update({"update_norm": total, "update_ratio": total / max(ptotal, 1e-30)})
+        metrics = self.metrics()
         run.log.log(run.state.step, metrics, kind="update")
-        self._judge(run, result, total / max(result.lr, 1e-30))
+        self._judge(run, result, metrics)
 
-    def _judge(self, run, result, x: float) -> None:
+    def _judge(self, run, result, metrics: dict[str, float]) -> None:
+        x = metrics["update_norm"] / max(result.lr, 1e-30)
         if self.cfg.update_zscore and len(self.history) >= self.cfg.min_history:
             z, med = loss_z(x, self.history, "robust")
             if z > self.cfg.update_zscore and x > self.cfg.update_min_ratio * med:
@@ -122,12 +116,15 @@ class UpdateNorms(Watcher):
                 if self.alert:
                     return
                 self.alert = True
+                group = max(self.groups, key=lambda g: metrics[f"update_ratio/{g}"])  # moved most, relative to itself
+                ratio = metrics[f"update_ratio/{group}"]
                 run.log.event(result.index, f"update norm per unit lr {x:.4g} (median {med:.4g}, z {z:.1f}): an early "
-                              "warning of instability"
+                              f"warning of instability; {group} moved most (|Δθ|/|θ| {ratio:.3g})"
                               + (f"; lr x{self.cfg.update_lr_factor:g} for {self.cfg.update_lr_steps} steps"
                                  if lower else ""),
                               kind="update_norm", action="lower_lr" if lower else "warn",
-                              values={"update_per_lr": x, "median": med, "z": z, "lr": result.lr})
+                              values={"update_per_lr": x, "median": med, "z": z, "lr": result.lr, "group": group,
+                                      "group_update_ratio": ratio})
                 return
         self.alert = False
         self.history.append(x)

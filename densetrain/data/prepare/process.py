@@ -45,7 +45,7 @@ from densetrain.data.prepare import dedup
 from densetrain.data.prepare.decontam.index import ContaminationIndex
 from densetrain.data.prepare.filters.chain import FilterStats, apply_filters, build_filters, clean_text
 from densetrain.data.tokenizer import load_tokenizer
-from densetrain.data.tokenizer.core import trust_twins
+from densetrain.data.tokenizer.twin import trust_twins
 from densetrain.errors import DataError
 from densetrain.fileio import atomic_write_bytes
 
@@ -69,7 +69,7 @@ class ProcessSpec:
         token_dtype: numpy dtype name of the token arrays (``'<u2'`` or ``'<u4'``).
         key: the config key of this source, for error messages (``data.sources[2]``).
         checked_twins: sha256s of tokenizer.json files whose tiktoken twin the parent has checked
-            (:func:`densetrain.data.tokenizer.core.checked_twins`), so that workers skip the probe.
+            (:func:`densetrain.data.tokenizer.twin.checked_twins`), so that workers skip the probe.
     """
 
     kind: str

@@ -14,7 +14,6 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from densetrain.data.prepare.dedup import find_duplicates
 from densetrain.data.prepare.filters.chain import FilterStats, filter_warnings
@@ -25,19 +24,15 @@ from densetrain.data.prepare.readers.paths import estimated_text_bytes
 from densetrain.data.prepare.readers.sources import iter_documents
 from densetrain.data.shards import SHARD_MAX_TOKENS, token_dtype, write_shard
 from densetrain.data.tokenizer import Tokenizer
-from densetrain.data.tokenizer.core import checked_twins
+from densetrain.data.tokenizer.twin import checked_twins
 from densetrain.fileio import atomic_write_bytes, atomic_write_json
+from densetrain.progress import Progress
 from densetrain.registry.filters import resolve_filter_names
 
 HIGH_DUPLICATE_RATE = 0.3
 """Warn when dedup removes more than this fraction of a source (the recipe's post-mortem 7.1: a
 duplicated corpus raised the loss; a high rate usually means an upstream bug, not real web text)."""
 """Warn when a filter's line rules cut more than this fraction of the characters it saw in kept documents."""
-
-
-def _progress(total: int, desc: str):
-    # disable=None: a bar on a terminal, silence in logs (the [prepare] lines remain).
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=None, leave=False)
 
 
 def _clear_split_dir(d: Path) -> None:
@@ -136,10 +131,13 @@ def _read_and_process(i, src, files, spec: ProcessSpec, corpus_dir: Path, pool, 
     if resumed:
         log(f"{src.name}: resuming after {resumed} finished chunks in {work_dir}")
     results = []
-    with _progress(estimated_text_bytes(files), f"{src.name}: clean/filter/dedup/tokenize") as bar:
+    # a bar on a terminal, a [prepare] line every 30 s in a log (densetrain.progress)
+    n_docs = 0
+    with Progress(estimated_text_bytes(files), f"{src.name}: clean/filter/dedup/tokenize", "B", log=log) as bar:
         for r in process_documents(spec, chunked(texts(), len, CHUNK_BYTES), pool, work_dir):
             results.append(r)
-            bar.update(r.bytes_in)
+            n_docs += r.n_docs
+            bar.update(r.bytes_in, f"{n_docs:,} documents")
     return docs, results
 
 

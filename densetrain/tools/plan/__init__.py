@@ -16,6 +16,7 @@ from densetrain.tools.plan.chinchilla import (
     CHINCHILLA_TOKENS_PER_PARAM,
     FLOPS_PER_PARAM_TOKEN,
     Table3Row,
+    gpu_cost,
     nearest_preset,
     nearest_table3_row,
     optimal_from_flops,
@@ -33,12 +34,12 @@ from densetrain.tools.plan.memory import (
     loss_chunk_bytes,
     model_counts,
 )
-from densetrain.tools.plan.report import format_layout_plan, format_plan, human, human_time
+from densetrain.tools.plan.report import format_cost, format_layout_plan, format_plan, human, human_time
 
 __all__ = [
     "AC_MODES", "CHINCHILLA_TABLE3", "CHINCHILLA_TOKENS_PER_PARAM", "FLOPS_PER_PARAM_TOKEN", "GIB",
     "H100_BF16_DENSE_FLOPS", "MAX_CP", "RESERVED_GIB", "USABLE_FRACTION", "Table3Row", "activation_bytes_per_token",
-    "candidate_layouts", "format_layout_plan", "format_plan", "human", "human_time", "layout_memory", "layout_plan",
-    "loss_chunk_bytes", "model_counts", "nearest_preset", "nearest_table3_row", "optimal_from_flops", "plan",
-    "preset_shapes",
+    "candidate_layouts", "format_cost", "format_layout_plan", "format_plan", "gpu_cost", "human", "human_time",
+    "layout_memory", "layout_plan", "loss_chunk_bytes", "model_counts", "nearest_preset", "nearest_table3_row",
+    "optimal_from_flops", "plan", "preset_shapes",
 ]

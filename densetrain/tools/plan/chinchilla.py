@@ -137,6 +137,19 @@ def nearest_table3_row(flops: float) -> Table3Row:
     return min(CHINCHILLA_TABLE3, key=lambda r: abs(math.log(r.flops / flops)))
 
 
+def gpu_cost(gpu_hours: float, gpu_hour_price: float | None = None) -> dict:
+    """``{"gpu_hours", "gpu_hour_price", "usd"}``: the price of ``gpu_hours`` GPU-hours at ``gpu_hour_price``
+    USD per GPU-hour (``usd`` None without a price).
+
+    Raises:
+        ValueError: a price that is negative or not finite.
+    """
+    if gpu_hour_price is not None and not (math.isfinite(gpu_hour_price) and gpu_hour_price >= 0):
+        raise ValueError(f"gpu_hour_price must be a finite number of USD >= 0, got {gpu_hour_price!r}")
+    return {"gpu_hours": gpu_hours, "gpu_hour_price": gpu_hour_price,
+            "usd": None if gpu_hour_price is None else gpu_hours * gpu_hour_price}
+
+
 # --------------------------------------------------------------------------------------------------
 # The planner
 # --------------------------------------------------------------------------------------------------
@@ -152,6 +165,8 @@ def plan(
     mfu: float = 0.4,
     tokens_per_param: float = CHINCHILLA_TOKENS_PER_PARAM,
     presets: list[dict] | None = None,
+    gpu_peak_flops: float | None = None,
+    gpu_hour_price: float | None = None,
 ) -> dict:
     """Chinchilla-optimal model size, token count, budget and wall time from one given quantity.
 
@@ -169,6 +184,11 @@ def plan(
     training FLOP/s is ``6 N tokens_per_sec`` or ``peak_flops mfu``; wall time is ``C`` divided by it. When
     both are given the implied MFU ``6 N tokens_per_sec / peak_flops`` is reported.
 
+    Cost (with ``gpu_peak_flops``, FLOP/s of one GPU): ``C / (gpu_peak_flops · mfu) / 3600`` GPU-hours, where
+    ``mfu`` is the implied one when ``tokens_per_sec`` and ``peak_flops`` are both given (then the GPU-hours are
+    the wall time times ``peak_flops / gpu_peak_flops`` GPUs); with ``tokens_per_sec`` alone the GPUs are
+    unknown and there is no cost. Times ``gpu_hour_price`` (USD per GPU-hour) when given.
+
     The nearest preset (log-distance in total params) is reported with its own Chinchilla-optimal tokens
     ``20 P``, the tokens ``C / (6 P)`` that the given budget buys for it, and a wall time for ``20 P`` tokens
     at the same effective FLOP/s using the preset's exact FLOPs per token (incl. attention).
@@ -177,7 +197,8 @@ def plan(
         dict with ``given`` (the input quantity's name), ``flops``, ``params``, ``tokens``,
         ``tokens_per_param``, ``throughput`` (``{"tokens_per_sec", "flops_per_sec", "mfu", "implied_mfu",
         "source"}`` or None), ``seconds`` / ``hours`` / ``days`` (None without a throughput),
-        ``preset`` (dict) and ``table3`` (the nearest :class:`Table3Row` as a dict plus ratios).
+        ``preset`` (dict), ``table3`` (the nearest :class:`Table3Row` as a dict plus ratios) and ``cost``
+        (:func:`gpu_cost` plus ``gpu_peak_flops`` and ``mfu``, or None).
 
     Raises:
         ValueError: not exactly one of flops/params/tokens/hours; a non-positive or non-finite value;
@@ -233,6 +254,13 @@ def plan(
     if name == "hours":
         seconds = value * 3600.0
 
+    cost = None
+    cost_mfu = throughput["implied_mfu"] if throughput and throughput["source"] == "tokens_per_sec" else mfu
+    if gpu_peak_flops is not None and cost_mfu:
+        _positive("gpu_peak_flops", gpu_peak_flops)
+        cost = {**gpu_cost(c / (gpu_peak_flops * cost_mfu) / 3600.0, gpu_hour_price),
+                "gpu_peak_flops": gpu_peak_flops, "mfu": cost_mfu}
+
     p = dict(nearest_preset(n, presets))
     p["ratio_to_plan"] = p["params"] / n
     p["optimal_tokens"] = r * p["params"]
@@ -252,5 +280,5 @@ def plan(
         "throughput": throughput, "seconds": seconds,
         "hours": seconds / 3600.0 if seconds is not None else None,
         "days": seconds / 86400.0 if seconds is not None else None,
-        "preset": p, "table3": table3,
+        "preset": p, "table3": table3, "cost": cost,
     }

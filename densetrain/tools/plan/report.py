@@ -23,6 +23,14 @@ def human_time(seconds: float) -> str:
     return f"{seconds / 3600:.3g} h ({days:.3g} day{'' if days == 1 else 's'})"
 
 
+def format_cost(cost: dict) -> str:
+    """``'1.23K GPU-hours x $2.50 = $3,075'`` (or a hint at ``--gpu-hour-price`` without a price)."""
+    hours = f"{human(cost['gpu_hours'])} GPU-hours"
+    if cost["usd"] is None:
+        return f"{hours} (--gpu-hour-price USD gives the cost)"
+    return f"{hours} x ${cost['gpu_hour_price']:,.2f} = ${cost['usd']:,.0f}"
+
+
 def format_plan(result: dict) -> str:
     """Readable multi-line summary of a :func:`plan` result."""
     r = result
@@ -43,6 +51,9 @@ def format_plan(result: dict) -> str:
         lines.append(f"  wall time {human_time(r['seconds'])}  at {t['flops_per_sec']:.3g} FLOP/s ({src}{extra})")
     else:
         lines.append("  wall time (give --tokens-per-sec or --peak-flops for an estimate)")
+    if r.get("cost"):
+        lines.append(f"  cost      {format_cost(r['cost'])} (at mfu {r['cost']['mfu']:.3g} of "
+                     f"{r['cost']['gpu_peak_flops'] / 1e12:g} TFLOP/s per GPU)")
     p = r["preset"]
     lines.append(f"  nearest preset: {p['name']}, {human(p['params'])} params ({p['ratio_to_plan']:.2g}x the plan)")
     lines.append(
@@ -100,7 +111,8 @@ def format_layout_plan(r: dict, show: int = 12) -> str:
         lines.append(f"  {s['name']:<13} seq_len {s['seq_len']:>7}  batch {s['batch']:>5} seqs  micro {s['micro']}  "
                      f"{human(s['steps'])} steps x {s['step_s']:.2f} s = {s['days']:.2f} days, {human(s['tokens'])} "
                      f"tokens")
-    lines.append(f"total: {r['days']:.1f} days, {human(r['tokens'])} tokens")
+    lines.append(f"total: {r['days']:.1f} days, {human(r['tokens'])} tokens"
+                 + (f"; {format_cost(r['cost'])}" if r.get("cost") else ""))
     sug = r["suggested"]
     if sug is None:
         lines.append("no layout runs every stage (see the reasons below)")

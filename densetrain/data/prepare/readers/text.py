@@ -29,6 +29,7 @@ from typing import IO, Iterator
 import zstandard
 
 from densetrain.data.prepare.readers.documents import Document, SkipLog, first_line, log_too_large, record_document
+from densetrain.fileio import open_regular
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -87,13 +88,13 @@ def _open_binary(path: Path) -> tuple[IO[bytes], str | None]:
     Raises:
         OSError: the file cannot be opened.
     """
-    with open(path, "rb") as f:
+    with open_regular(path) as f:  # a regular file: a FIFO or a link to /dev/zero is refused (fileio)
         magic = f.read(4)
     if magic[:2] == _GZIP_MAGIC:
         return gzip.open(path, "rb"), "gzip"
     if magic == _ZSTD_MAGIC:
-        return io.BufferedReader(_ZstdReader(open(path, "rb")), buffer_size=_READ_CHUNK), "zstd"
-    return open(path, "rb"), None
+        return io.BufferedReader(_ZstdReader(open_regular(path)), buffer_size=_READ_CHUNK), "zstd"
+    return open_regular(path), None
 
 
 _STREAM_ERRORS = (EOFError, OSError, zlib.error, zstandard.ZstdError)
@@ -169,6 +170,9 @@ def _jsonl_record(raw: bytes, name: str, lineno: int, text_field: str, skips: Sk
         obj = json.loads(line)
     except json.JSONDecodeError as e:
         skips.add(name, lineno, "malformed JSON", f"{e.msg} (column {e.colno})")
+        return None
+    except RecursionError:  # deeper than json recurses (~1000 levels): no document nests like that
+        skips.add(name, lineno, "malformed JSON", "nested too deeply")
         return None
     if not isinstance(obj, dict):
         skips.add(name, lineno, "not a JSON object", type(obj).__name__)

@@ -1,0 +1,123 @@
+"""``densetrain ladder fit``: the laws of a ladder's points, with bootstrap intervals, into ``fit.json``.
+
+- approach 3 on the final validation loss of every point (N = :data:`~densetrain.tools.ladder.grid.N_KEY`,
+  D = its tokens), with the bootstrap laws kept for predictions (:func:`densetrain.law.fit_prediction`);
+- approach 2 over the budgets that have 3+ sizes around a minimum (skipped, with the reason, otherwise);
+- the compute-optimal tokens per parameter at the ladder's largest budget from both;
+- bits per byte per nat (the held-out text's bytes per token, the same for every point), for bpb predictions;
+- the schedule-aware curve (:class:`densetrain.law.Curve`) of every source and of all of them, on the
+  validations of every run past warmup;
+- the downstream two-step's step 2 (accuracy as a sigmoid of the val loss) for every task headline the points
+  recorded (``eval.final_tasks`` in the ladder's config), from 4 points on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from densetrain.errors import ConfigError
+from densetrain.fileio import atomic_write_json
+from densetrain.law import (
+    ANNEAL_MOMENTUM,
+    LEVEL,
+    bootstrap_isoflop,
+    bootstrap_law,
+    fit_accuracy,
+    fit_curve,
+    fit_isoflop,
+    fit_law,
+    isoflop_intervals,
+    law_intervals,
+)
+from densetrain.tools.ladder.grid import N_KEY
+from densetrain.tools.ladder.launcher import collect
+
+
+def fit_records(records: list[dict], samples: int = 200, seed: int = 0) -> dict:
+    """The fits of ``records`` (:func:`densetrain.tools.ladder.launcher.point_record`) as ``fit.json``'s dict.
+
+    Raises:
+        ConfigError: fewer than 5 finished points (approach 3 has 5 parameters).
+    """
+    recs = [r for r in records if isinstance(r["val"].get("all", {}).get("loss"), float)]
+    if len(recs) < 5:
+        raise ConfigError(f"ladder fit: {len(recs)} finished points with a validation loss; expected at least 5 "
+                          f"(approach 3 has 5 parameters): run more of the ladder")
+    n = np.array([r[N_KEY] for r in recs], float)
+    d = np.array([r["tokens"] for r in recs], float)
+    loss = np.array([r["val"]["all"]["loss"] for r in recs], float)
+    top = float(max(r["budget"] for r in recs))
+    law = fit_law(n, d, loss)
+    boot = bootstrap_law(n, d, loss, law, samples, seed)
+    out: dict = {"n_key": N_KEY, "points": len(recs), "level": LEVEL, "lam": ANNEAL_MOMENTUM,
+                 "budgets": sorted({r["budget"] for r in recs}), "largest_budget": top,
+                 "approach3": {"law": {k: getattr(law, k) for k in ("E", "A", "B", "alpha", "beta")},
+                               "intervals": law_intervals(law, boot, top),
+                               "bootstrap": [[b.E, b.A, b.B, b.alpha, b.beta] for b in boot]}}
+    budgets = np.array([r["budget"] for r in recs])
+    groups = [np.flatnonzero(budgets == c) for c in out["budgets"]]
+    try:
+        iso = fit_isoflop(n, d, loss, groups)
+        out["approach2"] = isoflop_intervals(iso, bootstrap_isoflop(n, d, loss, samples, seed), top)
+    except ValueError as e:
+        out["approach2"] = {"skipped": str(e)}
+    bpb = [r["val"]["all"].get("bpb") for r in recs]
+    if all(isinstance(b, float) for b in bpb):
+        out["bpb_per_nat"] = float(np.median(np.array(bpb) / loss))
+    heads = sorted({k for r in recs for k in r.get("downstream", {}) if k.endswith("/headline")})
+    for task in heads:  # the downstream two-step's step 2, where the ladder has task scores
+        pts = [(r["val"]["all"]["loss"], r["downstream"][task]) for r in recs if task in r.get("downstream", {})]
+        try:
+            sig = fit_accuracy(*map(np.array, zip(*pts)))
+        except ValueError as e:
+            out.setdefault("downstream_skipped", {})[task] = str(e)
+            continue
+        out.setdefault("downstream", {})[task] = {"a": sig.a, "k": sig.k, "L0": sig.L0, "b": sig.b}
+    out["curves"] = {}
+    keys = sorted({k for r in recs for c in r["curve"] for k in c["loss"]})
+    for key in keys:
+        rows = [(r[N_KEY], c["s1"], c["s2"], c["loss"][key]) for r in recs for c in r["curve"] if key in c["loss"]]
+        try:
+            curve = fit_curve(*map(np.array, zip(*rows)))
+        except ValueError as e:
+            out.setdefault("curves_skipped", {})[key] = str(e)
+            continue
+        out["curves"][key] = {k: getattr(curve, k) for k in ("E", "A", "alpha", "B", "beta", "C", "scale")}
+    return out
+
+
+def fit_ladder(ladder_dir: Path, samples: int = 200) -> dict:
+    """Collect the ladder's finished points, fit them, write ``LADDER_DIR/fit.json``; return the fit."""
+    fit = fit_records(collect(ladder_dir), samples)
+    atomic_write_json(ladder_dir / "fit.json", fit)
+    return fit
+
+
+def _iv(d: dict, fmt: str = ".4g") -> str:
+    return f"{d['value']:{fmt}} [{d['lo']:{fmt}}, {d['hi']:{fmt}}]"
+
+
+def format_fit(fit: dict) -> str:
+    """The fit in a few lines (intervals at the fit's level)."""
+    a3 = fit["approach3"]["intervals"]
+    lines = [f"{fit['points']} points, budgets {', '.join(f'{c:.3g}' for c in fit['budgets'])} FLOPs; "
+             f"intervals: {fit['level']:.0%} bootstrap",
+             f"approach 3: L(N, D) = E + A/N^alpha + B/D^beta (N = {fit['n_key']})",
+             f"  E {_iv(a3['E'])}  A {_iv(a3['A'])}  B {_iv(a3['B'])}",
+             f"  alpha {_iv(a3['alpha'])}  beta {_iv(a3['beta'])}  N_opt ~ C^{_iv(a3['a'], '.3f')}",
+             f"  at {fit['largest_budget']:.3g} FLOPs: N_opt {_iv(a3['n_opt'])}, D_opt {_iv(a3['d_opt'])}, "
+             f"tokens per parameter {_iv(a3['tokens_per_param'], '.3g')}"]
+    a2 = fit["approach2"]
+    if "skipped" in a2:
+        lines.append(f"approach 2: skipped ({a2['skipped']})")
+    else:
+        lines.append(f"approach 2: N_opt ~ C^{_iv(a2['a'], '.3f')}, D_opt ~ C^{_iv(a2['b'], '.3f')}; tokens per "
+                     f"parameter at {fit['largest_budget']:.3g} FLOPs {_iv(a2['tokens_per_param'], '.3g')}")
+    for t, g in fit.get("downstream", {}).items():
+        lines.append(f"downstream {t}: {g['a']:.3g} / (1 + exp(-{g['k']:.3g} (L - {g['L0']:.4g}))) + {g['b']:.3g}")
+    for k, c in fit.get("curves", {}).items():
+        lines.append(f"curve {k}: E {c['E']:.4g} A {c['A']:.4g} alpha {c['alpha']:.3f} B {c['B']:.4g} "
+                     f"beta {c['beta']:.3f} C {c['C']:.4g}; residual scale {c['scale']:.2%}")
+    return "\n".join(lines)

@@ -1,0 +1,204 @@
+"""Running a ladder: locally one point after another, or as one command per run for a cluster.
+
+The ladder directory::
+
+    LADDER_DIR/ladder.json     the plan: sizes, budgets, points, the base config (written once; a re-run with
+                               other sizes or budgets is refused)
+    LADDER_DIR/base.toml       the config the sizes were scaled from
+    LADDER_DIR/ladder.jsonl    one record per finished point (rewritten atomically with each new one)
+    LADDER_DIR/runs/NAME/      each point's run directory (NAME = d<d_model>_c<budget index>)
+    LADDER_DIR/configs/        with --print-commands: each run's config
+
+A re-run skips the points in ``ladder.jsonl`` and resumes an unfinished run from its newest checkpoint.
+A size's main run trains in segments that end at its branches' starts (``stop_after``); each segment's last
+checkpoint is copied into its branch's ``checkpoints/`` at once, so the main run's retention may delete it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from tqdm import tqdm
+
+from densetrain.config import Config, load_config, save_config, to_dict
+from densetrain.errors import ConfigError
+from densetrain.fileio import atomic_write_bytes, atomic_write_json, json_text
+from densetrain.metrics import flops_per_token, read_metrics
+from densetrain.schedule import resolve_stages, warmup_steps
+from densetrain.tools.ladder.grid import N_KEY, Grid, Point, build_grid, param_counts, point_config
+from densetrain.train import train
+from densetrain.train.curve import CURVE_FROM, run_areas
+
+PLAN, POINTS = "ladder.json", "ladder.jsonl"  # (command.py repeats PLAN: it imports no torch)
+
+
+def open_ladder(ladder_dir: Path, cfg: Config | None = None, sizes: list[int] | None = None,
+                budgets: list[float] | None = None) -> tuple[Config, Grid]:
+    """The ladder's base config and grid: planned now from ``cfg``, ``sizes``, ``budgets`` (and written to
+    ``ladder.json``), or read back from ``ladder.json`` when they are None.
+
+    Raises:
+        ConfigError: no ladder there, or another ladder (other sizes / budgets / config) already there.
+    """
+    plan_path = ladder_dir / PLAN
+    if plan_path.exists():
+        plan = json.loads(plan_path.read_text())
+        if cfg is None:
+            cfg = load_config(path=ladder_dir / "base.toml")
+            sizes, budgets = plan["sizes"], plan["budgets"]
+        elif sorted(set(sizes)) != plan["sizes"] or sorted(set(budgets)) != plan["budgets"]:
+            raise ConfigError(f"{plan_path}: a ladder of sizes {plan['sizes']} x budgets {plan['budgets']} is there; "
+                              f"expected the same sizes and budgets to continue it (or another LADDER_DIR)")
+        else:  # points of two recipes in one fit would be no law of either
+            base = to_dict(load_config(path=ladder_dir / "base.toml"))
+            changed = sorted(k for k, v in to_dict(cfg).items() if base.get(k) != v)
+            if changed:
+                raise ConfigError(f"{ladder_dir / 'base.toml'}: the ladder there was started from another config "
+                                  f"(sections {changed} differ); expected the same config to continue it")
+    elif cfg is None:
+        raise ConfigError(f"{ladder_dir}: no {PLAN}; expected a ladder directory of densetrain ladder")
+    grid = build_grid(cfg, sizes, budgets)
+    if not plan_path.exists():
+        ladder_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, ladder_dir / "base.toml")
+        atomic_write_json(plan_path, {"sizes": grid.sizes, "budgets": grid.budgets, "warmup_steps": grid.warmup_steps,
+                                      "points": [vars(p) for p in grid.points]})
+    return cfg, grid
+
+
+def describe(cfg: Config, grid: Grid) -> str:
+    """One line saying how the ladder's runs differ from ``cfg`` (the decisions the grid makes for them)."""
+    mains = sum(1 for p in grid.points if not p.branch_from)
+    return (f"ladder: {len(grid.points)} points ({len(grid.sizes)} sizes x {len(grid.budgets)} budgets), {mains} WSD "
+            f"runs + {len(grid.points) - mains} cooldown branches; every run: schedule wsd (decay_fraction "
+            f"{cfg.schedule.decay_fraction:g}, {cfg.schedule.decay_shape}), warmup {grid.warmup_steps} steps, one "
+            f"stage with the mix of the config's first stage, no faults")
+
+
+def finished(ladder_dir: Path) -> dict[str, dict]:
+    """The records of ``ladder.jsonl`` by point name."""
+    path = ladder_dir / POINTS
+    if not path.exists():
+        return {}
+    return {r["name"]: r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip())}
+
+
+def record_point(ladder_dir: Path, rec: dict) -> None:
+    """Add ``rec`` to ``ladder.jsonl`` (the whole file rewritten atomically: a kill leaves the old or the new)."""
+    path = ladder_dir / POINTS
+    old = path.read_bytes() if path.exists() else b""
+    atomic_write_bytes(path, old + (json_text(rec) + "\n").encode())
+
+
+def point_record(cfg: Config, p: Point, run_dir: Path) -> dict:
+    """What the ladder keeps of a finished point (module docstring of the package)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    counts = param_counts(cfg)
+    d = float(summary["tokens"])
+    stages = resolve_stages(cfg)
+    s1, s2 = run_areas(cfg, stages)
+    curve, first = [], max(warmup_steps(cfg.schedule, cfg.train.steps), CURVE_FROM * cfg.train.steps)
+    for r in read_metrics(run_dir):
+        if r.get("kind") == "eval" and "val/all/loss" in r and r["step"] > first:
+            curve.append({"step": r["step"], "s1": float(s1[r["step"] - 1]), "s2": float(s2[r["step"] - 1]),
+                          "loss": {k.split("/")[1]: v for k, v in r.items()
+                                   if k.startswith("val/") and k.endswith("/loss") and isinstance(v, float)}})
+    return {"name": p.name, "d_model": p.d_model, "n_layers": cfg.model.n_layers, "budget": p.budget,
+            "steps": p.steps, "branch_from": p.branch_from, **counts, "tokens": d,
+            "flops_6nd": 6.0 * counts[N_KEY] * d, "flops_6nd_all": 6.0 * counts["params"] * d,
+            "flops": flops_per_token(cfg.model, cfg.train.seq_len) * d,
+            "val": {s: {k: v.get(k) for k in ("loss", "bpb")} for s, v in summary.get("val", {}).items()},
+            "downstream": summary.get("downstream", {}), "curve": curve, "run_dir": str(run_dir)}
+
+
+def _order(grid: Grid) -> list[Point]:
+    """Each size's main run before its branches (they start from its checkpoints)."""
+    return sorted(grid.points, key=lambda p: (p.d_model, p.branch_from != 0, p.budget))
+
+
+def _branches(grid: Grid, main: Point) -> list[Point]:
+    """The cooldown branches of main run ``main``, by their start step."""
+    return sorted((b for b in grid.points if b.main == main.name and b.branch_from), key=lambda b: b.branch_from)
+
+
+def _branch_start(main_dir: Path, run_dir: Path, step: int) -> None:
+    """Give a branch its start: the main run's checkpoint of ``step`` copied into ``run_dir/checkpoints``
+    (copied to a temporary name, then renamed, so a kill leaves no partial checkpoint)."""
+    dest = run_dir / "checkpoints" / f"step_{step:08d}"
+    if dest.exists() or (run_dir / "summary.json").exists():
+        return
+    src = main_dir / "checkpoints" / f"step_{step:08d}"
+    if not src.is_dir():
+        raise ConfigError(f"{src}: the main run has no checkpoint at step {step} for this cooldown branch "
+                          f"(deleted?); expected the checkpoints of densetrain ladder's main runs")
+    tmp = dest.with_name(dest.name + ".copy")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    tmp.rename(dest)
+
+
+def run_ladder(cfg: Config, sizes: list[int], budgets: list[float], ladder_dir: Path,
+               progress: bool = True) -> list[dict]:
+    """Train every point of the ladder not yet finished, one after another in this process; return all records."""
+    cfg, grid = open_ladder(ladder_dir, cfg, sizes, budgets)
+    done = finished(ladder_dir)
+    todo = [p for p in _order(grid) if p.name not in done]
+    print(describe(cfg, grid))
+    if len(todo) < len(grid.points):
+        print(f"ladder {ladder_dir}: {len(grid.points) - len(todo)} of {len(grid.points)} points done, skipped")
+    for p in tqdm(todo, desc="ladder", unit="run", disable=not progress):
+        run_dir = ladder_dir / "runs" / p.name
+        pcfg = point_config(cfg, grid, p, str(run_dir))
+        if not p.branch_from:  # in segments ending at the branch starts, each start given to its branch at once
+            for b in _branches(grid, p):
+                branch_dir = ladder_dir / "runs" / b.name
+                if not (branch_dir / "checkpoints" / f"step_{b.branch_from:08d}").is_dir():
+                    train(pcfg, resume=True, stop_after=b.branch_from)
+                    _branch_start(run_dir, branch_dir, b.branch_from)
+        else:
+            _branch_start(ladder_dir / "runs" / p.main, run_dir, p.branch_from)
+        if not (run_dir / "summary.json").exists():  # (a run killed after its last checkpoint: the summary now)
+            train(pcfg, resume=True)
+        record_point(ladder_dir, point_record(pcfg, p, run_dir))
+    return list(finished(ladder_dir).values())
+
+
+def collect(ladder_dir: Path) -> list[dict]:
+    """The ladder's records, first adding those of runs finished outside :func:`run_ladder` (a cluster's,
+    after ``--print-commands``)."""
+    cfg, grid = open_ladder(ladder_dir)
+    done = finished(ladder_dir)
+    for p in grid.points:
+        run_dir = ladder_dir / "runs" / p.name
+        if p.name not in done and (run_dir / "summary.json").exists():
+            s = json.loads((run_dir / "summary.json").read_text())
+            if s.get("steps") == p.steps:
+                record_point(ladder_dir, point_record(point_config(cfg, grid, p, str(run_dir)), p, run_dir))
+    return list(finished(ladder_dir).values())
+
+
+def print_commands(cfg: Config, sizes: list[int], budgets: list[float], ladder_dir: Path) -> list[str]:
+    """One shell command per run (main runs, then the branches that need their checkpoints), with each run's
+    config written to ``LADDER_DIR/configs``; ``densetrain ladder fit`` collects the finished runs."""
+    cfg, grid = open_ladder(ladder_dir, cfg, sizes, budgets)
+    lines = [f"# {describe(cfg, grid)}"]
+    for p in _order(grid):
+        run_dir = ladder_dir / "runs" / p.name
+        conf = ladder_dir / "configs" / f"{p.name}.toml"
+        conf.parent.mkdir(parents=True, exist_ok=True)
+        save_config(point_config(cfg, grid, p, str(run_dir)), conf)
+        if not p.branch_from:  # in segments, each start copied for its branch (see run_ladder)
+            stops = [b.branch_from for b in _branches(grid, p)]
+            cmds = [f"densetrain train --config {conf}" + (f" --stop-after {stops[0]}" if stops else "")]
+            for i, b in enumerate(_branches(grid, p)):
+                dest = ladder_dir / "runs" / b.name / "checkpoints"
+                cmds.append(f"mkdir -p {dest} && cp -r {run_dir}/checkpoints/step_{b.branch_from:08d} {dest}/")
+                cmds.append(f"densetrain train --resume {run_dir}"
+                            + (f" --stop-after {stops[i + 1]}" if i + 1 < len(stops) else ""))
+            lines.append(" && ".join(cmds))
+        else:
+            lines.append(f"cp {conf} {run_dir}/config.toml && densetrain train --resume {run_dir}")
+    return lines
+

@@ -1,0 +1,174 @@
+"""Run files validated like configs: crafted ``trainer_state.json``, rollback events in ``events.jsonl``
+and DCP ``.metadata`` storage paths each fail with one line naming the file and key, never a traceback,
+a hang, a silent acceptance or a read outside the checkpoint directory; ``blame`` refuses shards other
+than those the step was trained on. Table-driven: each row is one crafted input and the words its line
+must hold. The crafted files get an honest completion marker (as a forger would write one), so what is
+tested is the validation, not the digests (tests/test_checkpoint_verify.py)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import time
+
+import pytest
+from conftest import forge_marker
+
+from densetrain.checkpoint import list_complete, read_trainer_state
+from densetrain.cli import main
+from densetrain.dcp_read import CheckpointReadError, read_metadata
+
+
+def _copy(stopped_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(stopped_run[0], run)
+    return run, [p for _, p in list_complete(run)]
+
+
+def _one_line(capsys, argv) -> str:
+    assert main(argv) == 2, argv
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("densetrain: error: "), err
+    return err
+
+
+def _set(d: dict, dotted: str, value) -> dict:
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        d = d[k]
+    if value is _DELETE:
+        del d[keys[-1]]
+    else:
+        d[keys[-1]] = value
+    return d
+
+
+_DELETE = object()
+
+# (key, crafted value or raw file text, words the one line must hold)
+TRAINER_STATE_CASES = [
+    ("", [], "(top level): expected an object"),
+    ("step", "3", "step: expected an integer 0..10^12"),
+    ("step", -1, "step: expected an integer 0..10^12"),
+    ("step", 10**13, "step: expected an integer 0..10^12"),
+    ("step", True, "step: expected an integer 0..10^12"),
+    ("step", 7, "step: expected 3, the step of its checkpoint directory"),  # silently resumed at step 7 before
+    ("step", _DELETE, "step: missing"),
+    ("tokens", 1.5, "tokens: expected an integer >= 0"),
+    ("skipped_steps", 99, "skipped_steps: expected at most step (3)"),  # silently accepted before
+    ("stage", 5, "stage: expected a string"),
+    ("dtype", "fp16", "dtype: expected 'fp32' or 'bf16'"),  # silently measured again before
+    ("world_size", 0, "world_size: expected an integer 1..2^20"),
+    ("layout", {"tp": "two"}, "layout: expected an object of degree name -> integer >= 1"),
+    ("data", 5, "data: expected an object of source name -> fingerprint string"),
+    ("sampler", [], "sampler: expected an object"),
+    ("sampler.samples_seen", "x", "sampler.samples_seen: expected an integer >= 0"),
+    ("sampler.cursor", {"email": -5, "json": 0}, "sampler.cursor: expected an object of source name -> integer"),
+    ("sampler.epoch", None, "sampler.epoch: expected an object of source name -> integer"),
+    ("sampler.shuffle_seed", 2**70, "sampler.shuffle_seed: expected null or an integer"),
+    ("sampler.cursor", _DELETE, "sampler: expected samples_seen and cursor"),
+    ("watchers", [], "watchers: expected an object of watcher name -> object"),
+    ("watchers.guard", {"history": "abc", "spikes": []}, "watchers.guard.history: expected a list of numbers"),
+    ("watchers.guard", {"history": [], "spikes": {"a": 1}}, "watchers.guard.spikes: expected a list of numbers"),
+    ("raw", '{"step": 3, "tokens": NaN}', "not JSON (ValueError: NaN is not JSON"),
+    ("raw", '{"step": 3', "not JSON (JSONDecodeError"),
+    ("raw", "[" * 100_000 + "]" * 100_000, "not JSON (RecursionError"),
+]
+
+
+@pytest.mark.parametrize("key,value,words", TRAINER_STATE_CASES, ids=[f"{c[0]}-{i}" for i, c in
+                                                                     enumerate(TRAINER_STATE_CASES)])
+def test_crafted_trainer_state_is_one_line_naming_the_key(stopped_run, tmp_path, key, value, words):
+    ckpt = tmp_path / "step_00000003"
+    shutil.copytree(stopped_run[0] / "checkpoints" / "step_00000003", ckpt)
+    path = ckpt / "trainer_state.json"
+    if key == "raw":
+        path.write_text(value)
+    else:
+        state = json.loads(path.read_text())
+        state = value if key == "" else state
+        if key:
+            _set(state, key, value)
+        path.write_text(json.dumps(state))
+    forge_marker(ckpt)
+    with pytest.raises(CheckpointReadError) as e:
+        read_trainer_state(ckpt)
+    assert str(e.value).startswith(f"{path}: ") and words in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_crafted_trainer_state_through_the_commands(stopped_run, tmp_path, capsys):
+    run, ckpts = _copy(stopped_run, tmp_path)
+    for c in ckpts:
+        state = json.loads((c / "trainer_state.json").read_text())
+        state["sampler"]["samples_seen"] = -4  # a traceback deep in the sampler before, or a wrong batch
+        (c / "trainer_state.json").write_text(json.dumps(state))
+        forge_marker(c)
+    where = f"{ckpts[1]}/trainer_state.json: sampler.samples_seen: expected an integer >= 0"
+    assert where in _one_line(capsys, ["blame", str(run), "3"])
+    assert where in _one_line(capsys, ["eval", str(ckpts[1])])
+    # resume: no checkpoint loads (each said in one line), so it stops in one line naming the last one tried.
+    err = _one_line(capsys, ["train", "--resume", str(run)])
+    assert "no checkpoint could be loaded" in err and "sampler.samples_seen" in err, err
+
+
+# (values of a rollback event to checkpoint 2, words of the line); blame of step 3 replays them
+EVENT_CASES = [
+    ({"action": "rollback", "values": {"from_step": 10**9}}, "from_step: expected an integer in 3..4"),  # hung
+    ({"action": "rollback", "values": {"from_step": "5"}}, "from_step: expected an integer in 3..4"),
+    ({"action": "rollback", "values": {}}, "from_step: expected an integer in 3..4"),
+    ({"action": "rollback", "values": [1, 2]}, "values: expected an object"),
+    ({"action": "skip_data", "values": {"skipped_samples": [0]}}, "skipped_samples: expected [first, last]"),
+    ({"action": "skip_data", "values": {"skipped_samples": [0, 10**12]}}, "skipped_samples: expected [first, last]"),
+    ({"action": "skip_data", "values": {"skipped_samples": [5, "x"]}}, "skipped_samples: expected [first, last]"),
+]
+
+
+def test_crafted_rollback_events_are_one_line_in_blame(stopped_run, tmp_path, capsys):
+    run, _ = _copy(stopped_run, tmp_path)
+    honest = (run / "events.jsonl").read_text()
+    for extra, words in EVENT_CASES:
+        event = {"kind": "rollback", "step": 2, "rank": 0, "time": time.time(), "text": "crafted", **extra}
+        (run / "events.jsonl").write_text(honest + json.dumps(event) + "\n")
+        err = _one_line(capsys, ["blame", str(run), "3"])
+        assert f"{run}/events.jsonl: rollback event at step 2: " in err and words in err, (extra, err)
+    # Lines that are JSON but no event, or an event with a time that is no number: passed over, ordered first.
+    (run / "events.jsonl").write_text(honest + '[1, 2]\n5\n{"kind": "note", "time": "soon"}\n')
+    assert main(["blame", str(run), "3"]) == 0
+
+
+def test_metadata_cannot_point_reads_outside_the_checkpoint(stopped_run, tmp_path, capsys):
+    run, ckpts = _copy(stopped_run, tmp_path)
+    ckpt = ckpts[-1]
+    outside = tmp_path / "elsewhere.distcp"  # a readable file outside: before, eval read the weights from it
+    shutil.copy(ckpt / "__0_0.distcp", outside)
+    md = read_metadata(ckpt)
+    for info in md.storage_data.values():
+        info.relative_path = "../../../elsewhere.distcp"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    (ckpt / "__0_0.distcp").unlink()
+    forge_marker(ckpt)
+    for argv in (["eval", str(ckpt)], ["export", str(ckpt), "--format", "hf", str(tmp_path / "hf")]):
+        err = _one_line(capsys, argv)
+        assert f"{ckpt}/.metadata: refused: a storage entry points at '../../../elsewhere.distcp'" in err, err
+    for info in md.storage_data.values():
+        info.relative_path = str(outside)  # an absolute path
+    (ckpt / ".metadata").write_bytes(pickle.dumps(md))
+    forge_marker(ckpt)
+    assert "refused: a storage entry points at" in _one_line(capsys, ["eval", str(ckpt)])
+
+
+def test_blame_refuses_shards_other_than_the_step_was_trained_on(stopped_run, tmp_path, capsys):
+    run, ckpts = _copy(stopped_run, tmp_path)
+    assert main(["blame", str(run), "3"]) == 0
+    capsys.readouterr()
+    # The checkpoint after step 3 records the shards it trained on; now they differ (as after a re-prepare).
+    state = json.loads((ckpts[-1] / "trainer_state.json").read_text())
+    state["data"]["email"] = "0123456789abcdef"
+    (ckpts[-1] / "trainer_state.json").write_text(json.dumps(state))
+    forge_marker(ckpts[-1])
+    err = _one_line(capsys, ["blame", str(run), "3"])
+    assert "the train shards of ['email'] differ from those step 3 was trained on (recorded in step_00000003)" in err
+    # Step 2's batch: the checkpoint after it is step_00000002, whose record still matches.
+    assert main(["blame", str(run), "2"]) == 0
