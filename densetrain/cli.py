@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         line = collective_failure_line(e, Path(cfg.train.run_dir), rank, world) if cfg is not None else None
         if line is None:
             raise
-        print(f"densetrain: error: {line}", file=sys.stderr)
+        say_error(line)
         return 1
 
 

@@ -64,7 +64,7 @@ def test_a_stopped_rank_times_out_the_other_naming_it(prepared, tmp_path):
     assert TIMEOUT_S <= waited < TIMEOUT_S + 12, waited
     last = err.strip().splitlines()[-1]
     assert re.fullmatch(
-        r"densetrain: error: rank 0: collective (all_reduce|broadcast|all_gather\w*|gradient reduction \(DDP/FSDP "
+        r"densetrain: error: \[rank 0\] collective (all_reduce|broadcast|all_gather\w*|gradient reduction \(DDP/FSDP "
         rf"hooks in the backward\)) in \w+\.py:\d+ \w+\(\) timed out after {TIMEOUT_S} s \(parallel\.timeout_s\); "
         rf"rank\(s\) not arriving: 1 \(host \S+, pid {procs[1].pid}: last heartbeat \d+ s ago, at step \d+\)",
         last), err[-3000:]

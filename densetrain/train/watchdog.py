@@ -285,7 +285,8 @@ def collective_failure_line(exc: BaseException, run_dir: Path, rank: int, world:
     """One line for a collective that timed out (``parallel.timeout_s``) or lost a peer (a killed rank), from
     ``exc`` as torch.distributed raises it: the collective (the torch.distributed call and the densetrain line
     that made it) and the ranks that did not arrive, from the heartbeat files (:func:`silent_ranks`; gloo's
-    message does not say which peer it waited for). None when ``exc`` is neither."""
+    message does not say which peer it waited for; ``rank`` is this process, left out of them). None when
+    ``exc`` is neither."""
     timed_out, gone = _TIMEOUT.search(str(exc)), _PEER_GONE.search(str(exc))
     if not isinstance(exc, RuntimeError) or not (timed_out or gone):
         return None
@@ -310,4 +311,4 @@ def collective_failure_line(exc: BaseException, run_dir: Path, rank: int, world:
     else:
         missing = ("every other rank's heartbeat is fresh: one is alive but busy elsewhere (its stack: "
                    f"{run_dir}/hang_rank<r>.txt after watchdog.hang_seconds)")
-    return f"rank {rank}: collective {call}{where} {what}; {missing}"
+    return f"collective {call}{where} {what}; {missing}"
