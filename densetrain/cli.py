@@ -86,7 +86,7 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
             resolve_stages(cfg)  # the stage table's checks, as training would run them first
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        return print_dry_run(cfg)
+        return print_dry_run(cfg, args.world_size, args.rank, args.ranks)
     from densetrain.train import train
 
     if (args.rollback_to is not None or args.skip_batches) and not args.resume:
@@ -446,6 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "intent and the one chosen is said)")
             sp.add_argument("--dry-run", action="store_true", help="resolve the config, build the model on the meta "
                             "device and print the memory and layout plan (densetrain plan); no data is read")
+            sp.add_argument("--world-size", type=int, metavar="N", help="with --dry-run: the job's number of "
+                            "processes (default: WORLD_SIZE, else 1)")
+            sp.add_argument("--rank", type=int, metavar="R", help="with --dry-run: build rank R of the job on a fake "
+                            "process group (meta device) and print its stage, shards and bytes")
+            sp.add_argument("--ranks", metavar="R,R,..", help="with --dry-run: as --rank for each (e.g. 0,517,-1)")
             sp.add_argument("--rollback-to", type=int, metavar="STEP", help="with --resume: set the checkpoints "
                             "after STEP aside (moved to RUN_DIR/checkpoints_set_aside) and continue from STEP")
             sp.add_argument("--skip-batches", type=int, default=0, metavar="N",

@@ -31,7 +31,7 @@ def test_presets_load_with_published_shapes():
         assert Transformer(ll.model).num_params() == pytest.approx(8.03e9, rel=0.001)  # Llama 3 8B: 8.03B
 
 
-@pytest.mark.parametrize("preset", ["tiny", "gpt2-124m", "llama3-8b"])
+@pytest.mark.parametrize("preset", ["tiny", "gpt2-124m", "llama3-8b", "llama3-70b", "llama3-405b"])
 def test_smoke_keeps_the_recipe_at_laptop_scale(preset):
     from densetrain.config.smoke import scale_down
     from densetrain.schedule import resolve_stages

@@ -39,7 +39,7 @@ def test_every_group_of_the_mesh_waits_parallel_timeout_s(tmp_path):
     out = run_script_ranks(_GROUPS, tmp_path, "groups")
     for r in range(2):
         got = json.loads(Path(f"{out}.{r}").read_text())
-        assert got == {"dp_replicate": 7.0, "dp_shard": 7.0, "cp": 7.0, "tp": 7.0, "world": 7.0}
+        assert got == {"pp": 7.0, "dp_replicate": 7.0, "dp_shard": 7.0, "cp": 7.0, "tp": 7.0, "world": 7.0}
 
 
 def test_a_stopped_rank_times_out_the_other_naming_it(prepared, tmp_path):

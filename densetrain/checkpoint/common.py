@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from densetrain.errors import TrainError
 from densetrain.fileio import fsync_dir, leases_of
@@ -147,3 +148,16 @@ def set_aside(run_dir: Path, after_step: int) -> list[Path]:
         fsync_dir(checkpoint_dir(run_dir))
     _barrier()
     return moved
+
+
+def state_dict_options(model, saved: dict | None = None) -> StateDictOptions:
+    """The optimizer state's form: flattened (``param_groups.<name>.<key>``, ``state.<name>.<key>``) for a
+    pipeline stage's model (``full_state_names``, densetrain/parallel/pipeline.py), whose indexed param
+    groups would overwrite another stage's in the checkpoint (DCP keeps one copy of a key); else torch's
+    nested default. Loading follows the checkpoint's form (``saved``: its metadata), so either loads at any
+    pipeline degree."""
+    if saved is None:
+        flat = hasattr(model, "full_state_names")
+    else:
+        flat = any(k.startswith("optim.param_groups.") and not k.split(".")[2].isdigit() for k in saved)
+    return StateDictOptions(flatten_optimizer_state_dict=flat)

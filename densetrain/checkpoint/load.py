@@ -30,6 +30,7 @@ from densetrain.checkpoint.common import (
     _rank,
     describe_error,
     latest_checkpoint,
+    state_dict_options,
 )
 from densetrain.dcp_read import (
     CheckpointCorruptError,
@@ -106,15 +107,17 @@ class CheckpointMismatchError(CheckpointError):
     (a ``model.*`` setting changed since it was saved)."""
 
 
-def _model_mismatch(model_sd: dict, saved: dict) -> str:
+def _model_mismatch(model_sd: dict, saved: dict, elsewhere: frozenset = frozenset()) -> str:
     """The first tensors whose shape differs between the model's state dict (global shapes, also of
     DTensors) and the ``model.*`` tensors of checkpoint metadata ``saved``, or that only one of them
-    has, as ``name: SHAPE saved, SHAPE in the model``; '' when they agree."""
+    has, as ``name: SHAPE saved, SHAPE in the model``; '' when they agree. ``elsewhere``: names the
+    whole model has that this rank does not hold (a pipeline stage's model: the other stages check theirs)."""
     want = {k: tuple(v.shape) for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
     got = {k[len("model."):]: tuple(v.size) for k, v in saved.items() if k.startswith("model.") and hasattr(v, "size")}
     # An entry saved as something else than a tensor is not a shape question: the load refuses it by name.
     other = {k[len("model."):] for k in saved if k.startswith("model.")} - set(got)
-    names = sorted(n for n in set(got) | set(want) if n not in other and got.get(n) != want.get(n))
+    names = sorted(n for n in set(got) | set(want)
+                   if n not in other and got.get(n) != want.get(n) and not (n not in want and n in elsewhere))
     return ", ".join(f"{n}: {list(got[n]) if n in got else 'none'} saved, "
                      f"{list(want[n]) if n in want else 'none'} in the model" for n in names[:3])
 
@@ -141,12 +144,13 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         reader = TrustedReader(path, verify=False)  # just verified, split over the ranks
         saved = reader.read_metadata().state_dict_metadata  # a missing, torn or crafted file: one line, here
         if optimizer is not None:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            opts = state_dict_options(model, saved)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
             _keep_saved_optimizer_state(optim_sd, saved)
             state = {"model": model_sd, "optim": optim_sd}
         else:
             state = {"model": get_model_state_dict(model)}
-        diff = _model_mismatch(state["model"], saved)
+        diff = _model_mismatch(state["model"], saved, getattr(model, "full_state_names", frozenset()))
         if diff:
             raise CheckpointMismatchError(f"{path}: the checkpoint's model tensors do not match the model ({diff})")
         with warnings.catch_warnings():
@@ -161,7 +165,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
                                          "the checkpoint is damaged")
         set_model_state_dict(model, state["model"])  # strict: every tensor of the model was read
         if optimizer is not None:  # not strict: parameters without saved state start afresh (see above)
-            set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(strict=False))
+            set_optimizer_state_dict(model, optimizer, state["optim"], options=StateDictOptions(
+                strict=False, flatten_optimizer_state_dict=opts.flatten_optimizer_state_dict))
         rng = path / f"rng_{_rank()}.json"
         if rng.exists():
             _set_rng_state(json.loads(rng.read_text()))
@@ -183,6 +188,12 @@ def _keep_saved_optimizer_state(optim_sd: dict, saved: dict) -> None:
     for fqn in list(optim_sd.get("state", {})):
         if not any(f"optim.state.{fqn}.{k}" in saved for k in optim_sd["state"][fqn]):
             del optim_sd["state"][fqn]
+    flat = [k for k in optim_sd if k.startswith("state.")]  # the flattened form: state.<fqn>.<key>
+    for fqn in {k[len("state."):].rsplit(".", 1)[0] for k in flat}:
+        keys = [k for k in flat if k.rsplit(".", 1)[0] == f"state.{fqn}"]
+        if not any(f"optim.{k}" in saved for k in keys):
+            for k in keys:
+                del optim_sd[k]
 
 
 def read_trainer_state(path: Path) -> dict:

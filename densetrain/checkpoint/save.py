@@ -33,6 +33,7 @@ from densetrain.checkpoint.common import (
     checkpoint_dir,
     describe_error,
     list_complete,
+    state_dict_options,
     sweep,
 )
 from densetrain.dcp_read import (
@@ -161,7 +162,7 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, optimizer:
     tmp, final, error = _start(run_dir, step, trainer_state)
 
     def write_shards() -> None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(model))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed.*")  # single-process DCP warns
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
@@ -221,7 +222,7 @@ def start_async_save(run_dir: Path, step: int, model: torch.nn.Module, optimizer
     pending = PendingSave(step, tmp, final, None, error)
 
     def stage_and_launch() -> None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(model))
         atomic_write_json(tmp / f"rng_{_rank()}.json", _rng_state())
         if process_group is None:
             # DCP warns that a single process is assumed, from its writer thread, outside any catch_warnings.

@@ -312,8 +312,9 @@ class EvalConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the processes of a job split the work: one torch.distributed DeviceMesh (dp_replicate, dp_shard, cp, tp),
-    row-major, tp innermost (the fastest link). dp_replicate * dp_shard * cp * tp = world size."""
+    """How the processes of a job split the work: one torch.distributed DeviceMesh (pp, dp_replicate, dp_shard, cp,
+    tp), row-major, pp outermost, tp innermost (the fastest link). pp * dp_replicate * dp_shard * cp * tp = world
+    size."""
 
     dp_replicate: int = -1
     """Data-parallel replicas: DDP when dp_shard = tp = 1, else the replicate dimension of HSDP; -1 fills the world
@@ -341,6 +342,24 @@ class ParallelConfig:
     compile_blocks: bool = False
     """torch.compile each transformer block separately (after tensor parallel and activation checkpointing, before
     FSDP2)."""
+    pp: int = 1
+    """Pipeline-parallel degree: the layers split into this many stages (the embedding and the output head each count
+    as one layer), outermost mesh dimension; must divide the world size (densetrain/parallel/pipeline.py)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule (torch.distributed.pipelining): 'gpipe' (all forwards, then all backwards: every micro-batch's
+    activations held), '1f1b' (at most pp micro-batches in flight) or 'interleaved_1f1b' (pp_virtual_stages stages
+    per rank: a bubble pp_virtual_stages times smaller, more point-to-point messages)."""
+    pp_virtual_stages: int = 1
+    """Stages per pipeline rank; >= 2 only with pp_schedule = 'interleaved_1f1b' (rank r holds stages r, r + pp,
+    ...)."""
+    pp_microbatches: int = 0
+    """Micro-batches (of micro_batch_size rows) per pipeline schedule call; 0: the fewest of at least pp that keep the
+    bubble (pp - 1) / (pp_virtual_stages * (microbatches + pp - 1)) under 15%, capped by the micro-batches a rank has.
+    Fewer than pp is refused. A rank's batch runs as batch / (dp * micro_batch_size * pp_microbatches) schedule
+    calls."""
+    pp_layers_per_stage: int = 0
+    """Layers per pipeline stage, the embedding and the output head counted as one layer each; 0: as even as possible
+    (n_layers + 2 over pp * pp_virtual_stages stages). Must then multiply to n_layers + 2 exactly."""
     timeout_s: float = 600.0
     """Seconds a collective waits for the other ranks before it fails, on every process group densetrain creates
     (the world, the mesh's subgroups, the async-save group): the job then exits naming the collective and the

@@ -5,8 +5,9 @@ runs, in order, with its mix, RoPE base and scaling, document masking and re-war
 kind, the optimizer, the ratio of query to KV heads, the ratio of ``d_ff`` to ``d_model``, and each
 stage's sequence length relative to the first. Shrunk: depth 2, width 64 (4 heads of 16), the first
 stage's ``seq_len`` to at most 64, 4 sequences per step per stage, 3 steps per stage, warmup of 2
-steps, evals on 2 batches, downstream tasks off, a checkpoint at the middle and the end, and the run
-directory gets a ``-smoke`` suffix so a real run is never touched.
+steps, evals on 2 batches, downstream tasks off, a checkpoint at the middle and the end, the parallel
+layout one process (no pipeline, tensor or context split: a recipe's layout is for its GPUs), and the
+run directory gets a ``-smoke`` suffix so a real run is never touched.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def scale_down(cfg: Config) -> Config:
     out.eval = dataclasses.replace(out.eval, every=t.steps, max_batches=2, tasks="", final_tasks="")
     out.logging.every = 1
     out.logging.mfu_every = 1
+    out.parallel = dataclasses.replace(out.parallel, dp_replicate=-1, dp_shard=1, tp=1, cp=1, pp=1,
+                                       pp_schedule="1f1b", pp_virtual_stages=1, pp_microbatches=0,
+                                       pp_layers_per_stage=0)
     validate(out)
     return out
 

@@ -220,6 +220,50 @@ def validate_parallel(cfg: Config) -> None:
             check_config(t % (2 * p.cp) == 0,
                          f"parallel.cp ({p.cp}) needs {k} ({t}) divisible by 2 * cp = {2 * p.cp}: each rank holds "
                          f"two of 2 * cp equal chunks of every sequence")
+    validate_pipeline(cfg)
+
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def validate_pipeline(cfg: Config) -> None:
+    """The ``parallel.pp*`` keys: a known schedule, virtual stages only with the interleaved one, a stage split
+    that gives every stage at least one layer, and the features pipeline stages do not run (refused here,
+    one line each, rather than failing mid-run)."""
+    p, m = cfg.parallel, cfg.model
+    check_config(p.pp >= 1, f"parallel.pp must be >= 1, got {p.pp}")
+    check_config(p.pp_schedule in PP_SCHEDULES,
+                 f"parallel.pp_schedule must be one of {', '.join(PP_SCHEDULES)}, got '{p.pp_schedule}'")
+    interleaved = p.pp_schedule == "interleaved_1f1b"
+    check_config(p.pp_virtual_stages >= 2 if interleaved else p.pp_virtual_stages == 1,
+                 f"parallel.pp_virtual_stages ({p.pp_virtual_stages}) must be >= 2 with pp_schedule "
+                 f"'interleaved_1f1b' and 1 with '{p.pp_schedule}'")
+    check_config(p.pp_microbatches >= 0,
+                 f"parallel.pp_microbatches must be >= 0 (0: automatic), got {p.pp_microbatches}")
+    check_config(p.pp_layers_per_stage >= 0, f"parallel.pp_layers_per_stage must be >= 0, got {p.pp_layers_per_stage}")
+    if p.pp == 1:
+        return
+    stages, units = p.pp * p.pp_virtual_stages, m.n_layers + 2
+    check_config(units >= stages, f"parallel.pp * pp_virtual_stages = {stages} stages need at least as many layers; "
+                                  f"model.n_layers + 2 (embedding and head) is {units}")
+    if p.pp_layers_per_stage:
+        check_config(p.pp_layers_per_stage * stages == units,
+                     f"parallel.pp_layers_per_stage ({p.pp_layers_per_stage}) times {stages} stages must be "
+                     f"model.n_layers + 2 = {units} (the embedding and the head count as one layer each)")
+    check_config(p.pp_microbatches == 0 or p.pp_microbatches >= p.pp,
+                 f"parallel.pp_microbatches ({p.pp_microbatches}) must be >= parallel.pp ({p.pp}): fewer micro-batches "
+                 f"than stages leave a stage idle the whole step")
+    refused = (("model.tie_embeddings", m.tie_embeddings, "the embedding and the head sit on different stages"),
+               ("parallel.cp", p.cp != 1 and (m.document_mask or any(st.document_mask for st in cfg.stages)),
+                "context parallelism runs through pipeline stages without document masks only (model.document_mask "
+                "and every stage's document_mask false)"),
+               ("train.compile", cfg.train.compile, "whole-model compile cannot see a stage; use "
+                                                    "parallel.compile_blocks"),
+               ("eval.samples", cfg.eval.samples, "generation (KV cache) does not run through pipeline stages"),
+               ("eval.tasks", cfg.eval.tasks, "downstream tasks do not run through pipeline stages yet"),
+               ("eval.final_tasks", cfg.eval.final_tasks, "downstream tasks do not run through pipeline stages yet"))
+    for key, on, why in refused:
+        check_config(not on, f"parallel.pp ({p.pp}) > 1 cannot run with {key} set: {why}; set it off or pp = 1")
 
 
 ROPE_SCALING_TYPES = ("none", "linear", "llama3", "yarn")

@@ -421,7 +421,7 @@ class Transformer(nn.Module):
         Inside a compiled forward the tables are computed in the graph instead: assigning the buffers there
         is a side effect whose changed shape fails the next call's guards (a second compile per shape).
         """
-        device = self.tok_embeddings.weight.device
+        device = self.rope_cos.device  # moves with the module (a pipeline stage may hold no embedding)
         if torch.compiler.is_compiling():
             return rope_cos_sin(self.head_dim, self.rope_theta, seq_len, device, self.rope_scaling)
         stale = (
@@ -457,21 +457,28 @@ class Transformer(nn.Module):
         (B, T) int64 makes every token attend only within its document; ``positions`` (B, T) int64,
         each < T, are the RoPE positions (restarting per document) instead of 0 .. T-1.
         """
-        _, T = tokens.shape
+        T = tokens.shape[1]
         doc_mask = None if doc_ids is None or attend is not None else DocumentMask.build(doc_ids)
         if cache is None:
-            cos, sin = self.rope_cache(T if attend is None else attend.seq_len)  # (T, head_dim) each, float32
+            # positions index a table as long as they are (a pipeline stage under sequence parallelism gets
+            # T / tp tokens of hidden states, but whole rows of positions)
+            n = attend.seq_len if attend is not None else positions.shape[1] if positions is not None else T
+            cos, sin = self.rope_cache(n)  # (n, head_dim) each, float32
             if positions is not None:
                 cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, T, head_dim) each
         else:
             pos = cache.begin(T)  # (B, T) RoPE position of each new token
             cos, sin = self.rope_cache(cache.max_len)  # the whole budget at once: one table per generation
             cos, sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)  # (B, 1, T, head_dim) each
-        h = self.tok_embeddings(tokens)  # (B, T, d_model)
+        # A module without some parts (a pipeline stage, densetrain/parallel/pipeline.py) runs the rest: without
+        # the embedding ``tokens`` are hidden states (B, T, d_model); without the head it returns them.
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, d_model)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, cache, i, doc_mask, attend)  # (B, T, d_model)
         if cache is not None:
             cache.length += T
+        if self.output is None:
+            return h
         if head is not None:
             return head(self.project, self.norm(h))
         return self.project(self.norm(h))  # (B, T, vocab_size)

@@ -1,6 +1,7 @@
 """The parallel layer: process group and device mesh, device, data-parallel rank/size, parallelising a
 model (DDP, FSDP2, tensor parallel, activation checkpointing, per-block compile), context parallelism
-(sequences split along time, :mod:`~densetrain.parallel.context`), gradient sync, grad norm and
+(sequences split along time, :mod:`~densetrain.parallel.context`), pipeline stages
+(:mod:`~densetrain.parallel.pipeline`, torch.distributed.pipelining's schedules), gradient sync, grad norm and
 clipping, norms of full tensors in any layout (:mod:`~densetrain.parallel.norms`), even splits of
 evaluation work, precision.
 

@@ -26,7 +26,9 @@ class DistInfo:
         cp_rank, cp_size: coordinate and degree along the context-parallel dimension: the ranks of one
             data-parallel rank that hold different parts of the same sequences (:mod:`densetrain.parallel.context`).
         layout: the resolved :class:`~densetrain.parallel.mesh.Layout` (degrees whose product is the world).
-        mesh: the ``DeviceMesh`` (dims ``dp_replicate, dp_shard, cp, tp``), None in a single process.
+        mesh: the ``DeviceMesh`` (dims ``pp, dp_replicate, dp_shard, cp, tp``), None in a single process.
+        pp_rank, pp_size: pipeline rank (which stages this process holds) and degree; the ranks of one
+            data-parallel rank at different pipeline ranks see the same batch.
     """
 
     rank: int
@@ -41,6 +43,8 @@ class DistInfo:
     mesh: object = None
     cp_rank: int = 0
     cp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -57,10 +61,15 @@ class DistInfo:
         """The 1-D context-parallel ``DeviceMesh`` (None when ``cp_size`` is 1)."""
         return self.mesh["cp"] if self.cp_size > 1 else None
 
+    @property
+    def pp_group(self):
+        """The pipeline process group (the ``pp`` mesh dim), None when ``pp_size`` is 1."""
+        return self.mesh["pp"].get_group() if self.pp_size > 1 else None
+
 
 # The layout of this process, set once by init_distributed: the reductions below and dp_rank_size need
 # the tensor-parallel coordinate, and the evals call them without a DistInfo at hand.
-_CURRENT = {"tp_rank": 0, "tp_size": 1, "timeout_s": 600.0}
+_CURRENT = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "timeout_s": 600.0}
 
 
 def collective_timeout() -> timedelta:
@@ -108,7 +117,8 @@ def init_distributed(device: str = "auto", parallel=None) -> DistInfo:
     if parallel is None:
         layout = resolve_layout(-1, 1, 1, world)
     else:
-        layout = resolve_layout(parallel.dp_replicate, parallel.dp_shard, parallel.tp, world, parallel.cp)
+        layout = resolve_layout(parallel.dp_replicate, parallel.dp_shard, parallel.tp, world, parallel.cp,
+                                getattr(parallel, "pp", 1))
     if device == "cuda":
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
@@ -116,18 +126,21 @@ def init_distributed(device: str = "auto", parallel=None) -> DistInfo:
         dev = torch.device("cpu")
     mesh = None
     if parallel is not None:
-        _CURRENT["timeout_s"] = float(parallel.timeout_s)
+        _CURRENT["timeout_s"] = float(getattr(parallel, "timeout_s", 600.0))
     if world > 1:
         if not dist.is_initialized():
             dist.init_process_group(backend="nccl" if device == "cuda" else "gloo", timeout=collective_timeout())
         mesh = build_mesh(layout, dev.type)
         set_group_timeouts(mesh, collective_timeout(), flattened=layout.cp > 1)
-    # Row-major mesh with tp innermost, then cp: rank = (dp_rank * cp + cp_rank) * tp + tp_rank
-    # (init_device_mesh's arange layout).
-    tp_rank, cp_rank, dp_rank = rank % layout.tp, (rank // layout.tp) % layout.cp, rank // (layout.tp * layout.cp)
-    _CURRENT.update(tp_rank=tp_rank, tp_size=layout.tp)
+    # Row-major mesh with pp outermost, tp innermost, then cp: rank = pp_rank * (world / pp) + inner,
+    # inner = (dp_rank * cp + cp_rank) * tp + tp_rank (init_device_mesh's arange layout).
+    stage_ranks = world // layout.pp
+    pp_rank, inner = rank // stage_ranks, rank % stage_ranks
+    tp_rank, cp_rank, dp_rank = inner % layout.tp, (inner // layout.tp) % layout.cp, inner // (layout.tp * layout.cp)
+    _CURRENT.update(tp_rank=tp_rank, tp_size=layout.tp, pp_rank=pp_rank, pp_size=layout.pp)
     return DistInfo(rank, world, local_rank, dev, dp_rank=dp_rank, dp_size=layout.dp_size, tp_rank=tp_rank,
-                    tp_size=layout.tp, layout=layout, mesh=mesh, cp_rank=cp_rank, cp_size=layout.cp)
+                    tp_size=layout.tp, layout=layout, mesh=mesh, cp_rank=cp_rank, cp_size=layout.cp,
+                    pp_rank=pp_rank, pp_size=layout.pp)
 
 
 def dp_rank_size() -> tuple[int, int]:
@@ -139,8 +152,8 @@ def dp_rank_size() -> tuple[int, int]:
     (the model's own attention), so they take different shares.
     """
     if dist.is_available() and dist.is_initialized():
-        tp = _CURRENT["tp_size"]
-        return dist.get_rank() // tp, dist.get_world_size() // tp
+        tp, stage_ranks = _CURRENT["tp_size"], dist.get_world_size() // _CURRENT["pp_size"]
+        return (dist.get_rank() % stage_ranks) // tp, stage_ranks // tp  # pipeline ranks share a dp rank
     return 0, 1
 
 
@@ -151,12 +164,22 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     one data-parallel rank, which share a batch. So only tensor-parallel rank 0 contributes (the others
     add zeros) and one world-wide all-reduce gives every rank the data-parallel sum; summing copies
     would count each batch ``tp`` times. A flag set by global rank 0 only (tensor-parallel rank 0)
-    reaches every rank, too.
+    reaches every rank, too. Pipeline ranks of one data-parallel rank share its batch as well: only
+    pipeline rank 0 contributes (what only the last stage computes, the loss, is first summed over the
+    pipeline group by the caller, :func:`densetrain.train.step.reduce_stats`).
     """
     if dist.is_available() and dist.is_initialized():
-        if _CURRENT["tp_rank"] != 0:
+        if _CURRENT["tp_rank"] != 0 or _CURRENT["pp_rank"] != 0:
             t.zero_()
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def sum_over_group(t: torch.Tensor, group) -> torch.Tensor:
+    """In-place sum over ``group`` (e.g. the pipeline stages: what only the last stage computes, handed to
+    every stage); a no-op when ``group`` is None. Returns ``t``."""
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 

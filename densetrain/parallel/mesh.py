@@ -1,32 +1,37 @@
-"""The parallel layout: degrees ``dp_replicate x dp_shard x cp x tp`` resolved against the world size,
-and the one ``DeviceMesh`` built from them.
+"""The parallel layout: degrees ``pp x dp_replicate x dp_shard x cp x tp`` resolved against the world
+size, and the one ``DeviceMesh`` built from them.
 
-The mesh is row-major with ``tp`` innermost, so the ranks of one tensor-parallel group are
-consecutive (on one node, over the fastest link: NVLink), then the context-parallel group (its K/V
-all-gather is the next heaviest traffic), then the FSDP shard group, then replicas (HSDP's all-reduce
-crosses nodes the least often). Global rank ``r`` sits at
-``(r // (dp_shard * cp * tp), (r // (cp * tp)) % dp_shard, (r // tp) % cp, r % tp)``.
+The mesh is row-major with ``pp`` (pipeline stages) outermost: its point-to-point activations are the
+lightest traffic, so its groups may cross nodes the most. ``tp`` is innermost, so the ranks of one
+tensor-parallel group are consecutive (on one node, over the fastest link: NVLink), then the
+context-parallel group (its K/V all-gather is the next heaviest traffic), then the FSDP shard group,
+then replicas (HSDP's all-reduce crosses nodes the least often, after pipeline stages). Global rank
+``r`` of ``W`` sits at pipeline stage ``r // (W / pp)``, and within its stage's ``W / pp`` ranks at
+``(i // (dp_shard * cp * tp), (i // (cp * tp)) % dp_shard, (i // tp) % cp, i % tp)`` with ``i = r % (W / pp)``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from densetrain.errors import ConfigError
 
-DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Resolved degrees (each >= 1); their product is the world size. ``cp`` (context parallel) is last
-    so that three-degree layouts ``Layout(dp_replicate, dp_shard, tp)`` keep meaning what they did."""
+    """Resolved degrees (each >= 1); their product is the world size. ``cp`` (context parallel) and ``pp``
+    (pipeline stages) come last so that three-degree layouts ``Layout(dp_replicate, dp_shard, tp)`` keep
+    meaning what they did."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
     cp: int = 1
+    pp: int = 1
 
     @property
     def dp_size(self) -> int:
@@ -35,18 +40,20 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def uses_fsdp(self) -> bool:
         """FSDP2 (``fully_shard``) applies: parameters are sharded, or tensor parallel needs its DTensor
         parameters reduced over data-parallel ranks (DDP does not take DTensors), or context-parallel
-        ranks (which see different tokens of the same rows) need their gradients summed."""
-        return self.dp_shard > 1 or self.cp > 1 or (self.tp > 1 and self.dp_size > 1)
+        ranks (which see different tokens of the same rows) need their gradients summed, or a pipeline
+        stage has data-parallel peers (one gradient reduction for all the stage's micro-batches)."""
+        return self.dp_shard > 1 or self.cp > 1 or ((self.tp > 1 or self.pp > 1) and self.dp_size > 1)
 
     def __str__(self) -> str:
+        pp = f"pp={self.pp} " if self.pp > 1 else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
-        return f"dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}{cp} tp={self.tp}"
+        return f"{pp}dp_replicate={self.dp_replicate} dp_shard={self.dp_shard}{cp} tp={self.tp}"
 
 
 def divisor_layouts(world: int, max_tp: int = 8) -> list[Layout]:
@@ -60,13 +67,18 @@ def divisor_layouts(world: int, max_tp: int = 8) -> list[Layout]:
     return out
 
 
-def resolve_layout(dp_replicate: int, dp_shard: int, tp: int, world: int, cp: int = 1) -> Layout:
-    """Fill the one ``-1`` degree (if any) and check that the product is ``world``.
+def resolve_layout(dp_replicate: int, dp_shard: int, tp: int, world: int, cp: int = 1, pp: int = 1) -> Layout:
+    """Fill the one ``-1`` degree (if any) and check that the product is ``world``. The pipeline degree
+    ``pp`` is never filled: it must divide ``world``, and the other degrees lay out ``world / pp`` ranks.
 
     Raises:
         ConfigError: more than one -1, a degree that does not divide, or a product other than ``world``;
             the message names layouts that fit.
     """
+    if pp > 1:
+        if world % pp:
+            raise ConfigError(f"parallel.pp ({pp}) must divide the world size {world}")
+        return dataclasses.replace(resolve_layout(dp_replicate, dp_shard, tp, world // pp, cp), pp=pp)
     given = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "cp": cp}
     fill = [k for k, v in given.items() if v == -1]
     fits = ", ".join(f"({lay})" for lay in divisor_layouts(world))
@@ -101,7 +113,8 @@ def intent(dp_replicate: int, dp_shard: int, tp: int) -> str:
     return dp + ("" if tp == 1 else f", tensor parallel {deg(tp)}")
 
 
-def intent_layouts(dp_replicate: int, dp_shard: int, tp: int, world: int, cp: int = 1) -> Iterator[Layout]:
+def intent_layouts(dp_replicate: int, dp_shard: int, tp: int, world: int, cp: int = 1,
+                   pp: int = 1) -> Iterator[Layout]:
     """Layouts of ``world`` ranks that keep the intent of the configured degrees (what a run asked for,
     resumed on another number of processes), most faithful first:
 
@@ -113,8 +126,15 @@ def intent_layouts(dp_replicate: int, dp_shard: int, tp: int, world: int, cp: in
        over all of them ``(1, d)``, the layout that needs the least memory per rank.
 
     The context-parallel degree ``cp`` is kept the same way (it, or its largest divisor that divides
-    ``world``, before a smaller tensor-parallel degree is tried): it is what lets a long stage fit.
+    ``world``, before a smaller tensor-parallel degree is tried): it is what lets a long stage fit. The
+    pipeline degree ``pp`` is kept first of all (it, then its divisors that divide ``world``): it is what
+    lets the model's layers fit; the other degrees lay out the ``world / pp`` ranks of each stage.
     """
+    if pp > 1:
+        for p in sorted((x for x in range(1, pp + 1) if pp % x == 0 and world % x == 0), reverse=True):
+            for lay in intent_layouts(dp_replicate, dp_shard, tp, world // p, cp):
+                yield dataclasses.replace(lay, pp=p)
+        return
     try:
         yield resolve_layout(dp_replicate, dp_shard, tp, world, cp=cp)
     except ConfigError:
@@ -136,7 +156,7 @@ def intent_layouts(dp_replicate: int, dp_shard: int, tp: int, world: int, cp: in
 
 
 def keep_intent(dp_replicate: int, dp_shard: int, tp: int, world: int, runs: Callable[[Layout], bool],
-                cp: int = 1) -> Layout:
+                cp: int = 1, pp: int = 1) -> Layout:
     """The first of :func:`intent_layouts` that ``runs`` accepts (e.g. every stage's batch splits over its
     data-parallel ranks, the tensor-parallel degree divides the model's heads).
 
@@ -144,7 +164,7 @@ def keep_intent(dp_replicate: int, dp_shard: int, tp: int, world: int, runs: Cal
         ConfigError: none does; one line naming the exact ``--parallel.*`` flags of layouts of ``world``
             ranks that run (any split, up to three), or saying that no layout of ``world`` ranks does.
     """
-    for lay in intent_layouts(dp_replicate, dp_shard, tp, world, cp):
+    for lay in intent_layouts(dp_replicate, dp_shard, tp, world, cp, pp):
         if runs(lay):
             return lay
     any_fit = [lay for t in range(1, world + 1) if world % t == 0
@@ -160,12 +180,12 @@ def keep_intent(dp_replicate: int, dp_shard: int, tp: int, world: int, runs: Cal
 
 
 def build_mesh(layout: Layout, device_type: str):
-    """The job's ``DeviceMesh`` with dims ``("dp_replicate", "dp_shard", "cp", "tp")`` (size-1 dims
+    """The job's ``DeviceMesh`` with dims ``("pp", "dp_replicate", "dp_shard", "cp", "tp")`` (size-1 dims
     included, so every rank can name every dim), plus the flattened ``dp_shard_cp`` dim FSDP2 shards
     over when ``cp > 1``; the process group must exist."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp),
+    mesh = init_device_mesh(device_type, (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp),
                             mesh_dim_names=DIMS)
     if layout.cp > 1:
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # torchtitan's way: FSDP2 over shards x cp ranks

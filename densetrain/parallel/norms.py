@@ -78,15 +78,20 @@ class FullNorms:
             may differ from its parameter's: tensor parallelism's row-wise embedding has a Replicate
             gradient). At least one.
         groups: the group index (0 .. n_groups - 1) of each tensor; None: one group.
+        n_groups: the number of groups (default: the largest index + 1); give it under pipeline stages, whose
+            ranks hold different groups but must reduce vectors of one width.
         extra_group: the pipeline-stage process group whose sums are added too (module docstring), or None.
 
     :meth:`reduce` is a collective over the world: every rank calls it.
     """
 
-    def __init__(self, tensors: list[torch.Tensor], groups: list[int] | None = None, extra_group=None):
+    def __init__(self, tensors: list[torch.Tensor], groups: list[int] | None = None, extra_group=None,
+                 n_groups: int | None = None):
         device = local_part(tensors[0]).device
         index = torch.tensor(groups if groups is not None else [0] * len(tensors), dtype=torch.long)
-        self.onehot = torch.nn.functional.one_hot(index, int(index.max()) + 1).double().to(device)  # (tensors, groups)
+        # n_groups: the same width on every rank, also where a pipeline stage holds none of the last groups
+        width = n_groups if n_groups is not None else int(index.max()) + 1
+        self.onehot = torch.nn.functional.one_hot(index, width).double().to(device)  # (tensors, groups)
         stages = dist.get_world_size(extra_group) if extra_group is not None and _distributed() else 1
         self.weight = torch.tensor([1.0 / copies(t, stages) for t in tensors], dtype=torch.float64, device=device)
 

@@ -1,7 +1,8 @@
 """Parallelism applied to the model from outside, in torchtitan's order:
 
-    build on meta -> tensor parallel -> activation checkpointing -> compile per block -> FSDP2
-    fully_shard per block and at the root -> materialise (to_empty) -> initialise -> (optimizer: caller)
+    build on meta -> pipeline split -> tensor parallel -> activation checkpointing -> compile per block
+    -> FSDP2 fully_shard per block and at the root -> materialise (to_empty) -> initialise -> (optimizer:
+    caller)
 
 The model file knows nothing of this. Tensor parallel needs one fact from it: attention reshapes by
 ``n_heads`` / ``n_kv_heads``, which this step sets to the per-rank (local) head counts.
@@ -25,22 +26,33 @@ from densetrain.model.init import build_model
 from densetrain.model.llama import Transformer
 from densetrain.parallel.dist import DistInfo
 from densetrain.parallel.mesh import dp_mesh
+from densetrain.parallel.pipeline import (
+    PipelineModel,
+    describe_split,
+    keep_parts,
+    part_view,
+    rank_stages,
+    split_stages,
+)
 from densetrain.parallel.wrap import parallelize
 
 
-def build_parallel_model(cfg, info: DistInfo) -> tuple[Transformer, nn.Module]:
+def build_parallel_model(cfg, info: DistInfo, meta: bool = False) -> tuple[Transformer, nn.Module]:
     """The model of ``cfg`` laid out as ``cfg.parallel`` says on the mesh of ``info``.
 
     Args:
         cfg: the :class:`~densetrain.config.Config` (reads ``model``, ``parallel``, ``train``).
+        meta: stop before materialising: parameters stay on the meta device with this rank's shard shapes
+            (the dry run of one rank of a large job, :mod:`densetrain.tools.plan.rank`).
     Returns:
-        ``(model, step_model)``: ``model`` is the module evals, checkpoints and the optimizer use (under
-        FSDP2/TP the same object, its parameters DTensors); ``step_model`` is what the step runs (DDP or
-        whole-model compile wrapper, else ``model``).
+        ``(model, step_model)``: ``model`` is the module checkpoints and the optimizer use (under
+        FSDP2/TP the same object, its parameters DTensors; under pipeline parallelism this rank's stages
+        only, with global parameter names); ``step_model`` is what the step and the evaluations run (DDP,
+        whole-model compile wrapper, a :class:`~densetrain.parallel.pipeline.PipelineModel`, else ``model``).
     """
     par, layout = cfg.parallel, info.layout
     _check_seq_lens(cfg, layout)
-    if layout.tp == 1 and not layout.uses_fsdp:
+    if not meta and layout.pp == 1 and layout.tp == 1 and not layout.uses_fsdp:
         # Single process or DDP: the real model straight away (this path is the golden trajectory's).
         model = build_model(cfg.model, cfg.train.seed, info.device)
         apply_activation_checkpointing(model, par.activation_checkpointing)
@@ -53,17 +65,36 @@ def build_parallel_model(cfg, info: DistInfo) -> tuple[Transformer, nn.Module]:
 
     with torch.device("meta"):
         model = Transformer(cfg.model)
+    virtual = par.pp_virtual_stages if layout.pp > 1 else 1
+    split = split_stages(cfg.model.n_layers, layout.pp * virtual, par.pp_layers_per_stage if layout.pp > 1 else 0)
+    parts = [split[s] for s in rank_stages(info.pp_rank, layout.pp, virtual)]
+    if layout.pp > 1:
+        keep_parts(model, parts)
     if layout.tp > 1:
         apply_tensor_parallel(model, info.mesh["tp"], par.sequence_parallel, par.loss_parallel)
     apply_activation_checkpointing(model, par.activation_checkpointing)
     if par.compile_blocks or cfg.train.compile:
         compile_blocks(model)
+    # An interleaved schedule runs each of the rank's stages as its own module (sharing the blocks).
+    chunks = [model] if len(parts) == 1 else [part_view(model, p) for p in parts]
     if layout.uses_fsdp:
         bf16 = info.device.type == "cuda" and cfg.train.dtype in ("auto", "bf16")
-        apply_fsdp(model, dp_mesh(info.mesh, layout), bf16)
+        for chunk in chunks:  # pipelined: no reshard between micro-batches (torchtitan's choice for PP)
+            apply_fsdp(chunk, dp_mesh(info.mesh, layout), bf16, reshard_last=layout.pp > 1)
+    if meta:
+        return model, model
     model.to_empty(device=info.device)
     load_reference_weights(model, cfg, info.device)
-    return model, model
+    if layout.pp == 1:
+        return model, model
+    for chunk in chunks:
+        chunk.logit_mult = model.logit_mult
+        chunk.reset_rope_cache()
+    n_stages, sp = layout.pp * virtual, par.sequence_parallel and layout.tp > 1
+    pipe = PipelineModel(chunks, [p.index for p in parts], n_stages, par.pp_schedule, info.pp_group, info.device,
+                         cfg.model.vocab_size, par.pp_microbatches, sp)
+    pipe.decisions.append(describe_split(split, layout.pp, par.pp_schedule))  # logged by the first step
+    return model, pipe
 
 
 def _check_seq_lens(cfg, layout) -> None:
@@ -126,18 +157,21 @@ def apply_tensor_parallel(model: Transformer, tp_mesh, sequence_parallel: bool =
     tp = tp_mesh.size()
     sp = sequence_parallel
     between = Shard(1) if sp else Replicate()  # the residual stream's layout between blocks
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    })
+    ends = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+            "output": ColwiseParallel(output_layouts=Replicate())}
+    # A pipeline stage holds the embedding, the head, both or neither.
+    ends = {k: v for k, v in ends.items() if getattr(model, k) is not None}
+    if ends:
+        parallelize_module(model, tp_mesh, ends)
     if model.cfg.tie_embeddings:
         model.tie_weights()
     model.loss_parallel_mesh = tp_mesh if loss_parallel else None
-    if sp:  # gather the last block's output along time before the final norm (registered before _replicate's hook)
-        parallelize_module(model.norm, tp_mesh, PrepareModuleInput(input_layouts=(Shard(1),),
+    if sp and model.norm is not None:  # gather the last block's output along time before the final norm
+        parallelize_module(model.norm, tp_mesh, PrepareModuleInput(input_layouts=(Shard(1),),  # (before _replicate)
                                                                    desired_input_layouts=(Replicate(),),
                                                                    use_local_output=True))
-    _replicate(model.norm, tp_mesh)
+    if model.norm is not None:
+        _replicate(model.norm, tp_mesh)
     for block in model.layers:
         plan = {
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
@@ -240,14 +274,15 @@ def compile_blocks(model: Transformer) -> None:
         block.compile()
 
 
-def apply_fsdp(model: Transformer, mesh, bf16: bool) -> None:
+def apply_fsdp(model: Transformer, mesh, bf16: bool, reshard_last: bool = False) -> None:
     """FSDP2 ``fully_shard`` on each block, then the root (embedding, final norm, head: one group, so a
     tied embedding is one sharded parameter). With ``bf16`` (GPU) parameters are all-gathered in bf16
     and gradients reduced in fp32 (``MixedPrecisionPolicy``); the sharded master weights stay fp32.
 
     Gradients are averaged over the mesh's ranks (FSDP2's default, as DDP's), which
     :func:`densetrain.train.step.forward_backward` turns back into the global sum with ``grad_scale``.
-    The last block is not resharded after the forward: the backward needs it first.
+    The last block is not resharded after the forward: the backward needs it first; with
+    ``reshard_last`` (pipeline stages: many micro-batches' forwards before a backward) no block is.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -255,7 +290,7 @@ def apply_fsdp(model: Transformer, mesh, bf16: bool) -> None:
         else MixedPrecisionPolicy()
     n = len(model.layers)
     for i, block in enumerate(model.layers):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < n - 1 and not reshard_last)
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
@@ -267,7 +302,8 @@ def load_reference_weights(model: Transformer, cfg, device: torch.device) -> Non
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     ref = build_model(cfg.model, cfg.train.seed, torch.device("cpu"))
-    full = {k: v.to(device) for k, v in ref.state_dict().items()}
+    held = set(model.state_dict())  # a pipeline stage holds some of the parameters, under their global names
+    full = {k: v.to(device) for k, v in ref.state_dict().items() if k in held}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=True))
     if cfg.model.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
         raise RuntimeError("tied embeddings became two parameters while parallelising")

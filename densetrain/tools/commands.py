@@ -153,7 +153,8 @@ def _layout_plan(args: argparse.Namespace) -> int:
         # as in train: a --config file alone is the whole config, not one over the tiny preset
         cfg = load_config(preset=preset, path=args.config, overrides=getattr(args, "overrides", []))
         res = layout_plan(cfg, args.gpus, args.gpu_memory_gib, gpu_peak_flops=args.gpu_peak_flops, mfu=args.mfu,
-                          tokens=args.tokens, params=args.params, gpus_per_node=args.gpus_per_node)
+                          tokens=args.tokens, params=args.params, gpus_per_node=args.gpus_per_node, preset=preset,
+                          sequence_parallel=cfg.parallel.sequence_parallel)
         res["cost"] = gpu_cost(args.gpus * res["seconds"] / 3600.0, args.gpu_hour_price)
     except (ValueError, ConfigError) as e:
         return _error(str(e))
@@ -171,23 +172,29 @@ def _unfit_note(cfg, gpus: int) -> str:
 
     p = cfg.parallel
     try:
-        resolve_layout(p.dp_replicate, p.dp_shard, p.tp, gpus)
+        resolve_layout(p.dp_replicate, p.dp_shard, p.tp, gpus, p.cp, p.pp)
     except ValueError as e:
         return f"\nconfigured layout: {e}"
     return ""
 
 
-def print_dry_run(cfg) -> int:
-    """``densetrain train --dry-run``: the memory and layout plan of ``cfg`` for this launch (``WORLD_SIZE``
-    GPUs, this GPU's memory, or 80 GiB without one), from the model built on the meta device; no data
-    is read and no process group is created."""
+def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, ranks: str | None = None) -> int:
+    """``densetrain train --dry-run``: the memory and layout plan of ``cfg`` for this launch (``world_size``,
+    else ``WORLD_SIZE`` GPUs, this GPU's memory, or 80 GiB without one), from the model built on the meta
+    device; no data is read and no process group is created. With ``rank`` / ``ranks`` (``'0,517,-1'``):
+    those ranks of the job, each built on a fake process group (:mod:`densetrain.tools.plan.rank`) instead."""
     import os
 
     import torch
 
     from densetrain.tools.plan import format_layout_plan, layout_plan
+    from densetrain.tools.plan.rank import dry_run_rank, format_rank, parse_ranks
 
-    gpus = int(os.environ.get("WORLD_SIZE", "1"))
+    gpus = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    if rank is not None or ranks:
+        for r in parse_ranks(ranks or str(rank), gpus):
+            print(format_rank(dry_run_rank(cfg, gpus, r)), flush=True)
+        return 0
     mem = torch.cuda.get_device_properties(0).total_memory / 1024**3 if torch.cuda.is_available() else 80.0
     res = layout_plan(cfg, gpus, mem, mixed_precision=cfg.train.dtype != "fp32")
     if os.environ.get("RANK", "0") == "0":

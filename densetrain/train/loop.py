@@ -274,7 +274,7 @@ def evaluate(run: Run, st: Stage, stop: StopRequest | None = None) -> None:
 
 def validate(run: Run, st: Stage, should_stop: StopCheck = None) -> dict:
     """Validation loss (and bpb) per source of the model as it is, with stage ``st``'s sequences."""
-    return evaluate_val(run.model, run.val_streams, st.seq_len, st.micro_batch_size, run.cfg.eval.max_batches,
+    return evaluate_val(run.dp_model, run.val_streams, st.seq_len, st.micro_batch_size, run.cfg.eval.max_batches,
                         run.info.device, run.autocast, run.tokenizer,
                         run.tokenizer.eos_id if st.document_mask else None, st.reset_positions, should_stop)
 

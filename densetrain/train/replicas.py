@@ -49,11 +49,14 @@ def replica_groups(layout: Layout) -> list[list[int]]:
     ``dp_replicate`` coordinate, when that dimension replicates (DDP: every rank; HSDP: the 2-D mesh's
     replicate dim). ``[]`` when nothing is replicated (one process, FSDP alone, FSDP over the replicate
     dim with tensor parallel)."""
-    replicated = layout.dp_replicate > 1 and (layout.dp_shard > 1 or layout.tp == 1)
+    pp = getattr(layout, "pp", 1)
+    # Under pipeline parallelism data-parallel ranks always use FSDP2: over dp_replicate alone it shards.
+    replicated = layout.dp_replicate > 1 and (layout.dp_shard > 1 or (layout.tp == 1 and pp == 1))
     if not replicated:
         return []
-    inner = layout.dp_shard * layout.tp  # mesh row-major, dp_replicate outermost (parallel/mesh.py)
-    return [[k + r * inner for r in range(layout.dp_replicate)] for k in range(inner)]
+    inner = layout.dp_shard * layout.cp * layout.tp  # mesh row-major, pp then dp_replicate outermost (parallel/mesh.py)
+    stage = layout.world // pp
+    return [[s * stage + k + r * inner for r in range(layout.dp_replicate)] for s in range(pp) for k in range(inner)]
 
 
 def odd_ranks(group: list[int], values: list[int]) -> tuple[list[int], bool]:

@@ -37,6 +37,7 @@ from densetrain.model.llama import Transformer
 from densetrain.optim import build_optimizer, describe_groups
 from densetrain.parallel import DistInfo, all_reduce_sum, autocast_for, build_parallel_model, init_distributed
 from densetrain.parallel.mesh import intent, keep_intent, resolve_layout
+from densetrain.parallel.pipeline import resolve_microbatches
 from densetrain.registry.tasks import data_root, parse_task_list, resolve_tasks
 from densetrain.schedule import Stage, resolve_stages, stage_at
 from densetrain.train.collect import GarbageCollection
@@ -113,12 +114,15 @@ class Run:
             w.load_state_dict(d.get("watchers", {}).get(w.name, {}))
 
 
-def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], info: DistInfo, model) -> None:
-    """Every stage can draw a full sequence from each source of its mix and splits over the ranks.
+def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], info: DistInfo, model,
+                 parallel=None) -> None:
+    """Every stage can draw a full sequence from each source of its mix and splits over the ranks (and,
+    under pipeline parallelism, gives every rank enough micro-batches for the stages: ``parallel``).
 
     Raises:
         TrainError: a source shorter than one sequence, or a batch that does not divide over the
             data-parallel ranks; the message names the layouts (``parallel.tp``) that would run it.
+        ConfigError: a stage with fewer micro-batches per rank than pipeline stages.
     """
     for st in stages:
         for name in st.mix:
@@ -129,6 +133,9 @@ def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], info: Dist
             raise TrainError(f"stage '{st.name}': batch of {st.batch_size} sequences does not split into "
                              f"{info.dp_size} data-parallel ranks x micro_batch_size {st.micro_batch_size}; "
                              + _layouts_that_fit(st.batch_size, info.world_size, model))
+        if parallel is not None and info.pp_size > 1:
+            resolve_microbatches(parallel.pp_microbatches, info.pp_size, parallel.pp_virtual_stages,
+                                 st.batch_size // (info.dp_size * st.micro_batch_size), f" at stage '{st.name}'")
 
 
 def probe_peak_flops(device: torch.device, autocast) -> float:
@@ -302,7 +309,7 @@ def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
     if cfg.guard.replica_every and replica_groups(info.layout):  # after the guard: it sets run.lr_scale first
         watchers.append(ReplicaCheck(cfg.guard, info))
     if cfg.guard.update_every:
-        watchers.append(UpdateNorms(cfg.guard))
+        watchers.append(UpdateNorms(cfg.guard, extra_group=info.pp_group))
     if cfg.watchdog.every or cfg.watchdog.hang_seconds:
         watchers.append(Watchdog(cfg.watchdog, info.rank, info.world_size, run_dir))
     if cfg.probe.every:
@@ -434,7 +441,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         stages = resolve_stages(cfg, available=set(train_streams))
     except ValueError as e:
         raise TrainError(str(e)) from None
-    check_stages(stages, train_streams, info, cfg.model)
+    check_stages(stages, train_streams, info, cfg.model, cfg.parallel)
     if cfg.train.resume == "auto":  # the same command restarts the job: continue the run dir's own run
         check_same_run(run_dir, cfg, info)
         resume = True
@@ -545,10 +552,13 @@ def layout_keeping_intent(cfg: Config):
     def runs(lay) -> bool:
         return (all(getattr(m, k) % lay.tp == 0 for k in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"))
                 and all(st.batch_size % (lay.dp_size * st.micro_batch_size) == 0 for st in stages)
-                and all(st.seq_len % (2 * lay.cp) == 0 for st in stages))  # cp's 2*cp load-balanced chunks
+                and all(st.seq_len % (2 * lay.cp) == 0 for st in stages)  # cp's 2*cp load-balanced chunks
+                and all(st.batch_size // (lay.dp_size * st.micro_batch_size) >= lay.pp for st in stages))
 
-    lay = keep_intent(p.dp_replicate, p.dp_shard, p.tp, int(os.environ.get("WORLD_SIZE", "1")), runs, cp=p.cp)
-    return dataclasses.replace(p, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp, cp=lay.cp)
+    lay = keep_intent(p.dp_replicate, p.dp_shard, p.tp, int(os.environ.get("WORLD_SIZE", "1")), runs, cp=p.cp,
+                      pp=p.pp)
+    return dataclasses.replace(p, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp, cp=lay.cp,
+                               pp=lay.pp)
 
 
 def layout_words(lay) -> str:
@@ -630,7 +640,7 @@ def _log_layout(run: Run, saved: dict) -> None:
     if not _layout_moved(run, saved):
         return
     try:
-        as_configured = resolve_layout(p.dp_replicate, p.dp_shard, p.tp, world, cp=p.cp) == lay
+        as_configured = resolve_layout(p.dp_replicate, p.dp_shard, p.tp, world, cp=p.cp, pp=p.pp) == lay
     except ValueError:
         as_configured = False
     written = f"{was_world} process(es)" + (f" as dp_replicate={was['dp_replicate']} dp_shard={was['dp_shard']} "

@@ -28,7 +28,9 @@ from densetrain.model.compiling import pin_inductor_cache
 from densetrain.model.masks import document_ids
 from densetrain.parallel import all_reduce_sum, clip_grad_norm, grad_sync, unwrap
 from densetrain.parallel.context import chunk_index, shard_rows
+from densetrain.parallel.dist import sum_over_group
 from densetrain.parallel.loss_parallel import loss_parallel_context, loss_parallel_mesh, vocab_parallel_head
+from densetrain.parallel.pipeline import PipelineModel
 from densetrain.schedule import Stage
 
 
@@ -211,6 +213,8 @@ def forward_backward(
     Returns:
         This rank's :class:`StepStats` (not reduced).
     """
+    if isinstance(model, PipelineModel):
+        return pipelined_forward_backward(model, micro_batches, n_tokens_global, grad_scale, z_loss, autocast)
     scale = grad_scale / max(n_tokens_global, 1)
     base = unwrap(model)
     lp_mesh = loss_parallel_mesh(base)  # vocabulary-parallel cross-entropy under TP, or None
@@ -246,7 +250,15 @@ def forward_backward(
         row_losses.append(row_loss_sums(losses.detach()))
         row_tokens.append(mask.sum(dim=1))
         row_sources += sources
+    return _row_stats(row_losses, row_tokens, z_sums, row_sources, t_forward, t_backward)
+
+
+def _row_stats(row_losses: list[torch.Tensor], row_tokens: list[torch.Tensor], z_sums: list[torch.Tensor],
+               row_sources: list[str], t_forward: float, t_backward: float) -> StepStats:
+    """This rank's :class:`StepStats` from per-row loss sums and target counts (one host sync)."""
     stats = StepStats(forward_s=t_forward, backward_s=t_backward)
+    if not row_losses:  # a pipeline stage before the last: no loss here
+        return stats
     if z_sums:
         stats.z_loss_sum = float(torch.stack(z_sums).sum())
     for src, lsum, ntok in zip(row_sources, torch.cat(row_losses).tolist(), torch.cat(row_tokens).tolist()):
@@ -258,12 +270,60 @@ def forward_backward(
     return stats
 
 
-def reduce_stats(stats: StepStats, sources: list[str], device: torch.device) -> StepStats:
-    """Sum :class:`StepStats` over ranks (identity in a single process); the phase times stay local."""
+def pipelined_forward_backward(pipe: PipelineModel, micro_batches: list, n_tokens_global: int, grad_scale: int = 1,
+                               z_loss: float = 0.0,
+                               autocast: contextlib.AbstractContextManager | None = None) -> StepStats:
+    """:func:`forward_backward` through pipeline stages: the same objective (every target token's loss over
+    the step's global token count, times ``grad_scale``), the loss computed by the schedule on the last
+    stage per micro-batch. The micro-batches run as schedule calls of ``pipe.microbatches(len(micro_batches))``
+    each (:mod:`densetrain.parallel.pipeline`); gradients accumulate over the calls.
+
+    Returns:
+        This rank's :class:`StepStats`: the losses on the last stage's ranks, zeros before it; the
+        pipeline time is counted as forward time (forwards and backwards interleave in the schedule).
+    """
+    scale = grad_scale / max(n_tokens_global, 1)
+    row_losses, row_tokens, z_sums, row_sources = [], [], [], []
+
+    def loss_fn(logits: torch.Tensor, y: torch.Tensor, record: bool = True) -> torch.Tensor:
+        # logits (b, T, vocab), y (b, T) -> this micro-batch's share of the step's objective
+        losses, mask = training_token_losses(logits, y), y != IGNORE_INDEX
+        objective = losses.sum()
+        if z_loss > 0:
+            zl = z_loss_sum(logits, mask)
+            objective = objective + z_loss * zl
+        if record:
+            z_sums.extend([zl.detach()] if z_loss > 0 else [])
+            row_losses.append(row_loss_sums(losses.detach()))
+            row_tokens.append(mask.sum(dim=1))
+        return objective * scale
+
+    m = pipe.microbatches(len(micro_batches))
+    t0 = time.perf_counter()
+    for g in range(0, len(micro_batches), m):
+        group = micro_batches[g : g + m]
+        x, y = torch.cat([mb[0] for mb in group]), torch.cat([mb[1] for mb in group])
+        more = [mb[3] if len(mb) > 3 else {} for mb in group]
+        # Tensors (doc_ids, positions) are split again by the schedule; other inputs (context parallelism's
+        # attention, the same for every micro-batch without document masks) are handed to each micro-batch.
+        kwargs = {k: torch.cat([d[k] for d in more]) if isinstance(v, torch.Tensor) else v for k, v in more[0].items()}
+        with autocast or contextlib.nullcontext():
+            pipe.step(x, y, m, loss_fn, **kwargs)
+        if pipe.is_last:
+            row_sources += [src for mb in group for src in mb[2]]
+    return _row_stats(row_losses, row_tokens, z_sums, row_sources, time.perf_counter() - t0, 0.0)
+
+
+def reduce_stats(stats: StepStats, sources: list[str], device: torch.device, stage_group=None) -> StepStats:
+    """Sum :class:`StepStats` over ranks (identity in a single process); the phase times stay local.
+    ``stage_group``: the pipeline group, over which the last stage's sums are first handed to every stage."""
     vec = [stats.loss_sum, stats.z_loss_sum, float(stats.n_tokens), float(stats.nonfinite_ranks)]
     for s in sources:
         vec += stats.per_source.get(s, [0.0, 0])
-    t = all_reduce_sum(torch.tensor(vec, dtype=torch.float64, device=device)).tolist()
+    t = torch.tensor(vec, dtype=torch.float64, device=device)
+    if stage_group is not None:  # nonfinite_ranks summed over stages too: then over data-parallel ranks
+        sum_over_group(t, stage_group)
+    t = all_reduce_sum(t).tolist()
     per = {s: [t[4 + 2 * i], int(t[5 + 2 * i])] for i, s in enumerate(sources) if t[5 + 2 * i] > 0}
     return StepStats(t[0], t[1], int(t[2]), per, int(t[3]), stats.forward_s, stats.backward_s)
 
@@ -310,12 +370,17 @@ def compute_step(run, stage: Stage, lr: float) -> StepResult:
 
     cfg = run.cfg
     stats = forward_backward(run.dp_model, micro_batches, n_global, info.grad_scale, cfg.optim.z_loss, run.autocast)
+    for note in getattr(run.dp_model, "decisions", ()):  # a pipeline's micro-batch count for a new batch shape
+        run.log.event(run.state.step, note, kind="pipeline")
+    if hasattr(run.dp_model, "decisions"):
+        run.dp_model.decisions.clear()
     t0 = time.perf_counter()
     for w in run.watchers:  # fault injection (a NaN gradient on one rank, a loss spike)
         w.on_grads(run, stats)
-    grad_norm = float(clip_grad_norm(run.model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")))
+    grad_norm = float(clip_grad_norm(run.model, cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"),
+                                     extra_group=info.pp_group))
     stats.nonfinite_ranks = local_nonfinite(stats, grad_norm)
-    stats = reduce_stats(stats, run.source_names, info.device)
+    stats = reduce_stats(stats, run.source_names, info.device, info.pp_group)
     loss = stats.loss_sum / max(stats.n_tokens, 1)
     return StepResult(run.state.step, stage, lr, loss, grad_norm, stats, first_sample, data_s,
                       count_s + time.perf_counter() - t0, samples)

@@ -43,6 +43,14 @@ def layer_group(name: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
 
 
+def _group_order(group: str) -> tuple:
+    """The whole model's order of layer groups: embedding, blocks by index, final norm, head."""
+    parts = group.split(".")
+    if parts[0] == "layers" and len(parts) == 2 and parts[1].isdigit():
+        return (1, int(parts[1]), "")
+    return ({"tok_embeddings": 0, "norm": 2, "output": 3}.get(parts[0], 4), 0, group)
+
+
 class UpdateNorms(Watcher):
     """Update norms per layer group and the early warning (module docstring)."""
 
@@ -63,10 +71,12 @@ class UpdateNorms(Watcher):
         """Measure the updates of ``model``'s trainable parameters that ``optimizer`` applies (its step hooks)."""
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.groups = list(dict.fromkeys(layer_group(n) for n, _ in named))  # model order
+        if hasattr(model, "full_state_names"):  # a pipeline stage: every stage's groups, in one order on all ranks
+            self.groups = sorted({layer_group(n) for n in model.full_state_names}, key=_group_order)
         self.local = [local_part(p) for _, p in named]
         self.before = [torch.empty_like(t) for t in self.local]  # the copy an update is measured against
         self.full = FullNorms([p for _, p in named], [self.groups.index(layer_group(n)) for n, _ in named],
-                              extra_group=self.extra_group)
+                              extra_group=self.extra_group, n_groups=len(self.groups))
         optimizer.register_step_pre_hook(self._pre)
         optimizer.register_step_post_hook(self._post)
         self.installed = True

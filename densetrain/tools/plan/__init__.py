@@ -3,9 +3,11 @@
 - :mod:`~densetrain.tools.plan.chinchilla`: compute-optimal parameters, tokens, FLOPs and wall time
   (Hoffmann et al. 2022), and the presets nearest to a plan;
 - :mod:`~densetrain.tools.plan.memory`: bytes per GPU of a parallel layout at a stage (state, FSDP2
-  gathers, activations with checkpointing, context and sequence parallelism, the chunked cross-entropy);
+  gathers, activations with checkpointing, context and sequence parallelism, the chunked cross-entropy,
+  pipeline stages: per-rank layers, micro-batches in flight, bubble, point-to-point bytes);
 - :mod:`~densetrain.tools.plan.layouts`: the layouts of a number of GPUs that run every stage, the
-  suggested one, step time and days;
+  suggested one, step time and days, a published layout beside (Meta's for Llama 3 405B);
+- :mod:`~densetrain.tools.plan.rank`: the dry run of one rank of a job on a fake process group;
 - :mod:`~densetrain.tools.plan.report`: their text forms.
 
 Called by :mod:`densetrain.tools.commands`; the names below are the package's public surface.

@@ -1,15 +1,18 @@
 """The memory model of one GPU: parameters, gradients, optimizer state, FSDP2's transient gathers and the
 activations autograd keeps, per layout and stage (bytes; the layout planner's arithmetic).
 
-A layout is an object with ``dp_replicate, dp_shard, tp`` and ``cp`` (a
-:class:`~densetrain.parallel.mesh.Layout`). Symbols: ``d = d_model``, ``kv = n_kv_heads * head_dim``,
-``f = d_ff``, ``V = vocab_size``, ``L = n_layers``, ``a`` = bytes of an activation (2 under bf16 autocast,
-4 in fp32; norm and RoPE arithmetic is fp32 whatever the autocast).
+A layout is an object with ``dp_replicate, dp_shard, tp``, ``cp`` and ``pp`` (a
+:class:`~densetrain.parallel.mesh.Layout`). Under pipeline parallelism (``pp > 1``) the numbers are those
+of the pipeline rank that needs the most (:func:`pipeline_ranks`). Symbols: ``d = d_model``,
+``kv = n_kv_heads * head_dim``, ``f = d_ff``, ``V = vocab_size``, ``L = n_layers``, ``a`` = bytes of an
+activation (2 under bf16 autocast, 4 in fp32; norm and RoPE arithmetic is fp32 whatever the autocast).
 """
 
 from __future__ import annotations
 
+from densetrain.errors import ConfigError
 from densetrain.loss import LOGIT_CHUNK_ELEMENTS, chunk_tokens_for
+from densetrain.parallel.pipeline import bubble_fraction, rank_stages, resolve_microbatches, split_stages
 
 GIB = 1024**3
 
@@ -94,9 +97,53 @@ def model_counts(m) -> dict:
     return {"params": total, "norm": norm, "block": block, "root": total - m.n_layers * block}
 
 
+def pipeline_ranks(counts: dict, m, pp: int, virtual: int = 1, layers_per_stage: int = 0) -> list[dict]:
+    """What each pipeline rank holds (:func:`densetrain.parallel.pipeline.split_stages`, rank ``r`` holding
+    stages ``r, r + pp, ...``): ``{"rank", "stages", "blocks", "embedding", "head", "params", "norm"}``
+    (parameter counts; ``norm``: its RMSNorm gains, whole under TP). One entry (everything) when ``pp`` is 1."""
+    parts = split_stages(m.n_layers, pp * virtual, layers_per_stage) if pp > 1 else None
+    emb, head = m.vocab_size * m.d_model, m.vocab_size * m.d_model + m.d_model
+    if m.tie_embeddings:
+        head -= m.vocab_size * m.d_model
+    out = []
+    for r in range(pp):
+        ps = [parts[s] for s in rank_stages(r, pp, virtual)] if parts else None
+        blocks = sum(len(p.layers) for p in ps) if ps else m.n_layers
+        has_emb, has_head = (any(p.embedding for p in ps), any(p.head for p in ps)) if ps else (True, True)
+        params = blocks * counts["block"] + has_emb * emb + has_head * head
+        out.append({"rank": r, "stages": [p.index for p in ps] if ps else [0], "blocks": blocks,
+                    "embedding": has_emb, "head": has_head, "params": params,
+                    "norm": blocks * 2 * m.d_model + has_head * m.d_model})
+    return out
+
+
+IN_FLIGHT_NOTE = ("micro-batches whose activations a pipeline rank holds at once: all of them under GPipe; "
+                  "pp - rank under 1F1B (Narayanan et al. 2021, sec. 2.2.1); times 1 + (pp - 1) / (pp v) under "
+                  "the interleaved schedule (ibid. sec. 2.2.2)")
+
+
+def in_flight(schedule: str, pp: int, rank: int, microbatches: int, virtual: int = 1) -> float:
+    """Micro-batches of activations pipeline rank ``rank`` holds at its peak (:data:`IN_FLIGHT_NOTE`)."""
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(microbatches)
+    n = float(min(microbatches, pp - rank))
+    return min(n * (1 + (pp - 1) / (pp * virtual)), microbatches) if schedule == "interleaved_1f1b" else n
+
+
+def p2p_bytes(m, seq_len: int, micro: int, layout, n_micro: int, virtual: int = 1, act_bytes: int = 2) -> float:
+    """Point-to-point bytes a pipeline rank sends per optimizer step: each of its ``n_micro`` micro-batches'
+    activations (micro, seq_len / cp, d_model) forward and their gradients back, once per stage it holds
+    (the first and last stage send one way only, counted as both: an upper bound); 0 without pipelining."""
+    if layout.pp == 1:
+        return 0.0
+    return 2.0 * virtual * n_micro * micro * seq_len / layout.cp * m.d_model * act_bytes
+
+
 def layout_memory(counts: dict, m, seq_len: int, micro: int, layout, ac: str, mixed_precision: bool = True,
                   sequence_parallel: bool = False, chunked_loss: bool | None = None,
-                  loss_parallel: bool = True) -> dict:
+                  loss_parallel: bool = True, pipeline: dict | None = None, pp_rank: int | None = None) -> dict:
     """Estimated bytes per GPU of one layout at one stage.
 
     * parameters fp32, gradients fp32, AdamW's two fp32 moments: ``4 + 4 + 8`` bytes per parameter this
@@ -104,34 +151,78 @@ def layout_memory(counts: dict, m, seq_len: int, micro: int, layout, ac: str, mi
       (FSDP2 shards over the shard and context-parallel ranks);
     * transient (FSDP2 only): the all-gathered parameters of two blocks (the one running and the one
       prefetched) in bf16 (fp32 without mixed precision), one block's unsharded fp32 gradients, and the
-      root group's gathered parameters;
+      root group's gathered parameters; under pipeline parallelism all of the rank's blocks stay gathered
+      between a micro-batch's forward and its backward (densetrain/parallel/parallelize.py does not reshard
+      them, as torchtitan does not);
     * activations: :func:`activation_bytes_per_token` x ``micro * seq_len / cp`` tokens, plus the chunked
-      cross-entropy's live chunk (:func:`loss_chunk_bytes`).
+      cross-entropy's live chunk (:func:`loss_chunk_bytes`); under pipeline parallelism the rank's blocks
+      (and head, on the last stage) only, times the micro-batches it holds at once (:func:`in_flight`).
 
     ``chunked_loss`` None: chunked where the trainer chunks (:func:`densetrain.loss.chunk_tokens_for` of
     the micro-batch's local tokens and the vocabulary slice of a rank). ``loss_parallel`` (the trainer's
-    default under ``tp > 1``): each rank holds logits of ``vocab_size / tp`` ids only.
+    default under ``tp > 1``): each rank holds logits of ``vocab_size / tp`` ids only. ``pipeline``
+    (``layout.pp > 1``): ``{"schedule", "virtual", "microbatches", "layers_per_stage"}``; the pipeline
+    rank with the largest total is reported (``pp_rank``, its ``in_flight`` micro-batches), or pipeline rank
+    ``pp_rank`` when given.
 
     Returns:
-        bytes: ``{"params", "grads", "optim", "transient", "activations", "total"}`` and ``chunked_loss``.
+        bytes: ``{"params", "grads", "optim", "transient", "activations", "total"}``, ``chunked_loss``, and
+        under pipeline parallelism ``pp_rank`` and ``in_flight``.
     """
-    tp, cp, shard = layout.tp, getattr(layout, "cp", 1), layout.dp_shard
-    local = (counts["params"] - counts["norm"]) / tp + counts["norm"]
-    held = local / (shard * cp)
-    transient = 0.0
-    if shard * cp > 1 or (tp > 1 and layout.dp_replicate * shard > 1):
-        gathered = 2 if mixed_precision else 4
-        transient = (2 * gathered + 4) * counts["block"] / tp + gathered * counts["root"] / tp
+    tp, cp, shard, pp = layout.tp, getattr(layout, "cp", 1), layout.dp_shard, getattr(layout, "pp", 1)
+    pipe = pipeline or {}
+    virtual = pipe.get("virtual", 1) if pp > 1 else 1
     a = 2 if mixed_precision else 4
     tokens = micro * seq_len / cp
-    split = tp if loss_parallel else 1
+    split = tp if loss_parallel and pp == 1 else 1  # the pipelined step gathers the logits (parallel/pipeline.py)
     if chunked_loss is None:
-        chunked_loss = chunk_tokens_for(m.vocab_size // split, int(tokens)) > 0
-    act = activation_bytes_per_token(m, tp, ac, a, cp, sequence_parallel, chunked_loss,
-                                     loss_parallel)["total"] * tokens
-    if chunked_loss:
-        act += loss_chunk_bytes(m, a, split)
-    out = {"params": 4 * held, "grads": 4 * held, "optim": 8 * held, "transient": transient, "activations": act}
-    out["total"] = sum(out.values())
-    out["chunked_loss"] = chunked_loss
-    return out
+        chunked_loss = pp == 1 and chunk_tokens_for(m.vocab_size // split, int(tokens)) > 0
+    per_token = activation_bytes_per_token(m, tp, ac, a, cp, sequence_parallel, chunked_loss, split > 1)
+    extra = per_token["blocks"] - m.n_layers * per_token["per_block"]  # one block recomputed at a time
+    fsdp = shard * cp > 1 or ((tp > 1 or pp > 1) and layout.dp_replicate * shard > 1)
+    gathered = 2 if mixed_precision else 4
+    best = None
+    ranks = pipeline_ranks(counts, m, pp, virtual, pipe.get("layers_per_stage", 0))
+    if pp_rank is not None:
+        ranks = [ranks[pp_rank]]
+    elif pp > 2:  # the first (most micro-batches in flight), the last (head, logits) and the one with most blocks
+        ranks = [ranks[0], ranks[-1], max(ranks, key=lambda r: r["params"])]
+    for r in ranks:
+        local = (r["params"] - r["norm"]) / tp + r["norm"]
+        held = local / (shard * cp)
+        transient = 0.0
+        if fsdp and pp == 1:
+            transient = (2 * gathered + 4) * counts["block"] / tp + gathered * counts["root"] / tp
+        elif fsdp:
+            transient = gathered * local + 4 * counts["block"] / tp
+        flight = in_flight(pipe.get("schedule", "1f1b"), pp, r["rank"], pipe.get("microbatches", 1), virtual)
+        one = r["blocks"] * per_token["per_block"] + (per_token["head"] if r["head"] else 0.0)
+        act = (flight * one + extra) * tokens
+        if chunked_loss and r["head"]:
+            act += loss_chunk_bytes(m, a, split)
+        out = {"params": 4 * held, "grads": 4 * held, "optim": 8 * held, "transient": transient, "activations": act}
+        out["total"] = sum(out.values())
+        out["chunked_loss"] = chunked_loss
+        if pp > 1:
+            out.update(pp_rank=r["rank"], in_flight=flight)
+        if best is None or out["total"] > best["total"]:
+            best = out
+    return best
+
+
+def pipeline_fit(layout, batch: int, micro: int, parallel) -> tuple[dict | None, str]:
+    """The pipeline settings of ``layout`` at a stage of ``batch`` sequences in micro-batches of ``micro``:
+    ``({"schedule", "virtual", "microbatches", "n_micro", "layers_per_stage", "bubble"}, "")``, or ``(None,
+    reason)`` when a rank would have fewer micro-batches than stages. ``({}, "")`` without pipelining.
+    ``parallel``: the config's ParallelConfig (schedule, virtual stages, micro-batch count, split)."""
+    if layout.pp == 1:
+        return {}, ""
+    virtual = parallel.pp_virtual_stages if parallel.pp_schedule == "interleaved_1f1b" else 1
+    n_micro = batch // (layout.dp_size * micro)
+    try:
+        m = resolve_microbatches(parallel.pp_microbatches, layout.pp, virtual, n_micro)
+    except ConfigError:
+        return None, f"{n_micro} micro-batches per rank, fewer than pp = {layout.pp} stages"
+    return {"schedule": parallel.pp_schedule, "virtual": virtual, "microbatches": m, "n_micro": n_micro,
+            "layers_per_stage": parallel.pp_layers_per_stage,
+            "bubble": bubble_fraction(layout.pp, m, virtual)}, ""

@@ -71,8 +71,32 @@ def format_plan(result: dict) -> str:
 
 
 def _layout_flags(lay) -> str:
-    return (f"--parallel.dp_replicate={lay.dp_replicate} --parallel.dp_shard={lay.dp_shard} "
+    return ((f"--parallel.pp={lay.pp} " if lay.pp > 1 else "")
+            + f"--parallel.dp_replicate={lay.dp_replicate} --parallel.dp_shard={lay.dp_shard} "
             f"--parallel.cp={lay.cp} --parallel.tp={lay.tp}")
+
+
+def _stage_table(rows: list[dict], fits: list[dict], layouts: list | None = None) -> list[str]:
+    """Per stage: checkpointing, bytes per GPU by part, cross-entropy, and under pipeline parallelism the
+    pipeline rank counted, its micro-batches in flight, the bubble and the point-to-point bytes per step."""
+    g = lambda b: f"{b / GIB:.1f}"
+    out = []
+    for i, (s, x) in enumerate(zip(rows, fits)):
+        lay = f" {layouts[i]}" if layouts else ""
+        if not x["fits"] and x["bytes"] is None:
+            out.append(f"  {s['name']:<15}{lay} does not run: {x['reason']}")
+            continue
+        b, pipe = x["bytes"], x.get("pipeline") or {}
+        line = (f"  {s['name']:<15} {x['ac']:<10} {g(b['params']):>6} {g(b['grads']):>6} {g(b['optim']):>6} "
+                f"{g(b['transient']):>10} {g(b['activations']):>12} {g(b['total']):>9}      "
+                f"{'chunked' if b['chunked_loss'] else 'whole logits'}{lay}")
+        if pipe:
+            line += (f"; pp rank {b['pp_rank']}: {b['in_flight']:.3g} of {pipe['microbatches']} micro-batches in "
+                     f"flight, bubble {pipe['bubble']:.1%}, p2p {g(pipe['p2p_bytes'])} GiB/step")
+        if not x["fits"]:
+            line += f"  (does NOT fit: {x['reason']})"
+        out.append(line)
+    return out
 
 
 def _shortfall(r: dict, i: int) -> str | None:
@@ -119,13 +143,10 @@ def format_layout_plan(r: dict, show: int = 12) -> str:
     else:
         lay = sug["layout"]
         lines.append(f"suggested: {lay}, one layout for every stage: densetrain train ... {_layout_flags(lay)}")
+        lines.append(f"  {sug['days']:.1f} days with its recomputation and pipeline bubble")
         lines.append("  stage           ac         params  grads  optim  transient  activations  total GiB/GPU  "
                      "cross-entropy")
-        for s, x in zip(r["stages"], sug["stages"]):
-            b = x["bytes"]
-            lines.append(f"  {s['name']:<15} {x['ac']:<10} {g(b['params']):>6} {g(b['grads']):>6} {g(b['optim']):>6} "
-                         f"{g(b['transient']):>10} {g(b['activations']):>12} {g(b['total']):>9}      "
-                         f"{'chunked' if b['chunked_loss'] else 'whole logits'}")
+        lines += _stage_table(r["stages"], sug["stages"])
         others = r["running"][1:6]
         if others:
             lines.append(f"other layouts that run every stage ({len(r['running']) - 1}; GiB per GPU per stage, "
@@ -133,6 +154,12 @@ def format_layout_plan(r: dict, show: int = 12) -> str:
             for x in others:
                 lines.append(f"  {str(x['layout']):<44} " + " | ".join(
                     f"{st['ac']} {g(st['bytes']['total'])}" for st in x["stages"]))
+    pub = r.get("published")
+    if pub is not None:
+        days = f"{pub['days']:.1f} days with its recomputation and pipeline bubble" if pub["days"] else \
+            "does NOT run every stage here"
+        lines.append(f"{pub['source']}, per stage: {days}")
+        lines += _stage_table(r["stages"], pub["stages"], [x["layout"] for x in pub["stages"]])
     if r["configured"] is not None:
         conf = next((x for x in r["layouts"] if x["layout"] == r["configured"]), None)
         verdict = "not among the candidates" if conf is None else ("runs every stage" if conf["runs_all"] else

@@ -1,0 +1,149 @@
+"""The dry run of one rank of a job (``densetrain train --dry-run --world-size N --rank R``): the real mesh
+on a fake process group (torch's ``FakeStore`` and ``fake`` backend: every collective returns at once), the
+model built on the meta device and parallelised exactly as that rank would (pipeline stage, tensor
+parallel, FSDP2), and what it then holds: its mesh coordinates, stages and blocks, the shard shape of
+each parameter, its parameter, gradient and AdamW bytes beside the planner's
+(:func:`~densetrain.tools.plan.memory.layout_memory`), and the planner's activation bytes per stage. No data,
+no GPU; a layout that cannot be built fails here with the launch's one-line error.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+from densetrain.errors import ConfigError
+from densetrain.parallel.dist import init_distributed
+from densetrain.parallel.mesh import resolve_layout
+from densetrain.parallel.parallelize import build_parallel_model
+from densetrain.parallel.pipeline import rank_stages
+from densetrain.tools.plan.memory import GIB, layout_memory, model_counts, pipeline_fit
+
+
+def parse_ranks(text: str, world: int) -> list[int]:
+    """``'0,517,-1'`` -> ``[0, 517, world - 1]`` (negative counts from the end).
+
+    Raises: ConfigError for a rank outside the world or not an integer."""
+    out = []
+    for part in text.split(","):
+        try:
+            r = int(part)
+        except ValueError:
+            raise ConfigError(f"--ranks: '{part}' is not a rank (integers, comma-separated; -1 the last)") from None
+        r = r + world if r < 0 else r
+        if not 0 <= r < world:
+            raise ConfigError(f"--ranks: {part} is not a rank of --world-size {world}")
+        out.append(r)
+    return out
+
+
+@contextmanager
+def fake_world(world: int, rank: int):
+    """A fake process group of ``world`` ranks in which this process is ``rank`` (and ``WORLD_SIZE``/``RANK``
+    set as a launcher would), torn down on exit."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    saved = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK="0")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def dry_run_rank(cfg, world: int, rank: int) -> dict:
+    """Build rank ``rank`` of a ``world``-rank job of ``cfg`` on meta (module docstring) and report it.
+
+    Returns:
+        ``{"rank", "layout", "coords", "parts", "shards": [(name, global shape, local shape)], "params_bytes",
+        "grads_bytes", "optim_bytes", "planned": {stage name: layout_memory of this pipeline rank}}``.
+    Raises:
+        ConfigError: the layout does not resolve at ``world`` ranks, or cannot be built.
+    """
+    from torch.distributed.tensor import DTensor
+
+    from densetrain.schedule import resolve_stages
+
+    p = cfg.parallel
+    layout = resolve_layout(p.dp_replicate, p.dp_shard, p.tp, world, p.cp, p.pp)
+    with fake_world(world, rank):
+        info = init_distributed("cpu", p)
+        try:
+            model, _ = build_parallel_model(cfg, info, meta=True)
+        except ValueError as e:  # e.g. a tensor-parallel degree that does not divide the heads
+            raise ConfigError(f"parallel: rank {rank} of {world} cannot be built: {e}") from None
+        shards = []
+        local = 0
+        for name, prm in model.named_parameters():
+            loc = prm.to_local() if isinstance(prm, DTensor) else prm
+            shards.append((name, tuple(prm.shape), tuple(loc.shape)))
+            local += loc.numel()
+        virtual = p.pp_virtual_stages if layout.pp > 1 else 1
+        stages = rank_stages(info.pp_rank, layout.pp, virtual)
+    counts = model_counts(cfg.model)
+    planned = {}
+    for st in resolve_stages(cfg):
+        pipe, why = pipeline_fit(layout, st.batch_size, st.micro_batch_size, p)
+        if pipe is None:
+            planned[st.name] = {"error": why}
+            continue
+        mem = layout_memory(counts, cfg.model, st.seq_len, st.micro_batch_size, layout,
+                            p.activation_checkpointing, mixed_precision=cfg.train.dtype != "fp32",
+                            sequence_parallel=p.sequence_parallel and layout.tp > 1, pipeline=pipe,
+                            pp_rank=info.pp_rank)
+        planned[st.name] = {**mem, "bubble": pipe.get("bubble", 0.0), "seq_len": st.seq_len}
+    coords = {"pp": info.pp_rank, "dp": info.dp_rank, "cp": info.cp_rank, "tp": info.tp_rank}
+    return {"rank": rank, "world": world, "layout": layout, "coords": coords, "stages": stages,
+            "blocks": [int(k) for k in model.layers.keys()] if hasattr(model.layers, "keys")
+            else list(range(len(model.layers))),
+            "embedding": model.tok_embeddings is not None, "head": model.output is not None,
+            "shards": shards, "params_bytes": 4 * local, "grads_bytes": 4 * local, "optim_bytes": 8 * local,
+            "planned": planned}
+
+
+def _runs(ids: list[int]) -> str:
+    """``[0, 1, 2, 64, 65]`` -> ``'0-2, 64-65'``."""
+    out, start = [], None
+    for i, k in enumerate(ids):
+        start = k if start is None else start
+        if i + 1 == len(ids) or ids[i + 1] != k + 1:
+            out.append(f"{start}-{k}" if k > start else f"{k}")
+            start = None
+    return ", ".join(out)
+
+
+def format_rank(r: dict, shards: int = 12) -> str:
+    """The text of :func:`dry_run_rank`'s result: the rank's place, its stages and blocks, the first
+    ``shards`` parameter shards, and bytes (built vs planned)."""
+    g = lambda b: f"{b / GIB:.2f}" if b >= GIB / 100 else f"{b / GIB:.2e}"
+    blocks = r["blocks"]
+    held = ", ".join((["embedding"] if r["embedding"] else [])
+                     + ([f"blocks {_runs(blocks)} ({len(blocks)})"] if blocks else [])
+                     + (["final norm + head"] if r["head"] else []))
+    c = r["coords"]
+    lines = [f"rank {r['rank']} of {r['world']} ({r['layout']}): pp rank {c['pp']}, dp rank {c['dp']}, "
+             f"cp rank {c['cp']}, tp rank {c['tp']}",
+             f"  pipeline stage(s) {r['stages']}: {held}",
+             f"  built: parameters {g(r['params_bytes'])} GiB, gradients {g(r['grads_bytes'])} GiB, AdamW moments "
+             f"{g(r['optim_bytes'])} GiB (fp32)"]
+    for name, full, local in r["shards"][:shards]:
+        lines.append(f"    {name:<40} {str(list(full)):<16} -> {list(local)}")
+    if len(r["shards"]) > shards:
+        lines.append(f"    ... {len(r['shards']) - shards} more parameters")
+    for stage, m in r["planned"].items():
+        if "error" in m:
+            lines.append(f"  planned at stage '{stage}': does not run: {m['error']}")
+            continue
+        lines.append(f"  planned at stage '{stage}' (seq_len {m['seq_len']}): parameters {g(m['params'])}, optimizer "
+                     f"{g(m['optim'])}, transient {g(m['transient'])}, activations {g(m['activations'])}, total "
+                     f"{g(m['total'])} GiB" + (f"; bubble {m['bubble']:.1%}" if m["bubble"] else ""))
+    return "\n".join(lines)
+
+
