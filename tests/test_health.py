@@ -85,7 +85,8 @@ def test_slow_memory_on_rank_1_watchdog_then_health_names_rank_1_memory(prepared
 def test_doctor_under_torchrun_one_row_per_rank(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        "-m", "densetrain", "doctor", "--train.threads=1", "--train.device=cpu"],
+                        "-m", "densetrain", "doctor", "--train.threads=1", "--train.device=cpu",
+                        "--health.min_ratio=0.15"],  # the shared test machine's noise (see the test above)
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode in (0, 1), p.stderr[-3000:]
     lines = p.stdout.splitlines()
@@ -93,5 +94,5 @@ def test_doctor_under_torchrun_one_row_per_rank(tmp_path):
     assert head[:4] == ["rank", "host", "matmul", "(TFLOP/s)"] and "dp_replicate/all_reduce" in lines[0]
     assert [r[0] for r in rows] == ["0", "1"]
     assert all(float(x.rstrip("*")) > 0 for r in rows for x in r[2:])
-    # a clean machine: neither rank's own device is named
+    # a clean machine: neither rank's own device is named (at the bar this machine's noise allows)
     assert not [line for line in lines if line.startswith("outlier:") and ("matmul" in line or "memory" in line)]
