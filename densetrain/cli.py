@@ -1,4 +1,4 @@
-"""Command line: ``densetrain prepare | train | eval | export | import-hf | report | demo``, plus
+"""Command line: ``densetrain prepare | train | eval | export | import-hf | report | demo | doctor``, plus
 ``mup-check | lr-sweep | plan`` (argument handling in :mod:`densetrain.tools.commands`).
 
 Every command takes ``--preset NAME`` and/or ``--config FILE`` plus ``--section.key=value``
@@ -315,6 +315,27 @@ def cmd_demo(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(cfg: Config, args: argparse.Namespace) -> int:
+    """Hardware health of every rank (:mod:`densetrain.health`), alone or under torchrun: one table row per
+    rank, then one line per outlier; exit status 1 when there is one. The matmul dtype: bf16 with
+    ``train.dtype = 'bf16'`` (or 'auto' on a GPU), else fp32."""
+    import torch
+
+    from densetrain.health import check, format_table
+    from densetrain.parallel import init_distributed
+
+    info = init_distributed(cfg.train.device, cfg.parallel)
+    if cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
+    bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and info.device.type == "cuda")
+    rows, outliers = check(info.device, torch.bfloat16 if bf16 else torch.float32, info.mesh, cfg.health)
+    if _is_main():
+        print(format_table(rows, outliers))
+        for o in outliers:
+            print(f"outlier: {o['text']}")
+    return 1 if outliers else 0
+
+
 COMMANDS = {
     "prepare": (cmd_prepare, "clean, dedup and tokenize the configured sources into token shards"),
     "train": (cmd_train, "run the staged training recipe (or --resume RUN_DIR)"),
@@ -326,6 +347,8 @@ COMMANDS = {
     "blame": (cmd_blame, "list the documents (source, file, line, id) whose tokens made the batch of a step"),
     "replay": (cmd_replay, "recompute a step from the checkpoint before it: did the data or the machine cause it?"),
     "demo": (cmd_demo, "prepare + train + report with the tiny preset on the demo corpus"),
+    "doctor": (cmd_doctor, "hardware health of every rank (alone or under torchrun): matmul rate, memory and "
+                           "collective bandwidth per rank against the median of the ranks"),
 }
 
 
@@ -500,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     args.layout_flags = [a for a in rest if a.startswith(("--parallel.dp_replicate", "--parallel.dp_shard",
                                                           "--parallel.tp", "--parallel.cp"))]
+    cfg = None
     try:
         if hasattr(args, "func"):  # mup-check | lr-sweep | plan | ladder: own flags; plan and ladder take overrides
             if rest and args.command not in ("plan", "ladder"):
@@ -546,6 +570,15 @@ def main(argv: list[str] | None = None) -> int:
         if _is_main():
             print("densetrain: interrupted", file=sys.stderr)
         return 130
+    except RuntimeError as e:  # a collective that timed out (parallel.timeout_s) or lost a peer: one line per rank
+        from densetrain.train.watchdog import collective_failure_line  # that waited, exit 1: the agent restarts
+
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        line = collective_failure_line(e, Path(cfg.train.run_dir), rank, world) if cfg is not None else None
+        if line is None:
+            raise
+        say_error(line)
+        return 1
 
 
 if __name__ == "__main__":

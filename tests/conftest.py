@@ -18,7 +18,8 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # `--dist loadfile --no-loadscope-reorder` hands files to the two workers in collection order, so the long
 # ones start first and no long file is left to run alone at the end. Files not listed follow in name order.
 SLOW_FILES_FIRST = [
-    "test_cli.py", "test_parallel_layouts.py", "test_resume.py", "test_context_parallel.py", "test_recovery.py",
+    "test_cli.py", "test_parallel_layouts.py", "test_resume.py", "test_restart.py", "test_context_parallel.py",
+    "test_recovery.py", "test_health.py",
     "test_filters_parity.py", "test_parallel_train.py", "test_data.py", "test_checkpoint_async.py", "test_sdc.py",
     "test_tools_mup.py", "test_watchdog.py", "test_export_sharded.py", "test_train.py", "test_tools_plan.py",
     "test_tokenizer.py", "test_probe.py", "test_eval_parallel.py", "test_scale.py",
@@ -64,6 +65,7 @@ def small_config(tmp: Path, shards_dir: Path, **overrides):
         "optim.peak_lr": 3e-3, "optim.min_lr": 3e-4, "schedule.warmup_steps": 2,
         "checkpoint.every": 5, "checkpoint.keep": 2, "eval.every": 5, "eval.max_batches": 2,
         "logging.mfu_every": 2, "logging.peak_flops": 1e11, "eval.tasks": "", "eval.final_tasks": "",
+        "health.every": 0,  # no hardware checks (~0.4-0.6 s a run); tests/test_health.py turns them on
     }
     base.update(overrides)
     return load_config(preset="tiny", overrides=list(base.items()))

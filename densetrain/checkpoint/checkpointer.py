@@ -15,6 +15,7 @@ from densetrain.checkpoint.load import CheckpointMismatchError, load_checkpoint
 from densetrain.checkpoint.save import PendingSave, cpu_stager, finish_async_save, save_checkpoint, start_async_save
 from densetrain.dcp_read import CheckpointReadError, UntrustedCheckpointError
 from densetrain.errors import TrainError
+from densetrain.parallel import collective_timeout
 
 
 class Checkpointer:
@@ -66,7 +67,8 @@ class Checkpointer:
             self.finish_pending(log)  # at most one save in flight
             t0 = time.perf_counter()
             if self._group is None and dist.is_initialized():
-                self._group = dist.new_group(backend="gloo")  # every rank is here: a collective call is safe
+                # every rank is here: a collective call is safe; parallel.timeout_s as on every group
+                self._group = dist.new_group(backend="gloo", timeout=collective_timeout())
             self.pending = start_async_save(self.run_dir, step, model, optimizer, state, self._group,
                                             self.on_written, self._stager)
             dt = time.perf_counter() - t0

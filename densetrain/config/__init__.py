@@ -23,7 +23,7 @@ from densetrain.config.loading import (
     save_config,
     to_dict,
 )
-from densetrain.config.recovery import FaultConfig, GuardConfig, ProbeConfig, WatchdogConfig
+from densetrain.config.recovery import FaultConfig, GuardConfig, HealthConfig, ProbeConfig, WatchdogConfig
 from densetrain.config.schema import (
     CheckpointConfig,
     Config,
@@ -39,7 +39,8 @@ from densetrain.config.validate import validate
 
 __all__ = [
     "PRESET_DIR", "C4Config", "CheckpointConfig", "Config", "DataConfig", "DecontamConfig", "DedupConfig",
-    "EvalConfig", "FaultConfig", "FiltersConfig", "GuardConfig", "ProbeConfig", "WatchdogConfig", "FineWebConfig",
+    "EvalConfig", "FaultConfig", "FiltersConfig", "GuardConfig", "HealthConfig", "ProbeConfig",
+    "WatchdogConfig", "FineWebConfig",
     "GopherQualityConfig", "GopherRepetitionConfig",
     "LoggingConfig", "ModelConfig", "OptimConfig", "ScheduleConfig", "SourceConfig", "StageConfig",
     "TrainConfig", "help_text", "list_presets", "load_config", "parse_overrides", "save_config", "to_dict",

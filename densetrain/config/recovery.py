@@ -1,6 +1,6 @@
 """Sections that watch a run and act on trouble: ``[guard]`` (non-finite and spike handling, rollback),
-``[watchdog]`` (throughput and hangs), ``[probe]`` (data quality) and ``[[faults]]`` (injected faults
-for rehearsal and tests). Used by the watchers of :mod:`densetrain.train`."""
+``[watchdog]`` (throughput and hangs), ``[health]`` (hardware health checks), ``[probe]`` (data quality) and
+``[[faults]]`` (injected faults for rehearsal and tests). Used by the watchers of :mod:`densetrain.train`."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 from densetrain.errors import check_config
 
-FAULT_KINDS = ("loss_spike", "nan_grad", "slow_rank", "duplicate_data", "kill", "bitflip", "bad_batch", "lr_jump")
+FAULT_KINDS = ("loss_spike", "nan_grad", "slow_rank", "duplicate_data", "kill", "bitflip", "bad_batch", "lr_jump",
+               "slow_memory", "hang")
 REPLICA_ACTIONS = ("report", "rollback", "stop")
-MACHINE_FAULTS = ("nan_grad", "slow_rank", "kill", "bitflip")
+MACHINE_FAULTS = ("nan_grad", "slow_rank", "kill", "bitflip", "slow_memory", "hang")
 """Faults of the device, not of the data or the recipe: a replay of the step (``densetrain replay``) leaves them out."""
 
 
@@ -88,6 +89,29 @@ class WatchdogConfig:
 
 
 @dataclass
+class HealthConfig:
+    every: int = 1000
+    """Steps between hardware health checks in training (and one at start-up, and one after each throughput
+    drop the watchdog reports); 0: none in training (``densetrain doctor`` still runs them). A check costs about
+    a second of every rank's time (benchmarks/health_cost.py)."""
+    seconds: float = 0.02
+    """Length of each timed trial of a measurement (the best of `trials` is kept: contention only lowers one)."""
+    trials: int = 3
+    """Timed trials per figure; the best is kept."""
+    copy_mib: int = 64
+    """Size of the buffer the memory-bandwidth figure copies (STREAM's copy kernel): larger than any cache."""
+    min_ratio: float = 0.6
+    """A figure is an outlier when it is below this fraction of the ranks' median (latency: above its
+    inverse) and, with 3 or more ranks, its robust z-score is beyond `zscore`; or below this fraction of the
+    rank's own first measurement (a slow decline, as in the seed's post-mortem 7.2). 0.6: a synchronous job
+    runs at the pace of its slowest device, so one at 0.6x costs ~40% of every step; the best-of-trials matmul
+    rate of a CPU shared with other jobs moved by up to 0.63x between checks (measured), a GPU's by a few %."""
+    zscore: float = 3.5
+    """Robust z-score (value - median) / (1.4826 x MAD) beyond which a figure is an outlier among 3 or more ranks
+    (3.5: Iglewicz and Hoaglin's modified z-score cut-off). With 2 ranks every |z| is 0.67: the ratio decides."""
+
+
+@dataclass
 class ProbeConfig:
     every: int = 20
     """Steps per data-quality check (duplicate rate and per-source loss trend); 0 disables."""
@@ -108,13 +132,15 @@ class ProbeConfig:
 @dataclass
 class FaultConfig:
     kind: str = ""
-    """One of loss_spike, nan_grad, slow_rank, duplicate_data, kill, bitflip, bad_batch, lr_jump."""
+    """One of loss_spike, nan_grad, slow_rank, slow_memory, hang, duplicate_data, kill, bitflip, bad_batch,
+    lr_jump."""
     step: int = 0
-    """Update index (0-based) the fault happens at (from, for slow_rank and duplicate_data)."""
+    """Update index (0-based) the fault happens at (from, for slow_rank, slow_memory and duplicate_data)."""
     factor: float = 10.0
-    """loss_spike: multiply the step's loss (and so its gradients) by this; lr_jump: the lr from `step` on."""
+    """loss_spike: multiply the step's loss (and so its gradients) by this; lr_jump: the lr from `step` on;
+    slow_memory: how many times slower the rank's memory-bound work gets."""
     rank: int = 0
-    """nan_grad, slow_rank, kill, bitflip: the rank it happens on."""
+    """nan_grad, slow_rank, slow_memory, hang, kill, bitflip: the rank it happens on."""
     ms: float = 0.0
     """slow_rank: extra milliseconds per step (slept in its first forward pass) from `step`."""
     source: str = ""
@@ -137,6 +163,16 @@ class FaultConfig:
     tokens: str = "random"
     """bad_batch: each replaced sequence is a window of `source` at a seeded random place, read corrupted:
     'random' (uniformly random token ids) or 'repeat' (the window's first token over the whole sequence)."""
+
+
+def validate_health(health: HealthConfig) -> None:
+    """Check ``[health]``; raise ConfigError naming the key."""
+    check_config(health.every >= 0, f"health.every must be >= 0 (0: no checks in training), got {health.every}")
+    check_config(health.seconds > 0 and health.trials >= 1 and health.copy_mib >= 1,
+                 f"health: need seconds > 0, trials >= 1, copy_mib >= 1, got {health.seconds}, {health.trials}, "
+                 f"{health.copy_mib}")
+    check_config(0 < health.min_ratio < 1, f"health.min_ratio must be in (0, 1), got {health.min_ratio}")
+    check_config(health.zscore > 0, f"health.zscore must be positive, got {health.zscore}")
 
 
 def validate_recovery(guard: GuardConfig, watchdog: WatchdogConfig, probe: ProbeConfig,
@@ -169,6 +205,8 @@ def validate_recovery(guard: GuardConfig, watchdog: WatchdogConfig, probe: Probe
             check_config(f.tokens in ("random", "repeat") and f.rows >= 0,
                          f"faults[{i}]: bad_batch needs tokens 'random' or 'repeat' and rows >= 0, got "
                          f"'{f.tokens}', {f.rows}")
+        if f.kind == "slow_memory":
+            check_config(f.factor >= 1, f"faults[{i}].factor must be >= 1 for slow_memory, got {f.factor}")
         if f.kind == "lr_jump":
             check_config(f.factor > 0, f"faults[{i}].factor must be positive for lr_jump, got {f.factor}")
         if f.kind in ("duplicate_data", "bad_batch"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from densetrain.config.data import DataConfig
-from densetrain.config.recovery import FaultConfig, GuardConfig, ProbeConfig, WatchdogConfig
+from densetrain.config.recovery import FaultConfig, GuardConfig, HealthConfig, ProbeConfig, WatchdogConfig
 
 
 @dataclass
@@ -226,6 +226,10 @@ class TrainConfig:
     rank, instead of anywhere inside steps. 0 keeps Python's automatic collection."""
     max_nonfinite_steps: int = 10
     """Stop with an error after this many consecutive steps with a non-finite loss or gradient."""
+    resume: str = ""
+    """'auto': continue from the run directory's newest complete checkpoint when it has one, start fresh when it
+    has none, refuse when it holds another run's config.toml: the same command restarts a job (torchrun
+    --max-restarts, a Slurm requeue). '' (the default): a fresh start refuses a used run directory (--resume)."""
 
 
 @dataclass
@@ -356,6 +360,11 @@ class ParallelConfig:
     pp_layers_per_stage: int = 0
     """Layers per pipeline stage, the embedding and the output head counted as one layer each; 0: as even as possible
     (n_layers + 2 over pp * pp_virtual_stages stages). Must then multiply to n_layers + 2 exactly."""
+    timeout_s: float = 600.0
+    """Seconds a collective waits for the other ranks before it fails, on every process group densetrain creates
+    (the world, the mesh's subgroups, the async-save group): the job then exits naming the collective and the
+    ranks that did not arrive, and torchrun's elastic agent can restart it. 600 is torch's NCCL default
+    (torch.distributed.constants.default_pg_nccl_timeout); gloo's own default is 30 minutes."""
 
 
 @dataclass
@@ -386,6 +395,8 @@ class Config:
     """Non-finite and loss-spike handling: skip, roll back."""
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     """Throughput drops per rank and phase; hang detection."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """Hardware health checks per rank (matmul rate, memory and collective bandwidth) while training."""
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     """Data quality while training: duplicate rate and per-source loss trend."""
     faults: list[FaultConfig] = field(default_factory=list)

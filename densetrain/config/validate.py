@@ -7,7 +7,7 @@ import difflib
 import math
 
 from densetrain.config.filters import validate_filters
-from densetrain.config.recovery import validate_recovery
+from densetrain.config.recovery import validate_health, validate_recovery
 from densetrain.config.schema import Config
 from densetrain.errors import check_config
 from densetrain.registry.filters import resolve_filter_names
@@ -84,6 +84,7 @@ def validate(cfg: Config) -> None:
     check_config(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'")
     check_config(t.dtype in ("auto", "bf16", "fp32"), f"train.dtype must be auto, bf16 or fp32, got '{t.dtype}'")
     check_config(t.threads >= 0, f"train.threads must be >= 0 (0 keeps torch's default), got {t.threads}")
+    check_config(t.resume in ("", "auto"), f"train.resume must be 'auto' or '' (off), got '{t.resume}'")
     e = cfg.eval
     check_config(e.position_buckets == sorted(set(e.position_buckets)) and e.position_buckets[:1] in ([], [0]),
                  f"eval.position_buckets must increase strictly from 0 (e.g. [0, 256, 1024]), got {e.position_buckets}")
@@ -132,6 +133,7 @@ def validate(cfg: Config) -> None:
     for i, src in enumerate(cfg.data.sources):
         resolve_filter_names(src.filters, src.kind, key=f"data.sources[{i}].filters")
     validate_recovery(cfg.guard, cfg.watchdog, cfg.probe, cfg.faults, [s.name for s in cfg.data.sources])
+    validate_health(cfg.health)
     dc = cfg.data.decontam
     check_config(dc.ngram >= 8,
                  f"data.decontam.ngram must be >= 8 (shorter n-grams match common phrases), got {dc.ngram}")
@@ -190,6 +192,7 @@ def validate_parallel(cfg: Config) -> None:
     degrees = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp}
     for k, v in degrees.items():
         check_config(v >= 1 or v == -1, f"parallel.{k} must be >= 1 or -1 (fill the world size), got {v}")
+    check_config(p.timeout_s > 0, f"parallel.timeout_s must be a positive number of seconds, got {p.timeout_s}")
     check_config(sum(v == -1 for v in degrees.values()) <= 1,
                  f"parallel: at most one of dp_replicate, dp_shard, cp, tp may be -1, got {degrees}")
     check_config(p.activation_checkpointing in ("none", "full", "selective"),

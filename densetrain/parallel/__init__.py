@@ -20,6 +20,7 @@ from densetrain.parallel.dist import (
     DistInfo,
     all_reduce_max,
     all_reduce_sum,
+    collective_timeout,
     dp_rank_size,
     even_split,
     init_distributed,
@@ -36,6 +37,6 @@ from densetrain.parallel.wrap import (
 
 __all__ = [
     "DistInfo", "Layout", "all_reduce_max", "all_reduce_sum", "autocast_for", "build_parallel_model",
-    "clip_grad_norm", "dp_rank_size", "even_split", "grad_sync", "init_distributed", "parallelize",
-    "resolve_layout", "unwrap",
+    "clip_grad_norm", "collective_timeout", "dp_rank_size", "even_split", "grad_sync", "init_distributed",
+    "parallelize", "resolve_layout", "unwrap",
 ]

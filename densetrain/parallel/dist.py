@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,26 @@ class DistInfo:
 
 # The layout of this process, set once by init_distributed: the reductions below and dp_rank_size need
 # the tensor-parallel coordinate, and the evals call them without a DistInfo at hand.
-_CURRENT = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1}
+_CURRENT = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "timeout_s": 600.0}
+
+
+def collective_timeout() -> timedelta:
+    """How long a collective of this job waits for the other ranks (``parallel.timeout_s``, set by
+    :func:`init_distributed`; 600 s before it): for the process groups created outside this module (the
+    checkpointer's async-save group), so that every group densetrain creates has the same limit."""
+    return timedelta(seconds=_CURRENT["timeout_s"])
+
+
+def set_group_timeouts(mesh, timeout: timedelta, flattened: bool = False) -> None:
+    """Apply ``timeout`` to every process group of ``mesh`` (one per dim, and with ``flattened`` the
+    ``dp_shard_cp`` dim :func:`~densetrain.parallel.mesh.build_mesh` flattens when cp > 1).
+
+    Why: ``init_device_mesh`` creates its subgroups with torch's per-backend default (30 minutes for gloo, 10
+    for NCCL), not the default group's timeout, so a hang in a tensor-parallel collective would outlast
+    ``parallel.timeout_s``; torchtitan's ``set_pg_timeouts`` does the same with the same torch call."""
+    groups = list(mesh.get_all_groups()) + ([mesh["dp_shard_cp"].get_group()] if flattened else [])
+    for g in groups:
+        dist.distributed_c10d._set_pg_timeout(timeout, g)
 
 
 def init_distributed(device: str = "auto", parallel=None) -> DistInfo:
@@ -80,6 +100,9 @@ def init_distributed(device: str = "auto", parallel=None) -> DistInfo:
     Raises:
         ConfigError: 'cuda' requested but not available; the layout's degrees do not multiply to the world
             size (the message lists layouts that do).
+
+    Every process group it creates (the world and the mesh's) waits ``parallel.timeout_s`` in a collective
+    before failing (:func:`set_group_timeouts`).
     """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -102,10 +125,13 @@ def init_distributed(device: str = "auto", parallel=None) -> DistInfo:
     else:
         dev = torch.device("cpu")
     mesh = None
+    if parallel is not None:
+        _CURRENT["timeout_s"] = float(getattr(parallel, "timeout_s", 600.0))
     if world > 1:
         if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+            dist.init_process_group(backend="nccl" if device == "cuda" else "gloo", timeout=collective_timeout())
         mesh = build_mesh(layout, dev.type)
+        set_group_timeouts(mesh, collective_timeout(), flattened=layout.cp > 1)
     # Row-major mesh with pp outermost, tp innermost, then cp: rank = pp_rank * (world / pp) + inner,
     # inner = (dp_rank * cp + cp_rank) * tp + tp_rank (init_device_mesh's arange layout).
     stage_ranks = world // layout.pp

@@ -10,6 +10,17 @@ nothing. Kinds:
 - ``nan_grad``: one gradient becomes NaN on ``rank`` only (a flaky device).
 - ``slow_rank``: ``rank`` sleeps ``ms`` per step inside its forward passes from ``step`` on (a
   device with degraded memory bandwidth, the seed's post-mortem 7.2).
+- ``slow_memory``: from ``step`` on, ``rank``'s memory-bound work is ``factor`` times slower: (1) in training,
+  its first forward pass of each step first copies a 16 MiB buffer over and over for ``factor - 1`` times the
+  duration of its previous forward pass without them (memory traffic, not a sleep: the phase the watchdog sees
+  grows by that factor); (2) the health check's copy benchmark on that rank reports ``1/factor`` of the
+  bandwidth it measured (:func:`densetrain.health.throttle_memory`: scaled, so that ranks sharing one host's
+  memory in a CPU rehearsal do not slow each other's measurement). A rehearsal of 7.2's diagnosis, not a
+  model of HBM: the matmul figure stays as it is.
+- ``hang``: at ``step``, ``rank``'s process stops answering: it sends itself SIGSTOP (every thread stops, the
+  heartbeat too, as on a wedged node); the other ranks' next collective times out after ``parallel.timeout_s``
+  and names it. Only SIGKILL (or SIGCONT) ends the stopped process: torchrun's agent sends SIGKILL after its
+  grace period.
 - ``duplicate_data``: from ``step``, every window of ``source`` is replaced by the first one seen (a
   dedup bug feeding repeated data, post-mortem 7.1).
 - ``kill``: the process dies as with kill -9 at ``step``, or in the middle of that step's checkpoint
@@ -25,7 +36,8 @@ nothing. Kinds:
 - ``lr_jump``: from ``step`` on, the lr the optimizer applies is ``factor`` times the scheduled one
   (the logged lr does not show it, as with a wrong multiplier elsewhere).
 
-The data faults (all but ``nan_grad``, ``slow_rank``, ``kill`` and ``bitflip``) are deterministic in
+The data faults (all but the machine faults ``nan_grad``, ``slow_rank``, ``slow_memory``, ``hang``, ``kill``
+and ``bitflip``) are deterministic in
 the step and the row, so ``densetrain replay`` re-creates them and only the device faults go missing.
 """
 
@@ -43,6 +55,7 @@ from densetrain.config.recovery import FaultConfig
 from densetrain.data.provenance import window_documents
 from densetrain.errors import TrainError
 from densetrain.fileio import atomic_write_json
+from densetrain.health import throttle_memory
 from densetrain.schedule import stage_at
 from densetrain.train.watchers import Watcher
 
@@ -63,6 +76,11 @@ class FaultInjector(Watcher):
         self.sleep_due = 0.0  # slow_rank: seconds the next forward pass sleeps (set at each step's start)
         self.fired: set[int] = set()  # indices into faults of the one-time faults that happened
         self.grad_flips: list[FaultConfig] = []  # bitflips in gradients due in this step's on_grads
+        self.memory_factor = 1.0  # slow_memory: how many times slower this rank's memory-bound work is
+        self.copy_s = 0.0  # slow_memory: seconds of extra copies in the step's forward pass
+        self.forward_s = 0.0  # slow_memory: the previous step's forward time without the extra copies
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # slow_memory: what it copies
+        self.device: torch.device | None = None
 
     def _now(self, run, kind: str, from_step: bool = False) -> list[FaultConfig]:
         step, out = run.state.step, []
@@ -101,6 +119,11 @@ class FaultInjector(Watcher):
         if slow and self.hook is None:
             self.hook = run.model.register_forward_pre_hook(self._sleep)
             self._fired(run, slow[0], f"rank {self.rank} sleeps {sum(f.ms for f in slow):g} ms per step from now on")
+        self._slow_memory(run)
+        for f in self._now(run, "hang"):
+            if f.rank == self.rank:
+                self._fired(run, f, f"rank {self.rank} stops answering (SIGSTOP to itself)")
+                os.kill(os.getpid(), signal.SIGSTOP)
         for f in self._now(run, "bitflip"):
             if f.rank == self.rank and f.grad:
                 self.grad_flips.append(f)  # in on_grads, once the gradients exist
@@ -111,6 +134,31 @@ class FaultInjector(Watcher):
         if self.sleep_due:
             time.sleep(self.sleep_due)
             self.sleep_due = 0.0
+        if self.memory_factor > 1 and not self.copy_s:
+            self.copy_s = _copy_for((self.memory_factor - 1) * self.forward_s, self._buffers())
+
+    def _slow_memory(self, run) -> None:
+        """Turn on ``slow_memory`` (module docstring) from its step: the hook and the health benchmark's factor."""
+        self.copy_s = 0.0  # this step's extra copies are still to come
+        slow = [f for f in self._now(run, "slow_memory", from_step=True) if f.rank == self.rank]
+        if not slow or self.memory_factor > 1:  # none, or on already
+            return
+        self.memory_factor = max(f.factor for f in slow)
+        throttle_memory(self.memory_factor)
+        self.device = run.info.device
+        if self.hook is None:
+            self.hook = run.model.register_forward_pre_hook(self._sleep)
+        self._fired(run, slow[0], f"rank {self.rank}'s memory-bound work {self.memory_factor:g}x slower from now on")
+
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.buffers is None:
+            src = torch.ones(4 * 2**20, device=self.device)  # 16 MiB of fp32
+            self.buffers = (src, torch.empty_like(src))
+        return self.buffers
+
+    def after_step(self, run, result, verdict) -> None:
+        if self.memory_factor > 1:  # the forward pass's own time, without this step's extra copies
+            self.forward_s = max(0.0, result.stats.forward_s - self.copy_s)
 
     def on_batch(self, run, samples: list) -> list:
         for f in self._now(run, "duplicate_data", from_step=True):
@@ -173,6 +221,18 @@ class FaultInjector(Watcher):
         what = f"{'gradient' if f.grad else 'weight'} {f.param or 'of the first parameter'}"
         self._fired(run, f, f"bit {f.bit} of element {f.element} of the {what} on rank {self.rank}: "
                             f"{old:.6g} -> {new:.6g}")
+
+
+def _copy_for(seconds: float, buffers: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """Copy ``buffers[0]`` into ``buffers[1]`` until ``seconds`` have passed (at least once); returns the time."""
+    src, dst = buffers
+    t0 = time.perf_counter()
+    while True:
+        dst.copy_(src)
+        if src.device.type == "cuda":
+            torch.cuda.synchronize(src.device)
+        if time.perf_counter() - t0 >= seconds:
+            return time.perf_counter() - t0
 
 
 def _param(model: torch.nn.Module, name: str) -> torch.nn.Parameter:

@@ -23,7 +23,7 @@ from densetrain.checkpoint import (
     read_trainer_state,
     set_aside,
 )
-from densetrain.config import Config, load_config, save_config
+from densetrain.config import Config, load_config, save_config, to_dict
 from densetrain.data.mixture import MixtureSampler
 from densetrain.data.provenance import window_documents
 from densetrain.data.shards import TokenFiles
@@ -31,7 +31,7 @@ from densetrain.data.streams import data_fingerprint, open_streams
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
 from densetrain.errors import ConfigError, TrainError
 from densetrain.fileio import fsync_dir
-from densetrain.metrics import MetricsLogger, measure_peak_flops
+from densetrain.metrics import MetricsLogger, measure_peak_flops, read_metrics
 from densetrain.model.compiling import pin_inductor_cache
 from densetrain.model.llama import Transformer
 from densetrain.optim import build_optimizer, describe_groups
@@ -44,6 +44,7 @@ from densetrain.train.collect import GarbageCollection
 from densetrain.train.curve import OffCurve
 from densetrain.train.faults import FaultInjector
 from densetrain.train.guard import Guard
+from densetrain.train.health import HealthWatch
 from densetrain.train.probe import DataProbe
 from densetrain.train.replicas import ReplicaCheck, replica_groups
 from densetrain.train.state import TrainState
@@ -197,6 +198,61 @@ def _refuse_existing_run(run_dir: Path, info: DistInfo) -> None:
                          f"or choose another --train.run_dir")
 
 
+RUN_IDENTITY = ("model", "data", "stages", "optim", "schedule")
+"""The config sections (and ``train.seed``) that make a run the run it is: ``train.resume = 'auto'`` continues a
+run directory only when its config.toml agrees on them (other keys, e.g. ``train.steps`` or ``[faults]``, may
+change on a restart, as they may on --resume)."""
+
+
+def _first_difference(old: dict, new: dict) -> str:
+    """``'section.key: OLD there, NEW here'`` for the first key of :data:`RUN_IDENTITY` (or ``train.seed``) in
+    which two configs (:func:`~densetrain.config.to_dict`) differ; '' when they agree."""
+    pairs = [(sec, old.get(sec), new.get(sec)) for sec in RUN_IDENTITY]
+    pairs.append(("train", {"seed": old["train"]["seed"]}, {"seed": new["train"]["seed"]}))
+    for section, a, b in pairs:
+        if a == b:
+            continue
+        if not (isinstance(a, dict) and isinstance(b, dict)):  # [[stages]]: a list
+            return f"[{section}] differs"
+        k = next(k for k in {**a, **b} if a.get(k) != b.get(k))
+        return f"{section}.{k}: {a.get(k)!r} there, {b.get(k)!r} here"
+    return ""
+
+
+def check_same_run(run_dir: Path, cfg: Config, info: DistInfo) -> None:
+    """``train.resume = 'auto'``: refuse a run directory whose ``config.toml`` is another run's (differs in
+    :data:`RUN_IDENTITY`) or does not load. Rank 0 reads it; every rank learns the answer.
+
+    Raises:
+        TrainError: one line naming the first differing key and both values.
+    """
+    diff = ""
+    if info.is_main and (run_dir / "config.toml").exists():
+        try:
+            diff = _first_difference(to_dict(load_config(path=run_dir / "config.toml")), to_dict(cfg))
+        except ConfigError as e:  # said by rank 0 once every rank has learnt that there is a difference
+            diff = f"its config.toml does not load: {e}"
+    if all_reduce_sum(torch.tensor([int(bool(diff))], device=info.device)).item():
+        raise TrainError(f"train.resume=auto: {run_dir} holds another run ({diff or 'its config.toml differs'}); "
+                         f"choose another --train.run_dir, or continue that run with --resume {run_dir}")
+
+
+def log_restart(run: Run, logged: int | None) -> None:
+    """Under torchrun's elastic agent (``TORCHELASTIC_RESTART_COUNT`` > 0): one ``restart`` event naming the
+    attempt, the step resumed from and the steps redone (``logged``: the last step the previous attempt
+    recorded in metrics.jsonl, read before the resume rewound it; None when unknown)."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt < 1:
+        return
+    step = run.state.step
+    redone = max(0, logged - step) if logged is not None else None
+    run.log.event(step, f"restart attempt {attempt} (TORCHELASTIC_RESTART_COUNT): continuing from step {step}"
+                        + (f"; {redone} step(s) redone (the previous attempt had reached step {logged})"
+                           if redone is not None else ""),
+                  kind="restart", values={"attempt": attempt, "step": step, "redone_steps": redone,
+                                          "previous_step": logged})
+
+
 _RUN_LOCKS: dict[Path, int] = {}  # run dir -> the open lock file of this process (flock is per open file)
 
 
@@ -262,6 +318,8 @@ def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
         watchers.append(GarbageCollection(cfg.train.gc_freq))
     if cfg.eval.ladder:
         watchers.append(OffCurve(cfg, info.rank))
+    if cfg.health.every:  # last: its checks run after the watchdog has timed the step
+        watchers.append(HealthWatch(cfg.health, next((w for w in watchers if isinstance(w, Watchdog)), None)))
     return watchers
 
 
@@ -358,7 +416,8 @@ def set_aside_future(run_dir: Path, step: int, is_main: bool) -> list[Path]:
 def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, rollback_to: int | None = None,
           skip_batches: int = 0, keep_layout_intent: bool = False) -> Run:
     """Build the :class:`Run` of ``cfg``; with ``resume``, restored from the newest loadable checkpoint
-    (a fresh start when there is none). ``stop_after`` ends this invocation after that many steps in
+    (a fresh start when there is none; ``train.resume = 'auto'`` is ``resume`` after :func:`check_same_run`).
+    ``stop_after`` ends this invocation after that many steps in
     total (the schedule still refers to ``cfg.train.steps``). ``rollback_to`` (with ``resume``): set the
     checkpoints after that step aside (moved, not deleted; with the files made from them:
     :func:`set_aside_future`) and resume from it; ``skip_batches``: then
@@ -383,6 +442,9 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     except ValueError as e:
         raise TrainError(str(e)) from None
     check_stages(stages, train_streams, info, cfg.model, cfg.parallel)
+    if cfg.train.resume == "auto":  # the same command restarts the job: continue the run dir's own run
+        check_same_run(run_dir, cfg, info)
+        resume = True
     saved_cfg = cfg  # config.toml keeps the user's train.dtype ('auto' stays 'auto')
     cfg, dtype_note = keep_started_dtype(cfg, run_dir, rollback_to, info.device) if resume else (cfg, None)
     model, dp_model = build_parallel_model(cfg, info)  # meta -> TP -> AC -> compile -> FSDP2 -> init (or DDP)
@@ -406,6 +468,9 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(saved_cfg, run_dir / "config.toml")
     step = saved["step"] if saved else 0
+    # The last step the previous attempt recorded, before the logger rewinds metrics.jsonl to the checkpoint.
+    logged = max((r["step"] for r in read_metrics(run_dir) if r.get("kind") == "train"), default=None) \
+        if resume and info.is_main else None
     log = MetricsLogger(run_dir, info.rank, cfg.logging.tensorboard, resume_step=step if resume else None,
                         wandb=cfg if cfg.logging.wandb else None)
     if old_steps is not None and old_steps != cfg.train.steps:
@@ -431,9 +496,12 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         if keep_layout_intent:
             _log_layout(run, saved)
     elif resume and started:  # stopped before its first checkpoint (e.g. a second signal): say it starts over
-        run.log.event(0, f"{run_dir}: no checkpoint yet, so --resume starts the run from step 0", kind="resume")
+        how = "train.resume=auto" if cfg.train.resume == "auto" else "--resume"
+        run.log.event(0, f"{run_dir}: no checkpoint yet, so {how} starts the run from step 0", kind="resume")
     elif resume:  # nothing there yet (`make demo` on a fresh clone resumes whatever it finds)
         run.log.event(0, f"{run_dir}: a new run (nothing to resume there yet)", kind="resume")
+    if resume:
+        log_restart(run, logged)
     if rollback_to is not None:
         skip_data(run, skip_batches, f"manual rollback to step {rollback_to}")
     if cfg.eval.tasks or cfg.eval.final_tasks:

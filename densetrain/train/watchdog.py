@@ -23,22 +23,34 @@ the same forward time and only its data and optimizer phases tell it apart.
 
 The heartbeat thread: when no step completes for ``watchdog.hang_seconds``, every rank dumps its
 Python stacks with ``faulthandler`` to stderr and ``RUN_DIR/hang_rank<r>.txt`` (once per hang),
-before the collective timeout kills the job, so the stack of the rank that is stuck can be read.
+before the collective timeout kills the job, so the stack of the rank that is stuck can be read. It also
+rewrites ``RUN_DIR/heartbeat/rank<r>.json`` (host, pid, last step, wall time) every few seconds: a rank
+whose process stopped answering (SIGSTOP, a wedged driver, a swapping node) leaves a stale file. When a
+collective times out (``parallel.timeout_s``) or loses a peer, :func:`collective_failure_line` names the collective and,
+from those files, the ranks that did not arrive (gloo's timeout message does not say which peer it waited
+for), so the job exits with one line and torchrun's elastic agent can restart it.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import json
+import os
+import re
+import socket
 import sys
 import threading
 import time
+import traceback
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from densetrain.config.recovery import WatchdogConfig
+from densetrain.fileio import pid_alive
 from densetrain.metrics import flops_per_token
-from densetrain.parallel import all_reduce_max
+from densetrain.parallel import all_reduce_max, collective_timeout
 from densetrain.train.watchers import Verdict, Watcher
 
 PHASES = ("data", "forward", "backward", "sync", "optimizer", "checkpoint", "eval")
@@ -46,21 +58,42 @@ LOCAL = ("data", "forward", "optimizer")  # phases with no collective: only a ra
 
 
 class Heartbeat:
-    """A daemon thread that dumps all Python stacks when :meth:`beat` is not called for ``seconds``."""
+    """A daemon thread that dumps all Python stacks when :meth:`beat` is not called for ``seconds``, and
+    rewrites the rank's heartbeat file ``beat_file`` every ``every`` seconds (module docstring)."""
 
-    def __init__(self, seconds: float, path, log=None):
-        self.seconds, self.path, self.log = seconds, path, log
+    def __init__(self, seconds: float, path, log=None, beat_file: Path | None = None, every: float = 5.0,
+                 rank: int = 0):
+        self.seconds, self.path, self.log, self.rank = seconds, path, log, rank
+        self.beat_file, self.every = beat_file, min(every, seconds / 4)
         self.last = time.monotonic()
+        self.step = 0
         self.dumped = False
         self._stop = threading.Event()
+        self._write_beat()
         self.thread = threading.Thread(target=self._watch, name="densetrain-heartbeat", daemon=True)
         self.thread.start()
 
-    def beat(self) -> None:
-        self.last, self.dumped = time.monotonic(), False
+    def beat(self, step: int = 0) -> None:
+        self.last, self.dumped, self.step = time.monotonic(), False, step
+
+    def _write_beat(self) -> None:
+        """The heartbeat file, replaced by a rename (a reader never sees half of it; no fsync: it matters only
+        while the job runs)."""
+        if self.beat_file is None:
+            return
+        rec = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": self.step,
+               "time": time.time(), "every": self.every}
+        try:
+            self.beat_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.beat_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(rec))
+            os.replace(tmp, self.beat_file)
+        except OSError:  # a full disk must not stop the watcher; the stale file then says so
+            pass
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(5.0, self.seconds / 4)):
+        while not self._stop.wait(self.every):
+            self._write_beat()
             idle = time.monotonic() - self.last
             if idle >= self.seconds and not self.dumped:
                 self.dumped = True
@@ -72,6 +105,7 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stop.set()
+        self.thread.join(timeout=5)  # no heartbeat file half-written after the run has returned
 
 
 class Watchdog(Watcher):
@@ -92,7 +126,12 @@ class Watchdog(Watcher):
         self.marks: tuple[float, float] = (0.0, 0.0)
         self.stage_index = -1
         self.tokens = 0
-        self.heartbeat = Heartbeat(cfg.hang_seconds, run_dir / f"hang_rank{rank}.txt") if cfg.hang_seconds else None
+        self.reports = 0  # throughput drops reported so far (the health watcher checks the hardware after each)
+        # Heartbeats a few times per collective timeout: a rank silent for longer than that is stale, not slow.
+        every = min(5.0, collective_timeout().total_seconds() / 4)
+        self.heartbeat = Heartbeat(cfg.hang_seconds, run_dir / f"hang_rank{rank}.txt",
+                                   beat_file=run_dir / "heartbeat" / f"rank{rank}.json",
+                                   every=every, rank=rank) if cfg.hang_seconds else None
 
     def before_step(self, run) -> None:
         # Checkpoint and eval time since the last step began (they follow a step's after_step): recorded
@@ -105,7 +144,7 @@ class Watchdog(Watcher):
 
     def after_step(self, run, result, verdict: Verdict) -> None:
         if self.heartbeat is not None:
-            self.heartbeat.beat()
+            self.heartbeat.beat(run.state.step)
         if verdict == Verdict.ROLLBACK:
             return
         if result.stage.index != self.stage_index:  # another seq_len / batch: another cost per step
@@ -153,6 +192,7 @@ class Watchdog(Watcher):
         if not new:
             return
         self.flagged |= set(new)
+        self.reports += 1
         run.log.event(run.state.step, "throughput drop: " + "; ".join(text for _, text in new.values()),
                       kind="throughput", action="report",
                       values={"ranks": list(new), "phases": {str(r): phase for r, (phase, _) in new.items()},
@@ -205,3 +245,70 @@ class Watchdog(Watcher):
     def close(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
+
+
+_TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
+_PEER_GONE = re.compile(r"connection (reset|closed) by peer|broken pipe", re.IGNORECASE)
+
+
+def read_heartbeats(run_dir: Path) -> dict[int, dict]:
+    """rank -> its last heartbeat record (``RUN_DIR/heartbeat/rank<r>.json``; unreadable files left out)."""
+    out = {}
+    for path in sorted((Path(run_dir) / "heartbeat").glob("rank*.json")):
+        try:
+            rec = json.loads(path.read_text())
+            out[int(rec["rank"])] = rec
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def silent_ranks(beats: dict[int, dict], world: int, now: float | None = None) -> dict[int, str]:
+    """Ranks (of ``world``) that stopped answering: heartbeat stale (older than 3 beats, at least 2 s), missing,
+    or written by a process of this host that no longer exists: rank -> why."""
+    now = time.time() if now is None else now
+    host, out = socket.gethostname(), {}
+    for r in range(world):
+        rec = beats.get(r)
+        if rec is None:
+            out[r] = "no heartbeat file"
+            continue
+        where = f"host {rec.get('host')}, pid {rec.get('pid')}"
+        if rec.get("host") == host and not pid_alive(int(rec.get("pid", 0))):
+            out[r] = f"{where}: the process is gone, after step {rec.get('step')}"
+        elif now - rec["time"] > max(3 * rec.get("every", 5.0), 2.0):
+            out[r] = f"{where}: last heartbeat {now - rec['time']:.0f} s ago, at step {rec.get('step')}"
+    return out
+
+
+def collective_failure_line(exc: BaseException, run_dir: Path, rank: int, world: int) -> str | None:
+    """One line for a collective that timed out (``parallel.timeout_s``) or lost a peer (a killed rank), from
+    ``exc`` as torch.distributed raises it: the collective (the torch.distributed call and the densetrain line
+    that made it) and the ranks that did not arrive, from the heartbeat files (:func:`silent_ranks`; gloo's
+    message does not say which peer it waited for; ``rank`` is this process, left out of them). None when
+    ``exc`` is neither."""
+    timed_out, gone = _TIMEOUT.search(str(exc)), _PEER_GONE.search(str(exc))
+    if not isinstance(exc, RuntimeError) or not (timed_out or gone):
+        return None
+    frames = traceback.extract_tb(exc.__traceback__)
+    c10d = [f for f in frames if f.filename.endswith("distributed_c10d.py")]
+    ours = [f for f in frames if "densetrain" in f.filename]
+    if c10d:
+        call = c10d[0].name
+    elif any(f.name in ("backward", "run_backward", "_engine_run_backward") for f in frames):
+        call = "gradient reduction (DDP/FSDP hooks in the backward)"  # started by autograd, not by Python
+    else:
+        return None
+    where = f" in {Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name}()" if ours else ""
+    what = (f"timed out after {collective_timeout().total_seconds():g} s (parallel.timeout_s)" if timed_out
+            else f"failed: {gone.group(0).lower()}")
+    beats = read_heartbeats(run_dir)
+    silent = {r: why for r, why in silent_ranks(beats, world).items() if r != rank}
+    if not beats:  # doctor, or watchdog.hang_seconds = 0: nothing on disk tells
+        missing = f"which rank did not arrive is unknown (no heartbeat files in {run_dir}/heartbeat)"
+    elif silent:
+        missing = "rank(s) not arriving: " + "; ".join(f"{r} ({why})" for r, why in sorted(silent.items()))
+    else:
+        missing = ("every other rank's heartbeat is fresh: one is alive but busy elsewhere (its stack: "
+                   f"{run_dir}/hang_rank<r>.txt after watchdog.hang_seconds)")
+    return f"collective {call}{where} {what}; {missing}"

@@ -1,0 +1,92 @@
+"""No hang lasts: a rank that stops answering (SIGSTOP from outside, or the ``hang`` fault) makes the other
+exit within ``parallel.timeout_s`` (plus the rest of its step and its exit) with one line naming the collective
+and the rank that did not arrive (its heartbeat file, RUN_DIR/heartbeat/rank1.json, went stale), and exit
+status 1, which torchrun's elastic agent answers with a restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+from conftest import run_script_ranks
+from test_resume import OV, finish, fresh, start, wait_for_step
+
+from densetrain.metrics import read_events
+
+TIMEOUT_S = 6
+
+_GROUPS = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import torch, torch.distributed as dist
+from densetrain.config.schema import ParallelConfig
+from densetrain.parallel import init_distributed
+info = init_distributed("cpu", ParallelConfig(dp_replicate=1, dp_shard=1, tp=2, timeout_s=7))
+groups = {name: info.mesh[name].get_group() for name in info.mesh.mesh_dim_names}
+with open(f"{sys.argv[2]}.{info.rank}", "w") as f:
+    json.dump({name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+               for name, g in {**groups, "world": dist.group.WORLD}.items()}, f)
+dist.destroy_process_group()
+"""
+
+
+def test_every_group_of_the_mesh_waits_parallel_timeout_s(tmp_path):
+    # torch's init_device_mesh makes its subgroups with the backend default (gloo: 1800 s), not the world's
+    out = run_script_ranks(_GROUPS, tmp_path, "groups")
+    for r in range(2):
+        got = json.loads(Path(f"{out}.{r}").read_text())
+        assert got == {"pp": 7.0, "dp_replicate": 7.0, "dp_shard": 7.0, "cp": 7.0, "tp": 7.0, "world": 7.0}
+
+
+def test_a_stopped_rank_times_out_the_other_naming_it(prepared, tmp_path):
+    _, make = prepared
+    cfg = make(tmp_path, **{**OV, "train.steps": 40, "parallel.timeout_s": TIMEOUT_S},
+               faults=[{"kind": "slow_rank", "step": 0, "rank": 0, "ms": 100}])
+    run = Path(cfg.train.run_dir)
+    procs = start(fresh(cfg, tmp_path), world=2)
+    try:
+        wait_for_step(run, 2, procs)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        procs[0].wait(timeout=TIMEOUT_S + 60)
+        waited = time.monotonic() - t0
+    finally:
+        for p in procs:  # the stopped rank: SIGKILL ends it without SIGCONT; nothing is left behind
+            if p.poll() is None:
+                p.kill()
+                os.kill(p.pid, signal.SIGCONT)
+    (rc, err), _ = finish(procs)
+    assert rc == 1, err[-3000:]
+    assert TIMEOUT_S <= waited < TIMEOUT_S + 12, waited
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"densetrain: error: \[rank 0\] collective (all_reduce|broadcast|all_gather\w*|gradient reduction \(DDP/FSDP "
+        rf"hooks in the backward\)) in \w+\.py:\d+ \w+\(\) timed out after {TIMEOUT_S} s \(parallel\.timeout_s\); "
+        rf"rank\(s\) not arriving: 1 \(host \S+, pid {procs[1].pid}: last heartbeat \d+ s ago, at step \d+\)",
+        last), err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert procs[1].poll() is not None
+
+
+def test_the_hang_fault_stops_its_rank_at_its_step(prepared, tmp_path):
+    _, make = prepared
+    cfg = make(tmp_path, **{**OV, "train.steps": 40, "parallel.timeout_s": TIMEOUT_S},
+               faults=[{"kind": "hang", "step": 3, "rank": 1}])
+    procs = start(fresh(cfg, tmp_path), world=2)
+    try:
+        procs[0].wait(timeout=TIMEOUT_S + 90)
+        state = Path(f"/proc/{procs[1].pid}/stat").read_text().split()[2]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                os.kill(p.pid, signal.SIGCONT)
+    (rc, err), _ = finish(procs)
+    assert rc == 1 and state == "T", (state, err[-3000:])  # T: stopped
+    assert "rank(s) not arriving: 1 (" in err.strip().splitlines()[-1], err[-3000:]
+    (ev,) = [e for e in read_events(Path(cfg.train.run_dir)) if e["kind"] == "fault"]
+    assert ev["step"] == 3 and ev["text"] == "injected fault hang: rank 1 stops answering (SIGSTOP to itself)"
