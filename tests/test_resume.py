@@ -282,9 +282,9 @@ def test_resume_where_no_layout_keeps_the_intent_names_the_flags_that_would(prep
     monkeypatch.setenv("WORLD_SIZE", "2")  # the error comes before any process group is made
     assert main(["train", "--resume", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["densetrain: error: [rank 0] parallel: no layout of 2 processes keeps the run's intent (DDP: data-parallel "
-                   "ranks hold replicas; configured dp_replicate=-1 dp_shard=1 tp=1) and runs every stage; add to "
-                   "--resume one of: --parallel.dp_replicate=1 --parallel.dp_shard=1 --parallel.tp=2 "
+    assert err == ["densetrain: error: [rank 0] parallel: no layout of 2 processes keeps the run's intent (DDP: "
+                   "data-parallel ranks hold replicas; configured dp_replicate=-1 dp_shard=1 tp=1) and runs every "
+                   "stage; add to --resume one of: --parallel.dp_replicate=1 --parallel.dp_shard=1 --parallel.tp=2 "
                    "(see densetrain train --help)"]
 
 
