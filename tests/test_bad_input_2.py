@@ -257,8 +257,13 @@ def test_wandb_with_a_garbage_run_id_or_not_logged_in_is_one_line(tmp_path, monk
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: not logged in
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
-    with pytest.raises(ConfigError) as e:
-        WandbSink(tmp_path, Config())
+    try:
+        with pytest.raises(ConfigError) as e:
+            WandbSink(tmp_path, Config())
+    finally:  # W&B keeps its settings (online, this HOME) for the process: a later offline test must not get them
+        import wandb
+
+        wandb.teardown()
     msg = str(e.value)
     assert msg.startswith("logging.wandb: W&B could not start the run (") and "wandb login" in msg, msg
     assert "WANDB_MODE=offline" in msg and "\n" not in msg

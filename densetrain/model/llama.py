@@ -421,7 +421,9 @@ class Transformer(nn.Module):
         Inside a compiled forward the tables are computed in the graph instead: assigning the buffers there
         is a side effect whose changed shape fails the next call's guards (a second compile per shape).
         """
-        device = self.rope_cos.device  # moves with the module (a pipeline stage may hold no embedding)
+        # A pipeline stage may hold no embedding: its tables' device then. Not the buffer otherwise: a compiled
+        # forward reading it is guarded on it, and an eager call that grows the tables would recompile it.
+        device = (self.tok_embeddings.weight if self.tok_embeddings is not None else self.rope_cos).device
         if torch.compiler.is_compiling():
             return rope_cos_sin(self.head_dim, self.rope_theta, seq_len, device, self.rope_scaling)
         stale = (

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from densetrain.config.recovery import WatchdogConfig
-from densetrain.fileio import pid_alive
+from densetrain.fileio import json_text, pid_alive
 from densetrain.metrics import flops_per_token
 from densetrain.parallel import all_reduce_max, collective_timeout
 from densetrain.train.watchers import Verdict, Watcher
@@ -86,7 +86,7 @@ class Heartbeat:
         try:
             self.beat_file.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.beat_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(rec))
+            tmp.write_text(json_text(rec))
             os.replace(tmp, self.beat_file)
         except OSError:  # a full disk must not stop the watcher; the stale file then says so
             pass
