@@ -59,6 +59,7 @@ SCENARIOS = {
         "interleaved_1f1b": {"pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "pp_microbatches": 4},
         "1f1b_ac_muon": {"activation_checkpointing": "selective", "optim.name": "muon"}},
     4: {"pp2_dp_shard2": {"dp_shard": 2, "pp_microbatches": 2}, "pp2_tp2": {"tp": 2}, "pp2_cp2": {"cp": 2},
+        "pp2_dp_replicate2": {"dp_replicate": 2, "dp_shard": 1, "pp_microbatches": 2},
         "pp2_tp2_sp": {"tp": 2, "sequence_parallel": True}},
 }[WORLD]
 
