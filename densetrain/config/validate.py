@@ -260,10 +260,18 @@ def validate_pipeline(cfg: Config) -> None:
                ("train.compile", cfg.train.compile, "whole-model compile cannot see a stage; use "
                                                     "parallel.compile_blocks"),
                ("eval.samples", cfg.eval.samples, "generation (KV cache) does not run through pipeline stages"),
-               ("eval.tasks", cfg.eval.tasks, "downstream tasks do not run through pipeline stages yet"),
-               ("eval.final_tasks", cfg.eval.final_tasks, "downstream tasks do not run through pipeline stages yet"))
+               *((key, generative_tasks(text), "its generative tasks (" + ", ".join(generative_tasks(text)) + ") run "
+                  "the KV cache or chunked head, which pipeline stages do not; multiple-choice tasks do run")
+                 for key, text in (("eval.tasks", cfg.eval.tasks), ("eval.final_tasks", cfg.eval.final_tasks))))
     for key, on, why in refused:
         check_config(not on, f"parallel.pp ({p.pp}) > 1 cannot run with {key} set: {why}; set it off or pp = 1")
+
+
+def generative_tasks(text: str) -> list[str]:
+    """The :data:`~densetrain.registry.gen_tasks.GEN_TASKS` names a task list (``eval.tasks``) asks for, groups
+    expanded (shot counts dropped); unknown names are left to the task check."""
+    names = [t.split(":")[0].strip() for t in text.split(",") if t.strip()]
+    return [m for n in names for m in GROUPS.get(n, (n,)) if m in GEN_TASKS]
 
 
 ROPE_SCALING_TYPES = ("none", "linear", "llama3", "yarn")

@@ -33,6 +33,7 @@ from densetrain.errors import ConfigError
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
 BUBBLE_TARGET = 0.15  # the default micro-batch count keeps the idle fraction of a step below this
+EVAL_SCHEDULES = 8  # forward-only schedules kept (one per input shape); each holds its stages' buffers
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,9 @@ class PipelineModel(nn.Module):
 
         key = (*key, n_micro, train)
         if key not in self._schedules:
+            evals = [k for k in self._schedules if not k[-1]]
+            if not train and len(evals) >= EVAL_SCHEDULES:  # downstream batches come in many shapes: the oldest goes
+                del self._schedules[evals[0]]
             self._inferring = train and self.is_last
             stages = [PipelineStage(c, s, self.n_stages, self.device, group=self.group)
                       for c, s in zip(self.chunks, self.stages)]
@@ -251,7 +255,11 @@ class PipelineModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:
         """Forward-only: ``tokens`` (B, T) int64 on every rank of the pipeline -> logits (B, T, vocab_size)
-        float32 on every rank (the last stage's, broadcast over the pipeline group).
+        float32 on every rank (the last stage's, broadcast over the pipeline group). Every rank of the
+        pipeline must make the same calls with the same shapes (validation and downstream multiple-choice
+        scoring do: :func:`densetrain.parallel.dp_rank_size` gives pipeline ranks one share of the work).
+        A new shape builds new stages (their buffers are inferred from it); the last
+        :data:`EVAL_SCHEDULES` shapes are kept.
 
         Raises: TrainError with a KV ``cache`` (generation does not run through pipeline stages)."""
         import torch.distributed as dist

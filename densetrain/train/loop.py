@@ -29,6 +29,7 @@ from densetrain.fileio import atomic_write_json
 from densetrain.metrics import flops_per_token, format_rate, memory_stats, read_metrics
 from densetrain.optim import set_lr
 from densetrain.parallel import all_reduce_max
+from densetrain.parallel.pipeline import PipelineModel
 from densetrain.schedule import Stage, lr_for, stage_at
 from densetrain.train.preempt import StopRequest, stop_run
 from densetrain.train.setup import Run, probe_peak_flops, set_aside_future, setup, unlock_run_dir
@@ -281,7 +282,9 @@ def validate(run: Run, st: Stage, should_stop: StopCheck = None) -> dict:
 
 def run_tasks(run: Run, st: Stage, tasks: str, limit: int, should_stop: StopCheck = None) -> dict:
     """Downstream metrics of ``tasks``; each truncation warning is logged once per run."""
-    dm, warnings = downstream_metrics(run.model, run.tokenizer, tasks, limit, st.seq_len, run.info.device,
+    # Under pipeline parallelism the forward is the pipeline's (every pp rank runs it; the logits are broadcast).
+    model = run.dp_model if isinstance(run.dp_model, PipelineModel) else run.model
+    dm, warnings = downstream_metrics(model, run.tokenizer, tasks, limit, st.seq_len, run.info.device,
                                       run.autocast, should_stop)
     for line in sorted(set(warnings) - run.warned):
         run.log.event(run.state.step, line)
