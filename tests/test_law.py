@@ -9,13 +9,16 @@ from densetrain.law import (
     Law,
     bootstrap_isoflop,
     bootstrap_law,
+    compute_multiplier,
     fit_accuracy,
     fit_curve,
     fit_isoflop,
     fit_law,
     fit_prediction,
+    frontier,
     isoflop_intervals,
     law_intervals,
+    multiplier_intervals,
     predict,
     schedule_areas,
 )
@@ -138,3 +141,22 @@ def test_accuracy_sigmoid_and_two_step_prediction():
     assert p["extrapolation"] == pytest.approx(1.0) and p["bpb"] is None
     acc, at_lo, at_hi = p["downstream"]["t/headline"]
     assert acc == pytest.approx(float(sig.acc(p["loss"]))) and at_hi < acc < at_lo  # lower loss, higher accuracy
+
+
+def test_compute_multiplier_of_a_recipe_worth_k_tokens_per_token():
+    # a recipe that uses each token as k = 2.5 tokens: B_new = B / k^beta, so its frontier at C is the
+    # reference's at k C and the multiplier is k at every budget; a law below the reference's E: inf
+    k = 2.5
+    new = Law(E=TRUE.E, A=TRUE.A, B=TRUE.B / k ** TRUE.beta, alpha=TRUE.alpha, beta=TRUE.beta)
+    for c in BUDGETS:
+        assert frontier(new, c) == pytest.approx(frontier(TRUE, k * c), rel=1e-12)
+        assert compute_multiplier(TRUE, new, c) == pytest.approx(k, rel=1e-9)
+    assert compute_multiplier(new, TRUE, 1e20) == pytest.approx(1 / k, rel=1e-9)
+    assert compute_multiplier(TRUE, Law(E=1.5, A=TRUE.A, B=TRUE.B, alpha=0.34, beta=0.28), 1e30) == np.inf
+    # intervals over paired bootstrap laws: k from 2 to 3 in the new recipe's resamples
+    boot_new = [Law(E=TRUE.E, A=TRUE.A, B=TRUE.B / x ** TRUE.beta, alpha=TRUE.alpha, beta=TRUE.beta)
+                for x in np.linspace(2, 3, 41)]
+    iv = multiplier_intervals(TRUE, [TRUE] * 41, new, boot_new, BUDGETS[:2])
+    assert [r["budget"] for r in iv] == list(BUDGETS[:2])
+    assert iv[0]["value"] == pytest.approx(k) and iv[0]["lo"] == pytest.approx(2.025, rel=1e-6)
+    assert iv[1]["hi"] == pytest.approx(2.975, rel=1e-6)
