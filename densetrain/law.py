@@ -266,6 +266,23 @@ def multiplier_intervals(ref: Law, ref_boot: list[Law], new: Law, new_boot: list
     return out
 
 
+def fit_compute_power(c, loss) -> tuple[float, float]:
+    """``L*(C) = k * C^gamma`` by least squares of ``log L*`` on ``log C`` through each budget's best loss
+    ``loss`` at budgets ``c`` (FLOPs): the loss-against-compute power law of Kaplan et al. 2020 (eq. 1.3, with
+    no irreducible term), a cross-check of approach 3's extrapolation that needs no E, alpha or beta.
+
+    Returns:
+        ``(k, gamma)`` (gamma < 0 where the loss falls with compute).
+    Raises:
+        ValueError: fewer than 2 budgets, or a budget or loss not finite and positive.
+    """
+    c, loss = _check_points(c, loss)
+    if len(np.unique(c)) < 2:
+        raise ValueError(f"a power law in C needs at least 2 budgets; {len(np.unique(c))} given")
+    gamma, logk = np.polyfit(np.log(c), np.log(loss), 1)
+    return float(np.exp(logk)), float(gamma)
+
+
 # --- approach 2 -------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from densetrain.law import (
     bootstrap_law,
     compute_multiplier,
     fit_accuracy,
+    fit_compute_power,
     fit_curve,
     fit_isoflop,
     fit_law,
@@ -160,3 +161,11 @@ def test_compute_multiplier_of_a_recipe_worth_k_tokens_per_token():
     assert [r["budget"] for r in iv] == list(BUDGETS[:2])
     assert iv[0]["value"] == pytest.approx(k) and iv[0]["lo"] == pytest.approx(2.025, rel=1e-6)
     assert iv[1]["hi"] == pytest.approx(2.975, rel=1e-6)
+
+
+def test_compute_power_law():
+    c = np.geomspace(1e10, 1e12, 4)
+    k, gamma = fit_compute_power(c, 30.0 * c ** -0.06)
+    assert k == pytest.approx(30.0, rel=1e-9) and gamma == pytest.approx(-0.06, rel=1e-9)
+    with pytest.raises(ValueError, match="at least 2 budgets"):
+        fit_compute_power([1e10, 1e10], [4.0, 4.1])
