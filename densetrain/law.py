@@ -368,7 +368,8 @@ def bootstrap_isoflop(n, d, loss, samples: int = 200, seed: int = 0) -> list[Iso
 
 
 def isoflop_intervals(fit: IsoFlop, boot: list[IsoFlop], budget: float, level: float = LEVEL) -> dict:
-    """Approach 2's exponents, ``N_opt``/``D_opt`` and tokens per parameter at ``budget`` with intervals."""
+    """Approach 2's exponents, ``N_opt``/``D_opt`` and tokens per parameter at ``budget`` with intervals, and
+    ``distinct_resamples``: how many different refits the intervals come from."""
     out = {"a": asdict(Interval.of(fit.a, [b.a for b in boot], level)),
            "b": asdict(Interval.of(fit.b, [b.b for b in boot], level))}
     for i, k in enumerate(("n_opt", "d_opt")):
@@ -376,6 +377,9 @@ def isoflop_intervals(fit: IsoFlop, boot: list[IsoFlop], budget: float, level: f
     out["tokens_per_param"] = asdict(Interval.of(fit.tokens_per_param(budget),
                                                  [b.tokens_per_param(budget) for b in boot], level))
     out["budgets"], out["n_opt_per_budget"] = list(fit.budgets), list(fit.n_opt)
+    # With 3 sizes a budget, a resample keeps a budget's parabola only when it redraws its 3 points (6 times in
+    # 27), so every refit is the fit of a subset of the original budgets: few distinct values, no real interval.
+    out["distinct_resamples"] = len({round(b.a, 12) for b in boot})
     return out
 
 

@@ -87,6 +87,12 @@ def test_approach2_recovers_n_opt_exponent():
     assert iso.b == pytest.approx(1 - iso.a)
     iv = isoflop_intervals(iso, bootstrap_isoflop(n, d, loss, samples=100), BUDGETS[-1])
     assert iv["a"]["lo"] < iv["a"]["value"] < iv["a"]["hi"] and iv["a"]["hi"] - iv["a"]["lo"] < 0.5
+    assert iv["distinct_resamples"] > 50
+    # 3 sizes a budget: a budget keeps its parabola only where the resample redraws its 3 points, so every refit
+    # is the fit of a subset of the original budgets: at most 11 distinct ones (2, 3 or 4 of the 4 budgets)
+    keep = np.isin(np.arange(len(n)) % 5, [1, 2, 3])
+    few = isoflop_intervals(iso, bootstrap_isoflop(n[keep], d[keep], loss[keep], samples=100), BUDGETS[-1])
+    assert few["distinct_resamples"] <= 11
     with pytest.raises(ValueError, match="at least 2 budgets"):
         fit_isoflop(n[:5], d[:5], loss[:5])
 
