@@ -19,6 +19,12 @@
   ``C * S2``; we divide S2 by S1 so that a cooldown over the same fraction of a run buys the same loss at
   every length (Hägele et al. 2024 find the cooldown's gain does not grow with the run), and we add
   Chinchilla's N term so one fit covers every size of a ladder. :func:`schedule_areas`, :func:`fit_curve`.
+- **Compute multiplier** of one recipe over another (e.g. Muon over AdamW; the "effective compute" of
+  Kaplan et al. 2020 and of Liu et al. 2025, "Muon is Scalable for LLM Training", fig. 3): at budget C the
+  other recipe's compute-optimal loss ``L_new(C)``, and the compute ``C_ref`` at which the reference law's
+  frontier ``L_ref(N_opt(C_ref), D_opt(C_ref))`` reaches it; the multiplier is ``C_ref / C`` (inf where the
+  new loss lies below the reference's E). With ``B_new = B_ref / k^beta`` (the new recipe uses each token as
+  k tokens) it is k at every budget. :func:`compute_multiplier`, :func:`multiplier_intervals`.
 - **Downstream, step 2** (Bhagia et al. 2024, "Establishing Task Scaling Laws via Compute-Efficient Model
   Ladders", eq. 2; Llama 3's two-step): a task's accuracy as a sigmoid of the loss,
   ``Acc(L) = a / (1 + exp(-k (L - L0))) + b`` (k < 0: accuracy rises as the loss falls); step 1 is the loss
@@ -34,7 +40,7 @@ import itertools
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from scipy.optimize import curve_fit, minimize
+from scipy.optimize import brentq, curve_fit, minimize
 from scipy.special import logsumexp
 
 HUBER_DELTA = 1e-3
@@ -211,6 +217,72 @@ def predict(law: Law, boot: list[Law], n: float, d: float, level: float = LEVEL)
     return Interval.of(float(law.loss(n, d)), [float(b.loss(n, d)) for b in boot], level)
 
 
+_HUGE = 1e30  # the largest multiplier solved for
+
+
+def frontier(law: Law, c):
+    """The compute-optimal loss ``L(N_opt(c), D_opt(c))`` at ``c`` FLOPs (decreasing in c, down to E)."""
+    return law.loss(*law.optimal(c))
+
+
+def compute_multiplier(ref: Law, new: Law, c: float) -> float:
+    """The compute the reference law needs to reach, on its frontier, the new law's compute-optimal loss at
+    ``c`` FLOPs, over ``c`` (module docstring): > 1 where the new recipe is better. Solved in ``log C`` by
+    brentq (the frontier is monotone), within 1e-12 relative in C.
+
+    Returns:
+        the multiplier; ``inf`` when the new loss is at or below the reference's E (no compute reaches it),
+        ``nan`` past 1e30 times (a law too flat to say).
+    """
+    target = float(frontier(new, c))
+    if target <= ref.E:
+        return float("inf")
+    gap = lambda x: float(frontier(ref, c * np.exp(x))) - target  # noqa: E731  (decreasing in x)
+    lo, hi = -np.log(_HUGE), np.log(_HUGE)
+    if gap(hi) > 0 or gap(lo) < 0:
+        return float("nan")
+    return float(np.exp(brentq(gap, lo, hi, xtol=1e-12)))
+
+
+def multiplier_intervals(ref: Law, ref_boot: list[Law], new: Law, new_boot: list[Law], budgets,
+                         level: float = LEVEL) -> list[dict]:
+    """:func:`compute_multiplier` at each of ``budgets`` with a bootstrap interval: the i-th bootstrap law of
+    each recipe paired (they are independent resamples of two independent ladders), percentile interval over
+    the pairs (an infinite multiplier counts as the largest; a nan pair is dropped).
+
+    Returns:
+        per budget ``{"budget", "value", "lo", "hi", "level"}``.
+    """
+    pairs = list(zip(ref_boot, new_boot))
+    out = []
+    for c in budgets:
+        samples = [compute_multiplier(r, m, c) for r, m in pairs]
+        s = np.array([min(x, _HUGE) for x in samples if not np.isnan(x)])  # inf - inf is nan in the quantile
+        q = (1.0 - level) / 2.0
+        lo, hi = (np.where(np.quantile(s, [q, 1.0 - q]) >= _HUGE, np.inf, np.quantile(s, [q, 1.0 - q]))
+                  if len(s) else (np.nan, np.nan))
+        out.append({"budget": float(c), "value": compute_multiplier(ref, new, c), "lo": float(lo), "hi": float(hi),
+                    "level": level})
+    return out
+
+
+def fit_compute_power(c, loss) -> tuple[float, float]:
+    """``L*(C) = k * C^gamma`` by least squares of ``log L*`` on ``log C`` through each budget's best loss
+    ``loss`` at budgets ``c`` (FLOPs): the loss-against-compute power law of Kaplan et al. 2020 (eq. 1.3, with
+    no irreducible term), a cross-check of approach 3's extrapolation that needs no E, alpha or beta.
+
+    Returns:
+        ``(k, gamma)`` (gamma < 0 where the loss falls with compute).
+    Raises:
+        ValueError: fewer than 2 budgets, or a budget or loss not finite and positive.
+    """
+    c, loss = _check_points(c, loss)
+    if len(np.unique(c)) < 2:
+        raise ValueError(f"a power law in C needs at least 2 budgets; {len(np.unique(c))} given")
+    gamma, logk = np.polyfit(np.log(c), np.log(loss), 1)
+    return float(np.exp(logk)), float(gamma)
+
+
 # --- approach 2 -------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -296,7 +368,8 @@ def bootstrap_isoflop(n, d, loss, samples: int = 200, seed: int = 0) -> list[Iso
 
 
 def isoflop_intervals(fit: IsoFlop, boot: list[IsoFlop], budget: float, level: float = LEVEL) -> dict:
-    """Approach 2's exponents, ``N_opt``/``D_opt`` and tokens per parameter at ``budget`` with intervals."""
+    """Approach 2's exponents, ``N_opt``/``D_opt`` and tokens per parameter at ``budget`` with intervals, and
+    ``distinct_resamples``: how many different refits the intervals come from."""
     out = {"a": asdict(Interval.of(fit.a, [b.a for b in boot], level)),
            "b": asdict(Interval.of(fit.b, [b.b for b in boot], level))}
     for i, k in enumerate(("n_opt", "d_opt")):
@@ -304,6 +377,9 @@ def isoflop_intervals(fit: IsoFlop, boot: list[IsoFlop], budget: float, level: f
     out["tokens_per_param"] = asdict(Interval.of(fit.tokens_per_param(budget),
                                                  [b.tokens_per_param(budget) for b in boot], level))
     out["budgets"], out["n_opt_per_budget"] = list(fit.budgets), list(fit.n_opt)
+    # With 3 sizes a budget, a resample keeps a budget's parabola only when it redraws its 3 points (6 times in
+    # 27), so every refit is the fit of a subset of the original budgets: few distinct values, no real interval.
+    out["distinct_resamples"] = len({round(b.a, 12) for b in boot})
     return out
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -128,6 +130,20 @@ def test_prediction_and_off_curve_alarm(ladder, tmp_path, capsys):
     assert len(alarms) == 1 and alarms[0]["step"] < 61 and "email" in alarms[0]["values"]["sources"]
     assert "json" not in alarms[0]["values"]["sources"] and summary["prediction"]["off_curve"] == ["email"]
     assert f"outcome {summary['val']['all']['loss']:.3f}; off_curve: email" in write_report(tmp_path / "dup")
+    # the report's scaling panel: the ladder's curves and frontier, the run's predicted point and its outcome
+    traces = scaling_traces(tmp_path / "dup" / "report.html")
+    names = [t.get("name") for t in traces]
+    assert {"2.5e+09 FLOPs", "1e+10 FLOPs", "bootstrap band", "frontier", "run: predicted",
+            "run: outcome"} <= set(names)
+    pred, outcome = traces[names.index("run: predicted")], traces[names.index("run: outcome")]
+    p = summary["prediction"]
+    assert pred["x"] == [p["flops"]] and pred["y"] == [p["loss"]] and outcome["y"] == [p["actual_loss"]]
+    assert pred["error_y"]["array"] == [pytest.approx(p["loss_hi"] - p["loss"])]
+    assert png_size(tmp_path / "dup" / "report.png") == (1980, 1980)  # a fourth row of 5 inches at 110 dpi
+    # a run without eval.ladder (the ladder's own point): no panel, three rows
+    write_report(out / "runs" / "d64_c2")
+    assert scaling_traces(out / "runs" / "d64_c2" / "report.html") is None
+    assert png_size(out / "runs" / "d64_c2" / "report.png") == (1980, 1430)
 
     # plan --ladder: the same prediction without training; 100x the tokens warns
     conf = str(out / "runs" / "d64_c2" / "config.toml")
@@ -135,6 +151,17 @@ def test_prediction_and_off_curve_alarm(ladder, tmp_path, capsys):
     assert f"predicted final val loss {p['loss']:.4f}" in capsys.readouterr().out
     assert main(["plan", "--config", conf, "--ladder", str(out), "--train.steps=6100"]) == 0
     assert "WARNING: 100x past the ladder's largest budget" in capsys.readouterr().out
+
+
+def scaling_traces(page: Path) -> list[dict] | None:
+    """The plotly traces of ``#panel-scaling`` in a report page (None: no such panel)."""
+    m = re.search(r'Plotly\.newPlot\(\s*"panel-scaling",\s*', page.read_text())
+    return json.JSONDecoder().raw_decode(page.read_text()[m.end():])[0] if m else None
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) in pixels from a PNG's IHDR chunk."""
+    return struct.unpack(">II", path.read_bytes()[16:24])
 
 
 def test_print_commands(prepared, tmp_path):

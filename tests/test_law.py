@@ -9,13 +9,17 @@ from densetrain.law import (
     Law,
     bootstrap_isoflop,
     bootstrap_law,
+    compute_multiplier,
     fit_accuracy,
+    fit_compute_power,
     fit_curve,
     fit_isoflop,
     fit_law,
     fit_prediction,
+    frontier,
     isoflop_intervals,
     law_intervals,
+    multiplier_intervals,
     predict,
     schedule_areas,
 )
@@ -83,6 +87,12 @@ def test_approach2_recovers_n_opt_exponent():
     assert iso.b == pytest.approx(1 - iso.a)
     iv = isoflop_intervals(iso, bootstrap_isoflop(n, d, loss, samples=100), BUDGETS[-1])
     assert iv["a"]["lo"] < iv["a"]["value"] < iv["a"]["hi"] and iv["a"]["hi"] - iv["a"]["lo"] < 0.5
+    assert iv["distinct_resamples"] > 50
+    # 3 sizes a budget: a budget keeps its parabola only where the resample redraws its 3 points, so every refit
+    # is the fit of a subset of the original budgets: at most 11 distinct ones (2, 3 or 4 of the 4 budgets)
+    keep = np.isin(np.arange(len(n)) % 5, [1, 2, 3])
+    few = isoflop_intervals(iso, bootstrap_isoflop(n[keep], d[keep], loss[keep], samples=100), BUDGETS[-1])
+    assert few["distinct_resamples"] <= 11
     with pytest.raises(ValueError, match="at least 2 budgets"):
         fit_isoflop(n[:5], d[:5], loss[:5])
 
@@ -138,3 +148,30 @@ def test_accuracy_sigmoid_and_two_step_prediction():
     assert p["extrapolation"] == pytest.approx(1.0) and p["bpb"] is None
     acc, at_lo, at_hi = p["downstream"]["t/headline"]
     assert acc == pytest.approx(float(sig.acc(p["loss"]))) and at_hi < acc < at_lo  # lower loss, higher accuracy
+
+
+def test_compute_multiplier_of_a_recipe_worth_k_tokens_per_token():
+    # a recipe that uses each token as k = 2.5 tokens: B_new = B / k^beta, so its frontier at C is the
+    # reference's at k C and the multiplier is k at every budget; a law below the reference's E: inf
+    k = 2.5
+    new = Law(E=TRUE.E, A=TRUE.A, B=TRUE.B / k ** TRUE.beta, alpha=TRUE.alpha, beta=TRUE.beta)
+    for c in BUDGETS:
+        assert frontier(new, c) == pytest.approx(frontier(TRUE, k * c), rel=1e-12)
+        assert compute_multiplier(TRUE, new, c) == pytest.approx(k, rel=1e-9)
+    assert compute_multiplier(new, TRUE, 1e20) == pytest.approx(1 / k, rel=1e-9)
+    assert compute_multiplier(TRUE, Law(E=1.5, A=TRUE.A, B=TRUE.B, alpha=0.34, beta=0.28), 1e30) == np.inf
+    # intervals over paired bootstrap laws: k from 2 to 3 in the new recipe's resamples
+    boot_new = [Law(E=TRUE.E, A=TRUE.A, B=TRUE.B / x ** TRUE.beta, alpha=TRUE.alpha, beta=TRUE.beta)
+                for x in np.linspace(2, 3, 41)]
+    iv = multiplier_intervals(TRUE, [TRUE] * 41, new, boot_new, BUDGETS[:2])
+    assert [r["budget"] for r in iv] == list(BUDGETS[:2])
+    assert iv[0]["value"] == pytest.approx(k) and iv[0]["lo"] == pytest.approx(2.025, rel=1e-6)
+    assert iv[1]["hi"] == pytest.approx(2.975, rel=1e-6)
+
+
+def test_compute_power_law():
+    c = np.geomspace(1e10, 1e12, 4)
+    k, gamma = fit_compute_power(c, 30.0 * c ** -0.06)
+    assert k == pytest.approx(30.0, rel=1e-9) and gamma == pytest.approx(-0.06, rel=1e-9)
+    with pytest.raises(ValueError, match="at least 2 budgets"):
+        fit_compute_power([1e10, 1e10], [4.0, 4.1])

@@ -2,7 +2,8 @@
 ``report.png`` (the same panels, static) and a printed summary.
 
 Reads only files of the run directory (``metrics.jsonl``, ``events.jsonl``, ``summary.json``,
-``config.toml``, and ``evals/``: what ``densetrain eval`` wrote), so it works on a finished, running
+``config.toml``, and ``evals/``: what ``densetrain eval`` wrote; for a run trained with ``eval.ladder``, the
+ladder's ``ladder.jsonl`` and ``fit.json`` for the scaling panel), so it works on a finished, running
 or killed run. :mod:`.run` reads them,
 :mod:`.png` and :mod:`.html` draw the same series.
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from densetrain.fileio import sweep_temps_of
 from densetrain.report.html import PANELS, write_html
+from densetrain.report.ladder import ladder_series
 from densetrain.report.png import write_png
 from densetrain.report.run import RunData, load_run, read_events, source_name
 
@@ -28,9 +30,18 @@ def write_report(run_dir: Path) -> str:
     data = load_run(Path(run_dir))
     for name in ("report.png", "report.html"):  # what a killed report left (.report.html.tmpPID of a dead PID)
         sweep_temps_of(data.run_dir / name)
-    png = write_png(data, data.run_dir / "report.png")
-    page = write_html(data, data.run_dir / "report.html")
+    scaling, note = None, None
+    if data.ladder_dir is not None:  # eval.ladder: the scaling panel, once the ladder is fitted
+        try:
+            scaling = ladder_series(data.ladder_dir, data.prediction)
+        except (OSError, ValueError, KeyError) as e:
+            note = (f"  no scaling panel: the ladder {data.ladder_dir} has no readable ladder.jsonl / fit.json "
+                    f"({type(e).__name__}: {e})")
+    png = write_png(data, data.run_dir / "report.png", scaling)
+    page = write_html(data, data.run_dir / "report.html", scaling)
     lines = [f"report: {page} (open in a browser; works offline)", f"        {png}"]
+    if note:
+        lines.append(note)
     s = data.summary
     if s:
         lines.append(f"steps {s['steps']}, tokens {s['tokens']}, wall {s['wall_s']:.0f}s")

@@ -4,7 +4,8 @@ opens offline and can be mailed or archived as a single file).
 Plot panels (each a ``<div id="panel-NAME">`` that plotly fills in the browser; :data:`PANELS` lists
 them): train loss with stage bands, validation points, the points on each side of a stage switch, the
 unigram baseline and event markers; validation loss and bits per byte per source; lr; grad_norm;
-tokens/s and MFU per rank; memory; downstream headline scores (bits per byte on an axis of their own).
+tokens/s and MFU per rank; memory; downstream headline scores (bits per byte on an axis of their own);
+for a run trained with ``eval.ladder``, the scaling panel (``#panel-scaling``, :mod:`densetrain.report.ladder`).
 Then tables: the final validation
 against the unigram baseline, the evaluations of checkpoints by ``densetrain eval`` (``RUN_DIR/evals/``;
 also diamonds in the validation and downstream panels), the stage switches with the validation loss
@@ -23,6 +24,7 @@ from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
 from densetrain.fileio import atomic_write_bytes
+from densetrain.report.ladder import scaling_figure
 from densetrain.report.run import (
     PALETTE,
     STAGE_FILLS,
@@ -45,18 +47,20 @@ PANELS = ("loss", "val", "lr", "grad_norm", "throughput", "memory", "downstream"
 _PLOT_CONFIG = {"displaylogo": False, "responsive": True}
 
 
-def write_html(data: RunData, out: Path) -> Path:
-    """Write the page to ``out`` and return ``out``."""
+def write_html(data: RunData, out: Path, scaling: dict | None = None) -> Path:
+    """Write the page to ``out`` and return ``out``; with ``scaling``
+    (:func:`densetrain.report.ladder.ladder_series`), the panel ``#panel-scaling`` after the validation panel:
+    the ladder's isoFLOP curves and frontier with this run's predicted point and outcome."""
     figs = {"loss": _loss_fig(data), "val": _val_fig(data), "lr": _line_fig(data, "lr", "lr"),
             "grad_norm": _line_fig(data, "grad_norm", "grad_norm (before clipping)"),
             "throughput": _throughput_fig(data), "memory": _memory_fig(data), "downstream": _downstream_fig(data)}
     div = {name: pio.to_html(fig, full_html=False, include_plotlyjs=False, div_id=f"panel-{name}",
                              config=_PLOT_CONFIG, default_height=f"{fig.layout.height}px", default_width="100%")
-           for name, fig in figs.items()}
+           for name, fig in {**figs, **({"scaling": scaling_figure(scaling)} if scaling else {})}.items()}
     body = [
         f"<h1>densetrain run report</h1><p class='meta'>{_meta(data)}</p>",
         _final_table(data),
-        div["loss"], div["val"],
+        div["loss"], div["val"], div.get("scaling", ""),
         f"<div class='pair'>{div['lr']}{div['grad_norm']}</div>",
         div["throughput"],
         f"<div class='pair'>{div['memory']}{div['downstream']}</div>",

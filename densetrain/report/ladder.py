@@ -1,4 +1,6 @@
-"""The scaling panel of a ladder (``densetrain ladder report``): ``LADDER_DIR/ladder.png`` and ``ladder.html``.
+"""The scaling panel of a ladder: ``LADDER_DIR/ladder.png`` and ``ladder.html`` (``densetrain ladder report``),
+and the same panel in a run's report when the run was trained with ``eval.ladder`` (:func:`ladder_series`,
+:func:`draw_axes` and :func:`scaling_figure`, called by :mod:`.png` and :mod:`.html`).
 
 Two plots from ``ladder.jsonl`` and ``fit.json`` (read here, no training imports):
 
@@ -11,6 +13,7 @@ Two plots from ``ladder.jsonl`` and ``fit.json`` (read here, no training imports
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -19,11 +22,19 @@ import plotly.graph_objects as go
 from matplotlib.figure import Figure
 from plotly.subplots import make_subplots
 
+from densetrain.fileio import atomic_write_bytes
 from densetrain.law import LEVEL, Law
 from densetrain.report.run import PALETTE
 
 
-def _series(ladder_dir: Path, run: Path | None) -> dict:
+def ladder_series(ladder_dir: Path, prediction: dict | None = None) -> dict:
+    """What the panel draws: the ladder's points and fitted law (``ladder.jsonl``, ``fit.json``) and
+    ``prediction`` (``summary.json``'s ``prediction`` of a run, or its ``prediction`` event's values: ``flops``,
+    ``loss``, ``loss_lo``, ``loss_hi``, and ``actual_loss`` once the run ended).
+
+    Raises:
+        FileNotFoundError: no ``ladder.jsonl`` or ``fit.json`` in ``ladder_dir``.
+    """
     recs = [json.loads(line) for line in (ladder_dir / "ladder.jsonl").read_text().splitlines() if line.strip()]
     fit = json.loads((ladder_dir / "fit.json").read_text())
     law = Law(**fit["approach3"]["law"])
@@ -39,15 +50,13 @@ def _series(ladder_dir: Path, run: Path | None) -> dict:
     q = (1 - fit.get("level", LEVEL)) / 2
     band = np.quantile([b.loss(*b.optimal(cs)) for b in boot], [q, 1 - q], axis=0) if boot else None
     best = [(c["budget"], min(p[1] for p in c["points"])) for c in iso]
-    pred = None
-    if run is not None and (run / "summary.json").exists():
-        pred = json.loads((run / "summary.json").read_text()).get("prediction")
-    return {"iso": iso, "cs": cs, "front": front, "band": band, "best": best, "pred": pred, "key": key}
+    return {"iso": iso, "cs": cs, "front": front, "band": band, "best": best, "pred": prediction, "key": key,
+            "ladder_dir": ladder_dir}
 
 
-def _png(s: dict, out: Path) -> Path:
-    fig = Figure(figsize=(13, 5))
-    ax1, ax2 = fig.subplots(1, 2)
+def draw_axes(ax1, ax2, s: dict) -> None:
+    """Draw :func:`ladder_series`'s ``s``: the isoFLOP curves into matplotlib axes ``ax1``, the frontier into
+    ``ax2``."""
     for i, c in enumerate(s["iso"]):
         color = PALETTE[i % len(PALETTE)]
         ax1.plot(c["n"], c["law"], color=color, lw=1)
@@ -66,12 +75,10 @@ def _png(s: dict, out: Path) -> Path:
             ax2.plot([p["flops"]], [p["actual_loss"]], "*", ms=12, color=PALETTE[2], label="run: outcome")
     ax2.set(xscale="log", xlabel="compute C = 6 N D (FLOPs)", ylabel="val loss", title="compute-optimal frontier")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    return out
 
 
-def _html(s: dict, out: Path) -> Path:
+def scaling_figure(s: dict) -> go.Figure:
+    """:func:`ladder_series`'s ``s`` as one plotly figure of two plots (isoFLOP curves, frontier)."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("isoFLOP curves (approach 3 fit)", "compute-optimal frontier"))
     for i, c in enumerate(s["iso"]):
         color = PALETTE[i % len(PALETTE)]
@@ -96,9 +103,8 @@ def _html(s: dict, out: Path) -> Path:
             fig.add_trace(go.Scatter(x=[p["flops"]], y=[p["actual_loss"]], mode="markers",
                                      marker={"symbol": "star", "size": 12}, name="run: outcome"), 1, 2)
     fig.update_xaxes(type="log")
-    fig.update_layout(height=480, template="plotly_white", title="scaling ladder")
-    out.write_text(fig.to_html(include_plotlyjs=True, full_html=True))
-    return out
+    fig.update_layout(height=480, template="plotly_white", title=f"scaling ladder {s['ladder_dir']}")
+    return fig
 
 
 def write_ladder_report(ladder_dir: Path, run: Path | None = None) -> list[Path]:
@@ -107,5 +113,16 @@ def write_ladder_report(ladder_dir: Path, run: Path | None = None) -> list[Path]
     Raises:
         FileNotFoundError: no ``ladder.jsonl`` or ``fit.json`` (run ``densetrain ladder fit`` first).
     """
-    s = _series(ladder_dir, run)
-    return [_png(s, ladder_dir / "ladder.png"), _html(s, ladder_dir / "ladder.html")]
+    pred = None
+    if run is not None and (run / "summary.json").exists():
+        pred = json.loads((run / "summary.json").read_text()).get("prediction")
+    s = ladder_series(ladder_dir, pred)
+    fig = Figure(figsize=(13, 5))
+    draw_axes(*fig.subplots(1, 2), s)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
+    atomic_write_bytes(ladder_dir / "ladder.png", buf.getvalue())
+    atomic_write_bytes(ladder_dir / "ladder.html",
+                       scaling_figure(s).to_html(include_plotlyjs=True, full_html=True).encode("utf-8"))
+    return [ladder_dir / "ladder.png", ladder_dir / "ladder.html"]

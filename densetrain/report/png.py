@@ -1,7 +1,8 @@
 """``report.png``: the run on one static page (matplotlib, no display needed), nine panels in a 3 x 3
 grid: train loss (stage bands, validation points, the points on each side of a stage switch, the
 unigram baseline, event markers), validation loss and bits per byte per source, lr, grad_norm,
-tokens/s and MFU per rank, memory, downstream headline scores (bits per byte on axes of their own).
+tokens/s and MFU per rank, memory, downstream headline scores (bits per byte on axes of their own);
+for a run trained with ``eval.ladder``, a fourth row: the scaling panel (:mod:`densetrain.report.ladder`).
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 import io
 from pathlib import Path
 
+import numpy as np
 from matplotlib.figure import Figure
 
 from densetrain.fileio import atomic_write_bytes
+from densetrain.report.ladder import draw_axes
 from densetrain.report.run import (
     PALETTE,
     STAGE_FILLS,
@@ -28,10 +31,15 @@ from densetrain.report.run import (
 )
 
 
-def write_png(data: RunData, out: Path) -> Path:
-    """Draw the run into ``out`` (PNG, 110 dpi) and return ``out``."""
-    fig = Figure(figsize=(18, 13))
-    axes = fig.subplots(3, 3)
+def write_png(data: RunData, out: Path, scaling: dict | None = None) -> Path:
+    """Draw the run into ``out`` (PNG, 110 dpi) and return ``out``; with ``scaling``
+    (:func:`densetrain.report.ladder.ladder_series`), a fourth row: the ladder's isoFLOP curves and frontier
+    with this run's predicted point and outcome."""
+    fig = Figure(figsize=(18, 18 if scaling else 13))
+    grid = fig.add_gridspec(4 if scaling else 3, 3)
+    axes = np.array([[fig.add_subplot(grid[r, c]) for c in range(3)] for r in range(3)])
+    if scaling:
+        draw_axes(fig.add_subplot(grid[3, 0]), fig.add_subplot(grid[3, 1:]), scaling)
     loss_ax, val_ax, bpb_ax = axes[0]
     lr_ax, gn_ax, tps_ax = axes[1]
     mfu_ax, mem_ax, ds_ax = axes[2]

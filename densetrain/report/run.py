@@ -1,5 +1,6 @@
 """What the report draws, read from a run directory: the metric records by kind, the structured
-events, the stage spans, the validation points on each side of a stage switch and per-rank series.
+events, the stage spans, the validation points on each side of a stage switch, per-rank series, and the
+ladder and prediction of a run trained with ``eval.ladder``.
 
 No plotting here: the PNG (:mod:`densetrain.report.png`) and the HTML page
 (:mod:`densetrain.report.html`) draw the same series, so they cannot disagree. Everything tolerates a
@@ -9,6 +10,7 @@ run that is still going or was killed: missing files give empty tables, torn lin
 from __future__ import annotations
 
 import json
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +69,8 @@ class RunData:
     config_text: str | None
     spans: list[StageSpan]
     boundaries: list[Boundary]
+    ladder_dir: Path | None = None  # eval.ladder of a run with a prediction (the report's scaling panel)
+    prediction: dict | None = None  # summary.json's prediction, else the 'prediction' event's values
 
 
 def read_events(run_dir: Path, records: list[dict] | None = None) -> list[Event]:
@@ -147,6 +151,22 @@ def stage_boundaries(spans: list[StageSpan], evals: list[dict], key: str = "val/
     return out
 
 
+def ladder_of(summary: dict, events: list[Event], config_text: str | None) -> tuple[Path | None, dict | None]:
+    """The ladder a run was trained with (``eval.ladder``) and its prediction: ``summary.json``'s ``prediction``
+    (with the outcome) of a finished run, else the ``prediction`` event's values (a running or killed run);
+    the ladder directory from the prediction, else from ``config.toml`` (``(None, None)``: no ladder)."""
+    pred = summary.get("prediction") if isinstance(summary.get("prediction"), dict) else None
+    if pred is None:
+        pred = next((e.values for e in events if e.kind == "prediction" and e.values.get("flops")), None)
+    ladder = (pred or {}).get("ladder")
+    if not ladder and config_text:
+        try:
+            ladder = tomllib.loads(config_text).get("eval", {}).get("ladder")
+        except tomllib.TOMLDecodeError:
+            ladder = None
+    return (Path(ladder) if isinstance(ladder, str) and ladder else None), pred
+
+
 def load_run(run_dir: Path) -> RunData:
     """Read ``metrics.jsonl``, ``events.jsonl``, ``summary.json``, ``config.toml`` and ``evals/`` of a run.
 
@@ -171,11 +191,13 @@ def load_run(run_dir: Path) -> RunData:
     except json.JSONDecodeError:
         summary = {}
     spans = stage_spans(train)
+    events = sorted(read_events(run_dir, recs), key=lambda e: e.step)  # stable: same-step order kept
+    config_text = config_path.read_text(errors="replace") if config_path.exists() else None
+    ladder_dir, prediction = ladder_of(summary, events, config_text)
     return RunData(run_dir=run_dir, train=train, evals=evals, final_evals=by_kind.get("final_eval", []),
                    checkpoint_evals=read_checkpoint_evals(run_dir), perf=by_kind.get("perf", []), summary=summary,
-                   events=sorted(read_events(run_dir, recs), key=lambda e: e.step),  # stable: same-step order kept
-                   config_text=config_path.read_text(errors="replace") if config_path.exists() else None,
-                   spans=spans, boundaries=stage_boundaries(spans, evals))
+                   events=events, config_text=config_text, spans=spans, boundaries=stage_boundaries(spans, evals),
+                   ladder_dir=ladder_dir, prediction=prediction)
 
 
 def step_range(data: RunData) -> tuple[float, float]:

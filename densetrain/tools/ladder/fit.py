@@ -95,6 +95,10 @@ def fit_ladder(ladder_dir: Path, samples: int = 200) -> dict:
     return fit
 
 
+FEW = 20
+"""Fewer distinct bootstrap refits of approach 2 than this: its intervals are flagged as meaningless."""
+
+
 def _iv(d: dict, fmt: str = ".4g") -> str:
     return f"{d['value']:{fmt}} [{d['lo']:{fmt}}, {d['hi']:{fmt}}]"
 
@@ -115,6 +119,9 @@ def format_fit(fit: dict) -> str:
     else:
         lines.append(f"approach 2: N_opt ~ C^{_iv(a2['a'], '.3f')}, D_opt ~ C^{_iv(a2['b'], '.3f')}; tokens per "
                      f"parameter at {fit['largest_budget']:.3g} FLOPs {_iv(a2['tokens_per_param'], '.3g')}")
+        if a2.get("distinct_resamples", FEW) < FEW:
+            lines.append(f"  (approach 2's intervals come from {a2['distinct_resamples']} distinct refits: too few "
+                         f"sizes per budget to resample; they are no measure of its uncertainty)")
     for t, g in fit.get("downstream", {}).items():
         lines.append(f"downstream {t}: {g['a']:.3g} / (1 + exp(-{g['k']:.3g} (L - {g['L0']:.4g}))) + {g['b']:.3g}")
     for k, c in fit.get("curves", {}).items():
