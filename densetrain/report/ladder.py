@@ -11,7 +11,6 @@ Two plots from ``ladder.jsonl`` and ``fit.json`` (read here, no training imports
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +18,14 @@ import plotly.graph_objects as go
 from matplotlib.figure import Figure
 from plotly.subplots import make_subplots
 
+from densetrain.fileio import read_json, read_jsonl
 from densetrain.law import LEVEL, Law
 from densetrain.report.run import PALETTE
 
 
 def _series(ladder_dir: Path, run: Path | None) -> dict:
-    recs = [json.loads(line) for line in (ladder_dir / "ladder.jsonl").read_text().splitlines() if line.strip()]
-    fit = json.loads((ladder_dir / "fit.json").read_text())
+    recs = read_jsonl(ladder_dir / "ladder.jsonl", strict=True)[0]  # regular files, bounded, too deep refused (fileio)
+    fit = read_json(ladder_dir / "fit.json")
     law = Law(**fit["approach3"]["law"])
     boot = [Law(*b) for b in fit["approach3"]["bootstrap"]]
     key = fit["n_key"]
@@ -41,7 +41,7 @@ def _series(ladder_dir: Path, run: Path | None) -> dict:
     best = [(c["budget"], min(p[1] for p in c["points"])) for c in iso]
     pred = None
     if run is not None and (run / "summary.json").exists():
-        pred = json.loads((run / "summary.json").read_text()).get("prediction")
+        pred = read_json(run / "summary.json").get("prediction")
     return {"iso": iso, "cs": cs, "front": front, "band": band, "best": best, "pred": pred, "key": key}
 
 

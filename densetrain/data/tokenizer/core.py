@@ -54,7 +54,7 @@ from densetrain.data.tokenizer.named import RANK_FILES, SCHEMES, rank_file_path
 from densetrain.data.tokenizer.probe import probe_encoder, raise_if_panic
 from densetrain.data.tokenizer.twin import CHECK_EVERY, twin_for
 from densetrain.errors import DataError
-from densetrain.fileio import MAX_JSON_BYTES, atomic_write_bytes, read_bytes_bounded
+from densetrain.fileio import MAX_CONFIG_BYTES, MAX_JSON_BYTES, atomic_write_bytes, read_bytes_bounded, read_json
 
 EOS_TOKEN = "<|endoftext|>"
 """The EOS token of a trained BPE (id 0) and of tiktoken encodings."""
@@ -390,7 +390,9 @@ def _tokenizer_json_bos(path: Path, data: bytes, tok) -> str | None:
     """
     known = (lambda t: isinstance(t, str) and tok.token_to_id(t) is not None)
     try:
-        hf_config = json.loads(path.with_name("tokenizer_config.json").read_text(encoding="utf-8"))
+        # A few KiB (HF's largest carry a chat template); a FIFO, a link to /dev/zero, too deep a nesting are
+        # refused by read_json (ReadRefused, an OSError) and the file ignored like any other unreadable one.
+        hf_config = read_json(path.with_name("tokenizer_config.json"), MAX_CONFIG_BYTES)
     except (OSError, ValueError):
         hf_config = {}
     bos = hf_config.get("bos_token") if isinstance(hf_config, dict) else None
@@ -399,7 +401,7 @@ def _tokenizer_json_bos(path: Path, data: bytes, tok) -> str | None:
         return bos
     try:
         post = json.loads(data).get("post_processor") or {}
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         post = {}
     for proc in post.get("processors", [post]) if isinstance(post, dict) else []:
         if not isinstance(proc, dict):
