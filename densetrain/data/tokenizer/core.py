@@ -54,7 +54,14 @@ from densetrain.data.tokenizer.named import RANK_FILES, SCHEMES, rank_file_path
 from densetrain.data.tokenizer.probe import probe_encoder, raise_if_panic
 from densetrain.data.tokenizer.twin import CHECK_EVERY, twin_for
 from densetrain.errors import DataError
-from densetrain.fileio import MAX_CONFIG_BYTES, MAX_JSON_BYTES, atomic_write_bytes, read_bytes_bounded, read_json
+from densetrain.fileio import (
+    MAX_CONFIG_BYTES,
+    MAX_JSON_BYTES,
+    ReadRefused,
+    atomic_write_bytes,
+    read_bytes_bounded,
+    read_json,
+)
 
 EOS_TOKEN = "<|endoftext|>"
 """The EOS token of a trained BPE (id 0) and of tiktoken encodings."""
@@ -179,10 +186,12 @@ class Tokenizer:
         from tiktoken.load import load_tiktoken_bpe
 
         path = Path(path)
-        try:
-            sha = hashlib.sha256(path.read_bytes()).hexdigest()
+        try:  # rank files are 1-4 MB: a regular file of <= 1 GiB (a FIFO, a link to /dev/zero refused)
+            sha = hashlib.sha256(read_bytes_bounded(path, MAX_JSON_BYTES)).hexdigest()
         except FileNotFoundError:
             raise DataError(f"{path}: rank file not found (data.tokenizer)") from None
+        except ReadRefused as e:
+            raise DataError(f"{e} (data.tokenizer)") from None
         if expected_sha256 is not None and sha != expected_sha256:
             raise DataError(f"{path}: sha256 {sha[:12]} is not the expected {expected_sha256[:12]}; reinstall it "
                             "with `python -m densetrain.data.tokenizer` (data.tokenizer)")
@@ -298,7 +307,7 @@ class Tokenizer:
             return None
         if self._twin is _UNSET:
             try:
-                data = Path(self.name).read_bytes()
+                data = read_bytes_bounded(self.name, MAX_JSON_BYTES)
             except OSError:
                 data = b""
             # a file changed (or gone) since it was loaded: HF keeps encoding what was loaded
@@ -342,7 +351,7 @@ class Tokenizer:
             DataError: a tiktoken encoding whose special ids leave gaps after the ranks (e.g. cl100k_base).
         """
         if self.kind == "hf":
-            return Path(self.name).read_text(encoding="utf-8")
+            return read_bytes_bounded(self.name, MAX_JSON_BYTES).decode("utf-8")
         from densetrain.data.tokenizer.hf import tiktoken_to_hf_json
 
         enc = self._impl
