@@ -347,6 +347,14 @@ def test_a_tiktoken_rank_file_that_is_not_a_regular_file_is_one_line(tmp_path):
         load_tokenizer(str(link), tmp_path)
 
 
+def test_a_shard_that_is_a_fifo_is_refused_by_its_hash_check(fifo, tmp_path):
+    from densetrain.data.shards import sha256_file
+    from densetrain.fileio import ReadRefused
+
+    with _deadline(15), pytest.raises(ReadRefused, match=r"a\.ds: is a FIFO, expected a regular file"):
+        sha256_file(fifo(tmp_path / "a.ds"))
+
+
 def test_a_ladder_fit_and_a_prepare_manifest_nested_too_deeply(tmp_path):
     from densetrain.data.prepare.manifest import up_to_date
     from densetrain.train.curve import read_fit
