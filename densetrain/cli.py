@@ -228,11 +228,11 @@ def _usable_tokenizer(path: Path, vocab_size: int) -> tuple[Path | None, str]:
     found) with at most ``vocab_size`` ids, else (None, why not)."""
     from densetrain.data.tokenizer import Tokenizer
 
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():  # a FIFO or a link to /dev/zero: from_file says what it is
         return None, f"no tokenizer.json in {path.parent}"
     try:
         tok = Tokenizer.from_file(path)
-    except DataError as e:
+    except (DataError, OSError) as e:  # OSError: not a regular file or over 1 GiB (fileio.ReadRefused), unreadable
         return None, str(e)
     if tok.vocab_size > vocab_size:
         return None, f"{path}: {tok.vocab_size} token ids, more than the model's vocab_size {vocab_size}"

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from densetrain.errors import TrainError
-from densetrain.fileio import json_text
+from densetrain.fileio import json_text, read_bytes_bounded
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # What DCP's .metadata pickles (torch 2.4-2.13): its dataclasses, the storage info of the filesystem writer,
@@ -114,8 +114,8 @@ def read_marker(ckpt_dir: str | Path) -> dict:
     """
     path = Path(ckpt_dir) / "COMPLETE"
     try:
-        marker = json.loads(path.read_bytes()[:1 << 22])
-    except (OSError, ValueError) as e:
+        marker = json.loads(read_bytes_bounded(path, 1 << 22))  # ~100 bytes a file; a FIFO, /dev/zero refused
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointReadError(f"{path}: cannot read the completion marker ({type(e).__name__}: {e})") from None
     if not isinstance(marker, dict) or type(marker.get("step")) is not int or marker["step"] < 0:
         raise CheckpointReadError(f"{path}: not a completion marker (expected an object with an integer step >= 0)")

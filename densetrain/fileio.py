@@ -11,11 +11,12 @@ non-finite float (a NaN loss, an infinite ratio) becomes ``null``, never Python'
 which other JSON readers (browsers, jq, pandas) refuse.
 
 Every file densetrain reads goes through :func:`open_regular` (or the readers built on it:
-:func:`read_bytes_bounded`, :func:`read_text_bounded`, :func:`read_json`, :func:`read_toml`,
-:func:`parse_json_line`): it must be a regular file once symlinks are followed (a link to ``/dev/zero``
-would be read until memory runs out, a FIFO would block the reader forever), no larger than a limit where
-its kind implies one; JSON/TOML nested deeper than Python's parsers recurse is refused, not a traceback. A refusal is a
-:class:`ReadRefused` (an ``OSError``, so every reader's "cannot read" handling and the CLI's one line apply).
+:func:`read_bytes_bounded`, :func:`read_text_bounded`, :func:`read_json`, :func:`read_jsonl`,
+:func:`read_toml`, :func:`parse_json_line`): it must be a regular file once symlinks are followed (a link
+to ``/dev/zero`` would be read until memory runs out, a FIFO would block the reader forever), no larger than a
+limit where its kind implies one; JSON/TOML nested deeper than Python's parsers recurse is refused, not a
+traceback. A refusal is a :class:`ReadRefused` (an ``OSError``, so every reader's "cannot read" handling and the
+CLI's one line apply).
 The documented exception: ``--config /dev/stdin`` style pipes are not supported; write the TOML to a file.
 """
 
@@ -216,7 +217,11 @@ def read_bytes_bounded(path, max_bytes: int) -> bytes:
     """The bytes of regular file ``path`` (:func:`open_regular`), at most ``max_bytes`` (also when it grows
     while read). Raises: ReadRefused; OSError."""
     with open_regular(path, max_bytes) as f:
-        data = f.read(max_bytes + 1)
+        # read(n) allocates n bytes up front: ask for the size the file has (+1 to see it grow), then read on
+        # in 1 MiB pieces while it grows, up to the limit.
+        data = f.read(min(os.fstat(f.fileno()).st_size, max_bytes) + 1)
+        while len(data) <= max_bytes and (more := f.read(min(1 << 20, max_bytes + 1 - len(data)))):
+            data += more
     if len(data) > max_bytes:
         raise ReadRefused(path, f"larger than the {max_bytes}-byte limit for this file")
     return data
@@ -234,6 +239,45 @@ def parse_json_line(text: str, where):
         return json.loads(text)
     except RecursionError:
         raise ReadRefused(where, _TOO_DEEP) from None
+
+
+MAX_LOG_BYTES = 4 << 30
+"""A run's JSON Lines logs (metrics.jsonl, events.jsonl, ladder.jsonl): 4 GiB. A metrics record is ~400 bytes
+and a run writes a few a step, so a million-step run's metrics.jsonl is ~1-2 GB; a link to /dev/zero is not."""
+
+
+def read_jsonl(path, max_bytes: int = MAX_LOG_BYTES, strict: bool = False) -> tuple[list[dict], list[str]]:
+    """The JSON objects, one a line, of regular file ``path`` (:func:`open_regular`) of at most ``max_bytes``.
+    Blank lines are ignored; a line that is not a JSON object (an edit, damage, nesting deeper than the parser
+    follows) is skipped, never a traceback. A last line without its newline that does not parse is the torn
+    write of a killed writer (the logs are appended a line at a time): dropped without a word.
+
+    Args:
+        strict: for a file rewritten whole (atomically: no torn tail), where a bad line is damage that would
+            change what is computed from the file (a ladder's points): refuse it instead of skipping it.
+    Returns: (the objects in file order, one ``'PATH:LINE: why'`` per other line skipped, for the caller to
+        count and show; empty when ``strict``).
+    Raises: ReadRefused: not a regular file, over ``max_bytes``; with ``strict``, the first bad line
+        (``PATH:LINE: why``). OSError."""
+    records, skipped = [], []
+    lines = read_text_bounded(path, max_bytes, errors="replace").split("\n")
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            why = _TOO_DEEP if isinstance(e, RecursionError) else "not JSON"
+        else:
+            if isinstance(rec, dict):
+                records.append(rec)
+                continue
+            why = f"a JSON {type(rec).__name__}, expected an object"
+        if strict:
+            raise ReadRefused(f"{path}:{n}", f"{why} (expected one JSON object a line)")
+        if n < len(lines) or why != "not JSON":  # else the torn tail of a killed writer
+            skipped.append(f"{path}:{n}: {why}")
+    return records, skipped
 
 
 def read_json(path, max_bytes: int = MAX_CONFIG_BYTES):

@@ -14,7 +14,6 @@ pandas' ``lines=True``) refuse.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import resource
 import sys
@@ -26,7 +25,7 @@ import torch
 
 from densetrain.config import Config, ModelConfig
 from densetrain.errors import ConfigError, DataError
-from densetrain.fileio import atomic_write_bytes, json_text, read_text_bounded
+from densetrain.fileio import MAX_LOG_BYTES, atomic_write_bytes, json_text, read_jsonl, read_text_bounded
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -250,14 +249,10 @@ class MetricsLogger:
             self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge_step)
 
     def _truncate_after(self, step: int, keep_events: bool) -> None:
-        keep = []
-        for line in self.path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line from a kill -9
-            if rec.get("step", 0) <= step or (keep_events and rec.get("kind") == "event"):
-                keep.append(line)
+        # Lines read_log_records skips (a torn last line from a kill -9, damage) are dropped here; json_line is
+        # what wrote the others, so they are rewritten byte for byte.
+        keep = [json_line(rec) for rec in read_log_records(self.path)
+                if rec["step"] <= step or (keep_events and rec["kind"] == "event")]
         atomic_write_bytes(self.path, ("\n".join(keep) + "\n" if keep else "").encode())
 
     def rewind(self, step: int) -> None:
@@ -331,30 +326,39 @@ class MetricsLogger:
             self.tb = None
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    """All records of ``RUN_DIR/metrics.jsonl`` (torn lines skipped)."""
+_NOTED_SKIPS: set[str] = set()
+
+
+def read_log_records(path: Path) -> list[dict]:
+    """The records of a run's JSON Lines log ``path`` (metrics.jsonl, events*.jsonl): objects with an integer
+    ``step`` and a string ``kind``, as :meth:`MetricsLogger.log` / :meth:`MetricsLogger.event` write them. Other
+    lines (damage, an edit, nesting too deep; :func:`densetrain.fileio.read_jsonl`) are skipped and counted in
+    one note on stderr per file and process; a torn last line of a killed run is dropped without a note.
+
+    Raises: ReadRefused (an OSError: not a regular file, e.g. a FIFO or a link to /dev/zero, or over
+    MAX_LOG_BYTES; one line naming the file); OSError."""
+    records, skipped = read_jsonl(path, MAX_LOG_BYTES)
     out = []
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
+    for rec in records:
+        if type(rec.get("step")) is int and isinstance(rec.get("kind"), str):
+            out.append(rec)
+        else:
+            skipped.append(f"{path}: a record without an integer 'step' and a string 'kind'")
+    if skipped and str(path) not in _NOTED_SKIPS:
+        _NOTED_SKIPS.add(str(path))
+        print(f"densetrain: note: skipped {len(skipped)} malformed line(s) of {path} (first: {skipped[0]})",
+              file=sys.stderr)
     return out
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """All records of ``RUN_DIR/metrics.jsonl`` (:func:`read_log_records`: malformed lines skipped and noted)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return read_log_records(path) if path.exists() else []
 
 
 def read_events(run_dir: Path) -> list[dict]:
     """All structured events of a run (``events.jsonl`` and other ranks' ``events_rank<r>.jsonl``),
-    ordered by time; torn lines, and lines that are no event object, skipped."""
-    out = []
-    for path in sorted(Path(run_dir).glob("events*.jsonl")):
-        for line in path.read_text().splitlines():
-            try:
-                e = json.loads(line)
-            except (json.JSONDecodeError, RecursionError):
-                continue
-            if isinstance(e, dict):
-                out.append(e)
+    ordered by time (:func:`read_log_records`: malformed lines skipped and noted)."""
+    out = [e for path in sorted(Path(run_dir).glob("events*.jsonl")) for e in read_log_records(path)]
     return sorted(out, key=lambda e: e["time"] if type(e.get("time")) in (int, float) else 0)

@@ -9,7 +9,9 @@ import contextlib
 import json
 import os
 import resource
+import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -35,10 +37,15 @@ def _run(capsys, *argv: str) -> str:
     return err
 
 
+class DeadlineExpired(BaseException):
+    """A block of :func:`_deadline` ran too long. Not an Exception (TimeoutError is an OSError): no reader's
+    ``except OSError`` / ``except Exception`` can swallow it and let a reader that waited pass."""
+
+
 @contextlib.contextmanager
 def _deadline(seconds: int):
     def expired(*_):
-        raise TimeoutError(f"still running after {seconds} s")
+        raise DeadlineExpired(f"still running after {seconds} s")
 
     old = signal.signal(signal.SIGALRM, expired)
     signal.alarm(seconds)
@@ -173,6 +180,192 @@ def test_nesting_deeper_than_the_parsers_follow_is_one_line(hf_dir, tmp_path, ca
     (hf_dir / "config.json").write_text(f'{{"model_type": "llama", "x": {deep}}}')
     err = _run(capsys, "import-hf", str(hf_dir), "--out", str(tmp_path / "run"))
     assert f"{hf_dir / 'config.json'}: nested too deeply" in err, err
+
+
+# Run files, logs, HF side files, task data: every reader a user or a crafted run dir can point at.
+
+@pytest.fixture
+def fifo():
+    """``fifo(path)`` makes a FIFO at ``path``. A reader that blocks on it (a regression; inside a Rust library
+    that holds the GIL no Python signal or thread reaches it) is released after 20 s: a separate process then
+    opens and closes the write end, so the reader sees end-of-file and the test fails instead of hanging the
+    suite. The processes are ended with the test."""
+    procs = []
+
+    def make(path: Path) -> Path:
+        os.mkfifo(path)
+        procs.append(subprocess.Popen(["sh", "-c", 'sleep 20; exec timeout 20 sh -c \': > "$0"\' "$1"', "sh",
+                                       str(path)], start_new_session=True))
+        return path
+
+    yield make
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def _crafted(stopped_run, tmp_path: Path) -> Path:
+    """A copy of the tiny real run of ``stopped_run`` (conftest) to craft files in."""
+    run = tmp_path / "run"
+    shutil.copytree(stopped_run[0], run)
+    return run
+
+
+@pytest.mark.parametrize("name, kind, expected", [
+    ("metrics.jsonl", "fifo", "is a FIFO, expected a regular file"),
+    ("events.jsonl", "zero", "is a character device, expected a regular file (a link to /dev/zero)"),
+    ("summary.json", "fifo", "is a FIFO, expected a regular file"),
+])
+def test_report_of_a_run_file_that_is_not_a_regular_file(fifo, stopped_run, tmp_path, capsys, name, kind, expected):
+    run = _crafted(stopped_run, tmp_path)
+    (run / name).unlink(missing_ok=True)
+    (run / name).symlink_to("/dev/zero") if kind == "zero" else fifo(run / name)
+    with _memory_cap():
+        err = _run(capsys, "report", str(run))
+    assert f"{run / name}: {expected}" in err, err
+
+
+def test_resume_with_a_metrics_log_that_is_a_fifo_is_one_line(fifo, stopped_run, tmp_path, capsys):
+    run = _crafted(stopped_run, tmp_path)
+    (run / "metrics.jsonl").unlink()
+    fifo(run / "metrics.jsonl")
+    err = _run(capsys, "train", "--resume", str(run))
+    assert f"{run / 'metrics.jsonl'}: is a FIFO, expected a regular file" in err, err
+
+
+def test_report_skips_and_counts_malformed_log_lines_and_an_eval_file_fifo(fifo, stopped_run, tmp_path, capsys):
+    from densetrain.report import load_run
+
+    run = _crafted(stopped_run, tmp_path)
+    deep = "[" * 100_000 + "]" * 100_000
+    n_train = len(load_run(run).train)
+    with open(run / "metrics.jsonl", "a") as f:  # three bad lines, then a good one after them
+        f.write(f'{{"kind": "train", "step": 3, "x": {deep}}}\n[1, 2]\n{{"kind": "train", "step": "x"}}\n'
+                '{"kind": "eval", "step": 3, "val/all/loss": 9.5}\n')
+    with open(run / "events.jsonl", "a") as f:
+        f.write(f"{deep}\n")
+    (run / "evals").mkdir()
+    fifo(run / "evals" / "step_00000003.json")
+    with _deadline(60):
+        assert main(["report", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert f"skipped 3 malformed line(s) of {run / 'metrics.jsonl'} (first: {run / 'metrics.jsonl'}:" in err, err
+    assert f"skipped 1 malformed line(s) of {run / 'events.jsonl'}" in err and "nested too deeply" in err, err
+    assert f"skipped {run / 'evals' / 'step_00000003.json'} ({run / 'evals' / 'step_00000003.json'}: is a FIFO" in err
+    data = load_run(run)
+    assert len(data.train) == n_train and data.evals[-1]["val/all/loss"] == 9.5
+
+
+def test_checkpoint_marker_and_unhashed_trainer_state_that_are_fifos(fifo, stopped_run, tmp_path):
+    from densetrain.checkpoint import list_complete
+    from densetrain.checkpoint.common import CheckpointError
+    from densetrain.checkpoint.load import read_trainer_state
+    from densetrain.dcp_read import CheckpointReadError, read_marker
+
+    run = _crafted(stopped_run, tmp_path)
+    old, new = [p for _, p in list_complete(run)][-2:]
+    (new / "COMPLETE").unlink()
+    fifo(new / "COMPLETE")
+    with _deadline(30), pytest.raises(CheckpointReadError, match=r"COMPLETE: cannot read the completion marker "
+                                                                 r"\(ReadRefused: .*COMPLETE: is a FIFO"):
+        read_marker(new)
+    (old / "COMPLETE").write_text(json.dumps({"step": read_marker(old)["step"]}))  # an older save: no digests
+    (old / "trainer_state.json").unlink()
+    fifo(old / "trainer_state.json")
+    with _deadline(30), pytest.raises(CheckpointError, match=r"trainer_state\.json: cannot read \(ReadRefused: .*"
+                                                             r"is a FIFO"):
+        read_trainer_state(old)
+
+
+def test_ladder_points_file_that_is_a_fifo_or_holds_a_line_nested_too_deeply(fifo, tmp_path):
+    from densetrain.fileio import ReadRefused
+    from densetrain.tools.ladder.launcher import finished
+
+    fifo(tmp_path / "ladder.jsonl")
+    with _deadline(30), pytest.raises(ReadRefused, match=r"ladder\.jsonl: is a FIFO, expected a regular file"):
+        finished(tmp_path)
+    (tmp_path / "ladder.jsonl").unlink()
+    (tmp_path / "ladder.jsonl").write_text('{"name": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ReadRefused, match=r"ladder\.jsonl:2: nested too deeply .*\(expected one JSON object a line"):
+        finished(tmp_path)
+
+
+def test_import_hf_of_a_safetensors_file_that_is_a_fifo(fifo, hf_dir, tmp_path, capsys):
+    (hf_dir / "model.safetensors").unlink()
+    fifo(hf_dir / "model.safetensors")
+    err = _run(capsys, "import-hf", str(hf_dir), "--out", str(tmp_path / "run"))
+    assert f"{hf_dir / 'model.safetensors'}: is a FIFO, expected a regular file" in err, err
+
+
+@pytest.mark.parametrize("craft, expected", [
+    ("oversized", "1073741825 bytes, larger than the 1073741824-byte limit for this file"),
+    ("config_fifo", "96 token ids, more than the model's vocab_size 64"),  # tokenizer_config.json ignored
+])
+def test_import_hf_does_not_adopt_an_unreadable_tokenizer_and_goes_on(fifo, hf_dir, tmp_path, capsys, craft, expected):
+    if craft == "oversized":
+        with open(hf_dir / "tokenizer.json", "wb") as f:
+            f.truncate((1 << 30) + 1)  # sparse
+    else:
+        _tokenizer_json(hf_dir / "tokenizer.json", r"\s+")
+        fifo(hf_dir / "tokenizer_config.json")
+    with _deadline(15):  # before the FIFO's writer comes (20 s): a reader waiting for it fails
+        assert main(["import-hf", str(hf_dir), "--out", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert expected in out and "data.tokenizer stays 'bpe'" in out, out
+
+
+@pytest.mark.parametrize("craft, expected", [
+    ("fifo", r"requests\.jsonl\.gz: unreadable \(.*requests\.jsonl\.gz: is a FIFO, expected a regular file"),
+    ("deep", r"requests\.jsonl\.gz:2: nested too deeply"),
+])
+def test_task_requests_that_are_a_fifo_or_nest_too_deeply(fifo, tmp_path, monkeypatch, craft, expected):
+    import gzip
+
+    from densetrain.registry import gen_tasks
+    from densetrain.registry.task_files import TaskDataError
+
+    folder = tmp_path / craft  # its own folder: load_problems caches by folder name
+    folder.mkdir()
+    if craft == "fifo":
+        fifo(folder / "requests.jsonl.gz")
+    else:
+        row = {"doc": {"id": 1, "short_answer": "2"}, "request": {"context": "1+1=", "continuation": "2"}}
+        with gzip.open(folder / "requests.jsonl.gz", "wt") as f:
+            f.write(json.dumps(row) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+    monkeypatch.setattr(gen_tasks, "oe_eval_tasks_root", lambda: tmp_path)  # the package's folder, moved here
+    with _deadline(30), pytest.raises(TaskDataError, match=expected):
+        gen_tasks.load_problems(str(folder.name))
+
+
+def test_a_tiktoken_rank_file_that_is_not_a_regular_file_is_one_line(tmp_path):
+    from densetrain.data.tokenizer import load_tokenizer
+
+    link = _not_a_file(tmp_path, "zero", "ranks.tiktoken")
+    with _memory_cap(), pytest.raises(DataError, match=r"ranks\.tiktoken: is a character device, expected a regular "
+                                                       r"file \(a link to /dev/zero\) \(data\.tokenizer\)"):
+        load_tokenizer(str(link), tmp_path)
+
+
+def test_a_shard_that_is_a_fifo_is_refused_by_its_hash_check(fifo, tmp_path):
+    from densetrain.data.shards import sha256_file
+    from densetrain.fileio import ReadRefused
+
+    with _deadline(15), pytest.raises(ReadRefused, match=r"a\.ds: is a FIFO, expected a regular file"):
+        sha256_file(fifo(tmp_path / "a.ds"))
+
+
+def test_a_ladder_fit_and_a_prepare_manifest_nested_too_deeply(tmp_path):
+    from densetrain.data.prepare.manifest import up_to_date
+    from densetrain.train.curve import read_fit
+
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "fit.json").write_text(deep)
+    with pytest.raises(ConfigError, match=r"eval\.ladder: .*fit\.json: expected the fit of a ladder .*, got "
+                                          r"ReadRefused: .*fit\.json: nested too deeply"):
+        read_fit(tmp_path)
+    (tmp_path / "manifest.json").write_text(deep)
+    assert up_to_date(tmp_path, None, [], {}) is None  # not a manifest: the source is redone, no traceback
 
 
 # --------------------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import json
 import sys
 import warnings
 from pathlib import Path
@@ -42,7 +41,7 @@ from densetrain.dcp_read import (
     read_marker,
     verify_checkpoint,
 )
-from densetrain.fileio import release_lease, take_lease
+from densetrain.fileio import MAX_CONFIG_BYTES, read_bytes_bounded, read_json, release_lease, take_lease
 
 
 @contextlib.contextmanager
@@ -169,7 +168,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
                 strict=False, flatten_optimizer_state_dict=opts.flatten_optimizer_state_dict))
         rng = path / f"rng_{_rank()}.json"
         if rng.exists():
-            _set_rng_state(json.loads(rng.read_text()))
+            # A few KiB (torch's generator states as lists); not a regular file, too large or too deep: one line.
+            _set_rng_state(read_json(rng, MAX_CONFIG_BYTES))
     except (CheckpointMismatchError, CheckpointCorruptError):
         raise
     except (Exception, CheckpointException) as e:  # a truncated shard, another model shape, a torn RNG file
@@ -210,7 +210,7 @@ def read_trainer_state(path: Path) -> dict:
     where = path / "trainer_state.json"
     verify_checkpoint(path, names=["trainer_state.json"])
     try:
-        data = where.read_bytes()
+        data = read_bytes_bounded(where, MAX_CONFIG_BYTES)  # a few KiB; an unhashed older save is not checked above
     except OSError as e:
         raise CheckpointError(f"{where}: cannot read ({type(e).__name__}: {e})") from None
     m = _STEP_DIR.match(path.name)

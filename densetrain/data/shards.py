@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from densetrain.errors import DataError
-from densetrain.fileio import MAX_CONFIG_BYTES, atomic_write_bytes, read_text_bounded
+from densetrain.fileio import MAX_CONFIG_BYTES, atomic_write_bytes, open_regular, read_text_bounded
 
 SHARD_MAX_TOKENS = 1 << 26
 """Max tokens per train shard file (64 Mi) that ``prepare`` and the datatrove pipeline write; a longer
@@ -170,9 +170,11 @@ def check_shard_hashes(src_dir: Path, shards: list[dict], where: str | os.PathLi
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file's bytes."""
+    """Hex sha256 of a file's bytes, read in ``chunk`` pieces (no size limit: a shard may be many GB).
+
+    Raises: ReadRefused (an OSError): not a regular file (a link to /dev/zero would be hashed forever)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while b := f.read(chunk):
             h.update(b)
     return h.hexdigest()

@@ -6,6 +6,7 @@ state dict, every key and tensor shape checked (one line naming the file). Readi
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -14,13 +15,30 @@ from safetensors.torch import load_file
 
 from densetrain.config import Config, ModelConfig, validate
 from densetrain.errors import DataError
-from densetrain.fileio import ReadRefused, read_json
+from densetrain.fileio import ReadRefused, open_regular, read_json
 from densetrain.hf.mapping import _hf_to_our_name, from_hf_state_dict, rope_scaling_from_hf
 from densetrain.model.llama import Transformer
 
 # The config.json keys import_hf needs (LlamaConfig has defaults for them, but a checkpoint's shapes
 # follow from them, so guessing one would only move the error to a tensor shape).
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def _check_safetensors_files(files: list[Path], n_params: int, conf_path: Path) -> None:
+    """Before ``load_file`` maps and copies them: each of ``files`` a regular file (a FIFO or a link to /dev/zero
+    would block or never end), all together at most 8 bytes for each of the ``n_params`` parameters
+    ``conf_path`` implies (fp64, 4x the usual bf16: room for a separate lm_head and extra buffers) + 1 GiB of
+    headers, so a crafted file cannot make the import allocate far beyond the model it describes.
+
+    Raises: ReadRefused (an OSError: one line naming the file); DataError (too large, naming the folder)."""
+    total = 0
+    for f in files:
+        with open_regular(f) as fh:
+            total += os.fstat(fh.fileno()).st_size
+    limit = 8 * n_params + (1 << 30)
+    if total > limit:
+        raise DataError(f"{files[0].parent}: the *.safetensors files hold {total} bytes, more than the {limit} "
+                        f"bytes {n_params} parameters ({conf_path.name}) can take at 8 bytes each plus 1 GiB")
 
 
 def _read_hf_config(conf_path: Path) -> dict:
@@ -117,6 +135,7 @@ def import_hf(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Ten
         raise FileNotFoundError(f"no *.safetensors files in {path}")
     with torch.device("meta"):
         want = {n: tuple(t.shape) for n, t in Transformer(cfg).state_dict().items()}
+    _check_safetensors_files(files, sum(math.prod(s) for s in want.values()), conf_path)
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         try:

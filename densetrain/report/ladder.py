@@ -14,7 +14,6 @@ Two plots from ``ladder.jsonl`` and ``fit.json`` (read here, no training imports
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ import plotly.graph_objects as go
 from matplotlib.figure import Figure
 from plotly.subplots import make_subplots
 
-from densetrain.fileio import atomic_write_bytes
+from densetrain.fileio import atomic_write_bytes, read_json, read_jsonl
 from densetrain.law import LEVEL, Law
 from densetrain.report.run import PALETTE
 
@@ -35,8 +34,8 @@ def ladder_series(ladder_dir: Path, prediction: dict | None = None) -> dict:
     Raises:
         FileNotFoundError: no ``ladder.jsonl`` or ``fit.json`` in ``ladder_dir``.
     """
-    recs = [json.loads(line) for line in (ladder_dir / "ladder.jsonl").read_text().splitlines() if line.strip()]
-    fit = json.loads((ladder_dir / "fit.json").read_text())
+    recs = read_jsonl(ladder_dir / "ladder.jsonl", strict=True)[0]  # regular files, bounded, too deep refused (fileio)
+    fit = read_json(ladder_dir / "fit.json")
     law = Law(**fit["approach3"]["law"])
     boot = [Law(*b) for b in fit["approach3"]["bootstrap"]]
     key = fit["n_key"]
@@ -115,7 +114,7 @@ def write_ladder_report(ladder_dir: Path, run: Path | None = None) -> list[Path]
     """
     pred = None
     if run is not None and (run / "summary.json").exists():
-        pred = json.loads((run / "summary.json").read_text()).get("prediction")
+        pred = read_json(run / "summary.json").get("prediction")
     s = ladder_series(ladder_dir, pred)
     fig = Figure(figsize=(13, 5))
     draw_axes(*fig.subplots(1, 2), s)

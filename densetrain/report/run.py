@@ -9,12 +9,13 @@ run that is still going or was killed: missing files give empty tables, torn lin
 
 from __future__ import annotations
 
-import json
+import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from densetrain.metrics import read_metrics
+from densetrain.fileio import MAX_CONFIG_BYTES, read_json, read_text_bounded
+from densetrain.metrics import read_log_records, read_metrics
 
 Points = list[tuple[int, float]]
 
@@ -84,16 +85,11 @@ def read_events(run_dir: Path, records: list[dict] | None = None) -> list[Event]
                 for r in records if r.get("kind") == "event"]
     out = []
     replays = Path(run_dir) / "events_replay.jsonl"  # `densetrain replay` verdicts (tools/replay.py)
-    lines = path.read_text(errors="replace").splitlines()
-    lines += replays.read_text(errors="replace").splitlines() if replays.exists() else []
-    for line in lines:
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line from a kill -9
-        if not isinstance(r, dict):
-            continue
-        out.append(Event(kind=str(r.get("kind", "note")), step=int(r.get("step", 0)), text=str(r.get("text") or ""),
+    # Regular files only, malformed lines skipped and noted (read_log_records; a FIFO or a link to /dev/zero is one
+    # line naming the file).
+    recs = read_log_records(path) + (read_log_records(replays) if replays.exists() else [])
+    for r in recs:
+        out.append(Event(kind=r["kind"], step=r["step"], text=str(r.get("text") or ""),
                          rank=r.get("rank"), time=r.get("time"), action=r.get("action"),
                          values=r.get("values") if isinstance(r.get("values"), dict) else {}))
     return sorted(out, key=lambda e: e.time or 0) if replays.exists() else out
@@ -102,12 +98,14 @@ def read_events(run_dir: Path, records: list[dict] | None = None) -> list[Event]
 def read_checkpoint_evals(run_dir: Path) -> list[dict]:
     """The results ``densetrain eval`` wrote to ``RUN_DIR/evals/*.json``, each as an eval record
     (``kind="checkpoint_eval"``, ``step``, ``stage``, ``checkpoint``, ``val/<source>/loss`` and ``/bpb``,
-    ``eval/<task>/<metric>``), by step; unreadable files are skipped."""
+    ``eval/<task>/<metric>``), by step; unreadable files (not JSON, not a regular file, over 16 MiB: an eval
+    result is a few KiB) are skipped with a note on stderr."""
     out = []
     for path in sorted((Path(run_dir) / "evals").glob("*.json")):
         try:
-            res = json.loads(path.read_text())
-        except (OSError, ValueError):
+            res = read_json(path, MAX_CONFIG_BYTES)
+        except (OSError, ValueError) as e:
+            print(f"densetrain: note: skipped {path} ({e})", file=sys.stderr)
             continue
         if not isinstance(res, dict) or not isinstance(res.get("step"), int):
             continue
@@ -186,13 +184,14 @@ def load_run(run_dir: Path) -> RunData:
         raise FileNotFoundError(f"{run_dir / 'metrics.jsonl'}: no training records")
     evals = by_kind.get("eval", [])
     summary_path, config_path = run_dir / "summary.json", run_dir / "config.toml"
-    try:
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    except json.JSONDecodeError:
+    try:  # a few KiB (train/loop.py); not a regular file or over 16 MiB: one line naming it (ReadRefused)
+        summary = read_json(summary_path, MAX_CONFIG_BYTES) if summary_path.exists() else {}
+    except ValueError:  # not JSON (a hand edit): the report goes on without it
         summary = {}
+    summary = summary if isinstance(summary, dict) else {}
     spans = stage_spans(train)
     events = sorted(read_events(run_dir, recs), key=lambda e: e.step)  # stable: same-step order kept
-    config_text = config_path.read_text(errors="replace") if config_path.exists() else None
+    config_text = read_text_bounded(config_path, errors="replace") if config_path.exists() else None
     ladder_dir, prediction = ladder_of(summary, events, config_text)
     return RunData(run_dir=run_dir, train=train, evals=evals, final_evals=by_kind.get("final_eval", []),
                    checkpoint_evals=read_checkpoint_evals(run_dir), perf=by_kind.get("perf", []), summary=summary,

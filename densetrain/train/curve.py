@@ -22,7 +22,6 @@ starts.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from densetrain.config import Config
 from densetrain.errors import ConfigError
-from densetrain.fileio import atomic_write_json
+from densetrain.fileio import atomic_write_json, read_json
 from densetrain.law import ANNEAL_MOMENTUM, Curve, fit_prediction, schedule_areas
 from densetrain.schedule import Stage, lr_for, stage_at, warmup_steps
 from densetrain.train.watchers import Verdict, Watcher
@@ -64,11 +63,11 @@ def read_fit(ladder_dir: str | Path) -> dict:
     """
     path = Path(ladder_dir) / "fit.json"
     try:
-        fit = json.loads(path.read_text())
+        fit = read_json(path)  # a regular file of <= 16 MiB (a fit is a few KiB); too deep a nesting refused
     except (OSError, ValueError) as e:
         raise ConfigError(f"eval.ladder: {path}: expected the fit of a ladder (densetrain ladder fit {ladder_dir}), "
                           f"got {type(e).__name__}: {e}") from None
-    if "approach3" not in fit or "curves" not in fit:
+    if not isinstance(fit, dict) or "approach3" not in fit or "curves" not in fit:
         raise ConfigError(f"eval.ladder: {path} has no approach 3 law or no curves (too few points?): expected "
                           f"the output of densetrain ladder fit")
     return fit
@@ -160,7 +159,7 @@ class OffCurve(Watcher):
         if self.rank != 0 or self.prediction is None or not path.exists():
             return
         try:
-            summary = json.loads(path.read_text())
+            summary = read_json(path)  # written by the loop just before: a regular file of a few KiB
         except (OSError, ValueError):
             return
         if summary.get("steps") != self.cfg.train.steps:

@@ -11,7 +11,6 @@ then abandoned), checkpointed (:mod:`densetrain.train.preempt`).
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from densetrain.evals.position_loss import position_eval
 from densetrain.evals.samples import source_samples
 from densetrain.evals.stop import EvalStopped, StopCheck
 from densetrain.evals.valloss import evaluate_val, val_overall, val_table
-from densetrain.fileio import atomic_write_json
+from densetrain.fileio import atomic_write_json, read_json
 from densetrain.metrics import flops_per_token, format_rate, memory_stats, read_metrics
 from densetrain.optim import set_lr
 from densetrain.parallel import all_reduce_max
@@ -333,7 +332,7 @@ def already_complete(run: Run) -> dict:
     if not missing.item():
         run.log.event(step, f"run already complete ({step} steps); nothing to do")
         run.log.close()
-        return json.loads(done.read_text()) if done.exists() else {"steps": step, "tokens": run.state.tokens}
+        return read_json(done) if done.exists() else {"steps": step, "tokens": run.state.tokens}  # <= 16 MiB
     run.log.event(step, f"run complete ({step} steps) but without summary.json (stopped after its final "
                         "checkpoint): final evaluation and summary now", kind="resume")
     st = stage_at(step - 1, run.stages)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import re
 import time
@@ -30,7 +29,7 @@ from densetrain.data.shards import TokenFiles
 from densetrain.data.streams import data_fingerprint, open_streams
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
 from densetrain.errors import ConfigError, TrainError
-from densetrain.fileio import fsync_dir
+from densetrain.fileio import fsync_dir, read_json
 from densetrain.metrics import MetricsLogger, measure_peak_flops, read_metrics
 from densetrain.model.compiling import pin_inductor_cache
 from densetrain.model.llama import Transformer
@@ -392,7 +391,7 @@ def set_aside_future(run_dir: Path, step: int, is_main: bool) -> list[Path]:
         aside = run_dir / "checkpoints_set_aside"
         stale = [run_dir / "report.html", run_dir / "report.png"]
         try:
-            if json.loads((run_dir / "summary.json").read_text())["steps"] > step:
+            if read_json(run_dir / "summary.json")["steps"] > step:  # a regular file of <= 16 MiB (fileio)
                 stale.append(run_dir / "summary.json")
         except FileNotFoundError:
             pass

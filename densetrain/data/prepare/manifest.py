@@ -4,14 +4,13 @@ by :mod:`densetrain.data.prepare.source` and :mod:`densetrain.data.prepare.scale
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from densetrain.data.prepare.readers.paths import display_path
 from densetrain.data.shards import check_shard_hashes
 from densetrain.data.tokenizer import Tokenizer
 from densetrain.errors import DataError
-from densetrain.fileio import atomic_write_json
+from densetrain.fileio import MAX_JSON_BYTES, atomic_write_json, read_json
 
 PREPARE_VERSION = 2
 """Bumped when cleaning/splitting/layout changes, which invalidates existing manifests (2: BOS before
@@ -55,8 +54,10 @@ def up_to_date(src_dir: Path, tok: Tokenizer, inputs: list, params: dict, verify
     """
     manifest = src_dir / "manifest.json"
     try:
-        prev = json.loads(manifest.read_text())
-    except (OSError, json.JSONDecodeError):
+        prev = read_json(manifest, MAX_JSON_BYTES)  # a regular file; a few MB for thousands of shards
+    except (OSError, ValueError):
+        return None
+    if not isinstance(prev, dict):
         return None
     same = (prev.get("tokenizer", {}).get("sha256") == tok.sha256 and prev.get("inputs") == inputs
             and prev.get("params") == params)

@@ -44,7 +44,6 @@ The BPE is trained once: it is retrained only when ``tokenizer.json`` is missing
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from pathlib import Path
 
@@ -62,7 +61,7 @@ from densetrain.data.sampling import fair_shares
 from densetrain.data.shards import token_dtype, token_size_for
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe, usable_cpus
 from densetrain.errors import DataError, disk_full_error, is_disk_full
-from densetrain.fileio import atomic_write_json, sweep_stale_temps
+from densetrain.fileio import atomic_write_json, read_json, sweep_stale_temps
 
 BPE_SAMPLE_BYTES = 12_000_000
 """Bytes of text the BPE is trained on, shared evenly between sources."""
@@ -106,9 +105,10 @@ def _get_tokenizer(cfg, sources, inputs, corpus_dir: Path, shards_dir: Path, for
     params = {"vocab_size": data.tokenizer_vocab_size}
     if path.is_file() and not force:
         try:
-            prev = json.loads(sidecar.read_text())
-        except (OSError, json.JSONDecodeError):
+            prev = read_json(sidecar)  # a regular file of <= 16 MiB, nesting the parser follows (fileio)
+        except (OSError, ValueError):
             prev = None
+        prev = prev if isinstance(prev, dict) else None
         if prev is None or prev.get("params") == params:
             log(f"tokenizer: using the trained BPE {path}")
             return load_tokenizer("bpe", shards_dir)

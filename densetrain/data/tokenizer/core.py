@@ -54,7 +54,14 @@ from densetrain.data.tokenizer.named import RANK_FILES, SCHEMES, rank_file_path
 from densetrain.data.tokenizer.probe import probe_encoder, raise_if_panic
 from densetrain.data.tokenizer.twin import CHECK_EVERY, twin_for
 from densetrain.errors import DataError
-from densetrain.fileio import MAX_JSON_BYTES, atomic_write_bytes, read_bytes_bounded
+from densetrain.fileio import (
+    MAX_CONFIG_BYTES,
+    MAX_JSON_BYTES,
+    ReadRefused,
+    atomic_write_bytes,
+    read_bytes_bounded,
+    read_json,
+)
 
 EOS_TOKEN = "<|endoftext|>"
 """The EOS token of a trained BPE (id 0) and of tiktoken encodings."""
@@ -179,10 +186,12 @@ class Tokenizer:
         from tiktoken.load import load_tiktoken_bpe
 
         path = Path(path)
-        try:
-            sha = hashlib.sha256(path.read_bytes()).hexdigest()
+        try:  # rank files are 1-4 MB: a regular file of <= 1 GiB (a FIFO, a link to /dev/zero refused)
+            sha = hashlib.sha256(read_bytes_bounded(path, MAX_JSON_BYTES)).hexdigest()
         except FileNotFoundError:
             raise DataError(f"{path}: rank file not found (data.tokenizer)") from None
+        except ReadRefused as e:
+            raise DataError(f"{e} (data.tokenizer)") from None
         if expected_sha256 is not None and sha != expected_sha256:
             raise DataError(f"{path}: sha256 {sha[:12]} is not the expected {expected_sha256[:12]}; reinstall it "
                             "with `python -m densetrain.data.tokenizer` (data.tokenizer)")
@@ -298,7 +307,7 @@ class Tokenizer:
             return None
         if self._twin is _UNSET:
             try:
-                data = Path(self.name).read_bytes()
+                data = read_bytes_bounded(self.name, MAX_JSON_BYTES)
             except OSError:
                 data = b""
             # a file changed (or gone) since it was loaded: HF keeps encoding what was loaded
@@ -342,7 +351,7 @@ class Tokenizer:
             DataError: a tiktoken encoding whose special ids leave gaps after the ranks (e.g. cl100k_base).
         """
         if self.kind == "hf":
-            return Path(self.name).read_text(encoding="utf-8")
+            return read_bytes_bounded(self.name, MAX_JSON_BYTES).decode("utf-8")
         from densetrain.data.tokenizer.hf import tiktoken_to_hf_json
 
         enc = self._impl
@@ -390,7 +399,9 @@ def _tokenizer_json_bos(path: Path, data: bytes, tok) -> str | None:
     """
     known = (lambda t: isinstance(t, str) and tok.token_to_id(t) is not None)
     try:
-        hf_config = json.loads(path.with_name("tokenizer_config.json").read_text(encoding="utf-8"))
+        # A few KiB (HF's largest carry a chat template); a FIFO, a link to /dev/zero, too deep a nesting are
+        # refused by read_json (ReadRefused, an OSError) and the file ignored like any other unreadable one.
+        hf_config = read_json(path.with_name("tokenizer_config.json"), MAX_CONFIG_BYTES)
     except (OSError, ValueError):
         hf_config = {}
     bos = hf_config.get("bos_token") if isinstance(hf_config, dict) else None
@@ -399,7 +410,7 @@ def _tokenizer_json_bos(path: Path, data: bytes, tok) -> str | None:
         return bos
     try:
         post = json.loads(data).get("post_processor") or {}
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         post = {}
     for proc in post.get("processors", [post]) if isinstance(post, dict) else []:
         if not isinstance(proc, dict):

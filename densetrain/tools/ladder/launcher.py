@@ -16,7 +16,6 @@ checkpoint is copied into its branch's ``checkpoints/`` at once, so the main run
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -24,7 +23,15 @@ from tqdm import tqdm
 
 from densetrain.config import Config, load_config, save_config, to_dict
 from densetrain.errors import ConfigError
-from densetrain.fileio import atomic_write_bytes, atomic_write_json, json_text
+from densetrain.fileio import (
+    MAX_LOG_BYTES,
+    atomic_write_bytes,
+    atomic_write_json,
+    json_text,
+    read_bytes_bounded,
+    read_json,
+    read_jsonl,
+)
 from densetrain.metrics import flops_per_token, read_metrics
 from densetrain.schedule import resolve_stages, warmup_steps
 from densetrain.tools.ladder.grid import N_KEY, Grid, Point, build_grid, param_counts, point_config
@@ -44,7 +51,7 @@ def open_ladder(ladder_dir: Path, cfg: Config | None = None, sizes: list[int] | 
     """
     plan_path = ladder_dir / PLAN
     if plan_path.exists():
-        plan = json.loads(plan_path.read_text())
+        plan = read_json(plan_path)  # a few KiB: a regular file of <= 16 MiB (fileio)
         if cfg is None:
             cfg = load_config(path=ladder_dir / "base.toml")
             sizes, budgets = plan["sizes"], plan["budgets"]
@@ -82,19 +89,19 @@ def finished(ladder_dir: Path) -> dict[str, dict]:
     path = ladder_dir / POINTS
     if not path.exists():
         return {}
-    return {r["name"]: r for r in (json.loads(line) for line in path.read_text().splitlines() if line.strip())}
+    return {r.get("name"): r for r in read_jsonl(path, strict=True)[0]}  # a bad line: PATH:LINE
 
 
 def record_point(ladder_dir: Path, rec: dict) -> None:
     """Add ``rec`` to ``ladder.jsonl`` (the whole file rewritten atomically: a kill leaves the old or the new)."""
     path = ladder_dir / POINTS
-    old = path.read_bytes() if path.exists() else b""
+    old = read_bytes_bounded(path, MAX_LOG_BYTES) if path.exists() else b""
     atomic_write_bytes(path, old + (json_text(rec) + "\n").encode())
 
 
 def point_record(cfg: Config, p: Point, run_dir: Path) -> dict:
     """What the ladder keeps of a finished point (module docstring of the package)."""
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_json(run_dir / "summary.json")
     counts = param_counts(cfg)
     d = float(summary["tokens"])
     stages = resolve_stages(cfg)
@@ -173,7 +180,7 @@ def collect(ladder_dir: Path) -> list[dict]:
     for p in grid.points:
         run_dir = ladder_dir / "runs" / p.name
         if p.name not in done and (run_dir / "summary.json").exists():
-            s = json.loads((run_dir / "summary.json").read_text())
+            s = read_json(run_dir / "summary.json")
             if s.get("steps") == p.steps:
                 record_point(ladder_dir, point_record(point_config(cfg, grid, p, str(run_dir)), p, run_dir))
     return list(finished(ladder_dir).values())

@@ -16,13 +16,13 @@ Fatal (:class:`DataError`): a configured path that does not exist, a ``save_to_d
 from __future__ import annotations
 
 import glob as _glob
-import json
 import os
 import sys
 from pathlib import Path
 
 from densetrain.config import SourceConfig
 from densetrain.errors import DataError
+from densetrain.fileio import read_json
 
 _GLOB_CHARS = set("*?[")
 
@@ -42,7 +42,7 @@ def save_to_disk_files(folder: Path) -> list[Path] | None:
     state, has_info = folder / "state.json", (folder / "dataset_info.json").is_file()
     if state.is_file():
         try:
-            obj = json.loads(state.read_bytes())
+            obj = read_json(state)  # a few KiB; too large or too deep: ReadRefused, an OSError
         except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             if has_info:
                 raise DataError(f"{state}: unreadable datasets state.json ({e})") from None

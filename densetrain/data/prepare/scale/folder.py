@@ -6,7 +6,6 @@ is :mod:`densetrain.data.prepare.scale.pipeline` (docs/scale-out.md).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from densetrain.data.prepare.manifest import PREPARE_VERSION, fingerprint, log, 
 from densetrain.data.shards import TokenFiles, sha256_file, token_dtype
 from densetrain.data.tokenizer import Tokenizer
 from densetrain.errors import DataError
-from densetrain.fileio import atomic_write_json
+from densetrain.fileio import MAX_CONFIG_BYTES, atomic_write_json, read_json, read_text_bounded
 
 IDENTITY_FILE = "tokenizer.identity.json"
 """Written next to ``train/`` by :class:`TokenizeStep`: the tokenizer's :meth:`Tokenizer.identity`,
@@ -58,7 +57,7 @@ def _check_files(d: Path, tok: Tokenizer, spec: str, vocab_size: int, identity_o
             raise DataError(f"{meta}: missing; without it the tokenizer cannot be checked (datatrove writes it)")
         if not idx.is_file():
             raise DataError(f"{idx}: missing; the document boundaries are needed (DocumentTokenizer save_index=True)")
-        lines = meta.read_text(errors="replace").splitlines()
+        lines = read_text_bounded(meta, MAX_CONFIG_BYTES, errors="replace").splitlines()  # one short line
         name, _, size = (lines[0] if lines else "").rpartition("|")
         if size.strip() not in ("2", "4"):
             raise DataError(f"{meta}:1: expected '<tokenizer>|<2 or 4>', got '{lines[0] if lines else ''}'")
@@ -116,8 +115,8 @@ def check_datatrove_folder(folder: str | Path, tok: Tokenizer, spec: str, vocab_
     ident = folder / IDENTITY_FILE
     if ident.is_file():
         try:
-            sha = json.loads(ident.read_text()).get("sha256")
-        except (OSError, json.JSONDecodeError, AttributeError) as e:
+            sha = read_json(ident).get("sha256")  # a few hundred bytes: a regular file of <= 16 MiB
+        except (OSError, ValueError, AttributeError) as e:
             raise DataError(f"{ident}: unreadable ({type(e).__name__})") from None
         if sha != tok.sha256:
             raise DataError(f"{ident}: tokenized with tokenizer sha256 {str(sha)[:12]} but data.tokenizer='{spec}' "
