@@ -1,4 +1,4 @@
-"""No hang lasts: a rank that stops answering (SIGSTOP from outside, or the ``hang`` fault) makes the other
+"""No hang lasts: a rank that stops answering (SIGSTOP from outside, or the ``hang`` fault) makes the other(s)
 exit within ``parallel.timeout_s`` (plus the rest of its step and its exit) with one line naming the collective
 and the rank that did not arrive (its heartbeat file, RUN_DIR/heartbeat/rank1.json, went stale), and exit
 status 1, which torchrun's elastic agent answers with a restart."""
@@ -90,3 +90,34 @@ def test_the_hang_fault_stops_its_rank_at_its_step(prepared, tmp_path):
     assert "rank(s) not arriving: 1 (" in err.strip().splitlines()[-1], err[-3000:]
     (ev,) = [e for e in read_events(Path(cfg.train.run_dir)) if e["kind"] == "fault"]
     assert ev["step"] == 3 and ev["text"] == "injected fault hang: rank 1 stops answering (SIGSTOP to itself)"
+
+
+def test_a_busy_rank_times_out_the_others_naming_it(prepared, tmp_path):
+    # hang mode 'busy': rank 1's main thread spins while step 3's batch is drawn (an infinite loop in a data
+    # worker) and its heartbeat thread lives on; ranks 0 and 2 wait for it in that step's token count.
+    _, make = prepared
+    cfg = make(tmp_path, **{**OV, "train.steps": 40, "train.batch_size": 6, "parallel.timeout_s": TIMEOUT_S},
+               faults=[{"kind": "hang", "step": 3, "rank": 1, "mode": "busy"}])
+    procs = start(fresh(cfg, tmp_path), world=3)
+    try:
+        wait_for_step(Path(cfg.train.run_dir), 3, procs)  # rank 0 logged step 3: rank 1 spins from here on
+        t0 = time.monotonic()
+        for p in (procs[0], procs[2]):
+            p.wait(timeout=TIMEOUT_S + 60)
+        waited = time.monotonic() - t0
+        busy = procs[1].poll() is None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    res = finish(procs)
+    assert [rc for rc, _ in res] == [1, -signal.SIGKILL, 1] and busy, [err[-3000:] for _, err in res]
+    assert waited < TIMEOUT_S + 12, waited
+    for r in (0, 2):  # each waiting rank names rank 1 (and not the other waiting rank): alive, stuck in 'data'
+        last = res[r][1].strip().splitlines()[-1]
+        assert re.fullmatch(
+            rf"densetrain: error: \[rank {r}\] collective all_reduce in \w+\.py:\d+ \w+\(\) timed out after "
+            rf"{TIMEOUT_S} s \(parallel\.timeout_s\); rank\(s\) not arriving: 1 \(host \S+, pid {procs[1].pid}: "
+            r"heartbeat fresh, but its main thread has not moved for \d+ s, still in phase 'data' of step 3 \(busy "
+            r"there; this rank waits in phase 'forward' of step 3\)\)", last), res[r][1][-3000:]
+        assert "Traceback" not in res[r][1]
