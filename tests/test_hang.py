@@ -1,7 +1,8 @@
 """No hang lasts: a rank that stops answering (SIGSTOP from outside, or the ``hang`` fault) makes the other(s)
 exit within ``parallel.timeout_s`` (plus the rest of its step and its exit) with one line naming the collective
-and the rank that did not arrive (its heartbeat file, RUN_DIR/heartbeat/rank1.json, went stale), and exit
-status 1, which torchrun's elastic agent answers with a restart."""
+and the rank that did not arrive (its heartbeat file, RUN_DIR/heartbeat/rank1.json, went stale; or, for a rank
+whose main thread spins while its heartbeat thread lives, the file's step and phase stayed behind the waiting
+ranks'), and exit status 1, which torchrun's elastic agent answers with a restart."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from conftest import run_script_ranks
 from test_resume import OV, finish, fresh, start, wait_for_step
 
 from densetrain.metrics import read_events
+from densetrain.train.watchdog import behind_ranks
 
 TIMEOUT_S = 6
 
@@ -40,6 +42,28 @@ def test_every_group_of_the_mesh_waits_parallel_timeout_s(tmp_path):
     for r in range(2):
         got = json.loads(Path(f"{out}.{r}").read_text())
         assert got == {"pp": 7.0, "dp_replicate": 7.0, "dp_shard": 7.0, "cp": 7.0, "tp": 7.0, "world": 7.0}
+
+
+def test_behind_ranks_are_those_with_a_fresh_heartbeat_behind_the_waiting_rank():
+    now = 1000.0
+
+    def rec(rank, step, phase, moved=990.0):
+        return {"rank": rank, "host": "h", "pid": 10 + rank, "step": step, "phase": phase, "moved": moved,
+                "time": now - 1, "every": 5.0}
+
+    # rank 0 waits in the token count of step 3 ('forward'); rank 2 waits there too; rank 1 is still drawing
+    # the batch, rank 3 has not finished setting up, rank 4 wrote no phase (an older heartbeat file)
+    beats = {0: rec(0, 3, "forward"), 1: rec(1, 3, "data", moved=988.0), 2: rec(2, 3, "forward"),
+             3: rec(3, 0, "setup"), 4: {**rec(4, 3, "data"), "phase": None}}
+    got = behind_ranks(beats, 0, now=now)
+    assert sorted(got) == [1, 3]
+    assert got[1] == ("host h, pid 11: heartbeat fresh, but its main thread has not moved for 12 s, still in phase "
+                      "'data' of step 3 (busy there; this rank waits in phase 'forward' of step 3)")
+    assert "still before its first step" in got[3]
+    # A step further on counts more than any phase: rank 0 at the end of step 4 is ahead of 'optimizer' of 3.
+    assert sorted(behind_ranks({0: rec(0, 4, "end"), 1: rec(1, 3, "optimizer")}, 0, now=now)) == [1]
+    assert behind_ranks({0: rec(0, 3, "data"), 1: rec(1, 3, "forward")}, 0, now=now) == {}
+    assert behind_ranks({1: rec(1, 3, "data")}, 0, now=now) == {}  # no file of its own: nothing to compare
 
 
 def test_a_stopped_rank_times_out_the_other_naming_it(prepared, tmp_path):
