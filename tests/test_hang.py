@@ -145,3 +145,4 @@ def test_a_busy_rank_times_out_the_others_naming_it(prepared, tmp_path):
             r"heartbeat fresh, but its main thread has not moved for \d+ s, still in phase 'data' of step 3 \(busy "
             r"there; this rank waits in phase 'forward' of step 3\)\)", last), res[r][1][-3000:]
         assert "Traceback" not in res[r][1]
+    print(f"ranks 0 and 2 exited {waited:.1f} s after rank 0 logged step 3 (parallel.timeout_s = {TIMEOUT_S})")
