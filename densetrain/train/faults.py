@@ -21,8 +21,9 @@ nothing. Kinds:
   (every thread stops, the heartbeat too, as on a wedged node); with ``"busy"`` its main thread spins forever
   while the step's batch is drawn (an infinite loop in a data worker: the heartbeat thread lives on, and its
   file shows the main thread stuck in phase 'data'). The other ranks' next collective times out after
-  ``parallel.timeout_s`` and names it. Only SIGKILL (or SIGCONT) ends the stopped process, only a signal that
-  is not SIGTERM's step-boundary stop ends the busy one: torchrun's agent sends SIGKILL after its grace period.
+  ``parallel.timeout_s`` and names it. Only SIGKILL (or SIGCONT) ends the stopped process; SIGTERM does not end
+  the busy one (densetrain stops at the next step boundary, never reached): torchrun's agent sends SIGKILL after
+  its grace period.
 - ``duplicate_data``: from ``step``, every window of ``source`` is replaced by the first one seen (a
   dedup bug feeding repeated data, post-mortem 7.1).
 - ``kill``: the process dies as with kill -9 at ``step``, or in the middle of that step's checkpoint

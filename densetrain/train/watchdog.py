@@ -24,7 +24,7 @@ the same forward time and only its data and optimizer phases tell it apart.
 The heartbeat thread: when no step completes for ``watchdog.hang_seconds``, every rank dumps its
 Python stacks with ``faulthandler`` to stderr and ``RUN_DIR/hang_rank<r>.txt`` (once per hang),
 before the collective timeout kills the job, so the stack of the rank that is stuck can be read. It also
-rewrites ``RUN_DIR/heartbeat/rank<r>.json`` (host, pid, last step, wall time) every few seconds: a rank
+rewrites ``RUN_DIR/heartbeat/rank<r>.json`` (host, pid, step, phase, wall time) every few seconds: a rank
 whose process stopped answering (SIGSTOP, a wedged driver, a swapping node) leaves a stale file. The file also
 carries the main thread's progress (:data:`PROGRESS`: the step and phase it last reached, set by the watchdog's
 hooks): a rank whose main thread is stuck in a busy loop (an infinite loop in a data worker) keeps a fresh
@@ -152,10 +152,10 @@ class Watchdog(Watcher):
                                    every=every, rank=rank) if cfg.hang_seconds else None
 
     def before_step(self, run) -> None:
-        # Checkpoint and eval time since the last step began (they follow a step's after_step): recorded
-        # per phase, but not part of the step time compared with the baseline (evals come in bursts).
         if self.heartbeat is not None:
             self.heartbeat.progress(run.state.step, "data")
+        # Checkpoint and eval time since the last step began (they follow a step's after_step): recorded
+        # per phase, but not part of the step time compared with the baseline (evals come in bursts).
         ck, ev = run.checkpointer.seconds, run.eval_seconds
         self.acc[PHASES.index("checkpoint")] += ck - self.marks[0]
         self.acc[PHASES.index("eval")] += ev - self.marks[1]
@@ -345,9 +345,8 @@ def collective_failure_line(exc: BaseException, run_dir: Path, rank: int, world:
     """One line for a collective that timed out (``parallel.timeout_s``) or lost a peer (a killed rank), from
     ``exc`` as torch.distributed raises it: the collective (the torch.distributed call and the densetrain line
     that made it) and the ranks that did not arrive, from the heartbeat files (:func:`silent_ranks`,
-    :func:`behind_ranks`; gloo's
-    message does not say which peer it waited for; ``rank`` is this process, left out of them). None when
-    ``exc`` is neither."""
+    :func:`behind_ranks`; gloo's message does not say which peer it waited for; ``rank`` is this process, left
+    out of them). None when ``exc`` is neither."""
     timed_out, gone = _TIMEOUT.search(str(exc)), _PEER_GONE.search(str(exc))
     if not isinstance(exc, RuntimeError) or not (timed_out or gone):
         return None
