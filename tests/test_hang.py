@@ -1,7 +1,8 @@
-"""No hang lasts: a rank that stops answering (SIGSTOP from outside, or the ``hang`` fault) makes the other
+"""No hang lasts: a rank that stops answering (SIGSTOP from outside, or the ``hang`` fault) makes the other(s)
 exit within ``parallel.timeout_s`` (plus the rest of its step and its exit) with one line naming the collective
-and the rank that did not arrive (its heartbeat file, RUN_DIR/heartbeat/rank1.json, went stale), and exit
-status 1, which torchrun's elastic agent answers with a restart."""
+and the rank that did not arrive (its heartbeat file, RUN_DIR/heartbeat/rank1.json, went stale; or, for a rank
+whose main thread spins while its heartbeat thread lives, the file's step and phase stayed behind the waiting
+ranks'), and exit status 1, which torchrun's elastic agent answers with a restart."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from conftest import run_script_ranks
 from test_resume import OV, finish, fresh, start, wait_for_step
 
 from densetrain.metrics import read_events
+from densetrain.train.watchdog import behind_ranks
 
 TIMEOUT_S = 6
 
@@ -40,6 +42,28 @@ def test_every_group_of_the_mesh_waits_parallel_timeout_s(tmp_path):
     for r in range(2):
         got = json.loads(Path(f"{out}.{r}").read_text())
         assert got == {"pp": 7.0, "dp_replicate": 7.0, "dp_shard": 7.0, "cp": 7.0, "tp": 7.0, "world": 7.0}
+
+
+def test_behind_ranks_are_those_with_a_fresh_heartbeat_behind_the_waiting_rank():
+    now = 1000.0
+
+    def rec(rank, step, phase, moved=990.0):
+        return {"rank": rank, "host": "h", "pid": 10 + rank, "step": step, "phase": phase, "moved": moved,
+                "time": now - 1, "every": 5.0}
+
+    # rank 0 waits in the token count of step 3 ('forward'); rank 2 waits there too; rank 1 is still drawing
+    # the batch, rank 3 has not finished setting up, rank 4 wrote no phase (an older heartbeat file)
+    beats = {0: rec(0, 3, "forward"), 1: rec(1, 3, "data", moved=988.0), 2: rec(2, 3, "forward"),
+             3: rec(3, 0, "setup"), 4: {**rec(4, 3, "data"), "phase": None}}
+    got = behind_ranks(beats, 0, now=now)
+    assert sorted(got) == [1, 3]
+    assert got[1] == ("host h, pid 11: heartbeat fresh, but its main thread has not moved for 12 s, still in phase "
+                      "'data' of step 3 (busy there; this rank waits in phase 'forward' of step 3)")
+    assert "still before its first step" in got[3]
+    # A step further on counts more than any phase: rank 0 at the end of step 4 is ahead of 'optimizer' of 3.
+    assert sorted(behind_ranks({0: rec(0, 4, "end"), 1: rec(1, 3, "optimizer")}, 0, now=now)) == [1]
+    assert behind_ranks({0: rec(0, 3, "data"), 1: rec(1, 3, "forward")}, 0, now=now) == {}
+    assert behind_ranks({1: rec(1, 3, "data")}, 0, now=now) == {}  # no file of its own: nothing to compare
 
 
 def test_a_stopped_rank_times_out_the_other_naming_it(prepared, tmp_path):
@@ -90,3 +114,35 @@ def test_the_hang_fault_stops_its_rank_at_its_step(prepared, tmp_path):
     assert "rank(s) not arriving: 1 (" in err.strip().splitlines()[-1], err[-3000:]
     (ev,) = [e for e in read_events(Path(cfg.train.run_dir)) if e["kind"] == "fault"]
     assert ev["step"] == 3 and ev["text"] == "injected fault hang: rank 1 stops answering (SIGSTOP to itself)"
+
+
+def test_a_busy_rank_times_out_the_others_naming_it(prepared, tmp_path):
+    # hang mode 'busy': rank 1's main thread spins while step 3's batch is drawn (an infinite loop in a data
+    # worker) and its heartbeat thread lives on; ranks 0 and 2 wait for it in that step's token count.
+    _, make = prepared
+    cfg = make(tmp_path, **{**OV, "train.steps": 40, "train.batch_size": 6, "parallel.timeout_s": TIMEOUT_S},
+               faults=[{"kind": "hang", "step": 3, "rank": 1, "mode": "busy"}])
+    procs = start(fresh(cfg, tmp_path), world=3)
+    try:
+        wait_for_step(Path(cfg.train.run_dir), 3, procs)  # rank 0 logged step 3: rank 1 spins from here on
+        t0 = time.monotonic()
+        for p in (procs[0], procs[2]):
+            p.wait(timeout=TIMEOUT_S + 60)
+        waited = time.monotonic() - t0
+        busy = procs[1].poll() is None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    res = finish(procs)
+    assert [rc for rc, _ in res] == [1, -signal.SIGKILL, 1] and busy, [err[-3000:] for _, err in res]
+    assert waited < TIMEOUT_S + 12, waited
+    for r in (0, 2):  # each waiting rank names rank 1 (and not the other waiting rank): alive, stuck in 'data'
+        last = res[r][1].strip().splitlines()[-1]
+        assert re.fullmatch(
+            rf"densetrain: error: \[rank {r}\] collective all_reduce in \w+\.py:\d+ \w+\(\) timed out after "
+            rf"{TIMEOUT_S} s \(parallel\.timeout_s\); rank\(s\) not arriving: 1 \(host \S+, pid {procs[1].pid}: "
+            r"heartbeat fresh, but its main thread has not moved for \d+ s, still in phase 'data' of step 3 \(busy "
+            r"there; this rank waits in phase 'forward' of step 3\)\)", last), res[r][1][-3000:]
+        assert "Traceback" not in res[r][1]
+    print(f"ranks 0 and 2 exited {waited:.1f} s after rank 0 logged step 3 (parallel.timeout_s = {TIMEOUT_S})")

@@ -1,8 +1,9 @@
 """A job that restarts itself with the same command (``train.resume = 'auto'``): under ``torchrun
---max-restarts=2`` a kill -9 of rank 1 at a random step, then (in the restarted job) rank 1 killed while an
-async save is being written, make the elastic agent restart both ranks twice; they continue from the newest
-complete checkpoint bit for bit (FSDP2, 2 gloo ranks) with a ``restart`` event each time; 'auto' starts a fresh
-run in an empty directory and refuses a directory that holds another run."""
+--max-restarts=2`` a kill -9 of rank 1 at a random step (2 or 4) while rank 0 is inside that step's in-loop
+evaluation, then (in the restarted job) rank 1 killed while an async save is being written, make the elastic
+agent restart both ranks twice; they continue from the newest complete checkpoint bit for bit (FSDP2, 2 gloo
+ranks; train and eval records) with a ``restart`` event each time; 'auto' starts a fresh run in an empty
+directory and refuses a directory that holds another run."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from pathlib import Path
 from test_resume import OV, ROOT, finish, fresh, start, trajectory, wait_for_step
 
 from densetrain.checkpoint import list_complete
-from densetrain.metrics import read_events
+from densetrain.metrics import read_events, read_metrics
 
 FSDP = {**OV, "train.steps": 8, "checkpoint.every": 2, "parallel.dp_replicate": 1, "parallel.dp_shard": 2,
-        "train.resume": "auto", "checkpoint.async_save": True}
+        "train.resume": "auto", "checkpoint.async_save": True,
+        # In-loop evaluations every 2 steps, long enough (~0.4 s) for the first kill to land in one.
+        "eval.every": 2, "eval.max_batches": 48}
 
 
 def worker_pid(agent: int, rank: int, attempt: int = 0) -> int | None:
@@ -61,10 +64,13 @@ def test_torchrun_restarts_after_kill_9_and_continues_bitwise(prepared, tmp_path
                               "--max-restarts=2", "-m", "densetrain", "train", *fresh(cfg, tmp_path)],
                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        k = random.Random().randint(2, 4)
+        # Rank 1 killed while rank 0 is inside the evaluation of step k (2 or 4): its train record is logged and
+        # its eval record not yet (the evaluation follows the record at once).
+        k = random.Random().choice([2, 4])
         wait_for_step(run, k, [agent], timeout=150)
         pid = worker_pid(agent.pid, 1)
         assert pid is not None
+        in_eval = not any(r["kind"] == "eval" and r["step"] == k for r in read_metrics(run))
         t_kill = time.time()
         os.kill(pid, signal.SIGKILL)
         out, err = agent.communicate(timeout=240)
@@ -73,7 +79,10 @@ def test_torchrun_restarts_after_kill_9_and_continues_bitwise(prepared, tmp_path
             agent.kill()
             agent.communicate()
     assert agent.returncode == 0, err[-4000:]
+    assert in_eval, f"the kill after step {k} missed rank 0's evaluation"
     assert trajectory(run) == trajectory(ref), f"rank 1 killed after step {k}"
+    # every evaluation of the restarted run equals the uninterrupted run's, the one cut short done again
+    assert evals(run) == evals(ref) and sorted(evals(ref)) == [2, 4, 6, 8], (evals(run), evals(ref))
     first, second = [e for e in read_events(run) if e["kind"] == "restart"]
     ckpt = first["step"]
     # (step 0: the async save of step 2 was still being written when rank 1 died after step 2)
@@ -87,6 +96,11 @@ def test_torchrun_restarts_after_kill_9_and_continues_bitwise(prepared, tmp_path
     print(f"killed after step {k}; restart from {ckpt}, {first['values']['redone_steps']} steps redone; "
           f"{first['time'] - t_kill:.1f}s from the kill to the restarted run's resume; killed during the async "
           f"save of step 6: restart from 4, {second['values']['redone_steps']} steps redone")
+
+
+def evals(run: Path) -> dict[int, float]:
+    """step -> the overall validation loss logged at that step (the last record of the step)."""
+    return {r["step"]: r["val/all/loss"] for r in read_metrics(run) if r["kind"] == "eval" and "val/all/loss" in r}
 
 
 def test_auto_refuses_a_directory_of_another_run(prepared, tmp_path):

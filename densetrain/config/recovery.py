@@ -163,6 +163,9 @@ class FaultConfig:
     tokens: str = "random"
     """bad_batch: each replaced sequence is a window of `source` at a seeded random place, read corrupted:
     'random' (uniformly random token ids) or 'repeat' (the window's first token over the whole sequence)."""
+    mode: str = "stop"
+    """hang: 'stop' (the process sends itself SIGSTOP: every thread stops, the heartbeat too) or 'busy' (its main
+    thread spins forever, as in an infinite loop in a data worker: the heartbeat thread lives on)."""
 
 
 def validate_health(health: HealthConfig) -> None:
@@ -205,6 +208,8 @@ def validate_recovery(guard: GuardConfig, watchdog: WatchdogConfig, probe: Probe
             check_config(f.tokens in ("random", "repeat") and f.rows >= 0,
                          f"faults[{i}]: bad_batch needs tokens 'random' or 'repeat' and rows >= 0, got "
                          f"'{f.tokens}', {f.rows}")
+        if f.kind == "hang":
+            check_config(f.mode in ("stop", "busy"), f"faults[{i}].mode: '{f.mode}' is not one of stop, busy")
         if f.kind == "slow_memory":
             check_config(f.factor >= 1, f"faults[{i}].factor must be >= 1 for slow_memory, got {f.factor}")
         if f.kind == "lr_jump":

@@ -17,10 +17,13 @@ nothing. Kinds:
   bandwidth it measured (:func:`densetrain.health.throttle_memory`: scaled, so that ranks sharing one host's
   memory in a CPU rehearsal do not slow each other's measurement). A rehearsal of 7.2's diagnosis, not a
   model of HBM: the matmul figure stays as it is.
-- ``hang``: at ``step``, ``rank``'s process stops answering: it sends itself SIGSTOP (every thread stops, the
-  heartbeat too, as on a wedged node); the other ranks' next collective times out after ``parallel.timeout_s``
-  and names it. Only SIGKILL (or SIGCONT) ends the stopped process: torchrun's agent sends SIGKILL after its
-  grace period.
+- ``hang``: at ``step``, ``rank``'s process stops answering: with ``mode = "stop"`` it sends itself SIGSTOP
+  (every thread stops, the heartbeat too, as on a wedged node); with ``"busy"`` its main thread spins forever
+  while the step's batch is drawn (an infinite loop in a data worker: the heartbeat thread lives on, and its
+  file shows the main thread stuck in phase 'data'). The other ranks' next collective times out after
+  ``parallel.timeout_s`` and names it. Only SIGKILL (or SIGCONT) ends the stopped process; SIGTERM does not end
+  the busy one (densetrain stops at the next step boundary, never reached): torchrun's agent sends SIGKILL after
+  its grace period.
 - ``duplicate_data``: from ``step``, every window of ``source`` is replaced by the first one seen (a
   dedup bug feeding repeated data, post-mortem 7.1).
 - ``kill``: the process dies as with kill -9 at ``step``, or in the middle of that step's checkpoint
@@ -81,6 +84,7 @@ class FaultInjector(Watcher):
         self.forward_s = 0.0  # slow_memory: the previous step's forward time without the extra copies
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # slow_memory: what it copies
         self.device: torch.device | None = None
+        self.spin: FaultConfig | None = None  # hang with mode 'busy': due in this step's on_batch
 
     def _now(self, run, kind: str, from_step: bool = False) -> list[FaultConfig]:
         step, out = run.state.step, []
@@ -121,7 +125,9 @@ class FaultInjector(Watcher):
             self._fired(run, slow[0], f"rank {self.rank} sleeps {sum(f.ms for f in slow):g} ms per step from now on")
         self._slow_memory(run)
         for f in self._now(run, "hang"):
-            if f.rank == self.rank:
+            if f.rank == self.rank and f.mode == "busy":
+                self.spin = f  # in on_batch: while the batch is drawn
+            elif f.rank == self.rank:
                 self._fired(run, f, f"rank {self.rank} stops answering (SIGSTOP to itself)")
                 os.kill(os.getpid(), signal.SIGSTOP)
         for f in self._now(run, "bitflip"):
@@ -161,6 +167,10 @@ class FaultInjector(Watcher):
             self.forward_s = max(0.0, result.stats.forward_s - self.copy_s)
 
     def on_batch(self, run, samples: list) -> list:
+        if self.spin is not None:
+            self._fired(run, self.spin, f"rank {self.rank} stops answering (its main thread spins forever)")
+            while True:  # pure Python: the GIL is handed over every few ms, so the heartbeat thread runs on
+                pass
         for f in self._now(run, "duplicate_data", from_step=True):
             for s in samples:
                 if s.source == f.source:  # one repeated window per sequence length (stages change it)

@@ -24,11 +24,14 @@ the same forward time and only its data and optimizer phases tell it apart.
 The heartbeat thread: when no step completes for ``watchdog.hang_seconds``, every rank dumps its
 Python stacks with ``faulthandler`` to stderr and ``RUN_DIR/hang_rank<r>.txt`` (once per hang),
 before the collective timeout kills the job, so the stack of the rank that is stuck can be read. It also
-rewrites ``RUN_DIR/heartbeat/rank<r>.json`` (host, pid, last step, wall time) every few seconds: a rank
-whose process stopped answering (SIGSTOP, a wedged driver, a swapping node) leaves a stale file. When a
-collective times out (``parallel.timeout_s``) or loses a peer, :func:`collective_failure_line` names the collective and,
-from those files, the ranks that did not arrive (gloo's timeout message does not say which peer it waited
-for), so the job exits with one line and torchrun's elastic agent can restart it.
+rewrites ``RUN_DIR/heartbeat/rank<r>.json`` (host, pid, step, phase, wall time) every few seconds: a rank
+whose process stopped answering (SIGSTOP, a wedged driver, a swapping node) leaves a stale file. The file also
+carries the main thread's progress (:data:`PROGRESS`: the step and phase it last reached, set by the watchdog's
+hooks): a rank whose main thread is stuck in a busy loop (an infinite loop in a data worker) keeps a fresh
+heartbeat, but stays behind the ranks that wait for it in a collective. When a collective times out
+(``parallel.timeout_s``) or loses a peer, :func:`collective_failure_line` names the collective and, from those
+files, the ranks that did not arrive (stale, gone, or behind; gloo's timeout message does not say which peer it
+waited for), so the job exits with one line and torchrun's elastic agent can restart it.
 """
 
 from __future__ import annotations
@@ -55,6 +58,12 @@ from densetrain.train.watchers import Verdict, Watcher
 
 PHASES = ("data", "forward", "backward", "sync", "optimizer", "checkpoint", "eval")
 LOCAL = ("data", "forward", "optimizer")  # phases with no collective: only a rank's own speed shows there
+# Where a rank's main thread last was, in the order a step passes them (the heartbeat file's "phase"): set by the
+# watchdog's hooks, so that a rank whose heartbeat thread lives but whose main thread is stuck (a busy loop) can
+# be told from the ranks waiting in a collective further on. "end": after the step (evaluation, checkpoint, the
+# next step's stop check); "data": drawing the batch; "forward": the token count, forward and backward;
+# "optimizer": clipping, the step's reductions, the optimizer.
+PROGRESS = ("end", "data", "forward", "optimizer")
 
 
 class Heartbeat:
@@ -67,6 +76,8 @@ class Heartbeat:
         self.beat_file, self.every = beat_file, min(every, seconds / 4)
         self.last = time.monotonic()
         self.step = 0
+        self.phase = "setup"  # before the first step: no position in PROGRESS yet
+        self.moved = time.time()  # wall time the main thread last reached a new phase
         self.dumped = False
         self._stop = threading.Event()
         self._write_beat()
@@ -74,7 +85,14 @@ class Heartbeat:
         self.thread.start()
 
     def beat(self, step: int = 0) -> None:
-        self.last, self.dumped, self.step = time.monotonic(), False, step
+        """A step completed: ``step`` steps are done."""
+        self.last, self.dumped = time.monotonic(), False
+        self.progress(step, "end")
+
+    def progress(self, step: int, phase: str) -> None:
+        """The main thread reached ``phase`` (one of :data:`PROGRESS`) of step ``step``; written with the next
+        heartbeat (a few plain assignments: the thread reads them, no lock needed for a snapshot)."""
+        self.step, self.phase, self.moved = step, phase, time.time()
 
     def _write_beat(self) -> None:
         """The heartbeat file, replaced by a rename (a reader never sees half of it; no fsync: it matters only
@@ -82,7 +100,7 @@ class Heartbeat:
         if self.beat_file is None:
             return
         rec = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "step": self.step,
-               "time": time.time(), "every": self.every}
+               "phase": self.phase, "moved": self.moved, "time": time.time(), "every": self.every}
         try:
             self.beat_file.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.beat_file.with_suffix(".tmp")
@@ -134,6 +152,8 @@ class Watchdog(Watcher):
                                    every=every, rank=rank) if cfg.hang_seconds else None
 
     def before_step(self, run) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.progress(run.state.step, "data")
         # Checkpoint and eval time since the last step began (they follow a step's after_step): recorded
         # per phase, but not part of the step time compared with the baseline (evals come in bursts).
         ck, ev = run.checkpointer.seconds, run.eval_seconds
@@ -141,6 +161,15 @@ class Watchdog(Watcher):
         self.acc[PHASES.index("eval")] += ev - self.marks[1]
         self.marks = (ck, ev)
         self.t0 = time.perf_counter()
+
+    def on_batch(self, run, samples: list) -> list:
+        if self.heartbeat is not None:
+            self.heartbeat.progress(run.state.step, "forward")
+        return samples
+
+    def on_grads(self, run, stats) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.progress(run.state.step, "optimizer")
 
     def after_step(self, run, result, verdict: Verdict) -> None:
         if self.heartbeat is not None:
@@ -281,12 +310,43 @@ def silent_ranks(beats: dict[int, dict], world: int, now: float | None = None) -
     return out
 
 
+def _position(rec: dict) -> tuple[int, int] | None:
+    """Where a heartbeat record's main thread was, comparable between ranks: (step, index in PROGRESS); before
+    the first step (-1, 0); None for a record without a phase."""
+    phase = rec.get("phase")
+    if phase == "setup":
+        return (-1, 0)
+    if phase not in PROGRESS or not isinstance(rec.get("step"), int):
+        return None
+    return (rec["step"], PROGRESS.index(phase))
+
+
+def behind_ranks(beats: dict[int, dict], rank: int, now: float | None = None) -> dict[int, str]:
+    """Ranks whose main thread is behind ``rank``'s (an earlier phase or step in their heartbeat records) while
+    their heartbeat is fresh: alive but stuck before the collective ``rank`` waits in (a busy loop, e.g. in a
+    data worker): rank -> why. Ranks at ``rank``'s position or further wait in a collective too."""
+    now = time.time() if now is None else now
+    mine = _position(beats.get(rank, {}))
+    if mine is None:
+        return {}
+    out = {}
+    for r, rec in beats.items():
+        pos = _position(rec)
+        if r == rank or pos is None or pos >= mine:
+            continue
+        where = "before its first step" if pos[0] < 0 else f"in phase '{rec['phase']}' of step {rec['step']}"
+        out[r] = (f"host {rec.get('host')}, pid {rec.get('pid')}: heartbeat fresh, but its main thread has not moved "
+                  f"for {now - rec.get('moved', now):.0f} s, still {where} (busy there; this rank waits in phase "
+                  f"'{beats[rank]['phase']}' of step {beats[rank]['step']})")
+    return out
+
+
 def collective_failure_line(exc: BaseException, run_dir: Path, rank: int, world: int) -> str | None:
     """One line for a collective that timed out (``parallel.timeout_s``) or lost a peer (a killed rank), from
     ``exc`` as torch.distributed raises it: the collective (the torch.distributed call and the densetrain line
-    that made it) and the ranks that did not arrive, from the heartbeat files (:func:`silent_ranks`; gloo's
-    message does not say which peer it waited for; ``rank`` is this process, left out of them). None when
-    ``exc`` is neither."""
+    that made it) and the ranks that did not arrive, from the heartbeat files (:func:`silent_ranks`,
+    :func:`behind_ranks`; gloo's message does not say which peer it waited for; ``rank`` is this process, left
+    out of them). None when ``exc`` is neither."""
     timed_out, gone = _TIMEOUT.search(str(exc)), _PEER_GONE.search(str(exc))
     if not isinstance(exc, RuntimeError) or not (timed_out or gone):
         return None
@@ -304,6 +364,7 @@ def collective_failure_line(exc: BaseException, run_dir: Path, rank: int, world:
             else f"failed: {gone.group(0).lower()}")
     beats = read_heartbeats(run_dir)
     silent = {r: why for r, why in silent_ranks(beats, world).items() if r != rank}
+    silent = {**behind_ranks(beats, rank), **silent}
     if not beats:  # doctor, or watchdog.hang_seconds = 0: nothing on disk tells
         missing = f"which rank did not arrive is unknown (no heartbeat files in {run_dir}/heartbeat)"
     elif silent:
