@@ -46,7 +46,6 @@ the step and the row, so ``densetrain replay`` re-creates them and only the devi
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -57,7 +56,7 @@ import torch
 from densetrain.config.recovery import FaultConfig
 from densetrain.data.provenance import window_documents
 from densetrain.errors import TrainError
-from densetrain.fileio import atomic_write_json
+from densetrain.fileio import atomic_write_json, read_json
 from densetrain.health import throttle_memory
 from densetrain.schedule import stage_at
 from densetrain.train.watchers import Watcher
@@ -108,7 +107,7 @@ class FaultInjector(Watcher):
     def before_step(self, run) -> None:
         marker = run.run_dir / f"faults_fired_rank{self.rank}.json"
         if run.state.step == 0 or not self.fired and marker.exists():  # kills outlive the process
-            self.fired |= set(json.loads(marker.read_text())) if marker.exists() else set()
+            self.fired |= set(read_json(marker)) if marker.exists() else set()
         for f in self._now(run, "kill"):
             if f.rank == self.rank:
                 atomic_write_json(marker, sorted(self.fired))  # the resumed run must not meet it again

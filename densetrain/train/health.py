@@ -12,13 +12,12 @@ deterministic), so that a restarted or resumed run still compares each rank with
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 
 import torch
 
 from densetrain.config.recovery import HealthConfig
-from densetrain.fileio import atomic_write_json
+from densetrain.fileio import atomic_write_json, read_json
 from densetrain.health import Row, check
 from densetrain.train.watchers import Verdict, Watcher
 
@@ -52,7 +51,7 @@ class HealthWatch(Watcher):
         path = run.run_dir / "health_first.json"
         if self.first is None and path.exists():  # a restart: the run's first check, from its first start
             try:
-                self.first = [Row(**r) for r in json.loads(path.read_text())]
+                self.first = [Row(**r) for r in read_json(path)]
             except (OSError, ValueError, TypeError):
                 self.first = None  # measured again below
         t0 = time.perf_counter()

@@ -37,7 +37,6 @@ waited for), so the job exits with one line and torchrun's elastic agent can res
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import re
 import socket
@@ -51,7 +50,7 @@ import numpy as np
 import torch
 
 from densetrain.config.recovery import WatchdogConfig
-from densetrain.fileio import json_text, pid_alive
+from densetrain.fileio import json_text, pid_alive, read_json
 from densetrain.metrics import flops_per_token
 from densetrain.parallel import all_reduce_max, collective_timeout
 from densetrain.train.watchers import Verdict, Watcher
@@ -285,7 +284,7 @@ def read_heartbeats(run_dir: Path) -> dict[int, dict]:
     out = {}
     for path in sorted((Path(run_dir) / "heartbeat").glob("rank*.json")):
         try:
-            rec = json.loads(path.read_text())
+            rec = read_json(path)
             out[int(rec["rank"])] = rec
         except (OSError, ValueError, KeyError, TypeError):
             continue
