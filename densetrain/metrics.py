@@ -14,6 +14,7 @@ pandas' ``lines=True``) refuse.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import resource
 import sys
@@ -115,9 +116,14 @@ def _rss_peak_since_last() -> int:
 
 def format_rate(tokens_per_sec: float) -> str:
     """``tokens_per_sec`` for the console with three significant digits in a readable unit:
-    ``"37.5 tok/s"``, ``"12.3k tok/s"``, ``"4.56M tok/s"`` (never ``"0.0k"`` for a slow run)."""
+    ``"37.5 tok/s"``, ``"12.3k tok/s"``, ``"4.56M tok/s"`` (never ``"0.0k"`` for a slow run). The unit is
+    chosen after rounding, so 999.6 is ``"1k tok/s"``, not ``"1e+03 tok/s"``; a non-finite rate (a clock
+    that did not move) is ``"inf tok/s"`` / ``"nan tok/s"`` without a unit prefix."""
+    if not math.isfinite(tokens_per_sec):
+        return f"{tokens_per_sec} tok/s"
+    shown = abs(float(f"{tokens_per_sec:.3g}"))  # the value as printed, so 999.6 (shown 1e+03) takes the k
     for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(tokens_per_sec) >= scale:
+        if shown >= scale:
             return f"{tokens_per_sec / scale:.3g}{unit} tok/s"
     return f"{tokens_per_sec:.3g} tok/s"
 

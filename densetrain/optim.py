@@ -215,7 +215,7 @@ def describe_groups(optimizer: torch.optim.Optimizer, peak_lr: float) -> tuple[s
                        "peak_lr": peak_lr * g.get("lr_scale", 1.0), "weight_decay": g["weight_decay"],
                        "names": g.get("names", [])[:4]})
     text = "; ".join(
-        f"{v['optimizer']}: {v['tensors']} tensors, {v['params'] / 1e6:.2f}M params ("
+        f"{v['optimizer']}: {v['tensors']} tensor{'' if v['tensors'] == 1 else 's'}, {v['params'] / 1e6:.2f}M params ("
         + ", ".join(f"{k} x{n}" for k, n in sorted(v["shapes"].items(), key=lambda kv: -kv[1])[:4])
         + (", ..." if len(v["shapes"]) > 4 else "")
         + f"), peak lr {v['peak_lr']:.3g}, weight_decay {v['weight_decay']:g}"

@@ -63,7 +63,9 @@ def test_memory_sample_is_the_peak_since_the_previous_one():
 
 
 @pytest.mark.parametrize("rate, text", [(37.46, "37.5 tok/s"), (0.5, "0.5 tok/s"), (12345.0, "12.3k tok/s"),
-                                        (4_560_000.0, "4.56M tok/s"), (999.0, "999 tok/s")])
+                                        (4_560_000.0, "4.56M tok/s"), (999.0, "999 tok/s"),
+                                        (999.6, "1k tok/s"), (999_700.0, "1M tok/s"),
+                                        (float("inf"), "inf tok/s"), (float("nan"), "nan tok/s")])
 def test_console_rate_is_readable_at_any_speed(rate, text):
     assert format_rate(rate) == text
 

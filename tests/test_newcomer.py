@@ -42,7 +42,11 @@ def test_plan_prints_the_cost(capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["cost"]["gpu_hours"] == pytest.approx(4 * res["seconds"] / 3600)
     assert res["cost"]["usd"] == pytest.approx(2 * res["cost"]["gpu_hours"])
-    assert main(["plan", "--params", "1e8", "--gpu-hour-price", "-1"]) == 2  # a negative price: one line
+    with pytest.raises(SystemExit) as e:  # a negative price: one line, with the hint every argument error has
+        main(["plan", "--params", "1e8", "--gpu-hour-price", "-1"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("densetrain: error: argument --gpu-hour-price: expected a finite number of "
+                                       "USD >= 0, got '-1' (see densetrain plan --help)\n")
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama3"])

@@ -159,12 +159,18 @@ def _rollback_events(run_dir: Path, start: int, index: int, max_step: int, recor
     return out
 
 
+def _where(doc: dict) -> str:
+    """``file:line`` for a jsonl document; just ``file`` when the source has no lines (text format: one
+    document per file, ``line`` None)."""
+    return doc["file"] if doc["line"] is None else f"{doc['file']}:{doc['line']}"
+
+
 def format_blame(res: dict) -> str:
     """One line per document: sample index, source, file:line, doc id, tokens of it in the window."""
     lines = [f"step {res['step']} (stage {res['stage']}): {len(res['samples'])} sequences from sample "
              f"{res['sample_index']}"]
     for smp in res["samples"]:
         for d in smp["documents"]:
-            lines.append(f"  sample {smp['index']:>7}  {d['source']:<12} {d['file']}:{d['line']}  id={d['doc_id']}  "
+            lines.append(f"  sample {smp['index']:>7}  {d['source']:<12} {_where(d)}  id={d['doc_id']}  "
                          f"{d['tokens']} tokens")
     return "\n".join(lines)

@@ -22,6 +22,7 @@ The memory plan (and ``train --dry-run``) takes ``--section.key=value`` override
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -49,6 +50,22 @@ def _floats(text: str) -> list[float]:
 
 def _ints(text: str) -> list[int]:
     return _positive_list(text, int, "integers")
+
+
+def _price(text: str) -> float:
+    """``--gpu-hour-price``: USD per GPU-hour, a finite number >= 0 (argparse type, so a bad one is an argument
+    error with the ``(see densetrain plan --help)`` hint, as every other).
+
+    Raises:
+        argparse.ArgumentTypeError: not a number, negative or not finite.
+    """
+    try:
+        price = float(text)
+    except ValueError:
+        price = math.nan
+    if not (math.isfinite(price) and price >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number of USD >= 0, got '{text}'")
+    return price
 
 
 def _error(msg: str) -> int:
@@ -256,7 +273,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-peak-flops", type=float, default=989e12,
                    help="peak FLOP/s per GPU, for the memory plan's time and every plan's GPU-hours (default "
                         "%(default)g, H100 SXM dense bf16)")
-    p.add_argument("--gpu-hour-price", type=float,
+    p.add_argument("--gpu-hour-price", type=_price,
                    help="USD per GPU-hour: the plan prints the cost (GPU-hours at --mfu of --gpu-peak-flops, or "
                         "GPUs x wall time)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="memory plan: tensor parallel stays within a node "
