@@ -88,3 +88,16 @@ def test_downstream_panel_keeps_bits_per_byte_off_the_scores_axis(tmp_path):
     axis = {t.name: t.yaxis for t in fig.data}
     assert axis["arc_easy"] == "y" and axis["gsm8k_bpb"] == "y2" and axis["gsm8k_bpb (final)"] == "y2"
     assert write_png(data, tmp_path / "report.png").stat().st_size > 20_000
+    # one colour per task, across the two panels too (arc_easy and gsm8k_bpb are each the first of theirs)
+    color = {t.name: t.line.color for t in fig.data}
+    assert color["arc_easy"] != color["gsm8k_bpb"]
+
+
+def test_downstream_tasks_past_the_tenth_keep_their_own_colour():
+    from densetrain.report.run import task_colors
+
+    tasks = ["arc_challenge", "arc_easy", "boolq", "hellaswag", "lambada", "mmlu", "openbookqa", "piqa", "sciq",
+             "siqa", "winogrande", *(f"task{i}" for i in range(30))]
+    colors = task_colors([f"eval/{t}/headline" for t in tasks])
+    assert len(set(colors.values())) == len(tasks)
+    assert colors["eval/arc_easy/headline"] != colors["eval/winogrande/headline"]

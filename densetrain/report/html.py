@@ -38,6 +38,7 @@ from densetrain.report.run import (
     points,
     source_name,
     step_range,
+    task_colors,
     unigram_baselines,
 )
 
@@ -239,11 +240,11 @@ def _downstream_fig(data: RunData) -> go.Figure:
     fig = _figure("downstream headline (star: final evaluation)", height=340, cols=max(len(groups), 1),
                   titles=[title for _, title in groups])
     _bands(fig, data, grid=len(groups) > 1)
-    grid = len(groups) > 1
+    grid, colors = len(groups) > 1, task_colors(scores + bpb)
     for col, (heads, _) in enumerate(groups, start=1):
         at = {"row": 1, "col": col} if grid else {}
-        for i, k in enumerate(heads):
-            color, task = PALETTE[i % len(PALETTE)], source_name(k)
+        for k in heads:
+            color, task = colors[k], source_name(k)
             _trace(fig, points(data.evals, k), task, color, "lines+markers", legendgroup=task, **at)
             _trace(fig, points(data.final_evals, k), f"{task} (final)", color, "markers", legendgroup=task,
                    showlegend=not points(data.evals, k), marker_symbol="star", marker_size=14, **at)

@@ -27,6 +27,7 @@ from densetrain.report.run import (
     points,
     source_name,
     step_range,
+    task_colors,
     unigram_baselines,
 )
 
@@ -81,9 +82,10 @@ def write_png(data: RunData, out: Path, scaling: dict | None = None) -> Path:
         ds_ax.remove()
         panels = [fig.add_subplot(cell[0]), fig.add_subplot(cell[1])]
     groups = [(ks, title) for ks, title in ((scores, "downstream score"), (bpb, "downstream bits per byte")) if ks]
+    colors = task_colors(scores + bpb)
     for ax, (heads, title) in zip(panels, groups or [([], "downstream headline")]):
-        for i, k in enumerate(heads):
-            color = PALETTE[i % len(PALETTE)]
+        for k in heads:
+            color = colors[k]
             _line(ax, points(data.evals, k), source_name(k), color, marker="o")
             for recs, marker, ms in ((data.final_evals, "*", 11), (data.checkpoint_evals, "D", 7)):
                 pts = points(recs, k)

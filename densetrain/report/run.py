@@ -9,6 +9,7 @@ run that is still going or was killed: missing files give empty tables, torn lin
 
 from __future__ import annotations
 
+import colorsys
 import sys
 import tomllib
 from dataclasses import dataclass, field
@@ -271,7 +272,25 @@ EVENT_COLORS = {
 # Series colours (matplotlib's tab10) and the stage-band fills.
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
            "#17becf"]
+# After tab10, its light tints (tab20's other half): a report with more than ten downstream tasks (arc_easy and
+# winogrande are the 2nd and 12th) still gives each its own colour.
+_TINTS = ["#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d",
+          "#9edae5"]
 STAGE_FILLS = ["#e8f0fe", "#fdecea", "#e6f4ea", "#fef7e0", "#f3e8fd"]
+
+
+def task_colors(names: list[str]) -> dict[str, str]:
+    """A distinct colour per name (the downstream tasks of both panels, scores and bits per byte, so two tasks
+    never share one across panels): tab10, then tab20's tints, then hues spaced by the golden ratio (distinct
+    for any count; shades close together only past 20 tasks)."""
+    out = {}
+    for i, name in enumerate(dict.fromkeys(names)):
+        if i < len(PALETTE) + len(_TINTS):
+            out[name] = (PALETTE + _TINTS)[i]
+        else:
+            r, g, b = colorsys.hsv_to_rgb(i * 0.618033988749895 % 1.0, 0.65, 0.8)
+            out[name] = f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}"
+    return out
 
 
 def event_color(kind: str) -> str:
