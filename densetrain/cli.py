@@ -467,7 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--json", action="store_true", help="print JSON instead of one line per document")
         if name == "replay":
             sp.add_argument("run_dir", help="run directory")
-            sp.add_argument("step", type=int, help="step as in metrics.jsonl (the STEP-th optimizer update)")
+            sp.add_argument("step", type=int, help="step as in metrics.jsonl (the STEP-th optimizer update); a "
+                            "guard event's [step N] is the update's index, STEP N+1, which the event's text names")
             sp.add_argument("--rtol", type=float, default=1e-3, help="relative difference still counted as "
                             "reproduced (fp32 noise; default 1e-3)")
             sp.add_argument("--json", action="store_true", help="print the verdict as JSON")

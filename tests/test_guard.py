@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from densetrain.config import load_config
 from densetrain.config.recovery import GuardConfig
 from densetrain.errors import ConfigError
-from densetrain.train.guard import Guard, loss_z
+from densetrain.train.guard import Guard, _as_metrics, loss_z, nonfinite_what
 from densetrain.train.step import StepResult, StepStats
 from densetrain.train.watchers import Verdict
 
@@ -37,3 +39,15 @@ def test_default_is_robust_and_a_wrong_name_is_a_one_line_error():
     assert GuardConfig().zscore == "robust"
     with pytest.raises(ConfigError, match="guard.zscore must be 'robust' or 'mean_std', got 'mad'"):
         load_config(preset="tiny", overrides=[("guard.zscore", "mad")])
+
+
+def test_skip_event_names_what_was_not_finite_and_the_step_metrics_and_replay_count():
+    def result(loss, grad_norm, ranks):
+        return StepResult(index=7, stage=None, lr=1e-3, loss=loss, grad_norm=grad_norm,
+                          stats=StepStats(nonfinite_ranks=ranks), first_sample=0, data_s=0.0)
+
+    assert nonfinite_what(result(5.87, math.nan, 1)) == "non-finite grad_norm"  # the finite loss is not blamed
+    assert nonfinite_what(result(math.inf, math.nan, 2)) == "non-finite loss and grad_norm"
+    # both reduced numbers finite: one rank's own gradient overflowed (the bit-flip rehearsal, test_sdc)
+    assert nonfinite_what(result(6.19, 0.94, 1)) == "non-finite loss or grad_norm on 1 rank"
+    assert _as_metrics(7) == "metrics.jsonl step 8, densetrain replay RUN 8"

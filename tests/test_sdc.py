@@ -119,6 +119,8 @@ def test_replicas_bitflips_and_the_replay_verdict_on_three_ranks(prepared, tmp_p
     grun = tmp_path / "grad" / "run"
     (nf,) = _events(grun, "nonfinite")
     assert nf["step"] == 7 and [r["rank"] for r in nf["values"]["ranks"]] == [0, 1, 2]
+    assert nf["text"].startswith("non-finite loss or grad_norm on 1 rank (loss ")  # the reduced two are finite
+    assert nf["text"].endswith("update skipped (1 so far; metrics.jsonl step 8, densetrain replay RUN 8)")
     assert nf["values"]["ranks"][1]["grad_norm"] is None  # inf, which strict JSON writes as null
     assert nf["values"]["ranks"][0]["grad_norm"] < 1e3
     assert _events(grun, "replica_mismatch") == []  # the skipped update never reached the weights

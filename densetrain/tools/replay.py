@@ -6,10 +6,11 @@ model, optimizer, RNG and sampler state are loaded (without one, the seeded init
 are those of a single process on any layout), the updates between it and ``STEP`` are applied
 again (skipping those the run skipped, and the data its rollbacks skipped, as ``densetrain blame``
 replays the sampler), then the global batch of ``STEP`` (the ``step`` of its metrics.jsonl record:
-the update with index ``STEP - 1``) is drawn by the same deterministic sampler, with the run's data
-faults (``[[faults]]`` of kinds that are not device faults) re-created, and its loss and gradient
-norm are computed and compared with the logged ones (those of the guard's event for that step, which
-also carries every rank's own part of them, else the train record):
+the update with index ``STEP - 1``; events, the guard's ``[step N]`` among them, carry the index, so
+the skip event of update N says ``densetrain replay RUN N+1``) is drawn by the same deterministic
+sampler, with the run's data faults (``[[faults]]`` of kinds that are not device faults) re-created,
+and its loss and gradient norm are computed and compared with the logged ones (those of the guard's
+event for that step, which also carries every rank's own part of them, else the train record):
 
 - reproduced within ``rtol`` (fp32 noise: another reduction order over ranks and micro-batches moves
   the loss by ~1e-6 relative) -> **data**: the batch's loss per document, and the documents that carry

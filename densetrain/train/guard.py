@@ -27,10 +27,15 @@ Two z-scores (``guard.zscore``), both one-sided (a sudden drop of the loss is ne
 The lr schedule is a function of the step counter, which counts skipped steps: a skipped step uses up
 its lr as if it had been applied (as OLMo-core and torchtitan do), so a run with skips ends at the
 same step with the same final lr. A rollback restores the counter of the checkpoint.
+
+Step numbers: a skip event is stamped, as every event, with the update's index (``[step 7]``, the
+faults' ``step``); metrics.jsonl counts the steps completed, so that update is its record of step 8 and
+``densetrain replay RUN 8``, which the event's text says.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import numpy as np
@@ -128,8 +133,9 @@ class Guard(Watcher):
             if self.streak == 0:
                 self.streak_start = result.index
             self.streak += 1
-            run.log.event(result.index, f"non-finite loss {result.loss} / grad_norm {result.grad_norm}: update "
-                          f"skipped ({run.state.skipped_steps} so far)", kind="nonfinite", action="skip",
+            run.log.event(result.index, f"{nonfinite_what(result)} (loss {result.loss}, grad_norm {result.grad_norm}): "
+                          f"update skipped ({run.state.skipped_steps} so far; {_as_metrics(result.index)})",
+                          kind="nonfinite", action="skip",
                           values={**vals, **run.batch_documents(result),
                                   "ranks": rank_partials(run, self.local, result.grad_norm)})
             if self.cfg.replay:
@@ -138,7 +144,8 @@ class Guard(Watcher):
         spike, z, med = self._spike(result.loss)
         self.spikes = [s for s in self.spikes if result.index - s < self.cfg.window] + [result.index]
         centre = "median" if self.cfg.zscore == "robust" else "mean"
-        run.log.event(result.index, f"loss spike {result.loss:.4f} ({centre} {med:.4f}, z {z:.1f}): update skipped",
+        run.log.event(result.index, f"loss spike {result.loss:.4f} ({centre} {med:.4f}, z {z:.1f}): update skipped "
+                      f"({_as_metrics(result.index)})",
                       kind="loss_spike", action="skip",
                       values={**vals, "z": z, "median": med, **run.batch_documents(result),
                               "ranks": rank_partials(run, self.local, result.grad_norm)})
@@ -160,3 +167,21 @@ def _nonfinite_weight(run) -> str:
         if not bool(torch.isfinite(t.detach()).all()):
             return name
     return ""
+
+
+def nonfinite_what(result) -> str:
+    """What was not finite in a skipped step, for its event: ``"non-finite loss and grad_norm"``, ``"non-finite
+    grad_norm"``, ... or, when both global numbers are finite, the ranks whose own loss or gradient norm was not
+    (a rank's overflowed gradient that the reduction did not carry, e.g. a flipped exponent bit)."""
+    bad = [name for name, v in (("loss", result.loss), ("grad_norm", result.grad_norm)) if not math.isfinite(v)]
+    if bad:
+        return "non-finite " + " and ".join(bad)
+    n = result.stats.nonfinite_ranks
+    return f"non-finite loss or grad_norm on {n} rank{'' if n == 1 else 's'}"
+
+
+def _as_metrics(index: int) -> str:
+    """Where the skipped update ``index`` is in metrics.jsonl and for ``densetrain replay``: events are stamped
+    with the update's index (the ``[step N]`` prefix, as the faults' ``step``), metrics records with the steps
+    completed, index + 1."""
+    return f"metrics.jsonl step {index + 1}, densetrain replay RUN {index + 1}"
