@@ -172,3 +172,17 @@ def test_blame_refuses_shards_other_than_the_step_was_trained_on(stopped_run, tm
     assert "the train shards of ['email'] differ from those step 3 was trained on (recorded in step_00000003)" in err
     # Step 2's batch: the checkpoint after it is step_00000002, whose record still matches.
     assert main(["blame", str(run), "2"]) == 0
+
+
+def test_eval_and_export_say_the_newer_checkpoints_they_pass_over(stopped_run, tmp_path, capsys):
+    run, ckpts = _copy(stopped_run, tmp_path)
+    (ckpts[-1] / "COMPLETE").unlink()  # before: step 2 was evaluated and exported without a word
+    (run / "checkpoints" / "step_00000008.tmp").mkdir()
+    for argv, doing in ((["eval", str(run)], "evaluating"),
+                        (["export", str(run), "--format", "hf", str(tmp_path / "hf")], "exporting")):
+        assert main(argv) == 0, argv
+        err = capsys.readouterr().err
+        assert err.count("passed over") == 2, err
+        assert (f"densetrain: warning: passed over {ckpts[-1]}: no completion marker (a save that did not finish, "
+                f"or a damaged checkpoint); {doing} step_00000002") in err, err
+        assert f"passed over {run}/checkpoints/step_00000008.tmp: a partial save" in err, err
