@@ -186,3 +186,23 @@ def test_eval_and_export_say_the_newer_checkpoints_they_pass_over(stopped_run, t
         assert (f"densetrain: warning: passed over {ckpts[-1]}: no completion marker (a save that did not finish, "
                 f"or a damaged checkpoint); {doing} step_00000002") in err, err
         assert f"passed over {run}/checkpoints/step_00000008.tmp: a partial save" in err, err
+
+
+def test_a_resume_on_fewer_processes_says_the_layouts_as_they_are(stopped_run, tmp_path, capsys):
+    # A --parallel.dp_shard=2 run (FSDP2 over 2 ranks) resumed on 1 process. The checkpoint's record says so (DCP's
+    # files load at any layout); before, the line said "HSDP: shard groups of 2, replicas all" of the config.
+    run, ckpts = _copy(stopped_run, tmp_path)
+    toml = run / "config.toml"
+    toml.write_text(toml.read_text().replace("[parallel]\ndp_replicate = -1\ndp_shard = 1\n",
+                                             "[parallel]\ndp_replicate = -1\ndp_shard = 2\n"))
+    state = json.loads((ckpts[-1] / "trainer_state.json").read_text())
+    state["world_size"], state["layout"]["dp_shard"] = 2, 2
+    (ckpts[-1] / "trainer_state.json").write_text(json.dumps(state))
+    forge_marker(ckpts[-1])
+    assert main(["train", "--resume", str(run)]) == 0
+    line = ("layout on 1 process(es): dp_replicate=1 dp_shard=1 tp=1: one process, no parallelism (checkpoint written "
+            "on 2 process(es) as dp_replicate=1 dp_shard=2 tp=1: FSDP2: fully_shard over 2 data-parallel ranks); the "
+            "configured dp_replicate=-1 dp_shard=2 tp=1 does not fit 1 process(es): the layout closest to it that runs")
+    assert f"[step 3] {line}" in capsys.readouterr().out
+    assert [e["text"] for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
+            if e.get("kind") == "layout"] == [line]
