@@ -60,7 +60,15 @@ TRAINER_STATE_CASES = [
     ("stage", 5, "stage: expected a string"),
     ("dtype", "fp16", "dtype: expected 'fp32' or 'bf16'"),  # silently measured again before
     ("world_size", 0, "world_size: expected an integer 1..2^20"),
-    ("layout", {"tp": "two"}, "layout: expected an object of degree name -> integer >= 1"),
+    ("layout", {"tp": "two"}, "layout: expected an object of degree name (dp_replicate, dp_shard, tp, cp, pp) -> "
+                              "integer 1..2^20"),
+    ("layout.dp_shard", 1000, "layout: expected degrees whose product is world_size (1)"),  # accepted before
+    ("layout.ep", 1, "layout: expected an object of degree name (dp_replicate"),
+    ("foo", 1, "foo: expected no such key (known: step, tokens"),  # silently accepted before
+    ("sampler.foo", 1, "sampler.foo: expected no such key (known: samples_seen"),
+    ("sampler.cursor.nosuch", 0, "sampler.epoch: expected the sources of sampler.cursor (['email', 'json', 'nosuch'])"),
+    ("sampler.stage_total", 10**12, "sampler.stage_total: expected at most samples_seen (24)"),  # accepted before
+    ("sampler.stage_drawn.email", 0, "sampler.stage_drawn: expected counts summing to stage_total (24)"),
     ("data", 5, "data: expected an object of source name -> fingerprint string"),
     ("sampler", [], "sampler: expected an object"),
     ("sampler.samples_seen", "x", "sampler.samples_seen: expected an integer >= 0"),
@@ -70,7 +78,9 @@ TRAINER_STATE_CASES = [
     ("sampler.cursor", _DELETE, "sampler: expected samples_seen and cursor"),
     ("watchers", [], "watchers: expected an object of watcher name -> object"),
     ("watchers.guard", {"history": "abc", "spikes": []}, "watchers.guard.history: expected a list of numbers"),
-    ("watchers.guard", {"history": [], "spikes": {"a": 1}}, "watchers.guard.spikes: expected a list of numbers"),
+    ("watchers.guard", {"history": [], "spikes": {"a": 1}}, "watchers.guard.spikes: expected a list of step indices"),
+    ("watchers.updates.history", [-1, 1e308], "watchers.updates.history: expected a list of numbers 0..1e12"),
+    ("watchers.guard.history", [1e308] * 100_000, "watchers.guard.history: expected a list of numbers 0..1e12"),
     ("raw", '{"step": 3, "tokens": NaN}', "not JSON (ValueError: NaN is not JSON"),
     ("raw", '{"step": 3', "not JSON (JSONDecodeError"),
     ("raw", "[" * 100_000 + "]" * 100_000, "not JSON (RecursionError"),
