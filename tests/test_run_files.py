@@ -216,3 +216,39 @@ def test_a_resume_on_fewer_processes_says_the_layouts_as_they_are(stopped_run, t
     assert f"[step 3] {line}" in capsys.readouterr().out
     assert [e["text"] for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
             if e.get("kind") == "layout"] == [line]
+
+
+def _add_source(state: dict) -> None:
+    for key in ("cursor", "epoch", "window", "grid", "stage_drawn"):
+        state["sampler"][key]["nosuch"] = 0
+
+
+# (key, crafted value, words): each consistent on its own (dcp_read's schema passes it), wrong for this run's config
+RESUME_CASES = [
+    ("sampler.grid.email", 10**9, "sampler.grid.email: expected 0 or a stage's seq_len ([32]), got 1000000000"),
+    ("sampler.grid.email", 0, "sampler.window.email: expected 0 while sampler.grid.email is 0"),
+    ("sampler.window.email", 10**9, "sampler.window.email: expected at most the "),
+    ("sampler.cursor.email", 10**12, "sampler.cursor.email: expected a token offset 0.."),
+    ("sampler.stage", "nope", "sampler.stage: expected null or a stage name (['main']), got 'nope'"),
+    ("stage", "nope", "stage: expected '' or a stage name (['main']), got 'nope'"),
+    ("", _add_source, "sampler.cursor.nosuch: expected a source of this run (['email', 'json'])"),
+    ("watchers.guard.history", [6.0] * 1000, "watchers.guard.history: expected at most guard.window ("),
+    ("watchers.guard.spikes", [1] * 1000, "watchers.guard.spikes: expected at most guard.window ("),
+    ("watchers.updates.history", [300.0] * 1000, "watchers.updates.history: expected at most guard.window ("),
+]
+
+
+def test_a_trainer_state_wrong_for_the_run_is_refused_on_resume(stopped_run, tmp_path, capsys):
+    # Each was resumed silently before (a grid of 10^9 even changed the data trained: "window length 1000000000
+    # -> 32; epoch 0 ends after 12 of 0 windows").
+    run, ckpts = _copy(stopped_run, tmp_path)
+    path = ckpts[-1] / "trainer_state.json"
+    honest = path.read_text()
+    for key, value, words in RESUME_CASES:
+        state = json.loads(honest)
+        value(state) if callable(value) else _set(state, key, value)
+        path.write_text(json.dumps(state))
+        forge_marker(ckpts[-1])
+        err = _one_line(capsys, ["train", "--resume", str(run)])
+        assert err.startswith(f"densetrain: error: {path}: {words}"), (key, err)
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] <= 3  # nothing trained

@@ -107,8 +107,18 @@ class Run:
                 "watchers": {w.name: w.state_dict() for w in self.watchers}}
 
     def load_state_dict(self, d: dict) -> None:
+        """Take a checkpoint's ``trainer_state.json`` (checked by ``dcp_read.check_trainer_state``), checked against
+        this run's config: stage names, source names, seq_len grids, watcher windows.
+
+        Raises:
+            ValueError: ``<key>: expected ..., got ...`` (setup names the file).
+        """
+        names = {st.name for st in self.stages}
+        if d.get("stage", "") not in ("", *names):
+            raise ValueError(f"stage: expected '' or a stage name ({sorted(names)}), got {d['stage']!r}")
         self.state.load_state_dict(d)
-        self.sampler.load_state_dict(d["sampler"])
+        self.sampler.load_state_dict(d["sampler"], seq_lens={st.seq_len for st in self.stages}, stages=names,
+                                     sources=set(self.source_names))
         for w in self.watchers:
             w.load_state_dict(d.get("watchers", {}).get(w.name, {}))
 
@@ -490,7 +500,10 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
               peak_flops=cfg.logging.peak_flops or probe_peak_flops(info.device, autocast),
               last_step=last, data_id=data_fingerprint(train_streams))
     if saved:
-        run.load_state_dict(saved)
+        try:
+            run.load_state_dict(saved)
+        except ValueError as e:  # a crafted or foreign trainer_state.json: one line naming it and the key
+            raise CheckpointReadError(f"{ckpt}/trainer_state.json: {e}") from None
         _log_resume(run, ckpt, saved)
         if keep_layout_intent:
             _log_layout(run, saved)
