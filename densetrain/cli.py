@@ -183,7 +183,8 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     check_export_target(Path(args.out))  # before any work: an export never replaces a run or other files
     given = Path(args.checkpoint)
     # A read lease: the retention of a run still training keeps this checkpoint until the export is done.
-    with leased_checkpoint(find_checkpoint(given), None if (given / "COMPLETE").exists() else given) as path:
+    ckpt = find_checkpoint(given, "exporting")
+    with leased_checkpoint(ckpt, None if (given / "COMPLETE").exists() else given) as path:
         return _export_checkpoint(cfg, args, path)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import mmap
 import os
 import pickle
@@ -303,6 +304,7 @@ _MAX_INT = 2**62
 _INT = (lambda v: type(v) is int and 0 <= v <= _MAX_INT, "an integer >= 0")
 _COUNTS = (lambda v: isinstance(v, dict) and all(isinstance(k, str) and _INT[0](n) for k, n in v.items()),
            "an object of source name -> integer >= 0")
+_LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp", "cp", "pp")  # parallel.mesh.Layout's degrees
 _NAME = (lambda v: isinstance(v, str) and len(v) <= 256, "a string")
 _TRAINER_STATE = {
     "step": ((lambda v: _INT[0](v) and v <= 10**12), "an integer 0..10^12"),
@@ -312,8 +314,9 @@ _TRAINER_STATE = {
     "data": ((lambda v: isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in v.items())),
              "an object of source name -> fingerprint string"),
     "world_size": ((lambda v: type(v) is int and 1 <= v <= 2**20), "an integer 1..2^20"),
-    "layout": ((lambda v: isinstance(v, dict) and all(type(x) is int and 1 <= x <= 2**20 for x in v.values())),
-               "an object of degree name -> integer >= 1"),
+    "layout": ((lambda v: isinstance(v, dict) and set(v) <= set(_LAYOUT_KEYS)
+                and all(type(x) is int and 1 <= x <= 2**20 for x in v.values())),
+               f"an object of degree name ({', '.join(_LAYOUT_KEYS)}) -> integer 1..2^20"),
     "dtype": ((lambda v: v in ("fp32", "bf16")), "'fp32' or 'bf16'"),
     "watchers": ((lambda v: isinstance(v, dict) and all(isinstance(x, dict) for x in v.values())),
                  "an object of watcher name -> object"),
@@ -326,16 +329,25 @@ _SAMPLER = {
     "shuffle_seed": ((lambda v: v is None or (type(v) is int and 0 <= v < 2**64)), "null or an integer 0..2^64-1"),
     "stage": ((lambda v: v is None or _NAME[0](v)), "null or a string"),
 }
+# Losses and update ratios (||delta theta|| / lr) are >= 0; 10^12 is far above any a run measures, and keeps the
+# sums of squares of a window of them finite in float64 (no overflow warning from the z-score).
+_MAX_MEASURE = 1e12
 _FLOATS = (lambda v: isinstance(v, list) and len(v) <= 1 << 20 and all(
-    type(x) in (int, float) for x in v), "a list of numbers")
+    type(x) in (int, float) and 0 <= x <= _MAX_MEASURE for x in v), "a list of numbers 0..1e12")
+_STEPS = (lambda v: isinstance(v, list) and len(v) <= 1 << 20 and all(_INT[0](x) for x in v),
+          "a list of step indices (integers >= 0)")
 # Watchers' saved fields that are read back as numbers (train/guard.py, updates.py, probe.py).
-_WATCHER_LISTS = {("guard", "history"), ("guard", "spikes"), ("updates", "history")}
+_WATCHER_LISTS = {("guard", "history"): _FLOATS, ("guard", "spikes"): _STEPS, ("updates", "history"): _FLOATS}
 
 
 def check_trainer_state(state, where: str | Path, step: int | None = None) -> dict:
     """``state`` (a parsed ``trainer_state.json``) checked against its schema (``_TRAINER_STATE``: types and
-    bounds of every key a resume, eval, export or blame reads; unknown keys are kept, for newer versions);
+    bounds of every key a resume, eval, export or blame reads; unknown keys refused: a key this version does not
+    read would be lost silently on the next save);
     ``step``: the step of the checkpoint directory, which the file's ``step`` must equal.
+
+    What needs the run's config (stage and source names, seq_len grids, watcher windows) is checked where the
+    state is loaded against it (``Run.load_state_dict``).
 
     Returns: ``state``.
     Raises:
@@ -352,6 +364,10 @@ def check_trainer_state(state, where: str | Path, step: int | None = None) -> di
     for key, (ok, want) in _TRAINER_STATE.items():
         if key in state and not ok(state[key]):
             raise bad(key, want, state[key])
+    _no_unknown(state, _TRAINER_STATE, "", bad)
+    layout = state.get("layout")
+    if layout and "world_size" in state and math.prod(layout.values()) != state["world_size"]:
+        raise bad("layout", f"degrees whose product is world_size ({state['world_size']})", layout)
     if state.get("skipped_steps", 0) > state["step"]:
         raise bad("skipped_steps", f"at most step ({state['step']})", state["skipped_steps"])
     if step is not None and state["step"] != step:
@@ -362,11 +378,28 @@ def check_trainer_state(state, where: str | Path, step: int | None = None) -> di
     for key, (ok, want) in _SAMPLER.items():
         if key in sampler and not ok(sampler[key]):
             raise bad(f"sampler.{key}", want, sampler[key])
-    for name, field_ in _WATCHER_LISTS:
+    _no_unknown(sampler, _SAMPLER, "sampler.", bad)
+    sources = set(sampler["cursor"])
+    for key in ("epoch", "window", "grid", "stage_drawn"):  # one count per source, the cursor's
+        if key in sampler and set(sampler[key]) != sources:
+            raise bad(f"sampler.{key}", f"the sources of sampler.cursor ({sorted(sources)})", sampler[key])
+    if sampler.get("stage_total", 0) > sampler["samples_seen"]:
+        raise bad("sampler.stage_total", f"at most samples_seen ({sampler['samples_seen']})", sampler["stage_total"])
+    if "stage_drawn" in sampler and sum(sampler["stage_drawn"].values()) != sampler.get("stage_total", 0):
+        raise bad("sampler.stage_drawn", f"counts summing to stage_total ({sampler.get('stage_total', 0)})",
+                  sampler["stage_drawn"])
+    for (name, field_), (ok, want) in _WATCHER_LISTS.items():
         value = state.get("watchers", {}).get(name, {}).get(field_)
-        if value is not None and not _FLOATS[0](value):
-            raise bad(f"watchers.{name}.{field_}", _FLOATS[1], value)
+        if value is not None and not ok(value):
+            raise bad(f"watchers.{name}.{field_}", want, value)
     return state
+
+
+def _no_unknown(obj: dict, schema: dict, prefix: str, bad) -> None:
+    """Refuse a key of ``obj`` that ``schema`` does not name (``bad``: check_trainer_state's error)."""
+    unknown = sorted(set(obj) - set(schema))
+    if unknown:
+        raise bad(f"{prefix}{unknown[0]}", f"no such key (known: {', '.join(schema)})", obj[unknown[0]])
 
 
 def _no_constant(name: str):

@@ -234,9 +234,10 @@ def test_plain_resume_at_another_world_size_keeps_the_layout_intent(fsdp_run, tm
     # 2 FSDP2 ranks -> 1 process: dp_shard=2 cannot hold on 1, the one layout of 1 process is chosen and said.
     one = copy_until(ref, tmp_path / "one", 2)
     assert main(["train", "--resume", str(one)]) == 0
-    line = ("layout on 1 process(es): dp_replicate=1 dp_shard=1 tp=1 (checkpoint written on 2 process(es) as "
-            "dp_replicate=1 dp_shard=2 tp=1); keeps the run's intent, FSDP2: parameters sharded over the "
-            "data-parallel ranks (its configured dp_replicate=1 dp_shard=2 tp=1 does not fit)")
+    line = ("layout on 1 process(es): dp_replicate=1 dp_shard=1 tp=1: one process, no parallelism (checkpoint "
+            "written on 2 process(es) as dp_replicate=1 dp_shard=2 tp=1: FSDP2: fully_shard over 2 data-parallel "
+            "ranks); the configured dp_replicate=1 dp_shard=2 tp=1 does not fit 1 process(es): the layout closest "
+            "to it that runs")
     assert [e["text"] for e in layout_events(one)] == [line]
     assert f"[step 2] {line}" in capsys.readouterr().out
     assert_close(trajectory(one), want, range(3, 9))
@@ -245,9 +246,9 @@ def test_plain_resume_at_another_world_size_keeps_the_layout_intent(fsdp_run, tm
     procs = start(["--resume", str(two)], world=2)
     res = finish(procs)
     assert [rc for rc, _ in res] == [0, 0], [err[-3000:] for _, err in res]
-    line = ("layout on 2 process(es): dp_replicate=1 dp_shard=2 tp=1 (checkpoint written on 1 process(es) as "
-            "dp_replicate=1 dp_shard=1 tp=1); keeps the run's intent, FSDP2: parameters sharded over the "
-            "data-parallel ranks")
+    line = ("layout on 2 process(es): dp_replicate=1 dp_shard=2 tp=1: FSDP2: fully_shard over 2 data-parallel "
+            "ranks (checkpoint written on 1 process(es) as dp_replicate=1 dp_shard=1 tp=1: one process, no "
+            "parallelism); the configured dp_replicate=1 dp_shard=2 tp=1")
     assert [e["text"] for e in layout_events(two)][-1] == line
     assert f"[step 6] {line}" in procs[0].out
     assert_close(trajectory(two), want, range(7, 9))

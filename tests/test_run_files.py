@@ -60,7 +60,15 @@ TRAINER_STATE_CASES = [
     ("stage", 5, "stage: expected a string"),
     ("dtype", "fp16", "dtype: expected 'fp32' or 'bf16'"),  # silently measured again before
     ("world_size", 0, "world_size: expected an integer 1..2^20"),
-    ("layout", {"tp": "two"}, "layout: expected an object of degree name -> integer >= 1"),
+    ("layout", {"tp": "two"}, "layout: expected an object of degree name (dp_replicate, dp_shard, tp, cp, pp) -> "
+                              "integer 1..2^20"),
+    ("layout.dp_shard", 1000, "layout: expected degrees whose product is world_size (1)"),  # accepted before
+    ("layout.ep", 1, "layout: expected an object of degree name (dp_replicate"),
+    ("foo", 1, "foo: expected no such key (known: step, tokens"),  # silently accepted before
+    ("sampler.foo", 1, "sampler.foo: expected no such key (known: samples_seen"),
+    ("sampler.cursor.nosuch", 0, "sampler.epoch: expected the sources of sampler.cursor (['email', 'json', 'nosuch'])"),
+    ("sampler.stage_total", 10**12, "sampler.stage_total: expected at most samples_seen (24)"),  # accepted before
+    ("sampler.stage_drawn.email", 0, "sampler.stage_drawn: expected counts summing to stage_total (24)"),
     ("data", 5, "data: expected an object of source name -> fingerprint string"),
     ("sampler", [], "sampler: expected an object"),
     ("sampler.samples_seen", "x", "sampler.samples_seen: expected an integer >= 0"),
@@ -70,7 +78,9 @@ TRAINER_STATE_CASES = [
     ("sampler.cursor", _DELETE, "sampler: expected samples_seen and cursor"),
     ("watchers", [], "watchers: expected an object of watcher name -> object"),
     ("watchers.guard", {"history": "abc", "spikes": []}, "watchers.guard.history: expected a list of numbers"),
-    ("watchers.guard", {"history": [], "spikes": {"a": 1}}, "watchers.guard.spikes: expected a list of numbers"),
+    ("watchers.guard", {"history": [], "spikes": {"a": 1}}, "watchers.guard.spikes: expected a list of step indices"),
+    ("watchers.updates.history", [-1, 1e308], "watchers.updates.history: expected a list of numbers 0..1e12"),
+    ("watchers.guard.history", [1e308] * 100_000, "watchers.guard.history: expected a list of numbers 0..1e12"),
     ("raw", '{"step": 3, "tokens": NaN}', "not JSON (ValueError: NaN is not JSON"),
     ("raw", '{"step": 3', "not JSON (JSONDecodeError"),
     ("raw", "[" * 100_000 + "]" * 100_000, "not JSON (RecursionError"),
@@ -172,3 +182,73 @@ def test_blame_refuses_shards_other_than_the_step_was_trained_on(stopped_run, tm
     assert "the train shards of ['email'] differ from those step 3 was trained on (recorded in step_00000003)" in err
     # Step 2's batch: the checkpoint after it is step_00000002, whose record still matches.
     assert main(["blame", str(run), "2"]) == 0
+
+
+def test_eval_and_export_say_the_newer_checkpoints_they_pass_over(stopped_run, tmp_path, capsys):
+    run, ckpts = _copy(stopped_run, tmp_path)
+    (ckpts[-1] / "COMPLETE").unlink()  # before: step 2 was evaluated and exported without a word
+    (run / "checkpoints" / "step_00000008.tmp").mkdir()
+    for argv, doing in ((["eval", str(run)], "evaluating"),
+                        (["export", str(run), "--format", "hf", str(tmp_path / "hf")], "exporting")):
+        assert main(argv) == 0, argv
+        err = capsys.readouterr().err
+        assert err.count("passed over") == 2, err
+        assert (f"densetrain: warning: passed over {ckpts[-1]}: no completion marker (a save that did not finish, "
+                f"or a damaged checkpoint); {doing} step_00000002") in err, err
+        assert f"passed over {run}/checkpoints/step_00000008.tmp: a partial save" in err, err
+
+
+def test_a_resume_on_fewer_processes_says_the_layouts_as_they_are(stopped_run, tmp_path, capsys):
+    # A --parallel.dp_shard=2 run (FSDP2 over 2 ranks) resumed on 1 process. The checkpoint's record says so (DCP's
+    # files load at any layout); before, the line said "HSDP: shard groups of 2, replicas all" of the config.
+    run, ckpts = _copy(stopped_run, tmp_path)
+    toml = run / "config.toml"
+    toml.write_text(toml.read_text().replace("[parallel]\ndp_replicate = -1\ndp_shard = 1\n",
+                                             "[parallel]\ndp_replicate = -1\ndp_shard = 2\n"))
+    state = json.loads((ckpts[-1] / "trainer_state.json").read_text())
+    state["world_size"], state["layout"]["dp_shard"] = 2, 2
+    (ckpts[-1] / "trainer_state.json").write_text(json.dumps(state))
+    forge_marker(ckpts[-1])
+    assert main(["train", "--resume", str(run)]) == 0
+    line = ("layout on 1 process(es): dp_replicate=1 dp_shard=1 tp=1: one process, no parallelism (checkpoint written "
+            "on 2 process(es) as dp_replicate=1 dp_shard=2 tp=1: FSDP2: fully_shard over 2 data-parallel ranks); the "
+            "configured dp_replicate=-1 dp_shard=2 tp=1 does not fit 1 process(es): the layout closest to it that runs")
+    assert f"[step 3] {line}" in capsys.readouterr().out
+    assert [e["text"] for e in map(json.loads, (run / "events.jsonl").read_text().splitlines())
+            if e.get("kind") == "layout"] == [line]
+
+
+def _add_source(state: dict) -> None:
+    for key in ("cursor", "epoch", "window", "grid", "stage_drawn"):
+        state["sampler"][key]["nosuch"] = 0
+
+
+# (key, crafted value, words): each consistent on its own (dcp_read's schema passes it), wrong for this run's config
+RESUME_CASES = [
+    ("sampler.grid.email", 10**9, "sampler.grid.email: expected 0 or a stage's seq_len ([32]), got 1000000000"),
+    ("sampler.grid.email", 0, "sampler.window.email: expected 0 while sampler.grid.email is 0"),
+    ("sampler.window.email", 10**9, "sampler.window.email: expected at most the "),
+    ("sampler.cursor.email", 10**12, "sampler.cursor.email: expected a token offset 0.."),
+    ("sampler.stage", "nope", "sampler.stage: expected null or a stage name (['main']), got 'nope'"),
+    ("stage", "nope", "stage: expected '' or a stage name (['main']), got 'nope'"),
+    ("", _add_source, "sampler.cursor.nosuch: expected a source of this run (['email', 'json'])"),
+    ("watchers.guard.history", [6.0] * 1000, "watchers.guard.history: expected at most guard.window ("),
+    ("watchers.guard.spikes", [1] * 1000, "watchers.guard.spikes: expected at most guard.window ("),
+    ("watchers.updates.history", [300.0] * 1000, "watchers.updates.history: expected at most guard.window ("),
+]
+
+
+def test_a_trainer_state_wrong_for_the_run_is_refused_on_resume(stopped_run, tmp_path, capsys):
+    # Each was resumed silently before (a grid of 10^9 even changed the data trained: "window length 1000000000
+    # -> 32; epoch 0 ends after 12 of 0 windows").
+    run, ckpts = _copy(stopped_run, tmp_path)
+    path = ckpts[-1] / "trainer_state.json"
+    honest = path.read_text()
+    for key, value, words in RESUME_CASES:
+        state = json.loads(honest)
+        value(state) if callable(value) else _set(state, key, value)
+        path.write_text(json.dumps(state))
+        forge_marker(ckpts[-1])
+        err = _one_line(capsys, ["train", "--resume", str(run)])
+        assert err.startswith(f"densetrain: error: {path}: {words}"), (key, err)
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] <= 3  # nothing trained

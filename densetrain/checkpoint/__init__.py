@@ -52,6 +52,7 @@ from densetrain.checkpoint.common import (
     describe_error,
     latest_checkpoint,
     list_complete,
+    passed_over,
     set_aside,
     sweep,
 )
@@ -73,6 +74,6 @@ from densetrain.dcp_read import CheckpointCorruptError, CheckpointReadError
 __all__ = [
     "CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError", "CheckpointReadError", "Checkpointer",
     "PendingSave", "checkpoint_dir", "cpu_stager", "describe_error", "finish_async_save", "latest_checkpoint",
-    "leased_checkpoint", "list_complete", "load_checkpoint", "read_trainer_state", "save_checkpoint", "set_aside",
-    "start_async_save", "sweep",
+    "leased_checkpoint", "list_complete", "load_checkpoint", "passed_over", "read_trainer_state", "save_checkpoint",
+    "set_aside", "start_async_save", "sweep",
 ]

@@ -10,7 +10,7 @@ from typing import Callable
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from densetrain.checkpoint.common import _STEP_DIR, _agree, _rank, checkpoint_dir, list_complete
+from densetrain.checkpoint.common import _agree, _rank, list_complete, passed_over
 from densetrain.checkpoint.load import CheckpointMismatchError, load_checkpoint
 from densetrain.checkpoint.save import PendingSave, cpu_stager, finish_async_save, save_checkpoint, start_async_save
 from densetrain.dcp_read import CheckpointReadError, UntrustedCheckpointError
@@ -175,14 +175,5 @@ class Checkpointer:
 
     def _say_passed_over(self, newest: int) -> None:
         """Before a resume: one line in :attr:`notes` (setup logs them as events, console included) per checkpoint
-        directory newer than the one loaded that is passed over: a ``step_N.tmp`` of a save that was killed
-        (the next save sweeps it) or a ``step_N`` without its completion marker."""
-        root = checkpoint_dir(self.run_dir)
-        for p in sorted(root.iterdir()) if root.is_dir() else ():
-            m = _STEP_DIR.match(p.name[:-len(".tmp")] if p.name.endswith(".tmp") else p.name)
-            if not m or int(m.group(1)) <= newest or not p.is_dir() or (p / "COMPLETE").exists():
-                continue
-            what = "a partial save (killed before its completion marker)" if p.suffix == ".tmp" else \
-                "no completion marker (a save that did not finish, or a damaged checkpoint)"
-            self.notes.append(f"passed over {p}: {what}; resuming from "
-                              + (f"step_{newest:08d}" if newest >= 0 else "no checkpoint"))
+        directory newer than the one loaded that is passed over (:func:`passed_over`)."""
+        self.notes.extend(passed_over(self.run_dir, newest))

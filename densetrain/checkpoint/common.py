@@ -45,6 +45,21 @@ def list_complete(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def passed_over(run_dir: Path, newest: int, doing: str = "resuming from") -> list[str]:
+    """One line per checkpoint directory of ``run_dir`` newer than step ``newest`` (the one used; -1: none) that
+    is passed over: a ``step_N.tmp`` of a save that was killed (the next save sweeps it) or a ``step_N``
+    without its completion marker. ``doing``: what is done instead (``resuming from``, ``evaluating``)."""
+    root, out = checkpoint_dir(run_dir), []
+    for p in sorted(root.iterdir()) if root.is_dir() else ():
+        m = _STEP_DIR.match(p.name[:-len(".tmp")] if p.name.endswith(".tmp") else p.name)
+        if not m or int(m.group(1)) <= newest or not p.is_dir() or (p / "COMPLETE").exists():
+            continue
+        what = "a partial save (killed before its completion marker)" if p.suffix == ".tmp" else \
+            "no completion marker (a save that did not finish, or a damaged checkpoint)"
+        out.append(f"passed over {p}: {what}; {doing} " + (f"step_{newest:08d}" if newest >= 0 else "no checkpoint"))
+    return out
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """Path of the newest complete checkpoint, or None."""
     done = list_complete(run_dir)

@@ -158,10 +158,40 @@ class MixtureSampler:
     def state_dict(self) -> dict:
         return copy.deepcopy(self.state)
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, seq_lens: set[int] | None = None, stages: set[str] | None = None,
+                        sources: set[str] | None = None) -> None:
+        """Take ``state`` (a :meth:`state_dict`, its types checked by ``dcp_read.check_trainer_state``), checked
+        against this run: a position for each source with data and none for a source that is not
+        ``sources`` (the configured names; default: those with data); a window grid 0 (none yet) or one of
+        ``seq_lens`` (the stages' seq_len) with no more windows drawn than it has; a cursor inside its source;
+        a ``stage`` that is null or one of ``stages``.
+
+        Raises:
+            ValueError: ``sampler.<key>: expected ..., got ...`` (the caller names the file).
+        """
         missing = set(self.streams) - set(state["cursor"])
         if missing:
             raise ValueError(f"sampler state has no position for sources {sorted(missing)} (config changed?)")
+        known = set(self.streams) | (sources or set())
+        for name in sorted(set(state["cursor"]) - known):
+            raise ValueError(f"sampler.cursor.{name}: expected a source of this run ({sorted(known)}), got a "
+                             "position for a source it does not have")
+        if stages is not None and state.get("stage") not in (None, *stages):
+            raise ValueError(f"sampler.stage: expected null or a stage name ({sorted(stages)}), got {state['stage']!r}")
+        for name, stream in self.streams.items():
+            grid, window = state.get("grid", {}).get(name, 0), state.get("window", {}).get(name, 0)
+            if grid and seq_lens is not None and grid not in seq_lens:
+                raise ValueError(f"sampler.grid.{name}: expected 0 or a stage's seq_len ({sorted(seq_lens)}), "
+                                 f"got {grid}")
+            if not grid and window:
+                raise ValueError(f"sampler.window.{name}: expected 0 while sampler.grid.{name} is 0 (no window drawn), "
+                                 f"got {window}")
+            if grid and window > (len(stream) - 1) // grid:
+                raise ValueError(f"sampler.window.{name}: expected at most the {(len(stream) - 1) // grid} windows "
+                                 f"of {grid} tokens of source '{name}', got {window}")
+            if state["cursor"][name] > len(stream):
+                raise ValueError(f"sampler.cursor.{name}: expected a token offset 0..{len(stream)}, got "
+                                 f"{state['cursor'][name]}")
         state = copy.deepcopy(state)
         for key in ("window", "grid"):  # checkpoints from before shuffling: file order, nothing drawn shuffled
             state.setdefault(key, {n: 0 for n in state["cursor"]})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from densetrain.checkpoint import latest_checkpoint, leased_checkpoint, load_checkpoint
+from densetrain.checkpoint import latest_checkpoint, leased_checkpoint, load_checkpoint, passed_over
 from densetrain.config import Config
 from densetrain.data.streams import open_streams
 from densetrain.data.tokenizer import load_tokenizer
@@ -17,8 +17,10 @@ from densetrain.parallel import autocast_for, init_distributed
 from densetrain.schedule import resolve_stages, stage_at
 
 
-def find_checkpoint(path: Path) -> Path:
-    """``path`` itself when it is a complete checkpoint, else the newest complete one of run dir ``path``.
+def find_checkpoint(path: Path, doing: str = "evaluating") -> Path:
+    """``path`` itself when it is a complete checkpoint, else the newest complete one of run dir ``path``;
+    newer directories passed over (no completion marker, a ``step_N.tmp``) are said on stderr, one line each,
+    as a resume says them (:func:`~densetrain.checkpoint.passed_over`; ``doing``: ``evaluating``, ``exporting``).
 
     Raises:
         FileNotFoundError: neither.
@@ -27,6 +29,8 @@ def find_checkpoint(path: Path) -> Path:
     if (path / "COMPLETE").exists():
         return path
     ckpt = latest_checkpoint(path)
+    for note in passed_over(path, int(ckpt.name[len("step_"):]) if ckpt else -1, doing):
+        print(f"densetrain: warning: {note}", file=sys.stderr)
     if ckpt is None:
         raise FileNotFoundError(f"{path}: no complete checkpoint (no COMPLETE marker here nor in "
                                 f"{path / 'checkpoints'}/step_*); expected a run directory with checkpoints "

@@ -156,6 +156,11 @@ class Guard(Watcher):
         return {"history": list(self.history), "spikes": self.spikes}
 
     def load_state_dict(self, d: dict) -> None:
+        """Raises: ValueError: a saved list longer than ``guard.window`` (the caller names the file)."""
+        for key in ("history", "spikes"):
+            if len(d.get(key, [])) > self.cfg.window:
+                raise ValueError(f"watchers.guard.{key}: expected at most guard.window ({self.cfg.window}) "
+                                 f"values, got {len(d[key])}")
         self.history.extend(d.get("history", []))
         self.spikes = list(d.get("spikes", []))
 

@@ -35,7 +35,7 @@ from densetrain.model.compiling import pin_inductor_cache
 from densetrain.model.llama import Transformer
 from densetrain.optim import build_optimizer, describe_groups
 from densetrain.parallel import DistInfo, all_reduce_sum, autocast_for, build_parallel_model, init_distributed
-from densetrain.parallel.mesh import intent, keep_intent, resolve_layout
+from densetrain.parallel.mesh import Layout, keep_intent, resolve_layout
 from densetrain.parallel.pipeline import resolve_microbatches
 from densetrain.registry.tasks import data_root, parse_task_list, resolve_tasks
 from densetrain.schedule import Stage, resolve_stages, stage_at
@@ -107,8 +107,18 @@ class Run:
                 "watchers": {w.name: w.state_dict() for w in self.watchers}}
 
     def load_state_dict(self, d: dict) -> None:
+        """Take a checkpoint's ``trainer_state.json`` (checked by ``dcp_read.check_trainer_state``), checked against
+        this run's config: stage names, source names, seq_len grids, watcher windows.
+
+        Raises:
+            ValueError: ``<key>: expected ..., got ...`` (setup names the file).
+        """
+        names = {st.name for st in self.stages}
+        if d.get("stage", "") not in ("", *names):
+            raise ValueError(f"stage: expected '' or a stage name ({sorted(names)}), got {d['stage']!r}")
         self.state.load_state_dict(d)
-        self.sampler.load_state_dict(d["sampler"])
+        self.sampler.load_state_dict(d["sampler"], seq_lens={st.seq_len for st in self.stages}, stages=names,
+                                     sources=set(self.source_names))
         for w in self.watchers:
             w.load_state_dict(d.get("watchers", {}).get(w.name, {}))
 
@@ -490,7 +500,10 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
               peak_flops=cfg.logging.peak_flops or probe_peak_flops(info.device, autocast),
               last_step=last, data_id=data_fingerprint(train_streams))
     if saved:
-        run.load_state_dict(saved)
+        try:
+            run.load_state_dict(saved)
+        except ValueError as e:  # a crafted or foreign trainer_state.json: one line naming it and the key
+            raise CheckpointReadError(f"{ckpt}/trainer_state.json: {e}") from None
         _log_resume(run, ckpt, saved)
         if keep_layout_intent:
             _log_layout(run, saved)
@@ -632,7 +645,8 @@ def _layout_moved(run: Run, saved: dict) -> bool:
 
 def _log_layout(run: Run, saved: dict) -> None:
     """One line (console and events.jsonl) when a resume runs on another world size or layout than the
-    checkpoint's: the layout chosen and the intent it keeps."""
+    checkpoint's: the layout chosen and the checkpoint's, each with what it does in words (:func:`layout_words`),
+    and whether the configured degrees held or this is the layout of :func:`layout_keeping_intent` for them."""
     p, lay, world = run.cfg.parallel, run.info.layout, run.info.world_size
     was_world = saved.get("world_size", world)
     was = saved.get("layout")
@@ -642,12 +656,16 @@ def _log_layout(run: Run, saved: dict) -> None:
         as_configured = resolve_layout(p.dp_replicate, p.dp_shard, p.tp, world, cp=p.cp, pp=p.pp) == lay
     except ValueError:
         as_configured = False
-    written = f"{was_world} process(es)" + (f" as dp_replicate={was['dp_replicate']} dp_shard={was['dp_shard']} "
-                                           f"tp={was['tp']}" if was else "")
-    run.log.event(run.state.step, f"layout on {world} process(es): {lay} (checkpoint written on {written}); keeps "
-                                  f"the run's intent, {intent(p.dp_replicate, p.dp_shard, p.tp)}"
-                                  + ("" if as_configured else f" (its configured dp_replicate={p.dp_replicate} "
-                                                              f"dp_shard={p.dp_shard} tp={p.tp} does not fit)"),
+    try:  # the checkpoint's own resolved degrees (validated integers >= 1), in words as this start's
+        was_lay = Layout(**was) if was else None
+    except TypeError:  # a checkpoint of another version's degree names: the numbers alone
+        was_lay = None
+    written = f"{was_world} process(es)" + (f" as {was_lay}: {layout_words(was_lay)}" if was_lay else "")
+    configured = f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} tp={p.tp}"
+    run.log.event(run.state.step, f"layout on {world} process(es): {lay}: {layout_words(lay)} (checkpoint written "
+                                  f"on {written}); " + (f"the configured {configured}" if as_configured else
+                                                        f"the configured {configured} does not fit {world} "
+                                                        "process(es): the layout closest to it that runs"),
                   kind="layout", values={"layout": dataclasses.asdict(lay), "world_size": world,
                                          "checkpoint_world_size": was_world, "checkpoint_layout": was})
 

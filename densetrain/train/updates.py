@@ -143,4 +143,8 @@ class UpdateNorms(Watcher):
         return {"history": list(self.history)}
 
     def load_state_dict(self, d: dict) -> None:
+        """Raises: ValueError: a saved list longer than ``guard.window`` (the caller names the file)."""
+        if len(d.get("history", [])) > self.cfg.window:
+            raise ValueError(f"watchers.updates.history: expected at most guard.window ({self.cfg.window}) values, "
+                             f"got {len(d['history'])}")
         self.history.extend(d.get("history", []))
