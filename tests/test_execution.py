@@ -174,6 +174,9 @@ def test_a_program_holds_no_descriptor_but_stdio_and_cannot_read_the_runner():
 def test_a_program_can_neither_see_nor_signal_the_evaluating_process():
     src = ("import os\n"
            "print(os.getppid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()), flush=True)\n"
+           "import signal\n"
+           "for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):\n"  # the runner is pid 1: the kernel
+           "    os.kill(1, sig)\n"  # drops these, so it still reports this program's result
            f"os.kill({os.getpid()}, 0)\n")  # signal 0: would a signal reach the evaluating process?
     r = run_program(src, timeout_s=10)
     assert (r.passed, r.status) == (False, "failed") and "ProcessLookupError" in r.output, r

@@ -102,6 +102,7 @@ import ctypes, os, secrets, select, signal, sys
 mem, cpu, fsize = (int(a) for a in sys.argv[1:4])
 timeout_s, token_fd = float(sys.argv[4]), int(sys.argv[5])
 libc = ctypes.CDLL(None, use_errno=True)
+signal.signal(signal.SIGINT, signal.SIG_DFL)  # pid 1: the kernel drops signals it has no handler for
 def report(status, text=b"", token=b"-" * 32):
     os.write(1, token + b" " + status + b"\n" + text[-8000:])
     os._exit(0)
@@ -120,6 +121,7 @@ done_r, done_w = os.pipe()
 pid = os.fork()
 if pid == 0:  # the program's process
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in any Python program
         # a user namespace of its own: no capability over ours (it cannot undo the read-only mounts, nor
         # trace us); only stdio (to output.txt) and the completion pipe (fd 3) stay open
         if libc.unshare(0x10000000) != 0:
