@@ -110,6 +110,7 @@ def need(rc, what):
     if rc != 0:
         report(b"refused", f"{what}: {os.strerror(ctypes.get_errno())}".encode())
 need(libc.prctl(4, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE, 0)")  # no /proc/1/fd, /proc/1/mem, ptrace of pid 1
+# mount_setattr is syscall 442 on every architecture (numbers from 424 on are shared; Alpha aside)
 attr = (ctypes.c_uint64 * 4)(1, 0, 0, 0)  # struct mount_attr {.attr_set = MOUNT_ATTR_RDONLY}
 need(libc.syscall(442, -100, b"/", 0x8000, attr, 32), "mount_setattr(/, AT_RECURSIVE, MOUNT_ATTR_RDONLY)")
 need(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 2 | 4, b"size=32m,nr_inodes=4096,mode=0700"), "mount tmpfs on /tmp")
