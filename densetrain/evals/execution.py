@@ -75,7 +75,8 @@ class ExecResult:
     """Outcome of one program.
 
     Attributes:
-        passed: it ran to the end without an exception (exit status 0).
+        passed: it ran to the end without an exception, exit status 0, completion reported after its tests
+            returned, and this run's token handed over by the runner (module docstring).
         status: ``'passed'``, ``'failed'`` (exception or non-zero exit) or ``'timeout'`` (killed).
         output: the last 2000 characters of its stdout + stderr.
     """
