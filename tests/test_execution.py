@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,17 +78,47 @@ def test_memory_bomb_is_stopped():
         assert time.time() - t0 < 15  # stopped by the memory limit, not by the timeout
 
 
-def test_sandbox_environment(monkeypatch, tmp_path):
+@pytest.fixture
+def host_dir():
+    """A fresh directory outside /tmp (the sandbox mounts its own tmpfs on /tmp, which hides the host's)."""
+    base = next((d for d in ("/var/tmp", str(Path.home())) if os.access(d, os.W_OK)), None)
+    if base is None:
+        pytest.skip("no writable directory outside /tmp")
+    path = Path(tempfile.mkdtemp(dir=base, prefix="densetrain-test-exec-"))
+    yield path
+    shutil.rmtree(path)
+
+
+def test_sandbox_environment_and_file_system(monkeypatch, host_dir):
     monkeypatch.setenv("DENSETRAIN_TEST_SECRET", "s3cret")
-    monkeypatch.chdir(tmp_path)
-    src = ("import os\n"
+    ckpt = host_dir / "step_1" / "model.pt"  # what generated code must not touch: a run's checkpoint
+    ckpt.parent.mkdir()
+    ckpt.write_bytes(b"weights")
+    mine = f"mine-{os.getpid()}-{time.time_ns()}.txt"
+    src = ("import os, shutil\n"
            "assert 'DENSETRAIN_TEST_SECRET' not in os.environ, os.environ\n"
-           "print(os.getcwd())\n"
-           "assert sorted(os.listdir('.')) == ['output.txt', 'program.py'], os.listdir('.')\n")
+           "assert sorted(os.listdir('.')) == ['output.txt', 'program.py'], os.listdir('.')\n"
+           f"open('{mine}', 'w').write('x')\n"  # its own working directory (a fresh tmpfs on /tmp) is writable
+           f"assert open('/tmp/{mine}').read() == 'x' and os.getcwd() == '/tmp'\n"
+           "def attempts():\n"
+           "    errors = []\n"
+           f"    for attempt in (lambda: open('{ckpt}', 'wb'), lambda: os.remove('{ckpt}'),\n"
+           f"                    lambda: shutil.rmtree('{ckpt.parent}'), lambda: open('{host_dir}/new.txt', 'w'),\n"
+           "                    lambda: open('/dev/shm/new.txt', 'w')):\n"
+           "        try:\n            attempt()\n        except OSError as e:\n            errors.append(e.errno)\n"
+           "    print(errors)\n"
+           "attempts()\n"
+           # undo the read-only mounts from a mount namespace of its own: the kernel keeps them locked
+           "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nassert libc.unshare(0x20000) == 0\n"
+           "print(libc.syscall(442, -100, b'/', 0x8000, (ctypes.c_uint64 * 4)(0, 1, 0, 0), 32), ctypes.get_errno(),\n"
+           "      libc.mount(None, b'/', None, 32 | 4096, None), ctypes.get_errno())\n"  # MS_REMOUNT | MS_BIND
+           "attempts()\n")
     r = run_program(src)
     assert r.passed, r.output
-    cwd = Path(r.output.strip())
-    assert cwd != tmp_path and not cwd.exists()  # a fresh directory, removed afterwards
+    # EROFS: every host mount is read-only; EPERM: clearing MOUNT_ATTR_RDONLY or remounting read-write
+    assert r.output.splitlines() == ["[30, 30, 30, 30, 30]", "-1 1 -1 1", "[30, 30, 30, 30, 30]"], r.output
+    assert ckpt.read_bytes() == b"weights" and sorted(p.name for p in host_dir.iterdir()) == ["step_1"]
+    assert not Path("/tmp", mine).exists()  # its /tmp was its own
     assert run_program("import sys\nsys.exit(0)\n").status == "failed"  # exiting early is not passing
     assert run_program("open('big', 'wb').write(b'x' * (64 << 20))\n", timeout_s=10).status == "failed"  # RLIMIT_FSIZE
 
@@ -111,20 +143,52 @@ def test_no_network():
     "import os\nos._exit(0)\n",  # leaves before the tests with status 0
     "import os\nos.execv('/bin/true', ['true'])\n",  # replaces the interpreter with one that exits 0
     "import sys\nprint('passed')\nsys.stdout.flush()\nimport os\nos._exit(0)\n",  # and imitates success
+    # the review's exploit of the old runner: copy the token from the fds named in argv, then leave
+    "import os,sys\nos.write(int(sys.argv[6]),os.read(int(sys.argv[5]),64))\nos._exit(0)\n",
+    # read every fd it can find (its own and the runner's, pid 1), write what it got to every fd, then leave
+    "import os\ngot = b''\n"
+    "for pid in ('self', '1'):\n"
+    "    try:\n        fds = os.listdir(f'/proc/{pid}/fd')\n    except OSError:\n        continue\n"
+    "    for fd in fds:\n"
+    "        try:\n            got += os.read(os.open(f'/proc/{pid}/fd/{fd}', os.O_RDONLY | os.O_NONBLOCK), 64)\n"
+    "        except OSError:\n            pass\n"
+    "for fd in range(3, 256):\n"
+    "    try:\n        os.write(fd, got or b'0' * 32)\n    except OSError:\n        pass\n"
+    "os._exit(0)\n",
 ])
 def test_a_program_that_ends_before_its_tests_is_not_a_pass(src):
     r = run_program(src, timeout_s=10)
     assert (r.passed, r.status) == (False, "failed"), r
-    assert "ended before its tests finished" in r.output, r
+    assert "ended before its tests finished" in r.output or "IndexError" in r.output, r
+
+
+def test_a_program_holds_no_descriptor_but_stdio_and_cannot_read_the_runner():
+    src = ("import os\n"
+           "print(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))\n"
+           "fds = [f'/proc/1/fd/{fd}' for fd in os.listdir('/proc/1/fd')]\n"  # the numbers can be listed
+           "for path in (*fds, '/proc/1/mem', '/proc/1/environ'):\n"
+           "    try:\n        open(path, 'rb').read(1)\n        print(path, 'opened')\n"
+           "    except OSError as e:\n        print(path, e.errno)\n"
+           "print(len(fds))\n")
+    r = run_program(src, timeout_s=10)
+    assert r.passed, r.output
+    # stdio, the completion pipe (3) and listdir's own descriptor (4): not the token's, not the runner's stdout;
+    # the runner (pid 1) is not dumpable, so its descriptors and memory are closed to the program (EACCES)
+    lines = r.output.splitlines()
+    assert lines[0] == "[0, 1, 2, 3, 4]" and int(lines[-1]) >= 5, r  # stdin, stdout, stderr, the token, ...
+    assert all(line.endswith(" 13") for line in lines[1:-1]) and len(lines) == int(lines[-1]) + 4, r
 
 
 def test_a_program_can_neither_see_nor_signal_the_evaluating_process():
     src = ("import os\n"
            "print(os.getppid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()), flush=True)\n"
+           "import signal\n"
+           "for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):\n"  # the runner is pid 1: the kernel
+           "    os.kill(1, sig)\n"  # drops these, so it still reports this program's result
            f"os.kill({os.getpid()}, 0)\n")  # signal 0: would a signal reach the evaluating process?
     r = run_program(src, timeout_s=10)
     assert (r.passed, r.status) == (False, "failed") and "ProcessLookupError" in r.output, r
-    assert r.output.splitlines()[0] == "0 [1]", r  # no parent in its namespace; the only process is itself
+    assert r.output.splitlines()[0] == "1 [1, 2]", r  # its parent is the runner; nothing else is visible
 
 
 def test_without_namespaces_code_execution_is_refused(monkeypatch, tmp_path):
@@ -135,5 +199,5 @@ def test_without_namespaces_code_execution_is_refused(monkeypatch, tmp_path):
             run_program("print(1)\n")
     finally:
         execution._sandbox.cache_clear()
-    assert "humaneval sandbox needs user, network and pid namespaces" in str(e.value)
+    assert "humaneval sandbox needs user, network, pid and mount namespaces" in str(e.value)
     assert "no unshare command" in str(e.value) and "\n" not in str(e.value)
