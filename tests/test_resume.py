@@ -375,7 +375,7 @@ def test_resume_with_dtype_auto_keeps_the_dtype_the_run_was_trained_in(prepared,
     from densetrain.config import load_config
     from densetrain.model.precision import resolve_dtype
     from densetrain.tools.offline_eval import evaluate_checkpoint
-    from densetrain.train.setup import keep_started_dtype
+    from densetrain.train.rundir import keep_started_dtype
 
     other = resolve_dtype("auto", torch.device("cpu"))
     started = "fp32" if other == "bf16" else "bf16"

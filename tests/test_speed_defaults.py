@@ -22,7 +22,8 @@ from densetrain.model.llama import causal_attention
 from densetrain.optim import build_optimizer
 from densetrain.parallel import wrap
 from densetrain.train import train
-from densetrain.train.setup import setup, unlock_run_dir
+from densetrain.train.rundir import unlock_run_dir
+from densetrain.train.setup import setup
 from densetrain.train.step import training_token_losses
 
 

@@ -258,7 +258,8 @@ def test_mfu_above_one_measures_the_peak_again_once_or_says_a_declared_one_is_lo
     the peak again and keeps the larger; a declared logging.peak_flops is kept and said once to be too low."""
     from densetrain.metrics import read_events
     from densetrain.train.loop import _train
-    from densetrain.train.setup import setup, unlock_run_dir
+    from densetrain.train.rundir import unlock_run_dir
+    from densetrain.train.setup import setup
 
     _, make = prepared
     settings = {"train.steps": 6, "train.threads": 1, "eval.every": 0, "checkpoint.every": 0,
@@ -289,7 +290,8 @@ def test_a_plan_that_repeats_a_source_more_than_four_times_is_warned_with_the_ep
     it does not."""
     from densetrain.metrics import read_events
     from densetrain.schedule import stage_at
-    from densetrain.train.setup import MAX_EPOCHS, planned_epochs, setup, unlock_run_dir
+    from densetrain.train.rundir import unlock_run_dir
+    from densetrain.train.setup import MAX_EPOCHS, planned_epochs, setup
     from densetrain.train.step import draw_samples
 
     _, make = prepared

@@ -31,7 +31,8 @@ from densetrain.parallel import all_reduce_max
 from densetrain.parallel.pipeline import PipelineModel
 from densetrain.schedule import Stage, lr_for, stage_at
 from densetrain.train.preempt import StopRequest, stop_run
-from densetrain.train.setup import Run, probe_peak_flops, set_aside_future, setup, unlock_run_dir
+from densetrain.train.rundir import set_aside_future, unlock_run_dir
+from densetrain.train.setup import Run, probe_peak_flops, setup
 from densetrain.train.step import StepResult, compute_step
 from densetrain.train.watchers import Verdict, decide
 
