@@ -25,9 +25,9 @@ from densetrain.config import load_config
 from densetrain.model.init import build_model
 from densetrain.optim import build_optimizer
 from densetrain.parallel import autocast_for, clip_grad_norm
-from densetrain.train.replicas import ReplicaCheck, checksum
 from densetrain.train.step import forward_backward
-from densetrain.train.updates import UpdateNorms
+from densetrain.train.watch.replicas import ReplicaCheck, checksum
+from densetrain.train.watch.updates import UpdateNorms
 from densetrain.train.watchers import Verdict
 
 

@@ -573,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
             print("densetrain: interrupted", file=sys.stderr)
         return 130
     except RuntimeError as e:  # a collective that timed out (parallel.timeout_s) or lost a peer: one line per rank
-        from densetrain.train.watchdog import collective_failure_line  # that waited, exit 1: the agent restarts
+        from densetrain.train.watch.watchdog import collective_failure_line  # that waited, exit 1: the agent restarts
 
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         line = collective_failure_line(e, Path(cfg.train.run_dir), rank, world) if cfg is not None else None

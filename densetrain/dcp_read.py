@@ -336,7 +336,7 @@ _FLOATS = (lambda v: isinstance(v, list) and len(v) <= 1 << 20 and all(
     type(x) in (int, float) and 0 <= x <= _MAX_MEASURE for x in v), "a list of numbers 0..1e12")
 _STEPS = (lambda v: isinstance(v, list) and len(v) <= 1 << 20 and all(_INT[0](x) for x in v),
           "a list of step indices (integers >= 0)")
-# Watchers' saved fields that are read back as numbers (train/guard.py, updates.py, probe.py).
+# Watchers' saved fields that are read back as numbers (train/watch/guard.py, updates.py, probe.py).
 _WATCHER_LISTS = {("guard", "history"): _FLOATS, ("guard", "spikes"): _STEPS, ("updates", "history"): _FLOATS}
 
 

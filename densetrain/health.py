@@ -21,8 +21,8 @@ Collective figures are compared across ranks only: their own history moves with 
 network (a shared 2-core test machine moved its all-gather 2x between checks). Each outlier carries the seed's
 advice.
 
-Used by ``densetrain doctor`` (:func:`doctor`) and the training watcher :mod:`densetrain.train.health`.
-The ``slow_memory`` rehearsal fault (:mod:`densetrain.train.faults`) calls :func:`throttle_memory`, after
+Used by ``densetrain doctor`` (:func:`doctor`) and the training watcher :mod:`densetrain.train.watch.health`.
+The ``slow_memory`` rehearsal fault (:mod:`densetrain.train.watch.faults`) calls :func:`throttle_memory`, after
 which this process's copy benchmark reads ``1/factor`` of the real bandwidth.
 """
 

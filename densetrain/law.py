@@ -31,7 +31,7 @@
   prediction above. :func:`fit_accuracy`.
 
 Units: N in parameters, D and S1/S2 in tokens, C in FLOPs (``6 N D``), losses in nats per token. Used by
-``densetrain ladder`` (the fits), ``plan`` (a prediction) and the training watcher ``train/curve.py``.
+``densetrain ladder`` (the fits), ``plan`` (a prediction) and the training watcher ``train/watch/curve.py``.
 """
 
 from __future__ import annotations

@@ -357,7 +357,7 @@ def test_a_shard_that_is_a_fifo_is_refused_by_its_hash_check(fifo, tmp_path):
 
 def test_a_ladder_fit_and_a_prepare_manifest_nested_too_deeply(tmp_path):
     from densetrain.data.prepare.manifest import up_to_date
-    from densetrain.train.curve import read_fit
+    from densetrain.train.watch.curve import read_fit
 
     deep = "[" * 100_000 + "]" * 100_000
     (tmp_path / "fit.json").write_text(deep)

@@ -31,10 +31,10 @@ from densetrain.metrics import read_events
 from densetrain.model.init import build_model
 from densetrain.optim import build_optimizer
 from densetrain.report import write_report
-from densetrain.train.guard import Guard
 from densetrain.train.loop import rollback
 from densetrain.train.setup import setup
 from densetrain.train.step import StepResult
+from densetrain.train.watch.guard import Guard
 
 
 def _copy(stopped_run, tmp_path):

@@ -1,4 +1,4 @@
-"""train/guard.py: the spike z-score, robust (median/MAD, the default) or OLMo-core's mean/std."""
+"""train/watch/guard.py: the spike z-score, robust (median/MAD, the default) or OLMo-core's mean/std."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from densetrain.config import load_config
 from densetrain.config.recovery import GuardConfig
 from densetrain.errors import ConfigError
-from densetrain.train.guard import Guard, _as_metrics, loss_z, nonfinite_what
 from densetrain.train.step import StepResult, StepStats
+from densetrain.train.watch.guard import Guard, _as_metrics, loss_z, nonfinite_what
 from densetrain.train.watchers import Verdict
 
 ALTERNATING = [2.9, 3.1] * 10  # a loss that alternates between two levels

@@ -17,7 +17,7 @@ from conftest import run_script_ranks
 from test_resume import OV, finish, fresh, start, wait_for_step
 
 from densetrain.metrics import read_events
-from densetrain.train.watchdog import behind_ranks
+from densetrain.train.watch.watchdog import behind_ranks
 
 TIMEOUT_S = 6
 

@@ -1,4 +1,4 @@
-"""Hardware health (densetrain/health.py, train/health.py): the outlier rule on known numbers; the seed's 7.2
+"""Hardware health (densetrain/health.py, train/watch/health.py): the outlier rule on known numbers; the seed's 7.2
 rehearsed on 2 and on 3 real gloo ranks (a slow_memory fault on rank 1: the watchdog fires, the health check
 that follows names rank 1 and its memory bandwidth, not its matmul rate; the start-up check of the clean run
 before the fault has no health event); and

@@ -24,7 +24,7 @@ from densetrain.config.recovery import GuardConfig
 from densetrain.metrics import MetricsLogger
 from densetrain.model.init import init_weights
 from densetrain.model.llama import Transformer
-from densetrain.train.updates import UpdateNorms
+from densetrain.train.watch.updates import UpdateNorms
 from densetrain.train.watchers import Verdict
 
 LAYOUTS = {
@@ -49,7 +49,7 @@ from densetrain.config.recovery import GuardConfig
 from densetrain.optim import build_optimizer, set_lr
 from densetrain.parallel import build_parallel_model, clip_grad_norm, init_distributed
 from densetrain.parallel.norms import FullNorms
-from densetrain.train.updates import UpdateNorms, layer_group
+from densetrain.train.watch.updates import UpdateNorms, layer_group
 
 LAYOUTS = json.loads(os.environ["LAYOUTS"])
 

@@ -251,7 +251,7 @@ def test_the_loop_at_pp2_matches_one_process_and_its_checkpoint_resumes_at_pp1(p
 
 def test_replica_groups_stay_within_a_pipeline_stage():
     from densetrain.parallel.mesh import Layout, resolve_layout
-    from densetrain.train.replicas import replica_groups
+    from densetrain.train.watch.replicas import replica_groups
 
     assert replica_groups(Layout(2, 2, 1, 1, 2)) == [[0, 2], [1, 3], [4, 6], [5, 7]]  # HSDP within each stage
     assert replica_groups(Layout(2, 1, 1, 1, 2)) == []  # pipelined data-parallel ranks shard (FSDP2)

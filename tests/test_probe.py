@@ -1,4 +1,4 @@
-"""train/probe.py: the duplicate rate is counted over the global batch, each window with its own epoch."""
+"""train/watch/probe.py: the duplicate rate is counted over the global batch, each window with its own epoch."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from conftest import gloo_env
 from densetrain.config.recovery import ProbeConfig
 from densetrain.data.mixture import MixtureSampler
 from densetrain.data.shards import TokenFiles, write_shard
-from densetrain.train.probe import DataProbe
+from densetrain.train.watch.probe import DataProbe
 
 ROOT = Path(__file__).resolve().parents[1]
 T = 16  # seq_len; the probe hashes whole samples (window_tokens = T + 1)

@@ -238,7 +238,7 @@ def test_heartbeat_dumps_every_threads_stack_when_no_step_completes(tmp_path, ca
     import threading
     import time
 
-    from densetrain.train.watchdog import Heartbeat
+    from densetrain.train.watch.watchdog import Heartbeat
 
     stuck = threading.Event()
     waiter = threading.Thread(target=stuck.wait, name="stuck-in-a-collective", daemon=True)

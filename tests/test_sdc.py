@@ -20,8 +20,8 @@ from densetrain.metrics import read_events, read_metrics
 from densetrain.report.run import read_events as report_events
 from densetrain.tools.replay import replay
 from densetrain.train import train
-from densetrain.train.faults import flip_bit
-from densetrain.train.replicas import checksum, odd_ranks, replica_groups
+from densetrain.train.watch.faults import flip_bit
+from densetrain.train.watch.replicas import checksum, odd_ranks, replica_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = [{"name": "main", "start": 0.0, "mix": {"email": 0.5, "json": 0.5}}]

@@ -222,7 +222,7 @@ def test_gc_off_during_training_with_a_young_pass_every_gc_freq_steps(prepared, 
     collector is on again. With 0 nothing changes."""
     import gc
 
-    from densetrain.train.collect import FULL_EVERY, GarbageCollection
+    from densetrain.train.watch.collect import FULL_EVERY, GarbageCollection
 
     _, make = prepared
     settings = {"train.steps": 6, "train.threads": 1, "eval.every": 0, "checkpoint.every": 0,

@@ -1,4 +1,4 @@
-"""train/watchdog.py on real 2-rank gloo runs: phase times per rank (the collective's wait is 'sync', not
+"""train/watch/watchdog.py on real 2-rank gloo runs: phase times per rank (the collective's wait is 'sync', not
 'data'), a rank slow from step 1 named against the other ranks, per-rank perf records under tensor
 parallelism, strict JSON in metrics.jsonl, and the slow_rank fault's delay per step."""
 

@@ -301,7 +301,7 @@ class EvalConfig:
     ladder: str = ""
     """A scaling ladder directory (densetrain ladder; its fit.json from densetrain ladder fit): the run's first lines,
     summary.json and report give the predicted final val loss and bpb with an interval, and each validation is
-    compared with the run's predicted curve for its own lr schedule (train/curve.py); '' disables."""
+    compared with the run's predicted curve for its own lr schedule (train/watch/curve.py); '' disables."""
     off_curve_patience: int = 3
     """With eval.ladder: an off_curve event when this many validations in a row are above the predicted curve's
     band (per source and overall)."""

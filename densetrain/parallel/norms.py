@@ -1,7 +1,7 @@
 """Norms of the full tensors from the parts each rank holds, whatever the layout: the one place that knows
 how many ranks hold the same data (DDP replicas, FSDP2 / HSDP shards, tensor-parallel slices, context-
 parallel ranks of an FSDP2 group). The grad norm (:func:`densetrain.parallel.wrap.clip_grad_norm`) and
-the update and parameter norms of the update watcher (:mod:`densetrain.train.updates`) go through it, so
+the update and parameter norms of the update watcher (:mod:`densetrain.train.watch.updates`) go through it, so
 every norm densetrain logs or judges is the norm of the full tensor on one process, and identical on every
 rank (the result of one all-reduce).
 

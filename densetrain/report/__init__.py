@@ -50,7 +50,7 @@ def write_report(run_dir: Path) -> str:
         heads = {k.split("/")[0]: v for k, v in s.get("downstream", {}).items() if k.endswith("/headline")}
         if heads:
             lines.append("  downstream (headline metric): " + ", ".join(f"{t} {v:.3f}" for t, v in heads.items()))
-        p = s.get("prediction")  # eval.ladder (train/curve.py): the ladder's prediction and the outcome
+        p = s.get("prediction")  # eval.ladder (train/watch/curve.py): the ladder's prediction and the outcome
         if p and isinstance(p.get("actual_loss"), float):
             lines.append(f"  ladder prediction: val loss {p['loss']:.3f} [{p['loss_lo']:.3f}, {p['loss_hi']:.3f}], "
                          f"outcome {p['actual_loss']:.3f}; off_curve: {', '.join(p['off_curve']) or 'none'}")

@@ -35,13 +35,6 @@ from densetrain.parallel.mesh import Layout, keep_intent, resolve_layout
 from densetrain.parallel.pipeline import resolve_microbatches
 from densetrain.registry.tasks import data_root, parse_task_list, resolve_tasks
 from densetrain.schedule import Stage, resolve_stages, stage_at
-from densetrain.train.collect import GarbageCollection
-from densetrain.train.curve import OffCurve
-from densetrain.train.faults import FaultInjector
-from densetrain.train.guard import Guard
-from densetrain.train.health import HealthWatch
-from densetrain.train.probe import DataProbe
-from densetrain.train.replicas import ReplicaCheck, replica_groups
 from densetrain.train.rundir import (
     check_same_run,
     claim_run_dir,
@@ -53,8 +46,15 @@ from densetrain.train.rundir import (
 )
 from densetrain.train.state import TrainState
 from densetrain.train.step import draw_samples, keep_freed_memory
-from densetrain.train.updates import UpdateNorms
-from densetrain.train.watchdog import Watchdog
+from densetrain.train.watch.collect import GarbageCollection
+from densetrain.train.watch.curve import OffCurve
+from densetrain.train.watch.faults import FaultInjector
+from densetrain.train.watch.guard import Guard
+from densetrain.train.watch.health import HealthWatch
+from densetrain.train.watch.probe import DataProbe
+from densetrain.train.watch.replicas import ReplicaCheck, replica_groups
+from densetrain.train.watch.updates import UpdateNorms
+from densetrain.train.watch.watchdog import Watchdog
 from densetrain.train.watchers import Watcher
 
 

@@ -6,6 +6,6 @@
 - :mod:`~densetrain.tools.ladder.fit`: ``ladder fit``, the laws (:mod:`densetrain.law`) into ``fit.json``;
 - :mod:`~densetrain.tools.ladder.command`: the command line (the scaling panel: :mod:`densetrain.report.ladder`).
 
-Predictions for a run and the on-track alarm read ``fit.json`` in training (:mod:`densetrain.train.curve`).
+Predictions for a run and the on-track alarm read ``fit.json`` in training (:mod:`densetrain.train.watch.curve`).
 Nothing is imported here: ``densetrain --help`` builds the command line without loading torch.
 """

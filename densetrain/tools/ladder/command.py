@@ -84,7 +84,7 @@ def plan_prediction(args: argparse.Namespace) -> int | None:
     from densetrain.law import fit_prediction
     from densetrain.schedule import resolve_stages
     from densetrain.tools.ladder.grid import N_KEY, param_counts
-    from densetrain.train.curve import planned_tokens, prediction_line, read_fit
+    from densetrain.train.watch.curve import planned_tokens, prediction_line, read_fit
 
     try:
         stages = resolve_stages(cfg)

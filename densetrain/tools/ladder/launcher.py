@@ -36,7 +36,7 @@ from densetrain.metrics import flops_per_token, read_metrics
 from densetrain.schedule import resolve_stages, warmup_steps
 from densetrain.tools.ladder.grid import N_KEY, Grid, Point, build_grid, param_counts, point_config
 from densetrain.train import train
-from densetrain.train.curve import CURVE_FROM, run_areas
+from densetrain.train.watch.curve import CURVE_FROM, run_areas
 
 PLAN, POINTS = "ladder.json", "ladder.jsonl"  # (command.py repeats PLAN: it imports no torch)
 

@@ -43,7 +43,7 @@ import torch
 
 from densetrain.config.recovery import GuardConfig
 from densetrain.errors import TrainError
-from densetrain.train.spikes import rank_partials, start_replay
+from densetrain.train.watch.spikes import rank_partials, start_replay
 from densetrain.train.watchers import Verdict, Watcher
 
 
@@ -81,7 +81,7 @@ class Guard(Watcher):
         return z > self.cfg.spike_zscore and loss > self.cfg.min_ratio * centre, z, centre
 
     def on_grads(self, run, stats) -> None:
-        self.local = (stats.loss_sum, stats.n_tokens)  # this rank's part, for the events (train/spikes.py)
+        self.local = (stats.loss_sum, stats.n_tokens)  # this rank's part, for the events (train/watch/spikes.py)
 
     def before_step(self, run) -> None:
         run.lr_scale = self.cfg.lr_factor if run.state.step < self.lr_scale_until else 1.0

@@ -33,7 +33,7 @@ import torch
 
 from densetrain.config.recovery import GuardConfig
 from densetrain.parallel.norms import FullNorms, local_part
-from densetrain.train.guard import loss_z
+from densetrain.train.watch.guard import loss_z
 from densetrain.train.watchers import Verdict, Watcher
 
 
