@@ -85,6 +85,31 @@ def test_a_value_that_passes_a_comparison_but_breaks_a_run_is_one_line(capsys, o
     assert expected in err, err
 
 
+@pytest.mark.parametrize("argv, expected", [
+    (["train", "--preset", "tiny", "--dry-run", "--parallel.timeout_s=1e30"],
+     "parallel.timeout_s must be a number of seconds in (0, 604800] (a week), got 1e+30"),
+    (["train", "--preset", "tiny", "--dry-run", "--health.copy_mib=1000000000"],
+     "health: need seconds in (0, 60], trials in [1, 100], copy_mib in [1, 65536]"),
+    (["train", "--preset", "tiny", "--dry-run", "--world-size", "0"],
+     "--world-size: expected a number of processes >= 1, got 0"),
+    (["ladder", "--preset", "tiny", "--sizes", "32,64", "--budgets", "nan", "--out", "unused"],
+     "argument --budgets: expected comma-separated FLOP budgets, got 'nan'"),
+    (["ladder", "--preset", "tiny", "--sizes", "32,64", "--budgets", "inf", "--out", "unused"],
+     "argument --budgets: expected comma-separated FLOP budgets, got 'inf'"),
+])
+def test_an_absurd_value_of_a_new_key_or_flag_is_one_line(capsys, argv, expected):
+    # Before: a timeout of 1e30 s overflowed torch's timedelta at launch, a 1 PiB copy buffer was accepted,
+    # --world-size 0 was ignored (exit 0), and --budgets nan / inf were tracebacks (int(nan), int(inf)).
+    if argv[0] == "ladder":  # its own argparse parser: a bad flag ends in SystemExit(2), as on the command line
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("densetrain: error: "), err
+    else:
+        err = _run(capsys, *argv)
+    assert expected in err, err
+
+
 def test_a_preset_override_of_a_hundred_million_layers_is_refused_at_once(capsys):
     err = _run(capsys, "train", "--preset", "tiny", "--dry-run", "--model.n_layers=100000000")
     assert "model.n_layers must be at most 1000" in err and "got 100000000" in err, err

@@ -171,9 +171,11 @@ class FaultConfig:
 def validate_health(health: HealthConfig) -> None:
     """Check ``[health]``; raise ConfigError naming the key."""
     check_config(health.every >= 0, f"health.every must be >= 0 (0: no checks in training), got {health.every}")
-    check_config(health.seconds > 0 and health.trials >= 1 and health.copy_mib >= 1,
-                 f"health: need seconds > 0, trials >= 1, copy_mib >= 1, got {health.seconds}, {health.trials}, "
-                 f"{health.copy_mib}")
+    # Upper bounds: a check is meant to take about a second per rank; beyond these it would stall training for
+    # minutes (seconds x trials per figure) or allocate more than a host has (copy_mib, twice: source and copy).
+    check_config(0 < health.seconds <= 60 and 1 <= health.trials <= 100 and 1 <= health.copy_mib <= 65536,
+                 f"health: need seconds in (0, 60], trials in [1, 100], copy_mib in [1, 65536], got "
+                 f"{health.seconds}, {health.trials}, {health.copy_mib}")
     check_config(0 < health.min_ratio < 1, f"health.min_ratio must be in (0, 1), got {health.min_ratio}")
     check_config(health.zscore > 0, f"health.zscore must be positive, got {health.zscore}")
 

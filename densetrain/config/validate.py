@@ -192,7 +192,10 @@ def validate_parallel(cfg: Config) -> None:
     degrees = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp}
     for k, v in degrees.items():
         check_config(v >= 1 or v == -1, f"parallel.{k} must be >= 1 or -1 (fill the world size), got {v}")
-    check_config(p.timeout_s > 0, f"parallel.timeout_s must be a positive number of seconds, got {p.timeout_s}")
+    # Upper bound: a week. torch turns the timeout into a timedelta (1e30 s overflows it at launch); no collective
+    # of a healthy job waits anywhere near that long.
+    check_config(0 < p.timeout_s <= 7 * 86400,
+                 f"parallel.timeout_s must be a number of seconds in (0, 604800] (a week), got {p.timeout_s}")
     check_config(sum(v == -1 for v in degrees.values()) <= 1,
                  f"parallel: at most one of dp_replicate, dp_shard, cp, tp may be -1, got {degrees}")
     check_config(p.activation_checkpointing in ("none", "full", "selective"),

@@ -207,6 +207,9 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
     from densetrain.tools.plan import format_layout_plan, layout_plan
     from densetrain.tools.plan.rank import dry_run_rank, format_rank, parse_ranks
 
+    if world_size is not None and world_size < 1:
+        return _error(f"--world-size: expected a number of processes >= 1, got {world_size} "
+                      "(see densetrain train --help)")
     gpus = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     if rank is not None or ranks:
         for r in parse_ranks(ranks or str(rank), gpus):

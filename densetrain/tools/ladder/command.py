@@ -6,6 +6,7 @@ must not load torch."""
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from densetrain.errors import ConfigError
@@ -14,9 +15,13 @@ PLAN = "ladder.json"  # as densetrain.tools.ladder.launcher.PLAN (not imported h
 
 
 def _numbers(kind: type, what: str):
+    """An argparse type: comma-separated positive finite numbers of ``kind`` (``--sizes``, ``--budgets``)."""
     def parse(text: str) -> list:
-        try:
-            out = [kind(float(x)) for x in text.split(",") if x.strip()]
+        try:  # int(float('nan')) is a ValueError, int(float('inf')) an OverflowError: both one line
+            floats = [float(x) for x in text.split(",") if x.strip()]
+            if not all(math.isfinite(x) for x in floats):
+                raise ValueError(text)
+            out = [kind(x) for x in floats]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got '{text}'") from None
         if not out or min(out) <= 0:
