@@ -143,6 +143,37 @@ def test_the_split_counts_embedding_and_head_as_layers():
         split_stages(4, 4, layers_per_stage=2)
 
 
+def test_virtual_stages_follow_the_models_rope_switch():
+    """A stage's new RoPE base (``model.set_rope``, the loop's stage switch) reaches the virtual stages of an
+    interleaved schedule: the 4 parts of a 2-block model, run one after the other, compute the model's logits
+    bitwise, with document ids and RoPE positions as a long-context stage gives them. (The parts kept a copy of
+    the first base: interleaved_1f1b was off by 2.5e-3 on the tiny recipe's first long-context step.)"""
+    import torch
+
+    from densetrain.config import ModelConfig
+    from densetrain.config.schema import RopeScalingConfig
+    from densetrain.model.llama import Transformer
+    from densetrain.model.masks import document_ids
+    from densetrain.parallel.pipeline import keep_parts, part_view
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
+                                    init_std=0.3))
+    parts = split_stages(2, 4)
+    keep_parts(model, parts)  # every part kept: the blocks as a LayerDict, as on a pipeline rank
+    views = [part_view(model, p) for p in parts]
+    tokens = torch.randint(1, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+    tokens[0, 9] = tokens[1, 15] = 0  # EOS: documents of 10 + 14 and 16 + 8 tokens
+    doc, pos = (torch.from_numpy(a) for a in document_ids(tokens.numpy(), 0))
+    for theta, scaling in ((10000.0, "none"), (500000.0, "none"), (500000.0, "linear")):
+        model.set_rope(theta, RopeScalingConfig(type=scaling, factor=4.0, original_max_position_embeddings=16))
+        with torch.no_grad():
+            h = tokens
+            for v in views:
+                h = v(h, doc_ids=doc, positions=pos)
+            assert torch.equal(h, model(tokens, doc_ids=doc, positions=pos)), (theta, scaling)
+
+
 def test_the_default_micro_batch_count_keeps_the_bubble_under_15_percent():
     assert bubble_fraction(16, 16) == pytest.approx(15 / 31) and bubble_fraction(16, 16, 2) == pytest.approx(15 / 62)
     assert resolve_microbatches(0, 2, 1, 64) == 8  # 1/9 < 0.15 <= 1/7 (m = 6 does not divide 64)

@@ -138,18 +138,20 @@ def keep_parts(model: nn.Module, parts: list[StagePart]) -> None:
 
 def part_view(model: nn.Module, part: StagePart) -> nn.Module:
     """A module of ``model``'s class running only ``part`` (one virtual stage of an interleaved
-    schedule): the same block, embedding and head objects as ``model`` (parameters shared), its own
-    RoPE cache."""
+    schedule): the same block, embedding and head objects as ``model`` (parameters shared), and the
+    model's RoPE tables (:meth:`rope_cache` and the methods beside it are ``model``'s own, bound to it):
+    a stage's switch of the RoPE base, ``model.set_rope``, reaches every virtual stage. (A copy of the
+    base kept the first stage's: interleaved_1f1b's long-context steps ran at the old rope_theta.)"""
     view = type(model).__new__(type(model))
     nn.Module.__init__(view)
-    for k in ("cfg", "head_dim", "rope_theta", "rope_scaling", "logit_mult", "_attn_scale"):
+    for k in ("cfg", "head_dim", "logit_mult", "_attn_scale"):
+        setattr(view, k, getattr(model, k))
+    for k in ("rope_cache", "reset_rope_cache", "rope_inv_freq", "set_rope", "set_rope_theta"):
         setattr(view, k, getattr(model, k))
     view.tok_embeddings = model.tok_embeddings if part.embedding else None
     view.layers = LayerDict({str(i): model.layers[str(i)] for i in part.layers})
     view.norm = model.norm if part.head else None
     view.output = model.output if part.head else None
-    view.register_buffer("rope_cos", torch.empty(0, model.head_dim), persistent=False)
-    view.register_buffer("rope_sin", torch.empty(0, model.head_dim), persistent=False)
     if hasattr(model, "loss_parallel_mesh"):
         view.loss_parallel_mesh = model.loss_parallel_mesh
     return view
@@ -257,7 +259,9 @@ class PipelineModel(nn.Module):
         """Forward-only: ``tokens`` (B, T) int64 on every rank of the pipeline -> logits (B, T, vocab_size)
         float32 on every rank (the last stage's, broadcast over the pipeline group). Every rank of the
         pipeline must make the same calls with the same shapes (validation and downstream multiple-choice
-        scoring do: :func:`densetrain.parallel.dp_rank_size` gives pipeline ranks one share of the work).
+        scoring and the loss by position do: :func:`densetrain.parallel.dp_rank_size` gives pipeline ranks one
+        share of the work; the training loop hands every evaluation this module, as it hands the others the
+        step's module).
         A new shape builds new stages (their buffers are inferred from it); the last
         :data:`EVAL_SCHEDULES` shapes are kept.
 

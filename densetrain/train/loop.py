@@ -28,7 +28,6 @@ from densetrain.fileio import atomic_write_json, read_json
 from densetrain.metrics import flops_per_token, format_rate, memory_stats, read_metrics
 from densetrain.optim import set_lr
 from densetrain.parallel import all_reduce_max
-from densetrain.parallel.pipeline import PipelineModel
 from densetrain.schedule import Stage, lr_for, stage_at
 from densetrain.train.preempt import StopRequest, stop_run
 from densetrain.train.rundir import set_aside_future, unlock_run_dir
@@ -250,7 +249,7 @@ def evaluate(run: Run, st: Stage, stop: StopRequest | None = None) -> None:
             run.log.console("  val " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in vm.items()
                                                 if k.endswith("/loss")))
         what = "loss by position"
-        pm = position_eval(run.model, cfg, run.stages, run.val_streams, step, run.info.device, run.autocast,
+        pm = position_eval(run.dp_model, cfg, run.stages, run.val_streams, step, run.info.device, run.autocast,
                            should_stop)
         if pm:  # loss by position in long documents, before each long stage and at the end
             run.log.log(step, pm, kind="eval")
@@ -282,9 +281,7 @@ def validate(run: Run, st: Stage, should_stop: StopCheck = None) -> dict:
 
 def run_tasks(run: Run, st: Stage, tasks: str, limit: int, should_stop: StopCheck = None) -> dict:
     """Downstream metrics of ``tasks``; each truncation warning is logged once per run."""
-    # Under pipeline parallelism the forward is the pipeline's (every pp rank runs it; the logits are broadcast).
-    model = run.dp_model if isinstance(run.dp_model, PipelineModel) else run.model
-    dm, warnings = downstream_metrics(model, run.tokenizer, tasks, limit, st.seq_len, run.info.device,
+    dm, warnings = downstream_metrics(run.dp_model, run.tokenizer, tasks, limit, st.seq_len, run.info.device,
                                       run.autocast, should_stop)
     for line in sorted(set(warnings) - run.warned):
         run.log.event(run.state.step, line)
@@ -312,7 +309,7 @@ def finish(run: Run, st: Stage) -> dict:
         run.log.console("  final " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in dm.items()
                                               if k.endswith("/headline")))
     if cfg.eval.samples and step == cfg.train.steps:
-        summary["samples"] = source_samples(run.model, run.tokenizer, run.val_streams, 24, cfg.eval.samples,
+        summary["samples"] = source_samples(run.dp_model, run.tokenizer, run.val_streams, 24, cfg.eval.samples,
                                             run.info.device, run.autocast)
         for s, smp in summary["samples"].items():
             run.log.console(f"  sample [{s}] {smp['prompt']!r} -> {smp['continuation']!r}")
