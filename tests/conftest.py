@@ -18,7 +18,8 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # `--dist loadfile --no-loadscope-reorder` hands files to the two workers in collection order, so the long
 # ones start first and no long file is left to run alone at the end. Files not listed follow in name order.
 SLOW_FILES_FIRST = [
-    "test_cli.py", "test_parallel_layouts.py", "test_resume.py", "test_restart.py", "test_context_parallel.py",
+    "test_cli.py", "test_recipe_matrix.py",
+    "test_parallel_layouts.py", "test_resume.py", "test_restart.py", "test_context_parallel.py",
     "test_recovery.py", "test_health.py",
     "test_filters_parity.py", "test_parallel_train.py", "test_data.py", "test_checkpoint_async.py", "test_sdc.py",
     "test_tools_mup.py", "test_watchdog.py", "test_export_sharded.py", "test_train.py", "test_tools_plan.py",
