@@ -15,7 +15,8 @@ the end. Each layout runs it stopped after step 6 (mid ``anneal``, with a checkp
 documented one-line refusal that ``load_config`` must give for the full recipe (the cell then runs without
 them). Every cell asserts every train loss and grad norm, every validation, position-bucket and task
 number, and the samples' text, equal to the one-process run of the same recipe within 1e-5 relative, and
-the same set of numbers less those of the refused evaluations.
+the same set of numbers less those of the refused evaluations; and that both of its starts ran its layout
+(the degrees and the pipeline schedule their events name).
 
 The cells cost about 15 s to a minute each on 2 shared cores; those marked ``slow`` run in ``.ci/run``
 (``make test`` runs the others, ``make test-slow`` these).
