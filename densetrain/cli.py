@@ -218,6 +218,8 @@ def _export_checkpoint(cfg: Config, args: argparse.Namespace, path: Path) -> int
             extra_config=special_token_ids(tok), extra_files=files)
     except ValueError as e:  # the checkpoint was made for another model.* shape: one line, not a traceback
         raise TrainError(str(e)) from None
+    except TrainError:  # already one line naming the file (damaged, unlisted, non-finite weights)
+        raise
     except (RuntimeError, OSError, CheckpointException) as e:  # a truncated or corrupt shard file
         raise TrainError(f"{path}: cannot read the checkpoint ({describe_error(e)})") from None
     print(f"exported {path} -> {out} (rope_theta {st.rope_theta:g}, max_position_embeddings {st.seq_len}){note}")
