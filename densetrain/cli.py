@@ -409,6 +409,45 @@ def refuse_unused_overrides(args: argparse.Namespace, rest: list[str]) -> None:
                               "checkpoint of any layout in this process); leave it out")
 
 
+_TORCHRUN = "a training run's processes are those torchrun starts (torchrun --nproc-per-node N -m densetrain train ...)"
+FLAG_CONTEXTS = (  # (command, flag, attribute, given, out of the context where it acts, why): refused, not ignored
+    ("train", "--world-size", "world_size", lambda a: a.world_size is not None, lambda a: not a.dry_run,
+     f"acts only with --dry-run (the plan of a job of N processes); {_TORCHRUN}"),
+    ("train", "--rank", "rank", lambda a: a.rank is not None, lambda a: not a.dry_run,
+     f"acts only with --dry-run (builds that rank of the job on a fake process group); {_TORCHRUN}"),
+    ("train", "--ranks", "ranks", lambda a: a.ranks is not None, lambda a: not a.dry_run,
+     f"acts only with --dry-run; {_TORCHRUN}"),
+    ("train", "--rank", "rank", lambda a: a.rank is not None, lambda a: a.ranks is not None,
+     "given with --ranks, which would replace it: name every rank in --ranks"),
+    ("train", "--stop-after", "stop_after", lambda a: a.stop_after is not None, lambda a: a.dry_run,
+     "a dry run takes no step; leave out --dry-run to train"),
+    ("train", "--rollback-to", "rollback_to", lambda a: a.rollback_to is not None, lambda a: a.dry_run,
+     "a dry run rolls nothing back; leave out --dry-run"),
+    ("train", "--skip-batches", "skip_batches", lambda a: a.skip_batches != 0, lambda a: a.dry_run,
+     "a dry run reads no data; leave out --dry-run"),
+    ("train", "--smoke", "smoke", lambda a: a.smoke, lambda a: a.resume is not None,
+     "a smoke run is a new run of the scaled-down recipe in RUN_DIR-smoke, not a continuation: leave out --resume"),
+    ("eval", "--limit", "limit", lambda a: a.limit > 0, lambda a: not a.tasks,
+     "the examples per downstream task, so it acts only with --tasks (validation loss reads eval.max_batches)"),
+    ("prepare", "--verify", "verify", lambda a: a.verify, lambda a: a.force,
+     "hashes the shards of up-to-date sources, and --force redoes every source: give one of them"),
+)
+"""Each flag of :func:`build_parser` that acts only in some context, with the context: a flag given outside it
+is refused in one line (issue 44: ``train --world-size 2`` without ``--dry-run`` trained one process, exit 0)."""
+
+
+def refuse_flags_out_of_context(args: argparse.Namespace) -> None:
+    """Refuse the first flag of :data:`FLAG_CONTEXTS` given where it would be ignored.
+
+    Raises:
+        ConfigError: ``FLAG VALUE: why`` (one line).
+    """
+    for command, flag, attr, given, outside, why in FLAG_CONTEXTS:
+        if args.command == command and given(args) and outside(args):
+            value = getattr(args, attr)
+            raise ConfigError(f"{flag}{'' if value is True else f' {value}'}: {why}")
+
+
 def _check_path_arg(args: argparse.Namespace) -> None:
     """The command's directory argument is a directory holding the file the command reads first, else one
     line naming it and what was expected (eval/export: :func:`densetrain.tools.offline_eval.find_checkpoint`
@@ -535,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides = parse_overrides(rest)  # --section.key=value, e.g. --parallel.tp=4
             return args.func(args)
         if not args.help_config:
+            refuse_flags_out_of_context(args)
             _check_path_arg(args)
         if not args.help_config:
             refuse_unused_overrides(args, rest)

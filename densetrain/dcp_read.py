@@ -18,11 +18,11 @@ must be a plain name inside the checkpoint directory (a crafted ``../../x`` or `
 Contents verified: the ``COMPLETE`` marker of a checkpoint records the size and xxh3-64 digest of each of
 its files (``{"step", "hash": "xxh3_64", "files": {name: {"bytes", "xxh3_64"}}}``, written by
 :mod:`densetrain.checkpoint`); :func:`verify_checkpoint` re-hashes them before anything is read, and a
-difference, or a file the marker does not list, is :class:`CheckpointCorruptError`, one line naming the file. xxh3-64 (xxHash, Collet 2019):
-non-cryptographic (it finds damage — flipped bits, overwritten ranges, truncation — not a forger, whom
-the trust rule above handles), ~30 GB/s per core, so a checkpoint is hashed faster than it is read
-(benchmarks/ckpt_verify_cost.py). A checkpoint whose marker has no hashes (saved before they were
-recorded) is read unverified, said once per checkpoint.
+difference, or a file the marker does not list, is :class:`CheckpointCorruptError`, one line naming the file.
+xxh3-64 (xxHash, Collet 2019): non-cryptographic (it finds damage — flipped bits, overwritten ranges,
+truncation — not a forger, whom the trust rule above handles), ~30 GB/s per core, so a checkpoint is
+hashed faster than it is read (benchmarks/ckpt_verify_cost.py). A checkpoint whose marker has no hashes
+(saved before they were recorded) is read unverified, said once per checkpoint.
 """
 
 from __future__ import annotations
