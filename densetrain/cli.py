@@ -26,7 +26,7 @@ from densetrain.errors import (
     disk_full_error,
     is_disk_full,
 )
-from densetrain.fileio import json_text, recover_folder_swap
+from densetrain.fileio import json_text, mark_kind, recover_folder_swap
 
 
 def _is_main() -> bool:
@@ -272,6 +272,7 @@ def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
         tmp.mkdir(parents=True)
+        mark_kind(tmp, "run")
         if tok_file:
             shutil.copyfile(tok_file, tmp / "tokenizer.json")
         save_config(cfg, tmp / "config.toml")

@@ -21,7 +21,7 @@ from densetrain.checkpoint import (
 )
 from densetrain.config import Config, load_config, to_dict
 from densetrain.errors import ConfigError, TrainError
-from densetrain.fileio import fsync_dir, read_json
+from densetrain.fileio import fsync_dir, other_kind, read_json
 from densetrain.parallel import DistInfo, all_reduce_sum
 
 
@@ -37,6 +37,21 @@ def refuse_existing_run(run_dir: Path, info: DistInfo) -> None:
     if all_reduce_sum(torch.tensor([int(taken)], device=info.device)).item():
         raise TrainError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
                          f"or choose another --train.run_dir")
+
+
+def refuse_other_kind(run_dir: Path, info: DistInfo) -> None:
+    """A run directory is new, empty or a run's: refuse one that holds another command's files (prepared
+    shards, a ladder, an export; :func:`densetrain.fileio.other_kind`), before anything is written there
+    (``train.resume = 'auto'`` would otherwise start "a new run" inside a shards directory). Rank 0 looks;
+    every rank learns the answer.
+
+    Raises:
+        TrainError: one line naming the directory and what it holds.
+    """
+    why = other_kind(run_dir, "run", "train.run_dir") if info.is_main else ""
+    if all_reduce_sum(torch.tensor([int(bool(why))], device=info.device)).item():
+        raise TrainError(why or f"{run_dir}: holds no run (rank 0 says what it holds); choose another "
+                                "--train.run_dir")
 
 
 RUN_IDENTITY = ("model", "data", "stages", "optim", "schedule")

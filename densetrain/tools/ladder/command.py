@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from densetrain.errors import ConfigError
+from densetrain.fileio import mark_kind, other_kind
 
 PLAN = "ladder.json"  # as densetrain.tools.ladder.launcher.PLAN (not imported here: it loads torch)
 
@@ -53,6 +54,10 @@ def cmd_ladder(args: argparse.Namespace) -> int:
     cfg = load_config(preset=args.preset or (None if args.config else "tiny"), path=args.config,
                       overrides=args.overrides)
     out = Path(args.out)
+    if why := other_kind(out, "ladder", "ladder --out"):  # e.g. a training run's directory: never written into
+        raise ConfigError(why)
+    out.mkdir(parents=True, exist_ok=True)
+    mark_kind(out, "ladder")
     if args.print_commands:
         print("\n".join(print_commands(cfg, args.sizes, args.budgets, out)))
         print(f"# then: densetrain ladder fit {out}")
