@@ -19,6 +19,7 @@ from densetrain.config import Config, help_text, list_presets, load_config, pars
 from densetrain.config.smoke import scale_down
 from densetrain.errors import (
     EXIT_PREEMPTED,
+    EXIT_REPEATED,
     ConfigError,
     DataError,
     Preempted,
@@ -88,6 +89,7 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
             raise ConfigError(str(e)) from None
         return print_dry_run(cfg, args.world_size, args.rank, args.ranks)
     from densetrain.train import train
+    from densetrain.train.rundir import end_attempt, stopped_job
 
     if (args.rollback_to is not None or args.skip_batches) and not args.resume:
         raise ConfigError("--rollback-to / --skip-batches need --resume RUN_DIR")
@@ -97,8 +99,25 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
     # A plain --resume keeps the run's layout intent at any world size; --parallel.* flags are obeyed as given.
     if args.stop_after is not None and args.stop_after < 1:
         raise ConfigError(f"--stop-after {args.stop_after}: expected a step >= 1")
-    summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches,
-                    keep_layout_intent=bool(args.resume) and not args.layout_flags, stop_after=args.stop_after)
+    run_dir, rank = Path(cfg.train.run_dir), int(os.environ.get("RANK", "0"))
+    stopped = stopped_job(run_dir)  # under torchrun: this job already failed the same way twice
+    if stopped:
+        end_attempt(run_dir, rank, "skipped")
+        say_error(stopped)
+        return EXIT_REPEATED
+    try:
+        summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches,
+                        keep_layout_intent=bool(args.resume) and not args.layout_flags, stop_after=args.stop_after)
+    except Preempted:
+        end_attempt(run_dir, rank, "preempted")
+        raise
+    except Exception as e:  # every failure of the attempt (the CLI below turns it into its line and status)
+        repeated = end_attempt(run_dir, rank, "failed", e)
+        if repeated:
+            say_error(repeated)
+            return EXIT_REPEATED
+        raise
+    end_attempt(run_dir, rank, "done")
     if _is_main():  # torchrun: one summary, not one per rank
         print("\n".join(summary_lines(summary, Path(cfg.train.run_dir))))
     return 0
@@ -359,7 +378,9 @@ COMMANDS = {
 TRAIN_EPILOG = (f"SIGTERM or Ctrl-C (SIGINT): the current step finishes (an in-loop evaluation stops after its "
                 f"current batch), a checkpoint is written and the run exits "
                 f"with status {EXIT_PREEMPTED}; continue it with --resume RUN_DIR. A second signal exits at once "
-                "(status 143 / 130). Exit status 2: bad input (one line).")
+                f"(status 143 / 130). Exit status 2: bad input (one line). Exit status {EXIT_REPEATED}: under "
+                "torchrun, this attempt failed as the job's previous one did (same error, same step): do not retry "
+                "(RUN_DIR/attempts/stop.json).")
 
 
 class Parser(argparse.ArgumentParser):
