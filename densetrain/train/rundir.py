@@ -294,8 +294,11 @@ def end_attempt(run_dir: Path, rank: int, outcome: str, error: BaseException | N
         old = read_jsonl(path)[0] if path.exists() else []
     except OSError:  # damaged: started afresh (it only serves this comparison)
         old = []
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, "".join(json_text(r) + "\n" for r in [*old, rec][-_KEEP_ATTEMPTS:]).encode())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, "".join(json_text(r) + "\n" for r in [*old, rec][-_KEEP_ATTEMPTS:]).encode())
+    except OSError:  # no run directory to write in (its parent is a file, a full disk): the failure says itself
+        return None
     prev = next((r for r in reversed(old) if r.get("run_id") == run_id and r.get("attempt") == attempt - 1), None)
     if outcome != "failed" or prev is None or prev.get("outcome") != "failed" \
             or (prev.get("error"), prev.get("step")) != (rec["error"], rec["step"]):
