@@ -147,3 +147,31 @@ def test_after_a_kill_the_resumed_wandb_run_holds_every_step_once(prepared, tmp_
     rows, ids = _history(run, newest)
     assert [r["_step"] for r in rows] == list(range(len(rows)))  # W&B's own counter from 0: nothing sync drops
     assert len(ids) == 2 and ids[1] == newest and _config(run, newest)["wandb_resumed_at_step"] == 3
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the child processes from Linux /proc")
+def test_a_rollback_starts_a_wandb_run_with_the_rewound_history(tmp_path, monkeypatch):
+    """MetricsLogger.rewind (the guard's rollback): the next W&B run of the group holds the steps kept and the
+    redone ones, each once; the events (history, rollback included) all."""
+    from densetrain.config import Config
+    from densetrain.metrics import MetricsLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = Config()
+    cfg.logging.wandb_project = "densetrain-test"
+    log = MetricsLogger(tmp_path, tensorboard=False, wandb=cfg)
+    for step in range(1, 5):
+        log.log(step, {"loss": 10.0 - step, "grad_norm": 1.0})
+    log.event(4, "non-finite loss", kind="rollback", action="rollback")
+    log.rewind(2)
+    for step in (3, 4, 5):
+        log.log(step, {"loss": 20.0 - step, "grad_norm": 2.0})
+    log.close()
+    _check_written(tmp_path, 2)
+    newest = (tmp_path / "wandb_run_id").read_text()
+    rows, ids = _history(tmp_path, newest)
+    assert [(r["step"], r["loss"]) for r in rows if "loss" in r] == [(1, 9.0), (2, 8.0), (3, 17.0), (4, 16.0),
+                                                                      (5, 15.0)]
+    assert len(ids) == 2 and _config(tmp_path, newest)["wandb_resumed_at_step"] == 2
+    _check_complete(tmp_path, newest)
