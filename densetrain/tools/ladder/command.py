@@ -56,13 +56,13 @@ def cmd_ladder(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if why := other_kind(out, "ladder", "ladder --out"):  # e.g. a training run's directory: never written into
         raise ConfigError(why)
-    out.mkdir(parents=True, exist_ok=True)
-    mark_kind(out, "ladder")
     if args.print_commands:
         print("\n".join(print_commands(cfg, args.sizes, args.budgets, out)))
+        mark_kind(out, "ladder")  # (its ladder.json, written first, says so meanwhile)
         print(f"# then: densetrain ladder fit {out}")
         return 0
     records = run_ladder(cfg, args.sizes, args.budgets, out, progress=not args.no_progress)
+    mark_kind(out, "ladder")
     print(f"ladder {out}: {len(records)} points; next: densetrain ladder fit {out}")
     return 0
 
