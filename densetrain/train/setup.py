@@ -292,8 +292,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     started = (run_dir / "config.toml").exists()  # an earlier attempt, before this one writes it
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(saved_cfg, run_dir / "config.toml")  # the first file (a full disk names it)
         mark_kind(run_dir, "run")  # an older run without the marker gets it now
-        save_config(saved_cfg, run_dir / "config.toml")
     step = saved["step"] if saved else 0
     # The last step the previous attempt recorded, before the logger rewinds metrics.jsonl to the checkpoint.
     logged = max((r["step"] for r in read_metrics(run_dir) if r.get("kind") == "train"), default=None) \
