@@ -19,6 +19,7 @@ from densetrain.config import Config, help_text, list_presets, load_config, pars
 from densetrain.config.smoke import scale_down
 from densetrain.errors import (
     EXIT_PREEMPTED,
+    EXIT_REPEATED,
     ConfigError,
     DataError,
     Preempted,
@@ -26,7 +27,7 @@ from densetrain.errors import (
     disk_full_error,
     is_disk_full,
 )
-from densetrain.fileio import json_text, recover_folder_swap
+from densetrain.fileio import json_text, mark_kind, recover_folder_swap
 
 
 def _is_main() -> bool:
@@ -88,6 +89,7 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
             raise ConfigError(str(e)) from None
         return print_dry_run(cfg, args.world_size, args.rank, args.ranks)
     from densetrain.train import train
+    from densetrain.train.rundir import end_attempt, stopped_job
 
     if (args.rollback_to is not None or args.skip_batches) and not args.resume:
         raise ConfigError("--rollback-to / --skip-batches need --resume RUN_DIR")
@@ -97,8 +99,25 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
     # A plain --resume keeps the run's layout intent at any world size; --parallel.* flags are obeyed as given.
     if args.stop_after is not None and args.stop_after < 1:
         raise ConfigError(f"--stop-after {args.stop_after}: expected a step >= 1")
-    summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches,
-                    keep_layout_intent=bool(args.resume) and not args.layout_flags, stop_after=args.stop_after)
+    run_dir, rank = Path(cfg.train.run_dir), int(os.environ.get("RANK", "0"))
+    stopped = stopped_job(run_dir)  # under torchrun: this job already failed the same way twice
+    if stopped:
+        end_attempt(run_dir, rank, "skipped")
+        say_error(stopped)
+        return EXIT_REPEATED
+    try:
+        summary = train(cfg, resume=bool(args.resume), rollback_to=args.rollback_to, skip_batches=args.skip_batches,
+                        keep_layout_intent=bool(args.resume) and not args.layout_flags, stop_after=args.stop_after)
+    except Preempted:
+        end_attempt(run_dir, rank, "preempted")
+        raise
+    except Exception as e:  # every failure of the attempt (the CLI below turns it into its line and status)
+        repeated = end_attempt(run_dir, rank, "failed", e)
+        if repeated:
+            say_error(repeated)
+            return EXIT_REPEATED
+        raise
+    end_attempt(run_dir, rank, "done")
     if _is_main():  # torchrun: one summary, not one per rank
         print("\n".join(summary_lines(summary, Path(cfg.train.run_dir))))
     return 0
@@ -218,6 +237,8 @@ def _export_checkpoint(cfg: Config, args: argparse.Namespace, path: Path) -> int
             extra_config=special_token_ids(tok), extra_files=files)
     except ValueError as e:  # the checkpoint was made for another model.* shape: one line, not a traceback
         raise TrainError(str(e)) from None
+    except TrainError:  # already one line naming the file (damaged, unlisted, non-finite weights)
+        raise
     except (RuntimeError, OSError, CheckpointException) as e:  # a truncated or corrupt shard file
         raise TrainError(f"{path}: cannot read the checkpoint ({describe_error(e)})") from None
     print(f"exported {path} -> {out} (rope_theta {st.rope_theta:g}, max_position_embeddings {st.seq_len}){note}")
@@ -270,6 +291,7 @@ def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     try:
         tmp.mkdir(parents=True)
+        mark_kind(tmp, "run")
         if tok_file:
             shutil.copyfile(tok_file, tmp / "tokenizer.json")
         save_config(cfg, tmp / "config.toml")
@@ -356,7 +378,9 @@ COMMANDS = {
 TRAIN_EPILOG = (f"SIGTERM or Ctrl-C (SIGINT): the current step finishes (an in-loop evaluation stops after its "
                 f"current batch), a checkpoint is written and the run exits "
                 f"with status {EXIT_PREEMPTED}; continue it with --resume RUN_DIR. A second signal exits at once "
-                "(status 143 / 130). Exit status 2: bad input (one line).")
+                f"(status 143 / 130). Exit status 2: bad input (one line). Exit status {EXIT_REPEATED}: under "
+                "torchrun, this attempt failed as the job's previous one did (same error, same step): do not retry "
+                "(RUN_DIR/attempts/stop.json).")
 
 
 class Parser(argparse.ArgumentParser):
@@ -405,6 +429,45 @@ def refuse_unused_overrides(args: argparse.Namespace, rest: list[str]) -> None:
         if key.split(".")[0] in UNUSED_SECTIONS[args.command]:
             raise ConfigError(f"--{key}: densetrain {args.command} does not use [{key.split('.')[0]}] (it reads one "
                               "checkpoint of any layout in this process); leave it out")
+
+
+_TORCHRUN = "a training run's processes are those torchrun starts (torchrun --nproc-per-node N -m densetrain train ...)"
+FLAG_CONTEXTS = (  # (command, flag, attribute, given, out of the context where it acts, why): refused, not ignored
+    ("train", "--world-size", "world_size", lambda a: a.world_size is not None, lambda a: not a.dry_run,
+     f"acts only with --dry-run (the plan of a job of N processes); {_TORCHRUN}"),
+    ("train", "--rank", "rank", lambda a: a.rank is not None, lambda a: not a.dry_run,
+     f"acts only with --dry-run (builds that rank of the job on a fake process group); {_TORCHRUN}"),
+    ("train", "--ranks", "ranks", lambda a: a.ranks is not None, lambda a: not a.dry_run,
+     f"acts only with --dry-run; {_TORCHRUN}"),
+    ("train", "--rank", "rank", lambda a: a.rank is not None, lambda a: a.ranks is not None,
+     "given with --ranks, which would replace it: name every rank in --ranks"),
+    ("train", "--stop-after", "stop_after", lambda a: a.stop_after is not None, lambda a: a.dry_run,
+     "a dry run takes no step; leave out --dry-run to train"),
+    ("train", "--rollback-to", "rollback_to", lambda a: a.rollback_to is not None, lambda a: a.dry_run,
+     "a dry run rolls nothing back; leave out --dry-run"),
+    ("train", "--skip-batches", "skip_batches", lambda a: a.skip_batches != 0, lambda a: a.dry_run,
+     "a dry run reads no data; leave out --dry-run"),
+    ("train", "--smoke", "smoke", lambda a: a.smoke, lambda a: a.resume is not None,
+     "a smoke run is a new run of the scaled-down recipe in RUN_DIR-smoke, not a continuation: leave out --resume"),
+    ("eval", "--limit", "limit", lambda a: a.limit > 0, lambda a: not a.tasks,
+     "the examples per downstream task, so it acts only with --tasks (validation loss reads eval.max_batches)"),
+    ("prepare", "--verify", "verify", lambda a: a.verify, lambda a: a.force,
+     "hashes the shards of up-to-date sources, and --force redoes every source: give one of them"),
+)
+"""Each flag of :func:`build_parser` that acts only in some context, with the context: a flag given outside it
+is refused in one line (issue 44: ``train --world-size 2`` without ``--dry-run`` trained one process, exit 0)."""
+
+
+def refuse_flags_out_of_context(args: argparse.Namespace) -> None:
+    """Refuse the first flag of :data:`FLAG_CONTEXTS` given where it would be ignored.
+
+    Raises:
+        ConfigError: ``FLAG VALUE: why`` (one line).
+    """
+    for command, flag, attr, given, outside, why in FLAG_CONTEXTS:
+        if args.command == command and given(args) and outside(args):
+            value = getattr(args, attr)
+            raise ConfigError(f"{flag}{'' if value is True else f' {value}'}: {why}")
 
 
 def _check_path_arg(args: argparse.Namespace) -> None:
@@ -533,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
             args.overrides = parse_overrides(rest)  # --section.key=value, e.g. --parallel.tp=4
             return args.func(args)
         if not args.help_config:
+            refuse_flags_out_of_context(args)
             _check_path_arg(args)
         if not args.help_config:
             refuse_unused_overrides(args, rest)

@@ -13,6 +13,7 @@ class DataError(ValueError):
 
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): stopped on SIGTERM/SIGINT with a checkpoint; --resume continues
+EXIT_REPEATED = 78  # EX_CONFIG (sysexits.h): under torchrun, an attempt failed as the one before it did: do not retry
 
 
 class Preempted(Exception):

@@ -341,3 +341,49 @@ def sweep_temps_of(target: Path) -> list[Path]:
             p.unlink(missing_ok=True)
             removed.append(p)
     return removed
+
+
+KIND_FILE = ".densetrain-kind"
+"""The file naming what a directory a densetrain command writes into holds (one word of :data:`DIR_KINDS`)."""
+
+DIR_KINDS = {  # kind -> (what it holds, in words; files by which one made before KIND_FILE existed is recognised)
+    "run": ("a training run", ("config.toml", "metrics.jsonl", "checkpoints")),
+    "shards": ("prepared shards", ("manifest.json", "tokenizer.train.json", ".decontam")),
+    "ladder": ("a scaling ladder", ("ladder.json", "ladder.jsonl")),
+    "export": ("a Hugging Face export", ("model.safetensors", "model.safetensors.index.json")),
+}
+
+
+def directory_kind(path) -> tuple[str, str] | None:
+    """``(kind, why)`` of directory ``path`` (a key of :data:`DIR_KINDS`): its :data:`KIND_FILE`, else the
+    first kind whose files it holds (a directory from before the marker, e.g. an older run); None when it is
+    missing, empty or holds none of them."""
+    path = Path(path)
+    try:
+        kind = read_text_bounded(path / KIND_FILE, 64, errors="replace").strip()
+    except OSError:  # none (or not a regular file): judged by its files
+        kind = ""
+    if kind in DIR_KINDS:
+        return kind, f"its {KIND_FILE} says so"
+    for kind, (_, signs) in DIR_KINDS.items():
+        found = next((s for s in signs if (path / s).exists()), None)
+        if found:
+            return kind, f"it holds {found}"
+    return None
+
+
+def other_kind(path, kind: str, what: str) -> str:
+    """'' when ``what`` (a command or key, e.g. ``train.run_dir``) may write its ``kind`` of files into
+    directory ``path`` (new, empty, unrecognised, or of that kind); else the one line refusing it, naming the
+    directory and what it holds (the caller raises it as its own error type)."""
+    found = directory_kind(path) if Path(path).is_dir() else None
+    if found is None or found[0] == kind:
+        return ""
+    return (f"{path}: holds {DIR_KINDS[found[0]][0]} ({found[1]}), not {DIR_KINDS[kind][0]}; {what} takes a new or "
+            f"empty directory, or one of {DIR_KINDS[kind][0]}")
+
+
+def mark_kind(path, kind: str) -> None:
+    """Write ``path``'s :data:`KIND_FILE` (atomically) unless it has one; ``path`` must exist."""
+    if not (Path(path) / KIND_FILE).exists():
+        atomic_write_bytes(Path(path) / KIND_FILE, f"{kind}\n".encode())

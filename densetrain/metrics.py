@@ -134,34 +134,44 @@ class WandbSink:
     ``WANDB_MODE=offline`` (files under ``RUN_DIR/wandb``, uploaded later with ``wandb sync``); the other
     ``WANDB_*`` variables (entity, API key, base URL) apply as W&B documents them.
 
-    The W&B run id is kept in ``RUN_DIR/wandb_run_id``, so ``--resume`` continues the same W&B run. W&B
-    cannot delete history: after a rollback or a resume the re-done steps are logged again (the events
-    say why), where TensorBoard and metrics.jsonl drop the superseded records. Events go into one
-    incremental table ``events`` (columns step, kind, action, text). :meth:`close` returns once the W&B
-    files are complete on disk (it ends W&B's service process, so any other W&B run of the process too).
+    Each start of the run (fresh, ``--resume``, ``train.resume = auto``, a torchrun restart) and each rollback
+    is a new W&B run of one W&B group (``RUN_DIR/wandb_group``: the id of the first one), which
+    :class:`MetricsLogger` fills with the run's whole history first (:meth:`MetricsLogger.resend`:
+    ``metrics.jsonl`` rewound to the checkpoint, ``events.jsonl``): the newest W&B run of the group is
+    complete and exact, one row per step. Why not continue one W&B run (``resume="allow"``): W&B history is
+    append-only and its own step counter must only increase, so the steps redone after a kill -9 were
+    either logged twice or (offline, where the resumed segment restarted that counter below the first
+    segment's last row: at 5 after 10) not kept, while the killed process's unflushed rows were gone: the
+    rows between the checkpoint and the kill were in neither. W&B's ``fork_from`` / ``resume_from`` need the
+    server (they are applied there, by W&B's own step counter). The id of the current W&B run is in
+    ``RUN_DIR/wandb_run_id``; each new one records the one before in its config (``wandb_previous``). Events
+    go into one incremental table ``events`` (columns step, kind, action, text). :meth:`close` returns once
+    the W&B files are complete on disk (it ends W&B's service process, so any other W&B run of the process
+    too).
 
     Raises:
         ConfigError: the ``wandb`` package is not installed, or W&B cannot start the run (not logged in, no
             network): one line saying how to log in or go offline.
-        DataError: ``RUN_DIR/wandb_run_id`` does not hold a run id.
+        DataError: ``RUN_DIR/wandb_run_id`` or ``RUN_DIR/wandb_group`` does not hold a run id.
     """
 
-    def __init__(self, run_dir: Path, cfg: Config):
+    def __init__(self, run_dir: Path, cfg: Config, resumed_at: int | None = None):
         try:
             import wandb  # only when logging.wandb is on: the package is optional
         except ImportError:
             raise ConfigError("logging.wandb = true needs the wandb package (pip install wandb), "
                               "or set logging.wandb = false") from None
         self.wandb = wandb
-        id_file = run_dir / "wandb_run_id"
-        run_id = read_text_bounded(id_file, 1024).strip() if id_file.exists() else uuid.uuid4().hex[:12]
-        if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):  # ours are 12 of [a-z0-9]; W&B refuses /\#?%:
-            raise DataError(f"{id_file}: not a W&B run id (1-64 letters, digits, _ or -), got {run_id[:80]!r}; "
-                            "delete the file to start a new W&B run")
-        atomic_write_bytes(id_file, run_id.encode())
+        previous = _read_wandb_id(run_dir / "wandb_run_id")
+        run_id = uuid.uuid4().hex[:12]
+        group = _read_wandb_id(run_dir / "wandb_group") or previous or run_id
+        atomic_write_bytes(run_dir / "wandb_group", group.encode())
+        atomic_write_bytes(run_dir / "wandb_run_id", run_id.encode())
         try:
             self.run = wandb.init(project=cfg.logging.wandb_project, name=cfg.logging.wandb_name or run_dir.name,
-                                  id=run_id, resume="allow", dir=str(run_dir), config=dataclasses.asdict(cfg))
+                                  id=run_id, group=group, dir=str(run_dir),
+                                  config={**dataclasses.asdict(cfg), "wandb_previous": previous,
+                                          "wandb_resumed_at_step": resumed_at})
         except Exception as e:  # wandb.errors.UsageError (not logged in), CommError (no network), ...
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             raise ConfigError(f"logging.wandb: W&B could not start the run ({first}); log in with `wandb login`, "
@@ -177,6 +187,10 @@ class WandbSink:
         self.events.add_data(step, kind, action or "", text)
         self.run.log({"events": self.events, "step": step})
 
+    def finish(self) -> None:
+        """Finish this W&B run (another may follow in this process: a rollback's)."""
+        self.run.finish()
+
     def close(self) -> None:
         """Finish the run and wait until W&B's service process has written its files and exited."""
         self.run.finish()
@@ -184,6 +198,20 @@ class WandbSink:
         # finish() returned (10 of 30 times on a loaded machine), and under torchrun the ranks leave with
         # os._exit (cli.entry), which skips W&B's own atexit teardown. teardown() waits for the service.
         self.wandb.teardown()
+
+
+def _read_wandb_id(path: Path) -> str | None:
+    """The W&B run id in ``path`` (None when there is no such file).
+
+    Raises:
+        DataError: the file holds something else (W&B refuses /\\#?%: in ids; ours are 12 of [a-z0-9])."""
+    if not path.exists():
+        return None
+    run_id = read_text_bounded(path, 1024).strip()
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id):
+        raise DataError(f"{path}: not a W&B run id (1-64 letters, digits, _ or -), got {run_id[:80]!r}; "
+                        "delete the file to start a new W&B run group")
+    return run_id
 
 
 def _scalars(metrics: dict, kind: str = "train") -> dict[str, float]:
@@ -240,8 +268,10 @@ class MetricsLogger:
         if resume_step is not None and self.path.exists():
             self._truncate_after(resume_step, keep_events=False)
         self._open(None if resume_step is None else resume_step + 1)
-        if wandb is not None:  # kept across rewind(): W&B history is append-only
-            self.wandb = WandbSink(self.run_dir, wandb)
+        self.wandb_cfg = wandb
+        if wandb is not None:
+            self.wandb = WandbSink(self.run_dir, wandb, resumed_at=resume_step)
+            self.resend()
 
     def _open(self, purge_step: int | None) -> None:
         self.f = open(self.path, "a", buffering=1)
@@ -269,6 +299,23 @@ class MetricsLogger:
         self._close_files()
         self._truncate_after(step, keep_events=True)
         self._open(step + 1)
+        if self.wandb is not None:  # W&B history is append-only: a new W&B run of the group, from the files
+            self.wandb.finish()
+            self.wandb = WandbSink(self.run_dir, self.wandb_cfg, resumed_at=step)
+            self.resend()
+
+    def resend(self) -> None:
+        """Send the run's history so far to a new W&B run (:class:`WandbSink`): every metric record of
+        ``metrics.jsonl`` (as rewound to the checkpoint: the steps a resume redoes come live, once) and every
+        event of ``events.jsonl``, in file order, as :meth:`log` and :meth:`event` sent them (a metric that
+        was not finite, ``null`` in the file, is left out)."""
+        for rec in read_log_records(self.path):
+            if rec["kind"] != "event":
+                values = {k: v for k, v in rec.items() if k not in ("kind", "step", "time")}
+                self.wandb.log(rec["step"], _scalars(values, rec["kind"]))
+        events = self.run_dir / "events.jsonl"
+        for rec in read_log_records(events) if events.exists() else []:
+            self.wandb.event(rec["step"], rec["kind"], rec.get("action"), str(rec.get("text", "")))
 
     def log(self, step: int, metrics: dict, kind: str = "train") -> None:
         """Record ``metrics`` (name -> number or string) at ``step`` in all sinks."""

@@ -201,3 +201,45 @@ def test_report_sweeps_what_a_killed_report_left_and_writes_whole_files(stopped_
     assert not any(p.exists() for p in left)
     assert (run / "report.html").read_text().endswith("</html>\n")
     assert (run / "report.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_file_the_marker_leaves_out_is_refused_not_read_unverified(stopped_run, tmp_path, capsys):
+    """Issue 44 item 10: a COMPLETE marker whose file list omits a file the checkpoint holds (its line deleted,
+    then the file damaged) let that file be read unverified: the resume used the damaged shard silently."""
+    run, ckpts = _copy(stopped_run, tmp_path)
+    shard = ckpts[-1] / "__0_0.distcp"
+    marker = json.loads((ckpts[-1] / "COMPLETE").read_text())
+    del marker["files"]["__0_0.distcp"]
+    (ckpts[-1] / "COMPLETE").write_text(json.dumps(marker))
+    _flip_bit(shard)
+    with pytest.raises(CheckpointCorruptError, match="not among the 3 files its COMPLETE marker lists"):
+        verify_checkpoint(ckpts[-1])
+    # Resume: step 3 refused in one line naming the file, the run goes on from step 2.
+    assert main(["train", "--resume", str(run)]) == 0
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "cannot load" in ln]
+    assert len(said) == 1 and f"{shard}: not among the 3 files" in said[0], said
+    assert [e["step"] for e in read_events(run) if e["kind"] == "resume" and e["text"].startswith("resumed")] == [2]
+    assert f"{shard}: not among" in _one_line(capsys, ["eval", str(ckpts[-1])])
+    # A file read on its own (trainer_state.json) is refused the same way when the marker leaves it out.
+    marker = json.loads((ckpts[0] / "COMPLETE").read_text())
+    del marker["files"]["trainer_state.json"]
+    (ckpts[0] / "COMPLETE").write_text(json.dumps(marker))
+    with pytest.raises(CheckpointCorruptError, match="trainer_state.json: not among"):
+        verify_checkpoint(ckpts[0], names=["trainer_state.json"])
+
+
+def test_export_refuses_nonfinite_weights_in_one_line_as_eval_does(stopped_run, tmp_path, capsys):
+    """Issue 44 item 10: export wrote NaN weights into model.safetensors with exit 0 where eval refused."""
+    run_dir, _ = _copy(stopped_run, tmp_path)
+    cfg = stopped_run[1]
+    run = setup(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(run_dir))), resume=True)
+    with torch.no_grad():  # honest digests of dishonest weights (damaged in memory before the save)
+        dict(run.model.named_parameters())["layers.1.feed_forward.w1.weight"][2, 3] = float("inf")
+    ckpt = save_checkpoint(run_dir, 4, run.model, run.optimizer, {**run.state_dict(), "step": 4}, keep=0)
+    run.log.close()
+    out = tmp_path / "hf"
+    err = _one_line(capsys, ["export", str(ckpt), "--format", "hf", str(out)])
+    assert err == (f"densetrain: error: {ckpt}: holds non-finite weights (layers.1.feed_forward.w1.weight): "
+                   "the checkpoint is damaged"), err
+    assert not out.exists() and not list(tmp_path.glob(".hf.tmp-*"))
+    assert "holds non-finite weights (layers.1.feed_forward.w1.weight)" in _one_line(capsys, ["eval", str(ckpt)])

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from densetrain.config import ModelConfig
-from densetrain.dcp_read import PlainDataPlanner, TrustedReader, read_metadata
+from densetrain.dcp_read import PlainDataPlanner, TrustedReader, first_nonfinite, nonfinite_error, read_metadata
 from densetrain.errors import DataError, disk_full_error, is_disk_full
 from densetrain.fileio import exchange_paths, fsync_dir, json_text, recover_folder_swap
 from densetrain.hf.mapping import _hf_tensor, _our_to_hf_name, hf_config_dict, to_hf_state_dict
@@ -264,7 +264,8 @@ def export_hf_from_checkpoint(
     Raises:
         ValueError: the checkpoint's model tensors do not match ``cfg`` (names or shapes).
         CheckpointReadError: no DCP checkpoint at ``ckpt_dir``, or a file that is not plain data
-            (UntrustedCheckpointError), see :func:`check_checkpoint_matches`.
+            (UntrustedCheckpointError), see :func:`check_checkpoint_matches`; CheckpointCorruptError: a file
+            differs from the save, or a tensor holds a NaN or inf (nothing is written then).
     """
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     core, stored, want = check_checkpoint_matches(ckpt_dir, cfg)
@@ -293,6 +294,8 @@ def export_hf_from_checkpoint(
             tensors = {}
             for n in shard:
                 t = read_checkpoint_tensor(ckpt_dir, n, stored[n])
+                if first_nonfinite({n: t}):  # eval and resume refuse it too: never written out as weights
+                    raise nonfinite_error(ckpt_dir, n)
                 tensors[_our_to_hf_name(n)] = _hf_tensor(n, t, logit_mult, q_mult, dtypes[n], private=True)
                 del t
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})

@@ -8,6 +8,8 @@ import contextlib
 import dataclasses
 import os
 import re
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -20,8 +22,17 @@ from densetrain.checkpoint import (
     set_aside,
 )
 from densetrain.config import Config, load_config, to_dict
-from densetrain.errors import ConfigError, TrainError
-from densetrain.fileio import fsync_dir, read_json
+from densetrain.errors import EXIT_REPEATED, ConfigError, TrainError
+from densetrain.fileio import (
+    atomic_write_bytes,
+    atomic_write_json,
+    fsync_dir,
+    json_text,
+    other_kind,
+    read_json,
+    read_jsonl,
+)
+from densetrain.metrics import read_metrics
 from densetrain.parallel import DistInfo, all_reduce_sum
 
 
@@ -37,6 +48,21 @@ def refuse_existing_run(run_dir: Path, info: DistInfo) -> None:
     if all_reduce_sum(torch.tensor([int(taken)], device=info.device)).item():
         raise TrainError(f"{run_dir} already holds a run; continue it with --resume {run_dir} "
                          f"or choose another --train.run_dir")
+
+
+def refuse_other_kind(run_dir: Path, info: DistInfo) -> None:
+    """A run directory is new, empty or a run's: refuse one that holds another command's files (prepared
+    shards, a ladder, an export; :func:`densetrain.fileio.other_kind`), before anything is written there
+    (``train.resume = 'auto'`` would otherwise start "a new run" inside a shards directory). Rank 0 looks;
+    every rank learns the answer.
+
+    Raises:
+        TrainError: one line naming the directory and what it holds.
+    """
+    why = other_kind(run_dir, "run", "train.run_dir") if info.is_main else ""
+    if all_reduce_sum(torch.tensor([int(bool(why))], device=info.device)).item():
+        raise TrainError(why or f"{run_dir}: holds no run (rank 0 says what it holds); choose another "
+                                "--train.run_dir")
 
 
 RUN_IDENTITY = ("model", "data", "stages", "optim", "schedule")
@@ -216,3 +242,94 @@ def set_aside_future(run_dir: Path, step: int, is_main: bool) -> list[Path]:
             fsync_dir(path.parent)
             moved.append(dest)
     return moved + set_aside(run_dir, step)
+
+
+ATTEMPTS_DIR = "attempts"
+"""``RUN_DIR/attempts/``: under torchrun's elastic agent, how each attempt of the job ended (``rank<r>.jsonl``,
+one record per attempt and rank) and, once one failed as the attempt before it did, ``stop.json``."""
+_KEEP_ATTEMPTS = 200  # records kept per rank (a job restarted without end must not grow the file without bound)
+
+
+def _elastic_job() -> tuple[str | None, int]:
+    """(torchrun's run id, this attempt's index): ``TORCHELASTIC_RUN_ID`` (``--rdzv-id``, e.g. Slurm's job id;
+    a fresh uuid per ``--standalone`` launch) and ``TORCHELASTIC_RESTART_COUNT``; (None, 0) outside torchrun."""
+    return os.environ.get("TORCHELASTIC_RUN_ID"), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _reached_step(run_dir: Path) -> int | None:
+    """The last step the run recorded in metrics.jsonl (None: none, or unreadable here)."""
+    try:
+        return max((r["step"] for r in read_metrics(run_dir) if r.get("kind") == "train"), default=None)
+    except OSError:
+        return None
+
+
+def _failure_line(prev: dict, rec: dict) -> str:
+    at = f"at step {rec['step']}" if rec["step"] is not None else "before its first step"
+    return (f"{rec['run_dir']}: attempt {rec['attempt']} failed as attempt {prev['attempt']} did, {at} "
+            f"({rec['error'][:300]}): a deterministic failure, not retried (exit status {EXIT_REPEATED}; later "
+            f"restarts of this job exit at once); fix the cause, then start a new job")
+
+
+def end_attempt(run_dir: Path, rank: int, outcome: str, error: BaseException | None = None) -> str | None:
+    """Record how this attempt of a torchrun job ended on this rank (``outcome``: 'done', 'preempted',
+    'failed' or 'skipped'; ``error``: the failure) in ``RUN_DIR/attempts/rank<r>.jsonl`` (rewritten
+    atomically); a no-op outside torchrun's elastic agent (no ``TORCHELASTIC_RUN_ID``).
+
+    Returns:
+        For a failure that repeats the previous attempt's of the same job (the same error type and text at
+        the same step: a config the mesh refuses, a divergence at the same step), the one line saying so,
+        after writing ``attempts/stop.json`` that makes the job's later restarts exit at once
+        (:func:`stopped_job`); else None.
+    """
+    run_id, attempt = _elastic_job()
+    if run_id is None:
+        return None
+    text = re.sub(r"^\[rank \d+\] ", "", str(error).strip().splitlines()[0] if error and str(error).strip() else "")
+    rec = {"run_id": run_id, "attempt": attempt, "rank": rank, "outcome": outcome, "step": _reached_step(run_dir),
+           "error": f"{type(error).__name__}: {text}" if error else "", "time": round(time.time(), 3),
+           "run_dir": str(run_dir)}
+    path = run_dir / ATTEMPTS_DIR / f"rank{rank}.jsonl"
+    try:
+        old = read_jsonl(path)[0] if path.exists() else []
+    except OSError:  # damaged: started afresh (it only serves this comparison)
+        old = []
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, "".join(json_text(r) + "\n" for r in [*old, rec][-_KEEP_ATTEMPTS:]).encode())
+    except OSError:  # no run directory to write in (its parent is a file, a full disk): the failure says itself
+        return None
+    prev = next((r for r in reversed(old) if r.get("run_id") == run_id and r.get("attempt") == attempt - 1), None)
+    if outcome != "failed" or prev is None or prev.get("outcome") != "failed" \
+            or (prev.get("error"), prev.get("step")) != (rec["error"], rec["step"]):
+        return None
+    line = _failure_line(prev, rec)
+    atomic_write_json(run_dir / ATTEMPTS_DIR / "stop.json", {**rec, "text": line})
+    return line
+
+
+def stopped_job(run_dir: Path) -> str | None:
+    """At the start of an attempt under torchrun: the one line to exit with (status ``EXIT_REPEATED``, before
+    any work) when an earlier attempt of this job failed as the one before it did (``attempts/stop.json`` of
+    this ``TORCHELASTIC_RUN_ID``: torchrun restarts on any failure, so its remaining restarts end here in
+    seconds). A ``stop.json`` of another job (a new submission, presumably after a fix) is removed, said on
+    stderr. None: go on."""
+    run_id, attempt = _elastic_job()
+    path = run_dir / ATTEMPTS_DIR / "stop.json"
+    if run_id is None or not path.exists():
+        return None
+    try:
+        stop = read_json(path)
+    except (OSError, ValueError):
+        stop = {}
+    if not isinstance(stop, dict):
+        stop = {}
+    if stop.get("run_id") != run_id:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        print(f"densetrain: note: {path} of an earlier job removed ({str(stop.get('text', '?'))[:300]}): this job "
+              "tries again", file=sys.stderr, flush=True)
+        return None
+    return (f"{run_dir}: attempt {attempt} not started: attempt {stop.get('attempt')} of this job failed as the one "
+            f"before it did ({str(stop.get('error', '?'))[:300]}); not retried (exit status {EXIT_REPEATED}): fix "
+            f"the cause, then start a new job")

@@ -26,6 +26,7 @@ from densetrain.data.shards import TokenFiles
 from densetrain.data.streams import data_fingerprint, open_streams
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
 from densetrain.errors import TrainError
+from densetrain.fileio import mark_kind
 from densetrain.metrics import MetricsLogger, measure_peak_flops, read_metrics
 from densetrain.model.compiling import pin_inductor_cache
 from densetrain.model.llama import Transformer
@@ -42,6 +43,7 @@ from densetrain.train.rundir import (
     keep_started_dtype,
     lock_run_dir,
     refuse_existing_run,
+    refuse_other_kind,
     set_aside_future,
 )
 from densetrain.train.state import TrainState
@@ -265,6 +267,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     except ValueError as e:
         raise TrainError(str(e)) from None
     check_stages(stages, train_streams, info, cfg.model, cfg.parallel)
+    refuse_other_kind(run_dir, info)  # before anything there is read or written
     if cfg.train.resume == "auto":  # the same command restarts the job: continue the run dir's own run
         check_same_run(run_dir, cfg, info)
         resume = True
@@ -289,7 +292,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     started = (run_dir / "config.toml").exists()  # an earlier attempt, before this one writes it
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(saved_cfg, run_dir / "config.toml")
+        save_config(saved_cfg, run_dir / "config.toml")  # the first file (a full disk names it)
+        mark_kind(run_dir, "run")  # an older run without the marker gets it now
     step = saved["step"] if saved else 0
     # The last step the previous attempt recorded, before the logger rewinds metrics.jsonl to the checkpoint.
     logged = max((r["step"] for r in read_metrics(run_dir) if r.get("kind") == "train"), default=None) \

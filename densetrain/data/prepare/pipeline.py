@@ -61,7 +61,7 @@ from densetrain.data.sampling import fair_shares
 from densetrain.data.shards import token_dtype, token_size_for
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe, usable_cpus
 from densetrain.errors import DataError, disk_full_error, is_disk_full
-from densetrain.fileio import atomic_write_json, read_json, sweep_stale_temps
+from densetrain.fileio import atomic_write_json, mark_kind, other_kind, read_json, sweep_stale_temps
 
 BPE_SAMPLE_BYTES = 12_000_000
 """Bytes of text the BPE is trained on, shared evenly between sources."""
@@ -214,7 +214,10 @@ def prepare(cfg, force: bool = False, verify: bool = False) -> dict:
     inputs = {src.name: resolve_paths(src, corpus_dir, i) for i, src in enumerate(sources)}
     if data.tokenizer == "bpe":
         _check_model_vocab(cfg, data.tokenizer_vocab_size, "data.tokenizer_vocab_size")
+    if why := other_kind(shards_dir, "shards", "data.shards_dir"):  # e.g. a run directory: never written into
+        raise DataError(why)
     shards_dir.mkdir(parents=True, exist_ok=True)
+    mark_kind(shards_dir, "shards")
     stale = sweep_stale_temps(shards_dir)  # a killed run's half-written files (a .ds can be 128 MB)
     if stale:
         log(f"removed {len(stale)} temporary files of killed runs (e.g. {stale[0]})")

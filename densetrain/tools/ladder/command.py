@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 
 from densetrain.errors import ConfigError
+from densetrain.fileio import mark_kind, other_kind
 
 PLAN = "ladder.json"  # as densetrain.tools.ladder.launcher.PLAN (not imported here: it loads torch)
 
@@ -53,11 +54,15 @@ def cmd_ladder(args: argparse.Namespace) -> int:
     cfg = load_config(preset=args.preset or (None if args.config else "tiny"), path=args.config,
                       overrides=args.overrides)
     out = Path(args.out)
+    if why := other_kind(out, "ladder", "ladder --out"):  # e.g. a training run's directory: never written into
+        raise ConfigError(why)
     if args.print_commands:
         print("\n".join(print_commands(cfg, args.sizes, args.budgets, out)))
+        mark_kind(out, "ladder")  # (its ladder.json, written first, says so meanwhile)
         print(f"# then: densetrain ladder fit {out}")
         return 0
     records = run_ladder(cfg, args.sizes, args.budgets, out, progress=not args.no_progress)
+    mark_kind(out, "ladder")
     print(f"ladder {out}: {len(records)} points; next: densetrain ladder fit {out}")
     return 0
 
