@@ -204,6 +204,9 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
 
     import torch
 
+    from densetrain.errors import ConfigError
+    from densetrain.parallel.stage_layout import stage_layouts
+    from densetrain.schedule import resolve_stages
     from densetrain.tools.plan import format_layout_plan, layout_plan
     from densetrain.tools.plan.rank import dry_run_rank, format_rank, parse_ranks
 
@@ -211,6 +214,10 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
         return _error(f"--world-size: expected a number of processes >= 1, got {world_size} "
                       "(see densetrain train --help)")
     gpus = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    try:  # every stage on its own layout can run it (stages[i].parallel), as train refuses before its first step
+        stage_layouts(cfg, resolve_stages(cfg), gpus, skip_unfit_base=True)
+    except (ConfigError, ValueError) as e:
+        return _error(str(e))
     if rank is not None or ranks:
         for r in parse_ranks(ranks or str(rank), gpus):
             print(format_rank(dry_run_rank(cfg, gpus, r)), flush=True)

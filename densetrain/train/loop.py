@@ -32,7 +32,7 @@ from densetrain.parallel.pipeline import PipelineModel
 from densetrain.schedule import Stage, lr_for, stage_at
 from densetrain.train.preempt import StopRequest, stop_run
 from densetrain.train.rundir import set_aside_future, unlock_run_dir
-from densetrain.train.setup import Run, probe_peak_flops, setup
+from densetrain.train.setup import Run, probe_peak_flops, setup, switch_layout
 from densetrain.train.step import StepResult, compute_step
 from densetrain.train.watchers import Verdict, decide
 
@@ -79,6 +79,7 @@ def _train(run: Run) -> dict:
                 stop_run(run, signum, noted_at=stop.noted_at)  # raises Preempted once the checkpoint is written
             st = stage_at(run.state.step, run.stages)
             if st != stage:
+                switch_layout(run, st)  # a stage with a layout of its own: checkpoint, rebuild, reload
                 enter_stage(run, st)
                 stage = st
             for w in run.watchers:
