@@ -4,8 +4,8 @@
 - A 2-rank run on pp 2 for its main and anneal stages that switches to cp 2 for its long-context stage (in the
   same processes: checkpoint, new mesh, wrappers and optimizer, resharded reload) equals one process within
   1e-5 at every step and in its final validation, and says the switch once.
-- Killed (the ``kill`` fault, SIGKILL) just before the switch and just after it, it resumes bit for bit onto
-  the layout of the stage at the resumed step.
+- Killed (the ``kill`` fault, SIGKILL) just after the switch, and cut back to its checkpoint just before the
+  switch, it resumes bit for bit onto the layout of the stage at the resumed step.
 - An impossible stage layout is refused before the first step, in one line naming the stage: by the config
   check, by ``train --dry-run`` and by ``train``.
 """
@@ -15,8 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_resume import assert_close, finish, fresh, start, trajectory
+from test_resume import assert_close, copy_until, finish, fresh, start, trajectory
 
+from densetrain.checkpoint import list_complete
 from densetrain.cli import main
 from densetrain.errors import ConfigError
 from densetrain.metrics import read_events, read_metrics
@@ -57,43 +58,49 @@ def final_val(run: Path) -> list[float]:
     return [m["val/all/loss"] for m in read_metrics(run) if m["kind"] == "eval" and "val/all/loss" in m]
 
 
-def test_a_run_that_switches_from_pp2_to_cp2_equals_one_process(prepared, reference, tmp_path):
+@pytest.fixture(scope="module")
+def whole(prepared, tmp_path_factory):
+    """The pp 2 -> cp 2 run on 2 gloo ranks, uninterrupted."""
     _, make = prepared
-    cfg = staged(make, tmp_path, "staged")
-    res = finish(start(fresh(cfg, tmp_path), world=2))
+    tmp = tmp_path_factory.mktemp("whole")
+    cfg = staged(make, tmp, "whole")
+    res = finish(start(fresh(cfg, tmp), world=2))
     assert [rc for rc, _ in res] == [0, 0], [err[-3000:] for _, err in res]
-    run = Path(cfg.train.run_dir)
-    assert_close(trajectory(run), trajectory(reference), range(1, 11))
-    assert final_val(run) == pytest.approx(final_val(reference), rel=1e-5) and len(final_val(run)) == 1
-    (sw,) = switches(run)  # said once, at the long stage's first step, with the time it took
+    return Path(cfg.train.run_dir)
+
+
+def test_a_run_that_switches_from_pp2_to_cp2_equals_one_process(whole, reference):
+    assert_close(trajectory(whole), trajectory(reference), range(1, 11))
+    assert final_val(whole) == pytest.approx(final_val(reference), rel=1e-5) and len(final_val(whole)) == 1
+    (sw,) = switches(whole)  # said once, at the long stage's first step, with the time it took
     assert sw["step"] == 8 and sw["values"]["stage"] == "long_context" and sw["values"]["seconds"] > 0
     assert sw["values"]["from"]["pp"] == 2 and sw["values"]["to"]["cp"] == 2 and sw["values"]["to"]["pp"] == 1
     assert "pp=2 dp_replicate=1 dp_shard=1 tp=1 -> dp_replicate=1 dp_shard=1 cp=2 tp=1" in sw["text"]
     assert sw["values"]["checkpoint"] == "step_00000008"  # not a checkpoint step (every 3): the switch wrote it
 
 
-@pytest.mark.parametrize("kill_at, resumed_on", [(7, 2), (8, 1)])
-def test_a_run_killed_on_either_side_of_the_switch_resumes_bitwise_on_the_stage_layout(
-        prepared, tmp_path, kill_at, resumed_on):
-    """Killed at step 7's start (anneal, pp 2; last checkpoint step 6) or at step 8's (right after the switch
-    wrote step 8 and moved to cp 2): the resume starts on the pp layout (and switches itself) or straight on
-    cp 2, and every step after the resume point is the uninterrupted run's bit for bit."""
+def test_a_run_killed_on_either_side_of_the_switch_resumes_bitwise_on_the_stage_layout(prepared, whole, tmp_path):
+    """Killed (SIGKILL on rank 1) at step 8's start, right after the switch wrote step 8 on pp 2 and moved to cp 2:
+    its resume starts straight on cp 2. The same run without its step-8 checkpoint (killed just before the switch,
+    its last checkpoint step 6 of the anneal stage) resumes on pp 2 and switches itself. Every step after the
+    resume point is the uninterrupted run's bit for bit."""
     _, make = prepared
-    whole = staged(make, tmp_path, "whole")
-    killed = staged(make, tmp_path, "killed", faults=[{"kind": "kill", "step": kill_at, "rank": 1}])
-    res = finish(start(fresh(whole, tmp_path), world=2))
-    assert [rc for rc, _ in res] == [0, 0], [err[-3000:] for _, err in res]
+    killed = staged(make, tmp_path, "killed", faults=[{"kind": "kill", "step": 8, "rank": 1}])
     res = finish(start(fresh(killed, tmp_path), world=2))
     assert all(rc != 0 for rc, _ in res)  # rank 1 SIGKILLed, rank 0 loses its peer
-    run = Path(killed.train.run_dir)
-    res = finish(start(["--resume", str(run)], world=2))
-    assert [rc for rc, _ in res] == [0, 0], [err[-3000:] for _, err in res]
-    want, got = trajectory(Path(whole.train.run_dir)), trajectory(run)
-    resumed_from = 6 if kill_at == 7 else 8
-    assert {s: got[s] for s in range(resumed_from + 1, 11)} == {s: want[s] for s in range(resumed_from + 1, 11)}
-    layouts = [e["values"]["layout"] for e in read_events(run) if e["kind"] == "parallel" and "layout" in e["values"]]
-    assert layouts[-1]["pp"] == resumed_on  # the resumed start's layout: the stage at step 6 or 8 decides
-    assert len(switches(run)) == (2 if kill_at == 7 else 1)  # the first attempt's, and the resume's own at 7
+    after = Path(killed.train.run_dir)
+    assert [s for s, _ in list_complete(after)] == [3, 6, 8] and switches(after)
+    before = copy_until(after, tmp_path / "before", 6)
+    want = trajectory(whole)
+    for run, resumed_from, pp in ((after, 8, 1), (before, 6, 2)):
+        res = finish(start(["--resume", str(run)], world=2))
+        assert [rc for rc, _ in res] == [0, 0], [err[-3000:] for _, err in res]
+        got = trajectory(run)
+        assert {s: got[s] for s in range(resumed_from + 1, 11)} == {s: want[s] for s in range(resumed_from + 1, 11)}
+        starts = [e for e in read_events(run) if e["kind"] in ("parallel", "layout") and "layout" in e["values"]]
+        assert starts[-1]["step"] == resumed_from and starts[-1]["values"]["layout"]["pp"] == pp
+        # after: the first attempt's switch only; before: the first attempt's and the resume's own
+        assert [e["step"] for e in switches(run)] == [8] * (1 if run == after else 2)
 
 
 def test_an_impossible_stage_layout_is_refused_in_one_line_naming_the_stage(prepared, tmp_path, capsys):

@@ -462,8 +462,8 @@ def layout_keeping_intent(cfg: Config):
         ConfigError: no such layout; the line names the ``--parallel.*`` flags of layouts that run.
     """
     p, m = cfg.parallel, cfg.model
-    try:
-        stages = resolve_stages(cfg)
+    try:  # the stages that run on [parallel] (a stage's own layout is resolved as it says: stage_layouts)
+        stages = [st for st in resolve_stages(cfg) if not cfg.stages[st.index].parallel]
     except ValueError:
         stages = []  # the stage table's own error comes, as one line, from setup's checks
 
