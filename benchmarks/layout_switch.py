@@ -41,7 +41,7 @@ def config(preset: str, work: Path, steps: int):
                    {"name": "long", "start": 0.5, "seq_len": 128, "parallel": {"pp": 1, "cp": 2}}],
         "train.run_dir": str(work / f"run-{preset}"), "train.steps": steps, "train.seq_len": 64,
         "train.batch_size": 8, "train.micro_batch_size": 2, "train.threads": 1, "train.dtype": "fp32",
-        "train.device": "cpu", "model.tie_embeddings": False, "parallel.pp": 2, "parallel.dp_replicate": 1,
+        "train.device": "cpu", "model.tie_embeddings": False, "schedule.warmup_steps": 1, "parallel.pp": 2, "parallel.dp_replicate": 1,
         "checkpoint.every": 0, "checkpoint.keep": 0, "eval.every": 0, "eval.max_batches": 1, "eval.samples": 0,
         "eval.position_buckets": [], "eval.tasks": "", "eval.final_tasks": "", "logging.tensorboard": False,
         "logging.peak_flops": 1e11, "health.every": 0, "watchdog.every": 0, "probe.every": 0,
@@ -75,8 +75,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "shards" / "tokenizer.json").exists():
         prepare(config("tiny", work, args.steps))
-    print("| shape | params | switch (s) | step before (s) | step after (s) | checkpoint write (s) | switch / step |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | params | switch (s) | of it: checkpoint / rebuild / reload (s) | step before (s) | step after (s) "
+          "| final checkpoint write (s) | switch / step after |")
+    print("|---|---|---|---|---|---|---|---|")
     for preset in args.presets.split(","):
         cfg = config(preset, work, args.steps)
         run_dir = Path(cfg.train.run_dir)
@@ -90,8 +91,10 @@ def main() -> None:
         before = statistics.median(m["time/step_s"] for m in steps if 1 < m["step"] <= half)
         after = statistics.median(m["time/step_s"] for m in steps if m["step"] > half + 1)
         n = model_params(cfg.model)  # untied: the pipeline holds the embedding and the head apart
-        print(f"| {preset} | {n / 1e6:.1f}M | {sw['values']['seconds']:.2f} | {before:.2f} | {after:.2f} | "
-              f"{statistics.median(saves):.2f} | {sw['values']['seconds'] / after:.1f}x |", flush=True)
+        v = sw["values"]
+        print(f"| {preset} | {n / 1e6:.1f}M | {v['seconds']:.2f} | {v['checkpoint_s']:.2f} / {v['rebuild_s']:.2f} / "
+              f"{v['load_s']:.2f} | {before:.2f} | {after:.2f} | {statistics.median(saves):.2f} | "
+              f"{v['seconds'] / after:.1f}x |", flush=True)
 
 
 if __name__ == "__main__":

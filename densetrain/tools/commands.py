@@ -214,8 +214,10 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
         return _error(f"--world-size: expected a number of processes >= 1, got {world_size} "
                       "(see densetrain train --help)")
     gpus = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    try:  # every stage on its own layout can run it (stages[i].parallel), as train refuses before its first step
-        stage_layouts(cfg, resolve_stages(cfg), gpus, skip_unfit_base=True)
+    # Every stage's layout (its own, stages[i].parallel, or [parallel]) can run it, as train checks before its first
+    # step; an unfit [parallel] is the plan's note, or (--rank) the launch's own line.
+    try:
+        stage_layouts(cfg, resolve_stages(cfg), gpus, skip_unfit_base=rank is None and not ranks)
     except (ConfigError, ValueError) as e:
         return _error(str(e))
     if rank is not None or ranks:

@@ -189,12 +189,14 @@ def switch_layout(run: Run, st: Stage) -> None:
     if path is None:
         path = save_checkpoint(run.run_dir, step, run.model, run.optimizer, run.state_dict(), run.checkpointer.keep,
                                run.checkpointer.on_written)
+    t_saved = time.perf_counter()
     # The old mesh's process groups stay registered with torch.distributed (a dimension spanning the world may
     # be the default group itself): only the modules, their hooks and the optimizer state are dropped.
     run.model = run.dp_model = run.optimizer = None
     gc.collect()
     run.info = init_distributed(run.cfg.train.device, par)
     run.model, run.dp_model, run.optimizer = build_model_and_optimizer(run.cfg, run.info, par, run.layouts)
+    t_built = time.perf_counter()
     load_checkpoint(path, run.model, run.optimizer)
     run.parallel = par
     run.watchers = make_watchers(run.cfg, run.info, run.run_dir, old=run.watchers)
@@ -203,7 +205,8 @@ def switch_layout(run: Run, st: Stage) -> None:
                         f"(checkpoint {path.name}, new mesh, wrappers and optimizer, resharded reload)",
                   kind="parallel", action="switch",
                   values={"stage": st.name, "from": dataclasses.asdict(old), "to": dataclasses.asdict(lay),
-                          "seconds": dt, "checkpoint": path.name})
+                          "seconds": dt, "checkpoint": path.name, "checkpoint_s": t_saved - t0,
+                          "rebuild_s": t_built - t_saved, "load_s": time.perf_counter() - t_built})
 
 
 def build_model_and_optimizer(cfg: Config, info: DistInfo, par: ParallelConfig,
