@@ -72,7 +72,7 @@ def stage_layout_problem(cfg: Config, st, par: ParallelConfig, lay: Layout) -> s
     rows = lay.dp_size * st.micro_batch_size
     if st.batch_size % rows:
         return (f"its batch of {st.batch_size} sequences does not split into {lay.dp_size} data-parallel ranks x "
-                f"micro_batch_size {st.micro_batch_size}")
+                f"micro_batch_size {st.micro_batch_size}; " + layouts_that_fit(st.batch_size, lay.world, m))
     if lay.pp > 1:
         try:
             resolve_microbatches(par.pp_microbatches, lay.pp, par.pp_virtual_stages, st.batch_size // rows,
@@ -86,3 +86,15 @@ def stage_layout_problem(cfg: Config, st, par: ParallelConfig, lay: Layout) -> s
             return ("context parallelism runs through pipeline stages without document masks only, and the stage "
                     "masks documents")
     return None
+
+
+def layouts_that_fit(batch_size: int, world: int, model) -> str:
+    """The tensor-parallel degrees of ``world`` ranks whose data-parallel size divides ``batch_size``
+    (one sequence per rank and micro-batch), as advice for a stage whose batch does not split over its
+    data-parallel ranks (:func:`stage_layout_problem`, :func:`densetrain.train.setup.check_stages`)."""
+    fits = [tp for tp in range(1, world + 1) if world % tp == 0 and model.n_heads % tp == 0
+            and model.n_kv_heads % tp == 0 and batch_size % (world // tp) == 0]
+    if not fits:
+        return f"no layout of {world} ranks runs it: change the stage's batch_tokens or the number of ranks"
+    return "layouts that run it: " + ", ".join(f"--parallel.tp={tp} ({world // tp} data-parallel ranks)"
+                                               for tp in fits[:4]) + " with a micro_batch_size that divides"

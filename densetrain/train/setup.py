@@ -36,7 +36,7 @@ from densetrain.optim import build_optimizer, describe_groups
 from densetrain.parallel import DistInfo, autocast_for, build_parallel_model, init_distributed
 from densetrain.parallel.mesh import Layout, keep_intent, resolve_layout
 from densetrain.parallel.pipeline import resolve_microbatches
-from densetrain.parallel.stage_layout import stage_layouts
+from densetrain.parallel.stage_layout import layouts_that_fit, stage_layouts
 from densetrain.registry.tasks import data_root, parse_task_list, resolve_tasks
 from densetrain.schedule import Stage, resolve_stages, stage_at
 from densetrain.train.rundir import (
@@ -150,14 +150,15 @@ def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], info: Dist
             if len(streams[name]) < st.seq_len + 1:
                 raise TrainError(f"source '{name}' has {len(streams[name])} train tokens, fewer than one "
                                  f"sequence of stage '{st.name}' (seq_len {st.seq_len} + 1)")
-        par, lay = layouts[st.index] if layouts else (parallel, info.layout)
-        if st.batch_size % (lay.dp_size * st.micro_batch_size):
+        par, dp, pp = (parallel, info.dp_size, info.pp_size) if not layouts else \
+            (layouts[st.index][0], layouts[st.index][1].dp_size, layouts[st.index][1].pp)
+        if st.batch_size % (dp * st.micro_batch_size):
             raise TrainError(f"stage '{st.name}': batch of {st.batch_size} sequences does not split into "
-                             f"{lay.dp_size} data-parallel ranks x micro_batch_size {st.micro_batch_size}; "
-                             + _layouts_that_fit(st.batch_size, info.world_size, model))
-        if par is not None and lay.pp > 1:
-            resolve_microbatches(par.pp_microbatches, lay.pp, par.pp_virtual_stages,
-                                 st.batch_size // (lay.dp_size * st.micro_batch_size), f" at stage '{st.name}'")
+                             f"{dp} data-parallel ranks x micro_batch_size {st.micro_batch_size}; "
+                             + layouts_that_fit(st.batch_size, info.world_size, model))
+        if par is not None and pp > 1:
+            resolve_microbatches(par.pp_microbatches, pp, par.pp_virtual_stages,
+                                 st.batch_size // (dp * st.micro_batch_size), f" at stage '{st.name}'")
 
 
 def start_step(run_dir: Path, resume: bool, rollback_to: int | None) -> int:
@@ -256,17 +257,6 @@ def warn_repeats(run: Run, steps: int) -> None:
                       + f"; more than {MAX_EPOCHS:g} passes gain little over fewer (Muennighoff et al. 2023) and "
                       f"val loss then reflects memorisation too: prepare more data or train fewer steps",
                       kind="data", values={"epochs": {n: round(e, 2) for n, e in epochs.items()}})
-
-
-def _layouts_that_fit(batch_size: int, world: int, model) -> str:
-    """The tensor-parallel degrees of ``world`` ranks whose data-parallel size divides ``batch_size``
-    (one sequence per rank and micro-batch), as advice for the error above."""
-    fits = [tp for tp in range(1, world + 1) if world % tp == 0 and model.n_heads % tp == 0
-            and model.n_kv_heads % tp == 0 and batch_size % (world // tp) == 0]
-    if not fits:
-        return f"no layout of {world} ranks runs it: change the stage's batch_tokens or the number of ranks"
-    return "layouts that run it: " + ", ".join(f"--parallel.tp={tp} ({world // tp} data-parallel ranks)"
-                                               for tp in fits[:4]) + " with a micro_batch_size that divides"
 
 
 def log_restart(run: Run, logged: int | None) -> None:
