@@ -22,7 +22,7 @@ from densetrain.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from densetrain.config import Config, ParallelConfig, save_config
+from densetrain.config import Config, ParallelConfig, save_config, stage_parallel
 from densetrain.data.mixture import MixtureSampler
 from densetrain.data.provenance import window_documents
 from densetrain.data.shards import TokenFiles
@@ -546,7 +546,9 @@ def _log_layout(run: Run, saved: dict) -> None:
     """One line (console and events.jsonl) when a resume runs on another world size or layout than the
     checkpoint's: the layout chosen and the checkpoint's, each with what it does in words (:func:`layout_words`),
     and whether the configured degrees held or this is the layout of :func:`layout_keeping_intent` for them."""
-    p, lay, world = run.parallel or run.cfg.parallel, run.info.layout, run.info.world_size
+    # The configured degrees of the stage it resumes in (its own, stages[i].parallel, or [parallel]).
+    p = stage_parallel(run.cfg, stage_at(min(run.state.step, run.cfg.train.steps - 1), run.stages).index)
+    lay, world = run.info.layout, run.info.world_size
     was_world = saved.get("world_size", world)
     was = saved.get("layout")
     if not _layout_moved(run, saved):
