@@ -110,7 +110,7 @@ def seq_len_divisor(layout, sequence_parallel: bool) -> int:
     return need
 
 
-def _check_seq_lens(cfg, layout, lens: dict[str, int] | None) -> None:
+def _check_seq_lens(cfg, layout, lens: dict[str, int] | None = None) -> None:
     """The sequence lengths the resolved layout needs (config validation cannot check a ``-1`` degree):
     :func:`seq_len_divisor`; ``lens`` as :func:`build_parallel_model` takes them.
 
