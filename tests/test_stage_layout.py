@@ -148,3 +148,20 @@ def test_the_llama3_presets_run_their_long_context_stage_on_a_layout_of_its_own(
     with pytest.raises(ConfigError, match=r"^stage 'long_context' \(stages\[2\]\.parallel\): parallel: the fixed "
                                           r"degrees .* do not divide the world size"):
         stage_layouts(cfg, resolve_stages(cfg), world)
+
+
+def test_pipeline_with_context_parallelism_is_refused_only_where_a_stage_masks_documents():
+    """pp 2 x cp 2 runs through pipeline stages only without document masks: [parallel] may be that layout when
+    the masked (long) stage has a layout of its own; the masked stage itself may not."""
+    base = {"parallel.pp": 2, "parallel.cp": 2, "parallel.dp_replicate": 1, "model.tie_embeddings": False,
+            "eval.samples": 0, "eval.tasks": "", "eval.final_tasks": ""}
+    long = {"name": "long", "start": 0.9, "seq_len": 1024}  # longer than train.seq_len: document masks on
+    ok = load_config(preset="tiny", overrides=[*base.items(), ("stages", [
+        {"name": "main", "start": 0.0}, {**long, "parallel": {"pp": 1}}])])
+    assert ok.stages[1].parallel == {"pp": 1}
+    for own, match in (({}, r"^parallel\.pp \(2\) > 1 cannot run with parallel\.cp set: "),
+                       ({"dp_shard": 1}, r"^stage 'long': stages\[1\]\.parallel\.pp \(2\) > 1 cannot run with "
+                                         r"stages\[1\]\.parallel\.cp set: context parallelism")):
+        with pytest.raises(ConfigError, match=match):
+            load_config(preset="tiny", overrides=[*base.items(), ("stages", [
+                {"name": "main", "start": 0.0}, {**long, "parallel": own}])])

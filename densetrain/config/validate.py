@@ -231,12 +231,15 @@ def validate_parallel(cfg: Config) -> None:
     own = {i for i, st in enumerate(cfg.stages) if st.parallel}
     seq_lens = {"train.seq_len": cfg.train.seq_len} if 0 not in own else {}
     seq_lens.update({k: t for i, (k, t) in enumerate(lens) if i not in own})
-    _validate_layout(cfg, cfg.parallel, seq_lens, "parallel", "", masked=None)
+    masked = [st.document_mask or (cfg.model.document_mask and t > cfg.train.seq_len)
+              for st, (_, t) in zip(cfg.stages, lens)]  # as densetrain.schedule.resolve_stages decides it
+    # [parallel] runs the stages without a layout of their own: with none, any stage may mask (as before).
+    base_masked = any(m for i, m in enumerate(masked) if i not in own) if own else None
+    _validate_layout(cfg, cfg.parallel, seq_lens, "parallel", "", masked=base_masked)
     for i in sorted(own):
         st, (key, t) = cfg.stages[i], lens[i]
-        masked = st.document_mask or (cfg.model.document_mask and t > cfg.train.seq_len)
         _validate_layout(cfg, stage_parallel(cfg, i), {key: t}, f"stages[{i}].parallel", f"stage '{st.name}': ",
-                         masked=masked)
+                         masked=masked[i])
 
 
 def _validate_layout(cfg: Config, p: ParallelConfig, seq_lens: dict[str, int], name: str, where: str,
@@ -256,32 +259,32 @@ def _validate_layout(cfg: Config, p: ParallelConfig, seq_lens: dict[str, int], n
     # Upper bound: a week. torch turns the timeout into a timedelta (1e30 s overflows it at launch); no collective
     # of a healthy job waits anywhere near that long.
     check(0 < p.timeout_s <= 7 * 86400,
-                 f"parallel.timeout_s must be a number of seconds in (0, 604800] (a week), got {p.timeout_s}")
+          f"parallel.timeout_s must be a number of seconds in (0, 604800] (a week), got {p.timeout_s}")
     check(sum(v == -1 for v in degrees.values()) <= 1,
-                 f"parallel: at most one of dp_replicate, dp_shard, cp, tp may be -1, got {degrees}")
+          f"parallel: at most one of dp_replicate, dp_shard, cp, tp may be -1, got {degrees}")
     check(p.activation_checkpointing in ("none", "full", "selective"),
-                 f"parallel.activation_checkpointing must be none, full or selective, "
-                 f"got '{p.activation_checkpointing}'")
+          f"parallel.activation_checkpointing must be none, full or selective, "
+          f"got '{p.activation_checkpointing}'")
     if p.tp > 1:
         for k in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
             check(getattr(m, k) % p.tp == 0,
-                         f"parallel.tp ({p.tp}) must divide model.{k} ({getattr(m, k)}): each tensor-parallel rank "
-                         f"holds whole heads and equal slices")
+                  f"parallel.tp ({p.tp}) must divide model.{k} ({getattr(m, k)}): each tensor-parallel rank "
+                  f"holds whole heads and equal slices")
     if p.tp > 1 and p.sequence_parallel:
         e = cfg.eval
         for k, v in (("eval.tasks", e.tasks), ("eval.final_tasks", e.final_tasks), ("eval.samples", e.samples)):
             check(not v, f"parallel.sequence_parallel runs only forwards whose length is a multiple of "
-                                f"parallel.tp; {k} ({v!r}) scores or generates texts of any length: set it empty/0 "
-                                f"or turn sequence_parallel off")
+                         f"parallel.tp; {k} ({v!r}) scores or generates texts of any length: set it empty/0 "
+                         f"or turn sequence_parallel off")
         for k, t in seq_lens.items():
             n = p.tp * max(p.cp, 1)
             check(t % n == 0, f"parallel.sequence_parallel needs {k} ({t}) divisible by parallel.tp * cp "
-                                     f"({n}): each rank holds seq_len / (cp * tp) tokens between blocks")
+                              f"({n}): each rank holds seq_len / (cp * tp) tokens between blocks")
     if p.cp > 1:
         for k, t in seq_lens.items():
             check(t % (2 * p.cp) == 0,
-                         f"parallel.cp ({p.cp}) needs {k} ({t}) divisible by 2 * cp = {2 * p.cp}: each rank holds "
-                         f"two of 2 * cp equal chunks of every sequence")
+                  f"parallel.cp ({p.cp}) needs {k} ({t}) divisible by 2 * cp = {2 * p.cp}: each rank holds "
+                  f"two of 2 * cp equal chunks of every sequence")
     validate_pipeline(cfg, p, check, masked)
 
 
@@ -300,30 +303,30 @@ def validate_pipeline(cfg: Config, p: ParallelConfig | None = None, check=check_
         masked = m.document_mask or any(st.document_mask for st in cfg.stages)
     check(p.pp >= 1, f"parallel.pp must be >= 1, got {p.pp}")
     check(p.pp_schedule in PP_SCHEDULES,
-                 f"parallel.pp_schedule must be one of {', '.join(PP_SCHEDULES)}, got '{p.pp_schedule}'")
+          f"parallel.pp_schedule must be one of {', '.join(PP_SCHEDULES)}, got '{p.pp_schedule}'")
     interleaved = p.pp_schedule == "interleaved_1f1b"
     check(p.pp_virtual_stages >= 2 if interleaved else p.pp_virtual_stages == 1,
-                 f"parallel.pp_virtual_stages ({p.pp_virtual_stages}) must be >= 2 with pp_schedule "
-                 f"'interleaved_1f1b' and 1 with '{p.pp_schedule}'")
+          f"parallel.pp_virtual_stages ({p.pp_virtual_stages}) must be >= 2 with pp_schedule "
+          f"'interleaved_1f1b' and 1 with '{p.pp_schedule}'")
     check(p.pp_microbatches >= 0,
-                 f"parallel.pp_microbatches must be >= 0 (0: automatic), got {p.pp_microbatches}")
+          f"parallel.pp_microbatches must be >= 0 (0: automatic), got {p.pp_microbatches}")
     check(p.pp_layers_per_stage >= 0, f"parallel.pp_layers_per_stage must be >= 0, got {p.pp_layers_per_stage}")
     if p.pp == 1:
         return
     stages, units = p.pp * p.pp_virtual_stages, m.n_layers + 2
     check(units >= stages, f"parallel.pp * pp_virtual_stages = {stages} stages need at least as many layers; "
-                                  f"model.n_layers + 2 (embedding and head) is {units}")
+                           f"model.n_layers + 2 (embedding and head) is {units}")
     if p.pp_layers_per_stage:
         check(p.pp_layers_per_stage * stages == units,
-                     f"parallel.pp_layers_per_stage ({p.pp_layers_per_stage}) times {stages} stages must be "
-                     f"model.n_layers + 2 = {units} (the embedding and the head count as one layer each)")
+              f"parallel.pp_layers_per_stage ({p.pp_layers_per_stage}) times {stages} stages must be "
+              f"model.n_layers + 2 = {units} (the embedding and the head count as one layer each)")
     check(p.pp_microbatches == 0 or p.pp_microbatches >= p.pp,
-                 f"parallel.pp_microbatches ({p.pp_microbatches}) must be >= parallel.pp ({p.pp}): fewer micro-batches "
-                 f"than stages leave a stage idle the whole step")
+          f"parallel.pp_microbatches ({p.pp_microbatches}) must be >= parallel.pp ({p.pp}): fewer micro-batches "
+          f"than stages leave a stage idle the whole step")
     refused = (("model.tie_embeddings", m.tie_embeddings, "the embedding and the head sit on different stages"),
                ("parallel.cp", p.cp != 1 and masked,
                 "context parallelism runs through pipeline stages without document masks only (model.document_mask "
-                "and every stage's document_mask false)"),
+                "and every stage's document_mask false; or give the masked stage a layout of its own without pp)"),
                ("train.compile", cfg.train.compile, "whole-model compile cannot see a stage; use "
                                                     "parallel.compile_blocks"),
                ("eval.samples", cfg.eval.samples, "generation (KV cache) does not run through pipeline stages"),
