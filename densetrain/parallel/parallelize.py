@@ -23,7 +23,7 @@ from torch import nn
 
 from densetrain.errors import ConfigError
 from densetrain.model.compiling import pin_inductor_cache
-from densetrain.model.init import build_model
+from densetrain.model.init import build_model, set_init_scalars
 from densetrain.model.llama import Transformer
 from densetrain.parallel.dist import DistInfo
 from densetrain.parallel.mesh import dp_mesh
@@ -38,8 +38,8 @@ from densetrain.parallel.pipeline import (
 from densetrain.parallel.wrap import parallelize
 
 
-def build_parallel_model(cfg, info: DistInfo, meta: bool = False,
-                         seq_lens: dict[str, int] | None = None) -> tuple[Transformer, nn.Module]:
+def build_parallel_model(cfg, info: DistInfo, meta: bool = False, seq_lens: dict[str, int] | None = None,
+                         init: bool = True) -> tuple[Transformer, nn.Module]:
     """The model of ``cfg`` laid out as ``cfg.parallel`` says on the mesh of ``info``.
 
     Args:
@@ -48,6 +48,9 @@ def build_parallel_model(cfg, info: DistInfo, meta: bool = False,
             (the dry run of one rank of a large job, :mod:`densetrain.tools.plan.rank`).
         seq_lens: the sequence lengths (by config key) that will run on this layout, checked against its split;
             None: ``train.seq_len`` and those of the stages without a layout of their own (``stages[i].parallel``).
+        init: give the weights the single-process initial values; False (sharded layouts only) leaves them
+            uninitialised for a checkpoint to be loaded over (a layout switch: no full copy of the model on the
+            CPU per rank, :func:`load_reference_weights`).
     Returns:
         ``(model, step_model)``: ``model`` is the module checkpoints and the optimizer use (under
         FSDP2/TP the same object, its parameters DTensors; under pipeline parallelism this rank's stages
@@ -88,7 +91,10 @@ def build_parallel_model(cfg, info: DistInfo, meta: bool = False,
     if meta:
         return model, model
     model.to_empty(device=info.device)
-    load_reference_weights(model, cfg, info.device)
+    if init:
+        load_reference_weights(model, cfg, info.device)
+    else:
+        set_init_scalars(model, cfg.model)
     if layout.pp == 1:
         return model, model
     for chunk in chunks:

@@ -196,7 +196,9 @@ def switch_layout(run: Run, st: Stage) -> None:
     run.model = run.dp_model = run.optimizer = None
     gc.collect()
     run.info = init_distributed(run.cfg.train.device, par)
-    run.model, run.dp_model, run.optimizer = build_model_and_optimizer(run.cfg, run.info, par, run.layouts)
+    # No initial weights: the checkpoint fills them (no full copy of the model on the CPU per rank).
+    run.model, run.dp_model, run.optimizer = build_model_and_optimizer(run.cfg, run.info, par, run.layouts,
+                                                                       init=False)
     t_built = time.perf_counter()
     load_checkpoint(path, run.model, run.optimizer)
     run.parallel = par
@@ -211,16 +213,16 @@ def switch_layout(run: Run, st: Stage) -> None:
 
 
 def build_model_and_optimizer(cfg: Config, info: DistInfo, par: ParallelConfig,
-                              layouts: list[tuple[ParallelConfig, Layout]]):
+                              layouts: list[tuple[ParallelConfig, Layout]], init: bool = True):
     """``(model, step_model, optimizer)`` of ``cfg`` on layout ``par`` (meta -> TP -> AC -> compile -> FSDP2 ->
     init, or DDP: :func:`build_parallel_model`), the sequence lengths checked being those of the stages that run
-    on it."""
+    on it; ``init=False``: weights left for a checkpoint to fill (sharded layouts)."""
     lens = {f"stages[{i}].seq_len": st.seq_len for i, st in enumerate(cfg.stages)
             if st.seq_len and layouts and layouts[i][0] == par}
     if layouts and layouts[0][0] == par:
         lens["train.seq_len"] = cfg.train.seq_len
     cfg = dataclasses.replace(cfg, parallel=par)
-    model, dp_model = build_parallel_model(cfg, info, seq_lens=lens if layouts else None)
+    model, dp_model = build_parallel_model(cfg, info, seq_lens=lens if layouts else None, init=init)
     return model, dp_model, build_optimizer(model, cfg)
 
 
