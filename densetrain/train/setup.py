@@ -174,9 +174,11 @@ def start_step(run_dir: Path, resume: bool, rollback_to: int | None) -> int:
 def switch_layout(run: Run, st: Stage) -> None:
     """Entering stage ``st``: when its layout (:func:`stage_layouts`) differs from the one in force, move the run
     onto it in the same processes: write the step's checkpoint (unless it has one), drop the model, its
-    wrappers and the optimizer, build the new device mesh, model and optimizer as :func:`setup` builds them,
-    load the checkpoint resharded (DCP), and rebuild the watchers that depend on the layout (their state
-    kept). One ``parallel`` event says old -> new and the seconds taken. Every rank calls it at the same step.
+    wrappers and the optimizer, build the new device mesh, model and optimizer as :func:`setup` builds them
+    (without initial weights), load the checkpoint resharded (DCP), and rebuild the watchers that depend on
+    the layout (their state kept). One ``parallel`` event (action ``switch``) says old -> new and the seconds
+    taken. Every rank calls it at the same step (the loop, at each stage's first step, and after a rollback
+    into another stage); a stage on the layout in force costs nothing.
 
     Why a checkpoint and not an in-memory reshard: DCP already maps any layout's state onto any other (as a
     resume on other degrees does), and the switch leaves a resumable point exactly at the boundary.
