@@ -3,7 +3,9 @@
     stage -> lr -> step (loss, grads, global grad norm; nothing applied) -> one verdict (apply / skip /
     roll back) -> commit -> log -> evaluate -> checkpoint
 
-and the explicit calls it makes are the functions below it. Setup lives in :mod:`densetrain.train.setup`,
+and the explicit calls it makes are the functions below it. A stage with a layout of its own
+(``stages[i].parallel``) moves the run onto it at its first step through one call,
+:func:`densetrain.train.setup.switch_layout`. Setup lives in :mod:`densetrain.train.setup`,
 the step in :mod:`densetrain.train.step`, the decision point in :mod:`densetrain.train.watchers`. A SIGTERM
 or Ctrl-C stops the run at the next step boundary, or between two batches of an in-loop evaluation (which is
 then abandoned), checkpointed (:mod:`densetrain.train.preempt`).
