@@ -31,18 +31,20 @@ from densetrain.config.schema import (
     LoggingConfig,
     ModelConfig,
     OptimConfig,
+    ParallelConfig,
     ScheduleConfig,
     StageConfig,
     TrainConfig,
 )
-from densetrain.config.validate import validate
+from densetrain.config.validate import stage_parallel, validate
 
 __all__ = [
     "PRESET_DIR", "C4Config", "CheckpointConfig", "Config", "DataConfig", "DecontamConfig", "DedupConfig",
     "EvalConfig", "FaultConfig", "FiltersConfig", "GuardConfig", "HealthConfig", "ProbeConfig",
     "WatchdogConfig", "FineWebConfig",
     "GopherQualityConfig", "GopherRepetitionConfig",
-    "LoggingConfig", "ModelConfig", "OptimConfig", "ScheduleConfig", "SourceConfig", "StageConfig",
-    "TrainConfig", "help_text", "list_presets", "load_config", "parse_overrides", "save_config", "to_dict",
+    "LoggingConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "ScheduleConfig", "SourceConfig", "StageConfig",
+    "TrainConfig", "help_text", "list_presets", "load_config", "parse_overrides", "save_config", "stage_parallel",
+    "to_dict",
     "validate",
 ]

@@ -23,6 +23,7 @@ import json
 import os
 import textwrap
 import tomllib
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,14 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table, got {value!r}")
         return {str(k): _convert(v, val_tp, f"{key}.{k}") for k, v in value.items()}
+    if origin in (typing.Union, types.UnionType):  # e.g. a stage's parallel table: int | float | str | bool
+        for member in typing.get_args(tp):
+            try:
+                return _convert(value, member, key)
+            except ConfigError:
+                continue
+        names = " or ".join(getattr(m, "__name__", str(m)) for m in typing.get_args(tp))
+        raise ConfigError(f"{key}: expected {names}, got {value!r}")
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{key}: expected true or false, got {value!r}")

@@ -182,6 +182,12 @@ class StageConfig:
     rewarmup_steps: int = 0
     """Re-warm the lr over the stage's first N steps: the k-th step (0-based) uses scheduled lr * (k+1)/N (Gupta et al.
     2023); 0 disables; not inherited; must be 0 on the first stage."""
+    parallel: dict[str, int | float | str | bool] = field(default_factory=dict)
+    """This stage's own parallel layout: keys of [parallel] (e.g. { cp = 16, dp_shard = 8 }); unset keys take
+    [parallel]'s (not the previous stage's). The degrees must multiply to the world size. At the first step of a
+    stage whose layout differs from the one in force the run checkpoints, rebuilds the mesh, the model's parallel
+    wrappers and the optimizer on the new layout and reloads the checkpoint resharded, in the same processes
+    (Llama 3 405B: TP 8 / PP 16 for 8K, CP 16 for 128K; Llama 3 report, Table 4). {} runs [parallel]."""
 
 
 @dataclass

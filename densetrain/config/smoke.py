@@ -6,7 +6,8 @@ kind, the optimizer, the ratio of query to KV heads, the ratio of ``d_ff`` to ``
 stage's sequence length relative to the first. Shrunk: depth 2, width 64 (4 heads of 16), the first
 stage's ``seq_len`` to at most 64, 4 sequences per step per stage, 3 steps per stage, warmup of 2
 steps, evals on 2 batches, downstream tasks off, a checkpoint at the middle and the end, the parallel
-layout one process (no pipeline, tensor or context split: a recipe's layout is for its GPUs), and the
+layout one process (no pipeline, tensor or context split, no stage's own layout: a recipe's layout is for its
+GPUs), and the
 run directory gets a ``-smoke`` suffix so a real run is never touched.
 """
 
@@ -66,6 +67,8 @@ def scale_down(cfg: Config) -> Config:
     out.parallel = dataclasses.replace(out.parallel, dp_replicate=-1, dp_shard=1, tp=1, cp=1, pp=1,
                                        pp_schedule="1f1b", pp_virtual_stages=1, pp_microbatches=0,
                                        pp_layers_per_stage=0)
+    for st in out.stages:  # one process: no stage keeps a layout of its own (llama3-405b's CP 16 stage)
+        st.parallel = {}
     validate(out)
     return out
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import typing
 
 from densetrain.config.filters import validate_filters
 from densetrain.config.recovery import validate_health, validate_recovery
-from densetrain.config.schema import Config
-from densetrain.errors import check_config
+from densetrain.config.schema import Config, ParallelConfig
+from densetrain.errors import ConfigError, check_config
 from densetrain.registry.filters import resolve_filter_names
 from densetrain.registry.gen_tasks import GEN_TASKS
 from densetrain.registry.tasks import GROUPS, TASKS
@@ -183,83 +184,149 @@ def validate(cfg: Config) -> None:
                    f"stages[{i}].seq_len ({st.seq_len}) must divide {what} ({batch_tokens})")
 
 
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def stage_parallel(cfg: Config, index: int) -> ParallelConfig:
+    """The parallel layout stage ``index`` runs on: ``[parallel]`` with the stage's own ``parallel`` keys over it
+    (``cfg.parallel`` itself when it sets none).
+
+    Raises:
+        ConfigError: an unknown key (with the closest one) or a value of the wrong type, naming
+            ``stages[i].parallel.<key>``.
+    """
+    own = cfg.stages[index].parallel
+    if not own:
+        return cfg.parallel
+    hints = typing.get_type_hints(ParallelConfig)
+    for k, v in own.items():
+        key = f"stages[{index}].parallel.{k}"
+        if k not in hints:
+            close = difflib.get_close_matches(k, list(hints), n=1)
+            raise ConfigError(f"unknown config key '{key}'" + (f"; did you mean '{close[0]}'?" if close else
+                                                                f"; valid keys: {', '.join(hints)}"))
+        want = hints[k]
+        ok = isinstance(v, want) and (want is bool or not isinstance(v, bool)) or (want is float and isinstance(
+            v, int) and not isinstance(v, bool))
+        check_config(ok, f"{key}: expected {_TYPE_WORDS[want]}, got {v!r}")
+    return dataclasses.replace(cfg.parallel, **{k: float(v) if hints[k] is float else v for k, v in own.items()})
+
+
+def stage_seq_lens(cfg: Config) -> list[tuple[str, int]]:
+    """Each stage's sequence length, inherited down the table, with the key that set it (``train.seq_len`` or
+    ``stages[i].seq_len``)."""
+    out, key, t = [], "train.seq_len", cfg.train.seq_len
+    for i, st in enumerate(cfg.stages):
+        if st.seq_len:
+            key, t = f"stages[{i}].seq_len", st.seq_len
+        out.append((key, t))
+    return out
+
+
 def validate_parallel(cfg: Config) -> None:
-    """The ``parallel`` section on its own (the world size is checked at launch, where it is known):
-    degrees >= 1 or -1 (fill, at most one), tensor parallel dividing the head counts, d_ff and the
-    vocabulary (each rank holds whole heads and equal slices), context parallel dividing every stage's
-    seq_len into ``2 cp`` equal chunks (the load-balanced split)."""
-    p, m = cfg.parallel, cfg.model
+    """The ``parallel`` section and each stage's own layout (:func:`stage_parallel`), each checked against the
+    stages that run on it (the world size is checked at launch, where it is known). A stage's own layout is
+    named in every message (``stage 'long_context': stages[2].parallel.cp ...``)."""
+    lens = stage_seq_lens(cfg)
+    own = {i for i, st in enumerate(cfg.stages) if st.parallel}
+    seq_lens = {"train.seq_len": cfg.train.seq_len} if 0 not in own else {}
+    seq_lens.update({k: t for i, (k, t) in enumerate(lens) if i not in own})
+    masked = [st.document_mask or (cfg.model.document_mask and t > cfg.train.seq_len)
+              for st, (_, t) in zip(cfg.stages, lens)]  # as densetrain.schedule.resolve_stages decides it
+    # [parallel] runs the stages without a layout of their own: with none, any stage may mask (as before).
+    base_masked = any(m for i, m in enumerate(masked) if i not in own) if own else None
+    _validate_layout(cfg, cfg.parallel, seq_lens, "parallel", "", masked=base_masked)
+    for i in sorted(own):
+        st, (key, t) = cfg.stages[i], lens[i]
+        _validate_layout(cfg, stage_parallel(cfg, i), {key: t}, f"stages[{i}].parallel", f"stage '{st.name}': ",
+                         masked=masked[i])
+
+
+def _validate_layout(cfg: Config, p: ParallelConfig, seq_lens: dict[str, int], name: str, where: str,
+                     masked: bool | None) -> None:
+    """One layout ``p`` (keys named ``<name>.<key>``, messages prefixed with ``where``): degrees >= 1 or -1 (fill,
+    at most one), tensor parallel dividing the head counts, d_ff and the vocabulary (each rank holds whole heads and
+    equal slices), context parallel dividing each of ``seq_lens`` into ``2 cp`` equal chunks (the load-balanced
+    split), the pipeline keys. ``masked``: whether the stages on it use document masks (None: any stage may)."""
+    m = cfg.model
+
+    def check(ok: bool, msg: str) -> None:
+        check_config(ok, where + msg.replace("parallel.", f"{name}.") if name != "parallel" else msg)
+
     degrees = {"dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp}
     for k, v in degrees.items():
-        check_config(v >= 1 or v == -1, f"parallel.{k} must be >= 1 or -1 (fill the world size), got {v}")
+        check(v >= 1 or v == -1, f"parallel.{k} must be >= 1 or -1 (fill the world size), got {v}")
     # Upper bound: a week. torch turns the timeout into a timedelta (1e30 s overflows it at launch); no collective
     # of a healthy job waits anywhere near that long.
-    check_config(0 < p.timeout_s <= 7 * 86400,
-                 f"parallel.timeout_s must be a number of seconds in (0, 604800] (a week), got {p.timeout_s}")
-    check_config(sum(v == -1 for v in degrees.values()) <= 1,
-                 f"parallel: at most one of dp_replicate, dp_shard, cp, tp may be -1, got {degrees}")
-    check_config(p.activation_checkpointing in ("none", "full", "selective"),
-                 f"parallel.activation_checkpointing must be none, full or selective, "
-                 f"got '{p.activation_checkpointing}'")
+    check(0 < p.timeout_s <= 7 * 86400,
+          f"parallel.timeout_s must be a number of seconds in (0, 604800] (a week), got {p.timeout_s}")
+    check(sum(v == -1 for v in degrees.values()) <= 1,
+          f"parallel: at most one of dp_replicate, dp_shard, cp, tp may be -1, got {degrees}")
+    check(p.activation_checkpointing in ("none", "full", "selective"),
+          f"parallel.activation_checkpointing must be none, full or selective, "
+          f"got '{p.activation_checkpointing}'")
     if p.tp > 1:
         for k in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
-            check_config(getattr(m, k) % p.tp == 0,
-                         f"parallel.tp ({p.tp}) must divide model.{k} ({getattr(m, k)}): each tensor-parallel rank "
-                         f"holds whole heads and equal slices")
-    seq_lens = {"train.seq_len": cfg.train.seq_len}
-    seq_lens.update({f"stages[{i}].seq_len": st.seq_len for i, st in enumerate(cfg.stages) if st.seq_len})
+            check(getattr(m, k) % p.tp == 0,
+                  f"parallel.tp ({p.tp}) must divide model.{k} ({getattr(m, k)}): each tensor-parallel rank "
+                  f"holds whole heads and equal slices")
     if p.tp > 1 and p.sequence_parallel:
         e = cfg.eval
         for k, v in (("eval.tasks", e.tasks), ("eval.final_tasks", e.final_tasks), ("eval.samples", e.samples)):
-            check_config(not v, f"parallel.sequence_parallel runs only forwards whose length is a multiple of "
-                                f"parallel.tp; {k} ({v!r}) scores or generates texts of any length: set it empty/0 "
-                                f"or turn sequence_parallel off")
+            check(not v, f"parallel.sequence_parallel runs only forwards whose length is a multiple of "
+                         f"parallel.tp; {k} ({v!r}) scores or generates texts of any length: set it empty/0 "
+                         f"or turn sequence_parallel off")
         for k, t in seq_lens.items():
             n = p.tp * max(p.cp, 1)
-            check_config(t % n == 0, f"parallel.sequence_parallel needs {k} ({t}) divisible by parallel.tp * cp "
-                                     f"({n}): each rank holds seq_len / (cp * tp) tokens between blocks")
+            check(t % n == 0, f"parallel.sequence_parallel needs {k} ({t}) divisible by parallel.tp * cp "
+                              f"({n}): each rank holds seq_len / (cp * tp) tokens between blocks")
     if p.cp > 1:
         for k, t in seq_lens.items():
-            check_config(t % (2 * p.cp) == 0,
-                         f"parallel.cp ({p.cp}) needs {k} ({t}) divisible by 2 * cp = {2 * p.cp}: each rank holds "
-                         f"two of 2 * cp equal chunks of every sequence")
-    validate_pipeline(cfg)
+            check(t % (2 * p.cp) == 0,
+                  f"parallel.cp ({p.cp}) needs {k} ({t}) divisible by 2 * cp = {2 * p.cp}: each rank holds "
+                  f"two of 2 * cp equal chunks of every sequence")
+    validate_pipeline(cfg, p, check, masked)
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
-def validate_pipeline(cfg: Config) -> None:
-    """The ``parallel.pp*`` keys: a known schedule, virtual stages only with the interleaved one, a stage split
-    that gives every stage at least one layer, and the features pipeline stages do not run (refused here,
-    one line each, rather than failing mid-run)."""
-    p, m = cfg.parallel, cfg.model
-    check_config(p.pp >= 1, f"parallel.pp must be >= 1, got {p.pp}")
-    check_config(p.pp_schedule in PP_SCHEDULES,
-                 f"parallel.pp_schedule must be one of {', '.join(PP_SCHEDULES)}, got '{p.pp_schedule}'")
+def validate_pipeline(cfg: Config, p: ParallelConfig | None = None, check=check_config,
+                      masked: bool | None = None) -> None:
+    """The ``parallel.pp*`` keys of ``p`` (``cfg.parallel`` by default): a known schedule, virtual stages only with
+    the interleaved one, a stage split that gives every stage at least one layer, and the features pipeline stages
+    do not run (refused here, one line each, rather than failing mid-run). ``check``: how a failed condition is
+    said (:func:`_validate_layout` names a stage's own layout); ``masked``: whether the stages on ``p`` use
+    document masks (None: any stage of the table may)."""
+    p, m = p or cfg.parallel, cfg.model
+    if masked is None:
+        masked = m.document_mask or any(st.document_mask for st in cfg.stages)
+    check(p.pp >= 1, f"parallel.pp must be >= 1, got {p.pp}")
+    check(p.pp_schedule in PP_SCHEDULES,
+          f"parallel.pp_schedule must be one of {', '.join(PP_SCHEDULES)}, got '{p.pp_schedule}'")
     interleaved = p.pp_schedule == "interleaved_1f1b"
-    check_config(p.pp_virtual_stages >= 2 if interleaved else p.pp_virtual_stages == 1,
-                 f"parallel.pp_virtual_stages ({p.pp_virtual_stages}) must be >= 2 with pp_schedule "
-                 f"'interleaved_1f1b' and 1 with '{p.pp_schedule}'")
-    check_config(p.pp_microbatches >= 0,
-                 f"parallel.pp_microbatches must be >= 0 (0: automatic), got {p.pp_microbatches}")
-    check_config(p.pp_layers_per_stage >= 0, f"parallel.pp_layers_per_stage must be >= 0, got {p.pp_layers_per_stage}")
+    check(p.pp_virtual_stages >= 2 if interleaved else p.pp_virtual_stages == 1,
+          f"parallel.pp_virtual_stages ({p.pp_virtual_stages}) must be >= 2 with pp_schedule "
+          f"'interleaved_1f1b' and 1 with '{p.pp_schedule}'")
+    check(p.pp_microbatches >= 0,
+          f"parallel.pp_microbatches must be >= 0 (0: automatic), got {p.pp_microbatches}")
+    check(p.pp_layers_per_stage >= 0, f"parallel.pp_layers_per_stage must be >= 0, got {p.pp_layers_per_stage}")
     if p.pp == 1:
         return
     stages, units = p.pp * p.pp_virtual_stages, m.n_layers + 2
-    check_config(units >= stages, f"parallel.pp * pp_virtual_stages = {stages} stages need at least as many layers; "
-                                  f"model.n_layers + 2 (embedding and head) is {units}")
+    check(units >= stages, f"parallel.pp * pp_virtual_stages = {stages} stages need at least as many layers; "
+                           f"model.n_layers + 2 (embedding and head) is {units}")
     if p.pp_layers_per_stage:
-        check_config(p.pp_layers_per_stage * stages == units,
-                     f"parallel.pp_layers_per_stage ({p.pp_layers_per_stage}) times {stages} stages must be "
-                     f"model.n_layers + 2 = {units} (the embedding and the head count as one layer each)")
-    check_config(p.pp_microbatches == 0 or p.pp_microbatches >= p.pp,
-                 f"parallel.pp_microbatches ({p.pp_microbatches}) must be >= parallel.pp ({p.pp}): fewer micro-batches "
-                 f"than stages leave a stage idle the whole step")
+        check(p.pp_layers_per_stage * stages == units,
+              f"parallel.pp_layers_per_stage ({p.pp_layers_per_stage}) times {stages} stages must be "
+              f"model.n_layers + 2 = {units} (the embedding and the head count as one layer each)")
+    check(p.pp_microbatches == 0 or p.pp_microbatches >= p.pp,
+          f"parallel.pp_microbatches ({p.pp_microbatches}) must be >= parallel.pp ({p.pp}): fewer micro-batches "
+          f"than stages leave a stage idle the whole step")
     refused = (("model.tie_embeddings", m.tie_embeddings, "the embedding and the head sit on different stages"),
-               ("parallel.cp", p.cp != 1 and (m.document_mask or any(st.document_mask for st in cfg.stages)),
+               ("parallel.cp", p.cp != 1 and masked,
                 "context parallelism runs through pipeline stages without document masks only (model.document_mask "
-                "and every stage's document_mask false)"),
+                "and every stage's document_mask false; or give the masked stage a layout of its own without pp)"),
                ("train.compile", cfg.train.compile, "whole-model compile cannot see a stage; use "
                                                     "parallel.compile_blocks"),
                ("eval.samples", cfg.eval.samples, "generation (KV cache) does not run through pipeline stages"),
@@ -267,7 +334,7 @@ def validate_pipeline(cfg: Config) -> None:
                   "the KV cache or chunked head, which pipeline stages do not; multiple-choice tasks do run")
                  for key, text in (("eval.tasks", cfg.eval.tasks), ("eval.final_tasks", cfg.eval.final_tasks))))
     for key, on, why in refused:
-        check_config(not on, f"parallel.pp ({p.pp}) > 1 cannot run with {key} set: {why}; set it off or pp = 1")
+        check(not on, f"parallel.pp ({p.pp}) > 1 cannot run with {key} set: {why}; set it off or pp = 1")
 
 
 def generative_tasks(text: str) -> list[str]:

@@ -93,8 +93,16 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
         else:  # pragma: no cover - a new parameter must be given an explicit rule
             raise ValueError(f"init_weights: no rule for parameter '{name}'")
 
+    set_init_scalars(model, cfg)
+
+
+def set_init_scalars(model: nn.Module, cfg: ModelConfig) -> None:
+    """The init's non-parameter state of ``model``: ``attn_scale`` and ``logit_mult`` (μP: 1/head_dim and
+    1/width_mult; standard: None and 1), and an empty RoPE cache. Alone, for a model whose weights come from
+    a checkpoint (a layout switch, :func:`densetrain.parallel.build_parallel_model` with ``init=False``)."""
+    mup = cfg.init == "mup"
     model.attn_scale = 1.0 / cfg.head_dim if mup else None
-    model.logit_mult = 1.0 / m if mup else 1.0
+    model.logit_mult = 1.0 / width_mult(cfg) if mup else 1.0
     model.reset_rope_cache()
 
 

@@ -3,7 +3,8 @@ model (DDP, FSDP2, tensor parallel, activation checkpointing, per-block compile)
 (sequences split along time, :mod:`~densetrain.parallel.context`), pipeline stages
 (:mod:`~densetrain.parallel.pipeline`, torch.distributed.pipelining's schedules), gradient sync, grad norm and
 clipping, norms of full tensors in any layout (:mod:`~densetrain.parallel.norms`), even splits of
-evaluation work, precision.
+evaluation work, precision, and each stage's own layout resolved and checked at launch
+(:mod:`~densetrain.parallel.stage_layout`).
 
 The model code knows nothing of parallelism; this package applies it afterwards (torchtitan's split),
 and the training loop and the evals ask it, never testing for DDP themselves. Under ``torchrun``

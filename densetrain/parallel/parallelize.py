@@ -21,8 +21,9 @@ import math
 import torch
 from torch import nn
 
+from densetrain.errors import ConfigError
 from densetrain.model.compiling import pin_inductor_cache
-from densetrain.model.init import build_model
+from densetrain.model.init import build_model, set_init_scalars
 from densetrain.model.llama import Transformer
 from densetrain.parallel.dist import DistInfo
 from densetrain.parallel.mesh import dp_mesh
@@ -37,13 +38,19 @@ from densetrain.parallel.pipeline import (
 from densetrain.parallel.wrap import parallelize
 
 
-def build_parallel_model(cfg, info: DistInfo, meta: bool = False) -> tuple[Transformer, nn.Module]:
+def build_parallel_model(cfg, info: DistInfo, meta: bool = False, seq_lens: dict[str, int] | None = None,
+                         init: bool = True) -> tuple[Transformer, nn.Module]:
     """The model of ``cfg`` laid out as ``cfg.parallel`` says on the mesh of ``info``.
 
     Args:
         cfg: the :class:`~densetrain.config.Config` (reads ``model``, ``parallel``, ``train``).
         meta: stop before materialising: parameters stay on the meta device with this rank's shard shapes
             (the dry run of one rank of a large job, :mod:`densetrain.tools.plan.rank`).
+        seq_lens: the sequence lengths (by config key) that will run on this layout, checked against its split;
+            None: ``train.seq_len`` and those of the stages without a layout of their own (``stages[i].parallel``).
+        init: give the weights the single-process initial values; False (sharded layouts only) leaves them
+            uninitialised for a checkpoint to be loaded over (a layout switch: no full copy of the model on the
+            CPU per rank, :func:`load_reference_weights`).
     Returns:
         ``(model, step_model)``: ``model`` is the module checkpoints and the optimizer use (under
         FSDP2/TP the same object, its parameters DTensors; under pipeline parallelism this rank's stages
@@ -51,7 +58,7 @@ def build_parallel_model(cfg, info: DistInfo, meta: bool = False) -> tuple[Trans
         whole-model compile wrapper, a :class:`~densetrain.parallel.pipeline.PipelineModel`, else ``model``).
     """
     par, layout = cfg.parallel, info.layout
-    _check_seq_lens(cfg, layout)
+    _check_seq_lens(cfg, layout, seq_lens)
     if not meta and layout.pp == 1 and layout.tp == 1 and not layout.uses_fsdp:
         # Single process or DDP: the real model straight away (this path is the golden trajectory's).
         model = build_model(cfg.model, cfg.train.seed, info.device)
@@ -84,7 +91,10 @@ def build_parallel_model(cfg, info: DistInfo, meta: bool = False) -> tuple[Trans
     if meta:
         return model, model
     model.to_empty(device=info.device)
-    load_reference_weights(model, cfg, info.device)
+    if init:
+        load_reference_weights(model, cfg, info.device)
+    else:
+        set_init_scalars(model, cfg.model)
     if layout.pp == 1:
         return model, model
     for chunk in chunks:
@@ -97,19 +107,26 @@ def build_parallel_model(cfg, info: DistInfo, meta: bool = False) -> tuple[Trans
     return model, pipe
 
 
-def _check_seq_lens(cfg, layout) -> None:
+def seq_len_divisor(layout, sequence_parallel: bool) -> int:
+    """What every sequence length on ``layout`` must be a multiple of: ``2 cp`` load-balanced chunks
+    (:mod:`densetrain.parallel.context`), and ``cp * tp`` parts under sequence parallelism."""
+    need = 2 * layout.cp if layout.cp > 1 else 1
+    if sequence_parallel and layout.tp > 1:
+        need = math.lcm(need, layout.cp * layout.tp)  # each cp rank's T / cp tokens split by tp
+    return need
+
+
+def _check_seq_lens(cfg, layout, lens: dict[str, int] | None = None) -> None:
     """The sequence lengths the resolved layout needs (config validation cannot check a ``-1`` degree):
-    ``2 cp`` load-balanced chunks, and ``cp * tp`` parts under sequence parallelism.
+    :func:`seq_len_divisor`; ``lens`` as :func:`build_parallel_model` takes them.
 
     Raises: ConfigError naming the stage and the divisor.
     """
-    from densetrain.errors import ConfigError
-
-    need = 2 * layout.cp if layout.cp > 1 else 1
-    if cfg.parallel.sequence_parallel and layout.tp > 1:
-        need = math.lcm(need, layout.cp * layout.tp)  # each cp rank's T / cp tokens split by tp
-    lens = {"train.seq_len": cfg.train.seq_len}
-    lens.update({f"stages[{i}].seq_len": st.seq_len for i, st in enumerate(cfg.stages) if st.seq_len})
+    need = seq_len_divisor(layout, cfg.parallel.sequence_parallel)
+    if lens is None:
+        lens = {"train.seq_len": cfg.train.seq_len}
+        lens.update({f"stages[{i}].seq_len": st.seq_len for i, st in enumerate(cfg.stages)
+                     if st.seq_len and not st.parallel})
     for key, t in lens.items():
         if t % need:
             raise ConfigError(f"parallel: the layout ({layout}) needs every seq_len divisible by {need}; {key} is {t}")

@@ -204,6 +204,9 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
 
     import torch
 
+    from densetrain.errors import ConfigError
+    from densetrain.parallel.stage_layout import stage_layouts
+    from densetrain.schedule import resolve_stages
     from densetrain.tools.plan import format_layout_plan, layout_plan
     from densetrain.tools.plan.rank import dry_run_rank, format_rank, parse_ranks
 
@@ -211,6 +214,12 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
         return _error(f"--world-size: expected a number of processes >= 1, got {world_size} "
                       "(see densetrain train --help)")
     gpus = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    # Every stage's layout (its own, stages[i].parallel, or [parallel]) can run it, as train checks before its first
+    # step; an unfit [parallel] is the plan's note, or (--rank) the launch's own line.
+    try:
+        stage_layouts(cfg, resolve_stages(cfg), gpus, skip_unfit_base=rank is None and not ranks)
+    except (ConfigError, ValueError) as e:
+        return _error(str(e))
     if rank is not None or ranks:
         for r in parse_ranks(ranks or str(rank), gpus):
             print(format_rank(dry_run_rank(cfg, gpus, r)), flush=True)

@@ -3,7 +3,9 @@
     stage -> lr -> step (loss, grads, global grad norm; nothing applied) -> one verdict (apply / skip /
     roll back) -> commit -> log -> evaluate -> checkpoint
 
-and the explicit calls it makes are the functions below it. Setup lives in :mod:`densetrain.train.setup`,
+and the explicit calls it makes are the functions below it. A stage with a layout of its own
+(``stages[i].parallel``) moves the run onto it at its first step through one call,
+:func:`densetrain.train.setup.switch_layout`. Setup lives in :mod:`densetrain.train.setup`,
 the step in :mod:`densetrain.train.step`, the decision point in :mod:`densetrain.train.watchers`. A SIGTERM
 or Ctrl-C stops the run at the next step boundary, or between two batches of an in-loop evaluation (which is
 then abandoned), checkpointed (:mod:`densetrain.train.preempt`).
@@ -31,7 +33,7 @@ from densetrain.parallel import all_reduce_max
 from densetrain.schedule import Stage, lr_for, stage_at
 from densetrain.train.preempt import StopRequest, stop_run
 from densetrain.train.rundir import set_aside_future, unlock_run_dir
-from densetrain.train.setup import Run, probe_peak_flops, setup
+from densetrain.train.setup import Run, probe_peak_flops, setup, switch_layout
 from densetrain.train.step import StepResult, compute_step
 from densetrain.train.watchers import Verdict, decide
 
@@ -78,6 +80,7 @@ def _train(run: Run) -> dict:
                 stop_run(run, signum, noted_at=stop.noted_at)  # raises Preempted once the checkpoint is written
             st = stage_at(run.state.step, run.stages)
             if st != stage:
+                switch_layout(run, st)  # a stage with a layout of its own: checkpoint, rebuild, reload
                 enter_stage(run, st)
                 stage = st
             for w in run.watchers:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import re
 import time
@@ -18,8 +19,10 @@ from densetrain.checkpoint import (
     Checkpointer,
     CheckpointReadError,
     list_complete,
+    load_checkpoint,
+    save_checkpoint,
 )
-from densetrain.config import Config, save_config
+from densetrain.config import Config, ParallelConfig, save_config, stage_parallel
 from densetrain.data.mixture import MixtureSampler
 from densetrain.data.provenance import window_documents
 from densetrain.data.shards import TokenFiles
@@ -34,6 +37,7 @@ from densetrain.optim import build_optimizer, describe_groups
 from densetrain.parallel import DistInfo, autocast_for, build_parallel_model, init_distributed
 from densetrain.parallel.mesh import Layout, keep_intent, resolve_layout
 from densetrain.parallel.pipeline import resolve_microbatches
+from densetrain.parallel.stage_layout import layouts_that_fit, stage_layouts
 from densetrain.registry.tasks import data_root, parse_task_list, resolve_tasks
 from densetrain.schedule import Stage, resolve_stages, stage_at
 from densetrain.train.rundir import (
@@ -90,6 +94,8 @@ class Run:
     lr_scale: float = 1.0  # set by the guard after a rollback (guard.lr_factor)
     optimizer_seconds: float = 0.0  # the last step's optimizer time (the watchdog's 'optimizer' phase)
     eval_seconds: float = 0.0  # total time in in-loop evals (the watchdog's 'eval' phase)
+    layouts: list[tuple[ParallelConfig, Layout]] = field(default_factory=list)  # per stage (stage_layouts)
+    parallel: ParallelConfig | None = None  # the layout in force: cfg.parallel, or the stage's own (switch_layout)
 
     def batch_documents(self, result, source: str | None = None, limit: int = 20) -> dict:
         """Provenance of a step's batch for events: the global sample range, and the documents of this
@@ -131,9 +137,10 @@ class Run:
 
 
 def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], info: DistInfo, model,
-                 parallel=None) -> None:
+                 parallel=None, layouts: list[tuple[ParallelConfig, Layout]] | None = None) -> None:
     """Every stage can draw a full sequence from each source of its mix and splits over the ranks (and,
-    under pipeline parallelism, gives every rank enough micro-batches for the stages: ``parallel``).
+    under pipeline parallelism, gives every rank enough micro-batches for the stages: ``parallel``), each
+    on its own layout when ``layouts`` (:func:`stage_layouts`) gives them, else on ``info``'s.
 
     Raises:
         TrainError: a source shorter than one sequence, or a batch that does not divide over the
@@ -145,13 +152,82 @@ def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], info: Dist
             if len(streams[name]) < st.seq_len + 1:
                 raise TrainError(f"source '{name}' has {len(streams[name])} train tokens, fewer than one "
                                  f"sequence of stage '{st.name}' (seq_len {st.seq_len} + 1)")
-        if st.batch_size % (info.dp_size * st.micro_batch_size):
+        par, dp, pp = (parallel, info.dp_size, info.pp_size) if not layouts else \
+            (layouts[st.index][0], layouts[st.index][1].dp_size, layouts[st.index][1].pp)
+        if st.batch_size % (dp * st.micro_batch_size):
             raise TrainError(f"stage '{st.name}': batch of {st.batch_size} sequences does not split into "
-                             f"{info.dp_size} data-parallel ranks x micro_batch_size {st.micro_batch_size}; "
-                             + _layouts_that_fit(st.batch_size, info.world_size, model))
-        if parallel is not None and info.pp_size > 1:
-            resolve_microbatches(parallel.pp_microbatches, info.pp_size, parallel.pp_virtual_stages,
-                                 st.batch_size // (info.dp_size * st.micro_batch_size), f" at stage '{st.name}'")
+                             f"{dp} data-parallel ranks x micro_batch_size {st.micro_batch_size}; "
+                             + layouts_that_fit(st.batch_size, info.world_size, model))
+        if par is not None and pp > 1:
+            resolve_microbatches(par.pp_microbatches, pp, par.pp_virtual_stages,
+                                 st.batch_size // (dp * st.micro_batch_size), f" at stage '{st.name}'")
+
+
+def start_step(run_dir: Path, resume: bool, rollback_to: int | None) -> int:
+    """The step this launch starts at, before anything is loaded: ``rollback_to``, else (resuming) the newest
+    complete checkpoint's, else 0. It decides the first layout (the stage at that step has it); when the
+    resume then passes over that checkpoint for an older one, the loop's first :func:`switch_layout` moves."""
+    if rollback_to is not None:
+        return rollback_to
+    done = list_complete(run_dir) if resume else []
+    return done[-1][0] if done else 0
+
+
+def switch_layout(run: Run, st: Stage) -> None:
+    """Entering stage ``st``: when its layout (:func:`stage_layouts`) differs from the one in force, move the run
+    onto it in the same processes: write the step's checkpoint (unless it has one), drop the model, its
+    wrappers and the optimizer, build the new device mesh, model and optimizer as :func:`setup` builds them
+    (without initial weights), load the checkpoint resharded (DCP), and rebuild the watchers that depend on
+    the layout (their state kept). One ``parallel`` event (action ``switch``) says old -> new and the seconds
+    taken. Every rank calls it at the same step (the loop, at each stage's first step, and after a rollback
+    into another stage); a stage on the layout in force costs nothing.
+
+    Why a checkpoint and not an in-memory reshard: DCP already maps any layout's state onto any other (as a
+    resume on other degrees does), and the switch leaves a resumable point exactly at the boundary.
+    """
+    par, lay = run.layouts[st.index] if run.layouts else (run.cfg.parallel, run.info.layout)
+    if par == run.parallel:
+        return
+    t0, step, old = time.perf_counter(), run.state.step, run.info.layout
+    run.checkpointer.finish_pending(run.log)  # an async save in flight completes first
+    path = dict(list_complete(run.run_dir)).get(step)
+    if path is None:
+        path = save_checkpoint(run.run_dir, step, run.model, run.optimizer, run.state_dict(), run.checkpointer.keep,
+                               run.checkpointer.on_written)
+    t_saved = time.perf_counter()
+    # The old mesh's process groups stay registered with torch.distributed (a dimension spanning the world may
+    # be the default group itself): only the modules, their hooks and the optimizer state are dropped.
+    run.model = run.dp_model = run.optimizer = None
+    gc.collect()
+    run.info = init_distributed(run.cfg.train.device, par)
+    # No initial weights: the checkpoint fills them (no full copy of the model on the CPU per rank).
+    run.model, run.dp_model, run.optimizer = build_model_and_optimizer(run.cfg, run.info, par, run.layouts,
+                                                                       init=False)
+    t_built = time.perf_counter()
+    load_checkpoint(path, run.model, run.optimizer)
+    run.parallel = par
+    run.watchers = make_watchers(run.cfg, run.info, run.run_dir, old=run.watchers)
+    dt = time.perf_counter() - t0
+    run.log.event(step, f"layout: stage '{st.name}' switches {old} -> {lay} ({layout_words(lay)}) in {dt:.2f}s "
+                        f"(checkpoint {path.name}, new mesh, wrappers and optimizer, resharded reload)",
+                  kind="parallel", action="switch",
+                  values={"stage": st.name, "from": dataclasses.asdict(old), "to": dataclasses.asdict(lay),
+                          "seconds": dt, "checkpoint": path.name, "checkpoint_s": t_saved - t0,
+                          "rebuild_s": t_built - t_saved, "load_s": time.perf_counter() - t_built})
+
+
+def build_model_and_optimizer(cfg: Config, info: DistInfo, par: ParallelConfig,
+                              layouts: list[tuple[ParallelConfig, Layout]], init: bool = True):
+    """``(model, step_model, optimizer)`` of ``cfg`` on layout ``par`` (meta -> TP -> AC -> compile -> FSDP2 ->
+    init, or DDP: :func:`build_parallel_model`), the sequence lengths checked being those of the stages that run
+    on it; ``init=False``: weights left for a checkpoint to fill (sharded layouts)."""
+    lens = {f"stages[{i}].seq_len": st.seq_len for i, st in enumerate(cfg.stages)
+            if st.seq_len and layouts and layouts[i][0] == par}
+    if layouts and layouts[0][0] == par:
+        lens["train.seq_len"] = cfg.train.seq_len
+    cfg = dataclasses.replace(cfg, parallel=par)
+    model, dp_model = build_parallel_model(cfg, info, seq_lens=lens if layouts else None, init=init)
+    return model, dp_model, build_optimizer(model, cfg)
 
 
 def probe_peak_flops(device: torch.device, autocast) -> float:
@@ -189,17 +265,6 @@ def warn_repeats(run: Run, steps: int) -> None:
                       kind="data", values={"epochs": {n: round(e, 2) for n, e in epochs.items()}})
 
 
-def _layouts_that_fit(batch_size: int, world: int, model) -> str:
-    """The tensor-parallel degrees of ``world`` ranks whose data-parallel size divides ``batch_size``
-    (one sequence per rank and micro-batch), as advice for the error above."""
-    fits = [tp for tp in range(1, world + 1) if world % tp == 0 and model.n_heads % tp == 0
-            and model.n_kv_heads % tp == 0 and batch_size % (world // tp) == 0]
-    if not fits:
-        return f"no layout of {world} ranks runs it: change the stage's batch_tokens or the number of ranks"
-    return "layouts that run it: " + ", ".join(f"--parallel.tp={tp} ({world // tp} data-parallel ranks)"
-                                               for tp in fits[:4]) + " with a micro_batch_size that divides"
-
-
 def log_restart(run: Run, logged: int | None) -> None:
     """Under torchrun's elastic agent (``TORCHELASTIC_RESTART_COUNT`` > 0): one ``restart`` event naming the
     attempt, the step resumed from and the steps redone (``logged``: the last step the previous attempt
@@ -216,25 +281,41 @@ def log_restart(run: Run, logged: int | None) -> None:
                                           "previous_step": logged})
 
 
-def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
-    """The watchers of a run (the decision point's inputs); fault injection only when faults are configured."""
+def make_watchers(cfg: Config, info: DistInfo, run_dir: Path, old: list[Watcher] = ()) -> list[Watcher]:
+    """The watchers of a run (the decision point's inputs); fault injection only when faults are configured.
+    ``old``: the watchers of the layout :func:`switch_layout` leaves: each kept as it is, except those built from
+    the layout (the replica check, the update norms), built for ``info`` and given the old one's state."""
+    kept = {type(w): w for w in old}
+
+    def get(cls, build, per_layout: bool = False) -> Watcher:
+        if cls in kept and not per_layout:
+            return kept[cls]
+        w = build()
+        if cls in kept:
+            w.load_state_dict(kept[cls].state_dict())
+        return w
+
     # Faults first: the others must see the batch and gradients as the fault left them.
-    watchers: list[Watcher] = [FaultInjector(cfg.faults, info.rank)] if cfg.faults else []
-    watchers.append(Guard(cfg.guard, cfg.train.max_nonfinite_steps))
+    watchers: list[Watcher] = [get(FaultInjector, lambda: FaultInjector(cfg.faults, info.rank))] if cfg.faults else []
+    watchers.append(get(Guard, lambda: Guard(cfg.guard, cfg.train.max_nonfinite_steps)))
     if cfg.guard.replica_every and replica_groups(info.layout):  # after the guard: it sets run.lr_scale first
-        watchers.append(ReplicaCheck(cfg.guard, info))
+        watchers.append(get(ReplicaCheck, lambda: ReplicaCheck(cfg.guard, info), per_layout=True))
     if cfg.guard.update_every:
-        watchers.append(UpdateNorms(cfg.guard, extra_group=info.pp_group))
+        watchers.append(get(UpdateNorms, lambda: UpdateNorms(cfg.guard, extra_group=info.pp_group), per_layout=True))
     if cfg.watchdog.every or cfg.watchdog.hang_seconds:
-        watchers.append(Watchdog(cfg.watchdog, info.rank, info.world_size, run_dir))
+        watchers.append(get(Watchdog, lambda: Watchdog(cfg.watchdog, info.rank, info.world_size, run_dir)))
     if cfg.probe.every:
-        watchers.append(DataProbe(cfg.probe, [s.name for s in cfg.data.sources]))
+        watchers.append(get(DataProbe, lambda: DataProbe(cfg.probe, [s.name for s in cfg.data.sources])))
     if cfg.train.gc_freq:
-        watchers.append(GarbageCollection(cfg.train.gc_freq))
+        watchers.append(get(GarbageCollection, lambda: GarbageCollection(cfg.train.gc_freq)))
     if cfg.eval.ladder:
-        watchers.append(OffCurve(cfg, info.rank))
+        watchers.append(get(OffCurve, lambda: OffCurve(cfg, info.rank)))
     if cfg.health.every:  # last: its checks run after the watchdog has timed the step
-        watchers.append(HealthWatch(cfg.health, next((w for w in watchers if isinstance(w, Watchdog)), None)))
+        watchers.append(get(HealthWatch, lambda: HealthWatch(
+            cfg.health, next((w for w in watchers if isinstance(w, Watchdog)), None))))
+    for w in old:
+        if w not in watchers:
+            w.close()  # replaced (or no longer wanted on this layout, e.g. no replicas left to compare)
     return watchers
 
 
@@ -254,27 +335,35 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         TrainError / DataError: one line (no data, batch not divisible by ranks, existing run, no
             checkpoint at ``rollback_to``, ...).
     """
-    info = init_distributed(cfg.train.device, layout_keeping_intent(cfg) if keep_layout_intent else cfg.parallel)
+    run_dir = Path(cfg.train.run_dir)
+    try:
+        stages = resolve_stages(cfg)
+    except ValueError as e:
+        raise TrainError(str(e)) from None
+    layouts = stage_layouts(cfg, stages, int(os.environ.get("WORLD_SIZE", "1")),
+                            layout_keeping_intent(cfg) if keep_layout_intent else None)
+    # The stage at the step this launch starts from decides the first layout (a resume lands on its stage's).
+    parallel = layouts[stage_at(start_step(run_dir, resume or cfg.train.resume == "auto", rollback_to),
+                                stages).index][0]
+    info = init_distributed(cfg.train.device, parallel)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
     if cfg.train.keep_freed_memory and info.device.type == "cpu":
         keep_freed_memory()
     pin_inductor_cache()  # before anything compiles (train.compile, compile_blocks, bf16 cross-entropy)
-    run_dir = Path(cfg.train.run_dir)
     train_streams = open_streams(cfg, "train")
     try:
         stages = resolve_stages(cfg, available=set(train_streams))
     except ValueError as e:
         raise TrainError(str(e)) from None
-    check_stages(stages, train_streams, info, cfg.model, cfg.parallel)
+    check_stages(stages, train_streams, info, cfg.model, parallel, layouts)
     refuse_other_kind(run_dir, info)  # before anything there is read or written
     if cfg.train.resume == "auto":  # the same command restarts the job: continue the run dir's own run
         check_same_run(run_dir, cfg, info)
         resume = True
     saved_cfg = cfg  # config.toml keeps the user's train.dtype ('auto' stays 'auto')
     cfg, dtype_note = keep_started_dtype(cfg, run_dir, rollback_to, info.device) if resume else (cfg, None)
-    model, dp_model = build_parallel_model(cfg, info)  # meta -> TP -> AC -> compile -> FSDP2 -> init (or DDP)
-    optimizer = build_optimizer(model, cfg)
+    model, dp_model, optimizer = build_model_and_optimizer(cfg, info, parallel, layouts)
     last = min(cfg.train.steps, stop_after) if stop_after else cfg.train.steps
     checkpointer = Checkpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep, last, cfg.checkpoint.async_save)
     lock_run_dir(run_dir, info)  # before anything in the run dir is read, moved or written
@@ -316,7 +405,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
               tokenizer=load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir)),  # val bpb, downstream tasks
               log=log, checkpointer=checkpointer, watchers=make_watchers(cfg, info, run_dir), autocast=autocast,
               peak_flops=cfg.logging.peak_flops or probe_peak_flops(info.device, autocast),
-              last_step=last, data_id=data_fingerprint(train_streams))
+              last_step=last, data_id=data_fingerprint(train_streams), layouts=layouts, parallel=parallel)
     if saved:
         try:
             run.load_state_dict(saved)
@@ -374,8 +463,8 @@ def layout_keeping_intent(cfg: Config):
         ConfigError: no such layout; the line names the ``--parallel.*`` flags of layouts that run.
     """
     p, m = cfg.parallel, cfg.model
-    try:
-        stages = resolve_stages(cfg)
+    try:  # the stages that run on [parallel] (a stage's own layout is resolved as it says: stage_layouts)
+        stages = [st for st in resolve_stages(cfg) if not cfg.stages[st.index].parallel]
     except ValueError:
         stages = []  # the stage table's own error comes, as one line, from setup's checks
 
@@ -465,7 +554,9 @@ def _log_layout(run: Run, saved: dict) -> None:
     """One line (console and events.jsonl) when a resume runs on another world size or layout than the
     checkpoint's: the layout chosen and the checkpoint's, each with what it does in words (:func:`layout_words`),
     and whether the configured degrees held or this is the layout of :func:`layout_keeping_intent` for them."""
-    p, lay, world = run.cfg.parallel, run.info.layout, run.info.world_size
+    # The configured degrees of the stage it resumes in (its own, stages[i].parallel, or [parallel]).
+    p = stage_parallel(run.cfg, stage_at(min(run.state.step, run.cfg.train.steps - 1), run.stages).index)
+    lay, world = run.info.layout, run.info.world_size
     was_world = saved.get("world_size", world)
     was = saved.get("layout")
     if not _layout_moved(run, saved):

@@ -1,0 +1,100 @@
+"""A layout per stage: each row of the stage table may set its own parallel degrees (``stages[i].parallel``,
+the keys of ``[parallel]``; unset keys take ``[parallel]``'s). :func:`stage_layouts` resolves every stage's
+layout at the launch's world size and refuses, before any compute, a layout that cannot run its stage; the
+switch itself (checkpoint, new mesh, wrappers and optimizer, resharded reload) is
+:func:`densetrain.train.setup.switch_layout`, beside the code that builds them the first time.
+
+Stages are read duck-typed (``index``, ``name``, ``seq_len``, ``document_mask`` of
+:class:`densetrain.schedule.Stage`): the schedule sits on this package's floor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from densetrain.config import Config, ParallelConfig, stage_parallel
+from densetrain.errors import ConfigError
+from densetrain.parallel.mesh import Layout, resolve_layout
+from densetrain.parallel.parallelize import seq_len_divisor
+from densetrain.parallel.pipeline import resolve_microbatches
+
+
+def stage_layouts(cfg: Config, stages: list, world: int, base: ParallelConfig | None = None,
+                  skip_unfit_base: bool = False) -> list[tuple[ParallelConfig, Layout | None]]:
+    """Each stage's parallel config (``[parallel]``, or ``base`` in its place, with the stage's own
+    ``stages[i].parallel`` keys over it) and its layout of ``world`` ranks, checked to run that stage before
+    any compute: the degrees multiply to ``world``, the tensor-parallel degree divides the heads, every
+    sequence splits as context (and sequence) parallelism splits it, pipeline stages get layers, and
+    context parallelism meets no document mask inside a pipeline, the batch splits over the data-parallel
+    ranks and gives each pipeline rank enough micro-batches.
+
+    ``skip_unfit_base``: a ``[parallel]`` that does not resolve at ``world`` gives its stages the layout None
+    instead of the error (the dry run reports it in its own words).
+
+    Raises:
+        ConfigError: one line; for a stage with a layout of its own it starts ``stage '<name>'
+            (stages[i].parallel)``, for ``[parallel]`` it is the message of the launch's own check.
+    """
+    base = base or cfg.parallel
+    out = []
+    for st in stages:
+        own = cfg.stages[st.index].parallel
+        par = base
+        where = f"stage '{st.name}' " + (f"(stages[{st.index}].parallel)" if own else "([parallel])")
+        if own:  # the stage's own keys (type-checked by stage_parallel) over base
+            merged = stage_parallel(cfg, st.index)
+            par = dataclasses.replace(base, **{k: getattr(merged, k) for k in own})
+        try:
+            lay = resolve_layout(par.dp_replicate, par.dp_shard, par.tp, world, par.cp, par.pp)
+        except ConfigError as e:
+            if not own and skip_unfit_base:
+                out.append((par, None))
+                continue
+            if not own:
+                raise  # [parallel]'s own message, as the launch has always said it
+            raise ConfigError(f"{where}: {e}") from None
+        problem = stage_layout_problem(cfg, st, par, lay)
+        if problem:
+            raise ConfigError(f"{where}: {lay} cannot run it: {problem}")
+        out.append((par, lay))
+    return out
+
+
+def stage_layout_problem(cfg: Config, st, par: ParallelConfig, lay: Layout) -> str | None:
+    """Why layout ``lay`` (of config ``par``) cannot run stage ``st``, in words, or None."""
+    m = cfg.model
+    for k in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
+        if getattr(m, k) % lay.tp:
+            return f"tp {lay.tp} does not divide model.{k} ({getattr(m, k)})"
+    need = seq_len_divisor(lay, par.sequence_parallel)
+    if st.seq_len % need:
+        return f"seq_len {st.seq_len} does not split into {need} equal parts (cp {lay.cp}, tp {lay.tp})"
+    rows = lay.dp_size * st.micro_batch_size
+    if st.batch_size % rows:
+        return (f"its batch of {st.batch_size} sequences does not split into {lay.dp_size} data-parallel ranks x "
+                f"micro_batch_size {st.micro_batch_size}; " + layouts_that_fit(st.batch_size, lay.world, m))
+    if lay.pp > 1:
+        try:
+            resolve_microbatches(par.pp_microbatches, lay.pp, par.pp_virtual_stages, st.batch_size // rows,
+                                 f" at stage '{st.name}'")
+        except ConfigError as e:
+            return str(e)
+        n_stages = lay.pp * par.pp_virtual_stages
+        if m.n_layers + 2 < n_stages:
+            return f"{n_stages} pipeline stages need as many layers; model.n_layers + 2 is {m.n_layers + 2}"
+        if lay.cp > 1 and st.document_mask:
+            return ("context parallelism runs through pipeline stages without document masks only, and the stage "
+                    "masks documents")
+    return None
+
+
+def layouts_that_fit(batch_size: int, world: int, model) -> str:
+    """The tensor-parallel degrees of ``world`` ranks whose data-parallel size divides ``batch_size``
+    (one sequence per rank and micro-batch), as advice for a stage whose batch does not split over its
+    data-parallel ranks (:func:`stage_layout_problem`, :func:`densetrain.train.setup.check_stages`)."""
+    fits = [tp for tp in range(1, world + 1) if world % tp == 0 and model.n_heads % tp == 0
+            and model.n_kv_heads % tp == 0 and batch_size % (world // tp) == 0]
+    if not fits:
+        return f"no layout of {world} ranks runs it: change the stage's batch_tokens or the number of ranks"
+    return "layouts that run it: " + ", ".join(f"--parallel.tp={tp} ({world // tp} data-parallel ranks)"
+                                               for tp in fits[:4]) + " with a micro_batch_size that divides"
