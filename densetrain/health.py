@@ -88,31 +88,51 @@ EXIT_UNHEALTHY, EXIT_BUSY = 1, 3
 contention found (the figures cannot be judged on a busy host)."""
 
 
-def cpu_sample() -> tuple[float, float, float] | None:
-    """(wall s, CPU s, run-queue wait s) of this process so far: CPU time and time spent runnable but waiting
-    for a core, summed over its threads (Linux's ``/proc/self/task/*/schedstat``: ``cpu_ns run_delay_ns
-    slices``, kernel CONFIG_SCHED_INFO; a thread that sleeps or waits for I/O adds to neither). None where the
-    files are missing (another OS, schedstat off)."""
-    cpu = wait = 0.0
+@dataclass
+class CpuSample:
+    """This process's CPU clocks at one moment (:func:`cpu_sample`): ``wall`` (s since the epoch), ``cpu`` and
+    ``wait`` (CPU time and run-queue wait, s, summed over its threads) and ``waits`` (thread id -> its wait)."""
+
+    wall: float
+    cpu: float
+    wait: float
+    waits: dict[int, float]
+
+
+def cpu_sample() -> CpuSample | None:
+    """This process's CPU time and the time its threads spent runnable but waiting for a core (Linux's
+    ``/proc/self/task/*/schedstat``: ``cpu_ns run_delay_ns slices``, kernel CONFIG_SCHED_INFO; a thread that
+    sleeps or waits for I/O or a peer adds to neither). None where the files are missing (another OS,
+    schedstat off)."""
+    cpu, waits = 0.0, {}
     try:
         for task in Path("/proc/self/task").iterdir():
             try:
                 fields = (task / "schedstat").read_text().split()
             except OSError:  # a thread that ended meanwhile
                 continue
-            cpu, wait = cpu + int(fields[0]) / 1e9, wait + int(fields[1]) / 1e9
+            cpu += int(fields[0]) / 1e9
+            waits[int(task.name)] = int(fields[1]) / 1e9
     except (OSError, ValueError, IndexError):
         return None
-    return time.time(), cpu, wait
+    return CpuSample(time.time(), cpu, sum(waits.values()), waits)
 
 
-def cpu_got(before: tuple[float, float, float] | None, after: tuple[float, float, float] | None) -> float | None:
+def cpu_got(before: CpuSample | None, after: CpuSample | None) -> float | None:
     """Share of the CPU time this process's threads asked for between two :func:`cpu_sample` calls that they
     got: CPU / (CPU + run-queue wait), 1.0 on a quiet host; None when unknown or nothing ran."""
     if before is None or after is None:
         return None
-    cpu, wait = after[1] - before[1], after[2] - before[2]
+    cpu, wait = after.cpu - before.cpu, after.wait - before.wait
     return cpu / (cpu + wait) if cpu + wait > 0 else None
+
+
+def cpu_waited(before: CpuSample | None, after: CpuSample | None) -> float:
+    """Seconds of wall time the process lost waiting for a core between two samples: the longest run-queue
+    wait of any one thread (threads that wait side by side lose the same wall time once); 0.0 when unknown."""
+    if before is None or after is None:
+        return 0.0
+    return max((w - before.waits.get(tid, 0.0) for tid, w in after.waits.items()), default=0.0)
 
 
 def host_load() -> dict[str, float]:
@@ -162,21 +182,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_rate(fn, work: float, device: torch.device, seconds: float, trials: int) -> tuple[float, float | None]:
+def _best_rate(fn, work: float, device: torch.device, seconds: float, trials: int,
+               clock=time.perf_counter) -> tuple[float, float | None]:
     """(``work`` units per second of ``fn()``, the share of the CPU time it asked for that it got in that trial
     (:func:`cpu_got`; None on a GPU, where the host thread waits for the device)): the best of ``trials``
-    trials, each ~``seconds`` long (a warm-up call first). Only for work local to this process: the number of
-    calls differs between ranks."""
+    trials, each ~``seconds`` long by ``clock`` (seconds; tests inject one; a warm-up call first). Only for work
+    local to this process: the number of calls differs between ranks."""
     fn()
     _sync(device)
     best, share = 0.0, None
     for _ in range(trials):
-        calls, t0, c0 = 0, time.perf_counter(), cpu_sample()
+        calls, t0, c0 = 0, clock(), cpu_sample()
         while True:
             fn()
             calls += 1
             _sync(device)
-            dt = time.perf_counter() - t0
+            dt = clock() - t0
             if dt >= seconds:
                 break
         if work * calls / dt > best:
@@ -194,13 +215,13 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, seconds: float = 0.02,
     return _best_rate(lambda: a @ b, 2.0 * n**3, device, seconds, trials)
 
 
-def memory_bandwidth(device: torch.device, mib: int = 64, seconds: float = 0.02,
-                     trials: int = 3) -> tuple[float, float | None]:
+def memory_bandwidth(device: torch.device, mib: int = 64, seconds: float = 0.02, trials: int = 3,
+                     clock=time.perf_counter) -> tuple[float, float | None]:
     """(bytes/s, CPU share as :func:`_best_rate`) of copying a ``mib`` MiB buffer on ``device`` (read + write
     counted, as STREAM's copy); ``1/factor`` of it after :func:`throttle_memory`."""
     src = torch.ones(mib * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
-    rate, share = _best_rate(lambda: dst.copy_(src), 2.0 * src.numel() * 4, device, seconds, trials)
+    rate, share = _best_rate(lambda: dst.copy_(src), 2.0 * src.numel() * 4, device, seconds, trials, clock)
     return rate / _THROTTLE["memory"], share
 
 

@@ -32,8 +32,8 @@ class HealthWatch(Watcher):
 
     name = "health"
 
-    def __init__(self, cfg: HealthConfig, watchdog=None):
-        self.cfg, self.watchdog = cfg, watchdog
+    def __init__(self, cfg: HealthConfig, watchdog=None, measure_fn=None):
+        self.cfg, self.watchdog, self.measure_fn = cfg, watchdog, measure_fn  # measure_fn: tests inject figures
         self.first: list[Row] | None = None
         self.started = False
         self.seen = 0  # watchdog reports already followed by a check
@@ -62,7 +62,7 @@ class HealthWatch(Watcher):
                               kind="health", action="replace")
         t0 = time.perf_counter()
         rows, outliers = check(run.info.device, torch.bfloat16 if run.autocast else torch.float32, run.info.mesh,
-                               self.cfg, self.first)
+                               self.cfg, self.first, self.measure_fn)
         seconds = time.perf_counter() - t0
         if self.first is None:
             self.first = rows

@@ -65,7 +65,7 @@ import torch
 
 from densetrain.config.recovery import WatchdogConfig
 from densetrain.fileio import json_text, read_json
-from densetrain.health import cpu_got, cpu_sample, host_load
+from densetrain.health import cpu_got, cpu_sample, cpu_waited, host_load
 from densetrain.metrics import flops_per_token
 from densetrain.parallel import all_reduce_max, collective_timeout
 from densetrain.train.watchers import Verdict, Watcher
@@ -78,8 +78,10 @@ LOCAL = ("data", "forward", "optimizer")  # phases with no collective: only a ra
 # next step's stop check); "data": drawing the batch; "forward": the token count, forward and backward;
 # "optimizer": clipping, the step's reductions, the optimizer.
 PROGRESS = ("end", "data", "forward", "optimizer")
-STEP, GOT, LOAD = len(PHASES), len(PHASES) + 1, len(PHASES) + 2  # the window table's columns after the phases
-COLUMNS = len(PHASES) + 3
+# The window table's columns after the phases: the step time, the run-queue wait per step (s), the CPU share got
+# and the load average.
+STEP, WAIT, GOT, LOAD = range(len(PHASES), len(PHASES) + 4)
+COLUMNS = len(PHASES) + 4
 
 
 def attempt_id() -> str:
@@ -243,8 +245,9 @@ class Watchdog(Watcher):
 
     def _window(self, run, result) -> None:
         now = cpu_sample()
-        got, self.cpu0 = cpu_got(self.cpu0, now), now
-        row = np.concatenate([self.acc / self.n, [1.0 if got is None else got, host_load().get("load", 0.0)]])
+        got, waited, self.cpu0 = cpu_got(self.cpu0, now), cpu_waited(self.cpu0, now), now
+        row = np.concatenate([self.acc / self.n, [waited / self.n, 1.0 if got is None else got,
+                                                   host_load().get("load", 0.0)]])
         table = torch.zeros(self.world, COLUMNS, dtype=torch.float64, device=run.info.device)
         table[self.rank] = torch.from_numpy(row)
         table = all_reduce_max(table).cpu().numpy()  # every rank's row (values >= 0; zeros elsewhere), on every rank
@@ -257,6 +260,7 @@ class Watchdog(Watcher):
         for r in range(self.world):  # one perf record per rank: the report plots tokens/s and mfu per rank
             step_s = table[r, STEP]
             run.log.log(run.state.step, {"rank": r, "step_s": step_s, "cpu_got": table[r, GOT],
+                                         "cpu_wait_s": table[r, WAIT],
                                          "tokens_per_sec": rank_tokens / step_s if step_s > 0 else None,
                                          "mfu": flops / step_s / run.peak_flops if step_s > 0 else None,
                                          **{f"time/{p}_s": table[r, i] for i, p in enumerate(PHASES)}}, kind="perf")
@@ -277,7 +281,8 @@ class Watchdog(Watcher):
 
     def decide(self, table: np.ndarray) -> dict[int, tuple[str, str, str]]:
         """The ranks newly named by one window's ``table`` ((world, :data:`COLUMNS`): mean seconds per step of
-        each phase, the step, the CPU share got, the load average; every rank holds the same table, so every
+        each phase, the step, the run-queue wait, the CPU share got, the load average; every rank holds the
+        same table, so every
         rank decides the same): rank -> (phase, text, cause 'device' or 'contention'). Updates the streaks,
         the baseline and the ranks already named."""
         local = [PHASES.index(p) for p in (LOCAL if self.world > 1 else PHASES[:5])]
@@ -287,19 +292,16 @@ class Watchdog(Watcher):
         self.flagged |= set(new)
         return new
 
-    @staticmethod
-    def _wait(table: np.ndarray, r) -> np.ndarray:
-        """Seconds per step rank(s) ``r`` spent waiting for a core (run-queue wait, wall-time equivalent)."""
-        return table[r, STEP] * (1 - np.clip(table[r, GOT], 0.0, 1.0))
-
-    def _cause(self, table: np.ndarray, r: int, excess: float, ref_wait: float) -> tuple[str, str]:
-        """(cause, text to add) of rank ``r``'s ``excess`` seconds per step: 'contention' when its run-queue
-        wait exceeds ``ref_wait`` (its baseline's, or the other ranks') by at least half the excess."""
-        if self._wait(table, r) - ref_wait < 0.5 * excess:
+    def _cause(self, table: np.ndarray, r: int, excess: float, ref_wait: float, bar: float) -> tuple[str, str]:
+        """(cause, text to add) of rank ``r``'s ``excess`` seconds per step: 'contention' when, less the growth
+        of its run-queue wait over ``ref_wait`` (its baseline's, or the other ranks'), the excess is no longer
+        above ``bar`` (the rank would not be named per CPU-second), else 'device'."""
+        if excess - (table[r, WAIT] - ref_wait) > bar:
             return "device", ""
         load = f", load average {table[r, LOAD]:.1f} on {host_load()['cores']:.0f} cores" if table[r, LOAD] else ""
-        return "contention", (f" (the host is busy: this rank got {table[r, GOT]:.0%} of the CPU time it asked "
-                              f"for{load}; contention from other processes, not a slow device)")
+        return "contention", (f" (the host is busy: this rank waited {table[r, WAIT] * 1e3:.0f} ms/step for a "
+                              f"core, it got {table[r, GOT]:.0%} of the CPU time it asked for{load}; contention "
+                              "from other processes, not a slow device)")
 
     def _vs_peers(self, table: np.ndarray, local: list[int]) -> dict[int, tuple[str, str, str]]:
         """Ranks whose local phases exceed the other ranks' median by ``threshold`` of the median step time
@@ -316,7 +318,7 @@ class Watchdog(Watcher):
             self.peer_streak[r] = self.peer_streak[r] + 1 if lagging else 0
             if self.peer_streak[r] >= self.cfg.sustain:
                 p = local[i]
-                cause, why = self._cause(table, r, excess[i], float(np.median(self._wait(table, others))))
+                cause, why = self._cause(table, r, excess[i], peers[WAIT], self.cfg.threshold * step)
                 out[r] = (PHASES[p], f"rank {r} phase '{PHASES[p]}' {table[r, p] * 1e3:.0f} ms/step vs "
                                      f"{peers[p] * 1e3:.0f} ms on the other ranks (median){why}", cause)
         return out
@@ -340,15 +342,14 @@ class Watchdog(Watcher):
         for r in range(self.world):
             # One process waits for nobody: any phase can be its own. Several: only the local phases tell, and
             # only beyond what the other ranks' same phase grew (a busy host slows them all).
-            own = growth[r, local]
-            if self.world > 1:
-                own = own - np.median(np.delete(growth, r, axis=0)[:, local], axis=0)
-            if self.slow_streak[r] < self.cfg.sustain or (self.world > 1 and own.max() <= self.cfg.threshold
-                                                          * base[r, STEP]):
+            others = np.median(np.delete(growth, r, axis=0), axis=0) if self.world > 1 else np.zeros(COLUMNS)
+            own = growth[r, local] - others[local]
+            bar = self.cfg.threshold * base[r, STEP]
+            if self.slow_streak[r] < self.cfg.sustain or (self.world > 1 and own.max() <= bar):
                 continue
             i = int(np.argmax(own))
             p = local[i]
-            cause, why = self._cause(table, r, growth[r, p], float(self._wait(base, r)))
+            cause, why = self._cause(table, r, own[i], base[r, WAIT] + others[WAIT], bar)
             out[r] = (PHASES[p], f"rank {r} {table[r, STEP] * 1e3:.0f} ms/step vs {base[r, STEP] * 1e3:.0f} ms "
                                  f"baseline, phase '{PHASES[p]}' +{growth[r, p] * 1e3:.0f} ms{why}", cause)
         return out
