@@ -25,8 +25,8 @@ ranks' optimizer phase grow) names none of them, and a rank slowed on its own st
 also carries the share of the CPU time its threads asked for that they got over the window
 (:func:`densetrain.health.cpu_got`: CPU time against run-queue wait) and the host's load average: a named rank
 whose run-queue wait grew by at least half its excess is named as slowed by **contention** (other processes
-took its CPU), not as a slow device, and such a report does not start a hardware health check. A rank is named
-only after ``sustain`` windows in a row (a re-check).
+took its CPU), not as a slow device: such an event has action ``busy`` (a slow device: ``report``) and starts no
+hardware health check. A rank is named only after ``sustain`` windows in a row (a re-check).
 Under tensor parallelism the forward holds the TP collectives, so there a slow rank's TP peers show
 the same forward time and only its data and optimizer phases tell it apart.
 
@@ -270,10 +270,10 @@ class Watchdog(Watcher):
         new = self.decide(table)
         if not new:
             return
-        if any(cause == "device" for _, _, cause in new.values()):
-            self.reports += 1  # contention alone starts no hardware health check
+        device = any(cause == "device" for _, _, cause in new.values())
+        self.reports += device  # contention alone starts no hardware health check
         run.log.event(run.state.step, "throughput drop: " + "; ".join(text for _, text, _ in new.values()),
-                      kind="throughput", action="report",
+                      kind="throughput", action="report" if device else "busy",
                       values={"ranks": list(new), "phases": {str(r): phase for r, (phase, _, _) in new.items()},
                               "causes": {str(r): cause for r, (_, _, cause) in new.items()},
                               "step_s": table[:, STEP].tolist(), "cpu_got": table[:, GOT].tolist(),
