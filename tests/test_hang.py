@@ -24,6 +24,7 @@ from densetrain.train.watch.watchdog import (
     attempt_id,
     behind_ranks,
     process_start,
+    process_started,
     read_heartbeats,
     silent_ranks,
     writer_alive,
@@ -166,9 +167,20 @@ def test_a_heartbeat_belongs_to_its_attempt(tmp_path, monkeypatch):
     beat.stop()
     rec = json.loads((tmp_path / "heartbeat" / "rank1.json").read_text())
     assert (rec["attempt"], rec["pid"], rec["start"]) == ("job7/0", os.getpid(), process_start(os.getpid()))
-    assert read_heartbeats(tmp_path, attempt_id()) == {1: rec} and writer_alive(rec) is True
+    assert read_heartbeats(tmp_path, attempt_id(), process_started()) == {1: rec} and writer_alive(rec) is True
+    assert process_started() <= rec["time"]
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert read_heartbeats(tmp_path, attempt_id()) == {}
+    # without torchrun: the rendezvous address, and a file written before this process started is an earlier
+    # launch's (the same address reused)
+    for k in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert attempt_id() == "10.0.0.1:29500"
+    (tmp_path / "heartbeat" / "rank1.json").write_text(json.dumps({**rec, "attempt": attempt_id()}))
+    assert list(read_heartbeats(tmp_path, attempt_id(), rec["time"])) == [1]
+    assert read_heartbeats(tmp_path, attempt_id(), rec["time"] + 0.001) == {}
     assert silent_ranks({}, 2) == {0: "no heartbeat of this attempt (still starting up, or never started)",
                                    1: "no heartbeat of this attempt (still starting up, or never started)"}
 

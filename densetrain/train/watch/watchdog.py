@@ -85,12 +85,33 @@ COLUMNS = len(PHASES) + 4
 
 
 def attempt_id() -> str:
-    """This attempt of the job: torchrun's ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT`` (the same on
-    every rank of an attempt, another after each restart), else this process (one process: its own attempt)."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id is None:
-        return f"pid{os.getpid()}"
-    return f"{run_id}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    """This attempt of the job, the same on each of its ranks: torchrun's ``TORCHELASTIC_RUN_ID`` and
+    ``TORCHELASTIC_RESTART_COUNT`` (another after each restart), else Slurm's job id and restart count, else the
+    rendezvous address (``MASTER_ADDR:MASTER_PORT``). A relaunch with the same id is told apart by time
+    (:func:`read_heartbeats`)."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env:
+        return f"{env['TORCHELASTIC_RUN_ID']}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if "SLURM_JOB_ID" in env:
+        return f"slurm{env['SLURM_JOB_ID']}/{env.get('SLURM_RESTART_COUNT', '0')}"
+    return f"{env.get('MASTER_ADDR', 'localhost')}:{env.get('MASTER_PORT', '')}"
+
+
+def process_started() -> float:
+    """Wall time (s since the epoch) this process started (``/proc``: boot time plus its start in clock ticks);
+    the time of the first call where ``/proc`` is missing."""
+    global _STARTED
+    if _STARTED is None:
+        try:
+            boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                        if line.startswith("btime "))
+            _STARTED = boot + process_start(os.getpid()) / os.sysconf("SC_CLK_TCK")
+        except (OSError, StopIteration, TypeError, ValueError):
+            _STARTED = time.time()
+    return _STARTED
+
+
+_STARTED: float | None = None
 
 
 def process_start(pid: int) -> int | None:
@@ -363,14 +384,17 @@ _TIMEOUT = re.compile(r"timed out|timeout", re.IGNORECASE)
 _PEER_GONE = re.compile(r"connection (reset|closed) by peer|broken pipe", re.IGNORECASE)
 
 
-def read_heartbeats(run_dir: Path, attempt: str | None = None) -> dict[int, dict]:
+def read_heartbeats(run_dir: Path, attempt: str | None = None, since: float = 0.0) -> dict[int, dict]:
     """rank -> its last heartbeat record (``RUN_DIR/heartbeat/rank<r>.json``; unreadable files left out), only
-    those of ``attempt`` (:func:`attempt_id`) when given: a file of an earlier attempt is another job's."""
+    those of ``attempt`` (:func:`attempt_id`) written at or after ``since`` (s since the epoch) when given: a file
+    of an earlier attempt, or last written before this process started (:func:`process_started`: every rank of
+    an attempt writes its first heartbeat after the rendezvous, which waits for each of them), is not this
+    attempt's."""
     out = {}
     for path in sorted((Path(run_dir) / "heartbeat").glob("rank*.json")):
         try:
             rec = read_json(path)
-            if attempt is None or rec.get("attempt") == attempt:
+            if (attempt is None or rec.get("attempt") == attempt) and float(rec["time"]) >= since:
                 out[int(rec["rank"])] = rec
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
@@ -460,7 +484,7 @@ def collective_failure_line(exc: BaseException, run_dir: Path, rank: int, world:
     where = f" in {Path(ours[-1].filename).name}:{ours[-1].lineno} {ours[-1].name}()" if ours else ""
     what = (f"timed out after {collective_timeout().total_seconds():g} s (parallel.timeout_s)" if timed_out
             else f"failed: {gone.group(0).lower()}")
-    beats = read_heartbeats(run_dir, attempt_id())
+    beats = read_heartbeats(run_dir, attempt_id(), process_started())
     silent = {r: why for r, why in silent_ranks(beats, world).items() if r != rank}
     silent = {**behind_ranks(beats, rank), **silent}
     if not beats:  # doctor, or watchdog.hang_seconds = 0: nothing on disk tells
