@@ -23,10 +23,11 @@ A busy host is not a slow device. With several ranks a phase's growth counts onl
 the other ranks in that phase: contention that slows every rank of a shared host (load 5 on 2 cores made both
 ranks' optimizer phase grow) names none of them, and a rank slowed on its own still stands out. Each rank's row
 also carries the share of the CPU time its threads asked for that they got over the window
-(:func:`densetrain.health.cpu_got`: CPU time against run-queue wait) and the host's load average: a named rank
-whose run-queue wait grew by at least half its excess is named as slowed by **contention** (other processes
-took its CPU), not as a slow device: such an event has action ``busy`` (a slow device: ``report``) and starts no
-hardware health check. A rank is named only after ``sustain`` windows in a row (a re-check).
+(:func:`densetrain.health.cpu_got`: CPU time against run-queue wait), its run-queue wait per step
+(:func:`densetrain.health.cpu_waited`) and the host's load average: a named rank whose excess, less the growth
+of its run-queue wait, is no longer above the bar is named as slowed by **contention** (other processes took its
+CPU), not as a slow device: such an event has action ``busy`` (a slow device: ``report``) and starts no hardware
+health check. A rank is named only after ``sustain`` windows in a row (a re-check).
 Under tensor parallelism the forward holds the TP collectives, so there a slow rank's TP peers show
 the same forward time and only its data and optimizer phases tell it apart.
 
@@ -51,6 +52,7 @@ waited for), so the job exits with one line and torchrun's elastic agent can res
 from __future__ import annotations
 
 import faulthandler
+import functools
 import os
 import re
 import socket
@@ -97,21 +99,16 @@ def attempt_id() -> str:
     return f"{env.get('MASTER_ADDR', 'localhost')}:{env.get('MASTER_PORT', '')}"
 
 
+@functools.cache
 def process_started() -> float:
     """Wall time (s since the epoch) this process started (``/proc``: boot time plus its start in clock ticks);
     the time of the first call where ``/proc`` is missing."""
-    global _STARTED
-    if _STARTED is None:
-        try:
-            boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                        if line.startswith("btime "))
-            _STARTED = boot + process_start(os.getpid()) / os.sysconf("SC_CLK_TCK")
-        except (OSError, StopIteration, TypeError, ValueError):
-            _STARTED = time.time()
-    return _STARTED
-
-
-_STARTED: float | None = None
+    try:
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + process_start(os.getpid()) / os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, TypeError, ValueError):
+        return time.time()
 
 
 def process_start(pid: int) -> int | None:
