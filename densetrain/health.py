@@ -22,12 +22,13 @@ network (a shared 2-core test machine moved its all-gather 2x between checks).
 
 A busy machine is not a faulty one. Each figure is measured with the share of CPU time its process got of the
 time its threads asked for (:func:`cpu_sample`: CPU time against run-queue wait, from Linux's schedstat), and
-each row carries the host's load average and core count, and on a GPU the other processes on the device and
-its clocks (NVML, where ``pynvml`` is installed). An outlier is named a **hardware** fault only when it stays
-an outlier per CPU-second (the figure divided by that share) and no other process shares the GPU; otherwise
-its cause is **contention** (other processes took the CPU or the device), said as such, with no advice to
-replace anything. :func:`check` measures again before naming anything (the better of the two measurements is
-kept: contention only lowers a figure), and the advice fits the device measured (no nvidia-smi on a CPU).
+each row carries the host's load average and core count, and on a GPU the other processes on the device and its
+clocks (NVML, where ``pynvml`` is installed). An outlier is named a **hardware** fault only when it stays an
+outlier per CPU-second (the figure divided by that share), by a wider gap the less CPU it got (:func:`judge`),
+and no other process shares the GPU; otherwise its cause is **contention** (other processes took the CPU or the
+device), said as such, with no advice to replace anything. :func:`check` measures again before naming anything
+(the better of the two measurements is kept: contention only lowers a figure), and the advice fits the device
+measured (no nvidia-smi on a CPU).
 :func:`verdict` turns the outliers into one line and an exit status (``densetrain doctor``).
 
 Used by ``densetrain doctor`` (:func:`doctor`) and the training watcher :mod:`densetrain.train.watch.health`.
@@ -306,10 +307,9 @@ class Row:
     context: dict[str, float] = field(default_factory=dict)
 
     def share(self, fig: str) -> float:
-        """The CPU share ``fig`` was measured with (1.0 when unknown), at least 0.05 (a figure scaled by more
-        than 20x is not a measurement any more)."""
+        """The CPU share ``fig`` was measured with (1.0 when unknown), at least 0.01."""
         v = self.context.get(f"share/{fig}")
-        return 1.0 if v is None or not math.isfinite(v) else max(0.05, min(1.0, v))
+        return 1.0 if v is None or not math.isfinite(v) else max(0.01, min(1.0, v))
 
 
 def gather(figures: dict[str, float], device: str = "cpu", context: dict[str, float] | None = None) -> list[Row]:
@@ -372,29 +372,41 @@ def _raw_outliers(rows: list[Row], first: list[Row] | None, cfg: HealthConfig) -
 def judge(rows: list[Row], first: list[Row] | None, cfg: HealthConfig) -> list[dict]:
     """Outliers among ``rows`` (module docstring): dicts with rank, host, figure, value, median (or first, with
     ``vs = 'first'``), ratio (value over the median, or over the rank's first value), z, vs, cause
-    ('hardware' or 'contention'), per_cpu_ratio (the same ratio per CPU-second) and text."""
+    ('hardware' or 'contention'), per_cpu_ratio (the same ratio per CPU-second), bar (the per-CPU-second ratio
+    a hardware outlier must pass) and text.
+
+    The cause is 'hardware' when the per-CPU-second ratio is still beyond ``min_ratio`` x the trust in the
+    measurement (the lower CPU share of the figure and of what it is compared with, over :data:`BUSY_SHARE`,
+    at most 1) and no other process shares the GPU: the less CPU time a figure got, the less it tells (20 ms
+    trials at a 5% share are 1 ms of work), so the wider the gap must be. A CPU rank measured at a 3-7% share
+    (load 17-20 on 2 cores) moved its per-CPU-second figures by up to 0.7x between checks; the slow_memory
+    rehearsal's 1/50 stays far beyond."""
     raw = _raw_outliers(rows, first, cfg)
-    per_cpu = _raw_outliers(_per_cpu(rows), _per_cpu(first) if first else None, cfg)
     by_rank = {r.rank: r for r in rows}
     out = []
-    for key, o in raw.items():
+    for o in raw.values():
         r = by_rank[o["rank"]]
-        gpu_shared = r.context.get("gpu_others", 0) > 0
-        cause = "hardware" if key in per_cpu and not gpu_shared else "contention"
-        ratio_cpu = per_cpu[key]["ratio"] if key in per_cpu else _ratio_per_cpu(rows, first, o, cfg)
-        out.append({**o, "cause": cause, "per_cpu_ratio": ratio_cpu, "text": _text(r, o, cause, ratio_cpu)})
+        ratio_cpu, share = _ratio_per_cpu(rows, first, o)
+        bar = cfg.min_ratio * min(1.0, share / BUSY_SHARE)
+        beyond = ratio_cpu > 1 / bar if o["figure"].endswith("_lat") else ratio_cpu < bar
+        cause = "hardware" if beyond and not r.context.get("gpu_others", 0) > 0 else "contention"
+        out.append({**o, "cause": cause, "per_cpu_ratio": ratio_cpu, "bar": bar,
+                    "text": _text(r, o, cause, ratio_cpu)})
     return out
 
 
-def _ratio_per_cpu(rows: list[Row], first: list[Row] | None, o: dict, cfg: HealthConfig) -> float:
-    """The ratio of outlier ``o`` recomputed per CPU-second (it is no outlier there)."""
+def _ratio_per_cpu(rows: list[Row], first: list[Row] | None, o: dict) -> tuple[float, float]:
+    """(the ratio of outlier ``o`` per CPU-second (:func:`_per_cpu`), the lower of the CPU shares of its figure
+    and of the reference: the rank's first measurement, or the median share of the ranks)."""
     fig, rank = o["figure"], o["rank"]
     scaled = {r.rank: r for r in _per_cpu(rows)}
+    own = next(r for r in rows if r.rank == rank).share(fig)
     if o["vs"] == "first":
-        base = next(b for b in _per_cpu(first or []) if b.rank == rank and b.host == o["host"])
-        return scaled[rank].figures[fig] / base.figures[fig]
+        base = next(b for b in first or [] if b.rank == rank and b.host == o["host"])
+        return scaled[rank].figures[fig] / _per_cpu([base])[0].figures[fig], min(own, base.share(fig))
     med = statistics.median(r.figures[fig] for r in scaled.values() if fig in r.figures)
-    return scaled[rank].figures[fig] / med if med > 0 else math.nan
+    ref = statistics.median(r.share(fig) for r in rows if fig in r.figures)
+    return (scaled[rank].figures[fig] / med if med > 0 else math.nan), min(own, ref)
 
 
 def _busy_text(r: Row) -> str:
