@@ -84,6 +84,8 @@ ADVICE = {  # the seed's 7.2: find the device, then exclude the node and replace
 }
 BUSY_SHARE = 0.8
 """A process that got less than this share of the CPU time its threads asked for was slowed by others."""
+MIN_TRUST = 0.25
+"""The least trust in a figure measured with a small CPU share: its outlier bar is at least ``min_ratio`` x this."""
 EXIT_UNHEALTHY, EXIT_BUSY = 1, 3
 """``densetrain doctor``'s exit statuses besides 0 (healthy) and 2 (bad input): a hardware outlier named; only
 contention found (the figures cannot be judged on a busy host)."""
@@ -377,17 +379,18 @@ def judge(rows: list[Row], first: list[Row] | None, cfg: HealthConfig) -> list[d
 
     The cause is 'hardware' when the per-CPU-second ratio is still beyond ``min_ratio`` x the trust in the
     measurement (the lower CPU share of the figure and of what it is compared with, over :data:`BUSY_SHARE`,
-    at most 1) and no other process shares the GPU: the less CPU time a figure got, the less it tells (20 ms
-    trials at a 5% share are 1 ms of work), so the wider the gap must be. A CPU rank measured at a 3-7% share
-    (load 17-20 on 2 cores) moved its per-CPU-second figures by up to 0.7x between checks; the slow_memory
-    rehearsal's 1/50 stays far beyond."""
+    between :data:`MIN_TRUST` and 1) and no other process shares the GPU: the less CPU time a figure got, the
+    less it tells (20 ms trials at a 5% share are 1 ms of work), so the wider the gap must be. A CPU rank
+    measured at a 3-7% share (load 17-20 on 2 cores) moved its per-CPU-second figures by up to 0.7x between
+    checks; a gap of 1/(0.6 x 0.25) = 6.7x is no such noise, and the slow_memory rehearsal's 1/50 stays beyond
+    it."""
     raw = _raw_outliers(rows, first, cfg)
     by_rank = {r.rank: r for r in rows}
     out = []
     for o in raw.values():
         r = by_rank[o["rank"]]
         ratio_cpu, share = _ratio_per_cpu(rows, first, o)
-        bar = cfg.min_ratio * min(1.0, share / BUSY_SHARE)
+        bar = cfg.min_ratio * min(1.0, max(MIN_TRUST, share / BUSY_SHARE))
         beyond = ratio_cpu > 1 / bar if o["figure"].endswith("_lat") else ratio_cpu < bar
         cause = "hardware" if beyond and not r.context.get("gpu_others", 0) > 0 else "contention"
         out.append({**o, "cause": cause, "per_cpu_ratio": ratio_cpu, "bar": bar,

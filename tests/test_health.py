@@ -105,13 +105,14 @@ def test_a_busy_host_is_not_a_faulty_device():
     assert status == EXIT_UNHEALTHY and line.startswith("unhealthy: rank 1 on h: memory bandwidth 0.4 GB/s")
     assert line.endswith("(and 1 more outlier(s): see the table)")
     # measured on this machine at load 20 on 2 cores: the first check at a 7% CPU share, a later one at 2%: 0.21x
-    # raw, 0.73x per CPU-second; at such shares only a far wider gap names the device (bar 0.6 x 0.02 / 0.8)
+    # raw, 0.73x per CPU-second; at such shares only a far wider gap names the device (bar 0.6 x 0.25, the least
+    # trust, where 0.02 / 0.8 is less)
     first = [Row(0, "h", {"memory": 2.6e9}, "cpu", {"share/memory": 0.069})]
     now = [Row(0, "h", {"memory": 0.551e9}, "cpu", {"share/memory": 0.02})]
     (o,) = judge(now, first, cfg)
     assert o["cause"] == "contention" and round(o["ratio"], 2) == 0.21 and round(o["per_cpu_ratio"], 2) == 0.73
-    assert o["bar"] == pytest.approx(0.6 * 0.02 / 0.8)
-    now[0].figures["memory"] = 2.6e6  # 1/1000 per wall-second with a 2% share: 0.0035x per CPU-second
+    assert o["bar"] == pytest.approx(0.6 * 0.25)
+    now[0].figures["memory"] = 2.6e9 / 50  # 1/50 per wall-second with a 2% share: 0.069x per CPU-second
     assert [o["cause"] for o in judge(now, first, cfg)] == ["hardware"]
     # a GPU: the advice is the GPU's; another process on the device makes it contention; NVML's throttle is said
     gpu = [Row(0, "h", {"matmul": 10.0}, "cuda", {}), Row(1, "h", {"matmul": 4.0}, "cuda",
