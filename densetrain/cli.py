@@ -339,24 +339,10 @@ def cmd_demo(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(cfg: Config, args: argparse.Namespace) -> int:
-    """Hardware health of every rank (:mod:`densetrain.health`), alone or under torchrun: one table row per
-    rank, then one line per outlier; exit status 1 when there is one. The matmul dtype: bf16 with
-    ``train.dtype = 'bf16'`` (or 'auto' on a GPU), else fp32."""
-    import torch
+    """Hardware health of every rank: :func:`densetrain.tools.doctor.doctor` (its verdict line, exit statuses)."""
+    from densetrain.tools.doctor import doctor
 
-    from densetrain.health import check, format_table
-    from densetrain.parallel import init_distributed
-
-    info = init_distributed(cfg.train.device, cfg.parallel)
-    if cfg.train.threads > 0:
-        torch.set_num_threads(cfg.train.threads)
-    bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and info.device.type == "cuda")
-    rows, outliers = check(info.device, torch.bfloat16 if bf16 else torch.float32, info.mesh, cfg.health)
-    if _is_main():
-        print(format_table(rows, outliers))
-        for o in outliers:
-            print(f"outlier: {o['text']}")
-    return 1 if outliers else 0
+    return doctor(cfg, args)
 
 
 COMMANDS = {
@@ -371,10 +357,17 @@ COMMANDS = {
     "replay": (cmd_replay, "recompute a step from the checkpoint before it: did the data or the machine cause it?"),
     "demo": (cmd_demo, "prepare + train + report with the tiny preset on the demo corpus"),
     "doctor": (cmd_doctor, "hardware health of every rank (alone or under torchrun): matmul rate, memory and "
-                           "collective bandwidth per rank against the median of the ranks"),
+                           "collective bandwidth per rank against the median of the ranks (and a run's first "
+                           "measurement with --train.run_dir), a busy host told from a faulty device; one verdict "
+                           "line"),
 }
 
 
+DOCTOR_EPILOG = ("Exit status: 0 healthy; 1 unhealthy (a device or link named: a hardware outlier that stays one "
+                 "per CPU-second and after a second measurement); 3 busy (only contention from other processes "
+                 "found: judge the device again on a quiet host); 2 bad input (one line). Under torchrun every "
+                 "rank exits 0 after a verdict (torchrun reports any other status as a failed child with its error "
+                 "dump): read the verdict line, or --json.")
 TRAIN_EPILOG = (f"SIGTERM or Ctrl-C (SIGINT): the current step finishes (an in-loop evaluation stops after its "
                 f"current batch), a checkpoint is written and the run exits "
                 f"with status {EXIT_PREEMPTED}; continue it with --resume RUN_DIR. A second signal exits at once "
@@ -410,12 +403,16 @@ UNUSED_SECTIONS = {  # command -> config sections it never reads (it works on on
     "eval": ("optim", "checkpoint", "logging", "parallel", "guard", "watchdog", "probe", "faults"),
     "export": ("optim", "checkpoint", "logging", "eval", "parallel", "guard", "watchdog", "probe", "faults"),
 }
+USED_KEYS = {  # command -> the only config keys (or "section." prefixes) it reads
+    "doctor": ("train.device", "train.threads", "train.dtype", "train.run_dir", "parallel.", "health."),
+}
 
 
 def refuse_unused_overrides(args: argparse.Namespace, rest: list[str]) -> None:
     """An override the command would not use is refused, not ignored: ``report``, ``blame`` and ``replay``
     take none (nor ``--preset`` / ``--config``), ``eval`` and ``export`` none of the sections they never read
-    (``--parallel.*`` among them: a checkpoint of any layout is read whole, in one process).
+    (``--parallel.*`` among them: a checkpoint of any layout is read whole, in one process), ``doctor`` only
+    the keys of :data:`USED_KEYS` (``--faults`` was accepted and ignored).
 
     Raises:
         ConfigError: one line naming the first such argument.
@@ -425,6 +422,11 @@ def refuse_unused_overrides(args: argparse.Namespace, rest: list[str]) -> None:
         if given:
             raise ConfigError(f"{given[0]}: densetrain {args.command} reads the run's own config.toml and takes no "
                               "--preset, --config or --section.key=value overrides")
+    for key, _ in parse_overrides(rest) if args.command in USED_KEYS else []:
+        used = USED_KEYS[args.command]
+        if not any(key == k or (k.endswith(".") and key.startswith(k)) for k in used):
+            raise ConfigError(f"--{key}: densetrain {args.command} does not use it (it reads only "
+                              f"{', '.join(k + '*' if k.endswith('.') else k for k in used)}); leave it out")
     for key, _ in parse_overrides(rest) if args.command in UNUSED_SECTIONS else []:
         if key.split(".")[0] in UNUSED_SECTIONS[args.command]:
             raise ConfigError(f"--{key}: densetrain {args.command} does not use [{key.split('.')[0]}] (it reads one "
@@ -496,7 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     for name, (_, help_) in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_, description=help_, epilog=TRAIN_EPILOG if name == "train" else None)
+        sp = sub.add_parser(name, help=help_, description=help_,
+                            epilog={"train": TRAIN_EPILOG, "doctor": DOCTOR_EPILOG}.get(name))
         sp.add_argument("--preset", help=f"preset name ({', '.join(list_presets())}); "
                         + ("default: the checkpoint's run config (RUN_DIR/config.toml), tiny without one"
                            if name in ("eval", "export") else "default tiny, none with --config"))
@@ -556,6 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--out", required=True, help="run directory to create")
         if name == "report":
             sp.add_argument("run_dir", help="run directory")
+        if name == "doctor":  # its flags, one line each
+            sp.add_argument("--json", action="store_true", help="print the verdict, rows and outliers as JSON")
     from densetrain.tools.commands import add_subcommands
     from densetrain.tools.ladder.command import add_ladder_command
 
@@ -586,6 +591,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    args.rest = rest  # the --section.key=value overrides as given (doctor: was --train.run_dir given?)
     args.layout_flags = [a for a in rest if a.startswith(("--parallel.dp_replicate", "--parallel.dp_shard",
                                                           "--parallel.tp", "--parallel.cp"))]
     cfg = None

@@ -202,3 +202,20 @@ def test_two_rank_fsdp2_async_run_resumes_on_the_uninterrupted_trajectory(prepar
     run_ranks(rcfg, "resumed", resume=True)
     assert_same_losses(losses(resumed), want, range(5, 9))
     assert [r["step"] for r in read_metrics(resumed) if r["kind"] == "train"] == list(range(1, 9))
+
+
+def test_a_save_abandoned_by_an_error_is_said_once(tmp_path):
+    # A peer rank killed while a save is in flight: the run leaves on the error and deletes the save's partial
+    # step_N.tmp; said in one event, as a resume says the partial saves it passes over (before: without a word)
+    _, model, opt = _model(d_model=64, n_layers=2, vocab=512)
+    log = MetricsLogger(tmp_path, tensorboard=False)
+    ck = Checkpointer(tmp_path, every=1, keep=0, last_step=3, async_save=True)
+    _step(model, opt, 1)
+    ck.save_if_due(1, model, opt, {"step": 1}, True, log)
+    tmp = ck.pending.tmp
+    ck.abandon_pending(log)
+    ck.abandon_pending(log)  # nothing in flight any more: nothing more to say
+    log.close()
+    assert not tmp.exists() and list_complete(tmp_path) == []
+    (ev,) = [e for e in _events(tmp_path) if e["action"] == "pass_over"]
+    assert ev["step"] == 1 and f"deleting its partial {tmp}" in ev["text"]

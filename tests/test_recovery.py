@@ -159,7 +159,8 @@ def test_watchdog_names_the_slow_rank_and_phase(prepared, tmp_path):
     perf = [r for r in read_metrics(slow) if r["kind"] == "perf"]
     assert {r["rank"] for r in perf} == {0, 1}
     control = _two_rank_train(make(tmp_path / "control", **ov), tmp_path, "control")
-    assert _events(control, "throughput") == []
+    # no slow device named (a busy host's contention, action 'busy', is not one)
+    assert [e["text"] for e in _events(control, "throughput") if e["action"] != "busy"] == []
 
 
 def test_probe_names_the_source_fed_duplicates_and_blame_agrees(prepared, tmp_path):

@@ -156,10 +156,11 @@ def test_second_signal_exits_at_once(prepared, tmp_path):
     time.sleep(0.5)
     procs[0].send_signal(signal.SIGINT)
     time.sleep(0.3)
-    t0 = time.monotonic()
     procs[0].send_signal(signal.SIGINT)
     rc, err = finish(procs)[0]
-    assert rc == -signal.SIGINT and time.monotonic() - t0 < 1.0, err[-2000:]  # killed by it: status 130 in a shell
+    # killed by it (status 130 in a shell), not the graceful exit 75 after the step (and no time bound: how fast
+    # a process dies is the machine's load)
+    assert rc == -signal.SIGINT, err[-2000:]
     assert "SIGINT received: finishing the current step" in err
     assert not [e for e in read_events(run) if e["kind"] == "preempt"]
     assert [s for s, _ in list_complete(run)] == []  # nothing was saved after the second signal

@@ -121,13 +121,20 @@ class Checkpointer:
                           "steps_during_write": p.steps_during_write})
         return path
 
-    def abandon_pending(self) -> None:
-        """Leaving on an error with a save in flight (a full disk under the run's other files): wait up to
-        60 s for its background write to end, then delete its ``.tmp`` (rank 0), so no half-written
-        ``step_N.tmp`` stays behind; the write's own outcome no longer matters."""
+    def abandon_pending(self, log=None) -> None:
+        """Leaving on an error with a save in flight (a full disk under the run's other files, a peer rank
+        killed): wait up to 60 s for its background write to end, then delete its ``.tmp`` (rank 0), so no
+        half-written ``step_N.tmp`` stays behind; the write's own outcome no longer matters. Said once, in an
+        event of ``log`` (a metrics logger) when given, as a resume says the partial saves it passes over."""
         p, self.pending = self.pending, None
         if p is None:
             return
+        if log is not None and _rank() == 0:
+            try:
+                log.event(p.step, f"abandoned the checkpoint save of step {p.step} in flight (the run ends on an "
+                                  f"error): deleting its partial {p.tmp}", kind="checkpoint", action="pass_over")
+            except OSError:  # the full disk that ended the run: the deletion below still happens
+                pass
         if p.future is not None:
             try:
                 p.future.result(timeout=60)

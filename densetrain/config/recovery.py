@@ -92,8 +92,8 @@ class WatchdogConfig:
 class HealthConfig:
     every: int = 1000
     """Steps between hardware health checks in training (and one at start-up, and one after each throughput
-    drop the watchdog reports); 0: none in training (``densetrain doctor`` still runs them). A check costs about
-    a second of every rank's time (benchmarks/health_cost.py)."""
+    drop the watchdog blames on a device, not on contention); 0: none in training (``densetrain doctor`` still
+    runs them). A check costs about a second of every rank's time (benchmarks/health_cost.py)."""
     seconds: float = 0.02
     """Length of each timed trial of a measurement (the best of `trials` is kept: contention only lowers one)."""
     trials: int = 3

@@ -104,7 +104,7 @@ def _train(run: Run) -> dict:
         stop.restore()  # the final evaluations can be interrupted: --resume then completes them
         return finish(run, stage)
     except BaseException:
-        run.checkpointer.abandon_pending()  # an error with an async save in flight leaves no step_N.tmp
+        run.checkpointer.abandon_pending(run.log)  # an error with an async save in flight: no step_N.tmp
         raise
     finally:
         stop.restore()

@@ -6,19 +6,24 @@ Every rank decides the same: the step is the same everywhere and the watchdog's 
 every rank holds. Each check writes one ``health`` record per rank to metrics.jsonl and one ``health`` event
 per outlier; its time is outside the watchdog's step times (it runs after the watchdog's ``after_step``).
 The run's first check is kept in ``RUN_DIR/health_first.json`` (not in the checkpoint, whose contents stay
-deterministic), so that a restarted or resumed run still compares each rank with its first measurement.
+deterministic), so that a restarted or resumed run still compares each rank with its first measurement; a
+damaged one is said in an event and replaced by the next check.
+
+Only hardware outliers are health alarms (``health`` events, action ``report``). Outliers that contention
+explains (:func:`densetrain.health.judge`: a busy host, another process on the GPU) are said once, in one
+``health`` event with action ``busy``, until a check finds the host quiet again: a shared machine does not repeat
+them at every check.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
 
 from densetrain.config.recovery import HealthConfig
-from densetrain.fileio import atomic_write_json, read_json
-from densetrain.health import Row, check
+from densetrain.fileio import atomic_write_json
+from densetrain.health import Row, check, read_first, rows_json
 from densetrain.train.watchers import Verdict, Watcher
 
 
@@ -27,11 +32,12 @@ class HealthWatch(Watcher):
 
     name = "health"
 
-    def __init__(self, cfg: HealthConfig, watchdog=None):
-        self.cfg, self.watchdog = cfg, watchdog
+    def __init__(self, cfg: HealthConfig, watchdog=None, measure_fn=None):
+        self.cfg, self.watchdog, self.measure_fn = cfg, watchdog, measure_fn  # measure_fn: tests inject figures
         self.first: list[Row] | None = None
         self.started = False
         self.seen = 0  # watchdog reports already followed by a check
+        self.busy_said = False  # contention said since the last check that found none
 
     def before_step(self, run) -> None:
         if not self.started:
@@ -49,24 +55,32 @@ class HealthWatch(Watcher):
     def check(self, run, why: str) -> list[dict]:
         """Measure, gather, judge; log the records and the outliers' events. Returns the outliers."""
         path = run.run_dir / "health_first.json"
-        if self.first is None and path.exists():  # a restart: the run's first check, from its first start
-            try:
-                self.first = [Row(**r) for r in read_json(path)]
-            except (OSError, ValueError, TypeError):
-                self.first = None  # measured again below
+        if self.first is None:  # a restart: the run's first check, from its first start
+            self.first, damaged = read_first(path)
+            if damaged and run.info.is_main:
+                run.log.event(run.state.step, f"health: {damaged}; this check becomes the run's first measurement",
+                              kind="health", action="replace")
         t0 = time.perf_counter()
         rows, outliers = check(run.info.device, torch.bfloat16 if run.autocast else torch.float32, run.info.mesh,
-                               self.cfg, self.first)
+                               self.cfg, self.first, self.measure_fn)
         seconds = time.perf_counter() - t0
         if self.first is None:
             self.first = rows
             if run.info.is_main:
-                atomic_write_json(path, [dataclasses.asdict(r) for r in rows])
+                atomic_write_json(path, rows_json(rows))
         step = run.state.step
         for r in rows:
             run.log.log(step, {"rank": r.rank, "host": r.host, "why": why, "seconds": seconds,
                                **{f"health/{k}": v for k, v in r.figures.items()}}, kind="health")
         for o in outliers:
-            run.log.event(step, f"health check ({why}): {o['text']}", kind="health", action="report",
-                          values={k: v for k, v in o.items() if k != "text"})
+            if o["cause"] == "hardware":
+                run.log.event(step, f"health check ({why}): {o['text']}", kind="health", action="report",
+                              values={k: v for k, v in o.items() if k != "text"})
+        busy = [o for o in outliers if o["cause"] == "contention"]
+        if busy and not self.busy_said:
+            run.log.event(step, f"health check ({why}): {busy[0]['text']}"
+                                + (f" (and {len(busy) - 1} more figure(s) of busy ranks)" if len(busy) > 1 else "")
+                                + "; said once until a check finds the host quiet", kind="health", action="busy",
+                          values={"outliers": [{k: v for k, v in o.items() if k != "text"} for o in busy]})
+        self.busy_said = bool(busy)
         return outliers

@@ -1,0 +1,50 @@
+"""``densetrain doctor``: the hardware health check of every rank (:mod:`densetrain.health`) as a command:
+the table, the verdict line, ``--json``, the comparison with a run's first measurement and the exit statuses.
+Its flags are declared in :func:`densetrain.cli.build_parser` (``if name == "doctor"``), one line each."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from densetrain.config import Config, parse_overrides
+from densetrain.fileio import json_text
+from densetrain.health import check, format_table, read_first, rows_json, verdict
+from densetrain.parallel import init_distributed
+
+
+def doctor(cfg: Config, args: argparse.Namespace) -> int:
+    """Hardware health of every rank (:mod:`densetrain.health`), alone or under torchrun: one table row per
+    rank, then one verdict line (``healthy``, ``unhealthy: <rank, figure, why>`` or ``busy: ...`` when only
+    contention from other processes was found), or with ``--json`` one JSON object (verdict, status, line, note,
+    rows, outliers). With ``--train.run_dir RUN_DIR`` each rank is also compared with that run's first
+    measurement (``RUN_DIR/health_first.json``). The matmul dtype: bf16 with ``train.dtype = 'bf16'`` (or 'auto'
+    on a GPU), else fp32. Exit status (``densetrain doctor --help``): 0 healthy, 1 unhealthy, 3 busy, 2 bad input;
+    under torchrun 0 after any verdict."""
+    info = init_distributed(cfg.train.device, cfg.parallel)
+    if cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
+    first, note = None, ""
+    if any(k == "train.run_dir" for k, _ in parse_overrides(args.rest)):  # given: compare with that run's first
+        path = Path(cfg.train.run_dir) / "health_first.json"
+        first, note = read_first(path)
+        note = note or ("" if first else f"{path}: no such file (that run has no first check yet)")
+        note = note and f"{note}: compared across the ranks only"
+    bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and info.device.type == "cuda")
+    rows, outliers = check(info.device, torch.bfloat16 if bf16 else torch.float32, info.mesh, cfg.health, first)
+    status, line = verdict(rows, outliers)
+    if int(os.environ.get("RANK", "0")) == 0:  # one verdict, not one per rank
+        if args.json:
+            print(json_text({"verdict": line.split(":")[0], "status": status, "line": line, "note": note,
+                             "rows": rows_json(rows), "outliers": outliers}, indent=1))
+        else:
+            print(format_table(rows, outliers))
+            if note:
+                print(f"note: {note}")
+            print(line)
+    # torchrun reports any other status of a rank as a failed child, with its whole error dump: a verdict is
+    # a result, not a failure, so under torchrun it is read from the line (or --json)
+    return 0 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else status
