@@ -12,7 +12,7 @@ Collectives over ``n`` ranks of a tensor of ``S`` bytes (whole, unsharded), NCCL
 bytes through each rank's link, plus ``(n-1)`` (all-reduce ``2 (n-1)``) ring steps of the link's latency.
 
 What hides (torchtitan's and Megatron's behaviour): FSDP2's all-gathers (prefetched) and reduce-scatters, and
-the replicas' all-reduce, run beside the blocks' compute; under pipelining the gather comes once per step
+the replicas' all-reduce, run beside the blocks' compute (taking :data:`CONTENTION` of it while they run); under pipelining the gather comes once per step
 (before the first micro-batch) and the reduction once (after the last), so they hide behind one micro-batch
 only. Tensor-parallel collectives (synchronous: no async TP), context parallelism's key/value all-gather and
 gradient reduce-scatter, and the pipeline's sends on the fill and drain path are exposed. The bubble of
@@ -42,6 +42,9 @@ NETWORK_EFFICIENCY = 0.90
 HBM_EFFICIENCY = 0.8
 """Fraction of the HBM datasheet bandwidth elementwise kernels reach (STREAM-like copies on H100 reach ~0.8-0.9;
 an assumption, not fitted)."""
+CONTENTION = 0.12
+"""Compute lost per second of communication hidden behind it: NCCL's kernels hold ~16 of an H100's 132 SMs while
+they run (its default channel count on InfiniBand; an assumption from the hardware, not fitted)."""
 KERNEL_LAUNCH_S = 4e-6
 """Fixed cost of one kernel (launch and tail), s: what makes tiny GEMMs slow whatever their FLOPs."""
 
@@ -212,6 +215,7 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     else:  # prefetched beside the blocks; the first block's gather and the last reduction stay exposed
         first = ag_s / max(gathers, 1) / max(s.n_layers, 1)
         dp_s = max(first, ag_s + rs_s + ar_s - (compute + recompute_s)) if (ag_s + rs_s + ar_s) else 0.0
+    dp_s += CONTENTION * max(0.0, ag_s + rs_s + ar_s - dp_s)  # what hides still takes SMs from the compute
 
     # pipeline: sends of the activations (their gradients back) on the fill and drain path, the bubble
     v = par.virtual if p > 1 else 1
