@@ -151,8 +151,9 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
         row["step_s"] = row["time"]["step_s"] if best else None
         row["days"] = row["steps"] * row["step_s"] / 86400 if best else None
         if best and row["time"]["mfu"] < LOW_MFU:
-            warnings.append(f"stage '{row['name']}': predicted MFU {row['time']['mfu']:.1%} is below {LOW_MFU:.0%}: "
-                            "the GPUs mostly wait (communication, bubble): fewer GPUs or a larger batch use them better")
+            warnings.append(f"stage '{row['name']}': predicted MFU {row['time']['mfu']:.1%} is below "
+                            f"{LOW_MFU:.0%}: the GPUs mostly wait (communication, bubble): fewer GPUs or a larger "
+                            "batch use them better")
     ok = sorted((x for x in layouts if x["runs_all"]), key=lambda x: x["days"])
     try:
         p = cfg.parallel
