@@ -210,7 +210,8 @@ def test_train_dry_run_prints_the_plan_without_data(tmp_path):
                     "--train.run_dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120,
                    env={**__import__("os").environ, "WORLD_SIZE": "64"})
     assert r.returncode == 0, r.stderr
-    assert "dry run: 64 process(es)" in r.stdout and "configured layout (dp_replicate=1 dp_shard=64 tp=1)" in r.stdout
+    assert "dry run: 64 process(es)" in r.stdout and "configured layout (dp_replicate=64 dp_shard=1 tp=1)" in r.stdout
+    assert "stage 'main': seq_len 8192" in r.stdout and "one layout for every stage" in r.stdout
     assert not (tmp_path / "run").exists()
 
 

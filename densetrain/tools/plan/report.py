@@ -184,8 +184,8 @@ def format_layout_plan(r: dict, others: int = 4) -> str:
     sug = r["suggested"]
     if sug is not None:
         extra = f" (+{sug['days'] / r['days'] - 1:.1%})" if r["days"] and sug["days"] > r["days"] * 1.0005 else ""
-        lines.append(f"one layout for every stage: {_name(sug)}, {_days(sug['days'])} days{extra}: densetrain train ... "
-                     f"{_layout_flags(sug)}")
+        lines.append(f"one layout for every stage: {_name(sug)}, {_days(sug['days'])} days{extra}: densetrain "
+                     f"train ... {_layout_flags(sug)}")
     elif r["days"] is not None:
         lines.append("no single layout runs every stage: change it at the stage boundaries")
     pub = r.get("published")
