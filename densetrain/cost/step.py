@@ -14,8 +14,9 @@ bytes through each rank's link, plus ``(n-1)`` (all-reduce ``2 (n-1)``) ring ste
 What hides (torchtitan's and Megatron's behaviour): FSDP2's all-gathers (prefetched) and reduce-scatters, and
 the replicas' all-reduce, run beside the blocks' compute (taking :data:`CONTENTION` of it while they run);
 under pipelining the gather comes once per step (before the first micro-batch) and the reduction once (after
-the last), so they hide behind one micro-batch only. Tensor-parallel collectives (synchronous: no async TP), context parallelism's key/value all-gather and
-gradient reduce-scatter, and the pipeline's sends on the fill and drain path are exposed. The bubble of
+the last), so they hide behind one micro-batch only. Tensor-parallel collectives (synchronous: no async TP),
+context parallelism's key/value all-gather and gradient reduce-scatter, and the pipeline's sends on the fill
+and drain path are exposed. The bubble of
 1F1B and of the interleaved schedule is ``(pp - 1) / (v m)`` of the pipeline's busy time (``m`` micro-batches
 per schedule call, ``v`` stages per rank; Narayanan et al. 2021 sec. 2.2), counted once: the compute and
 exposed communication of the micro-batches are its busy time, and MFU is computed from the step time, not
