@@ -209,21 +209,24 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
     import torch
 
     from densetrain.tools.plan import format_layout_plan, layout_plan
-    from densetrain.tools.plan.rank import dry_run_rank, format_rank, parse_ranks
+    from densetrain.tools.plan.rank import dry_run_rank, format_rank, parse_ranks, world_words
 
     if world_size is not None and world_size < 1:
         return _error(f"--world-size: expected a number of processes >= 1, got {world_size} "
                       "(see densetrain train --help)")
+    given = world_size is not None or "WORLD_SIZE" in os.environ
     gpus = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 8)
     if rank is not None or ranks:
         for r in parse_ranks(ranks or str(rank), gpus):
-            print(format_rank(dry_run_rank(cfg, gpus, r)), flush=True)
+            print(format_rank(dry_run_rank(cfg, gpus, r, per_node)), flush=True)
         return 0
     mem = torch.cuda.get_device_properties(0).total_memory / 1024**3 if torch.cuda.is_available() else 80.0
     res = layout_plan(cfg, gpus, mem, mixed_precision=cfg.train.dtype != "fp32")
     if os.environ.get("RANK", "0") == "0":
         print(f"dry run: {gpus} process(es), {mem:.0f} GiB per GPU{'' if torch.cuda.is_available() else ' (assumed)'}")
-        print(format_layout_plan(res) + _unfit_note(cfg, gpus))
+        why = world_words(cfg.parallel, gpus, given)
+        print(format_layout_plan(res) + (f"\nconfigured layout: {why}" if why else ""))
     return 0
 
 
