@@ -334,7 +334,30 @@ def cmd_doctor(cfg: Config, args: argparse.Namespace) -> int:
         print(format_table(rows, outliers))
         for o in outliers:
             print(f"outlier: {o['text']}")
+        if getattr(args, "profile", None):
+            print(f"wrote this machine's hardware profile to {write_profile(rows, info, args.profile)} "
+                  "(densetrain plan --hardware FILE)")
     return 1 if outliers else 0
+
+
+def write_profile(rows, info, path: str) -> str:
+    """``doctor --profile FILE``: a :class:`densetrain.cost.Hardware` profile of this machine from the ranks'
+    median matmul rate and memory bandwidth and the slowest group's all-reduce bus bandwidth."""
+    import os
+    import statistics
+
+    import torch
+
+    from densetrain.cost import measured_hardware, write_hardware
+
+    med = lambda k: statistics.median(r.figures[k] for r in rows)
+    links = [statistics.median(r.figures[k] for r in rows) for k in rows[0].figures if k.endswith("/all_reduce")]
+    memory = (torch.cuda.get_device_properties(info.device).total_memory if info.device.type == "cuda"
+              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 1024**3
+    hw = measured_hardware(med("matmul"), med("memory"), min(links) if links else None,
+                           int(os.environ.get("LOCAL_WORLD_SIZE", "1")), round(memory, 1),
+                           f"this machine ({rows[0].host}, {info.device.type}, {len(rows)} rank(s))")
+    return str(write_hardware(hw, path))
 
 
 COMMANDS = {
@@ -493,6 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--out", required=True, help="run directory to create")
         if name == "report":
             sp.add_argument("run_dir", help="run directory")
+        if name == "doctor":
+            sp.add_argument("--profile", metavar="FILE", help="also write this machine's hardware profile (.toml or "
+                            ".json) from the measurements, for densetrain plan --hardware FILE")
     from densetrain.tools.commands import add_subcommands
     from densetrain.tools.ladder.command import add_ladder_command
 

@@ -77,3 +77,16 @@ def test_published_runs_within_15_percent():
     assert len(rows) == 10 and sum(r["role"] == "fit" for r in rows) == 3
     worst = max(rows, key=lambda r: abs(r["error"]))
     assert abs(worst["error"]) < 0.15, worst["name"]
+
+
+def test_doctor_writes_this_machines_profile_that_plan_reads(tmp_path, capsys):
+    from densetrain.cli import main
+
+    path = tmp_path / "me.toml"
+    main(["doctor", "--preset", "tiny", "--health.seconds=0.01", "--health.trials=1", "--health.copy_mib=1",
+          "--profile", str(path)])
+    assert f"wrote this machine's hardware profile to {path}" in capsys.readouterr().out
+    hw = load_hardware(path)
+    assert hw.peak_bf16_flops > 0 and hw.hbm_bytes_per_s > 0 and hw.gpus_per_node == 1
+    assert main(["plan", "--preset", "tiny", "--gpus", "1", "--hardware", str(path), "--json"]) == 0
+    assert '"mfu"' in capsys.readouterr().out
