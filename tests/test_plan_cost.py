@@ -90,3 +90,56 @@ def test_doctor_writes_this_machines_profile_that_plan_reads(tmp_path, capsys):
     assert hw.peak_bf16_flops > 0 and hw.hbm_bytes_per_s > 0 and hw.gpus_per_node == 1
     assert main(["plan", "--preset", "tiny", "--gpus", "1", "--hardware", str(path), "--json"]) == 0
     assert '"mfu"' in capsys.readouterr().out
+
+
+_COUNT = r"""
+import json, sys
+import torch, torch.distributed as dist
+from densetrain.config import load_config
+from densetrain.parallel.dist import init_distributed
+from densetrain.parallel.parallelize import build_parallel_model
+
+sent = {"all_gather": 0, "reduce_scatter": 0}
+def counting(name, orig):  # FSDP2's two collectives; a ring sends (n - 1) / n of the whole tensor per rank
+    def f(*a, **k):
+        out, inp = k.get("output", a[0] if a else None), k.get("input", a[1] if len(a) > 1 else None)
+        n = dist.get_world_size(k.get("group"))
+        sent[name] += (n - 1) / n * (out if name == "all_gather" else inp).numel() * out.element_size()
+        return orig(*a, **k)
+    return f
+dist.all_gather_single = counting("all_gather", dist.all_gather_single)
+dist.reduce_scatter_single = counting("reduce_scatter", dist.reduce_scatter_single)
+cfg = load_config("tiny", overrides=[("parallel.dp_replicate", 1), ("parallel.dp_shard", -1), ("train.dtype", "fp32")])
+info = init_distributed("cpu", cfg.parallel)
+model, _ = build_parallel_model(cfg, info)
+x = torch.randint(0, cfg.model.vocab_size, (1, 64))
+model(x).float().sum().backward()  # one micro-batch's forward and backward: all a step sends (AdamW sends nothing)
+if info.rank == 0:
+    print(json.dumps(sent))
+"""
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_bytes_per_step_equal_a_counted_gloo_step(world, tmp_path):
+    import json
+    import os
+    import socket
+    import sys
+
+    import forked
+
+    script = tmp_path / "count.py"
+    script.write_text(_COUNT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    procs = [forked.Popen([sys.executable, str(script)], text=True, stdout=forked.PIPE, stderr=forked.PIPE,
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    sent = json.loads(outs[0][0].strip().splitlines()[-1])
+    m = load_config("tiny").model
+    want = step_time(m, Parallel(dp_shard=world), H100, 64, world, 1, precision="fp32")["bytes"]["dp"]
+    assert sum(sent.values()) == pytest.approx(want, rel=0.02)  # the model leaves out the norm gains (0.04%)

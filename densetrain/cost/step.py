@@ -135,9 +135,11 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     """Seconds of one optimizer step of ``batch`` sequences of ``seq_len`` tokens on layout ``par`` (every rank
     alike; under pipelining the stages are taken as balanced, ``1 / pp`` of the model each).
 
-    ``micro``: sequences per micro-batch; ``ac``: :data:`AC_RECOMPUTE`; ``precision``: ``bf16`` or ``fp8``
+    ``micro``: sequences per micro-batch; ``ac``: :data:`AC_RECOMPUTE`; ``precision``: ``bf16``, ``fp8``
     (the blocks' linear layers at the fp8 peak plus the casts' bytes, torchtitan's Float8 recipe with dynamic
-    tensorwise scaling; attention and the head stay bf16); ``fp8_all_gather``: FSDP2 gathers fp8 weights.
+    tensorwise scaling; attention and the head stay bf16) or ``fp32`` (4-byte activations and gathered weights;
+    the profile's bf16 peak stands for the rate, as a measured profile measures the run's dtype);
+    ``fp8_all_gather``: FSDP2 gathers fp8 weights.
 
     Returns:
         ``{"step_s", "parts": {name: s}, "tokens_per_sec", "tokens_per_sec_per_gpu", "mfu", "model_flops",
@@ -157,6 +159,7 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     tok = micro * seq_len / c  # rows of one micro-batch on one rank
     sp = par.sequence_parallel and t > 1
     peak, peak_mm = hw.peak_bf16_flops, hw.peak_fp8_flops if precision == "fp8" else hw.peak_bf16_flops
+    a = 4 if precision == "fp32" else 2  # bytes of an activation and of a gathered weight
     hbm = hw.hbm_bytes_per_s * HBM_EFFICIENCY
     layers = s.n_layers / p  # blocks per rank, balanced
 
@@ -182,7 +185,7 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
 
     # tensor parallel: per block two all-reduces forward, two backward (or all-gather + reduce-scatter with SP:
     # the same bytes), one more pair forward under full recomputation
-    act = tok * s.d_model * 2
+    act = tok * s.d_model * a
     bw_tp, lat_tp, where_tp = link(hw, 1, t)
     per_tp = collective_s("all_reduce", act, t, bw_tp, lat_tp)
     tp_calls = 4 + (2 if ac == "full" else 0)
@@ -191,30 +194,38 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
 
     # context parallel: all-gather of the keys and values forward (again under full recomputation), reduce-scatter
     # of their gradients backward
-    kv_local = tok * 2 * max(s.n_kv_heads // t, 1) * s.head_dim * 2
+    kv_local = tok * 2 * max(s.n_kv_heads // t, 1) * s.head_dim * a
     bw_cp, lat_cp, where_cp = link(hw, t, c)
     cp_calls = 2 + (1 if ac == "full" else 0)
     cp_s = n_micro * layers * cp_calls * collective_s("all_gather", c * kv_local, c, bw_cp, lat_cp)
     cp_bytes = n_micro * layers * cp_calls * bus_bytes("all_gather", c * kv_local, c)
 
-    # data parallel: FSDP2 over dp_shard x cp, replicas' all-reduce; fp32 gradient reduction
+    # data parallel: FSDP2 over dp_shard x cp (a group per block, the root group holding the embedding, final
+    # norm and head), the replicas' all-reduce; gradients reduced in fp32. Per micro-batch the forward gathers
+    # every group and the backward the blocks again but the last (densetrain reshards every block but the last
+    # after its forward; FSDP2 keeps the root's); under pipelining everything is gathered once per step.
+    blk = block_matmul_params(s) / t
     params = (s.n_layers * block_matmul_params(s) + s.d_model * s.vocab_size * (1 if s.tie_embeddings else 2)) / (p * t)
     n_sh = sh * c
-    gathered = params * (1 if fp8_all_gather else 2)
     bw_sh, lat_sh, where_sh = link(hw, t, n_sh)
     bw_rep, lat_rep, where_rep = link(hw, t * n_sh, r)
-    fsdp = n_sh > 1
-    gathers = (1 if p > 1 else 2 * n_micro) if fsdp else 0  # PP keeps the gathered weights for the whole step
-    ag_s = gathers * collective_s("all_gather", gathered, n_sh, bw_sh, lat_sh)
+    if n_sh == 1:
+        gathered, calls = 0.0, 0
+    elif p > 1:
+        gathered, calls = params, int(layers) + 1
+    else:
+        gathered, calls = n_micro * (params + max(layers - 1, 0) * blk), n_micro * 2 * int(layers)
+    gathered *= 1 if fp8_all_gather else a
+    ag_s = bus_bytes("all_gather", gathered, n_sh) / bw_sh + calls * (n_sh - 1) * lat_sh
     rs_s = collective_s("reduce_scatter", 4 * params, n_sh, bw_sh, lat_sh)
     ar_s = collective_s("all_reduce", 4 * params / n_sh, r, bw_rep, lat_rep)
-    dp_bytes = gathers * bus_bytes("all_gather", gathered, n_sh) + bus_bytes("reduce_scatter", 4 * params, n_sh) \
+    dp_bytes = bus_bytes("all_gather", gathered, n_sh) + bus_bytes("reduce_scatter", 4 * params, n_sh) \
         + bus_bytes("all_reduce", 4 * params / n_sh, r)
     one_fwd, one_bwd = layers * fwd_block, layers * (bwd_block + recompute)
     if p > 1:  # gathered once before the first micro-batch, reduced once after the last
         dp_s = max(0.0, ag_s - one_fwd) + max(0.0, rs_s + ar_s - one_bwd)
     else:  # prefetched beside the blocks; the first block's gather and the last reduction stay exposed
-        first = ag_s / max(gathers, 1) / max(s.n_layers, 1)
+        first = ag_s / max(calls, 1)
         dp_s = max(first, ag_s + rs_s + ar_s - (compute + recompute_s)) if (ag_s + rs_s + ar_s) else 0.0
     dp_s += CONTENTION * max(0.0, ag_s + rs_s + ar_s - dp_s)  # what hides still takes SMs from the compute
 
