@@ -38,7 +38,7 @@ def test_ranks_of_the_405b_layout_hold_their_stages_and_the_planned_bytes(big):
             continue
         assert r["unpadded_bytes"] == pytest.approx(planned["params"], rel=0.001)
         assert r["optim_bytes"] == pytest.approx(planned["optim"], rel=0.001)
-        assert planned["bubble"] == pytest.approx(15 / (2 * (16 + 15)))  # 16 micro-batches, 2 stages per rank
+        assert planned["bubble"] == pytest.approx(15 / (2 * 16 + 15))  # 16 micro-batches, 2 stages per rank
         assert "fewer than pp = 16" in r["planned"]["long_context"]["error"]  # 128 sequences over 128 dp ranks
     # 1F1B: the first pipeline rank holds the most micro-batches in flight.
     assert first["planned"]["main"]["activations"] > middle["planned"]["main"]["activations"]

@@ -84,6 +84,16 @@ def parallel_of(layout, schedule: str = "1f1b", virtual: int = 1, microbatches: 
                     sequence_parallel)
 
 
+def bubble_share(pp: int, microbatches: int, virtual: int = 1, schedule: str = "1f1b") -> float:
+    """Share of a pipeline rank's step time that is bubble: ``(pp - 1) / (v m + pp - 1)`` for 1F1B (``v`` = 1)
+    and the interleaved schedule, ``(pp - 1) / (m + pp - 1)`` for GPipe (Narayanan et al. 2021 sec. 2.2: the
+    bubble is ``(pp - 1) / (v m)`` of the busy time). 0 without pipelining."""
+    if pp <= 1:
+        return 0.0
+    v = 1 if schedule == "gpipe" else virtual
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
 def link(hw, stride: int, degree: int) -> tuple[float, float, str]:
     """``(bytes/s, latency s per ring step, 'nvlink' | 'network')`` of a group of ``degree`` ranks ``stride``
     apart (module docstring)."""
@@ -238,9 +248,8 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     pp_bytes = 2 * v * n_micro * pp_act if p > 1 else 0.0
     m_call = par.microbatches or n_micro
     busy = compute + recompute_s + tp_s + cp_s
-    bubble_s = (p - 1) / (v * m_call) * busy if p > 1 else 0.0
-    if par.schedule == "gpipe" and p > 1:
-        bubble_s = (p - 1) / m_call * busy
+    share = bubble_share(p, m_call, v, par.schedule)
+    bubble_s = share / (1 - share) * busy  # (pp - 1) / (v m) of the busy time
 
     # optimizer: AdamW over the rank's fp32 shard (parameter, gradient, two moments read and written)
     optim_s = 28 * params / max(n_sh, 1) / hbm

@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from densetrain.cost import Hardware, load_hardware, parallel_of, step_time
+from densetrain.cost import Hardware, flops_per_token, load_hardware, parallel_of, step_time
+from densetrain.cost.flops import block_matmul_params
 from densetrain.tools.plan.chinchilla import _positive
 from densetrain.tools.plan.memory import (
     AC_MODES,
@@ -96,7 +97,8 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
     of layouts with ``tp > 1``.
 
     ``tokens`` replaces the run's length (the stages keep their fractions); ``params`` replaces the parameter
-    count for the static memory (the shape, for activations and time, stays that of ``cfg.model``).
+    count for the static memory and scales the step time by the FLOPs per token (``6 params`` in place of the
+    shape's ``6 N``; the shape, for activations and attention, stays that of ``cfg.model``).
     ``preset``: for a published layout of it to evaluate beside (:data:`PUBLISHED`).
 
     Returns:
@@ -129,15 +131,19 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
     rows = []
     for i, st in enumerate(stages):
         steps = (_end(stages, i, total_steps) - st.start_step) * step_scale
+        fpt = flops_per_token(m, st.seq_len)
+        scale = (fpt - 6 * (model_counts_flops(m) - params)) / fpt if params is not None else 1.0
         rows.append({"name": st.name, "seq_len": st.seq_len, "batch": st.batch_size, "micro": st.micro_batch_size,
-                     "batch_tokens": st.batch_tokens, "steps": steps, "tokens": steps * st.batch_tokens})
+                     "batch_tokens": st.batch_tokens, "steps": steps, "tokens": steps * st.batch_tokens,
+                     "scale": scale})
     usable = USABLE_FRACTION * gpu_memory_gib * GIB - RESERVED_GIB * GIB
     layouts = []
     for lay in candidate_layouts(gpus, m, hw.gpus_per_node, tuple(r["seq_len"] for r in rows), max_pp):
         sp = sequence_parallel and lay.tp > 1
         for sched, v in schedules(lay, cfg.parallel, m.n_layers):
             par = dataclasses.replace(cfg.parallel, pp_schedule=sched, pp_virtual_stages=v)
-            per_stage = [timed_fit(counts, m, st, lay, par, usable, hw, mixed_precision, sp) for st in rows]
+            per_stage = [timed_fit(counts, m, st, lay, par, usable, hw, mixed_precision, sp, st["scale"])
+                         for st in rows]
             layouts.append({"layout": lay, "schedule": sched, "virtual": v, "stages": per_stage,
                             "runs_all": all(s["fits"] for s in per_stage), "days": layout_days(rows, per_stage)})
     warnings = []
@@ -174,15 +180,22 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
 
 
 def timed_fit(counts: dict, m, st: dict, lay, parallel, usable: float, hw: Hardware, mixed_precision: bool = True,
-              sp: bool = False) -> dict:
+              sp: bool = False, scale: float = 1.0) -> dict:
     """:func:`stage_fit` and, when the layout runs the stage, its predicted step (``time``:
-    :func:`densetrain.cost.step_time` with the chosen checkpointing, schedule and micro-batches)."""
+    :func:`densetrain.cost.step_time` with the chosen checkpointing, schedule and micro-batches). ``scale``
+    (``--params`` on another preset's shape): every part of the step times the ratio of the FLOPs per token
+    (MFU unchanged)."""
     fit = stage_fit(counts, m, st, lay, parallel, usable, mixed_precision, sp)
     fit["time"] = None
     if fit["fits"]:
         pipe = fit.get("pipeline") or {}
         par = parallel_of(lay, pipe.get("schedule", "1f1b"), pipe.get("virtual", 1), pipe.get("microbatches", 0), sp)
-        fit["time"] = step_time(m, par, hw, st["seq_len"], st["batch"], st["micro"], fit["ac"])
+        t = step_time(m, par, hw, st["seq_len"], st["batch"], st["micro"], fit["ac"])
+        if scale != 1.0:
+            t.update(parts={k: v * scale for k, v in t["parts"].items()}, step_s=t["step_s"] * scale,
+                     tokens_per_sec=t["tokens_per_sec"] / scale, model_flops=t["model_flops"] * scale,
+                     tokens_per_sec_per_gpu=t["tokens_per_sec_per_gpu"] / scale)
+        fit["time"] = t
     return fit
 
 
@@ -241,11 +254,16 @@ def published_layout(cfg, rows: list[dict], counts: dict, gpus: int, usable: flo
         for sched, v in schedules(lay, cfg.parallel, cfg.model.n_layers):
             par = dataclasses.replace(cfg.parallel, pp_schedule=sched, pp_virtual_stages=v)
             # Megatron-style tensor parallel with sequence parallelism (the norm regions split by tp)
-            fit = timed_fit(counts, cfg.model, st, lay, par, usable, hw, mixed_precision, tp > 1)
+            fit = timed_fit(counts, cfg.model, st, lay, par, usable, hw, mixed_precision, tp > 1, st["scale"])
             tried.append({**fit, "layout": lay, "schedule": sched, "virtual": v})
         runs = [x for x in tried if x["fits"]]
         stages.append(min(runs, key=lambda x: x["time"]["step_s"]) if runs else tried[0])
     return {"source": source, "stages": stages, "days": layout_days(rows, stages)}
+
+
+def model_counts_flops(m) -> float:
+    """Parameters of ``m`` that :func:`densetrain.cost.flops_per_token`'s ``6 N`` counts (blocks' matmuls, head)."""
+    return m.n_layers * block_matmul_params(m) + m.d_model * m.vocab_size
 
 
 def _end(stages, i: int, total_steps: int) -> int:
