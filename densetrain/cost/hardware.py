@@ -24,6 +24,9 @@ class Hardware:
     bf16 peak where the GPU has no fp8), ``memory_gib`` (GiB), ``hbm_bytes_per_s`` (B/s), ``nvlink_bytes_per_s``
     (B/s within a node), ``net_bytes_per_s`` (B/s across nodes, the GPU's own NIC), ``gpus_per_node``,
     ``latency_intra_s`` / ``latency_inter_s`` (s per ring step of a collective), ``name``, ``source``.
+    Optional: ``gemm_efficiency``, ``attention_efficiency``, ``network_efficiency``, ``hbm_efficiency``, the
+    fractions of those rates the work reaches (0: the cost model's fitted constants, for datasheet rates; a
+    measured profile sets 1, its rates being reached ones).
     """
 
     name: str
@@ -37,6 +40,10 @@ class Hardware:
     latency_intra_s: float
     latency_inter_s: float
     source: str = ""
+    gemm_efficiency: float = 0.0
+    attention_efficiency: float = 0.0
+    network_efficiency: float = 0.0
+    hbm_efficiency: float = 0.0
 
     def to_toml(self) -> str:
         """The profile as a flat TOML table (what :func:`load_hardware` reads)."""
@@ -70,7 +77,7 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
         raise ConfigError(f"{path}: not a hardware profile ({e})") from None
     names = {f.name: f for f in fields(Hardware)}
     unknown = sorted(set(raw) - set(names))
-    missing = sorted(k for k, f in names.items() if k not in raw and k != "source")
+    missing = sorted(k for k, f in names.items() if k not in raw and k != "source" and not k.endswith("_efficiency"))
     if unknown or missing:
         raise ConfigError(f"{path}: " + "; ".join(([f"unknown key(s) {', '.join(unknown)}"] if unknown else [])
                                                   + ([f"missing key(s) {', '.join(missing)}"] if missing else [])))
@@ -78,6 +85,9 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
         if k in ("name", "source"):
             if not isinstance(v, str):
                 raise ConfigError(f"{path}: {k} = {v!r}: expected a string")
+        elif k.endswith("_efficiency"):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ConfigError(f"{path}: {k} = {v!r}: expected a fraction in [0, 1] (0: the fitted constant)")
         elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ConfigError(f"{path}: {k} = {v!r}: expected a finite number > 0")
         elif k == "gpus_per_node" and int(v) != v:
@@ -98,9 +108,11 @@ def measured_hardware(matmul_flops: float, copy_bytes_per_s: float, collective_b
     """A profile of this machine from ``doctor``'s measurements: the matmul rate stands for both peaks (so the
     profile's MFU is relative to what this machine reaches, as the training log's is without
     ``logging.peak_flops``), the copy rate for the memory bandwidth, the collective bus bandwidth (None on
-    one process: the copy rate) for both links; latencies a gloo-scale 50 µs per ring step."""
+    one process: the copy rate) for both links; latencies a gloo-scale 50 µs per ring step; efficiencies 1
+    (the rates are reached ones, not datasheet peaks)."""
     link = collective_bytes_per_s or copy_bytes_per_s
     return Hardware(name=name, peak_bf16_flops=matmul_flops, peak_fp8_flops=matmul_flops, memory_gib=memory_gib,
                     hbm_bytes_per_s=copy_bytes_per_s, nvlink_bytes_per_s=link, net_bytes_per_s=link,
                     gpus_per_node=max(1, gpus_per_node), latency_intra_s=50e-6, latency_inter_s=50e-6,
-                    source="measured by densetrain doctor --profile")
+                    source="measured by densetrain doctor --profile", gemm_efficiency=1.0, attention_efficiency=1.0,
+                    network_efficiency=1.0, hbm_efficiency=1.0)

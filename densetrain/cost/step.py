@@ -97,12 +97,11 @@ def bubble_share(pp: int, microbatches: int, virtual: int = 1, schedule: str = "
 def link(hw, stride: int, degree: int) -> tuple[float, float, str]:
     """``(bytes/s, latency s per ring step, 'nvlink' | 'network')`` of a group of ``degree`` ranks ``stride``
     apart (module docstring)."""
-    g = hw.gpus_per_node
+    g, eff = hw.gpus_per_node, hw.network_efficiency or NETWORK_EFFICIENCY
     if stride * degree <= g:
-        return hw.nvlink_bytes_per_s * NETWORK_EFFICIENCY, hw.latency_intra_s, "nvlink"
+        return hw.nvlink_bytes_per_s * eff, hw.latency_intra_s, "nvlink"
     per_node = max(1, g // stride)
-    return min(hw.nvlink_bytes_per_s, per_node * hw.net_bytes_per_s) * NETWORK_EFFICIENCY, hw.latency_inter_s, \
-        "network"
+    return min(hw.nvlink_bytes_per_s, per_node * hw.net_bytes_per_s) * eff, hw.latency_inter_s, "network"
 
 
 def collective_s(kind: str, nbytes: float, n: int, bw: float, latency: float) -> float:
@@ -126,8 +125,9 @@ def gemm_s(M: int, K: int, N: int, peak: float, hw) -> float:
     up = lambda x, t: math.ceil(x / t) * t
     tile = (M * N * K) / (up(M, 128) * up(N, 128) * up(K, 64))
     flops = 2.0 * M * K * N
-    return max(flops / (peak * GEMM_EFFICIENCY * tile),
-               2.0 * (M * K + K * N + M * N) / (hw.hbm_bytes_per_s * HBM_EFFICIENCY)) + KERNEL_LAUNCH_S
+    return max(flops / (peak * (hw.gemm_efficiency or GEMM_EFFICIENCY) * tile),
+               2.0 * (M * K + K * N + M * N) / (hw.hbm_bytes_per_s * (hw.hbm_efficiency or HBM_EFFICIENCY))) \
+        + KERNEL_LAUNCH_S
 
 
 def elementwise_bytes(m, tokens: float, tp: int, sp: bool) -> float:
@@ -170,7 +170,7 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     sp = par.sequence_parallel and t > 1
     peak, peak_mm = hw.peak_bf16_flops, hw.peak_fp8_flops if precision == "fp8" else hw.peak_bf16_flops
     a = 4 if precision == "fp32" else 2  # bytes of an activation and of a gathered weight
-    hbm = hw.hbm_bytes_per_s * HBM_EFFICIENCY
+    hbm = hw.hbm_bytes_per_s * (hw.hbm_efficiency or HBM_EFFICIENCY)
     layers = s.n_layers / p  # blocks per rank, balanced
 
     # compute of one micro-batch on this rank, forward; backward is 2x (attention 2.5x: flash-attention's five
@@ -178,7 +178,7 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     gemms = gemm_shapes(s, int(tok), t)
     block_mm = sum(gemm_s(M, K, N, peak_mm, hw) for name, M, K, N in gemms if name != "head")
     head_mm = next(gemm_s(M, K, N, peak, hw) for name, M, K, N in gemms if name == "head")
-    attn = attention_flops(s, tok, seq_len, t) / (peak * ATTENTION_EFFICIENCY)
+    attn = attention_flops(s, tok, seq_len, t) / (peak * (hw.attention_efficiency or ATTENTION_EFFICIENCY))
     elem = elementwise_bytes(s, tok, t, sp) / hbm
     if precision == "fp8":  # dynamic scaling: an amax pass (read 2) and a cast (read 2, write 1) per operand,
         # forward (each linear's input and weight) and backward (output gradients, weights again transposed)
