@@ -561,6 +561,8 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("run_dir", help="run directory")
         if name == "doctor":  # its flags, one line each
             sp.add_argument("--json", action="store_true", help="print the verdict, rows and outliers as JSON")
+            sp.add_argument("--profile", metavar="FILE", help="also write this machine's hardware profile (.toml or "
+                            ".json) from the measurements, for densetrain plan --hardware FILE")
     from densetrain.tools.commands import add_subcommands
     from densetrain.tools.ladder.command import add_ladder_command
 

@@ -24,29 +24,10 @@ from pathlib import Path
 
 import torch
 
-from densetrain.config import Config, ModelConfig
+from densetrain.config import Config
+from densetrain.cost.flops import flops_per_token  # noqa: F401  the one FLOP counter, re-exported
 from densetrain.errors import ConfigError, DataError
 from densetrain.fileio import MAX_LOG_BYTES, atomic_write_bytes, json_text, read_jsonl, read_text_bounded
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward) of one sequence of ``seq_len`` tokens.
-
-    ``6 * N + 12 * n_layers * d_model * seq_len`` where N counts the matmul parameters (all
-    transformer weights plus the output projection, but not the input embedding table, which is a
-    lookup). The first term is the 2 FLOPs per multiply-add times 3 (forward, and backward's two
-    matmuls); the second is attention's QK^T and AV, with no discount for the causal mask (PaLM,
-    Chowdhery et al. 2022, Appendix B; the convention nanoGPT and torchtitan use). Norm, RoPE,
-    softmax and activation FLOPs are ignored.
-
-    Returns:
-        FLOPs per token (float).
-    """
-    d, L, f, hd = cfg.d_model, cfg.n_layers, cfg.d_ff, cfg.head_dim
-    attn = d * (cfg.n_heads * hd) + 2 * d * (cfg.n_kv_heads * hd) + (cfg.n_heads * hd) * d
-    mlp = 3 * d * f
-    n_matmul = L * (attn + mlp) + d * cfg.vocab_size
-    return 6.0 * n_matmul + 12.0 * L * d * seq_len
 
 
 def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 1024,

@@ -170,7 +170,8 @@ def test_print_commands(prepared, tmp_path):
     assert lines[0] == ("# ladder: 6 points (2 sizes x 3 budgets), 2 WSD runs + 4 cooldown branches; every run: "
                         "schedule wsd (decay_fraction 0.15, linear), warmup 2 steps, one stage with the mix of the "
                         "config's first stage, no faults")
-    lines = lines[1:]
+    assert lines[-1].startswith("# total: 6 runs, ") and "GPU-hours on one H100 SXM" in lines[-1]  # issue 44 item 7
+    lines = lines[1:-1]
     branch = load_config(path=tmp_path / "L" / "configs" / "d32_c0.toml")
     starts = [c.train.steps - round(0.15 * c.train.steps) for c in  # the branches' WSD decay starts
               (branch, load_config(path=tmp_path / "L" / "configs" / "d32_c1.toml"))]

@@ -12,6 +12,7 @@ Examples::
     densetrain plan --flops 1.21e20 --peak-flops 8e15 --mfu 0.4
     densetrain plan --hours 24 --tokens-per-sec 2.5e5
     densetrain plan --preset llama3-8b --gpus 64 --gpu-memory-gib 80
+    densetrain plan --preset llama3-405b --gpus 16384 --hardware h100-sxm --json
     densetrain plan --params 1.2e9 --tokens 2.4e10 --gpus 8 --gpu-memory-gib 40
     densetrain plan --preset llama3-8b --gpus 64 --gpu-memory-gib 80 --parallel.dp_replicate=8 --parallel.dp_shard=8
 
@@ -153,11 +154,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _layout_plan(args: argparse.Namespace) -> int:
     from densetrain.config import load_config
+    from densetrain.cost import load_hardware
     from densetrain.errors import ConfigError
     from densetrain.tools.plan import format_layout_plan, gpu_cost, layout_plan, nearest_preset
+    from densetrain.tools.plan.report import layout_plan_json
 
-    if args.gpus is None or args.gpu_memory_gib is None:
-        return _error("the memory plan needs --gpus and --gpu-memory-gib")
+    if args.gpus is None:
+        return _error("the memory plan needs --gpus (and --gpu-memory-gib, else the --hardware profile's memory)")
     if args.flops is not None or args.hours is not None:
         return _error("--flops / --hours belong to the Chinchilla plan, not to the memory plan (--gpus)")
     preset, note = args.preset, ""
@@ -167,18 +170,19 @@ def _layout_plan(args: argparse.Namespace) -> int:
         preset = nearest_preset(args.params)["name"]
         note = f"(shape of preset '{preset}', the nearest to {args.params:.3g} parameters, for the activations)\n"
     try:
+        hw = load_hardware(args.hardware)
         # as in train: a --config file alone is the whole config, not one over the tiny preset
         cfg = load_config(preset=preset, path=args.config, overrides=getattr(args, "overrides", []))
-        res = layout_plan(cfg, args.gpus, args.gpu_memory_gib, gpu_peak_flops=args.gpu_peak_flops, mfu=args.mfu,
-                          tokens=args.tokens, params=args.params, gpus_per_node=args.gpus_per_node, preset=preset,
-                          sequence_parallel=cfg.parallel.sequence_parallel)
-        res["cost"] = gpu_cost(args.gpus * res["seconds"] / 3600.0, args.gpu_hour_price)
+        res = layout_plan(cfg, args.gpus, args.gpu_memory_gib, hardware=hw, tokens=args.tokens, params=args.params,
+                          preset=preset, sequence_parallel=cfg.parallel.sequence_parallel)
+        if res["seconds"] is not None:
+            res["cost"] = gpu_cost(args.gpus * res["seconds"] / 3600.0, args.gpu_hour_price)
     except (ValueError, ConfigError) as e:
         return _error(str(e))
     if args.json:
-        print(json_text(res, indent=1, default=str))
+        print(json_text(layout_plan_json(res), indent=1, default=str))
     else:
-        print(note + format_layout_plan(res, show=0 if args.all_layouts else 12) + _unfit_note(cfg, args.gpus))
+        print(note + format_layout_plan(res) + _unfit_note(cfg, args.gpus))
     return 0
 
 
@@ -208,11 +212,12 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
     from densetrain.parallel.stage_layout import stage_layouts
     from densetrain.schedule import resolve_stages
     from densetrain.tools.plan import format_layout_plan, layout_plan
-    from densetrain.tools.plan.rank import dry_run_rank, format_rank, parse_ranks
+    from densetrain.tools.plan.rank import dry_run_rank, format_rank, parse_ranks, world_words
 
     if world_size is not None and world_size < 1:
         return _error(f"--world-size: expected a number of processes >= 1, got {world_size} "
                       "(see densetrain train --help)")
+    given = world_size is not None or "WORLD_SIZE" in os.environ
     gpus = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     # Every stage's layout (its own, stages[i].parallel, or [parallel]) can run it, as train checks before its first
     # step; an unfit [parallel] is the plan's note, or (--rank) the launch's own line.
@@ -220,15 +225,17 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
         stage_layouts(cfg, resolve_stages(cfg), gpus, skip_unfit_base=rank is None and not ranks)
     except (ConfigError, ValueError) as e:
         return _error(str(e))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 8)
     if rank is not None or ranks:
         for r in parse_ranks(ranks or str(rank), gpus):
-            print(format_rank(dry_run_rank(cfg, gpus, r)), flush=True)
+            print(format_rank(dry_run_rank(cfg, gpus, r, per_node)), flush=True)
         return 0
     mem = torch.cuda.get_device_properties(0).total_memory / 1024**3 if torch.cuda.is_available() else 80.0
     res = layout_plan(cfg, gpus, mem, mixed_precision=cfg.train.dtype != "fp32")
     if os.environ.get("RANK", "0") == "0":
         print(f"dry run: {gpus} process(es), {mem:.0f} GiB per GPU{'' if torch.cuda.is_available() else ' (assumed)'}")
-        print(format_layout_plan(res) + _unfit_note(cfg, gpus))
+        why = world_words(cfg.parallel, gpus, given)
+        print(format_layout_plan(res) + (f"\nconfigured layout: {why}" if why else ""))
     return 0
 
 
@@ -281,17 +288,20 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--preset", help="memory plan: preset name (e.g. llama3-8b)")
     p.add_argument("--config", help="memory plan: TOML config file, the whole config (with --preset: applied over it)")
     p.add_argument("--gpus", type=int, help="memory plan: number of GPUs")
-    p.add_argument("--gpu-memory-gib", type=float, help="memory plan: memory per GPU, GiB")
+    p.add_argument("--gpu-memory-gib", type=float, help="memory plan: memory per GPU, GiB (default: the --hardware "
+                   "profile's)")
+    p.add_argument("--hardware", default="h100-sxm", metavar="NAME|FILE",
+                   help="memory plan: the GPU and its links, a shipped profile (h100-sxm, h200, a100-80gb, b200) or "
+                        "a .toml/.json file (densetrain doctor --profile FILE writes this machine's); default "
+                        "%(default)s")
     p.add_argument("--gpu-peak-flops", type=float, default=989e12,
-                   help="peak FLOP/s per GPU, for the memory plan's time and every plan's GPU-hours (default "
+                   help="peak FLOP/s per GPU, for the Chinchilla plan's GPU-hours (default "
                         "%(default)g, H100 SXM dense bf16)")
     p.add_argument("--gpu-hour-price", type=_price,
                    help="USD per GPU-hour: the plan prints the cost (GPU-hours at --mfu of --gpu-peak-flops, or "
                         "GPUs x wall time)")
-    p.add_argument("--gpus-per-node", type=int, default=8, help="memory plan: tensor parallel stays within a node "
-                   "(default %(default)s)")
-    p.add_argument("--all-layouts", action="store_true", help="memory plan: list every layout")
-    p.add_argument("--json", action="store_true", help="print the full result as JSON")
+    p.add_argument("--json", action="store_true", help="print the result as JSON (the memory plan: per stage name, "
+                   "seq_len, layout degrees, step_s, mfu, memory_gib, days)")
     p.add_argument("--ladder", help="a fitted ladder directory (densetrain ladder fit): print the predicted final "
                    "val loss and bpb of the --preset/--config run (also when its eval.ladder is set, without --gpus)")
     p.set_defaults(func=cmd_plan)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 from pathlib import Path
 
 import torch
 
 from densetrain.config import Config, parse_overrides
+from densetrain.cost import measured_hardware, write_hardware
 from densetrain.fileio import json_text
 from densetrain.health import check, format_table, read_first, rows_json, verdict
 from densetrain.parallel import init_distributed
@@ -45,6 +47,24 @@ def doctor(cfg: Config, args: argparse.Namespace) -> int:
             if note:
                 print(f"note: {note}")
             print(line)
+        if getattr(args, "profile", None):
+            print(f"wrote this machine's hardware profile to {write_profile(rows, info, args.profile)} "
+                  "(densetrain plan --hardware FILE)")
     # torchrun reports any other status of a rank as a failed child, with its whole error dump: a verdict is
     # a result, not a failure, so under torchrun it is read from the line (or --json)
     return 0 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else status
+
+
+def write_profile(rows, info, path: str) -> str:
+    """``doctor --profile FILE``: a :class:`densetrain.cost.Hardware` profile of this machine from the ranks'
+    median matmul rate and memory bandwidth and the slowest group's all-reduce bus bandwidth; returns the path."""
+    def med(k):
+        return statistics.median(r.figures[k] for r in rows)
+
+    links = [med(k) for k in rows[0].figures if k.endswith("/all_reduce")]
+    memory = (torch.cuda.get_device_properties(info.device).total_memory if info.device.type == "cuda"
+              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 1024**3
+    hw = measured_hardware(med("matmul"), med("memory"), min(links) if links else None,
+                           int(os.environ.get("LOCAL_WORLD_SIZE", "1")), round(memory, 1),
+                           f"this machine ({rows[0].host}, {info.device.type}, {len(rows)} rank(s))")
+    return str(write_hardware(hw, path))

@@ -497,6 +497,8 @@ def layout_words(lay) -> str:
         parts.append(f"tensor parallel {lay.tp}")
     if lay.cp > 1:
         parts.append(f"context parallel {lay.cp}")
+    if getattr(lay, "pp", 1) > 1:
+        parts.append(f"pipeline parallel: {lay.pp} stages")
     return ", ".join(parts) or "one process, no parallelism"
 
 

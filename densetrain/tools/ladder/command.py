@@ -113,12 +113,13 @@ def add_ladder_command(subparsers: argparse._SubParsersAction, cmd_report) -> No
                               "--section.key=value override applies to the base config.")
     p.add_argument("--preset", help="preset the sizes are scaled from (default tiny, none with --config)")
     p.add_argument("--config", help="TOML config the sizes are scaled from (with --preset: applied over it)")
-    p.add_argument("--sizes", type=_numbers(int, "d_model values"), help="comma-separated d_model values")
+    p.add_argument("--sizes", type=_numbers(int, "d_model values"), help="comma-separated d_model values, each a "
+                   "multiple of the base config's head dimension (d_model / n_heads: it stays, n_heads follows)")
     p.add_argument("--budgets", type=_numbers(float, "FLOP budgets"), help="comma-separated compute budgets, FLOPs "
                    "(6 N D, N without the input embedding)")
     p.add_argument("--out", help="ladder directory (created; a re-run continues it)")
     p.add_argument("--print-commands", action="store_true", help="write each run's config and print one command "
-                   "per run (for a cluster) instead of running here")
+                   "per run (for a cluster) instead of running here, then the total tokens, FLOPs and GPU-hours")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_ladder)
     sub = p.add_subparsers(dest="ladder_command")

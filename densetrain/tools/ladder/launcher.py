@@ -22,6 +22,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from densetrain.config import Config, load_config, save_config, to_dict
+from densetrain.cost import Parallel, load_hardware, step_time
 from densetrain.errors import ConfigError
 from densetrain.fileio import (
     MAX_LOG_BYTES,
@@ -207,5 +208,23 @@ def print_commands(cfg: Config, sizes: list[int], budgets: list[float], ladder_d
             lines.append(" && ".join(cmds))
         else:
             lines.append(f"cp {conf} {run_dir}/config.toml && densetrain train --resume {run_dir}")
+    lines.append(f"# {ladder_totals(cfg, grid)}")
     return lines
+
+
+def ladder_totals(cfg: Config, grid: Grid) -> str:
+    """The grid's total tokens and FLOPs (:func:`flops_per_token`; a branch counts only the steps after its
+    start) and the time on one H100 SXM at the cost model's predicted speed (:func:`densetrain.cost.step_time`),
+    for a ladder printed for a cluster."""
+    tokens = flops = seconds = 0.0
+    hw = load_hardware("h100-sxm")
+    for p in grid.points:
+        c = point_config(cfg, grid, p, f"runs/{p.name}")  # a run directory name only: nothing is written
+        st = resolve_stages(c)[0]
+        steps = p.steps - p.branch_from
+        tokens += steps * st.batch_tokens
+        flops += steps * st.batch_tokens * flops_per_token(c.model, st.seq_len)
+        seconds += steps * step_time(c.model, Parallel(), hw, st.seq_len, st.batch_size, st.micro_batch_size)["step_s"]
+    return (f"total: {len(grid.points)} runs, {tokens:.3g} tokens, {flops:.3g} FLOPs; about {seconds / 3600:.3g} "
+            "GPU-hours on one H100 SXM at the cost model's speed (docs/planner.md); a laptop CPU is ~1000x slower")
 

@@ -5,8 +5,9 @@
 - :mod:`~densetrain.tools.plan.memory`: bytes per GPU of a parallel layout at a stage (state, FSDP2
   gathers, activations with checkpointing, context and sequence parallelism, the chunked cross-entropy,
   pipeline stages: per-rank layers, micro-batches in flight, bubble, point-to-point bytes);
-- :mod:`~densetrain.tools.plan.layouts`: the layouts of a number of GPUs that run every stage, the
-  suggested one, step time and days, a published layout beside (Meta's for Llama 3 405B);
+- :mod:`~densetrain.tools.plan.layouts`: the layouts of a number of GPUs that run each stage, ranked per stage
+  by the cost model's step time (:mod:`densetrain.cost`), days, a published layout beside (Meta's for Llama 3
+  405B);
 - :mod:`~densetrain.tools.plan.rank`: the dry run of one rank of a job on a fake process group;
 - :mod:`~densetrain.tools.plan.report`: their text forms.
 
@@ -25,7 +26,7 @@ from densetrain.tools.plan.chinchilla import (
     plan,
     preset_shapes,
 )
-from densetrain.tools.plan.layouts import H100_BF16_DENSE_FLOPS, MAX_CP, candidate_layouts, layout_plan
+from densetrain.tools.plan.layouts import LOW_MFU, MAX_CP, candidate_layouts, layout_plan, schedules
 from densetrain.tools.plan.memory import (
     AC_MODES,
     GIB,
@@ -40,8 +41,8 @@ from densetrain.tools.plan.report import format_cost, format_layout_plan, format
 
 __all__ = [
     "AC_MODES", "CHINCHILLA_TABLE3", "CHINCHILLA_TOKENS_PER_PARAM", "FLOPS_PER_PARAM_TOKEN", "GIB",
-    "H100_BF16_DENSE_FLOPS", "MAX_CP", "RESERVED_GIB", "USABLE_FRACTION", "Table3Row", "activation_bytes_per_token",
+    "LOW_MFU", "MAX_CP", "RESERVED_GIB", "USABLE_FRACTION", "Table3Row", "activation_bytes_per_token",
     "candidate_layouts", "format_cost", "format_layout_plan", "format_plan", "gpu_cost", "human", "human_time",
     "layout_memory", "layout_plan", "loss_chunk_bytes", "model_counts", "nearest_preset", "nearest_table3_row",
-    "optimal_from_flops", "plan", "preset_shapes",
+    "optimal_from_flops", "plan", "preset_shapes", "schedules",
 ]

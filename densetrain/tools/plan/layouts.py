@@ -1,7 +1,13 @@
-"""Which parallel layouts of a number of GPUs run every stage of a config, and how long the run takes."""
+"""Which parallel layouts of a number of GPUs run each stage of a config, ranked by the cost model's predicted step
+time (:mod:`densetrain.cost`), and how long the run takes."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
+
+from densetrain.cost import Hardware, flops_per_token, load_hardware, parallel_of, step_time
+from densetrain.cost.flops import block_matmul_params
 from densetrain.tools.plan.chinchilla import _positive
 from densetrain.tools.plan.memory import (
     AC_MODES,
@@ -14,17 +20,12 @@ from densetrain.tools.plan.memory import (
     pipeline_fit,
 )
 
-H100_BF16_DENSE_FLOPS = 989e12
-"""Peak dense bf16 FLOP/s of one H100 SXM (NVIDIA datasheet, without sparsity): the default denominator."""
+LOW_MFU = 0.10
+"""A stage whose best layout is predicted below this MFU gets a warning."""
 
 MAX_CP = 32
 """Largest context-parallel degree the planner tries (Llama 3 ran 128K tokens at cp 16, Dubey et al. 2024,
 sec. 3.3.2)."""
-
-RECOMPUTE_FACTOR = {"none": 1.0, "selective": 1.0, "full": 4.0 / 3.0}
-"""Compute per step relative to no recomputation: full checkpointing runs each block's forward twice (8 of 6
-units of ``6 N`` FLOPs per token, Korthikanti et al. 2022 sec. 5); selective recomputes pointwise ops only
-(counted as free)."""
 
 PUBLISHED = {
     # Llama 3 report (Dubey et al. 2024) sec. 3.3.2, Table 4: 405B on 16,384 H100s, TP 8, PP 16, DP 128
@@ -63,51 +64,60 @@ def candidate_layouts(gpus: int, m, gpus_per_node: int = 8, seq_lens: tuple[int,
     return out
 
 
-def layout_plan(cfg, gpus: int, gpu_memory_gib: float, gpu_peak_flops: float = H100_BF16_DENSE_FLOPS,
-                mfu: float = 0.4, tokens: float | None = None, params: float | None = None,
-                gpus_per_node: int = 8, mixed_precision: bool = True, sequence_parallel: bool = False,
-                max_pp: int = 64, preset: str | None = None) -> dict:
-    """Which layouts of ``gpus`` GPUs of ``gpu_memory_gib`` GiB run every stage of ``cfg``, the suggested
-    one, and step time and total days at ``mfu`` of ``gpu_peak_flops`` (FLOP/s per GPU).
+def schedules(lay, parallel, n_layers: int) -> list[tuple[str, int]]:
+    """Pipeline schedules worth timing for ``lay``: ``[(schedule, virtual stages)]``: the configured one, 1F1B,
+    and the interleaved schedule with 2, 4, ... stages per rank while ``pp * v`` stages have a layer each
+    (``n_layers + 2`` layers: the blocks, the embedding and the head). ``[(configured, 1)]`` without pipelining."""
+    if lay.pp == 1:
+        return [(parallel.pp_schedule, 1)]
+    conf = (parallel.pp_schedule, parallel.pp_virtual_stages if parallel.pp_schedule == "interleaved_1f1b" else 1)
+    out = [conf, ("1f1b", 1)]
+    v = 2
+    while lay.pp * v <= n_layers + 2:
+        out.append(("interleaved_1f1b", v))
+        v *= 2
+    return list(dict.fromkeys(out))
+
+
+def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: Hardware | str = "h100-sxm",
+                tokens: float | None = None, params: float | None = None, mixed_precision: bool = True,
+                sequence_parallel: bool = False, max_pp: int = 64, preset: str | None = None) -> dict:
+    """Which layouts of ``gpus`` GPUs run each stage of ``cfg``, ranked by the predicted step time
+    (:func:`densetrain.cost.step_time` on ``hardware``, a :class:`~densetrain.cost.Hardware` or a profile name /
+    file); memory decides what fits (``gpu_memory_gib``, default the profile's).
 
     A layout runs a stage when its data-parallel degree divides the stage's batch of sequences into whole micro-
     batches (under pipeline parallelism, at least ``pp`` of them per rank: :func:`~densetrain.tools.plan.memory.
-    pipeline_fit`, with the config's ``parallel.pp_schedule``, virtual stages and micro-batch count) and some
-    activation-checkpointing mode fits the memory (the cheapest that fits is chosen: none, then
-    selective, then full). The cross-entropy is chunked where the trainer chunks it
-    (:func:`densetrain.loss.chunk_tokens_for`) and vocabulary-parallel under ``tp > 1`` (the trainer's
-    ``parallel.loss_parallel`` default); ``sequence_parallel`` (off, the trainer's default) splits the norm
-    regions of layouts with ``tp > 1`` by ``tp``. Suggested: the layout that runs every stage with the smallest
-    model-parallel degree ``tp * cp * pp``, then the least recomputation, then the fewest pipeline stages (a
-    bubble), then the smallest ``cp`` (its K/V all-
-    gather grows with the sequence; Llama 3 used it only for the long stage), then the fewest shards (less
-    communication). Per stage, ``best`` is the layout the same rule picks for that stage alone. Time per step:
-    ``flops_per_token(seq_len) * batch_tokens / (gpus * peak * mfu)`` (the stage rows); each layout's ``days``
-    also counts its recomputation (:data:`RECOMPUTE_FACTOR`) and its pipeline bubble (time / (1 - bubble)).
+    pipeline_fit`) and some activation-checkpointing mode fits the memory (the cheapest that fits: none, then
+    selective, then full). Each pipelined layout is timed under each schedule of :func:`schedules`. Per stage,
+    the layouts that run it are ranked by step time (``ranked``; ``best`` the first); the run's time is the sum
+    of each stage's best (a stage's layout is chosen per stage); ``suggested`` is the one layout that runs every
+    stage in the least total time, for a run that keeps one layout. The cross-entropy is chunked where the
+    trainer chunks it and vocabulary-parallel under ``tp > 1``; ``sequence_parallel`` splits the norm regions
+    of layouts with ``tp > 1``.
 
-    ``preset``: the preset's name, for a published layout of it to print beside (:data:`PUBLISHED`).
-
-    ``tokens`` replaces the run's length (the stages keep their fractions); ``params`` replaces the
-    parameter count for the static memory and ``6 N D`` compute (the shape, for activations, stays
-    that of ``cfg.model``).
+    ``tokens`` replaces the run's length (the stages keep their fractions); ``params`` replaces the parameter
+    count for the static memory and scales the step time by the FLOPs per token (``6 params`` in place of the
+    shape's ``6 N``; the shape, for activations and attention, stays that of ``cfg.model``).
+    ``preset``: for a published layout of it to evaluate beside (:data:`PUBLISHED`).
 
     Returns:
-        dict: ``model`` (counts), ``stages`` (name, seq_len, batch, micro, steps, step_s, tokens, days,
-        best), ``layouts`` (per layout: per stage ``{"ac", "bytes", "fits", "reason"}``, ``runs_all``),
-        ``suggested``, ``tokens`` (the run's total),
-        ``configured`` (cfg.parallel resolved, or None), ``days``, ``usable_bytes``, inputs.
+        dict: ``model`` (counts), ``hardware``, ``stages`` (name, seq_len, batch, micro, steps, tokens, and from
+        the best layout: ``best``, ``step_s``, ``days``, ``time`` (step_time's result), ``ranked`` (candidates
+        that run it, fastest first), ``rejected`` (count by reason)), ``layouts`` (per candidate: ``layout``,
+        ``schedule``, ``virtual``, per stage ``{"ac", "bytes", "fits", "reason", "kind", "time"}``,
+        ``runs_all``, ``days``), ``suggested``, ``running``, ``days``, ``seconds``, ``tokens``, ``warnings``,
+        ``configured``, ``published``, ``usable_bytes``.
     Raises:
-        ValueError: non-positive gpus, memory, peak or mfu outside (0, 1].
+        ValueError: non-positive gpus or memory. ConfigError: an unreadable hardware profile.
     """
-    from densetrain.metrics import flops_per_token
     from densetrain.parallel.mesh import resolve_layout
     from densetrain.schedule import resolve_stages
 
+    hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
+    gpu_memory_gib = hw.memory_gib if gpu_memory_gib is None else gpu_memory_gib
     _positive("gpus", gpus)
     _positive("gpu_memory_gib", gpu_memory_gib)
-    _positive("gpu_peak_flops", gpu_peak_flops)
-    if not 0 < mfu <= 1:
-        raise ValueError(f"mfu must be in (0, 1], got {mfu!r}")
     m = cfg.model
     counts = model_counts(m)
     if params is not None:
@@ -118,45 +128,75 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float, gpu_peak_flops: float = H
     total_steps = cfg.train.steps
     run_tokens = sum(st.batch_tokens * (_end(stages, i, total_steps) - st.start_step) for i, st in enumerate(stages))
     step_scale = tokens / run_tokens if tokens else 1.0
-    flops_job = gpus * gpu_peak_flops * mfu
     rows = []
     for i, st in enumerate(stages):
         steps = (_end(stages, i, total_steps) - st.start_step) * step_scale
-        fpt = 6.0 * params if params is not None else flops_per_token(m, st.seq_len)
-        step_s = fpt * st.batch_tokens / flops_job
+        fpt = flops_per_token(m, st.seq_len)
+        scale = (fpt - 6 * (model_counts_flops(m) - params)) / fpt if params is not None else 1.0
         rows.append({"name": st.name, "seq_len": st.seq_len, "batch": st.batch_size, "micro": st.micro_batch_size,
-                     "batch_tokens": st.batch_tokens, "steps": steps, "step_s": step_s,
-                     "tokens": steps * st.batch_tokens, "days": steps * step_s / 86400})
+                     "batch_tokens": st.batch_tokens, "steps": steps, "tokens": steps * st.batch_tokens,
+                     "scale": scale})
     usable = USABLE_FRACTION * gpu_memory_gib * GIB - RESERVED_GIB * GIB
     layouts = []
-    for lay in candidate_layouts(gpus, m, gpus_per_node, tuple(r["seq_len"] for r in rows), max_pp):
+    for lay in candidate_layouts(gpus, m, hw.gpus_per_node, tuple(r["seq_len"] for r in rows), max_pp):
         sp = sequence_parallel and lay.tp > 1
-        per_stage = [stage_fit(counts, m, st, lay, cfg.parallel, usable, mixed_precision, sp) for st in rows]
-        layouts.append({"layout": lay, "stages": per_stage, "runs_all": all(s["fits"] for s in per_stage),
-                        "days": layout_days(rows, per_stage)})
-    def rank(x, stages):
-        lay = x["layout"]
-        return (lay.tp * lay.cp * lay.pp, sum(AC_MODES.index(x["stages"][i]["ac"]) for i in stages), lay.pp, lay.cp,
-                lay.dp_shard)
-
-    every = range(len(rows))
-    ok = sorted((x for x in layouts if x["runs_all"]), key=lambda x: rank(x, every))
-    suggested = ok[0] if ok else None
+        for sched, v in schedules(lay, cfg.parallel, m.n_layers):
+            par = dataclasses.replace(cfg.parallel, pp_schedule=sched, pp_virtual_stages=v)
+            per_stage = [timed_fit(counts, m, st, lay, par, usable, hw, mixed_precision, sp, st["scale"])
+                         for st in rows]
+            layouts.append({"layout": lay, "schedule": sched, "virtual": v, "stages": per_stage,
+                            "runs_all": all(s["fits"] for s in per_stage), "days": layout_days(rows, per_stage)})
+    warnings = []
     for i, row in enumerate(rows):
-        fits = [x for x in layouts if x["stages"][i]["fits"]]
-        row["best"] = min(fits, key=lambda x: rank(x, [i]))["layout"] if fits else None
+        ranked = sorted((x for x in layouts if x["stages"][i]["fits"]), key=lambda x: x["stages"][i]["time"]["step_s"])
+        row["ranked"] = ranked
+        row["rejected"] = Counter(x["stages"][i]["kind"] for x in layouts if not x["stages"][i]["fits"])
+        best = ranked[0] if ranked else None
+        row["best"] = best["layout"] if best else None
+        row["time"] = best["stages"][i]["time"] if best else None
+        row["step_s"] = row["time"]["step_s"] if best else None
+        row["days"] = row["steps"] * row["step_s"] / 86400 if best else None
+        if best and row["time"]["mfu"] < LOW_MFU:
+            warnings.append(f"stage '{row['name']}': predicted MFU {row['time']['mfu']:.1%} is below "
+                            f"{LOW_MFU:.0%}: the GPUs mostly wait (communication, bubble): fewer GPUs or a larger "
+                            "batch use them better")
+    ok = sorted((x for x in layouts if x["runs_all"]), key=lambda x: x["days"])
     try:
         p = cfg.parallel
         configured = resolve_layout(p.dp_replicate, p.dp_shard, p.tp, gpus, p.cp, p.pp)
     except ValueError:
         configured = None
-    seconds = sum(r["steps"] * r["step_s"] for r in rows)
-    return {"gpus": gpus, "gpu_memory_gib": gpu_memory_gib, "gpu_peak_flops": gpu_peak_flops, "mfu": mfu,
-            "usable_bytes": usable, "model": counts, "stages": rows, "layouts": layouts, "suggested": suggested,
-            "running": ok, "configured": configured, "seconds": seconds, "days": seconds / 86400,
+    days = sum(r["days"] for r in rows) if all(r["best"] for r in rows) else None
+    if days is not None and days > 365:
+        warnings.append(f"the run takes {days:,.0f} days ({days / 365:.1f} years) on {gpus} GPUs: more GPUs, a "
+                        "smaller model or fewer tokens")
+    return {"gpus": gpus, "gpu_memory_gib": gpu_memory_gib, "hardware": hw, "gpu_peak_flops": hw.peak_bf16_flops,
+            "usable_bytes": usable, "model": counts, "stages": rows, "layouts": layouts,
+            "suggested": ok[0] if ok else None, "running": ok, "configured": configured,
+            "seconds": days * 86400 if days is not None else None, "days": days, "warnings": warnings,
             "tokens": sum(r["tokens"] for r in rows), "mixed_precision": mixed_precision,
-            "published": published_layout(cfg, rows, counts, gpus, usable, preset, mixed_precision),
+            "published": published_layout(cfg, rows, counts, gpus, usable, hw, preset, mixed_precision),
             "logit_bytes_per_token": ((2 if mixed_precision else 4) + 4) * m.vocab_size}
+
+
+def timed_fit(counts: dict, m, st: dict, lay, parallel, usable: float, hw: Hardware, mixed_precision: bool = True,
+              sp: bool = False, scale: float = 1.0) -> dict:
+    """:func:`stage_fit` and, when the layout runs the stage, its predicted step (``time``:
+    :func:`densetrain.cost.step_time` with the chosen checkpointing, schedule and micro-batches). ``scale``
+    (``--params`` on another preset's shape): every part of the step times the ratio of the FLOPs per token
+    (MFU unchanged)."""
+    fit = stage_fit(counts, m, st, lay, parallel, usable, mixed_precision, sp)
+    fit["time"] = None
+    if fit["fits"]:
+        pipe = fit.get("pipeline") or {}
+        par = parallel_of(lay, pipe.get("schedule", "1f1b"), pipe.get("virtual", 1), pipe.get("microbatches", 0), sp)
+        t = step_time(m, par, hw, st["seq_len"], st["batch"], st["micro"], fit["ac"])
+        if scale != 1.0:
+            t.update(parts={k: v * scale for k, v in t["parts"].items()}, step_s=t["step_s"] * scale,
+                     tokens_per_sec=t["tokens_per_sec"] / scale, model_flops=t["model_flops"] * scale,
+                     tokens_per_sec_per_gpu=t["tokens_per_sec_per_gpu"] / scale)
+        fit["time"] = t
+    return fit
 
 
 def stage_fit(counts: dict, m, st: dict, lay, parallel, usable: float, mixed_precision: bool = True,
@@ -165,43 +205,41 @@ def stage_fit(counts: dict, m, st: dict, lay, parallel, usable: float, mixed_pre
     "reason"}`` with the cheapest activation checkpointing that fits, plus ``pipeline`` (its settings and
     ``p2p_bytes`` per step, under pipeline parallelism)."""
     if st["batch"] % (lay.dp_size * st["micro"]):
-        return {"ac": None, "bytes": None, "fits": False,
+        return {"ac": None, "bytes": None, "fits": False, "kind": "batch",
                 "reason": f"{st['batch']} sequences do not split into {lay.dp_size} data-parallel ranks x "
                           f"micro-batch {st['micro']}"}
     pipe, why = pipeline_fit(lay, st["batch"], st["micro"], parallel)
     if pipe is None:
-        return {"ac": None, "bytes": None, "fits": False, "reason": why}
+        return {"ac": None, "bytes": None, "fits": False, "kind": "pipeline", "reason": why}
     if pipe:
         pipe["p2p_bytes"] = p2p_bytes(m, st["seq_len"], st["micro"], lay, pipe["n_micro"], pipe["virtual"],
                                       2 if mixed_precision else 4) / (lay.tp if sp else 1)  # SP: a 1/tp slice
     best = None
     for ac in AC_MODES:
         b = layout_memory(counts, m, st["seq_len"], st["micro"], lay, ac, mixed_precision, sp, pipeline=pipe)
-        best = {"ac": ac, "bytes": b, "fits": b["total"] <= usable, "reason": "", "pipeline": pipe}
+        best = {"ac": ac, "bytes": b, "fits": b["total"] <= usable, "reason": "", "kind": "", "pipeline": pipe}
         if best["fits"]:
             break
     if not best["fits"]:
+        best["kind"] = "memory"
         best["reason"] = f"needs {best['bytes']['total'] / GIB:.1f} GiB even with full recomputation"
     return best
 
 
 def layout_days(rows: list[dict], per_stage: list[dict]) -> float | None:
-    """Days of the whole run on one layout: each stage's time times its recomputation factor, over one minus
-    its pipeline bubble; None when the layout does not run every stage."""
+    """Days of the whole run on one layout: each stage's steps times its predicted step time (recomputation and
+    bubble inside it, counted once); None when the layout does not run every stage."""
     if not all(s["fits"] for s in per_stage):
         return None
-    total = 0.0
-    for row, s in zip(rows, per_stage):
-        bubble = s["pipeline"].get("bubble", 0.0) if s.get("pipeline") else 0.0
-        total += row["days"] * RECOMPUTE_FACTOR[s["ac"]] / (1 - bubble)
-    return total
+    return sum(row["steps"] * s["time"]["step_s"] for row, s in zip(rows, per_stage)) / 86400
 
 
-def published_layout(cfg, rows: list[dict], counts: dict, gpus: int, usable: float, preset: str | None,
-                     mixed_precision: bool = True) -> dict | None:
+def published_layout(cfg, rows: list[dict], counts: dict, gpus: int, usable: float, hw: Hardware,
+                     preset: str | None, mixed_precision: bool = True) -> dict | None:
     """A published layout for ``(preset, gpus)`` (:data:`PUBLISHED`) evaluated like the planner's own, per stage
-    (its layout may change between stages), with sequence parallelism: ``{"source", "stages": [stage_fit
-    results, each with its "layout"], "days"}``, or None."""
+    (its layout may change between stages), with sequence parallelism and its fastest schedule
+    (:func:`schedules`): ``{"source", "stages": [timed_fit results, each with its "layout", "schedule",
+    "virtual"], "days"}``, or None."""
     from densetrain.parallel.mesh import Layout
 
     entry = PUBLISHED.get((preset, gpus))
@@ -212,10 +250,20 @@ def published_layout(cfg, rows: list[dict], counts: dict, gpus: int, usable: flo
     for st in rows:
         tp, pp, cp, dp = at(st["seq_len"])
         lay = Layout(1, dp, tp, cp, pp)
-        # Megatron-style tensor parallel with sequence parallelism (the norm regions split by tp)
-        stages.append({**stage_fit(counts, cfg.model, st, lay, cfg.parallel, usable, mixed_precision, tp > 1),
-                       "layout": lay})
+        tried = []
+        for sched, v in schedules(lay, cfg.parallel, cfg.model.n_layers):
+            par = dataclasses.replace(cfg.parallel, pp_schedule=sched, pp_virtual_stages=v)
+            # Megatron-style tensor parallel with sequence parallelism (the norm regions split by tp)
+            fit = timed_fit(counts, cfg.model, st, lay, par, usable, hw, mixed_precision, tp > 1, st["scale"])
+            tried.append({**fit, "layout": lay, "schedule": sched, "virtual": v})
+        runs = [x for x in tried if x["fits"]]
+        stages.append(min(runs, key=lambda x: x["time"]["step_s"]) if runs else tried[0])
     return {"source": source, "stages": stages, "days": layout_days(rows, stages)}
+
+
+def model_counts_flops(m) -> float:
+    """Parameters of ``m`` that :func:`densetrain.cost.flops_per_token`'s ``6 N`` counts (blocks' matmuls, head)."""
+    return m.n_layers * block_matmul_params(m) + m.d_model * m.vocab_size
 
 
 def _end(stages, i: int, total_steps: int) -> int:

@@ -10,9 +10,10 @@ activation (2 under bf16 autocast, 4 in fp32; norm and RoPE arithmetic is fp32 w
 
 from __future__ import annotations
 
+from densetrain.cost import bubble_share
 from densetrain.errors import ConfigError
 from densetrain.loss import LOGIT_CHUNK_ELEMENTS, chunk_tokens_for
-from densetrain.parallel.pipeline import bubble_fraction, rank_stages, resolve_microbatches, split_stages
+from densetrain.parallel.pipeline import rank_stages, resolve_microbatches, split_stages
 
 GIB = 1024**3
 
@@ -225,4 +226,4 @@ def pipeline_fit(layout, batch: int, micro: int, parallel) -> tuple[dict | None,
         return None, f"{n_micro} micro-batches per rank, fewer than pp = {layout.pp} stages"
     return {"schedule": parallel.pp_schedule, "virtual": virtual, "microbatches": m, "n_micro": n_micro,
             "layers_per_stage": parallel.pp_layers_per_stage,
-            "bubble": bubble_fraction(layout.pp, m, virtual)}, ""
+            "bubble": bubble_share(layout.pp, m, virtual, parallel.pp_schedule)}, ""

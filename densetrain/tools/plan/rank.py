@@ -10,6 +10,7 @@ no GPU; a layout that cannot be built fails here with the launch's one-line erro
 from __future__ import annotations
 
 import os
+import warnings
 from contextlib import contextmanager
 
 from densetrain.errors import ConfigError
@@ -18,6 +19,32 @@ from densetrain.parallel.mesh import resolve_layout
 from densetrain.parallel.parallelize import build_parallel_model
 from densetrain.parallel.pipeline import rank_stages
 from densetrain.tools.plan.memory import GIB, layout_memory, model_counts, pipeline_fit
+from densetrain.train.setup import layout_words
+
+
+def world_words(parallel, world: int, given: bool = True) -> str | None:
+    """Why the ``parallel`` degrees have no layout at ``world`` processes, in words with the nearest world sizes
+    that have one; None when they resolve. ``given``: whether the world size came from ``--world-size`` or
+    ``WORLD_SIZE`` (else it is the one process of a plain run, said so)."""
+    p = parallel
+    try:
+        resolve_layout(p.dp_replicate, p.dp_shard, p.tp, world, p.cp, p.pp)
+        return None
+    except ValueError as e:
+        fixed = {k: v for k, v in (("pp", p.pp), ("dp_replicate", p.dp_replicate), ("dp_shard", p.dp_shard),
+                                   ("cp", p.cp), ("tp", p.tp)) if v > 1}
+        prod = 1
+        for v in fixed.values():
+            prod *= v
+        where = f"{world} process{'es' if world != 1 else ''}" + ("" if given else " (no --world-size or WORLD_SIZE "
+                                                                                     "given: a plain run)")
+        if prod <= 1 or world % prod == 0:
+            return f"parallel: no layout of {where}: {e}"
+        lo, hi = world // prod * prod, (world // prod + 1) * prod
+        sizes = f"{lo} or {hi}" if lo else f"{hi}"
+        degrees = " x ".join(f"{k} {v}" for k, v in fixed.items())
+        return (f"parallel: {degrees} = {prod} processes per model replica does not divide {where}; the nearest "
+                f"world sizes that run it are {sizes} (or change the degrees)")
 
 
 def parse_ranks(text: str, world: int) -> list[int]:
@@ -58,33 +85,48 @@ def fake_world(world: int, rank: int):
                 os.environ[k] = v
 
 
-def dry_run_rank(cfg, world: int, rank: int) -> dict:
+def dry_run_rank(cfg, world: int, rank: int, gpus_per_node: int = 8) -> dict:
     """Build rank ``rank`` of a ``world``-rank job of ``cfg`` on meta (module docstring) and report it.
+
+    Bytes: ``params_bytes`` is what the rank allocates for its parameters, FSDP2's shards padded to the largest
+    (dim 0 rounded up to a multiple of the shard group: the last ranks hold padding, not fewer bytes);
+    ``unpadded_bytes`` the parameters' own elements; gradients and AdamW moments are counted unpadded. ``groups``:
+    per mesh dimension of size > 1 the global ranks of this rank's group, ``nodes`` their node (``rank //
+    gpus_per_node``). PyTorch's warnings about the fake process group (timeouts it does not support) are
+    silenced: they are about the fake backend, not the job.
 
     Returns:
         ``{"rank", "layout", "coords", "parts", "shards": [(name, global shape, local shape)], "params_bytes",
-        "grads_bytes", "optim_bytes", "planned": {stage name: layout_memory of this pipeline rank}}``.
+        "unpadded_bytes", "grads_bytes", "optim_bytes", "groups", "gpus_per_node", "planned": {stage name:
+        layout_memory of this pipeline rank}}``.
     Raises:
-        ConfigError: the layout does not resolve at ``world`` ranks, or cannot be built.
+        ConfigError: the layout does not resolve at ``world`` ranks (with the nearest world sizes that do), or
+        cannot be built.
     """
     from torch.distributed.tensor import DTensor
 
     from densetrain.schedule import resolve_stages
 
     p = cfg.parallel
+    if (why := world_words(p, world)) is not None:
+        raise ConfigError(why)
     layout = resolve_layout(p.dp_replicate, p.dp_shard, p.tp, world, p.cp, p.pp)
-    with fake_world(world, rank):
+    with warnings.catch_warnings(), fake_world(world, rank):
+        warnings.simplefilter("ignore")
         info = init_distributed("cpu", p)
         try:
             model, _ = build_parallel_model(cfg, info, meta=True)
         except ValueError as e:  # e.g. a tensor-parallel degree that does not divide the heads
             raise ConfigError(f"parallel: rank {rank} of {world} cannot be built: {e}") from None
         shards = []
-        local = 0
+        local = padded = 0
         for name, prm in model.named_parameters():
             loc = prm.to_local() if isinstance(prm, DTensor) else prm
             shards.append((name, tuple(prm.shape), tuple(loc.shape)))
             local += loc.numel()
+            padded += loc.untyped_storage().nbytes()  # FSDP2's padded shard: the storage, not the view
+        groups = {d: info.mesh[d].mesh.flatten().tolist() for d in info.mesh.mesh_dim_names
+                  if info.mesh[d].size() > 1} if info.mesh is not None else {}
         virtual = p.pp_virtual_stages if layout.pp > 1 else 1
         stages = rank_stages(info.pp_rank, layout.pp, virtual)
     counts = model_counts(cfg.model)
@@ -104,12 +146,15 @@ def dry_run_rank(cfg, world: int, rank: int) -> dict:
             "blocks": [int(k) for k in model.layers.keys()] if hasattr(model.layers, "keys")
             else list(range(len(model.layers))),
             "embedding": model.tok_embeddings is not None, "head": model.output is not None,
-            "shards": shards, "params_bytes": 4 * local, "grads_bytes": 4 * local, "optim_bytes": 8 * local,
-            "planned": planned}
+            "shards": shards, "params_bytes": padded, "unpadded_bytes": 4 * local, "grads_bytes": 4 * local,
+            "optim_bytes": 8 * local, "groups": groups, "gpus_per_node": gpus_per_node, "planned": planned}
 
 
 def _runs(ids: list[int]) -> str:
-    """``[0, 1, 2, 64, 65]`` -> ``'0-2, 64-65'``."""
+    """``[0, 1, 2, 64, 65]`` -> ``'0-2, 64-65'``; an even stride over 3: ``[0, 8, 16, 24]`` -> ``'0, 8, ..., 24
+    (stride 8)'``."""
+    if len(ids) > 3 and ids[1] - ids[0] > 1 and all(b - a == ids[1] - ids[0] for a, b in zip(ids, ids[1:])):
+        return f"{ids[0]}, {ids[1]}, ..., {ids[-1]} (stride {ids[1] - ids[0]})"
     out, start = [], None
     for i, k in enumerate(ids):
         start = k if start is None else start
@@ -128,11 +173,19 @@ def format_rank(r: dict, shards: int = 12) -> str:
                      + ([f"blocks {_runs(blocks)} ({len(blocks)})"] if blocks else [])
                      + (["final norm + head"] if r["head"] else []))
     c = r["coords"]
-    lines = [f"rank {r['rank']} of {r['world']} ({r['layout']}): pp rank {c['pp']}, dp rank {c['dp']}, "
-             f"cp rank {c['cp']}, tp rank {c['tp']}",
-             f"  pipeline stage(s) {r['stages']}: {held}",
-             f"  built: parameters {g(r['params_bytes'])} GiB, gradients {g(r['grads_bytes'])} GiB, AdamW moments "
-             f"{g(r['optim_bytes'])} GiB (fp32)"]
+    pad = r["params_bytes"] - r["unpadded_bytes"]
+    lines = [f"rank {r['rank']} of {r['world']} ({r['layout']}: {layout_words(r['layout'])}): pp rank {c['pp']}, "
+             f"dp rank {c['dp']}, cp rank {c['cp']}, tp rank {c['tp']}, node {r['rank'] // r['gpus_per_node']} "
+             f"({r['gpus_per_node']} GPUs a node)",
+             f"  pipeline stage(s) {r['stages']}: {held}"]
+    for dim, members in r["groups"].items():
+        nodes = sorted({m // r["gpus_per_node"] for m in members})
+        lines.append(f"  {dim} group: ranks {_runs(members) if members == sorted(members) else members} on node"
+                     f"{'s' if len(nodes) > 1 else ''} {_runs(nodes)}")
+    lines += [f"  built: parameters {r['params_bytes']:,} bytes ({g(r['params_bytes'])} GiB"
+              + (f"; {pad:,} of them FSDP2's padding to the largest shard" if pad else "") + "), gradients "
+              f"{r['grads_bytes']:,} bytes ({g(r['grads_bytes'])} GiB), AdamW moments {r['optim_bytes']:,} bytes "
+              f"({g(r['optim_bytes'])} GiB) (fp32)"]
     for name, full, local in r["shards"][:shards]:
         lines.append(f"    {name:<40} {str(list(full)):<16} -> {list(local)}")
     if len(r["shards"]) > shards:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from densetrain.tools.plan.memory import GIB
 
 
@@ -70,33 +72,77 @@ def format_plan(result: dict) -> str:
 
 
 
-def _layout_flags(lay) -> str:
-    return ((f"--parallel.pp={lay.pp} " if lay.pp > 1 else "")
-            + f"--parallel.dp_replicate={lay.dp_replicate} --parallel.dp_shard={lay.dp_shard} "
+def _layout_flags(x: dict) -> str:
+    """The ``--parallel.*`` flags of a candidate (layout, schedule, virtual stages)."""
+    lay = x["layout"]
+    pipe = (f"--parallel.pp={lay.pp} --parallel.pp_schedule={x['schedule']} "
+            + (f"--parallel.pp_virtual_stages={x['virtual']} " if x["schedule"] == "interleaved_1f1b" else "")
+            if lay.pp > 1 else "")
+    return (pipe + f"--parallel.dp_replicate={lay.dp_replicate} --parallel.dp_shard={lay.dp_shard} "
             f"--parallel.cp={lay.cp} --parallel.tp={lay.tp}")
 
 
-def _stage_table(rows: list[dict], fits: list[dict], layouts: list | None = None) -> list[str]:
-    """Per stage: checkpointing, bytes per GPU by part, cross-entropy, and under pipeline parallelism the
-    pipeline rank counted, its micro-batches in flight, the bubble and the point-to-point bytes per step."""
-    g = lambda b: f"{b / GIB:.1f}"
-    out = []
-    for i, (s, x) in enumerate(zip(rows, fits)):
-        lay = f" {layouts[i]}" if layouts else ""
-        if not x["fits"] and x["bytes"] is None:
-            out.append(f"  {s['name']:<15}{lay} does not run: {x['reason']}")
-            continue
-        b, pipe = x["bytes"], x.get("pipeline") or {}
-        line = (f"  {s['name']:<15} {x['ac']:<10} {g(b['params']):>6} {g(b['grads']):>6} {g(b['optim']):>6} "
-                f"{g(b['transient']):>10} {g(b['activations']):>12} {g(b['total']):>9}      "
-                f"{'chunked' if b['chunked_loss'] else 'whole logits'}{lay}")
-        if pipe:
-            line += (f"; pp rank {b['pp_rank']}: {b['in_flight']:.3g} of {pipe['microbatches']} micro-batches in "
-                     f"flight, bubble {pipe['bubble']:.1%}, p2p {g(pipe['p2p_bytes'])} GiB/step")
-        if not x["fits"]:
-            line += f"  (does NOT fit: {x['reason']})"
-        out.append(line)
-    return out
+def _name(x: dict) -> str:
+    """A candidate's layout with its pipeline schedule: ``pp=16 ... tp=8 (interleaved v=8)``."""
+    lay = x["layout"]
+    if lay.pp == 1:
+        return str(lay)
+    return f"{lay} ({'interleaved v=' + str(x['virtual']) if x['schedule'] == 'interleaved_1f1b' else x['schedule']})"
+
+
+PART_WORDS = {"compute": "compute", "recompute": "recomputation", "tp": "tensor-parallel all-reduces",
+              "cp": "context-parallel K/V gathers", "dp": "exposed FSDP/replica communication",
+              "pp": "pipeline sends", "bubble": "pipeline bubble", "optimizer": "optimizer"}
+
+
+def _days(d: float) -> str:
+    """``'60.4'``, ``'2,377'``: days to three figures, whole days from 100."""
+    return f"{d:,.0f}" if d >= 100 else f"{d:.3g}"
+
+
+def _parts(t: dict) -> str:
+    """``compute 5.47 + tp 0.61 + bubble 0.72 s``: a step's parts over 5 ms."""
+    return " + ".join(f"{k} {v:.3g}" for k, v in t["parts"].items() if v >= 0.005 or k == "compute") + " s"
+
+
+def _why_slower(t: dict, best: dict) -> str:
+    """Why a step ``t`` loses to ``best``: its time over the best's and the parts that grew most."""
+    diff = sorted(((t["parts"][k] - best["parts"][k], k) for k in t["parts"]), reverse=True)
+    grew = [f"{PART_WORDS[k]} +{d:.3g} s" for d, k in diff[:2] if d >= 0.0005 * best["step_s"]]
+    return f"+{t['step_s'] / best['step_s'] - 1:.1%}" + (f": {', '.join(grew)}" if grew else "")
+
+
+def _stage_block(r: dict, i: int, others: int) -> list[str]:
+    """One stage: its best layout with the step's parts, MFU, memory and days, the next ``others`` of other
+    shapes (pp, cp, tp) with why they lose, and the rejected counted by reason."""
+    s = r["stages"][i]
+    head = (f"stage '{s['name']}': seq_len {s['seq_len']}, {s['batch']} sequences x micro {s['micro']}, "
+            f"{human(s['steps'])} steps, {human(s['tokens'])} tokens")
+    if not s["ranked"]:
+        return [head, "  no layout runs it (reasons below)"]
+    x, t = s["ranked"][0], s["time"]
+    st = x["stages"][i]
+    lines = [head,
+             f"  layout {_name(x)}, activation checkpointing {st['ac']}: {t['step_s']:.3g} s a step = {_parts(t)}",
+             f"    MFU {t['mfu']:.1%}, {t['tokens_per_sec_per_gpu']:,.0f} tokens/s per GPU, "
+             f"{st['bytes']['total'] / GIB:.1f} GiB per GPU, {_days(s['days'])} days",
+             f"    densetrain train ... {_layout_flags(x)}"]
+    seen = {(x["layout"].pp, x["layout"].cp, x["layout"].tp)}
+    distinct = []  # the next layouts of another shape (HSDP splits of the same shape differ by little)
+    for y in s["ranked"][1:]:
+        if len(distinct) < others and (key := (y["layout"].pp, y["layout"].cp, y["layout"].tp)) not in seen:
+            seen.add(key)
+            distinct.append(y)
+    for y in distinct:
+        yt = y["stages"][i]["time"]
+        lines.append(f"  {_name(y):<58} {yt['step_s']:.3g} s  {_why_slower(yt, t)}")
+    rej = s["rejected"]
+    if rej:
+        words = {"memory": "do not fit in memory", "batch": "do not split the batch",
+                 "pipeline": "give a rank fewer micro-batches than pipeline stages"}
+        lines.append(f"  rejected {sum(rej.values())}: " + ", ".join(f"{n} {words.get(k, k)}" for k, n in
+                                                                     rej.most_common()))
+    return lines
 
 
 def _shortfall(r: dict, i: int) -> str | None:
@@ -120,62 +166,67 @@ def _shortfall(r: dict, i: int) -> str | None:
             "parallelism, full activation checkpointing, a smaller micro-batch or a shorter seq_len")
 
 
-def format_layout_plan(r: dict, show: int = 12) -> str:
-    """Readable table of a :func:`layout_plan` result: the model, the stages (steps, tokens, days), the
-    suggested layout's memory per stage by part, the other layouts that run every stage, the cheapest
-    layout per stage and how to run a per-stage layout, then every layout with the checkpointing mode
-    per stage (or why it cannot run), and what is short for a stage that fits no layout."""
-    g = lambda b: f"{b / GIB:.1f}"
-    c = r["model"]
+def format_layout_plan(r: dict, others: int = 4) -> str:
+    """Readable form of a :func:`layout_plan` result: the model and hardware; per stage its fastest layout with
+    the step's parts, MFU, memory and days, the next ``others`` with why they lose, the rejected counted by
+    reason; the total; the one layout that runs every stage; a published layout beside; the configured
+    layout's verdict; warnings (a run over a year, MFU under 10%) and what is short for a stage no layout fits."""
+    c, hw = r["model"], r["hardware"]
     lines = [f"model: {human(c['params'])} parameters ({human(c['block'])} per block, {human(c['root'])} embedding"
-             f"+head); {r['gpus']} GPUs x {r['gpu_memory_gib']:g} GiB (usable {g(r['usable_bytes'])} GiB each); "
-             f"time at mfu {r['mfu']:g} of {r['gpu_peak_flops'] / 1e12:g} TFLOP/s per GPU",
-             "stages:"]
-    for s in r["stages"]:
-        lines.append(f"  {s['name']:<13} seq_len {s['seq_len']:>7}  batch {s['batch']:>5} seqs  micro {s['micro']}  "
-                     f"{human(s['steps'])} steps x {s['step_s']:.2f} s = {s['days']:.2f} days, {human(s['tokens'])} "
-                     f"tokens")
-    lines.append(f"total: {r['days']:.1f} days, {human(r['tokens'])} tokens"
-                 + (f"; {format_cost(r['cost'])}" if r.get("cost") else ""))
+             f"+head); {r['gpus']} GPUs x {hw.name} ({r['gpu_memory_gib']:g} GiB, usable "
+             f"{r['usable_bytes'] / GIB:.1f} GiB; {hw.peak_bf16_flops / 1e12:g} TFLOP/s bf16, {hw.gpus_per_node} a "
+             "node); times from the cost model (docs/planner.md)"]
+    for i in range(len(r["stages"])):
+        lines += _stage_block(r, i, others)
+    if r["days"] is not None:
+        lines.append(f"total: {_days(r['days'])} days, {human(r['tokens'])} tokens, each stage on its layout"
+                     + (f"; {format_cost(r['cost'])}" if r.get("cost") else ""))
     sug = r["suggested"]
-    if sug is None:
-        lines.append("no layout runs every stage (see the reasons below)")
-    else:
-        lay = sug["layout"]
-        lines.append(f"suggested: {lay}, one layout for every stage: densetrain train ... {_layout_flags(lay)}")
-        lines.append(f"  {sug['days']:.1f} days with its recomputation and pipeline bubble")
-        lines.append("  stage           ac         params  grads  optim  transient  activations  total GiB/GPU  "
-                     "cross-entropy")
-        lines += _stage_table(r["stages"], sug["stages"])
-        others = r["running"][1:6]
-        if others:
-            lines.append(f"other layouts that run every stage ({len(r['running']) - 1}; GiB per GPU per stage, "
-                         f"{r['days']:.1f} days each):")
-            for x in others:
-                lines.append(f"  {str(x['layout']):<44} " + " | ".join(
-                    f"{st['ac']} {g(st['bytes']['total'])}" for st in x["stages"]))
+    if sug is not None:
+        extra = f" (+{sug['days'] / r['days'] - 1:.1%})" if r["days"] and sug["days"] > r["days"] * 1.0005 else ""
+        lines.append(f"one layout for every stage: {_name(sug)}, {_days(sug['days'])} days{extra}: densetrain "
+                     f"train ... {_layout_flags(sug)}")
+    elif r["days"] is not None:
+        lines.append("no single layout runs every stage: change it at the stage boundaries")
     pub = r.get("published")
     if pub is not None:
-        days = f"{pub['days']:.1f} days with its recomputation and pipeline bubble" if pub["days"] else \
-            "does NOT run every stage here"
-        lines.append(f"{pub['source']}, per stage: {days}")
-        lines += _stage_table(r["stages"], pub["stages"], [x["layout"] for x in pub["stages"]])
+        lines.append(f"{pub['source']}: " + ("; ".join(
+            f"{s['name']} {_name(x)} {x['time']['step_s']:.3g} s ({_why_slower(x['time'], s['time'])})"
+            if x["fits"] and s["time"] else f"{s['name']} does NOT run: {x['reason']}"
+            for s, x in zip(r["stages"], pub["stages"])))
+            + (f"; {_days(pub['days'])} days" if pub["days"] else ""))
     if r["configured"] is not None:
-        conf = next((x for x in r["layouts"] if x["layout"] == r["configured"]), None)
-        verdict = "not among the candidates" if conf is None else ("runs every stage" if conf["runs_all"] else
-                                                                   "does NOT run every stage")
+        conf = [x for x in r["layouts"] if x["layout"] == r["configured"]]
+        runs = [x for x in conf if x["runs_all"]]
+        verdict = ("not among the candidates" if not conf else
+                   f"runs every stage, {_days(min(x['days'] for x in runs))} days at its best schedule" if runs
+                   else "does NOT run every stage")
         lines.append(f"configured layout ({r['configured']}): {verdict}")
-    best = [(s["name"], s["best"]) for s in r["stages"]]
-    if len({b for _, b in best}) > 1:
-        lines.append("cheapest layout per stage: " + "; ".join(f"{n}: {b or 'none'}" for n, b in best))
-        lines.append("  densetrain keeps one layout for a run (the suggested one runs every stage). To change it at a "
-                     "stage, stop the run after a checkpoint at or past the stage's first step and relaunch with "
-                     "--resume and the stage's --parallel.* flags: checkpoints reshard across dp_shard, tp and cp.")
-    lines.append("layouts (activation checkpointing per stage, or why not):")
-    for x in r["layouts"][:show] if show else r["layouts"]:
-        cells = [f"{s['ac']} {g(s['bytes']['total'])}G" if s["fits"] else f"no: {s['reason']}" for s in x["stages"]]
-        lines.append(f"  {'*' if x['runs_all'] else ' '} {str(x['layout']):<44} " + " | ".join(cells))
-    if show and len(r["layouts"]) > show:
-        lines.append(f"  ... {len(r['layouts']) - show} more (--all-layouts)")
+    lines += [f"warning: {w}" for w in r["warnings"]]
     lines += [why for i in range(len(r["stages"])) if (why := _shortfall(r, i))]
     return "\n".join(lines)
+
+
+def layout_plan_json(r: dict) -> dict:
+    """The part of a :func:`layout_plan` result a script needs: per stage ``name, seq_len, layout`` (degrees,
+    schedule, virtual stages), ``ac, step_s, parts, mfu, tokens_per_sec_per_gpu, memory_gib, days`` (None where
+    no layout runs it), and the run's ``days``, ``gpus``, ``hardware``, ``warnings``, ``suggested`` (one layout
+    for every stage)."""
+    def lay(x):
+        return {**dataclasses.asdict(x["layout"]), "schedule": x["schedule"], "virtual": x["virtual"]}
+
+    stages = []
+    for i, s in enumerate(r["stages"]):
+        out = {"name": s["name"], "seq_len": s["seq_len"], "batch": s["batch"], "steps": s["steps"],
+               "layout": None, "ac": None, "step_s": None, "parts": None, "mfu": None,
+               "tokens_per_sec_per_gpu": None, "memory_gib": None, "days": None}
+        if s["ranked"]:
+            x, t = s["ranked"][0], s["time"]
+            out.update(layout=lay(x), ac=x["stages"][i]["ac"], step_s=t["step_s"], parts=t["parts"], mfu=t["mfu"],
+                       tokens_per_sec_per_gpu=t["tokens_per_sec_per_gpu"],
+                       memory_gib=x["stages"][i]["bytes"]["total"] / GIB, days=s["days"])
+        stages.append(out)
+    sug = r["suggested"]
+    return {"gpus": r["gpus"], "hardware": dataclasses.asdict(r["hardware"]), "stages": stages, "days": r["days"],
+            "tokens": r["tokens"], "warnings": r["warnings"],
+            "suggested": {"layout": lay(sug), "days": sug["days"]} if sug else None, "cost": r.get("cost")}

@@ -1,0 +1,118 @@
+"""Hardware profiles: what one GPU (and its links) can do, as data (``profiles/*.toml``, one file a GPU kind,
+each citing its datasheet), read by the planner (``densetrain plan --hardware``) and written for this machine
+by ``densetrain doctor --profile FILE`` from its own measurements."""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from densetrain.errors import ConfigError
+from densetrain.fileio import atomic_write_bytes, read_text_bounded
+
+PROFILES_DIR = Path(__file__).parent / "profiles"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU kind and its node. Rates are per GPU and per direction.
+
+    ``peak_bf16_flops`` (FLOP/s, dense; the MFU denominator), ``peak_fp8_flops`` (FLOP/s, dense; equal to the
+    bf16 peak where the GPU has no fp8), ``memory_gib`` (GiB), ``hbm_bytes_per_s`` (B/s), ``nvlink_bytes_per_s``
+    (B/s within a node), ``net_bytes_per_s`` (B/s across nodes, the GPU's own NIC), ``gpus_per_node``,
+    ``latency_intra_s`` / ``latency_inter_s`` (s per ring step of a collective), ``name``, ``source``.
+    Optional: ``gemm_efficiency``, ``attention_efficiency``, ``network_efficiency``, ``hbm_efficiency``, the
+    fractions of those rates the work reaches (0: the cost model's fitted constants, for datasheet rates; a
+    measured profile sets 1, its rates being reached ones).
+    """
+
+    name: str
+    peak_bf16_flops: float
+    peak_fp8_flops: float
+    memory_gib: float
+    hbm_bytes_per_s: float
+    nvlink_bytes_per_s: float
+    net_bytes_per_s: float
+    gpus_per_node: int
+    latency_intra_s: float
+    latency_inter_s: float
+    source: str = ""
+    gemm_efficiency: float = 0.0
+    attention_efficiency: float = 0.0
+    network_efficiency: float = 0.0
+    hbm_efficiency: float = 0.0
+
+    def to_toml(self) -> str:
+        """The profile as a flat TOML table (what :func:`load_hardware` reads)."""
+        out = []
+        for k, v in asdict(self).items():
+            out.append(f"{k} = {json.dumps(v) if isinstance(v, str) else repr(v)}")
+        return "\n".join(out) + "\n"
+
+
+def profile_names() -> list[str]:
+    """Names of the shipped profiles (``h100-sxm``, ``h200``, ``a100-80gb``, ``b200``)."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
+
+
+def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
+    """A profile by shipped name (:func:`profile_names`) or from a ``.toml`` / ``.json`` file.
+
+    Raises:
+        ConfigError: no such file or name, a file that does not parse, a missing or unknown key, or a value
+        that is not a finite positive number (``gpus_per_node`` a positive integer).
+    """
+    path = Path(spec)
+    if not path.suffix and (PROFILES_DIR / f"{spec}.toml").exists():
+        path = PROFILES_DIR / f"{spec}.toml"
+    if not path.is_file():
+        raise ConfigError(f"--hardware {spec}: no such file or profile (shipped: {', '.join(profile_names())})")
+    try:
+        text = read_text_bounded(path)
+        raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"{path}: not a hardware profile ({e})") from None
+    names = {f.name: f for f in fields(Hardware)}
+    unknown = sorted(set(raw) - set(names))
+    missing = sorted(k for k, f in names.items() if k not in raw and k != "source" and not k.endswith("_efficiency"))
+    if unknown or missing:
+        raise ConfigError(f"{path}: " + "; ".join(([f"unknown key(s) {', '.join(unknown)}"] if unknown else [])
+                                                  + ([f"missing key(s) {', '.join(missing)}"] if missing else [])))
+    for k, v in raw.items():
+        if k in ("name", "source"):
+            if not isinstance(v, str):
+                raise ConfigError(f"{path}: {k} = {v!r}: expected a string")
+        elif k.endswith("_efficiency"):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ConfigError(f"{path}: {k} = {v!r}: expected a fraction in [0, 1] (0: the fitted constant)")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"{path}: {k} = {v!r}: expected a finite number > 0")
+        elif k == "gpus_per_node" and int(v) != v:
+            raise ConfigError(f"{path}: gpus_per_node = {v!r}: expected an integer")
+    return Hardware(**{**raw, "gpus_per_node": int(raw["gpus_per_node"])})
+
+
+def write_hardware(hw: Hardware, path: str | Path) -> Path:
+    """Write ``hw`` to ``path`` atomically (TOML, or JSON for a ``.json`` name); returns the path."""
+    path = Path(path)
+    text = json.dumps(asdict(hw), indent=1) + "\n" if path.suffix == ".json" else hw.to_toml()
+    atomic_write_bytes(path, text.encode())
+    return path
+
+
+def measured_hardware(matmul_flops: float, copy_bytes_per_s: float, collective_bytes_per_s: float | None,
+                      gpus_per_node: int, memory_gib: float, name: str) -> Hardware:
+    """A profile of this machine from ``doctor``'s measurements: the matmul rate stands for both peaks (so the
+    profile's MFU is relative to what this machine reaches, as the training log's is without
+    ``logging.peak_flops``), the copy rate for the memory bandwidth, the collective bus bandwidth (None on
+    one process: the copy rate) for both links; latencies a gloo-scale 50 µs per ring step; efficiencies 1
+    (the rates are reached ones, not datasheet peaks)."""
+    link = collective_bytes_per_s or copy_bytes_per_s
+    return Hardware(name=name, peak_bf16_flops=matmul_flops, peak_fp8_flops=matmul_flops, memory_gib=memory_gib,
+                    hbm_bytes_per_s=copy_bytes_per_s, nvlink_bytes_per_s=link, net_bytes_per_s=link,
+                    gpus_per_node=max(1, gpus_per_node), latency_intra_s=50e-6, latency_inter_s=50e-6,
+                    source="measured by densetrain doctor --profile", gemm_efficiency=1.0, attention_efficiency=1.0,
+                    network_efficiency=1.0, hbm_efficiency=1.0)

@@ -1,0 +1,267 @@
+"""The time of one optimizer step on one rank, in parts: compute per op class, communication per mesh dimension,
+what of it hides behind compute, the pipeline bubble; then tokens/s per GPU and MFU.
+
+The mesh is densetrain's (:data:`densetrain.parallel.mesh.DIMS`: ``pp, dp_replicate, dp_shard, cp, tp``, tp
+innermost), so a group's ranks sit ``stride`` apart, ``stride`` the product of the inner degrees; ranks fill
+nodes of ``gpus_per_node`` in order. A group lies within a node when ``stride * degree <= gpus_per_node``
+(NVLink), else it crosses nodes with ``k = max(1, gpus_per_node / stride)`` members per node, and its bus
+bandwidth is ``min(nvlink, k * net)`` (NCCL's rings use every GPU's NIC).
+
+Collectives over ``n`` ranks of a tensor of ``S`` bytes (whole, unsharded), NCCL's bus-bandwidth factors
+(nccl-tests, ``doc/PERFORMANCE.md``): all-reduce ``2 (n-1)/n S``, all-gather and reduce-scatter ``(n-1)/n S``
+bytes through each rank's link, plus ``(n-1)`` (all-reduce ``2 (n-1)``) ring steps of the link's latency.
+
+What hides (torchtitan's and Megatron's behaviour): FSDP2's all-gathers (prefetched) and reduce-scatters, and
+the replicas' all-reduce, run beside the blocks' compute (taking :data:`CONTENTION` of it while they run);
+under pipelining the gather comes once per step (before the first micro-batch) and the reduction once (after
+the last), so they hide behind one micro-batch only. Tensor-parallel collectives (synchronous: no async TP),
+context parallelism's key/value all-gather and gradient reduce-scatter, and the pipeline's sends on the fill
+and drain path are exposed. The bubble of
+1F1B and of the interleaved schedule is ``(pp - 1) / (v m)`` of the pipeline's busy time (``m`` micro-batches
+per schedule call, ``v`` stages per rank; Narayanan et al. 2021 sec. 2.2), counted once: the compute and
+exposed communication of the micro-batches are its busy time, and MFU is computed from the step time, not
+assumed.
+
+The three efficiency constants (:data:`GEMM_EFFICIENCY`, :data:`ATTENTION_EFFICIENCY`,
+:data:`NETWORK_EFFICIENCY`) were fitted on three published runs and checked on the others
+(``benchmarks/planner_check.py``, docs/planner.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from densetrain.cost.flops import attention_flops, block_matmul_params, flops_per_token, gemm_shapes, shape_of
+
+GEMM_EFFICIENCY = 0.52
+"""Fraction of the dense peak a large bf16/fp8 GEMM reaches (fitted: benchmarks/planner_check.py ``--fit``)."""
+ATTENTION_EFFICIENCY = 0.24
+"""Fraction of the dense bf16 peak the flash-attention kernels reach, forward and backward (fitted)."""
+NETWORK_EFFICIENCY = 0.90
+"""Fraction of a link's datasheet bandwidth NCCL's bus bandwidth reaches for large messages (fitted)."""
+HBM_EFFICIENCY = 0.8
+"""Fraction of the HBM datasheet bandwidth elementwise kernels reach (STREAM-like copies on H100 reach ~0.8-0.9;
+an assumption, not fitted)."""
+CONTENTION = 0.12
+"""Compute lost per second of communication hidden behind it: NCCL's kernels hold ~16 of an H100's 132 SMs while
+they run (its default channel count on InfiniBand; an assumption from the hardware, not fitted)."""
+KERNEL_LAUNCH_S = 4e-6
+"""Fixed cost of one kernel (launch and tail), s: what makes tiny GEMMs slow whatever their FLOPs."""
+
+AC_RECOMPUTE = ("none", "selective", "op", "full")
+"""Activation checkpointing: ``none``; ``selective`` (densetrain's: pointwise ops recomputed, matmul outputs
+kept); ``op`` (torchtitan's op-level selective: every second matmul recomputed); ``full`` (each block's forward
+runs again in its backward)."""
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """A layout and its schedule: degrees, pipeline ``schedule`` (``1f1b``, ``interleaved_1f1b``, ``gpipe``),
+    ``virtual`` stages per rank, ``microbatches`` per schedule call (0: all a rank runs in a step),
+    ``sequence_parallel`` (norm regions split by tp; the same bytes on the wire as plain TP)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    virtual: int = 1
+    microbatches: int = 0
+    sequence_parallel: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.cp * self.pp
+
+
+def parallel_of(layout, schedule: str = "1f1b", virtual: int = 1, microbatches: int = 0,
+                sequence_parallel: bool = False) -> Parallel:
+    """:class:`Parallel` of a :class:`~densetrain.parallel.mesh.Layout` (or anything with its degrees)."""
+    return Parallel(layout.dp_replicate, layout.dp_shard, layout.tp, getattr(layout, "cp", 1),
+                    getattr(layout, "pp", 1), schedule, virtual if getattr(layout, "pp", 1) > 1 else 1, microbatches,
+                    sequence_parallel)
+
+
+def bubble_share(pp: int, microbatches: int, virtual: int = 1, schedule: str = "1f1b") -> float:
+    """Share of a pipeline rank's step time that is bubble: ``(pp - 1) / (v m + pp - 1)`` for 1F1B (``v`` = 1)
+    and the interleaved schedule, ``(pp - 1) / (m + pp - 1)`` for GPipe (Narayanan et al. 2021 sec. 2.2: the
+    bubble is ``(pp - 1) / (v m)`` of the busy time). 0 without pipelining."""
+    if pp <= 1:
+        return 0.0
+    v = 1 if schedule == "gpipe" else virtual
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+def link(hw, stride: int, degree: int) -> tuple[float, float, str]:
+    """``(bytes/s, latency s per ring step, 'nvlink' | 'network')`` of a group of ``degree`` ranks ``stride``
+    apart (module docstring)."""
+    g, eff = hw.gpus_per_node, hw.network_efficiency or NETWORK_EFFICIENCY
+    if stride * degree <= g:
+        return hw.nvlink_bytes_per_s * eff, hw.latency_intra_s, "nvlink"
+    per_node = max(1, g // stride)
+    return min(hw.nvlink_bytes_per_s, per_node * hw.net_bytes_per_s) * eff, hw.latency_inter_s, "network"
+
+
+def collective_s(kind: str, nbytes: float, n: int, bw: float, latency: float) -> float:
+    """Seconds of one collective of ``nbytes`` (whole tensor) over ``n`` ranks: ``kind`` ``all_reduce``,
+    ``all_gather`` or ``reduce_scatter`` (module docstring)."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    factor, steps = (2.0, 2) if kind == "all_reduce" else (1.0, 1)
+    return factor * (n - 1) / n * nbytes / bw + steps * (n - 1) * latency
+
+
+def bus_bytes(kind: str, nbytes: float, n: int) -> float:
+    """Bytes one rank sends in a ring collective of ``nbytes`` over ``n`` ranks (the bus-bandwidth factor)."""
+    return 0.0 if n <= 1 else (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * nbytes
+
+
+def gemm_s(M: int, K: int, N: int, peak: float, hw) -> float:
+    """One GEMM (``M x K`` by ``K x N``, 2-byte operands): the slower of its FLOPs at ``peak`` times
+    :data:`GEMM_EFFICIENCY` times the tile occupancy (dimensions rounded up to 128 x 128 x 64 tiles: small and
+    odd shapes waste the rest) and its bytes at the memory bandwidth, plus a kernel's fixed cost."""
+    up = lambda x, t: math.ceil(x / t) * t
+    tile = (M * N * K) / (up(M, 128) * up(N, 128) * up(K, 64))
+    flops = 2.0 * M * K * N
+    return max(flops / (peak * (hw.gemm_efficiency or GEMM_EFFICIENCY) * tile),
+               2.0 * (M * K + K * N + M * N) / (hw.hbm_bytes_per_s * (hw.hbm_efficiency or HBM_EFFICIENCY))) \
+        + KERNEL_LAUNCH_S
+
+
+def elementwise_bytes(m, tokens: float, tp: int, sp: bool) -> float:
+    """Bytes one block's forward reads and writes outside the matmuls for ``tokens`` rows: two RMSNorms (fp32
+    in, bf16 out: ``6 d`` each), two fp32 residual adds (``10 d`` each), RoPE on q and k (``4 (q + kv)``),
+    SwiGLU (``6 f``); the norm and residual regions are whole on every tensor-parallel rank unless sequence
+    parallelism splits them."""
+    s = shape_of(m)
+    q, kv = s.n_heads * s.head_dim / tp, max(s.n_kv_heads / tp, 1) * s.head_dim
+    return tokens * ((12 + 20) * s.d_model / (tp if sp else 1) + 4 * (q + kv) + 6 * s.d_ff / tp)
+
+
+def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac: str = "none",
+              precision: str = "bf16", fp8_all_gather: bool = False) -> dict:
+    """Seconds of one optimizer step of ``batch`` sequences of ``seq_len`` tokens on layout ``par`` (every rank
+    alike; under pipelining the stages are taken as balanced, ``1 / pp`` of the model each).
+
+    ``micro``: sequences per micro-batch; ``ac``: :data:`AC_RECOMPUTE`; ``precision``: ``bf16``, ``fp8``
+    (the blocks' linear layers at the fp8 peak plus the casts' bytes, torchtitan's Float8 recipe with dynamic
+    tensorwise scaling; attention and the head stay bf16) or ``fp32`` (4-byte activations and gathered weights;
+    the profile's bf16 peak stands for the rate, as a measured profile measures the run's dtype);
+    ``fp8_all_gather``: FSDP2 gathers fp8 weights.
+
+    Returns:
+        ``{"step_s", "parts": {name: s}, "tokens_per_sec", "tokens_per_sec_per_gpu", "mfu", "model_flops",
+        "bytes": {dimension: bytes one rank sends per step}, "links": {dimension: 'nvlink' | 'network'},
+        "microbatches", "bubble"}``; the parts add up to ``step_s``.
+    Raises:
+        ValueError: the batch does not split into the data-parallel ranks' micro-batches, or an unknown ``ac``.
+    """
+    if ac not in AC_RECOMPUTE:
+        raise ValueError(f"ac must be one of {AC_RECOMPUTE}, got {ac!r}")
+    s = shape_of(m)
+    r, sh, t, c, p = par.dp_replicate, par.dp_shard, par.tp, par.cp, par.pp
+    dp = r * sh
+    if batch % (dp * micro):
+        raise ValueError(f"{batch} sequences do not split into {dp} data-parallel ranks x micro-batch {micro}")
+    n_micro = batch // (dp * micro)  # micro-batches a rank runs per step
+    tok = micro * seq_len / c  # rows of one micro-batch on one rank
+    sp = par.sequence_parallel and t > 1
+    peak, peak_mm = hw.peak_bf16_flops, hw.peak_fp8_flops if precision == "fp8" else hw.peak_bf16_flops
+    a = 4 if precision == "fp32" else 2  # bytes of an activation and of a gathered weight
+    hbm = hw.hbm_bytes_per_s * (hw.hbm_efficiency or HBM_EFFICIENCY)
+    layers = s.n_layers / p  # blocks per rank, balanced
+
+    # compute of one micro-batch on this rank, forward; backward is 2x (attention 2.5x: flash-attention's five
+    # matmuls to the forward's two)
+    gemms = gemm_shapes(s, int(tok), t)
+    block_mm = sum(gemm_s(M, K, N, peak_mm, hw) for name, M, K, N in gemms if name != "head")
+    head_mm = next(gemm_s(M, K, N, peak, hw) for name, M, K, N in gemms if name == "head")
+    attn = attention_flops(s, tok, seq_len, t) / (peak * (hw.attention_efficiency or ATTENTION_EFFICIENCY))
+    elem = elementwise_bytes(s, tok, t, sp) / hbm
+    if precision == "fp8":  # dynamic scaling: an amax pass (read 2) and a cast (read 2, write 1) per operand,
+        # forward (each linear's input and weight) and backward (output gradients, weights again transposed)
+        q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+        ins, outs = 2 * s.d_model + (q + s.d_ff) / t, (q + 2 * kv + 2 * s.d_ff) / t + 2 * s.d_model
+        elem += (5 * tok * (ins + outs) + 2 * 5 * block_matmul_params(s) / t) / hbm
+    loss = tok * (2 + 4 + 4) * s.vocab_size / t / hbm  # logits, fp32 log-softmax, its gradient
+    fwd_block = block_mm + attn + elem
+    bwd_block = 2 * block_mm + 2.5 * attn + 2 * elem
+    recompute = {"none": 0.0, "selective": elem, "op": block_mm / 2 + elem, "full": fwd_block}[ac]
+    head = (3 * head_mm + 2 * loss) / p  # the last stage's; balanced over the stages
+    compute = n_micro * (layers * (fwd_block + bwd_block) + head)
+    recompute_s = n_micro * layers * recompute
+
+    # tensor parallel: per block two all-reduces forward, two backward (or all-gather + reduce-scatter with SP:
+    # the same bytes), one more pair forward under full recomputation
+    act = tok * s.d_model * a
+    bw_tp, lat_tp, where_tp = link(hw, 1, t)
+    per_tp = collective_s("all_reduce", act, t, bw_tp, lat_tp)
+    tp_calls = 4 + (2 if ac == "full" else 0)
+    tp_s = n_micro * layers * tp_calls * per_tp
+    tp_bytes = n_micro * layers * tp_calls * bus_bytes("all_reduce", act, t)
+
+    # context parallel: all-gather of the keys and values forward (again under full recomputation), reduce-scatter
+    # of their gradients backward
+    kv_local = tok * 2 * max(s.n_kv_heads // t, 1) * s.head_dim * a
+    bw_cp, lat_cp, where_cp = link(hw, t, c)
+    cp_calls = 2 + (1 if ac == "full" else 0)
+    cp_s = n_micro * layers * cp_calls * collective_s("all_gather", c * kv_local, c, bw_cp, lat_cp)
+    cp_bytes = n_micro * layers * cp_calls * bus_bytes("all_gather", c * kv_local, c)
+
+    # data parallel: FSDP2 over dp_shard x cp (a group per block, the root group holding the embedding, final
+    # norm and head), the replicas' all-reduce; gradients reduced in fp32. Per micro-batch the forward gathers
+    # every group and the backward the blocks again but the last (densetrain reshards every block but the last
+    # after its forward; FSDP2 keeps the root's); under pipelining everything is gathered once per step.
+    blk = block_matmul_params(s) / t
+    params = (s.n_layers * block_matmul_params(s) + s.d_model * s.vocab_size * (1 if s.tie_embeddings else 2)) / (p * t)
+    n_sh = sh * c
+    bw_sh, lat_sh, where_sh = link(hw, t, n_sh)
+    bw_rep, lat_rep, where_rep = link(hw, t * n_sh, r)
+    if n_sh == 1:
+        gathered, calls = 0.0, 0
+    elif p > 1:
+        gathered, calls = params, int(layers) + 1
+    else:
+        gathered, calls = n_micro * (params + max(layers - 1, 0) * blk), n_micro * 2 * int(layers)
+    gathered *= 1 if fp8_all_gather else a
+    ag_s = bus_bytes("all_gather", gathered, n_sh) / bw_sh + calls * (n_sh - 1) * lat_sh
+    rs_s = collective_s("reduce_scatter", 4 * params, n_sh, bw_sh, lat_sh)
+    ar_s = collective_s("all_reduce", 4 * params / n_sh, r, bw_rep, lat_rep)
+    dp_bytes = bus_bytes("all_gather", gathered, n_sh) + bus_bytes("reduce_scatter", 4 * params, n_sh) \
+        + bus_bytes("all_reduce", 4 * params / n_sh, r)
+    one_fwd, one_bwd = layers * fwd_block, layers * (bwd_block + recompute)
+    if p > 1:  # gathered once before the first micro-batch, reduced once after the last
+        dp_s = max(0.0, ag_s - one_fwd) + max(0.0, rs_s + ar_s - one_bwd)
+    else:  # prefetched beside the blocks; the first block's gather and the last reduction stay exposed
+        first = ag_s / max(calls, 1)
+        dp_s = max(first, ag_s + rs_s + ar_s - (compute + recompute_s)) if (ag_s + rs_s + ar_s) else 0.0
+    dp_s += CONTENTION * max(0.0, ag_s + rs_s + ar_s - dp_s)  # what hides still takes SMs from the compute
+
+    # pipeline: sends of the activations (their gradients back) on the fill and drain path, the bubble
+    v = par.virtual if p > 1 else 1
+    pp_act = act / (t if sp else 1)
+    bw_pp, lat_pp, where_pp = link(hw, t * c * n_sh * r, p)
+    send = pp_act / bw_pp + lat_pp if p > 1 else 0.0
+    pp_s = 2 * (p - 1) * send
+    pp_bytes = 2 * v * n_micro * pp_act if p > 1 else 0.0
+    m_call = par.microbatches or n_micro
+    busy = compute + recompute_s + tp_s + cp_s
+    share = bubble_share(p, m_call, v, par.schedule)
+    bubble_s = share / (1 - share) * busy  # (pp - 1) / (v m) of the busy time
+
+    # optimizer: AdamW over the rank's fp32 shard (parameter, gradient, two moments read and written)
+    optim_s = 28 * params / max(n_sh, 1) / hbm
+    parts = {"compute": compute, "recompute": recompute_s, "tp": tp_s, "cp": cp_s, "dp": dp_s, "pp": pp_s,
+             "bubble": bubble_s, "optimizer": optim_s}
+    step = sum(parts.values())
+    tokens = batch * seq_len
+    per_gpu = tokens / step / par.world
+    return {"step_s": step, "parts": parts, "tokens_per_sec": tokens / step, "tokens_per_sec_per_gpu": per_gpu,
+            "mfu": flops_per_token(s, seq_len) * per_gpu / hw.peak_bf16_flops,
+            "model_flops": flops_per_token(s, seq_len) * tokens,
+            "bytes": {"tp": tp_bytes, "cp": cp_bytes, "dp": dp_bytes, "pp": pp_bytes},
+            "links": {"tp": where_tp, "cp": where_cp, "dp_shard": where_sh, "dp_replicate": where_rep,
+                      "pp": where_pp},
+            "microbatches": n_micro, "bubble": bubble_s / step}

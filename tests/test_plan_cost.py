@@ -1,0 +1,145 @@
+"""The cost model (densetrain/cost/): the MFU FLOP count against the real model's parameters, NCCL's bus-bandwidth
+factors, where a group's ranks sit, the bubble counted once, hardware profiles, and the published runs of
+benchmarks/planner_check.py within 15%."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from densetrain.config import load_config
+from densetrain.cost import Parallel, flops_per_token, load_hardware, profile_names, step_time, write_hardware
+from densetrain.cost.step import bus_bytes, collective_s, link
+from densetrain.errors import ConfigError
+from densetrain.metrics import flops_per_token as metrics_flops
+from densetrain.model.llama import Transformer
+
+H100 = load_hardware("h100-sxm")
+
+
+def test_mfu_flops_are_torchtitans_count_of_the_real_model():
+    m = load_config("llama3-8b").model
+    with torch.device("meta"):
+        model = Transformer(m)
+    # 6 N without the input embedding (norm gains are not matmuls) + 12 L H d_head T, attention not halved
+    n = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name and "tok_embeddings" not in name)
+    want = 6 * n + 12 * m.n_layers * m.n_heads * (m.d_model // m.n_heads) * 8192
+    assert flops_per_token(m, 8192) == want == pytest.approx(5.79e10, rel=0.01)
+    assert metrics_flops is flops_per_token  # the training log's mfu uses the same count
+
+
+def test_nccl_bus_factors_and_placement():
+    assert bus_bytes("all_reduce", 800, 8) == 2 * 7 / 8 * 800 and bus_bytes("all_gather", 800, 8) == 7 / 8 * 800
+    assert bus_bytes("reduce_scatter", 800, 1) == 0
+    assert collective_s("all_reduce", 1e9, 4, 1e10, 1e-6) == pytest.approx(2 * 3 / 4 * 0.1 + 6e-6)
+    # tp 8 fills a node (NVLink); a group 8 apart has one rank a node (its NIC); 2 apart spans 2 nodes x 4 NICs
+    assert link(H100, 1, 8)[2] == "nvlink" and link(H100, 8, 16)[2] == "network"
+    assert link(H100, 8, 16)[0] == pytest.approx(link(H100, 2, 8)[0] / 4)
+
+
+def test_bubble_is_counted_once_and_the_parts_add_up():
+    m = load_config("llama3-405b").model
+    one = step_time(m, Parallel(1, 64, 8, 1, 16, "interleaved_1f1b", 8, 0, True), H100, 8192, 2048)
+    p = one["parts"]
+    assert one["step_s"] == pytest.approx(sum(p.values()))
+    busy = p["compute"] + p["recompute"] + p["tp"] + p["cp"]
+    assert p["bubble"] == pytest.approx(15 / (8 * 32) * busy)  # (pp - 1) / (v m) of the busy time
+    # Table 4: doubling DP at a fixed batch halves the micro-batches per rank; the bubble does not shrink
+    two = step_time(m, Parallel(1, 128, 8, 1, 16, "interleaved_1f1b", 8, 0, True), H100, 8192, 2048)
+    assert two["parts"]["bubble"] == pytest.approx(p["bubble"], rel=0.01) and two["mfu"] < one["mfu"] - 0.01
+    with pytest.raises(ValueError, match="do not split"):
+        step_time(m, Parallel(1, 3), H100, 8192, 2048)
+
+
+def test_profiles_load_and_bad_ones_are_one_line(tmp_path):
+    assert profile_names() == ["a100-80gb", "b200", "h100-sxm", "h200"]
+    assert load_hardware("b200").peak_bf16_flops == 2250e12 and load_hardware("a100-80gb").memory_gib == 80
+    back = load_hardware(write_hardware(H100, tmp_path / "mine.json"))
+    assert back == H100 and load_hardware(write_hardware(H100, tmp_path / "mine.toml")) == H100
+    (tmp_path / "bad.toml").write_text('name = "x"\npeak_bf16_flops = -1\n')
+    with pytest.raises(ConfigError, match="missing key"):
+        load_hardware(tmp_path / "bad.toml")
+    good = H100.to_toml().replace("gpus_per_node = 8", "gpus_per_node = 0")
+    (tmp_path / "zero.toml").write_text(good)
+    with pytest.raises(ConfigError, match="gpus_per_node = 0: expected a finite number > 0"):
+        load_hardware(tmp_path / "zero.toml")
+
+
+def test_published_runs_within_15_percent():
+    spec = importlib.util.spec_from_file_location("planner_check", Path(__file__).parents[1] / "benchmarks" /
+                                                  "planner_check.py")
+    pc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pc)
+    rows = pc.table(H100)
+    assert len(rows) == 10 and sum(r["role"] == "fit" for r in rows) == 3
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    assert abs(worst["error"]) < 0.15, worst["name"]
+
+
+def test_doctor_writes_this_machines_profile_that_plan_reads(tmp_path, capsys):
+    from densetrain.cli import main
+
+    path = tmp_path / "me.toml"
+    main(["doctor", "--preset", "tiny", "--health.seconds=0.01", "--health.trials=1", "--health.copy_mib=1",
+          "--profile", str(path)])
+    assert f"wrote this machine's hardware profile to {path}" in capsys.readouterr().out
+    hw = load_hardware(path)
+    assert hw.peak_bf16_flops > 0 and hw.hbm_bytes_per_s > 0 and hw.gpus_per_node == 1
+    assert main(["plan", "--preset", "tiny", "--gpus", "1", "--hardware", str(path), "--json"]) == 0
+    assert '"mfu"' in capsys.readouterr().out
+
+
+_COUNT = r"""
+import json, sys
+import torch, torch.distributed as dist
+from densetrain.config import load_config
+from densetrain.parallel.dist import init_distributed
+from densetrain.parallel.parallelize import build_parallel_model
+
+sent = {"all_gather": 0, "reduce_scatter": 0}
+def counting(name, orig):  # FSDP2's two collectives; a ring sends (n - 1) / n of the whole tensor per rank
+    def f(*a, **k):
+        out, inp = k.get("output", a[0] if a else None), k.get("input", a[1] if len(a) > 1 else None)
+        n = dist.get_world_size(k.get("group"))
+        sent[name] += (n - 1) / n * (out if name == "all_gather" else inp).numel() * out.element_size()
+        return orig(*a, **k)
+    return f
+dist.all_gather_single = counting("all_gather", dist.all_gather_single)
+dist.reduce_scatter_single = counting("reduce_scatter", dist.reduce_scatter_single)
+cfg = load_config("tiny", overrides=[("parallel.dp_replicate", 1), ("parallel.dp_shard", -1), ("train.dtype", "fp32")])
+info = init_distributed("cpu", cfg.parallel)
+model, _ = build_parallel_model(cfg, info)
+x = torch.randint(0, cfg.model.vocab_size, (1, 64))
+model(x).float().sum().backward()  # one micro-batch's forward and backward: all a step sends (AdamW sends nothing)
+if info.rank == 0:
+    print(json.dumps(sent))
+"""
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_bytes_per_step_equal_a_counted_gloo_step(world, tmp_path):
+    import json
+    import os
+    import socket
+    import sys
+
+    import forked
+
+    script = tmp_path / "count.py"
+    script.write_text(_COUNT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    procs = [forked.Popen([sys.executable, str(script)], text=True, stdout=forked.PIPE, stderr=forked.PIPE,
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    sent = json.loads(outs[0][0].strip().splitlines()[-1])
+    m = load_config("tiny").model
+    want = step_time(m, Parallel(dp_shard=world), H100, 64, world, 1, precision="fp32")["bytes"]["dp"]
+    assert sum(sent.values()) == pytest.approx(want, rel=0.02)  # the model leaves out the norm gains (0.04%)
