@@ -237,9 +237,10 @@ def _file_stamp(path: Path) -> dict:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _refuse_foreign_files(corpus_dir: Path, names: list[str], prev: dict | None) -> None:
+def _refuse_foreign_files(corpus_dir: Path, names: list[str], prev: dict | None, marker: str = MARKER,
+                          flag: str = "data.demo_corpus") -> None:
     """Never overwrite a user's file: every ``<source>.jsonl`` already there must be one this
-    builder wrote (recorded, unchanged, in the marker).
+    builder wrote (recorded, unchanged, in its ``marker``; ``flag`` is the config key that builds it).
 
     Raises:
         DataError: a file exists that the demo builder did not write (or that changed since).
@@ -251,9 +252,9 @@ def _refuse_foreign_files(corpus_dir: Path, names: list[str], prev: dict | None)
         if not path.exists():
             continue
         if prev is None or (known is not None and known.get(n) != _file_stamp(path)):
-            raise DataError(f"{path}: exists and was not written by the demo corpus builder; data.demo_corpus = "
-                            "true (the tiny preset's default) would overwrite it: set --data.demo_corpus=false or use "
-                            "another data.corpus_dir")
+            raise DataError(f"{path}: exists and was not written by the {flag.split('.')[-1].replace('_', ' ')} "
+                            f"builder (no {marker} records it); {flag} = true would overwrite it: set --{flag}=false "
+                            "or use another data.corpus_dir")
 
 
 def build_demo_corpus(

@@ -28,6 +28,10 @@ class DebPackages:
         debs = sorted(self.cache_dir.glob(f"{pkg}_*.deb"))
         return debs[-1] if debs else None
 
+    def deb(self, pkg: str) -> Path | None:
+        """The cached ``.deb`` of ``pkg`` (the newest file name when several), or None."""
+        return self._cached(pkg)
+
     def _apt_download(self, pkgs: list[str]) -> tuple[bool, str]:
         try:
             r = subprocess.run(["apt-get", "download", "-q", *pkgs], cwd=self.cache_dir, capture_output=True, text=True,
