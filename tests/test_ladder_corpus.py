@@ -89,6 +89,13 @@ def test_build_is_reproducible_and_recorded(built):
     assert ladder.build_ladder_corpus(root / "a", caps={"technical": _CAP}, table=_TABLE,
                                       cache_dir=root / "debs") == stats  # up to date: not rewritten
     assert (root / "a" / "technical.jsonl").stat().st_mtime_ns == mtime
+    # a build killed after writing a file leaves an incomplete marker: the next build replaces the file
+    m = json.loads((root / "a" / ladder.MARKER).read_text())
+    (root / "a" / ladder.MARKER).write_text(json.dumps({"params": m["params"], "complete": False, "files": m["files"]}))
+    assert ladder.build_ladder_corpus(root / "a", caps={"technical": _CAP}, table=_TABLE,
+                                      cache_dir=root / "debs") == stats
+    assert (root / "a" / "technical.jsonl").stat().st_mtime_ns != mtime
+    assert json.loads((root / "a" / ladder.MARKER).read_text())["complete"] is True
 
 
 def test_the_ladder_corpus_never_overwrites_a_users_file(tmp_path):

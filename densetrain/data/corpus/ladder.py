@@ -61,7 +61,7 @@ LADDER_VERSION = 1
 MARKER = ".ladder_corpus.json"
 MAX_FILE_BYTES = 200_000
 """Files larger than this are left out: at this size a source file is generated (register maps, tables)."""
-LADDER_CAPS: dict[str, int | None] = {"books": None, "reference": None, "technical": None, "code": 240_000_000}
+LADDER_CAPS: dict[str, int | None] = {"books": None, "reference": None, "technical": None, "code": 300_000_000}
 """Bytes of text per source (None: all of it). Code is capped so that it stays under ~2/3 of the tokens:
 the four packages hold ~1.4 GB of it, the kernel alone ~1.1 GB."""
 
@@ -298,12 +298,15 @@ def build_ladder_corpus(
             prev = json.loads(marker.read_text())
         except (OSError, json.JSONDecodeError):
             prev = {}
-        if prev.get("params") == params and all((corpus_dir / f"{n}.jsonl").is_file() for n in names):
+        done = prev.get("complete", True) and prev.get("params") == params
+        if done and all((corpus_dir / f"{n}.jsonl").is_file() for n in names):
             log(f"ladder corpus up to date in {corpus_dir} (delete {MARKER} to rebuild)")
             return prev["stats"]
     _refuse_foreign_files(corpus_dir, names, prev, MARKER, "data.ladder_corpus")
     (corpus_dir / ".cache").mkdir(parents=True, exist_ok=True)
     stats: dict[str, dict] = {}
+    # recorded as soon as each is written, so a killed build's files stay ours and the next build may replace them
+    written = dict((prev or {}).get("files") or {})
     with tempfile.TemporaryDirectory(prefix="unpack-", dir=corpus_dir / ".cache") as scratch:
         pk = DebPackages(cache, Path(scratch))
         if not pk.available:
@@ -336,15 +339,16 @@ def build_ladder_corpus(
                 docs.extend(part)
                 per[label] = {"documents": len(part), "bytes": sum(doc_bytes(d) for d in part)}
             _write_jsonl(corpus_dir / f"{name}.jsonl", docs)
+            written[name] = _file_stamp(corpus_dir / f"{name}.jsonl")
+            atomic_write_json(marker, {"params": params, "complete": False, "files": written})
             nbytes = sum(p["bytes"] for p in per.values())
             stats[name] = {"documents": len(docs), "bytes": nbytes, "origins": per}
             log(f"{name}: {len(docs)} docs, {nbytes / 1e6:.1f} MB ("
                 + ", ".join(f"{k} {v['bytes'] / 1e6:.1f} MB" for k, v in per.items()) + f") [{time.time() - t1:.0f}s]")
             del docs
     debs = {p: {"deb": d.name, "sha256": _sha256(d)} for p in pkgs for d in [pk.deb(p)] if d is not None}
-    written = {n: _file_stamp(corpus_dir / f"{n}.jsonl") for n in names}
-    atomic_write_json(marker, {"params": params, "stats": stats, "files": written, "packages": debs,
-                               "build_seconds": round(time.time() - t0, 1)})
+    atomic_write_json(marker, {"params": params, "complete": True, "stats": stats, "files": written,
+                               "packages": debs, "build_seconds": round(time.time() - t0, 1)})
     log(f"ladder corpus: {sum(s['bytes'] for s in stats.values()) / 1e6:.1f} MB of text in {corpus_dir} "
         f"in {time.time() - t0:.0f}s")
     return stats
