@@ -95,7 +95,16 @@ def test_build_is_reproducible_and_recorded(built):
     assert ladder.build_ladder_corpus(root / "a", caps={"technical": _CAP}, table=_TABLE,
                                       cache_dir=root / "debs") == stats
     assert (root / "a" / "technical.jsonl").stat().st_mtime_ns != mtime
-    assert json.loads((root / "a" / ladder.MARKER).read_text())["complete"] is True
+    m = json.loads((root / "a" / ladder.MARKER).read_text())
+    assert m["complete"] is True
+    # killed after a source was written and recorded with its stats: that source is kept, not rebuilt
+    mtime = (root / "a" / "technical.jsonl").stat().st_mtime_ns
+    (root / "a" / ladder.MARKER).write_text(json.dumps({**m, "complete": False}))
+    assert ladder.build_ladder_corpus(root / "a", caps={"technical": _CAP}, table=_TABLE,
+                                      cache_dir=root / "debs") == stats
+    assert (root / "a" / "technical.jsonl").stat().st_mtime_ns == mtime
+    after = json.loads((root / "a" / ladder.MARKER).read_text())
+    assert after.pop("build_seconds") >= 0 and after == {k: v for k, v in m.items() if k != "build_seconds"}
 
 
 def test_the_ladder_corpus_never_overwrites_a_users_file(tmp_path):

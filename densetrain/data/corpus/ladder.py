@@ -218,7 +218,7 @@ LADDER_SOURCES: dict[str, tuple[str, bool, Callable | None, list[Origin]]] = {
     ]),
     "code": ("code", True, None, [
         Origin("linux", "linux-source-6.1", "tar", _SRC, suffixes=(".c", ".h")),
-        Origin("go", "golang-1.19-src", "tree", "usr/lib/go-1.19/src", "**/*.go", skip_parts=frozenset({"testdata"})),
+        Origin("go", "golang-1.19-src", "tree", "usr/share/go-1.19/src", "**/*.go", skip_parts=frozenset({"testdata"})),
         Origin("java", "openjdk-17-source", "zip", "usr/lib/jvm/openjdk-17/lib/src.zip", suffixes=(".java",)),
         Origin("python", "", "built", build=lambda _root: stdlib_code_documents()),
     ]),
@@ -249,6 +249,11 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _stamp_or_none(corpus_dir: Path, name: str) -> dict | None:
+    path = corpus_dir / f"{name}.jsonl"
+    return _file_stamp(path) if path.is_file() else None
 
 
 def _packages_of(names: list[str], table: dict) -> list[str]:
@@ -304,14 +309,20 @@ def build_ladder_corpus(
             return prev["stats"]
     _refuse_foreign_files(corpus_dir, names, prev, MARKER, "data.ladder_corpus")
     (corpus_dir / ".cache").mkdir(parents=True, exist_ok=True)
-    stats: dict[str, dict] = {}
+    # a killed build with the same parameters resumes: the sources it finished (file unchanged) are kept
+    same = prev is not None and prev.get("params") == params
+    kept = (prev or {}).get("stats") or {} if same else {}
+    stats: dict[str, dict] = {n: st for n, st in kept.items()
+                              if n in names and (prev.get("files") or {}).get(n) == _stamp_or_none(corpus_dir, n)}
     # recorded as soon as each is written, so a killed build's files stay ours and the next build may replace them
     written = dict((prev or {}).get("files") or {})
     with tempfile.TemporaryDirectory(prefix="unpack-", dir=corpus_dir / ".cache") as scratch:
         pk = DebPackages(cache, Path(scratch))
         if not pk.available:
             raise DataError("the ladder corpus needs apt-get and dpkg-deb (a Debian/Ubuntu machine): not found")
-        pkgs = _packages_of(names, table)
+        if stats:
+            log(f"ladder corpus: resuming a killed build, {sorted(stats)} already written")
+        pkgs = _packages_of([n for n in names if n not in stats], table)
         pk.prefetch(pkgs)
         roots = {p: pk.get(p) for p in pkgs}
         missing = {p: pk.errors.get(p, "unavailable") for p, r in roots.items() if r is None}
@@ -319,7 +330,7 @@ def build_ladder_corpus(
             raise DataError("ladder corpus: packages not available: "
                             + "; ".join(f"{p}: {e}" for p, e in missing.items()))
         tar_index: dict = {}
-        for name in names:
+        for name in [n for n in names if n not in stats]:
             t1 = time.time()
             _, _, demo, origins = table[name]
             parts: list[tuple[str, Origin | None, list[Entry]]] = [
@@ -340,13 +351,14 @@ def build_ladder_corpus(
                 per[label] = {"documents": len(part), "bytes": sum(doc_bytes(d) for d in part)}
             _write_jsonl(corpus_dir / f"{name}.jsonl", docs)
             written[name] = _file_stamp(corpus_dir / f"{name}.jsonl")
-            atomic_write_json(marker, {"params": params, "complete": False, "files": written})
             nbytes = sum(p["bytes"] for p in per.values())
             stats[name] = {"documents": len(docs), "bytes": nbytes, "origins": per}
+            atomic_write_json(marker, {"params": params, "complete": False, "files": written, "stats": stats})
             log(f"{name}: {len(docs)} docs, {nbytes / 1e6:.1f} MB ("
                 + ", ".join(f"{k} {v['bytes'] / 1e6:.1f} MB" for k, v in per.items()) + f") [{time.time() - t1:.0f}s]")
             del docs
-    debs = {p: {"deb": d.name, "sha256": _sha256(d)} for p in pkgs for d in [pk.deb(p)] if d is not None}
+    debs = {p: {"deb": d.name, "sha256": _sha256(d)} for p in _packages_of(names, table) for d in [pk.deb(p)] if d}
+    debs = {**((prev or {}).get("packages") or {} if same else {}), **debs}
     atomic_write_json(marker, {"params": params, "complete": True, "stats": stats, "files": written,
                                "packages": debs, "build_seconds": round(time.time() - t0, 1)})
     log(f"ladder corpus: {sum(s['bytes'] for s in stats.values()) / 1e6:.1f} MB of text in {corpus_dir} "
