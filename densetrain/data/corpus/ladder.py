@@ -48,7 +48,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from densetrain.config import SourceConfig
-from densetrain.data.corpus.build import _PACKAGES, _books, _file_stamp, _reference, _refuse_foreign_files, _write_jsonl
+from densetrain.data.corpus.build import (
+    DEMO_PACKAGES,
+    books_groups,
+    file_stamp,
+    reference_groups,
+    refuse_foreign_files,
+    write_jsonl,
+)
 from densetrain.data.corpus.packages import DebPackages, log
 from densetrain.data.corpus.stdlib import stdlib_code_documents
 from densetrain.data.corpus.texts import demo_doc, doc_bytes
@@ -205,8 +212,8 @@ _SRC = "usr/src/linux-source-*.tar.*"
 _SPHINX = "usr/share/doc/*/html/_sources"
 # name -> (kind, long_docs, demo builder of documents from several packages or None, origins)
 LADDER_SOURCES: dict[str, tuple[str, bool, Callable | None, list[Origin]]] = {
-    "books": ("books", True, _demo_groups(_books), []),
-    "reference": ("reference", False, _demo_groups(_reference), [
+    "books": ("books", True, _demo_groups(books_groups), []),
+    "reference": ("reference", False, _demo_groups(reference_groups), [
         Origin("wordnet", "wordnet-base", "built", build=_wordnet_glosses)]),
     "technical": ("technical", True, None, [
         Origin("python-doc", "python3.11-doc", "tree", "usr/share/doc/python3.11/html/_sources", "**/*.rst.txt"),
@@ -253,11 +260,11 @@ def _sha256(path: Path) -> str:
 
 def _stamp_or_none(corpus_dir: Path, name: str) -> dict | None:
     path = corpus_dir / f"{name}.jsonl"
-    return _file_stamp(path) if path.is_file() else None
+    return file_stamp(path) if path.is_file() else None
 
 
 def _packages_of(names: list[str], table: dict) -> list[str]:
-    pkgs = [p for n in names for p in _PACKAGES.get(n, []) if table[n][2] is not None]
+    pkgs = [p for n in names for p in DEMO_PACKAGES.get(n, []) if table[n][2] is not None]
     pkgs += [o.package for n in names for o in table[n][3] if o.package]
     return list(dict.fromkeys(pkgs))
 
@@ -307,7 +314,7 @@ def build_ladder_corpus(
         if done and all((corpus_dir / f"{n}.jsonl").is_file() for n in names):
             log(f"ladder corpus up to date in {corpus_dir} (delete {MARKER} to rebuild)")
             return prev["stats"]
-    _refuse_foreign_files(corpus_dir, names, prev, MARKER, "data.ladder_corpus")
+    refuse_foreign_files(corpus_dir, names, prev, MARKER, "data.ladder_corpus")
     (corpus_dir / ".cache").mkdir(parents=True, exist_ok=True)
     # a killed build with the same parameters resumes: the sources it finished (file unchanged) are kept
     same = prev is not None and prev.get("params") == params
@@ -349,8 +356,8 @@ def build_ladder_corpus(
                 part = [d for d in got if d["text"].strip()]
                 docs.extend(part)
                 per[label] = {"documents": len(part), "bytes": sum(doc_bytes(d) for d in part)}
-            _write_jsonl(corpus_dir / f"{name}.jsonl", docs)
-            written[name] = _file_stamp(corpus_dir / f"{name}.jsonl")
+            write_jsonl(corpus_dir / f"{name}.jsonl", docs)
+            written[name] = file_stamp(corpus_dir / f"{name}.jsonl")
             nbytes = sum(p["bytes"] for p in per.values())
             stats[name] = {"documents": len(docs), "bytes": nbytes, "origins": per}
             atomic_write_json(marker, {"params": params, "complete": False, "files": written, "stats": stats})
