@@ -23,7 +23,8 @@ reading any text (an archive's member headers, a tree's ``stat``), sorted by pat
 with a cap (:data:`LADDER_CAPS`) shares it between its origins by max-min fairness
 (:func:`densetrain.data.sampling.fair_shares`: a smaller origin is taken whole, the rest split evenly) and
 takes whole files evenly through each origin (:func:`densetrain.data.sampling.spread`), so the choice depends
-only on the package contents: the same packages give the same corpus, byte for byte.
+only on the package contents: the same packages (and Python version: the stdlib is the running interpreter's)
+give the same corpus, byte for byte.
 
 **Reproducibility.** The marker ``corpus_dir/.ladder_corpus.json`` records each package's ``.deb`` file name
 (name, version) and sha256, the caps and per-source stats; a call with the same parameters and all files
