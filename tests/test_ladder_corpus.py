@@ -92,9 +92,11 @@ def test_build_is_reproducible_and_recorded(built):
     # a build killed after writing a file leaves an incomplete marker: the next build replaces the file
     m = json.loads((root / "a" / ladder.MARKER).read_text())
     (root / "a" / ladder.MARKER).write_text(json.dumps({"params": m["params"], "complete": False, "files": m["files"]}))
+    (root / "a" / ".cache" / "unpack-killed" / "usr").mkdir(parents=True)  # a killed build's scratch directory
     assert ladder.build_ladder_corpus(root / "a", caps={"technical": _CAP}, table=_TABLE,
                                       cache_dir=root / "debs") == stats
     assert (root / "a" / "technical.jsonl").stat().st_mtime_ns != mtime
+    assert not list((root / "a" / ".cache").glob("unpack-*"))
     m = json.loads((root / "a" / ladder.MARKER).read_text())
     assert m["complete"] is True
     # killed after a source was written and recorded with its stats: that source is kept, not rebuilt

@@ -49,7 +49,7 @@ import zlib
 from pathlib import Path
 
 from densetrain.config import SourceConfig
-from densetrain.data.corpus.packages import DebPackages, log
+from densetrain.data.corpus.packages import DebPackages, log, sweep_scratch
 from densetrain.data.corpus.stdlib import stdlib_code_documents, stdlib_docstring_documents
 from densetrain.data.corpus.texts import (
     demo_doc,
@@ -306,6 +306,7 @@ def build_demo_corpus(
     scratch_parent = corpus_dir / ".cache"
     scratch_parent.mkdir(parents=True, exist_ok=True)
     stats: dict[str, dict] = {}
+    sweep_scratch(scratch_parent)
     with tempfile.TemporaryDirectory(prefix="unpack-", dir=scratch_parent) as scratch:
         pk = DebPackages(cache, Path(scratch))
         if not use_packages:

@@ -57,7 +57,7 @@ from densetrain.data.corpus.build import (
     refuse_foreign_files,
     write_jsonl,
 )
-from densetrain.data.corpus.packages import DebPackages, log
+from densetrain.data.corpus.packages import DebPackages, log, sweep_scratch
 from densetrain.data.corpus.stdlib import stdlib_code_documents
 from densetrain.data.corpus.texts import demo_doc, doc_bytes
 from densetrain.data.sampling import fair_shares, spread
@@ -324,6 +324,7 @@ def build_ladder_corpus(
                               if n in names and (prev.get("files") or {}).get(n) == _stamp_or_none(corpus_dir, n)}
     # recorded as soon as each is written, so a killed build's files stay ours and the next build may replace them
     written = dict((prev or {}).get("files") or {})
+    sweep_scratch(corpus_dir / ".cache")
     with tempfile.TemporaryDirectory(prefix="unpack-", dir=corpus_dir / ".cache") as scratch:
         pk = DebPackages(cache, Path(scratch))
         if not pk.available:
