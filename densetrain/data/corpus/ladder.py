@@ -71,8 +71,8 @@ MAX_FILE_BYTES = 200_000
 """Files larger than this are left out: at this size a source file is generated (register maps, tables)."""
 LADDER_CAPS: dict[str, int | None] = {"books": None, "reference": None, "technical": None, "code": 300_000_000}
 """Bytes of text per source (None: all of it). Only code is capped: its packages hold far more (the kernel's
-tarball unpacks to ~1.3 GB); at 300 MB it is 79% of the tokens (109M of 138M, benchmarks/RESULTS.md), which
-with the ~100M tokens the other three hold after cleaning passes the issue's 100M with room for dedup."""
+tarball unpacks to ~1.3 GB); at 300 MB it gives 109M of the 138M tokens (79%, benchmarks/RESULTS.md): with the
+other three sources' 29M, past the 100M a ladder needs, with room for what dedup removes."""
 
 
 @dataclass(frozen=True)
