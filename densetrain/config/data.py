@@ -87,6 +87,9 @@ class DataConfig:
 
     demo_corpus: bool = False
     """Build the demo corpus (Debian text packages + Python stdlib) into corpus_dir before preparing."""
+    ladder_corpus: bool = False
+    """Build the ladder corpus (>= 100M tokens of Debian package text: books, dictionaries, documentation, code;
+    densetrain/data/corpus/ladder.py) into corpus_dir before preparing (the ladder-corpus preset)."""
     corpus_dir: str = ".cache/densetrain/corpus"
     """Raw text location; relative source paths resolve here."""
     shards_dir: str = ".cache/densetrain/shards"

@@ -116,6 +116,9 @@ def validate(cfg: Config) -> None:
                f"data.sources[{i}].paths must name exactly one folder of .ds files for format 'datatrove', "
                f"got {src.paths}")
     check_config(len(set(names)) == len(names), f"data.sources: duplicate source names in {names}")
+    check_config(not (cfg.data.demo_corpus and cfg.data.ladder_corpus),
+                 "data.demo_corpus and data.ladder_corpus are both true: expected one (both write books.jsonl, ... "
+                 "into data.corpus_dir)")
     check_config(0 < cfg.data.val_fraction < 1, f"data.val_fraction must be in (0, 1), got {cfg.data.val_fraction}")
     check_config(cfg.data.max_document_bytes > 0,
                  f"data.max_document_bytes must be positive, got {cfg.data.max_document_bytes}")

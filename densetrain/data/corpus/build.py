@@ -49,7 +49,7 @@ import zlib
 from pathlib import Path
 
 from densetrain.config import SourceConfig
-from densetrain.data.corpus.packages import DebPackages, log
+from densetrain.data.corpus.packages import DebPackages, log, sweep_scratch
 from densetrain.data.corpus.stdlib import stdlib_code_documents, stdlib_docstring_documents
 from densetrain.data.corpus.texts import (
     demo_doc,
@@ -80,7 +80,7 @@ DEMO_SOURCES: dict[str, tuple[str, bool]] = {
 
 _PY_DOC_CANDIDATES = list(dict.fromkeys([f"python3.{sys.version_info.minor}-doc", "python3.11-doc", "python3.12-doc",
                                          "python3.13-doc"]))
-_PACKAGES = {
+DEMO_PACKAGES = {
     "books": ["bible-kjv", "bible-kjv-text", "sword-text-web"],
     "reference": ["dict-gcide", "jargon-text"],
     "technical": _PY_DOC_CANDIDATES[:1],
@@ -126,7 +126,7 @@ def _run_kjv(bin_root: Path, data_root: Path) -> list[str]:
     return r.stdout.decode("utf-8", errors="replace").splitlines()
 
 
-def _books(pk: DebPackages, notes: list[str], max_bytes: int) -> list[list[dict]] | None:
+def books_groups(pk: DebPackages, notes: list[str], max_bytes: int) -> list[list[dict]] | None:
     groups = []
     kjv_bin, kjv_data = pk.get("bible-kjv"), pk.get("bible-kjv-text")
     if kjv_bin and kjv_data:
@@ -149,7 +149,7 @@ def _books(pk: DebPackages, notes: list[str], max_bytes: int) -> list[list[dict]
     return groups or None
 
 
-def _reference(pk: DebPackages, notes: list[str], max_bytes: int) -> list[list[dict]] | None:
+def reference_groups(pk: DebPackages, notes: list[str], max_bytes: int) -> list[list[dict]] | None:
     groups = []
     g = pk.get("dict-gcide")
     if g:
@@ -226,20 +226,21 @@ def _zh(pk: DebPackages, notes: list[str], max_bytes: int) -> list[list[dict]] |
 # --------------------------------------------------------------------------------------------------
 
 
-def _write_jsonl(path: Path, docs: list[dict]) -> int:
+def write_jsonl(path: Path, docs: list[dict]) -> int:
     body = "".join(json.dumps(d, ensure_ascii=False) + "\n" for d in docs).encode("utf-8")
     atomic_write_bytes(path, body)
     return len(body)
 
 
-def _file_stamp(path: Path) -> dict:
+def file_stamp(path: Path) -> dict:
     st = path.stat()
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _refuse_foreign_files(corpus_dir: Path, names: list[str], prev: dict | None) -> None:
+def refuse_foreign_files(corpus_dir: Path, names: list[str], prev: dict | None, marker: str = MARKER,
+                          flag: str = "data.demo_corpus") -> None:
     """Never overwrite a user's file: every ``<source>.jsonl`` already there must be one this
-    builder wrote (recorded, unchanged, in the marker).
+    builder wrote (recorded, unchanged, in its ``marker``; ``flag`` is the config key that builds it).
 
     Raises:
         DataError: a file exists that the demo builder did not write (or that changed since).
@@ -250,10 +251,10 @@ def _refuse_foreign_files(corpus_dir: Path, names: list[str], prev: dict | None)
         path = corpus_dir / f"{n}.jsonl"
         if not path.exists():
             continue
-        if prev is None or (known is not None and known.get(n) != _file_stamp(path)):
-            raise DataError(f"{path}: exists and was not written by the demo corpus builder; data.demo_corpus = "
-                            "true (the tiny preset's default) would overwrite it: set --data.demo_corpus=false or use "
-                            "another data.corpus_dir")
+        if prev is None or (known is not None and known.get(n) != file_stamp(path)):
+            raise DataError(f"{path}: exists and was not written by the {flag.split('.')[-1].replace('_', ' ')} "
+                            f"builder (no {marker} records it); {flag} = true would overwrite it: set --{flag}=false "
+                            "or use another data.corpus_dir")
 
 
 def build_demo_corpus(
@@ -299,23 +300,25 @@ def build_demo_corpus(
         if prev.get("params") == params and all((corpus_dir / f"{n}.jsonl").is_file() for n in names):
             log(f"demo corpus up to date in {corpus_dir} (delete {MARKER} to rebuild)")
             return prev["stats"]
-    _refuse_foreign_files(corpus_dir, names, prev)
+    refuse_foreign_files(corpus_dir, names, prev)
     corpus_dir.mkdir(parents=True, exist_ok=True)
     cache = Path(cache_dir) if cache_dir else corpus_dir / ".cache" / "debs"
     scratch_parent = corpus_dir / ".cache"
     scratch_parent.mkdir(parents=True, exist_ok=True)
     stats: dict[str, dict] = {}
+    sweep_scratch(scratch_parent)
     with tempfile.TemporaryDirectory(prefix="unpack-", dir=scratch_parent) as scratch:
         pk = DebPackages(cache, Path(scratch))
         if not use_packages:
             pk.available = False
         if pk.available:
-            pk.prefetch([p for n in names for p in _PACKAGES[n]])
+            pk.prefetch([p for n in names for p in DEMO_PACKAGES[n]])
         else:
             why = "disabled" if not use_packages else "apt-get/dpkg-deb not found"
             log(f"package download {why}: falling back to the Python standard library "
                 "(code; technical = stdlib docstrings); other sources are written empty")
-        builders = {"books": _books, "reference": _reference, "technical": _technical, "web": _web, "zh": _zh}
+        builders = {"books": books_groups, "reference": reference_groups, "technical": _technical, "web": _web,
+                    "zh": _zh}
         for name in names:
             t1 = time.time()
             notes: list[str] = []
@@ -328,17 +331,17 @@ def build_demo_corpus(
                     groups = [stdlib_docstring_documents(limit_bytes=max_bytes_per_source)]
                     notes.append(f"stdlib docstrings {len(groups[0])} modules (fallback)")
             if groups is None:
-                missing = [p for p in _PACKAGES[name] if p in pk.errors] or _PACKAGES[name]
+                missing = [p for p in DEMO_PACKAGES[name] if p in pk.errors] or DEMO_PACKAGES[name]
                 reason = "; ".join(f"{p}: {pk.errors.get(p, 'unavailable')}" for p in missing)
                 docs, origin = [], f"unavailable ({reason})"
             else:
                 docs = _cap_groups(groups, max_bytes_per_source)
                 origin = ", ".join(notes)
-            _write_jsonl(corpus_dir / f"{name}.jsonl", docs)
+            write_jsonl(corpus_dir / f"{name}.jsonl", docs)
             nbytes = sum(doc_bytes(d) for d in docs)
             stats[name] = {"documents": len(docs), "bytes": nbytes, "origin": origin}
             log(f"{name}: {len(docs)} docs, {nbytes / 1e6:.2f} MB ({origin}) [{time.time() - t1:.1f}s]")
-    written = {n: _file_stamp(corpus_dir / f"{n}.jsonl") for n in names}
+    written = {n: file_stamp(corpus_dir / f"{n}.jsonl") for n in names}
     atomic_write_json(marker, {"params": params, "stats": stats, "files": written,
                                "build_seconds": round(time.time() - t0, 1)})
     log(f"demo corpus built in {corpus_dir} in {time.time() - t0:.1f}s")

@@ -14,6 +14,15 @@ def log(msg: str) -> None:
     print(f"[corpus] {msg}", flush=True)
 
 
+def sweep_scratch(parent: Path) -> None:
+    """Remove the ``unpack-*`` scratch directories a killed build left in ``parent`` (a SIGKILL/SIGTERM skips
+    the TemporaryDirectory cleanup; the ladder corpus's can hold 500 MB). Two builds into one corpus
+    directory at once would overwrite each other's files anyway, so none can be in use."""
+    for d in sorted(parent.glob("unpack-*")) if parent.is_dir() else []:
+        log(f"removing {d}: the unpacked packages of a killed build")
+        shutil.rmtree(d, ignore_errors=True)
+
+
 class DebPackages:
     """Download (apt-get download) and unpack (dpkg-deb -x) Debian packages, without installing."""
 
@@ -27,6 +36,10 @@ class DebPackages:
     def _cached(self, pkg: str) -> Path | None:
         debs = sorted(self.cache_dir.glob(f"{pkg}_*.deb"))
         return debs[-1] if debs else None
+
+    def deb(self, pkg: str) -> Path | None:
+        """The cached ``.deb`` of ``pkg`` (the newest file name when several), or None."""
+        return self._cached(pkg)
 
     def _apt_download(self, pkgs: list[str]) -> tuple[bool, str]:
         try:

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 from densetrain.data.corpus.build import build_demo_corpus, demo_sources
+from densetrain.data.corpus.ladder import build_ladder_corpus, ladder_sources, tokens_without_repeat
 from densetrain.data.prepare.decontam.build import build_index
 from densetrain.data.prepare.filters.chain import clean_text
 from densetrain.data.prepare.manifest import log
@@ -207,7 +208,11 @@ def prepare(cfg, force: bool = False, verify: bool = False) -> dict:
     if data.demo_corpus:
         build_demo_corpus(corpus_dir)
         timings["corpus_s"] = round(time.time() - t0, 2)
-    sources = list(data.sources) or (demo_sources() if data.demo_corpus else [])
+    if data.ladder_corpus:
+        build_ladder_corpus(corpus_dir)
+        timings["corpus_s"] = round(time.time() - t0, 2)
+    sources = list(data.sources) or (demo_sources() if data.demo_corpus else
+                                     ladder_sources() if data.ladder_corpus else [])
     if not sources:
         raise DataError("data.sources is empty: configure at least one source (or set data.demo_corpus = true)")
     # Resolve every input before any heavy work, so a typo fails in a second.
@@ -288,6 +293,12 @@ def prepare(cfg, force: bool = False, verify: bool = False) -> dict:
         log(f"WARNING sources without documents: {empty} (no shards; leave them out of stage mixes)")
     log(f"done in {timings['total_s']:.1f}s: {top['totals']['train_tokens']:,} train tokens, "
         f"{top['totals']['val_tokens']:,} val tokens in {shards_dir}")
+    if data.ladder_corpus and cfg.stages:  # what the ladder needs to know: how long a run may be
+        train_tokens = {n: s["train"]["tokens"] for n, s in top_sources.items()}
+        most = tokens_without_repeat(cfg.stages[0].mix, train_tokens)
+        log(f"ladder corpus: {top['totals']['train_tokens']:,} train tokens ("
+            + ", ".join(f"{n} {t:,}" for n, t in train_tokens.items()) + f"); a run with the first stage's mix "
+            f"trains at most {most:,} tokens without repeating one")
     summary = dict(top)
     summary["shards_dir"] = str(shards_dir)
     summary["sources"] = {n: {"status": results[n]["status"], **s,
