@@ -82,9 +82,6 @@ def stage_layout_problem(cfg: Config, st, par: ParallelConfig, lay: Layout) -> s
         n_stages = lay.pp * par.pp_virtual_stages
         if m.n_layers + 2 < n_stages:
             return f"{n_stages} pipeline stages need as many layers; model.n_layers + 2 is {m.n_layers + 2}"
-        if lay.cp > 1 and st.document_mask:
-            return ("context parallelism runs through pipeline stages without document masks only, and the stage "
-                    "masks documents")
     return None
 
 
