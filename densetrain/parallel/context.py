@@ -83,6 +83,10 @@ class ContextParallelAttention:
         # The masks of the last document ids seen, shared by the copies pytree rebuilds (a pipeline's split
         # per micro-batch, FSDP's cast of a block's inputs): built once per micro-batch, not per layer.
         self._memo = {} if memo is None else memo
+        # (1 or B, 1, T_local, T) bool, True where a query may attend to a key (broadcast over heads). Built here,
+        # outside any compiled block; None for a pytree of chunk specs (the pipeline's split plan), not of tensors.
+        real = q_doc is None or isinstance(q_doc, torch.Tensor)
+        self.mask = self._memoized("mask", self._build_mask) if real else None
 
     def _memoized(self, name: str, build):
         memo = self._memo
@@ -93,15 +97,11 @@ class ContextParallelAttention:
             memo[name] = build()
         return memo[name]
 
-    @property
-    def mask(self) -> torch.Tensor:
-        """(1 or B, 1, T_local, T) bool, True where a query may attend to a key (broadcast over heads)."""
-        def build():
-            mask = self.k_time[None, :] <= self.q_time[:, None]  # (T_local, T) causal in global time
-            if self.q_doc is not None:  # (B, T_local, T) within documents
-                mask = mask[None] & (self.q_doc[:, :, None] == self.k_doc[:, None, :])
-            return mask.unsqueeze(-3)
-        return self._memoized("mask", build)
+    def _build_mask(self) -> torch.Tensor:
+        mask = self.k_time[None, :] <= self.q_time[:, None]  # (T_local, T) causal in global time
+        if self.q_doc is not None:  # (B, T_local, T) within documents
+            mask = mask[None] & (self.q_doc[:, :, None] == self.k_doc[:, None, :])
+        return mask.unsqueeze(-3)
 
     def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, H_kv, T_local, hd) each -> (B, H_kv, T, hd) each: every rank's part along time, in rank order.
