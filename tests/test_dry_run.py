@@ -39,7 +39,11 @@ def test_ranks_of_the_405b_layout_hold_their_stages_and_the_planned_bytes(big):
         assert r["unpadded_bytes"] == pytest.approx(planned["params"], rel=0.001)
         assert r["optim_bytes"] == pytest.approx(planned["optim"], rel=0.001)
         assert planned["bubble"] == pytest.approx(15 / (2 * 16 + 15))  # 16 micro-batches, 2 stages per rank
-        assert "fewer than pp = 16" in r["planned"]["long_context"]["error"]  # 128 sequences over 128 dp ranks
+        # The long stage is planned on its own layout (Meta's: CP 16, DP 8): 128 sequences of 128K over 8
+        # data-parallel ranks, 16 micro-batches each; FSDP2 shards over dp_shard x cp = 128 ranks as before.
+        long = r["planned"]["long_context"]
+        assert long["layout"] == "pp=16 dp_replicate=1 dp_shard=8 cp=16 tp=8" and long["seq_len"] == 131072
+        assert long["params"] == pytest.approx(planned["params"]) and long["bubble"] == planned["bubble"]
     # 1F1B: the first pipeline rank holds the most micro-batches in flight.
     assert first["planned"]["main"]["activations"] > middle["planned"]["main"]["activations"]
 

@@ -7,7 +7,8 @@ torch.distributed (gloo, CPU, fp32), one process per rank.
   steps over a 4-block model with ragged targets (data-parallel ranks hold different token counts) and
   gradient accumulation (several schedule calls per step): pp 2 with ``gpipe``, ``1f1b`` (also with
   selective activation checkpointing and Muon), ``interleaved_1f1b`` (2 stages per rank) on 2 ranks; pp 2 x
-  dp_shard 2, pp 2 x tp 2 (with and without sequence parallelism) and pp 2 x cp 2 on 4. The loss
+  dp_shard 2, pp 2 x tp 2 (with and without sequence parallelism) and pp 2 x cp 2 (also on document-masked
+  rows, several micro-batches per schedule call: each its own documents) on 4. The loss
   and the grad norm equal the reference's within 1e-5 relative on every rank, and every parameter after
   the steps too; the forward-only schedule gives every rank the reference's logits.
 - The real loop at pp 2 (2 ranks) through a stage switch that changes seq_len, with async checkpoints,
@@ -59,14 +60,20 @@ SCENARIOS = {
         "interleaved_1f1b": {"pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 2, "pp_microbatches": 4},
         "1f1b_ac_muon": {"activation_checkpointing": "selective", "optim.name": "muon"}},
     4: {"pp2_dp_shard2": {"dp_shard": 2, "pp_microbatches": 2}, "pp2_tp2": {"tp": 2}, "pp2_cp2": {"cp": 2},
+        "pp2_cp2_docs": {"cp": 2, "model.document_mask": True, "pp_microbatches": 2},  # 2 calls of 2 per step
         "pp2_dp_replicate2": {"dp_replicate": 2, "dp_shard": 1, "pp_microbatches": 2},
         "pp2_tp2_sp": {"tp": 2, "sequence_parallel": True}},
 }[WORLD]
 
 
-def batch(step, ragged=True):
+EOS = 1
+
+
+def batch(step, ragged=True, docs=False):
     g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randint(0, 64, (B, T + 1), generator=g)
+    x = torch.randint(2, 64, (B, T + 1), generator=g)
+    for r in range(B if docs else 0):  # documents end at other positions in every row
+        x[r, [(2 + 3 * r + step) % T, (7 + 5 * r) % T]] = EOS
     y = x[:, 1:].clone()
     for r in range(B // 2 if ragged else 0):  # the first half of the rows keeps few targets
         y[r, 2 + r:] = IGNORE_INDEX
@@ -91,21 +98,23 @@ def scenario(layout):
     ref = build_model(cfg.model, cfg.train.seed, "cpu")
     ref_opt = build_optimizer(ref, cfg)
     res = {"loss": [], "ref_loss": [], "grad_norm": [], "ref_grad_norm": [], "names": sorted(model.state_dict())}
+    eos = EOS if cfg.model.document_mask else None
     per = B // info.dp_size
     for step in range(STEPS):
-        x, y, rows = batch(step, ragged=info.cp_size == 1)  # context parallelism: rows of whole targets
+        x, y, rows = batch(step, ragged=info.cp_size == 1, docs=eos is not None)  # cp: rows of whole targets
+        samples = [Sample(i, "s", rows[i].numpy()) for i in range(B)]
         n_global = int((y != IGNORE_INDEX).sum())
         mine = slice(info.dp_rank * per, (info.dp_rank + 1) * per)
         if info.cp_size > 1:
-            smp = [Sample(i, "s", rows[i].numpy()) for i in range(B)][mine]
-            mbs = make_micro_batches(smp, 1, info.device, cp=(info.cp_rank, info.cp_size, info.cp_mesh))
+            mbs = make_micro_batches(samples[mine], 1, info.device, eos, cp=(info.cp_rank, info.cp_size, info.cp_mesh))
         else:
             mbs = micro(x[mine], y[mine])
         stats = forward_backward(step_model, mbs, n_global, info.grad_scale)
         stats = reduce_stats(stats, ["s"], info.device, info.pp_group)
         res["loss"].append(stats.loss_sum / stats.n_tokens)
         res["grad_norm"].append(float(clip_grad_norm(model, 1.0, extra_group=info.pp_group)))
-        ref_stats = forward_backward(ref, micro(x, y), n_global, 1)
+        ref_mbs = make_micro_batches(samples, 1, "cpu", eos) if eos else micro(x, y)  # eos: with doc_ids
+        ref_stats = forward_backward(ref, ref_mbs, n_global, 1)
         res["ref_loss"].append(ref_stats.loss_sum / ref_stats.n_tokens)
         res["ref_grad_norm"].append(float(clip_grad_norm(ref, 1.0)))
         for o in (opt, ref_opt):
@@ -188,7 +197,6 @@ def test_the_default_micro_batch_count_keeps_the_bubble_under_15_percent():
 
 @pytest.mark.parametrize("overrides, match", [
     ({"parallel.pp": 2, "model.tie_embeddings": True}, "model.tie_embeddings set: the embedding and the head"),
-    ({"parallel.pp": 2, "parallel.cp": 2, "model.document_mask": True}, "parallel.cp set: context parallelism runs"),
     ({"parallel.pp": 2, "eval.samples": 2}, "eval.samples set: generation"),
     ({"parallel.pp": 2, "parallel.pp_microbatches": 1}, r"pp_microbatches \(1\) must be >= parallel.pp"),
     ({"parallel.pp_schedule": "zero_bubble"}, "pp_schedule must be one of gpipe, 1f1b, interleaved_1f1b"),

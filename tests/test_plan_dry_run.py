@@ -21,7 +21,8 @@ def _cfg(*overrides):
 
 
 def test_fsdp2_rank_bytes_count_the_padding_to_the_largest_shard():
-    cfg = _cfg(("parallel.dp_replicate", 1), ("parallel.dp_shard", -1))
+    cfg = _cfg(("parallel.dp_replicate", 1), ("parallel.dp_shard", -1), ("train.micro_batch_size", 1),
+               ("train.batch_size", 24))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         last = dry_run_rank(cfg, 3, 2)
@@ -33,7 +34,8 @@ def test_fsdp2_rank_bytes_count_the_padding_to_the_largest_shard():
 
 
 def test_groups_members_and_nodes_are_printed():
-    cfg = _cfg(("parallel.dp_replicate", 1), ("parallel.dp_shard", -1), ("parallel.tp", 2), ("parallel.pp", 2))
+    cfg = _cfg(("parallel.dp_replicate", 1), ("parallel.dp_shard", -1), ("parallel.tp", 2), ("parallel.pp", 2),
+               ("train.micro_batch_size", 1), ("train.batch_size", 32))
     r = dry_run_rank(cfg, 16, 5, gpus_per_node=8)
     # mesh (pp 2, dp_shard 4, tp 2), tp innermost: rank 5 = pp 0, dp 2, tp 1
     assert r["groups"] == {"pp": [5, 13], "dp_shard": [1, 3, 5, 7], "tp": [4, 5]}

@@ -118,9 +118,8 @@ CELLS = [
     Cell("pp_tp_sp", 4, {"dp_replicate": 1, "tp": 2, "sequence_parallel": True, "pp": 2}, SP_REFUSES),
     Cell("pp_interleaved_1f1b_fsdp2", 4, {"dp_replicate": 1, "dp_shard": 2, "pp": 2, "pp_schedule": "interleaved_1f1b",
                                           "pp_virtual_stages": 2}, PP_REFUSES),
-    # Context parallelism runs through pipeline stages without document masks only.
-    Cell("pp_cp", 4, {"dp_replicate": 1, "cp": 2, "pp": 2},
-         (*PP_REFUSES, ("model.document_mask", False, PP.format("parallel.cp")))),
+    # The long stage's document masks included: each micro-batch of a schedule call attends within its own.
+    Cell("pp_cp", 4, {"dp_replicate": 1, "cp": 2, "pp": 2}, PP_REFUSES),
 ]
 
 

@@ -135,7 +135,7 @@ def test_an_impossible_stage_layout_is_refused_in_one_line_naming_the_stage(prep
 
 
 @pytest.mark.parametrize("preset, world, main, long", [
-    ("llama3-405b", 16384, Layout(1, 128, 8, 1, 16), Layout(1, 128, 8, 16, 1)),  # Table 4: TP8 PP16; TP8 CP16
+    ("llama3-405b", 16384, Layout(1, 128, 8, 1, 16), Layout(1, 8, 8, 16, 16)),  # Table 4: TP8 PP16; +CP16, DP8
     ("llama3-70b", 512, Layout(1, 16, 8, 1, 4), Layout(1, 4, 8, 16, 1)),
     ("llama3-8b", 64, Layout(64, 1, 1), Layout(1, 8, 1, 8, 1)),
 ])
@@ -150,18 +150,16 @@ def test_the_llama3_presets_run_their_long_context_stage_on_a_layout_of_its_own(
         stage_layouts(cfg, resolve_stages(cfg), world)
 
 
-def test_pipeline_with_context_parallelism_is_refused_only_where_a_stage_masks_documents():
-    """pp 2 x cp 2 runs through pipeline stages only without document masks: [parallel] may be that layout when
-    the masked (long) stage has a layout of its own; the masked stage itself may not."""
+def test_pipeline_with_context_parallelism_runs_document_masked_stages():
+    """pp 2 x cp 2 runs through pipeline stages on document-masked stages too (the masks travel per micro-batch,
+    tests/test_pipeline.py): as [parallel] and as the masked (long) stage's own layout, both accepted and laid out."""
     base = {"parallel.pp": 2, "parallel.cp": 2, "parallel.dp_replicate": 1, "model.tie_embeddings": False,
-            "eval.samples": 0, "eval.tasks": "", "eval.final_tasks": ""}
+            "eval.samples": 0, "eval.tasks": "", "eval.final_tasks": "", "model.document_mask": True}
     long = {"name": "long", "start": 0.9, "seq_len": 1024}  # longer than train.seq_len: document masks on
-    ok = load_config(preset="tiny", overrides=[*base.items(), ("stages", [
-        {"name": "main", "start": 0.0}, {**long, "parallel": {"pp": 1}}])])
-    assert ok.stages[1].parallel == {"pp": 1}
-    for own, match in (({}, r"^parallel\.pp \(2\) > 1 cannot run with parallel\.cp set: "),
-                       ({"dp_shard": 1}, r"^stage 'long': stages\[1\]\.parallel\.pp \(2\) > 1 cannot run with "
-                                         r"stages\[1\]\.parallel\.cp set: context parallelism")):
-        with pytest.raises(ConfigError, match=match):
-            load_config(preset="tiny", overrides=[*base.items(), ("stages", [
-                {"name": "main", "start": 0.0}, {**long, "parallel": own}])])
+    for own in ({}, {"dp_shard": 1}, {"pp": 1, "dp_shard": 2}):
+        cfg = load_config(preset="tiny", overrides=[*base.items(), ("stages", [
+            {"name": "main", "start": 0.0}, {**long, "parallel": own}])])
+        stages = resolve_stages(cfg)
+        assert stages[1].document_mask
+        want = Layout(1, 2, 1, 2, 1) if own.get("pp") == 1 else Layout(1, 1, 1, 2, 2)
+        assert [lay for _, lay in stage_layouts(cfg, stages, 4)] == [Layout(1, 1, 1, 2, 2), want]

@@ -234,23 +234,17 @@ def validate_parallel(cfg: Config) -> None:
     own = {i for i, st in enumerate(cfg.stages) if st.parallel}
     seq_lens = {"train.seq_len": cfg.train.seq_len} if 0 not in own else {}
     seq_lens.update({k: t for i, (k, t) in enumerate(lens) if i not in own})
-    masked = [st.document_mask or (cfg.model.document_mask and t > cfg.train.seq_len)
-              for st, (_, t) in zip(cfg.stages, lens)]  # as densetrain.schedule.resolve_stages decides it
-    # [parallel] runs the stages without a layout of their own: with none, any stage may mask (as before).
-    base_masked = any(m for i, m in enumerate(masked) if i not in own) if own else None
-    _validate_layout(cfg, cfg.parallel, seq_lens, "parallel", "", masked=base_masked)
+    _validate_layout(cfg, cfg.parallel, seq_lens, "parallel", "")
     for i in sorted(own):
         st, (key, t) = cfg.stages[i], lens[i]
-        _validate_layout(cfg, stage_parallel(cfg, i), {key: t}, f"stages[{i}].parallel", f"stage '{st.name}': ",
-                         masked=masked[i])
+        _validate_layout(cfg, stage_parallel(cfg, i), {key: t}, f"stages[{i}].parallel", f"stage '{st.name}': ")
 
 
-def _validate_layout(cfg: Config, p: ParallelConfig, seq_lens: dict[str, int], name: str, where: str,
-                     masked: bool | None) -> None:
+def _validate_layout(cfg: Config, p: ParallelConfig, seq_lens: dict[str, int], name: str, where: str) -> None:
     """One layout ``p`` (keys named ``<name>.<key>``, messages prefixed with ``where``): degrees >= 1 or -1 (fill,
     at most one), tensor parallel dividing the head counts, d_ff and the vocabulary (each rank holds whole heads and
     equal slices), context parallel dividing each of ``seq_lens`` into ``2 cp`` equal chunks (the load-balanced
-    split), the pipeline keys. ``masked``: whether the stages on it use document masks (None: any stage may)."""
+    split), the pipeline keys."""
     m = cfg.model
 
     def check(ok: bool, msg: str) -> None:
@@ -288,22 +282,18 @@ def _validate_layout(cfg: Config, p: ParallelConfig, seq_lens: dict[str, int], n
             check(t % (2 * p.cp) == 0,
                   f"parallel.cp ({p.cp}) needs {k} ({t}) divisible by 2 * cp = {2 * p.cp}: each rank holds "
                   f"two of 2 * cp equal chunks of every sequence")
-    validate_pipeline(cfg, p, check, masked)
+    validate_pipeline(cfg, p, check)
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
-def validate_pipeline(cfg: Config, p: ParallelConfig | None = None, check=check_config,
-                      masked: bool | None = None) -> None:
+def validate_pipeline(cfg: Config, p: ParallelConfig | None = None, check=check_config) -> None:
     """The ``parallel.pp*`` keys of ``p`` (``cfg.parallel`` by default): a known schedule, virtual stages only with
     the interleaved one, a stage split that gives every stage at least one layer, and the features pipeline stages
     do not run (refused here, one line each, rather than failing mid-run). ``check``: how a failed condition is
-    said (:func:`_validate_layout` names a stage's own layout); ``masked``: whether the stages on ``p`` use
-    document masks (None: any stage of the table may)."""
+    said (:func:`_validate_layout` names a stage's own layout)."""
     p, m = p or cfg.parallel, cfg.model
-    if masked is None:
-        masked = m.document_mask or any(st.document_mask for st in cfg.stages)
     check(p.pp >= 1, f"parallel.pp must be >= 1, got {p.pp}")
     check(p.pp_schedule in PP_SCHEDULES,
           f"parallel.pp_schedule must be one of {', '.join(PP_SCHEDULES)}, got '{p.pp_schedule}'")
@@ -327,9 +317,6 @@ def validate_pipeline(cfg: Config, p: ParallelConfig | None = None, check=check_
           f"parallel.pp_microbatches ({p.pp_microbatches}) must be >= parallel.pp ({p.pp}): fewer micro-batches "
           f"than stages leave a stage idle the whole step")
     refused = (("model.tie_embeddings", m.tie_embeddings, "the embedding and the head sit on different stages"),
-               ("parallel.cp", p.cp != 1 and masked,
-                "context parallelism runs through pipeline stages without document masks only (model.document_mask "
-                "and every stage's document_mask false; or give the masked stage a layout of its own without pp)"),
                ("train.compile", cfg.train.compile, "whole-model compile cannot see a stage; use "
                                                     "parallel.compile_blocks"),
                ("eval.samples", cfg.eval.samples, "generation (KV cache) does not run through pipeline stages"),

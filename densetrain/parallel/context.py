@@ -14,10 +14,12 @@ It matters only where masked-out pairs are skipped (FlexAttention's block mask o
 SDPA with a boolean mask computes every ``(T / cp) x T`` pair on every rank.
 
 Per micro-batch the step builds one :class:`ContextParallelAttention` from the rows' host arrays
-(:func:`shard_rows`), and the model calls it in every layer in place of its own attention (the model
-holds no distributed code: it receives the function). Every query keeps exactly the keys it has in
-one process: key ``k`` is visible to query ``j`` iff ``time[k] <= time[j]`` and, with document masking,
-``doc[k] == doc[j]``; RoPE positions are the global ones (or restart per document), passed to the model.
+(:func:`shard_rows`; a pytree whose leaves are the rows' document ids, so that a pipeline schedule
+splits it per micro-batch as it splits any per-row input), and the model calls it in every layer in
+place of its own attention (the model holds no distributed code: it receives the function). Every
+query keeps exactly the keys it has in one process: key ``k`` is visible to query ``j`` iff ``time[k] <=
+time[j]`` and, with document masking, ``doc[k] == doc[j]``; RoPE positions are the global ones (or
+restart per document), passed to the model.
 
 Reductions: context-parallel ranks hold different tokens of the same rows, so the loss sums, token
 counts and per-source sums add over them as over data-parallel ranks
@@ -30,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 
 def chunk_index(seq_len: int, rank: int, cp: int) -> np.ndarray:
@@ -74,14 +77,31 @@ class ContextParallelAttention:
     """
 
     def __init__(self, mesh, q_time: torch.Tensor, k_time: torch.Tensor, q_doc: torch.Tensor | None = None,
-                 k_doc: torch.Tensor | None = None, seq_len: int = 0):
+                 k_doc: torch.Tensor | None = None, seq_len: int = 0, memo: dict | None = None):
         self.mesh, self.seq_len = mesh, seq_len
         self.q_time, self.k_time, self.q_doc, self.k_doc = q_time, k_time, q_doc, k_doc
-        mask = k_time[None, :] <= q_time[:, None]  # (T_local, T) causal in global time
-        if q_doc is not None:
-            mask = mask[None] & (q_doc[:, :, None] == k_doc[:, None, :])  # (B, T_local, T) within documents
-        self.mask = mask.unsqueeze(-3)  # (1 or B, 1, T_local, T), broadcast over heads
-        self._block = None
+        # The masks of the last document ids seen, shared by the copies pytree rebuilds (a pipeline's split
+        # per micro-batch, FSDP's cast of a block's inputs): built once per micro-batch, not per layer.
+        self._memo = {} if memo is None else memo
+        # (1 or B, 1, T_local, T) bool, True where a query may attend to a key (broadcast over heads). Built here,
+        # outside any compiled block; None for a pytree of chunk specs (the pipeline's split plan), not of tensors.
+        real = q_doc is None or isinstance(q_doc, torch.Tensor)
+        self.mask = self._memoized("mask", self._build_mask) if real else None
+
+    def _memoized(self, name: str, build):
+        memo = self._memo
+        if "docs" not in memo or memo["docs"][0] is not self.q_doc or memo["docs"][1] is not self.k_doc:
+            memo.clear()
+            memo["docs"] = (self.q_doc, self.k_doc)
+        if name not in memo:
+            memo[name] = build()
+        return memo[name]
+
+    def _build_mask(self) -> torch.Tensor:
+        mask = self.k_time[None, :] <= self.q_time[:, None]  # (T_local, T) causal in global time
+        if self.q_doc is not None:  # (B, T_local, T) within documents
+            mask = mask[None] & (self.q_doc[:, :, None] == self.k_doc[:, None, :])
+        return mask.unsqueeze(-3)
 
     def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, H_kv, T_local, hd) each -> (B, H_kv, T, hd) each: every rank's part along time, in rank order.
@@ -111,16 +131,34 @@ class ContextParallelAttention:
         from densetrain.model.masks import _flex
 
         flex, create_block_mask = _flex()
-        if self._block is None:
-            qt, kt, qd, kd = self.q_time, self.k_time, self.q_doc, self.k_doc
+        qt, kt, qd, kd = self.q_time, self.k_time, self.q_doc, self.k_doc
 
-            def visible(b, h, qi, ki):
-                ok = kt[ki] <= qt[qi]
-                return ok & (qd[b, qi] == kd[b, ki]) if qd is not None else ok
+        def visible(b, h, qi, ki):
+            ok = kt[ki] <= qt[qi]
+            return ok & (qd[b, qi] == kd[b, ki]) if qd is not None else ok
 
-            B = q.shape[0] if qd is not None else None
-            self._block = create_block_mask(visible, B, None, q.shape[2], k.shape[2], device=q.device)
-        return flex(q, k, v, block_mask=self._block, scale=scale, enable_gqa=True)
+        B = q.shape[0] if qd is not None else None
+        block = self._memoized("block", lambda: create_block_mask(visible, B, None, q.shape[2], k.shape[2],
+                                                                  device=q.device))
+        return flex(q, k, v, block_mask=block, scale=scale, enable_gqa=True)
+
+
+def _flatten(a: ContextParallelAttention):
+    return [a.q_doc, a.k_doc], (a.mesh, a.q_time, a.k_time, a.seq_len, a._memo)
+
+
+def _unflatten(docs, context) -> ContextParallelAttention:
+    mesh, q_time, k_time, seq_len, memo = context
+    return ContextParallelAttention(mesh, q_time, k_time, *docs, seq_len=seq_len, memo=memo)
+
+
+# A pytree node whose leaves are the rows' document ids (the time indices are the same for every row):
+# the pipeline schedule splits the step's attention into each micro-batch's as it splits the step's
+# positions (torch.distributed.pipelining chunks a keyword input's tensor leaves along rows; as an opaque
+# object it was handed whole to every micro-batch, which then attended within another micro-batch's
+# documents).
+pytree.register_pytree_node(ContextParallelAttention, _flatten, _unflatten,
+                            serialized_type_name=f"{__name__}.ContextParallelAttention")
 
 
 def shard_rows(rows: np.ndarray, rank: int, cp: int, mesh, device: torch.device, doc: np.ndarray | None = None,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from densetrain.errors import ConfigError
@@ -111,6 +112,17 @@ def resolve_microbatches(configured: int, pp: int, virtual: int, available: int,
                           f"{available}{where}: lower micro_batch_size or raise the batch")
     good = [m for m in divisors if bubble_fraction(pp, m, virtual) < BUBBLE_TARGET]
     return good[0] if good else divisors[-1]
+
+
+def join_inputs(inputs: list[dict]) -> dict:
+    """The model inputs of several micro-batches as one schedule call's: every tensor leaf (``doc_ids``,
+    ``positions``: (b, T); a :class:`~densetrain.parallel.context.ContextParallelAttention`'s document ids)
+    concatenated along rows, in order, for the schedule to split again per micro-batch; the rest (time
+    indices, the mesh) taken from the first, whose pytree structure every one shares."""
+    leaves, spec = pytree.tree_flatten(inputs[0])
+    rest = [pytree.tree_leaves(d) for d in inputs[1:]]
+    return pytree.tree_unflatten([torch.cat([a, *(r[i] for r in rest)]) if isinstance(a, torch.Tensor) else a
+                                  for i, a in enumerate(leaves)], spec)
 
 
 class LayerDict(nn.ModuleDict):

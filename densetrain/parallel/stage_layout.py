@@ -4,7 +4,7 @@ layout at the launch's world size and refuses, before any compute, a layout that
 switch itself (checkpoint, new mesh, wrappers and optimizer, resharded reload) is
 :func:`densetrain.train.setup.switch_layout`, beside the code that builds them the first time.
 
-Stages are read duck-typed (``index``, ``name``, ``seq_len``, ``document_mask`` of
+Stages are read duck-typed (``index``, ``name``, ``seq_len``, ``batch_size``, ``micro_batch_size`` of
 :class:`densetrain.schedule.Stage`): the schedule sits on this package's floor.
 """
 
@@ -24,9 +24,8 @@ def stage_layouts(cfg: Config, stages: list, world: int, base: ParallelConfig | 
     """Each stage's parallel config (``[parallel]``, or ``base`` in its place, with the stage's own
     ``stages[i].parallel`` keys over it) and its layout of ``world`` ranks, checked to run that stage before
     any compute: the degrees multiply to ``world``, the tensor-parallel degree divides the heads, every
-    sequence splits as context (and sequence) parallelism splits it, pipeline stages get layers, and
-    context parallelism meets no document mask inside a pipeline, the batch splits over the data-parallel
-    ranks and gives each pipeline rank enough micro-batches.
+    sequence splits as context (and sequence) parallelism splits it, pipeline stages get layers, the batch
+    splits over the data-parallel ranks and gives each pipeline rank enough micro-batches.
 
     ``skip_unfit_base``: a ``[parallel]`` that does not resolve at ``world`` gives its stages the layout None
     instead of the error (the dry run reports it in its own words).
@@ -82,9 +81,6 @@ def stage_layout_problem(cfg: Config, st, par: ParallelConfig, lay: Layout) -> s
         n_stages = lay.pp * par.pp_virtual_stages
         if m.n_layers + 2 < n_stages:
             return f"{n_stages} pipeline stages need as many layers; model.n_layers + 2 is {m.n_layers + 2}"
-        if lay.cp > 1 and st.document_mask:
-            return ("context parallelism runs through pipeline stages without document masks only, and the stage "
-                    "masks documents")
     return None
 
 

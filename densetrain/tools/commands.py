@@ -221,6 +221,9 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
     gpus = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     # Every stage's layout (its own, stages[i].parallel, or [parallel]) can run it, as train checks before its first
     # step; an unfit [parallel] is the plan's note, or (--rank) the launch's own line.
+    why = world_words(cfg.parallel, gpus, given)
+    if why and (rank is not None or ranks):  # the launch's own line, with the nearest world sizes that run it
+        return _error(why)
     try:
         stage_layouts(cfg, resolve_stages(cfg), gpus, skip_unfit_base=rank is None and not ranks)
     except (ConfigError, ValueError) as e:
@@ -234,7 +237,6 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
     res = layout_plan(cfg, gpus, mem, mixed_precision=cfg.train.dtype != "fp32")
     if os.environ.get("RANK", "0") == "0":
         print(f"dry run: {gpus} process(es), {mem:.0f} GiB per GPU{'' if torch.cuda.is_available() else ' (assumed)'}")
-        why = world_words(cfg.parallel, gpus, given)
         print(format_layout_plan(res) + (f"\nconfigured layout: {why}" if why else ""))
     return 0
 

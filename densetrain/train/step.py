@@ -30,7 +30,7 @@ from densetrain.parallel import all_reduce_sum, clip_grad_norm, grad_sync, unwra
 from densetrain.parallel.context import chunk_index, shard_rows
 from densetrain.parallel.dist import sum_over_group
 from densetrain.parallel.loss_parallel import loss_parallel_context, loss_parallel_mesh, vocab_parallel_head
-from densetrain.parallel.pipeline import PipelineModel
+from densetrain.parallel.pipeline import PipelineModel, join_inputs
 from densetrain.schedule import Stage
 
 
@@ -303,10 +303,8 @@ def pipelined_forward_backward(pipe: PipelineModel, micro_batches: list, n_token
     for g in range(0, len(micro_batches), m):
         group = micro_batches[g : g + m]
         x, y = torch.cat([mb[0] for mb in group]), torch.cat([mb[1] for mb in group])
-        more = [mb[3] if len(mb) > 3 else {} for mb in group]
-        # Tensors (doc_ids, positions) are split again by the schedule; other inputs (context parallelism's
-        # attention, the same for every micro-batch without document masks) are handed to each micro-batch.
-        kwargs = {k: torch.cat([d[k] for d in more]) if isinstance(v, torch.Tensor) else v for k, v in more[0].items()}
+        # Per-row inputs (doc_ids, positions, context parallelism's document ids) are split again by the schedule.
+        kwargs = join_inputs([mb[3] if len(mb) > 3 else {} for mb in group])
         with autocast or contextlib.nullcontext():
             pipe.step(x, y, m, loss_fn, **kwargs)
         if pipe.is_last:

@@ -18,6 +18,7 @@ from densetrain.parallel.dist import init_distributed
 from densetrain.parallel.mesh import resolve_layout
 from densetrain.parallel.parallelize import build_parallel_model
 from densetrain.parallel.pipeline import rank_stages
+from densetrain.parallel.stage_layout import stage_layouts
 from densetrain.tools.plan.memory import GIB, layout_memory, model_counts, pipeline_fit
 from densetrain.train.setup import layout_words
 
@@ -131,16 +132,21 @@ def dry_run_rank(cfg, world: int, rank: int, gpus_per_node: int = 8) -> dict:
         stages = rank_stages(info.pp_rank, layout.pp, virtual)
     counts = model_counts(cfg.model)
     planned = {}
-    for st in resolve_stages(cfg):
-        pipe, why = pipeline_fit(layout, st.batch_size, st.micro_batch_size, p)
+    stages_run = resolve_stages(cfg)
+    # Each stage on the layout it runs on (its own, stages[i].parallel, or [parallel]'s), this rank's pipeline
+    # coordinate on it read from the mesh's row-major order (pp outermost, densetrain.parallel.mesh.build_mesh).
+    for st, (par, lay) in zip(stages_run, stage_layouts(cfg, stages_run, world, skip_unfit_base=True)):
+        par, lay = (p, layout) if lay is None else (par, lay)
+        pipe, why = pipeline_fit(lay, st.batch_size, st.micro_batch_size, par)
         if pipe is None:
             planned[st.name] = {"error": why}
             continue
-        mem = layout_memory(counts, cfg.model, st.seq_len, st.micro_batch_size, layout,
-                            p.activation_checkpointing, mixed_precision=cfg.train.dtype != "fp32",
-                            sequence_parallel=p.sequence_parallel and layout.tp > 1, pipeline=pipe,
-                            pp_rank=info.pp_rank)
-        planned[st.name] = {**mem, "bubble": pipe.get("bubble", 0.0), "seq_len": st.seq_len}
+        mem = layout_memory(counts, cfg.model, st.seq_len, st.micro_batch_size, lay,
+                            par.activation_checkpointing, mixed_precision=cfg.train.dtype != "fp32",
+                            sequence_parallel=par.sequence_parallel and lay.tp > 1, pipeline=pipe,
+                            pp_rank=rank // (world // lay.pp))
+        planned[st.name] = {**mem, "bubble": pipe.get("bubble", 0.0), "seq_len": st.seq_len,
+                            "layout": None if lay == layout else str(lay)}
     coords = {"pp": info.pp_rank, "dp": info.dp_rank, "cp": info.cp_rank, "tp": info.tp_rank}
     return {"rank": rank, "world": world, "layout": layout, "coords": coords, "stages": stages,
             "blocks": [int(k) for k in model.layers.keys()] if hasattr(model.layers, "keys")
@@ -194,9 +200,11 @@ def format_rank(r: dict, shards: int = 12) -> str:
         if "error" in m:
             lines.append(f"  planned at stage '{stage}': does not run: {m['error']}")
             continue
-        lines.append(f"  planned at stage '{stage}' (seq_len {m['seq_len']}): parameters {g(m['params'])}, optimizer "
-                     f"{g(m['optim'])}, transient {g(m['transient'])}, activations {g(m['activations'])}, total "
-                     f"{g(m['total'])} GiB" + (f"; bubble {m['bubble']:.1%}" if m["bubble"] else ""))
+        on = f", on its own layout {m['layout']}" if m.get("layout") else ""
+        lines.append(f"  planned at stage '{stage}' (seq_len {m['seq_len']}{on}): parameters {g(m['params'])}, "
+                     f"optimizer {g(m['optim'])}, transient {g(m['transient'])}, activations "
+                     f"{g(m['activations'])}, total {g(m['total'])} GiB"
+                     + (f"; bubble {m['bubble']:.1%}" if m["bubble"] else ""))
     return "\n".join(lines)
 
 
