@@ -204,7 +204,7 @@ def _export_checkpoint(cfg: Config, args: argparse.Namespace, path: Path) -> int
         check_checkpoint_matches(path, cfg.model)
     except ValueError as e:
         raise TrainError(str(e)) from None
-    tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
+    tok = load_tokenizer(cfg.data.tokenizer, cfg.data.shards_dir)
     from densetrain.hf import generation_config_file, special_token_ids, tokenizer_files
 
     try:  # tokenizer.json + tokenizer_config.json with the same ids in transformers

@@ -309,7 +309,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     run = Run(cfg=cfg, info=info, run_dir=run_dir, stages=stages, train_streams=train_streams,
               val_streams=open_streams(cfg, "val"), sampler=MixtureSampler(train_streams), model=model,
               dp_model=dp_model, optimizer=optimizer,
-              tokenizer=load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir)),  # val bpb, downstream tasks
+              tokenizer=load_tokenizer(cfg.data.tokenizer, cfg.data.shards_dir),  # val bpb, downstream tasks
               log=log, checkpointer=checkpointer, watchers=make_watchers(cfg, info, run_dir), autocast=autocast,
               peak_flops=cfg.logging.peak_flops or probe_peak_flops(info.device, autocast),
               last_step=last, data_id=data_fingerprint(train_streams))
