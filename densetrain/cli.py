@@ -532,6 +532,10 @@ def main(argv: list[str] | None = None) -> int:
                 parser.commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
             args.overrides = parse_overrides(rest)  # --section.key=value, e.g. --parallel.tp=4
             return args.func(args)
+        if getattr(args, "checkpoint", None) and not args.help_config:  # eval / export of a URL: a local copy
+            from densetrain.checkpoint import localize
+
+            args.checkpoint = str(localize(args.checkpoint))
         if not args.help_config:
             _check_path_arg(args)
         if not args.help_config:

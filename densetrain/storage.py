@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -85,7 +86,7 @@ def _fs(path):
         opts: dict = {"use_listings_cache": False, "skip_instance_cache": True}
         if protocol in ("s3", "s3a"):
             timeout = float(os.environ.get("DENSETRAIN_STORE_TIMEOUT_S", "10"))
-            opts["config_kwargs"] = {"retries": {"max_attempts": 1}, "connect_timeout": timeout,
+            opts["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"}, "connect_timeout": timeout,
                                      "read_timeout": timeout}
         fs, _ = url_to_fs(path, **opts)
         if hasattr(fs, "retries"):
@@ -157,25 +158,26 @@ def canonical(path):
     return path if is_remote(path) else Path(path).resolve()
 
 
-def exists(path) -> bool:
-    if not is_remote(path):
-        return Path(path).exists()
+def _kind(path) -> str | None:
+    """'file', 'directory' or None (absent) of URL ``path``; unlike fsspec's ``isfile`` / ``exists``, which
+    answer False on any error, a transient error is retried and an outage raised (StoreUnavailable)."""
     fs, p = _fs(path)
-    return retrying(str(path), fs.exists, p)
+    try:
+        return retrying(str(path), fs.info, p).get("type")
+    except FileNotFoundError:
+        return None
+
+
+def exists(path) -> bool:
+    return Path(path).exists() if not is_remote(path) else _kind(path) is not None
 
 
 def isdir(path) -> bool:
-    if not is_remote(path):
-        return Path(path).is_dir()
-    fs, p = _fs(path)
-    return retrying(str(path), fs.isdir, p)
+    return Path(path).is_dir() if not is_remote(path) else _kind(path) == "directory"
 
 
 def isfile(path) -> bool:
-    if not is_remote(path):
-        return Path(path).is_file()
-    fs, p = _fs(path)
-    return retrying(str(path), fs.isfile, p)
+    return Path(path).is_file() if not is_remote(path) else _kind(path) == "file"
 
 
 def listdir(path) -> list[str]:
@@ -237,7 +239,7 @@ def cache_limit() -> int:
     return int(float(os.environ.get("DENSETRAIN_STORE_CACHE_MIB", "16384")) * (1 << 20))
 
 
-def _key(path, version) -> str:
+def cache_key(path, version) -> str:
     return hashlib.sha256(f"{path}\n{version}".encode()).hexdigest()[:32]
 
 
@@ -247,7 +249,7 @@ def local_copy(path) -> Path:
     if not is_remote(path):
         return Path(path)
     size, version = stat(path)
-    dest = cache_dir() / "files" / _key(path, version) / name(path)
+    dest = cache_dir() / "files" / cache_key(path, version) / name(path)
     if not dest.is_file() or dest.stat().st_size != size:
         fs, p = _fs(path)
         data = retrying(str(path), fs.cat_file, p)
@@ -325,7 +327,7 @@ class RemoteArray:
         self.path, self.dtype, self.nbytes = path, np.dtype(dtype), int(size)
         self.size = self.nbytes // self.dtype.itemsize
         self.shape = (self.size,)
-        self.key = _key(path, version)
+        self.key = cache_key(path, version)
         self._inflight: dict[int, object] = {}
         self._ilock = threading.Lock()
 
@@ -414,7 +416,7 @@ def sha256(path, chunk: int = 1 << 22) -> str:
                 h.update(b)
         return h.hexdigest()
     size, version = stat(path)
-    key = _key(path, version)
+    key = cache_key(path, version)
     known = cache_dir() / "sha256" / key
     if known.is_file():
         return known.read_text().strip()
@@ -447,12 +449,16 @@ def write_json(path, obj) -> None:
 
 
 def put_tree(local: Path, target, last: tuple[str, ...] = ()) -> None:
-    """Copy folder ``local`` (recursively) to ``target`` (a URL or a local folder), the files named in ``last``
+    """Copy folder ``local`` (recursively; not its hidden folders nor temp files) to ``target`` (a URL or a local
+    folder), the files named in ``last``
     (at any depth) after all others, in that order, so their presence means the rest is there.
 
     Raises: StoreUnavailable; OSError."""
     local = Path(local)
-    files = sorted(p for p in local.rglob("*") if p.is_file() and not p.name.startswith("."))
+    # Not: temp files of killed writers (.NAME.tmpPID), hidden folders (a prepare's .decontam cache). DCP's
+    # .metadata is a hidden file and goes.
+    files = sorted(p for p in local.rglob("*") if p.is_file() and not re.fullmatch(r"\..+\.tmp\d+", p.name)
+                   and not any(d.startswith(".") for d in p.relative_to(local).parts[:-1]))
     ordered = [f for f in files if f.name not in last] + sorted(
         (f for f in files if f.name in last), key=lambda f: (last.index(f.name), -len(f.parts)))
     for f in ordered:
@@ -494,7 +500,7 @@ def staging_dir(target) -> Path:
     URL a folder in the cache (kept, so that a second run finds what the first one wrote)."""
     if not is_remote(target):
         return Path(target)
-    return cache_dir() / "staging" / _key(target, "staged")
+    return cache_dir() / "staging" / cache_key(target, "staged")
 
 
 def publish(local: Path, target, last: tuple[str, ...] = ()) -> None:

@@ -20,26 +20,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_moto(port: int) -> subprocess.Popen:
-    """moto's server on ``port``, ready to answer (or an AssertionError with its output)."""
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def start_moto(port: int, log) -> subprocess.Popen:
+    """moto's server on ``port``, ready to answer (or an AssertionError with its output); its request log goes
+    to file ``log`` (a pipe nobody reads would fill and stop the server)."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)
     t0 = time.monotonic()
     while True:
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=1)
             return proc
         except OSError:
-            assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+            assert proc.poll() is None, open(log).read()[-2000:]
             assert time.monotonic() - t0 < 60, "moto server did not start in 60 s"
             time.sleep(0.1)
 
 
 def s3_env(endpoint: str, cache: str) -> dict:
-    """The environment of a process that uses the store: endpoint, dummy credentials, short retry budget."""
+    """The environment of a process that uses the store: endpoint, dummy credentials, a 10 s retry budget (the
+    store's own timeouts stay at their 10 s default: this machine may be loaded)."""
     return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-east-1", "DENSETRAIN_STORE_CACHE": cache,
-            "DENSETRAIN_STORE_RETRY_S": "6", "DENSETRAIN_STORE_TIMEOUT_S": "1"}
+            "DENSETRAIN_STORE_RETRY_S": "10"}
 
 
 _SLOWDOWN = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n"
@@ -60,12 +63,21 @@ class FaultProxy:
         self.sock.listen(64)
         self.port = self.sock.getsockname()[1]
         self.faults = 0  # connections answered with a fault
+        self.queue: list[str] = []
+        self.only = b""
         threading.Thread(target=self._serve, daemon=True).start()
 
-    def faulty(self, mode: str, seconds: float) -> None:
-        self.mode, self.until = mode, time.monotonic() + seconds
+    def faulty(self, mode: str, seconds: float, only: bytes = b"") -> None:
+        """``mode`` for ``seconds``; ``only``: just for requests whose first bytes are these (b"PUT": uploads)."""
+        self.mode, self.until, self.only = mode, time.monotonic() + seconds, only
+
+    def fail_next(self, modes: list[str]) -> None:
+        """Answer the next connections with these faults, one each ('503', 'reset'), then pass again."""
+        self.queue = list(modes)
 
     def _current(self) -> str:
+        if self.queue:
+            return self.queue.pop(0)
         if self.mode != "pass" and time.monotonic() >= self.until:
             self.mode = "pass"
         return self.mode
@@ -79,28 +91,39 @@ class FaultProxy:
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:
-        mode = self._current()
-        if mode != "pass":
-            self.faults += 1
         try:
-            if mode == "503":
-                conn.settimeout(5)
-                conn.recv(65536)
-                conn.sendall(_SLOWDOWN % (len(_BODY), _BODY))
-                conn.close()
-            elif mode == "reset":
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-                conn.close()
-            elif mode == "stall":
-                while self._current() == "stall":
-                    time.sleep(0.05)
-                conn.close()
-            else:
-                up = socket.create_connection(("127.0.0.1", self.target))
-                for a, b in ((conn, up), (up, conn)):
-                    threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            up = socket.create_connection(("127.0.0.1", self.target))
         except OSError:
             conn.close()
+            return
+        threading.Thread(target=self._pipe, args=(up, conn), daemon=True).start()
+        self._requests(conn, up)
+
+    def _requests(self, conn: socket.socket, up: socket.socket) -> None:
+        """Client to server, chunk by chunk: the mode is looked at before each chunk, so that a fault also hits
+        the client's pooled keep-alive connections, not only new ones."""
+        try:
+            while data := conn.recv(65536):
+                mode = self._current()
+                if mode == "pass" or (self.only and not data.startswith(self.only)):
+                    up.sendall(data)
+                    continue
+                self.faults += 1
+                if mode == "503":
+                    conn.sendall(_SLOWDOWN % (len(_BODY), _BODY))
+                elif mode == "reset":
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                else:  # stall: answer nothing until the mode changes
+                    while self._current() == "stall":
+                        time.sleep(0.05)
+                break
+        except OSError:
+            pass
+        for s in (conn, up):
+            try:
+                s.close()
+            except OSError:
+                pass
 
     @staticmethod
     def _pipe(a: socket.socket, b: socket.socket) -> None:

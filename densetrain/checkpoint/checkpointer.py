@@ -12,10 +12,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from densetrain.checkpoint.common import _agree, _rank, list_complete, passed_over
 from densetrain.checkpoint.load import CheckpointMismatchError, load_checkpoint
+from densetrain.checkpoint.mirror import sync_up
 from densetrain.checkpoint.save import PendingSave, cpu_stager, finish_async_save, save_checkpoint, start_async_save
 from densetrain.dcp_read import CheckpointReadError, UntrustedCheckpointError
-from densetrain.errors import TrainError
+from densetrain.errors import Preempted, TrainError
 from densetrain.parallel import collective_timeout
+from densetrain.storage import StoreUnavailable, counters
 
 
 class Checkpointer:
@@ -31,11 +33,13 @@ class Checkpointer:
             is copied to CPU memory; the loop calls :meth:`poll` before each step, which completes the save
             (marker, rename, retention) once the write is done, and :meth:`finish_pending` at the end. A
             new save first waits for the previous one, so at most one is in flight.
+        remote: ``checkpoint.dir`` ('' none): each completed checkpoint is uploaded there (:meth:`publish`).
     """
 
-    def __init__(self, run_dir: Path, every: int, keep: int, last_step: int, async_save: bool = False):
+    def __init__(self, run_dir: Path, every: int, keep: int, last_step: int, async_save: bool = False,
+                 remote: str = ""):
         self.run_dir, self.every, self.keep, self.last_step = Path(run_dir), every, keep, last_step
-        self.async_save = async_save
+        self.async_save, self.remote = async_save, remote
         self.on_written: Callable[[], None] | None = None  # see save_checkpoint (fault injection)
         self.seconds = 0.0  # time spent blocked in saves (the watchdog's 'checkpoint' phase)
         self.pending: PendingSave | None = None
@@ -81,6 +85,7 @@ class Checkpointer:
         dt = time.perf_counter() - t0
         self.seconds += dt
         log.event(step, f"checkpoint {path.name} ({dt:.2f}s)", kind="checkpoint", values={"seconds": dt})
+        self.publish(step, log)
         return path
 
     def poll(self, log) -> Path | None:
@@ -119,7 +124,38 @@ class Checkpointer:
                           f"{p.steps_during_write} steps meanwhile)", kind="checkpoint", action="written",
                   values={"write_seconds": write_s, "blocked_seconds": now - t0,
                           "steps_during_write": p.steps_during_write})
+        self.publish(p.step, log)
         return path
+
+    def publish(self, step: int, log) -> None:
+        """Upload the checkpoints completed since the last upload to ``checkpoint.dir`` (rank 0; all ranks call
+        it), with remote retention (:func:`densetrain.checkpoint.mirror.sync_up`); nothing without one.
+
+        Raises:
+            Preempted: the store did not answer within the retry budget: the run stops here (exit status 75)
+                with its checkpoint on local disk only, said in the one line; the same command continues it
+                (and uploads it) once the store is back.
+        """
+        if not self.remote:
+            return
+        error, t0 = "", time.perf_counter()
+        uploaded: list[str] = []
+        if _rank() == 0:
+            try:
+                uploaded = sync_up(self.run_dir, self.remote, self.keep)
+            except StoreUnavailable as e:
+                error = str(e)
+        if not _agree(not error):
+            newest = list_complete(self.run_dir)
+            name = newest[-1][1].name if newest else ""
+            if error:
+                log.event(step, f"checkpoint upload failed: {error}", kind="checkpoint", action="store_down")
+            raise Preempted(f"an outage of {self.remote}", step, name, self.run_dir,
+                            " to local disk only, not uploaded")
+        if uploaded:
+            dt = time.perf_counter() - t0
+            log.event(step, f"checkpoint {', '.join(uploaded)} uploaded to {self.remote} ({dt:.2f}s)",
+                      kind="checkpoint", action="uploaded", values={"upload_seconds": dt, **counters})
 
     def abandon_pending(self) -> None:
         """Leaving on an error with a save in flight (a full disk under the run's other files): wait up to

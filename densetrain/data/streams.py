@@ -13,6 +13,7 @@ from densetrain.data.tokenizer import load_tokenizer
 from densetrain.errors import DataError
 from densetrain.fileio import MAX_JSON_BYTES
 from densetrain.storage import canonical, isfile, join, parent, read_json, stat
+from densetrain.storage import name as file_name
 
 
 def _manifest(path) -> dict:
@@ -99,7 +100,7 @@ def data_fingerprint(streams: dict[str, TokenFiles]) -> dict[str, str]:
         h = hashlib.sha256()
         for f in stream.files:
             size, version = stat(f)  # mtime_ns locally, the ETag of an object
-            h.update(f"{name(f)}:{size}:{version}\n".encode())
+            h.update(f"{file_name(f)}:{size}:{version}\n".encode())
         out[name] = h.hexdigest()[:16]
     return out
 

@@ -18,6 +18,7 @@ from densetrain.checkpoint import (
     Checkpointer,
     CheckpointReadError,
     list_complete,
+    open_store,
 )
 from densetrain.config import Config, save_config
 from densetrain.data.mixture import MixtureSampler
@@ -268,12 +269,14 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     if cfg.train.resume == "auto":  # the same command restarts the job: continue the run dir's own run
         check_same_run(run_dir, cfg, info)
         resume = True
+    open_store(run_dir, cfg.checkpoint.dir, resume)  # checkpoint.dir: a resume fetches what the run dir lacks
     saved_cfg = cfg  # config.toml keeps the user's train.dtype ('auto' stays 'auto')
     cfg, dtype_note = keep_started_dtype(cfg, run_dir, rollback_to, info.device) if resume else (cfg, None)
     model, dp_model = build_parallel_model(cfg, info)  # meta -> TP -> AC -> compile -> FSDP2 -> init (or DDP)
     optimizer = build_optimizer(model, cfg)
     last = min(cfg.train.steps, stop_after) if stop_after else cfg.train.steps
-    checkpointer = Checkpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep, last, cfg.checkpoint.async_save)
+    checkpointer = Checkpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep, last, cfg.checkpoint.async_save,
+                                cfg.checkpoint.dir)
     lock_run_dir(run_dir, info)  # before anything in the run dir is read, moved or written
     if rollback_to is not None:
         if rollback_to not in [s for s, _ in list_complete(run_dir)]:
