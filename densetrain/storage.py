@@ -86,8 +86,8 @@ def _fs(path):
         opts: dict = {"use_listings_cache": False, "skip_instance_cache": True}
         if protocol in ("s3", "s3a"):
             timeout = float(os.environ.get("DENSETRAIN_STORE_TIMEOUT_S", "10"))
-            opts["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"}, "connect_timeout": timeout,
-                                     "read_timeout": timeout}
+            opts["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"},
+                                     "connect_timeout": timeout, "read_timeout": timeout}
         fs, _ = url_to_fs(path, **opts)
         if hasattr(fs, "retries"):
             fs.retries = 1
