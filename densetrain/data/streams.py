@@ -12,7 +12,7 @@ from densetrain.data.shards import TokenFiles, check_shard_hashes
 from densetrain.data.tokenizer import load_tokenizer
 from densetrain.errors import DataError
 from densetrain.fileio import MAX_JSON_BYTES
-from densetrain.storage import canonical, isfile, join, parent, read_json, stat
+from densetrain.storage import canonical, exists, isfile, join, parent, read_json, stat
 from densetrain.storage import name as file_name
 
 
@@ -43,7 +43,7 @@ def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
     """
     root = join(cfg.data.shards_dir)  # a local path or a URL (densetrain.storage)
     manifest = join(root, "manifest.json")
-    if not isfile(manifest):
+    if not exists(manifest):
         raise DataError(f"{manifest}: no prepared data; run `densetrain prepare` with the same config first")
     info = _manifest(manifest)
     tok = info.get("tokenizer", {})
