@@ -2,10 +2,11 @@
 (moto's standalone server on localhost, tests/store_server.py) spoken to through s3fs as a user's S3.
 
 1. Training tokens/s: one optimizer step of the preset's model (forward + backward + AdamW, one thread) on a
-   global batch of shuffled windows read from a token stream (synthetic uint16 shards of ``--shard-mib`` MiB
-   each) whose shards are local files or ``s3://`` objects (range reads through the bounded local cache:
-   densetrain/storage.py). The first remote pass starts from an empty cache (every block a miss); the
-   later ones read what the cache holds, as a run does after its first epoch or a restart on the same node.
+   global batch drawn by the run's sampler (MixtureSampler, shuffled windows) from a token stream (synthetic
+   uint16 shards of ``--shard-mib`` MiB each) whose shards are local files or ``s3://`` objects (range reads
+   through the bounded local cache, the next batch's windows prefetched while a step trains:
+   densetrain/storage.py). The first remote pass starts from an empty cache; the second draws the same
+   windows again from what the cache holds (a restart on the same node).
 2. Checkpoint save and load: :func:`save_checkpoint` into the run directory, then (remote) the upload of
    ``checkpoint.dir`` (:func:`sync_up`); load: (remote) the fetch of :func:`fetch_newest` into an empty run
    directory, then :func:`load_checkpoint`.
@@ -17,7 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -37,6 +37,7 @@ from densetrain import storage  # noqa: E402
 from densetrain.checkpoint import list_complete, load_checkpoint, save_checkpoint  # noqa: E402
 from densetrain.checkpoint.mirror import fetch_newest, sync_up  # noqa: E402
 from densetrain.config import load_config  # noqa: E402
+from densetrain.data.mixture import MixtureSampler  # noqa: E402
 from densetrain.data.shards import TokenFiles, write_shard  # noqa: E402
 from densetrain.model.init import build_model  # noqa: E402
 from densetrain.optim import build_optimizer  # noqa: E402
@@ -93,11 +94,11 @@ def _run(args, tmp: Path) -> None:
 
     model = build_model(cfg.model, cfg.train.seed, torch.device("cpu"))
     opt = build_optimizer(model, cfg)
-    total = len(streams["local"])
 
-    def step(stream: TokenFiles, starts) -> tuple[float, float]:
+    def step(sampler: MixtureSampler) -> tuple[float, float]:
         t0 = time.perf_counter()
-        x = torch.from_numpy(np.stack([stream.read(s, seq + 1) for s in starts]))
+        rows = sampler.next_samples(batch, "main", {"src": 1.0}, seq, shuffle_seed=0)
+        x = torch.from_numpy(np.stack([r.tokens for r in rows]))
         t1 = time.perf_counter()
         logits = model(x[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
@@ -106,34 +107,28 @@ def _run(args, tmp: Path) -> None:
         opt.zero_grad()
         return t1 - t0, time.perf_counter() - t0
 
-    times = {k: [] for k in ("local", "s3_cold", "s3_warm")}
-    reads = {k: [] for k in times}
-    windows = [rng.integers(0, total - seq - 1, batch) for _ in range(args.steps)]
-    step(streams["local"], windows[0])  # warm-up: allocations, first kernels
-    c0 = dict(storage.counters)
-    for k, starts in enumerate(windows):  # the first pass over the windows: the remote cache starts empty
-        order = ("local", "s3") if k % 2 == 0 else ("s3", "local")
-        for side in order:
-            r, t = step(streams[side], starts)
-            key = side if side == "local" else "s3_cold"
-            times[key].append(t)
-            reads[key].append(r)
-    c1 = dict(storage.counters)
-    for k, starts in enumerate(windows):  # the same windows again: the cache holds their blocks
-        for side in (("local", "s3") if k % 2 else ("s3", "local")):
-            r, t = step(streams[side], starts)
-            if side == "s3":
-                times["s3_warm"].append(t)
-                reads["s3_warm"].append(r)
-    c2 = dict(storage.counters)
+    times: dict[str, list[float]] = {k: [] for k in ("local", "s3_cold", "s3_warm")}
+    reads: dict[str, list[float]] = {k: [] for k in times}
+    counts = [dict(storage.counters)]
+    step(MixtureSampler({"src": streams["local"]}))  # warm-up: allocations, first kernels
+    for label in ("s3_cold", "s3_warm"):  # each pass draws the same windows from sampler state 0
+        samplers = {"local": MixtureSampler({"src": streams["local"]}), label: MixtureSampler({"src": streams["s3"]})}
+        for k in range(args.steps):
+            for side in (("local", label) if k % 2 == 0 else (label, "local")):
+                r, t = step(samplers[side])
+                if side != "local" or label == "s3_cold":
+                    times[side].append(t)
+                    reads[side].append(r)
+        counts.append(dict(storage.counters))
+    c0, c1, c2 = counts
     tokens = batch * seq
     med = {k: statistics.median(v) for k, v in times.items()}
     rd = {k: statistics.median(v) for k, v in reads.items()}
     cache_mib = sum(f.stat().st_size for f in (storage.cache_dir() / "blocks").rglob("*") if f.is_file()) / 2**20
 
-    def rate(a, b, key):
-        n = (b[key + "_hits"] - a[key + "_hits"]) + (b[key + "_misses"] - a[key + "_misses"])
-        return (b[key + "_hits"] - a[key + "_hits"]) / max(n, 1)
+    def rate(a, b):
+        hits = b["store_cache_hits"] - a["store_cache_hits"]
+        return hits / max(hits + b["store_cache_misses"] - a["store_cache_misses"], 1)
 
     print(f"CPU: {_cpu()}; torch {torch.__version__}; 1 thread; preset {args.preset}: {model.num_params() / 1e6:.1f}M "
           f"parameters, batch {batch} x seq_len {seq}; {args.shards} shards x {args.shard_mib} MiB; "
@@ -141,10 +136,9 @@ def _run(args, tmp: Path) -> None:
     for k in times:
         print(f"{k:8s}: step {med[k] * 1e3:8.1f} ms (read {rd[k] * 1e3:7.2f} ms), {tokens / med[k]:9.0f} tokens/s, "
               f"{med['local'] / med[k]:.3f}x local")
-    print(f"cache: first pass hit rate {rate(c0, c1, 'store_cache'):.3f}, second pass {rate(c1, c2, 'store_cache'):.3f};"
-          f" {cache_mib:.0f} MiB held (limit {storage.cache_limit() / 2**20:.0f} MiB), "
-          f"{(c2['store_bytes_fetched'] - c0['store_bytes_fetched']) / 2**20:.0f} MiB fetched, "
-          f"{c2['store_retries']} retries")
+    fetched = (c2["store_bytes_fetched"] - c0["store_bytes_fetched"]) / 2**20
+    print(f"cache: hit rate {rate(c0, c1):.3f} first pass, {rate(c1, c2):.3f} second; {cache_mib:.0f} MiB held "
+          f"(limit {storage.cache_limit() / 2**20:.0f} MiB); {fetched:.0f} MiB fetched; {c2['store_retries']} retries")
     _checkpoints(model, opt, tmp)
 
 

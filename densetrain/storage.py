@@ -12,11 +12,13 @@ one set of functions, used by the shard reader, the checkpointer and the run-fil
   (default 120) in all; each retry is counted in :data:`counters` (``store_retries``, in the training
   log). Past the budget, :class:`StoreUnavailable`. Not found and permission errors are not retried.
   The clients' own retries are turned off so that every retry is counted here.
-- **Range reads with a bounded local cache** (:class:`RemoteArray`): a remote shard is read in 8 MiB blocks,
+- **Range reads with a bounded local cache** (:class:`RemoteArray`): a remote shard is read in 1 MiB blocks,
   each kept in a local cache directory (``DENSETRAIN_STORE_CACHE``, default ``~/.cache/densetrain/store``)
-  bounded to ``DENSETRAIN_STORE_CACHE_MIB`` (default 16384 MiB; least recently used blocks go first); a miss
-  also starts a background fetch of the next ``PREFETCH_BLOCKS`` blocks (a bounded window). Hits and misses
-  are counted (``store_cache_hits``, ``store_cache_misses``).
+  bounded to ``DENSETRAIN_STORE_CACHE_MIB`` (default 16384 MiB; least recently used blocks go first). Blocks
+  are fetched ahead in the background by up to :data:`PREFETCH_THREADS` range reads: those of the next
+  batch's windows, which the sampler names (:meth:`RemoteArray.prefetch`, a window of one batch), and after a
+  miss the next :data:`PREFETCH_BLOCKS` (file order). Hits and misses are counted (``store_cache_hits``,
+  ``store_cache_misses``: blocks asked for by a read; a block being prefetched counts as a hit).
 - **Digests once** (:func:`sha256`): a remote file's sha256 is computed by one streaming read (which also
   fills the cache) and remembered in the cache under its ETag, so a later run does not read it again.
 - **Trees** (:func:`put_tree`, :func:`get_tree`, :func:`remove_tree`): a folder is uploaded with its marker
@@ -40,10 +42,14 @@ import numpy as np
 
 from densetrain.fileio import ReadRefused, atomic_write_bytes, open_regular, parse_json_line, read_bytes_bounded
 
-BLOCK_BYTES = 8 << 20
-"""Bytes per range read and cache block: 8 MiB, S3's recommended part size range (8-16 MiB)."""
-PREFETCH_BLOCKS = 4
-"""Blocks fetched ahead in the background after a miss (a 32 MiB window)."""
+BLOCK_BYTES = 1 << 20
+"""Bytes per range read and cache block: 1 MiB. Below ~1 MiB an object store's GET costs about its latency
+whatever the size (tens of ms); larger blocks only add bytes that a shuffled window (seq_len + 1 tokens, a few
+KiB to 32 KiB) does not use."""
+PREFETCH_BLOCKS = 8
+"""Blocks fetched ahead in the background after a miss (an 8 MiB window: reading in file order)."""
+PREFETCH_THREADS = 16
+"""Range reads in flight at once: the windows of the next batch (:meth:`RemoteArray.prefetch`) and readahead."""
 
 counters = {"store_retries": 0, "store_cache_hits": 0, "store_cache_misses": 0, "store_bytes_fetched": 0}
 """Process-wide counts since start: retries of transient errors, cache hits and misses (blocks), bytes fetched."""
@@ -270,10 +276,13 @@ class _BlockCache:
     def path(self, key: str, block: int) -> Path:
         return self.root / key / f"{block:08d}"
 
-    def get(self, key: str, block: int) -> bytes | None:
+    def get(self, key: str, block: int, lo: int = 0, hi: int | None = None) -> bytes | None:
+        """Bytes ``[lo, hi)`` of a cached block (all of it by default), or None when it is not cached."""
         f = self.path(key, block)
         try:
-            data = f.read_bytes()
+            with open(f, "rb") as fh:
+                fh.seek(lo)
+                data = fh.read(-1 if hi is None else hi - lo)
         except OSError:
             return None
         with contextlib.suppress(OSError):
@@ -311,7 +320,7 @@ def _shared() -> tuple[_BlockCache, ThreadPoolExecutor]:
         if _cache is None or _cache.root != cache_dir() / "blocks":
             _cache = _BlockCache()
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="densetrain-prefetch")
+            _pool = ThreadPoolExecutor(max_workers=PREFETCH_THREADS, thread_name_prefix="densetrain-prefetch")
     return _cache, _pool
 
 
@@ -343,9 +352,11 @@ class RemoteArray:
         cache.put(self.key, block, data)
         return data
 
-    def _block(self, block: int) -> bytes:
-        cache, pool = _shared()
-        data = cache.get(self.key, block)
+    def _part(self, block: int, lo: int, hi: int) -> bytes:
+        """Bytes ``[lo, hi)`` of ``block``: from the cache (a hit, also when a prefetch of it is under way), else
+        fetched now (a miss), which also starts the readahead of the next :data:`PREFETCH_BLOCKS`."""
+        cache, _ = _shared()
+        data = cache.get(self.key, block, lo, hi)
         if data is not None:
             _count("store_cache_hits")
             return data
@@ -353,18 +364,29 @@ class RemoteArray:
             fut = self._inflight.get(block)
         if fut is not None:  # being prefetched: wait for it rather than fetching twice
             _count("store_cache_hits")
-            return fut.result()
+            return fut.result()[lo:hi]
         _count("store_cache_misses")
         data = self._fetch(block)
         last = (self.nbytes - 1) // BLOCK_BYTES
-        for b in range(block + 1, min(block + 1 + PREFETCH_BLOCKS, last + 1)):
+        self._submit(range(block + 1, min(block + 1 + PREFETCH_BLOCKS, last + 1)))
+        return data[lo:hi]
+
+    def _submit(self, blocks) -> None:
+        """Fetch ``blocks`` in the background, those not cached nor already under way."""
+        cache, pool = _shared()
+        for b in blocks:
             with self._ilock:
                 if b in self._inflight or cache.path(self.key, b).exists():
                     continue
                 fut = pool.submit(self._fetch, b)
                 self._inflight[b] = fut
-                fut.add_done_callback(lambda _, b=b: self._drop(b))
-        return data
+            fut.add_done_callback(lambda _, b=b: self._drop(b))
+
+    def prefetch(self, a: int, b: int) -> None:
+        """Fetch the blocks holding elements ``[a, b)`` in the background (the windows of the next batch)."""
+        lo, hi = a * self.dtype.itemsize, b * self.dtype.itemsize
+        if hi > lo:
+            self._submit(range(lo // BLOCK_BYTES, (hi - 1) // BLOCK_BYTES + 1))
 
     def _drop(self, block: int) -> None:
         with self._ilock:
@@ -380,10 +402,9 @@ class RemoteArray:
         if b <= a:
             return np.zeros(0, dtype=self.dtype)
         lo, hi = a * self.dtype.itemsize, b * self.dtype.itemsize
-        parts = [self._block(k) for k in range(lo // BLOCK_BYTES, (hi - 1) // BLOCK_BYTES + 1)]
-        buf = b"".join(parts)
-        off = lo - (lo // BLOCK_BYTES) * BLOCK_BYTES
-        return np.frombuffer(buf[off:off + hi - lo], dtype=self.dtype)
+        parts = [self._part(k, max(lo - k * BLOCK_BYTES, 0), min(hi - k * BLOCK_BYTES, BLOCK_BYTES))
+                 for k in range(lo // BLOCK_BYTES, (hi - 1) // BLOCK_BYTES + 1)]
+        return np.frombuffer(b"".join(parts), dtype=self.dtype)
 
     def __array__(self, dtype=None, copy=None):
         arr = self[0:self.size]

@@ -318,6 +318,29 @@ class TokenFiles:
             self._out_of_vocab(start, out)
         return out
 
+    @property
+    def prefetches(self) -> bool:
+        """Whether :meth:`prefetch` does anything: some file is read by byte ranges (a URL), not memory-mapped."""
+        return any(hasattr(m, "prefetch") for m in self._maps)
+
+    def prefetch(self, start: int, n: int) -> None:
+        """Start fetching tokens ``[start, start + n)`` in the background (no-op for memory-mapped files, whose
+        pages the OS reads ahead); a later :meth:`read` of them then finds them in the local cache. A range
+        outside the stream is ignored (a hint, not a read)."""
+        start, n = int(start), int(n)
+        if start < 0 or n <= 0 or start + n > self._total:
+            return
+        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+        pos = 0
+        while pos < n:
+            off = start + pos - int(self._starts[i])
+            take = min(n - pos, int(self._lengths[i]) - off)
+            if take > 0:
+                if hasattr(self._maps[i], "prefetch"):
+                    self._maps[i].prefetch(off, off + take)
+                pos += take
+            i += 1
+
     def _out_of_vocab(self, start: int, out: np.ndarray) -> None:
         """Raise the one line for a read ``out`` (from token ``start``) holding an id >= :attr:`vocab_size`:
         a file :meth:`check_vocab` passed on its manifest's word (or that changed since) is wrong here, and
