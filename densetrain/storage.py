@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from densetrain.errors import ConfigError
 from densetrain.fileio import ReadRefused, atomic_write_bytes, open_regular, parse_json_line, read_bytes_bounded
 
 BLOCK_BYTES = 1 << 20
@@ -94,7 +95,11 @@ def _fs(path):
             timeout = float(os.environ.get("DENSETRAIN_STORE_TIMEOUT_S", "10"))
             opts["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"},
                                      "connect_timeout": timeout, "read_timeout": timeout}
-        fs, _ = url_to_fs(path, **opts)
+        try:
+            fs, _ = url_to_fs(path, **opts)
+        except ImportError as e:  # s3fs / gcsfs not installed
+            raise ConfigError(f"{path}: the {protocol}:// protocol needs its fsspec client: pip install "
+                              f"'densetrain[s3]' (or gcsfs for gs://) ({e})") from None
         if hasattr(fs, "retries"):
             fs.retries = 1
         _fs_cache[protocol] = fs

@@ -109,8 +109,8 @@ class FaultProxy:
                     up.sendall(data)
                     continue
                 self.faults += 1
-                if mode == "503":
-                    conn.sendall(_SLOWDOWN % (len(_BODY), _BODY))
+                if mode == "503":  # a HEAD's answer has no body
+                    conn.sendall(_SLOWDOWN % (len(_BODY), b"" if data.startswith(b"HEAD") else _BODY))
                 elif mode == "reset":
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 else:  # stall: answer nothing until the mode changes

@@ -76,6 +76,51 @@ def test_prepare_writes_to_s3_and_training_reads_the_same_tokens(store, remote_s
     assert hits == 4 * len(local) and misses == 0  # the sha256 pass at open filled the cache
 
 
+
+def test_store_faults_are_retried_and_counted_and_an_outage_is_one_line(store, monkeypatch):
+    proxy, bucket = store
+    storage.write_bytes(f"{bucket}/faults/blob", b"x" * 1000)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    monkeypatch.setattr(storage, "_fs_cache", {})  # a client of the proxy's endpoint
+    before = storage.counters["store_retries"]
+    proxy.fail_next(["503", "503", "503"])
+    assert storage.read_bytes(f"{bucket}/faults/blob", 1 << 20) == b"x" * 1000
+    assert storage.counters["store_retries"] - before == 3
+    with pytest.raises(FileNotFoundError):  # not retried: a missing object is not an outage
+        storage.read_bytes(f"{bucket}/faults/none", 1 << 20)
+    assert storage.counters["store_retries"] - before == 3
+    monkeypatch.setenv("DENSETRAIN_STORE_RETRY_S", "2")
+    proxy.faulty("503", 60)
+    try:
+        with pytest.raises(storage.StoreUnavailable) as e:
+            storage.read_bytes(f"{bucket}/faults/blob", 1 << 20)
+    finally:
+        proxy.faulty("pass", 0)
+    assert str(e.value).startswith(f"{bucket}/faults/blob: the object store did not answer for ") and \
+        "(DENSETRAIN_STORE_RETRY_S=2; last error" in str(e.value) and "\n" not in str(e.value)
+    assert "testing" not in str(e.value)  # the credentials are never in a message
+
+
+def test_a_read_that_fails_leaves_the_sampler_where_it_was(remote_shards, prepared, tmp_path, monkeypatch):
+    from densetrain.data.mixture import MixtureSampler
+
+    _, make = prepared
+    cfg = make(tmp_path)
+    cfg.data.shards_dir = remote_shards
+    streams = open_streams(cfg, "train")
+    sampler = MixtureSampler(streams)
+    sampler.next_samples(4, "main", {"email": 0.5, "json": 0.5}, 32, shuffle_seed=1)
+    state = sampler.state_dict()
+
+    def down(*a, **k):
+        raise storage.StoreUnavailable("s3://...: the object store did not answer")
+
+    for stream in streams.values():
+        monkeypatch.setattr(stream, "read", down)
+    with pytest.raises(storage.StoreUnavailable):
+        sampler.next_samples(4, "main", {"email": 0.5, "json": 0.5}, 32, shuffle_seed=1)
+    assert sampler.state_dict() == state  # the batch a failed read could not give is drawn again later
+
 # ------------------------------------------------------------------------------------------------------
 # A 2-rank run whose shards and checkpoints live only in the store: kill -9 mid-upload, an outage, resume
 # ------------------------------------------------------------------------------------------------------

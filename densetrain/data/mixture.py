@@ -308,9 +308,14 @@ class MixtureSampler:
             ValueError: a mix names an unknown source, a source is shorter than one sequence, or
                 ``shuffle_seed`` differs from the one the state was drawn with.
         """
+        before = copy.deepcopy(self.state)
         drawn = self._draw(n, stage_name, mix, seq_len, keep, shuffle_seed)
-        out = [Sample(index, name, self.streams[name].read(start, seq_len + 1), start, epoch)
-               for index, name, start, epoch in drawn]
+        try:
+            out = [Sample(index, name, self.streams[name].read(start, seq_len + 1), start, epoch)
+                   for index, name, start, epoch in drawn]
+        except BaseException:  # a read failed (a store outage, a bad shard): the batch is not drawn
+            self.state = before
+            raise
         if any(getattr(s, "prefetches", False) for s in self.streams.values()):
             self._hint_next(n, stage_name, mix, seq_len, keep, shuffle_seed)
         return out
