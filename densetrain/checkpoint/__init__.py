@@ -41,6 +41,10 @@ thread, running its collectives on a gloo group of its own, while training goes 
 rename and retention come only after that write finished on every rank (:func:`finish_async_save`), so
 a kill at any point during the write leaves the previous checkpoint as the newest complete one.
 
+Object storage (``checkpoint.dir``, :mod:`densetrain.checkpoint.mirror`): the directory above stays the
+staging area; each complete checkpoint is then uploaded with its marker last, retention deletes there too,
+and a resume, ``eval`` or ``export`` of the URL reads a fetched copy, verified as above.
+
 :class:`Checkpointer` is what the training loop talks to: the interval, the veto after a non-finite
 step, retention, the one async save in flight, and resuming from the newest checkpoint that loads.
 """
