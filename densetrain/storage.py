@@ -300,12 +300,19 @@ class _BlockCache:
             return
         with self.lock:
             if self.used + len(data) > limit:
-                self._evict(self.used + len(data) - limit)
-            atomic_write_bytes(self.path(key, block), data)
+                # a tenth of the cache at a time: one listing per many blocks, not one per block
+                self._evict(max(self.used + len(data) - limit, limit // 10))
+        # Renamed into place whole (another process may read it now), not fsynced: a cache, not a record.
+        f = self.path(key, block)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_name(f".{f.name}.tmp{os.getpid()}-{threading.get_ident()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, f)
+        with self.lock:
             self.used += len(data)
 
     def _evict(self, need: int) -> None:
-        files = sorted((f.stat().st_mtime_ns, f) for f in self.root.glob("*/*") if f.is_file())
+        files = sorted((f.stat().st_mtime_ns, f) for f in self.root.glob("*/[0-9]*") if f.is_file())
         for _, f in files:
             if need <= 0:
                 break

@@ -101,6 +101,26 @@ def test_store_faults_are_retried_and_counted_and_an_outage_is_one_line(store, m
     assert "testing" not in str(e.value)  # the credentials are never in a message
 
 
+def test_range_reads_through_a_bounded_cache(store, tmp_path, monkeypatch):
+    _, bucket = store
+    data = np.random.default_rng(0).integers(0, 65535, 3 << 20, dtype=np.uint16)  # 6 MiB: 6 blocks
+    storage.write_bytes(f"{bucket}/bounded/a.ds", data.tobytes())
+    monkeypatch.setenv("DENSETRAIN_STORE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DENSETRAIN_STORE_CACHE_MIB", "3")
+    monkeypatch.setattr(storage, "_cache", None)
+    arr = storage.open_array(f"{bucket}/bounded/a.ds", np.uint16)
+    misses = storage.counters["store_cache_misses"]
+    assert np.array_equal(arr[1000:1100], data[1000:1100])  # a window: one 1 MiB block now, the next ones behind
+    assert storage.counters["store_cache_misses"] - misses == 1
+    for a in (5 << 19, (3 << 20) - 7, 123_456):  # across blocks, the last tokens, the first block again
+        assert np.array_equal(arr[a - 300:a], data[a - 300:a])
+    assert np.array_equal(np.asarray(arr), data)  # every block, more than the cache holds
+    storage._shared()[1].shutdown(wait=True)  # the readahead done (a new pool is made on the next use)
+    monkeypatch.setattr(storage, "_pool", None)
+    held = sum(f.stat().st_size for f in (tmp_path / "cache" / "blocks").rglob("*") if f.is_file())
+    assert 0 < held <= 3 << 20
+
+
 def test_a_read_that_fails_leaves_the_sampler_where_it_was(remote_shards, prepared, tmp_path, monkeypatch):
     from densetrain.data.mixture import MixtureSampler
 
