@@ -23,7 +23,7 @@ from densetrain.checkpoint import list_complete, mirror
 from densetrain.cli import main
 from densetrain.data.streams import open_streams
 from densetrain.errors import EXIT_PREEMPTED
-from densetrain.metrics import read_events
+from densetrain.metrics import read_events, read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -220,6 +220,8 @@ def test_two_ranks_from_the_store_survive_kill_and_outage_and_resume_bitwise(sto
     res = finish(start(argv, proxy))  # the store is back: the same command finishes the run
     assert [rc for rc, _ in res] == [0, 0], [e[-3000:] for _, e in res]
     assert trajectory(run) == want
+    last = [r for r in read_metrics(run) if r["kind"] == "train"][-1]
+    assert last["store_cache_hits"] > 0 and last["store_retries"] == 0  # counted in the metrics (rank 0)
     assert _remote_steps(url) == [6, 8]  # retention (keep 2) in the store too
 
     # eval and export of the URL equal those of the run directory's own step 8
