@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -474,11 +473,6 @@ def write_bytes(path, data: bytes) -> None:
         return
     fs, p = _fs(path)
     retrying(str(path), fs.pipe_file, p, data)
-
-
-def write_json(path, obj) -> None:
-    """:func:`write_bytes` of ``obj`` as indented JSON."""
-    write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode())
 
 
 def put_tree(local: Path, target, last: tuple[str, ...] = ()) -> None:
