@@ -141,6 +141,20 @@ def test_a_read_that_fails_leaves_the_sampler_where_it_was(remote_shards, prepar
         sampler.next_samples(4, "main", {"email": 0.5, "json": 0.5}, 32, shuffle_seed=1)
     assert sampler.state_dict() == state  # the batch a failed read could not give is drawn again later
 
+
+def test_async_saves_upload_in_the_background(store, remote_shards, prepared, tmp_path):
+    from densetrain.train import train
+
+    _, make = prepared
+    url = f"{store[1]}/async/checkpoints"
+    cfg = make(tmp_path, **{**OV, "train.resume": "", "checkpoint.async_save": True, "checkpoint.every": 1,
+                            "data.shards_dir": remote_shards, "checkpoint.dir": url})
+    train(cfg)
+    run = Path(cfg.train.run_dir)
+    assert _remote_steps(url) == [7, 8] and [s for s, _ in list_complete(run)] == [7, 8]
+    uploads = [e for e in read_events(run) if e.get("action") == "uploaded"]
+    assert [e["step"] for e in uploads] == list(range(1, 9))  # each one, the last one waited for
+
 # ------------------------------------------------------------------------------------------------------
 # A 2-rank run whose shards and checkpoints live only in the store: kill -9 mid-upload, an outage, resume
 # ------------------------------------------------------------------------------------------------------

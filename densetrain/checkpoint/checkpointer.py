@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -10,7 +11,7 @@ from typing import Callable
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from densetrain.checkpoint.common import _agree, _rank, list_complete, passed_over
+from densetrain.checkpoint.common import CheckpointError, _agree, _rank, describe_error, list_complete, passed_over
 from densetrain.checkpoint.load import CheckpointMismatchError, load_checkpoint
 from densetrain.checkpoint.mirror import sync_up
 from densetrain.checkpoint.save import PendingSave, cpu_stager, finish_async_save, save_checkpoint, start_async_save
@@ -45,6 +46,7 @@ class Checkpointer:
         self.pending: PendingSave | None = None
         self._group = None  # the gloo group of DCP's background collectives, made at the first async save
         self._stager = cpu_stager() if async_save else None  # its CPU copies are reused by every save
+        self._upload: tuple | None = None  # (rank 0's upload thread or None, its result): see publish
         self.notes: list[str] = []  # what a resume passed over (:meth:`load_latest`), for the run's events
 
     def due(self, step: int) -> bool:
@@ -97,6 +99,8 @@ class Checkpointer:
         Raises:
             CheckpointError: the background write failed (see :func:`finish_async_save`).
         """
+        if self._upload is not None and _agree(self._upload[0] is None or not self._upload[0].is_alive()):
+            self._finish_upload(self._upload[1]["step"], log)
         p = self.pending
         if p is None:
             return None
@@ -107,13 +111,16 @@ class Checkpointer:
 
     def finish_pending(self, log) -> Path | None:
         """Wait for the save in flight, if any, and complete it (all ranks must call it): at the end of
-        training, before a new save, before a rollback.
+        training, before a new save, before a rollback. Without a save in flight, waits for the upload in
+        flight (:meth:`publish`), if any.
 
         Raises:
             CheckpointError: its write failed (see :func:`finish_async_save`).
         """
         p, self.pending = self.pending, None
         if p is None:
+            if self._upload is not None:  # the end of training: the last upload done before the run ends
+                self._finish_upload(self._upload[1]["step"], log)
             return None
         t0 = time.perf_counter()
         path = finish_async_save(p, self.run_dir, self.keep)
@@ -127,35 +134,59 @@ class Checkpointer:
         self.publish(p.step, log)
         return path
 
-    def publish(self, step: int, log) -> None:
+    def publish(self, step: int, log, wait: bool = False) -> None:
         """Upload the checkpoints completed since the last upload to ``checkpoint.dir`` (rank 0; all ranks call
-        it), with remote retention (:func:`densetrain.checkpoint.mirror.sync_up`); nothing without one.
+        it), with remote retention (:func:`densetrain.checkpoint.mirror.sync_up`); nothing without one. With
+        ``async_save`` the upload runs in a background thread while training goes on (:meth:`poll` completes
+        it), except at ``last_step`` or with ``wait``; a new upload first waits for the previous one.
 
         Raises:
             Preempted: the store did not answer within the retry budget: the run stops here (exit status 75)
                 with its checkpoint on local disk only, said in the one line; the same command continues it
                 (and uploads it) once the store is back.
+            CheckpointError: the upload failed otherwise (refused, a local file gone): one line.
         """
         if not self.remote:
             return
-        error, t0 = "", time.perf_counter()
-        uploaded: list[str] = []
-        if _rank() == 0:
+        self._finish_upload(step, log)
+        result: dict = {"step": step, "t0": time.perf_counter(), "uploaded": [], "error": None}
+
+        def upload() -> None:
             try:
-                uploaded = sync_up(self.run_dir, self.remote, self.keep)
-            except StoreUnavailable as e:
-                error = str(e)
-        if not _agree(not error):
+                result["uploaded"] = sync_up(self.run_dir, self.remote, self.keep)
+            except Exception as e:  # noqa: BLE001 - every rank learns of it in _finish_upload
+                result["error"] = e
+
+        thread = None
+        if _rank() == 0:
+            thread = threading.Thread(target=upload, name="densetrain-upload", daemon=True)
+            thread.start()
+        self._upload = (thread, result)
+        if wait or not self.async_save or step == self.last_step:
+            self._finish_upload(step, log)
+
+    def _finish_upload(self, step: int, log) -> None:
+        """Wait for the upload in flight, if any, and say how it ended (all ranks; one collective)."""
+        if self._upload is None:
+            return
+        (thread, result), self._upload = self._upload, None
+        if thread is not None:
+            thread.join()
+        error = result["error"]
+        if not _agree(error is None):
             newest = list_complete(self.run_dir)
             name = newest[-1][1].name if newest else ""
-            if error:
+            if error is not None:
                 log.event(step, f"checkpoint upload failed: {error}", kind="checkpoint", action="store_down")
-            raise Preempted(f"an outage of {self.remote}", step, name, self.run_dir,
-                            " to local disk only, not uploaded")
-        if uploaded:
-            dt = time.perf_counter() - t0
-            log.event(step, f"checkpoint {', '.join(uploaded)} uploaded to {self.remote} ({dt:.2f}s)",
-                      kind="checkpoint", action="uploaded", values={"upload_seconds": dt, **counters})
+            if error is None or isinstance(error, StoreUnavailable):  # (another rank's view: rank 0's error)
+                raise Preempted(f"an outage of {self.remote}", step, name, self.run_dir,
+                                " to local disk only, not uploaded")
+            raise CheckpointError(f"{self.remote}: upload of {name} failed ({describe_error(error)})")
+        if result["uploaded"]:
+            dt = time.perf_counter() - result["t0"]
+            log.event(result["step"], f"checkpoint {', '.join(result['uploaded'])} uploaded to {self.remote} "
+                                      f"({dt:.2f}s)", kind="checkpoint", action="uploaded",
+                      values={"upload_seconds": dt, **counters})
 
     def abandon_pending(self) -> None:
         """Leaving on an error with a save in flight (a full disk under the run's other files): wait up to

@@ -43,7 +43,8 @@ def sync_up(run_dir: Path, root, keep: int) -> list[str]:
     each with its marker last; delete the remote ones that retention drops, the partial uploads of killed
     runs, and those newer than the local newest (set aside by a rollback). Rank 0 only.
 
-    Returns: the names uploaded. Raises: StoreUnavailable (the store did not answer); OSError."""
+    A local checkpoint deleted while it is uploaded (an upload in the background meets retention or a rollback)
+    is left out. Returns: the names uploaded. Raises: StoreUnavailable (the store did not answer); OSError."""
     local = list_complete(run_dir)
     if not local:
         return []
@@ -57,7 +58,11 @@ def sync_up(run_dir: Path, root, keep: int) -> list[str]:
         if step not in have:
             target = storage.join(root, path.name)
             storage.remove_tree(target)  # a partial upload of the same step by a killed run
-            storage.put_tree(path, target, last=("COMPLETE",))
+            try:
+                storage.put_tree(path, target, last=("COMPLETE",))
+            except FileNotFoundError:  # deleted while uploaded (retention, a rollback): not wanted any more
+                storage.remove_tree(target)
+                continue
             uploaded.append(path.name)
     keep_steps, newest = {s for s, _ in wanted}, local[-1][0]
     for name in storage.listdir(root):
