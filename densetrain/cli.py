@@ -223,7 +223,7 @@ def _export_checkpoint(cfg: Config, args: argparse.Namespace, path: Path) -> int
         check_checkpoint_matches(path, cfg.model)
     except ValueError as e:
         raise TrainError(str(e)) from None
-    tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
+    tok = load_tokenizer(cfg.data.tokenizer, cfg.data.shards_dir)
     from densetrain.hf import generation_config_file, special_token_ids, tokenizer_files
 
     try:  # tokenizer.json + tokenizer_config.json with the same ids in transformers
@@ -603,6 +603,10 @@ def main(argv: list[str] | None = None) -> int:
                 parser.commands[args.command].error(f"unrecognized arguments: {' '.join(rest)}")
             args.overrides = parse_overrides(rest)  # --section.key=value, e.g. --parallel.tp=4
             return args.func(args)
+        if getattr(args, "checkpoint", None) and not args.help_config:  # eval / export of a URL: a local copy
+            from densetrain.checkpoint import localize
+
+            args.checkpoint = str(localize(args.checkpoint))
         if not args.help_config:
             refuse_flags_out_of_context(args)
             _check_path_arg(args)

@@ -17,12 +17,13 @@ EXIT_REPEATED = 78  # EX_CONFIG (sysexits.h): under torchrun, an attempt failed 
 
 
 class Preempted(Exception):
-    """The run stopped on a signal after ``step`` with checkpoint ``checkpoint`` (a directory name, or ''
-    when the run had not taken a step yet); the message is one line saying how to continue."""
+    """The run stopped on a signal (or an object-store outage) after ``step`` with checkpoint ``checkpoint`` (a
+    directory name, or '' when the run had not taken a step yet; ``where``: e.g. ' to local disk only'); the
+    message is one line saying how to continue."""
 
-    def __init__(self, signame: str, step: int, checkpoint: str, run_dir):
+    def __init__(self, signame: str, step: int, checkpoint: str, run_dir, where: str = ""):
         self.signame, self.step, self.checkpoint = signame, step, checkpoint
-        saved = f"checkpoint {checkpoint} written" if checkpoint else "no step taken, nothing to save"
+        saved = f"checkpoint {checkpoint} written{where}" if checkpoint else "no step taken, nothing to save"
         super().__init__(f"stopped by {signame} after step {step} ({saved}); continue with: "
                          f"densetrain train --resume {run_dir}")
 

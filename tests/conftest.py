@@ -20,7 +20,7 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SLOW_FILES_FIRST = [
     "test_cli.py", "test_recipe_matrix.py",
     "test_parallel_layouts.py", "test_resume.py", "test_restart.py", "test_context_parallel.py",
-    "test_recovery.py", "test_health.py",
+    "test_recovery.py", "test_health.py", "test_storage.py",
     "test_filters_parity.py", "test_parallel_train.py", "test_data.py", "test_checkpoint_async.py", "test_sdc.py",
     "test_tools_mup.py", "test_watchdog.py", "test_export_sharded.py", "test_train.py", "test_tools_plan.py",
     "test_tokenizer.py", "test_probe.py", "test_eval_parallel.py", "test_scale.py", "test_stage_layout.py",

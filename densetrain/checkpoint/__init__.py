@@ -41,6 +41,10 @@ thread, running its collectives on a gloo group of its own, while training goes 
 rename and retention come only after that write finished on every rank (:func:`finish_async_save`), so
 a kill at any point during the write leaves the previous checkpoint as the newest complete one.
 
+Object storage (``checkpoint.dir``, :mod:`densetrain.checkpoint.mirror`): the directory above stays the
+staging area; each complete checkpoint is then uploaded with its marker last, retention deletes there too,
+and a resume, ``eval`` or ``export`` of the URL reads a fetched copy, verified as above.
+
 :class:`Checkpointer` is what the training loop talks to: the interval, the veto after a non-finite
 step, retention, the one async save in flight, and resuming from the newest checkpoint that loads.
 """
@@ -62,6 +66,7 @@ from densetrain.checkpoint.load import (
     load_checkpoint,
     read_trainer_state,
 )
+from densetrain.checkpoint.mirror import localize, open_store
 from densetrain.checkpoint.save import (
     PendingSave,
     cpu_stager,
@@ -74,6 +79,7 @@ from densetrain.dcp_read import CheckpointCorruptError, CheckpointReadError
 __all__ = [
     "CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError", "CheckpointReadError", "Checkpointer",
     "PendingSave", "checkpoint_dir", "cpu_stager", "describe_error", "finish_async_save", "latest_checkpoint",
-    "leased_checkpoint", "list_complete", "load_checkpoint", "passed_over", "read_trainer_state", "save_checkpoint",
+    "leased_checkpoint", "list_complete", "load_checkpoint",
+    "localize", "open_store", "passed_over", "read_trainer_state", "save_checkpoint",
     "set_aside", "start_async_save", "sweep",
 ]

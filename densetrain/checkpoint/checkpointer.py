@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -10,12 +11,14 @@ from typing import Callable
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from densetrain.checkpoint.common import _agree, _rank, list_complete, passed_over
+from densetrain.checkpoint.common import CheckpointError, _agree, _rank, describe_error, list_complete, passed_over
 from densetrain.checkpoint.load import CheckpointMismatchError, load_checkpoint
+from densetrain.checkpoint.mirror import sync_up
 from densetrain.checkpoint.save import PendingSave, cpu_stager, finish_async_save, save_checkpoint, start_async_save
 from densetrain.dcp_read import CheckpointReadError, UntrustedCheckpointError
-from densetrain.errors import TrainError
+from densetrain.errors import Preempted, TrainError
 from densetrain.parallel import collective_timeout
+from densetrain.storage import StoreUnavailable, counters
 
 
 class Checkpointer:
@@ -31,16 +34,19 @@ class Checkpointer:
             is copied to CPU memory; the loop calls :meth:`poll` before each step, which completes the save
             (marker, rename, retention) once the write is done, and :meth:`finish_pending` at the end. A
             new save first waits for the previous one, so at most one is in flight.
+        remote: ``checkpoint.dir`` ('' none): each completed checkpoint is uploaded there (:meth:`publish`).
     """
 
-    def __init__(self, run_dir: Path, every: int, keep: int, last_step: int, async_save: bool = False):
+    def __init__(self, run_dir: Path, every: int, keep: int, last_step: int, async_save: bool = False,
+                 remote: str = ""):
         self.run_dir, self.every, self.keep, self.last_step = Path(run_dir), every, keep, last_step
-        self.async_save = async_save
+        self.async_save, self.remote = async_save, remote
         self.on_written: Callable[[], None] | None = None  # see save_checkpoint (fault injection)
         self.seconds = 0.0  # time spent blocked in saves (the watchdog's 'checkpoint' phase)
         self.pending: PendingSave | None = None
         self._group = None  # the gloo group of DCP's background collectives, made at the first async save
         self._stager = cpu_stager() if async_save else None  # its CPU copies are reused by every save
+        self._upload: tuple | None = None  # (rank 0's upload thread or None, its result): see publish
         self.notes: list[str] = []  # what a resume passed over (:meth:`load_latest`), for the run's events
 
     def due(self, step: int) -> bool:
@@ -81,6 +87,7 @@ class Checkpointer:
         dt = time.perf_counter() - t0
         self.seconds += dt
         log.event(step, f"checkpoint {path.name} ({dt:.2f}s)", kind="checkpoint", values={"seconds": dt})
+        self.publish(step, log)
         return path
 
     def poll(self, log) -> Path | None:
@@ -92,6 +99,8 @@ class Checkpointer:
         Raises:
             CheckpointError: the background write failed (see :func:`finish_async_save`).
         """
+        if self._upload is not None and _agree(self._upload[0] is None or not self._upload[0].is_alive()):
+            self._finish_upload(self._upload[1]["step"], log)
         p = self.pending
         if p is None:
             return None
@@ -102,13 +111,16 @@ class Checkpointer:
 
     def finish_pending(self, log) -> Path | None:
         """Wait for the save in flight, if any, and complete it (all ranks must call it): at the end of
-        training, before a new save, before a rollback.
+        training, before a new save, before a rollback. Without a save in flight, waits for the upload in
+        flight (:meth:`publish`), if any.
 
         Raises:
             CheckpointError: its write failed (see :func:`finish_async_save`).
         """
         p, self.pending = self.pending, None
         if p is None:
+            if self._upload is not None:  # the end of training: the last upload done before the run ends
+                self._finish_upload(self._upload[1]["step"], log)
             return None
         t0 = time.perf_counter()
         path = finish_async_save(p, self.run_dir, self.keep)
@@ -119,7 +131,62 @@ class Checkpointer:
                           f"{p.steps_during_write} steps meanwhile)", kind="checkpoint", action="written",
                   values={"write_seconds": write_s, "blocked_seconds": now - t0,
                           "steps_during_write": p.steps_during_write})
+        self.publish(p.step, log)
         return path
+
+    def publish(self, step: int, log, wait: bool = False) -> None:
+        """Upload the checkpoints completed since the last upload to ``checkpoint.dir`` (rank 0; all ranks call
+        it), with remote retention (:func:`densetrain.checkpoint.mirror.sync_up`); nothing without one. With
+        ``async_save`` the upload runs in a background thread while training goes on (:meth:`poll` completes
+        it), except at ``last_step`` or with ``wait``; a new upload first waits for the previous one.
+
+        Raises:
+            Preempted: the store did not answer within the retry budget: the run stops here (exit status 75)
+                with its checkpoint on local disk only, said in the one line; the same command continues it
+                (and uploads it) once the store is back.
+            CheckpointError: the upload failed otherwise (refused, a local file gone): one line.
+        """
+        if not self.remote:
+            return
+        self._finish_upload(step, log)
+        result: dict = {"step": step, "t0": time.perf_counter(), "uploaded": [], "error": None}
+
+        def upload() -> None:
+            try:
+                result["uploaded"] = sync_up(self.run_dir, self.remote, self.keep)
+            except Exception as e:  # noqa: BLE001 - every rank learns of it in _finish_upload
+                result["error"] = e
+
+        thread = None
+        if _rank() == 0:
+            thread = threading.Thread(target=upload, name="densetrain-upload", daemon=True)
+            thread.start()
+        self._upload = (thread, result)
+        if wait or not self.async_save or step == self.last_step:
+            self._finish_upload(step, log)
+
+    def _finish_upload(self, step: int, log) -> None:
+        """Wait for the upload in flight, if any, and say how it ended (all ranks; one collective)."""
+        if self._upload is None:
+            return
+        (thread, result), self._upload = self._upload, None
+        if thread is not None:
+            thread.join()
+        error = result["error"]
+        if not _agree(error is None):
+            newest = list_complete(self.run_dir)
+            name = newest[-1][1].name if newest else ""
+            if error is not None:
+                log.event(step, f"checkpoint upload failed: {error}", kind="checkpoint", action="store_down")
+            if error is None or isinstance(error, StoreUnavailable):  # (another rank's view: rank 0's error)
+                raise Preempted(f"an outage of {self.remote}", step, name, self.run_dir,
+                                " to local disk only, not uploaded")
+            raise CheckpointError(f"{self.remote}: upload of {name} failed ({describe_error(error)})")
+        if result["uploaded"]:
+            dt = time.perf_counter() - result["t0"]
+            log.event(result["step"], f"checkpoint {', '.join(result['uploaded'])} uploaded to {self.remote} "
+                                      f"({dt:.2f}s)", kind="checkpoint", action="uploaded",
+                      values={"upload_seconds": dt, **counters})
 
     def abandon_pending(self, log=None) -> None:
         """Leaving on an error with a save in flight (a full disk under the run's other files, a peer rank

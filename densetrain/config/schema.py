@@ -250,6 +250,11 @@ class CheckpointConfig:
     """Write checkpoints in the background (torch.distributed.checkpoint.async_save, on a gloo group of its
     own): a save blocks only while the state is copied to CPU memory (about one more copy of the model and
     optimizer state in RAM); the completion marker follows when the write finished; at most one in flight."""
+    dir: str = ""
+    """Where checkpoints are kept besides the run directory: '' (only RUN_DIR/checkpoints), or a URL such as
+    s3://bucket/run1/checkpoints (any fsspec protocol; `pip install 'densetrain[s3]'`) or another folder. Each
+    checkpoint is written to RUN_DIR/checkpoints first, then uploaded with its COMPLETE marker last; retention
+    deletes there too; --resume fetches the newest one the run directory lacks; eval/export take the URL."""
 
 
 @dataclass

@@ -308,6 +308,22 @@ class MixtureSampler:
             ValueError: a mix names an unknown source, a source is shorter than one sequence, or
                 ``shuffle_seed`` differs from the one the state was drawn with.
         """
+        before = copy.deepcopy(self.state)
+        drawn = self._draw(n, stage_name, mix, seq_len, keep, shuffle_seed)
+        try:
+            out = [Sample(index, name, self.streams[name].read(start, seq_len + 1), start, epoch)
+                   for index, name, start, epoch in drawn]
+        except BaseException:  # a read failed (a store outage, a bad shard): the batch is not drawn
+            self.state = before
+            raise
+        if any(getattr(s, "prefetches", False) for s in self.streams.values()):
+            self._hint_next(n, stage_name, mix, seq_len, keep, shuffle_seed)
+        return out
+
+    def _draw(self, n: int, stage_name: str, mix: dict[str, float], seq_len: int, keep: range | None,
+              shuffle_seed: int | None) -> list[tuple[int, str, int, int]]:
+        """The state change of :meth:`next_samples` without its reads: ``(index, source, start, epoch)`` of the
+        kept samples. Raises: as next_samples."""
         unknown = set(mix) - set(self.streams)
         if unknown:
             raise ValueError(f"mix names sources without data: {sorted(unknown)}")
@@ -331,9 +347,21 @@ class MixtureSampler:
             else:
                 start = self._advance_shuffled(name, seq_len, shuffle_seed)
             if i in keep:
-                out.append(Sample(st["samples_seen"], name, self.streams[name].read(start, seq_len + 1), start,
-                                  st["epoch"][name]))
+                out.append((st["samples_seen"], name, start, st["epoch"][name]))
             st["stage_drawn"][name] = st["stage_drawn"].get(name, 0) + 1
             st["stage_total"] += 1
             st["samples_seen"] += 1
         return out
+
+    def _hint_next(self, *args) -> None:
+        """Tell the streams which windows the next :meth:`next_samples` with the same arguments (the same stage)
+        will read, so that a stream of remote shards fetches them in the background while this batch trains
+        (:meth:`TokenFiles.prefetch`); drawn on a copy of the state, which stays as it is."""
+        ghost = copy.copy(self)
+        ghost.state, ghost.events = copy.deepcopy(self.state), []
+        try:
+            drawn = ghost._draw(*args)
+        except ValueError:  # the next call will say it
+            return
+        for _, name, start, _ in drawn:
+            self.streams[name].prefetch(start, args[3] + 1)

@@ -13,13 +13,14 @@ import numpy as np
 
 from densetrain.data.shards import TokenFiles
 from densetrain.errors import DataError
-from densetrain.fileio import MAX_JSON_BYTES, read_json
+from densetrain.fileio import MAX_JSON_BYTES
+from densetrain.storage import exists, join, read_json
 
 
 @lru_cache(maxsize=64)
 def _table(path: str) -> dict:
     try:
-        return read_json(Path(path), MAX_JSON_BYTES)  # a regular file; too deep a nesting is a ReadRefused
+        return read_json(path, MAX_JSON_BYTES)  # a regular file; too deep a nesting is a ReadRefused
     except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: cannot read provenance ({e}); re-run `densetrain prepare`") from None
 
@@ -34,8 +35,8 @@ def window_documents(shards_dir: str | Path, source: str, stream: TokenFiles, st
     Raises:
         DataError: the provenance file is unreadable or does not match the shards.
     """
-    path = Path(shards_dir) / source / "provenance.json"
-    if not path.exists():
+    path = join(shards_dir, source, "provenance.json")
+    if not exists(path):
         return []
     table = _table(str(path)).get(split, {})
     ends = stream.doc_ends()

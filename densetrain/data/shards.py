@@ -26,8 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from densetrain import storage
 from densetrain.errors import DataError
-from densetrain.fileio import MAX_CONFIG_BYTES, atomic_write_bytes, open_regular, read_text_bounded
+from densetrain.fileio import MAX_CONFIG_BYTES, ReadRefused, atomic_write_bytes
 
 SHARD_MAX_TOKENS = 1 << 26
 """Max tokens per train shard file (64 Mi) that ``prepare`` and the datatrove pipeline write; a longer
@@ -151,12 +152,12 @@ def check_shard_hashes(src_dir: Path, shards: list[dict], where: str | os.PathLi
     """
     updated = 0
     for sh in shards:
-        ds = Path(src_dir) / sh["path"]
+        ds = storage.join(src_dir, sh["path"])
         for suffix, sha_key, time_key in _HASHED:
             if sha_key not in sh:  # a registered datatrove folder records no sha256 of its .ds
                 continue
-            f = ds.with_name(ds.name + suffix)
-            mtime = f.stat().st_mtime_ns
+            f = _companion(ds, suffix)
+            mtime = storage.stat(f)[1]  # an object's ETag: never a recorded mtime, so hashed (once: storage.sha256)
             if not full and (mtime == sh.get(time_key) or (time_key not in sh and not record)):
                 continue
             got = sha256_file(f)
@@ -170,21 +171,23 @@ def check_shard_hashes(src_dir: Path, shards: list[dict], where: str | os.PathLi
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file's bytes, read in ``chunk`` pieces (no size limit: a shard may be many GB).
+    """Hex sha256 of a file's bytes, read in ``chunk`` pieces (no size limit: a shard may be many GB); a URL's
+    once per object version (:func:`densetrain.storage.sha256`).
 
     Raises: ReadRefused (an OSError): not a regular file (a link to /dev/zero would be hashed forever)."""
-    h = hashlib.sha256()
-    with open_regular(path) as f:
-        while b := f.read(chunk):
-            h.update(b)
-    return h.hexdigest()
+    return storage.sha256(path, chunk)
 
 
-def _read_metadata_token_size(ds: Path) -> int | None:
-    meta = ds.with_name(ds.name + ".metadata")
-    if not meta.is_file():
+def _companion(ds, suffix: str):
+    """The file ``ds`` + ``suffix`` beside shard ``ds`` (a Path, or a URL string)."""
+    return Path(f"{ds}{suffix}") if isinstance(ds, Path) else f"{ds}{suffix}"
+
+
+def _read_metadata_token_size(ds) -> int | None:
+    meta = _companion(ds, ".metadata")
+    if not storage.isfile(meta):
         return None
-    first = read_text_bounded(meta, MAX_CONFIG_BYTES, errors="replace").split("\n", 1)[0]
+    first = storage.read_bytes(meta, MAX_CONFIG_BYTES).decode("utf-8", errors="replace").split("\n", 1)[0]
     if "|" in first:
         tail = first.rsplit("|", 1)[1].strip()
         if tail.isdigit():
@@ -192,17 +195,20 @@ def _read_metadata_token_size(ds: Path) -> int | None:
     return None
 
 
-def _read_index(idx: Path, ds: Path, n_tokens: int) -> np.ndarray:
+def _read_index(idx, ds, n_tokens: int) -> np.ndarray:
     """The document END offsets of ``idx`` (int64), checked against its ``.ds`` of ``n_tokens`` tokens.
 
     Raises:
         DataError: the index size is not a multiple of 8 bytes, an end decreases (or does not fit
             int64), or the last end is not the file's token count.
     """
-    nbytes = idx.stat().st_size
-    if nbytes % 8:
-        raise DataError(f"{idx}: size {nbytes} bytes is not a multiple of 8 (uint64 document ends); torn write?")
-    ends = np.fromfile(idx, dtype="<u8")
+    try:
+        data = storage.read_bytes(idx, 8 * (n_tokens + 1))  # one end per document, at most one per token
+    except ReadRefused as e:
+        raise DataError(f"{idx}: not a document index of {storage.name(ds)} ({e.strerror})") from None
+    if len(data) % 8:
+        raise DataError(f"{idx}: size {len(data)} bytes is not a multiple of 8 (uint64 document ends); torn write?")
+    ends = np.frombuffer(data, dtype="<u8")
     if ends.size and int(ends.max()) > np.iinfo(np.int64).max:
         raise DataError(f"{idx}: document end {int(ends.max())} is not a token offset (corrupt index)")
     ends = ends.astype(np.int64)
@@ -211,20 +217,23 @@ def _read_index(idx: Path, ds: Path, n_tokens: int) -> np.ndarray:
         raise DataError(f"{idx}: document ends decrease at document {k} ({int(ends[k - 1])} -> {int(ends[k])})")
     if (int(ends[-1]) if ends.size else 0) != n_tokens:
         last = f"last document end is {int(ends[-1])}" if ends.size else "empty index"
-        raise DataError(f"{idx}: document ends do not match {ds.name}: {last} but the file holds {n_tokens} tokens")
+        raise DataError(f"{idx}: document ends do not match {storage.name(ds)}: {last} but the file holds "
+                        f"{n_tokens} tokens")
     return ends
 
 
 class TokenFiles:
     """All ``*.ds`` files of a directory (sorted by name) read as ONE concatenated token stream.
 
-    Files are memory-mapped; nothing is read until asked. The token size comes from the
+    Files are memory-mapped (a URL's are read by byte ranges through a bounded local cache,
+    :func:`densetrain.storage.open_array`); nothing is read until asked. The token size comes from the
     ``token_size`` argument, else from the ``.ds.metadata`` files (datatrove writes them), else 2
     (datatrove's default). Each file's ``.ds.index`` gives its document ends; a file without one
     counts as a single document.
 
     Args:
-        path: a directory, one ``.ds`` file, or a list of ``.ds`` files (kept in the given order).
+        path: a directory, one ``.ds`` file, or a list of ``.ds`` files (kept in the given order); local paths
+            or URLs (``s3://...``).
         token_size: 2 or 4 bytes per token; ``None`` to read it from the metadata.
 
     Raises:
@@ -234,18 +243,19 @@ class TokenFiles:
 
     def __init__(self, path: str | os.PathLike | list, token_size: int | None = None):
         if isinstance(path, (list, tuple)):
-            files = [Path(p) for p in path]
+            files = [storage.join(p) for p in path]
         else:
-            p = Path(path)
-            if p.is_dir():
-                files = sorted(f for f in p.glob("*.ds") if not f.name.startswith(".") and f.is_file())
-            elif p.is_file():
+            p = storage.join(path)
+            if storage.isdir(p):
+                files = [storage.join(p, n) for n in storage.listdir(p) if n.endswith(".ds") and not n.startswith(".")]
+                files = [f for f in files if storage.isfile(f)]
+            elif storage.isfile(p):
                 files = [p]
             else:
                 raise DataError(f"{p}: no such shard file or directory")
         if not files:
             raise DataError(f"{path}: no .ds token files")
-        self.files: list[Path] = files
+        self.files: list = files  # Paths, or URL strings
         if token_size is None:
             sizes = {s for s in (_read_metadata_token_size(f) for f in files) if s is not None}
             if len(sizes) > 1:
@@ -253,19 +263,19 @@ class TokenFiles:
             token_size = sizes.pop() if sizes else 2
         self.token_size = int(token_size)
         self.dtype = token_dtype(self.token_size)
-        self._maps: list[np.ndarray] = []
+        self._maps: list = []  # np.memmap, or storage.RemoteArray for a URL
         self._ends: list[np.ndarray] = []
         lengths = []
         for f in files:
-            nbytes = f.stat().st_size
+            nbytes = storage.stat(f)[0]
             if nbytes % self.token_size:
                 raise DataError(f"{f}: size {nbytes} bytes is not a multiple of the token size {self.token_size}")
             n = nbytes // self.token_size
-            mm = np.memmap(f, dtype=self.dtype, mode="r") if n else np.zeros(0, dtype=self.dtype)
+            mm = storage.open_array(f, self.dtype)
             self._maps.append(mm)
             lengths.append(n)
-            idx = f.with_name(f.name + ".index")
-            if idx.is_file():
+            idx = _companion(f, ".index")
+            if storage.isfile(idx):
                 ends = _read_index(idx, f, n)
             else:
                 ends = np.array([n] if n else [], dtype=np.int64)
@@ -307,6 +317,29 @@ class TokenFiles:
         if self.vocab_size is not None and n and int(out.max()) >= self.vocab_size:
             self._out_of_vocab(start, out)
         return out
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether :meth:`prefetch` does anything: some file is read by byte ranges (a URL), not memory-mapped."""
+        return any(hasattr(m, "prefetch") for m in self._maps)
+
+    def prefetch(self, start: int, n: int) -> None:
+        """Start fetching tokens ``[start, start + n)`` in the background (no-op for memory-mapped files, whose
+        pages the OS reads ahead); a later :meth:`read` of them then finds them in the local cache. A range
+        outside the stream is ignored (a hint, not a read)."""
+        start, n = int(start), int(n)
+        if start < 0 or n <= 0 or start + n > self._total:
+            return
+        i = int(np.searchsorted(self._starts, start, side="right")) - 1
+        pos = 0
+        while pos < n:
+            off = start + pos - int(self._starts[i])
+            take = min(n - pos, int(self._lengths[i]) - off)
+            if take > 0:
+                if hasattr(self._maps[i], "prefetch"):
+                    self._maps[i].prefetch(off, off + take)
+                pos += take
+            i += 1
 
     def _out_of_vocab(self, start: int, out: np.ndarray) -> None:
         """Raise the one line for a read ``out`` (from token ``start``) holding an id >= :attr:`vocab_size`:
@@ -371,6 +404,7 @@ class TokenFiles:
             if i not in self._max:
                 self._max[i] = int(mm.max()) if mm.size else -1
             if self._max[i] >= vocab_size:
+                mm = np.asarray(mm)  # the whole file: only to name the offending token
                 off = int(np.argmax(mm))  # first position of the largest id
                 doc = int(np.searchsorted(self._ends[i], off, side="right"))
                 n_bad = int(np.count_nonzero(mm >= vocab_size))

@@ -11,10 +11,12 @@ from densetrain.config import Config
 from densetrain.data.shards import TokenFiles, check_shard_hashes
 from densetrain.data.tokenizer import load_tokenizer
 from densetrain.errors import DataError
-from densetrain.fileio import MAX_JSON_BYTES, read_json
+from densetrain.fileio import MAX_JSON_BYTES
+from densetrain.storage import canonical, exists, isfile, join, parent, read_json, stat
+from densetrain.storage import name as file_name
 
 
-def _manifest(path: Path) -> dict:
+def _manifest(path) -> dict:
     """A manifest written by ``densetrain prepare``: a regular file (fileio's bounded read) holding a JSON
     object. Raises: DataError, one line naming the file."""
     try:
@@ -39,9 +41,9 @@ def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
             tokenizer, were edited after it (sha256, checked where the mtime changed), or the
             tokenizer's vocabulary is larger than model.vocab_size.
     """
-    root = Path(cfg.data.shards_dir)
-    manifest = root / "manifest.json"
-    if not manifest.exists():
+    root = join(cfg.data.shards_dir)  # a local path or a URL (densetrain.storage)
+    manifest = join(root, "manifest.json")
+    if not exists(manifest):
         raise DataError(f"{manifest}: no prepared data; run `densetrain prepare` with the same config first")
     info = _manifest(manifest)
     tok = info.get("tokenizer", {})
@@ -59,8 +61,8 @@ def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
     for src in cfg.data.sources:
         if src.name not in prepared:
             raise DataError(f"{manifest}: source '{src.name}' was not prepared; re-run `densetrain prepare`")
-        sub = root / prepared[src.name].get("manifest", f"{src.name}/manifest.json")
-        sub_manifest = _manifest(sub) if sub.is_file() else {}
+        sub = join(root, prepared[src.name].get("manifest", f"{src.name}/manifest.json"))
+        sub_manifest = _manifest(sub) if isfile(sub) else {}
         if sub_manifest:
             sub_sha = sub_manifest.get("tokenizer", {}).get("sha256")
             if tok.get("sha256") and sub_sha and sub_sha != tok["sha256"]:
@@ -70,19 +72,20 @@ def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
         if entry.get("tokens", 0) == 0:
             continue
         # "dir" is relative to shards_dir, or absolute for a registered datatrove folder (read in place).
-        stream = TokenFiles(root / entry.get("dir", f"{src.name}/{split}"))
+        where = entry.get("dir", f"{src.name}/{split}")
+        stream = TokenFiles(where if str(where).startswith("/") else join(root, where))
         if len(stream) != entry["tokens"]:
-            raise DataError(f"{stream.files[0].parent}: {len(stream)} tokens but the manifest says {entry['tokens']}; "
+            raise DataError(f"{parent(stream.files[0])}: {len(stream)} tokens but the manifest says {entry['tokens']}; "
                              f"the shards changed after `densetrain prepare`; re-run it")
         # Ids edited in place keep every size: the sha256s catch them (a stat per file unless one changed).
         shards = sub_manifest.get("splits", {}).get(split, {}).get("shards", [])
-        check_shard_hashes(sub.parent, shards, sub)
+        check_shard_hashes(parent(sub), shards, sub)
         # An id past the embedding table would index out of bounds mid-run (or silently on GPU). A shard the
         # sha256 check vouched for (it has a sha256 and an mtime now) is what prepare wrote: its recorded
         # largest id answers without reading it; others (older manifests, datatrove folders) are read.
-        known = {(sub.parent / sh["path"]).resolve(): sh["max_token"] for sh in shards
+        known = {canonical(join(parent(sub), sh["path"])): sh["max_token"] for sh in shards
                  if "max_token" in sh and "sha256" in sh and "mtime_ns" in sh}
-        stream.check_vocab(cfg.model.vocab_size, [known.get(f.resolve()) for f in stream.files])
+        stream.check_vocab(cfg.model.vocab_size, [known.get(canonical(f)) for f in stream.files])
         streams[src.name] = stream
     if not streams:
         raise DataError(f"{manifest}: no source has {split} tokens")
@@ -96,8 +99,8 @@ def data_fingerprint(streams: dict[str, TokenFiles]) -> dict[str, str]:
     for name, stream in streams.items():
         h = hashlib.sha256()
         for f in stream.files:
-            st = f.stat()
-            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+            size, version = stat(f)  # mtime_ns locally, the ETag of an object
+            h.update(f"{file_name(f)}:{size}:{version}\n".encode())
         out[name] = h.hexdigest()[:16]
     return out
 

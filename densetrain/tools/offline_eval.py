@@ -74,7 +74,7 @@ def evaluate_checkpoint(cfg: Config, path: Path, tasks: str = "", limit: int = 0
         state = load_checkpoint(path, model, None)
     st = stage_at(max(state["step"] - 1, 0), resolve_stages(cfg))
     model.set_rope(st.rope_theta, st.rope_scaling)
-    tok = load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir))
+    tok = load_tokenizer(cfg.data.tokenizer, cfg.data.shards_dir)
     streams = open_streams(cfg, "val")
     # 'auto' evaluates in the dtype the checkpoint was trained in (as a resume keeps it), not a new measurement.
     dtype = state.get("dtype", "auto") if cfg.train.dtype == "auto" else cfg.train.dtype

@@ -31,6 +31,7 @@ from densetrain.metrics import flops_per_token, format_rate, memory_stats, read_
 from densetrain.optim import set_lr
 from densetrain.parallel import all_reduce_max
 from densetrain.schedule import Stage, lr_for, stage_at
+from densetrain.storage import counters as store_counters
 from densetrain.train.preempt import StopRequest, stop_run
 from densetrain.train.rundir import set_aside_future, unlock_run_dir
 from densetrain.train.setup import Run, probe_peak_flops, setup, switch_layout
@@ -195,6 +196,8 @@ def log_step(run: Run, r: StepResult, seconds: float) -> None:
     }
     if r.stats.z_loss_sum:
         metrics["z_loss"] = r.stats.z_loss_sum / max(n, 1)
+    if any(store_counters.values()):  # shards or checkpoints in object storage (densetrain/storage.py)
+        metrics.update(store_counters)  # this rank's counts since start: retries, cache hits/misses, bytes
     for s, (lsum, ntok) in r.stats.per_source.items():
         metrics[f"train/{s}/loss"] = lsum / ntok
     if step % cfg.logging.mfu_every == 0 or step == 1 or step == run.last_step:  # the last: no peak goes unsampled

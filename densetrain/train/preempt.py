@@ -112,6 +112,7 @@ def stop_run(run, signum: int, abandoned: str = "", noted_at: float | None = Non
     t0 = time.perf_counter()
     if step and not have:
         save_checkpoint(run.run_dir, step, run.model, run.optimizer, run.state_dict(), run.checkpointer.keep)
+    run.checkpointer.publish(step, log, wait=True)  # to checkpoint.dir, if any
     dt = time.perf_counter() - t0
     ckpt = path.name if step else ""
     values = {"signal": name, "checkpoint": ckpt, "seconds": dt, "exit_status": EXIT_PREEMPTED}

@@ -20,6 +20,7 @@ from densetrain.checkpoint import (
     CheckpointReadError,
     list_complete,
     load_checkpoint,
+    open_store,
     save_checkpoint,
 )
 from densetrain.config import Config, ParallelConfig, save_config, stage_parallel
@@ -361,11 +362,13 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     if cfg.train.resume == "auto":  # the same command restarts the job: continue the run dir's own run
         check_same_run(run_dir, cfg, info)
         resume = True
+    open_store(run_dir, cfg.checkpoint.dir, resume)  # checkpoint.dir: a resume fetches what the run dir lacks
     saved_cfg = cfg  # config.toml keeps the user's train.dtype ('auto' stays 'auto')
     cfg, dtype_note = keep_started_dtype(cfg, run_dir, rollback_to, info.device) if resume else (cfg, None)
     model, dp_model, optimizer = build_model_and_optimizer(cfg, info, parallel, layouts)
     last = min(cfg.train.steps, stop_after) if stop_after else cfg.train.steps
-    checkpointer = Checkpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep, last, cfg.checkpoint.async_save)
+    checkpointer = Checkpointer(run_dir, cfg.checkpoint.every, cfg.checkpoint.keep, last, cfg.checkpoint.async_save,
+                                cfg.checkpoint.dir)
     lock_run_dir(run_dir, info)  # before anything in the run dir is read, moved or written
     if rollback_to is not None:
         if rollback_to not in [s for s, _ in list_complete(run_dir)]:
@@ -402,7 +405,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     run = Run(cfg=cfg, info=info, run_dir=run_dir, stages=stages, train_streams=train_streams,
               val_streams=open_streams(cfg, "val"), sampler=MixtureSampler(train_streams), model=model,
               dp_model=dp_model, optimizer=optimizer,
-              tokenizer=load_tokenizer(cfg.data.tokenizer, Path(cfg.data.shards_dir)),  # val bpb, downstream tasks
+              tokenizer=load_tokenizer(cfg.data.tokenizer, cfg.data.shards_dir),  # val bpb, downstream tasks
               log=log, checkpointer=checkpointer, watchers=make_watchers(cfg, info, run_dir), autocast=autocast,
               peak_flops=cfg.logging.peak_flops or probe_peak_flops(info.device, autocast),
               last_step=last, data_id=data_fingerprint(train_streams), layouts=layouts, parallel=parallel)

@@ -63,6 +63,7 @@ from densetrain.data.shards import token_dtype, token_size_for
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe, usable_cpus
 from densetrain.errors import DataError, disk_full_error, is_disk_full
 from densetrain.fileio import atomic_write_json, mark_kind, other_kind, read_json, sweep_stale_temps
+from densetrain.storage import publish, staging_dir
 
 BPE_SAMPLE_BYTES = 12_000_000
 """Bytes of text the BPE is trained on, shared evenly between sources."""
@@ -203,7 +204,7 @@ def prepare(cfg, force: bool = False, verify: bool = False) -> dict:
     """
     t0 = time.time()
     data = cfg.data
-    corpus_dir, shards_dir = Path(data.corpus_dir), Path(data.shards_dir)
+    corpus_dir, shards_dir = Path(data.corpus_dir), staging_dir(data.shards_dir)  # a URL: staged, published last
     timings: dict[str, float] = {}
     if data.demo_corpus:
         build_demo_corpus(corpus_dir)
@@ -305,4 +306,6 @@ def prepare(cfg, force: bool = False, verify: bool = False) -> dict:
                               **({"timings": results[n]["timings"]} if "timings" in results[n] else {})}
                           for n, s in top_sources.items()}
     summary["timings"] = timings
+    publish(shards_dir, data.shards_dir, last=("manifest.json",))  # the top manifest last: readers wait for it
+    summary["shards_dir"] = str(data.shards_dir)
     return summary

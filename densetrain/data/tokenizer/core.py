@@ -50,6 +50,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from densetrain import storage
 from densetrain.data.tokenizer.named import RANK_FILES, SCHEMES, rank_file_path
 from densetrain.data.tokenizer.probe import probe_encoder, raise_if_panic
 from densetrain.data.tokenizer.twin import CHECK_EVERY, twin_for
@@ -506,11 +507,11 @@ def load_tokenizer(spec: str, shards_dir: str | os.PathLike) -> Tokenizer:
             missing/invalid, the encoding is unknown or cannot be downloaded.
     """
     if spec == "bpe":
-        path = Path(shards_dir) / "tokenizer.json"
-        if not path.is_file():
+        path = storage.join(shards_dir, "tokenizer.json")
+        if not storage.isfile(path):
             raise DataError(f"{path}: BPE tokenizer not trained yet; run `densetrain prepare` first "
                             "(data.tokenizer='bpe')")
-        return Tokenizer.from_file(path)
+        return Tokenizer.from_file(storage.local_copy(path))
     if spec in RANK_FILES:
         return Tokenizer.from_named(spec)
     if spec.startswith("tiktoken:"):

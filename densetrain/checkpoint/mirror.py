@@ -1,0 +1,150 @@
+"""Checkpoints in ``checkpoint.dir`` (a URL such as ``s3://bucket/run1/checkpoints``, or another folder): the
+run directory's ``checkpoints/`` stays the staging area, written with the local protocol (temp dir, fsync,
+marker, rename), and each complete checkpoint is then uploaded with its ``COMPLETE`` marker last
+(:func:`sync_up`), so a remote ``step_N`` without a marker is an upload a kill cut short: never listed, never
+read, deleted by the next upload. Retention deletes remote checkpoints as it deletes local ones.
+
+A resume fetches the newest remote checkpoint when the run directory has none as new (:func:`fetch_newest`:
+a new machine, a wiped disk); ``eval`` and ``export`` of a URL read a local copy in the cache
+(:func:`localize`), made of the checkpoint and the run's ``config.toml`` (uploaded beside the checkpoints).
+The marker's digests are checked on every read as for any local checkpoint (:mod:`densetrain.dcp_read`).
+
+Chosen over DCP's fsspec writer: the local staging keeps the write protocol, the digests (hashed from local
+files), the async save and the trust rules exactly as they are; the upload is one more copy of each file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from densetrain import storage
+from densetrain.checkpoint.common import _agree, _rank, checkpoint_dir, list_complete
+from densetrain.errors import TrainError
+from densetrain.fileio import atomic_write_bytes, fsync_dir
+
+_STEP = re.compile(r"^step_(\d{8})$")
+
+
+def remote_complete(root) -> list[tuple[int, str]]:
+    """Complete checkpoints under ``root`` as ``[(step, path), ...]`` sorted by step (``COMPLETE`` present)."""
+    out = []
+    for name in storage.listdir(root):
+        m = _STEP.match(name)
+        if m and storage.isfile(storage.join(root, name, "COMPLETE")):
+            out.append((int(m.group(1)), storage.join(root, name)))
+    return sorted(out)
+
+
+def sync_up(run_dir: Path, root, keep: int) -> list[str]:
+    """Upload the run's complete local checkpoints that ``root`` lacks (the newest ``keep`` of them; 0: all),
+    each with its marker last; delete the remote ones that retention drops, the partial uploads of killed
+    runs, and those newer than the local newest (set aside by a rollback). Rank 0 only.
+
+    A local checkpoint deleted while it is uploaded (an upload in the background meets retention or a rollback)
+    is left out. Returns: the names uploaded. Raises: StoreUnavailable (the store did not answer); OSError."""
+    local = list_complete(run_dir)
+    if not local:
+        return []
+    config = Path(run_dir) / "config.toml"
+    if config.is_file():  # eval / export of the URL read it (localize)
+        storage.write_bytes(storage.join(root, "config.toml"), config.read_bytes())
+    have = {s for s, _ in remote_complete(root)}
+    wanted = local[-keep:] if keep > 0 else local
+    uploaded = []
+    for step, path in wanted:
+        if step not in have:
+            target = storage.join(root, path.name)
+            storage.remove_tree(target)  # a partial upload of the same step by a killed run
+            try:
+                storage.put_tree(path, target, last=("COMPLETE",))
+            except FileNotFoundError:  # deleted while uploaded (retention, a rollback): not wanted any more
+                storage.remove_tree(target)
+                continue
+            uploaded.append(path.name)
+    keep_steps, newest = {s for s, _ in wanted}, local[-1][0]
+    for name in storage.listdir(root):
+        m = _STEP.match(name)
+        if m and (int(m.group(1)) not in keep_steps or int(m.group(1)) > newest):
+            storage.remove_tree(storage.join(root, name))
+    return uploaded
+
+
+def fetch_newest(run_dir: Path, root) -> str | None:
+    """Before a resume: copy ``root``'s newest complete checkpoint into the run directory when the run directory
+    has none as new (a fresh machine, a wiped disk; a local one is newer when the store was down at the last
+    save). Downloaded into ``step_N.tmp`` (swept if killed), then renamed. Rank 0 only.
+
+    Returns: the name fetched, or None. Raises: StoreUnavailable; OSError."""
+    remote = remote_complete(root)
+    local = list_complete(run_dir)
+    if not remote or (local and local[-1][0] >= remote[-1][0]):
+        return None
+    step, url = remote[-1]
+    final = checkpoint_dir(run_dir) / storage.name(url)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    storage.get_tree(url, tmp)
+    if final.exists():  # without a marker (else it would be listed): the remains of a killed save
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    return final.name
+
+
+def open_store(run_dir: Path, root, resume: bool) -> str | None:
+    """At the start of a run with ``checkpoint.dir`` = ``root`` (nothing when ''); all ranks call it, rank 0
+    works. A resume fetches what the run directory lacks (:func:`fetch_newest`); a fresh run refuses a
+    ``root`` that already holds checkpoints (another run's: its uploads would replace them).
+
+    Returns: the name fetched, or None. Raises: TrainError (one line); StoreUnavailable."""
+    if not root:
+        return None
+    error, fetched = "", None
+    if _rank() == 0:
+        done = remote_complete(root)
+        if resume:
+            fetched = fetch_newest(run_dir, root)
+        elif done:
+            error = (f"checkpoint.dir {root} already holds checkpoints ({storage.name(done[-1][1])}, ...) of another "
+                     "run: continue it with --resume, or choose another checkpoint.dir")
+    if not _agree(not error):
+        raise TrainError(error or f"checkpoint.dir {root}: refused on rank 0")
+    return fetched
+
+
+def localize(path) -> str | Path:
+    """``eval`` / ``export``'s checkpoint argument as a local path: itself when local; for a URL of one
+    checkpoint (``.../step_XXXXXXXX``) or of a ``checkpoint.dir`` (its newest complete one), a copy in the
+    cache laid out as a run directory (``config.toml`` + ``checkpoints/step_XXXXXXXX``), the checkpoint's
+    path returned. Fetched once per checkpoint (the copy is kept while complete).
+
+    Raises: TrainError: the URL holds no complete checkpoint. StoreUnavailable; OSError."""
+    if not storage.is_remote(path):
+        return path
+    path = str(path).rstrip("/")
+    if _STEP.match(storage.name(path)):
+        if not storage.isfile(storage.join(path, "COMPLETE")):
+            raise TrainError(f"{path}: no COMPLETE marker (an upload cut short, or not a checkpoint)")
+        root, url = storage.parent(path), path
+    else:
+        done = remote_complete(path)
+        if not done:
+            raise TrainError(f"{path}: no complete checkpoint (no step_XXXXXXXX/COMPLETE); expected a "
+                             "checkpoint.dir URL or one checkpoint in it")
+        root, url = path, done[-1][1]
+    marker = storage.read_bytes(storage.join(url, "COMPLETE"), 16 << 20)
+    run = storage.cache_dir() / "runs" / storage.cache_key(root, "run")
+    local = run / "checkpoints" / storage.name(url)
+    if not ((local / "COMPLETE").is_file() and (local / "COMPLETE").read_bytes() == marker):
+        shutil.rmtree(local, ignore_errors=True)
+        tmp = local.with_name(local.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        storage.get_tree(url, tmp)
+        os.replace(tmp, local)
+    config = storage.join(root, "config.toml")
+    if storage.isfile(config):
+        atomic_write_bytes(run / "config.toml", storage.read_bytes(config, 16 << 20))
+    return local

@@ -1,0 +1,537 @@
+"""Where a path may be a URL: local files and object storage (``s3://``, ``gs://``, any fsspec protocol) behind
+one set of functions, used by the shard reader, the checkpointer and the run-file readers the way
+:mod:`densetrain.fileio` is. Nothing above this module tests whether a path is remote.
+
+- **Local paths** go to the file system as before (:mod:`densetrain.fileio`'s bounded reads, ``np.memmap``);
+  their behaviour is exactly that of a run without object storage.
+- **URLs** go through fsspec and the protocol's well-kept client (``s3fs``, ``gcsfs``: ``pip install
+  'densetrain[s3]'``). Credentials come from the client's own chain (environment, config files, instance
+  role) and are never logged; an S3-compatible endpoint from ``AWS_ENDPOINT_URL``, the client's setting.
+- **Retries** (:func:`retrying`): a transient error (HTTP 5xx, ``SlowDown``, a timeout, a reset connection)
+  is retried with exponential backoff (0.2 s doubling to 5 s) for up to ``DENSETRAIN_STORE_RETRY_S`` seconds
+  (default 120) in all; each retry is counted in :data:`counters` (``store_retries``, in the training
+  log). Past the budget, :class:`StoreUnavailable`. Not found and permission errors are not retried.
+  The clients' own retries are turned off so that every retry is counted here.
+- **Range reads with a bounded local cache** (:class:`RemoteArray`): a remote shard is read in 1 MiB blocks,
+  each kept in a local cache directory (``DENSETRAIN_STORE_CACHE``, default ``~/.cache/densetrain/store``)
+  bounded to ``DENSETRAIN_STORE_CACHE_MIB`` (default 16384 MiB; least recently used blocks go first). Blocks
+  are fetched ahead in the background by up to :data:`PREFETCH_THREADS` range reads: those of the next
+  batch's windows, which the sampler names (:meth:`RemoteArray.prefetch`, a window of one batch), and after a
+  miss the next :data:`PREFETCH_BLOCKS` (file order). Hits and misses are counted (``store_cache_hits``,
+  ``store_cache_misses``: blocks asked for by a read; a block being prefetched counts as a hit).
+- **Digests once** (:func:`sha256`): a remote file's sha256 is computed by one streaming read (which also
+  fills the cache) and remembered in the cache under its ETag, so a later run does not read it again.
+- **Trees** (:func:`put_tree`, :func:`get_tree`, :func:`remove_tree`): a folder is uploaded with its marker
+  files last (``last``), so a reader that waits for the marker never reads a partial upload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from densetrain.errors import ConfigError
+from densetrain.fileio import ReadRefused, atomic_write_bytes, open_regular, parse_json_line, read_bytes_bounded
+
+BLOCK_BYTES = 1 << 20
+"""Bytes per range read and cache block: 1 MiB. Below ~1 MiB an object store's GET costs about its latency
+whatever the size (tens of ms); larger blocks only add bytes that a shuffled window (seq_len + 1 tokens, a few
+KiB to 32 KiB) does not use."""
+PREFETCH_BLOCKS = 8
+"""Blocks fetched ahead in the background after a miss (an 8 MiB window: reading in file order)."""
+PREFETCH_THREADS = 16
+"""Range reads in flight at once: the windows of the next batch (:meth:`RemoteArray.prefetch`) and readahead."""
+
+counters = {"store_retries": 0, "store_cache_hits": 0, "store_cache_misses": 0, "store_bytes_fetched": 0}
+"""Process-wide counts since start: retries of transient errors, cache hits and misses (blocks), bytes fetched."""
+_lock = threading.Lock()
+
+
+class StoreUnavailable(OSError):
+    """The object store answered no request for longer than the retry budget (``DENSETRAIN_STORE_RETRY_S``):
+    an outage, not a bad path. ``str()`` is one line naming the URL, the seconds tried and the last error."""
+
+
+def _count(key: str, n: int = 1) -> None:
+    with _lock:
+        counters[key] += n
+
+
+def retry_seconds() -> float:
+    """The retry budget of one operation, seconds (``DENSETRAIN_STORE_RETRY_S``, default 120)."""
+    return float(os.environ.get("DENSETRAIN_STORE_RETRY_S", "120"))
+
+
+def is_remote(path) -> bool:
+    """Whether ``path`` names an fsspec URL other than ``file://`` (for this module and its tests)."""
+    s = os.fspath(path) if isinstance(path, os.PathLike) else path
+    return isinstance(s, str) and "://" in s and not s.startswith("file://")
+
+
+_fs_cache: dict[str, object] = {}
+
+
+def _fs(path):
+    """(filesystem, path without protocol) of URL ``path``. Listings are not cached (another process adds and
+    deletes checkpoints); the client's own retries are off (:func:`retrying` counts each); short timeouts so
+    that a store that stops answering is noticed in seconds, not minutes."""
+    from fsspec.core import split_protocol, url_to_fs  # fsspec only where a URL is used
+
+    protocol = split_protocol(path)[0]
+    fs = _fs_cache.get(protocol)
+    if fs is None:
+        opts: dict = {"use_listings_cache": False, "skip_instance_cache": True}
+        if protocol in ("s3", "s3a"):
+            timeout = float(os.environ.get("DENSETRAIN_STORE_TIMEOUT_S", "10"))
+            opts["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"},
+                                     "connect_timeout": timeout, "read_timeout": timeout}
+        try:
+            fs, _ = url_to_fs(path, **opts)
+        except ImportError as e:  # s3fs / gcsfs not installed
+            raise ConfigError(f"{path}: the {protocol}:// protocol needs its fsspec client: pip install "
+                              f"'densetrain[s3]' (or gcsfs for gs://) ({e})") from None
+        if hasattr(fs, "retries"):
+            fs.retries = 1
+        _fs_cache[protocol] = fs
+    return fs, fs._strip_protocol(path)
+
+
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+
+
+def _transient(e: BaseException) -> bool:
+    """A 5xx, throttling, timeout or connection error (retried), not a missing object or a refusal."""
+    if isinstance(e, _PERMANENT):
+        return False
+    text = f"{type(e).__name__}: {e}"
+    if any(k in text for k in ("NoSuchKey", "NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "403", "404")):
+        return False
+    return isinstance(e, (OSError, TimeoutError, ConnectionError)) or any(
+        k in text for k in ("SlowDown", "Timeout", "timeout", "Connection", "ServiceUnavailable", "InternalError",
+                            "503", "500", "502", "504", "reset", "Throttl"))
+
+
+def retrying(what: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, retried with backoff while it fails with a transient error (module docstring).
+
+    Raises: StoreUnavailable: still failing after the retry budget; other errors as ``fn`` raises them."""
+    budget, t0, wait = retry_seconds(), time.monotonic(), 0.2
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - classified below; permanent ones are re-raised
+            if not _transient(e):
+                raise
+            spent = time.monotonic() - t0
+            if spent + wait > budget:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                raise StoreUnavailable(f"{what}: the object store did not answer for {spent:.0f} s "
+                                       f"(DENSETRAIN_STORE_RETRY_S={budget:g}; last error {type(e).__name__}: "
+                                       f"{first})") from None
+            _count("store_retries")
+            time.sleep(wait)
+            wait = min(wait * 2, 5.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Paths
+# --------------------------------------------------------------------------------------------------
+
+def join(base, *parts):
+    """``base / parts``: a Path for a local ``base``, a ``/``-joined string for a URL."""
+    if is_remote(base):
+        return "/".join([str(base).rstrip("/"), *(str(p).strip("/") for p in parts)])
+    return Path(base).joinpath(*parts)
+
+
+def name(path) -> str:
+    """The last component of ``path`` (a file or folder name)."""
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def parent(path):
+    """The folder holding ``path``."""
+    return str(path).rstrip("/").rsplit("/", 1)[0] if is_remote(path) else Path(path).parent
+
+
+def canonical(path):
+    """One name per file, to compare two spellings: the resolved path (symlinks followed), or the URL itself."""
+    return path if is_remote(path) else Path(path).resolve()
+
+
+def _kind(path) -> str | None:
+    """'file', 'directory' or None (absent) of URL ``path``; unlike fsspec's ``isfile`` / ``exists``, which
+    answer False on any error, a transient error is retried and an outage raised (StoreUnavailable)."""
+    fs, p = _fs(path)
+    try:
+        return retrying(str(path), fs.info, p).get("type")
+    except FileNotFoundError:
+        return None
+
+
+def exists(path) -> bool:
+    return Path(path).exists() if not is_remote(path) else _kind(path) is not None
+
+
+def isdir(path) -> bool:
+    return Path(path).is_dir() if not is_remote(path) else _kind(path) == "directory"
+
+
+def isfile(path) -> bool:
+    return Path(path).is_file() if not is_remote(path) else _kind(path) == "file"
+
+
+def listdir(path) -> list[str]:
+    """Sorted names in folder ``path`` (files and folders); [] when it does not exist."""
+    if not is_remote(path):
+        return sorted(p.name for p in Path(path).iterdir()) if Path(path).is_dir() else []
+    fs, p = _fs(path)
+    try:
+        entries = retrying(str(path), fs.ls, p, detail=False)
+    except FileNotFoundError:
+        return []
+    return sorted(name(e) for e in entries if name(e) != name(p))
+
+
+def stat(path) -> tuple[int, str | int]:
+    """(size in bytes, version) of file ``path``: the version is ``st_mtime_ns`` locally, the object's ETag
+    remotely; either changes when the file is rewritten. Raises: FileNotFoundError; StoreUnavailable."""
+    if not is_remote(path):
+        st = Path(path).stat()
+        return st.st_size, st.st_mtime_ns
+    fs, p = _fs(path)
+    info = retrying(str(path), fs.info, p)
+    if info.get("type") == "directory":
+        raise IsADirectoryError(str(path))
+    return int(info["size"]), str(info.get("ETag") or info.get("etag") or info.get("md5Hash") or info.get("mtime"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Reads
+# --------------------------------------------------------------------------------------------------
+
+def read_bytes(path, max_bytes: int) -> bytes:
+    """The bytes of file ``path``, at most ``max_bytes`` (:func:`densetrain.fileio.read_bytes_bounded` locally).
+
+    Raises: ReadRefused (over the limit, not a regular file); FileNotFoundError; StoreUnavailable."""
+    if not is_remote(path):
+        return read_bytes_bounded(path, max_bytes)
+    size, _ = stat(path)
+    if size > max_bytes:
+        raise ReadRefused(path, f"{size} bytes, larger than the {max_bytes}-byte limit for this file")
+    fs, p = _fs(path)
+    data = retrying(str(path), fs.cat_file, p)
+    _count("store_bytes_fetched", len(data))
+    return data
+
+
+def read_json(path, max_bytes: int):
+    """The JSON value in file ``path`` (:func:`read_bytes`). Raises: as read_bytes; json.JSONDecodeError."""
+    return parse_json_line(read_bytes(path, max_bytes).decode("utf-8"), path)
+
+
+def cache_dir() -> Path:
+    """The local cache of remote reads (``DENSETRAIN_STORE_CACHE``, default ``~/.cache/densetrain/store``)."""
+    return Path(os.environ.get("DENSETRAIN_STORE_CACHE", Path.home() / ".cache" / "densetrain" / "store"))
+
+
+def cache_limit() -> int:
+    """Bytes the cache's blocks may take (``DENSETRAIN_STORE_CACHE_MIB``, default 16384 MiB)."""
+    return int(float(os.environ.get("DENSETRAIN_STORE_CACHE_MIB", "16384")) * (1 << 20))
+
+
+def cache_key(path, version) -> str:
+    return hashlib.sha256(f"{path}\n{version}".encode()).hexdigest()[:32]
+
+
+def local_copy(path) -> Path:
+    """A local path holding file ``path``'s bytes: ``path`` itself when local, else a copy in the cache
+    (fetched once per ETag); for small files a library wants by path (a tokenizer.json)."""
+    if not is_remote(path):
+        return Path(path)
+    size, version = stat(path)
+    dest = cache_dir() / "files" / cache_key(path, version) / name(path)
+    if not dest.is_file() or dest.stat().st_size != size:
+        fs, p = _fs(path)
+        data = retrying(str(path), fs.cat_file, p)
+        _count("store_bytes_fetched", len(data))
+        atomic_write_bytes(dest, data)
+    return dest
+
+
+class _BlockCache:
+    """Blocks of remote files on local disk, least recently used evicted past :func:`cache_limit`."""
+
+    def __init__(self):
+        self.root = cache_dir() / "blocks"
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.used = sum(f.stat().st_size for f in self.root.glob("*/*") if f.is_file())
+        self.lock = threading.Lock()
+
+    def path(self, key: str, block: int) -> Path:
+        return self.root / key / f"{block:08d}"
+
+    def get(self, key: str, block: int, lo: int = 0, hi: int | None = None) -> bytes | None:
+        """Bytes ``[lo, hi)`` of a cached block (all of it by default), or None when it is not cached."""
+        f = self.path(key, block)
+        try:
+            with open(f, "rb") as fh:
+                fh.seek(lo)
+                data = fh.read(-1 if hi is None else hi - lo)
+        except OSError:
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(f)  # recency for eviction
+        return data
+
+    def put(self, key: str, block: int, data: bytes) -> None:
+        limit = cache_limit()
+        if len(data) > limit:
+            return
+        with self.lock:
+            if self.used + len(data) > limit:
+                # a tenth of the cache at a time: one listing per many blocks, not one per block
+                self._evict(max(self.used + len(data) - limit, limit // 10))
+        # Renamed into place whole (another process may read it now), not fsynced: a cache, not a record.
+        f = self.path(key, block)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_name(f".{f.name}.tmp{os.getpid()}-{threading.get_ident()}")
+        tmp.write_bytes(data)
+        os.replace(tmp, f)
+        with self.lock:
+            self.used += len(data)
+
+    def _evict(self, need: int) -> None:
+        files = sorted((f.stat().st_mtime_ns, f) for f in self.root.glob("*/[0-9]*") if f.is_file())
+        for _, f in files:
+            if need <= 0:
+                break
+            n = f.stat().st_size
+            f.unlink(missing_ok=True)
+            self.used -= n
+            need -= n
+
+
+_cache: _BlockCache | None = None
+_pool: ThreadPoolExecutor | None = None
+
+
+def _shared() -> tuple[_BlockCache, ThreadPoolExecutor]:
+    global _cache, _pool
+    with _lock:
+        if _cache is None or _cache.root != cache_dir() / "blocks":
+            _cache = _BlockCache()
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=PREFETCH_THREADS, thread_name_prefix="densetrain-prefetch")
+    return _cache, _pool
+
+
+class RemoteArray:
+    """A 1-D token array of a remote file read by byte ranges through the block cache: ``arr[a:b]`` reads only
+    the blocks it covers (and prefetches the next :data:`PREFETCH_BLOCKS` in the background on a miss).
+
+    Args:
+        path: the file's URL. dtype: its element type. size: its length in bytes. version: its ETag.
+    """
+
+    def __init__(self, path: str, dtype: np.dtype, size: int, version):
+        self.path, self.dtype, self.nbytes = path, np.dtype(dtype), int(size)
+        self.size = self.nbytes // self.dtype.itemsize
+        self.shape = (self.size,)
+        self.key = cache_key(path, version)
+        self._inflight: dict[int, object] = {}
+        self._ilock = threading.Lock()
+
+    def _fetch(self, block: int) -> bytes:
+        cache, _ = _shared()
+        data = cache.get(self.key, block)
+        if data is not None:
+            return data
+        fs, p = _fs(self.path)
+        start = block * BLOCK_BYTES
+        data = retrying(self.path, fs.cat_file, p, start=start, end=min(start + BLOCK_BYTES, self.nbytes))
+        _count("store_bytes_fetched", len(data))
+        cache.put(self.key, block, data)
+        return data
+
+    def _part(self, block: int, lo: int, hi: int) -> bytes:
+        """Bytes ``[lo, hi)`` of ``block``: from the cache (a hit, also when a prefetch of it is under way), else
+        fetched now (a miss), which also starts the readahead of the next :data:`PREFETCH_BLOCKS`."""
+        cache, _ = _shared()
+        data = cache.get(self.key, block, lo, hi)
+        if data is not None:
+            _count("store_cache_hits")
+            return data
+        with self._ilock:
+            fut = self._inflight.get(block)
+        if fut is not None:  # being prefetched: wait for it rather than fetching twice
+            _count("store_cache_hits")
+            return fut.result()[lo:hi]
+        _count("store_cache_misses")
+        data = self._fetch(block)
+        last = (self.nbytes - 1) // BLOCK_BYTES
+        self._submit(range(block + 1, min(block + 1 + PREFETCH_BLOCKS, last + 1)))
+        return data[lo:hi]
+
+    def _submit(self, blocks) -> None:
+        """Fetch ``blocks`` in the background, those not cached nor already under way."""
+        cache, pool = _shared()
+        for b in blocks:
+            with self._ilock:
+                if b in self._inflight or cache.path(self.key, b).exists():
+                    continue
+                fut = pool.submit(self._fetch, b)
+                self._inflight[b] = fut
+            fut.add_done_callback(lambda _, b=b: self._drop(b))
+
+    def prefetch(self, a: int, b: int) -> None:
+        """Fetch the blocks holding elements ``[a, b)`` in the background (the windows of the next batch)."""
+        lo, hi = a * self.dtype.itemsize, b * self.dtype.itemsize
+        if hi > lo:
+            self._submit(range(lo // BLOCK_BYTES, (hi - 1) // BLOCK_BYTES + 1))
+
+    def _drop(self, block: int) -> None:
+        with self._ilock:
+            self._inflight.pop(block, None)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, key) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            return np.asarray(self)[key]
+        a, b, _ = key.indices(self.size)
+        if b <= a:
+            return np.zeros(0, dtype=self.dtype)
+        lo, hi = a * self.dtype.itemsize, b * self.dtype.itemsize
+        parts = [self._part(k, max(lo - k * BLOCK_BYTES, 0), min(hi - k * BLOCK_BYTES, BLOCK_BYTES))
+                 for k in range(lo // BLOCK_BYTES, (hi - 1) // BLOCK_BYTES + 1)]
+        return np.frombuffer(b"".join(parts), dtype=self.dtype)
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self[0:self.size]
+        return arr.astype(dtype) if dtype is not None else arr
+
+    def max(self):
+        return np.asarray(self).max()
+
+
+def open_array(path, dtype) -> np.ndarray | RemoteArray:
+    """File ``path`` as a read-only 1-D array of ``dtype``: ``np.memmap`` locally, a :class:`RemoteArray`
+    for a URL (range reads through the cache). An empty file gives an empty array."""
+    size, version = stat(path)
+    if size == 0:
+        return np.zeros(0, dtype=dtype)
+    if not is_remote(path):
+        return np.memmap(path, dtype=dtype, mode="r")
+    return RemoteArray(str(path), dtype, size, version)
+
+
+def sha256(path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of file ``path``'s bytes. Remote: one streaming read of whole blocks, which also fill the
+    cache; the digest is remembered in the cache under the object's ETag, so asking again reads nothing.
+
+    Raises: ReadRefused (a local non-regular file); FileNotFoundError; StoreUnavailable."""
+    if not is_remote(path):
+        h = hashlib.sha256()
+        with open_regular(path) as f:
+            while b := f.read(chunk):
+                h.update(b)
+        return h.hexdigest()
+    size, version = stat(path)
+    key = cache_key(path, version)
+    known = cache_dir() / "sha256" / key
+    if known.is_file():
+        return known.read_text().strip()
+    arr = RemoteArray(str(path), np.uint8, size, version)
+    h = hashlib.sha256()
+    for block in range((size + BLOCK_BYTES - 1) // BLOCK_BYTES):
+        h.update(arr._fetch(block))
+    digest = h.hexdigest()
+    atomic_write_bytes(known, digest.encode())
+    return digest
+
+
+# --------------------------------------------------------------------------------------------------
+# Writes and trees
+# --------------------------------------------------------------------------------------------------
+
+def write_bytes(path, data: bytes) -> None:
+    """Write file ``path`` whole: atomically locally (:func:`densetrain.fileio.atomic_write_bytes`); remotely
+    one PUT, which an object store makes visible whole or not at all."""
+    if not is_remote(path):
+        atomic_write_bytes(Path(path), data)
+        return
+    fs, p = _fs(path)
+    retrying(str(path), fs.pipe_file, p, data)
+
+
+def put_tree(local: Path, target, last: tuple[str, ...] = ()) -> None:
+    """Copy folder ``local`` (recursively; not its hidden folders nor temp files) to ``target`` (a URL or a local
+    folder), the files named in ``last``
+    (at any depth) after all others, in that order, so their presence means the rest is there.
+
+    Raises: StoreUnavailable; OSError."""
+    local = Path(local)
+    # Not: temp files of killed writers (.NAME.tmpPID), hidden folders (a prepare's .decontam cache). DCP's
+    # .metadata is a hidden file and goes.
+    files = sorted(p for p in local.rglob("*") if p.is_file() and not re.fullmatch(r"\..+\.tmp\d+", p.name)
+                   and not any(d.startswith(".") for d in p.relative_to(local).parts[:-1]))
+    ordered = [f for f in files if f.name not in last] + sorted(
+        (f for f in files if f.name in last), key=lambda f: (last.index(f.name), -len(f.parts)))
+    for f in ordered:
+        dest = join(target, *f.relative_to(local).parts)
+        if is_remote(target):
+            fs, p = _fs(dest)
+            retrying(dest, fs.put_file, str(f), p)
+        else:
+            atomic_write_bytes(Path(dest), f.read_bytes())
+
+
+def get_tree(source, local: Path) -> None:
+    """Copy folder ``source`` (recursively) into the local folder ``local``. Raises: StoreUnavailable; OSError."""
+    local = Path(local)
+    if not is_remote(source):
+        shutil.copytree(source, local, dirs_exist_ok=True)
+        return
+    fs, p = _fs(source)
+    for f in retrying(str(source), fs.find, p):
+        rel = f[len(p):].strip("/")
+        dest = local / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        retrying(f, fs.get_file, f, str(dest))
+        _count("store_bytes_fetched", dest.stat().st_size)
+
+
+def remove_tree(path) -> None:
+    """Delete folder ``path`` and everything under it (nothing when it does not exist)."""
+    if not is_remote(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    fs, p = _fs(path)
+    with contextlib.suppress(FileNotFoundError):
+        retrying(str(path), fs.rm, p, recursive=True)
+
+
+def staging_dir(target) -> Path:
+    """A local folder to write ``target``'s files into before :func:`publish`: ``target`` itself when local; for a
+    URL a folder in the cache (kept, so that a second run finds what the first one wrote)."""
+    if not is_remote(target):
+        return Path(target)
+    return cache_dir() / "staging" / cache_key(target, "staged")
+
+
+def publish(local: Path, target, last: tuple[str, ...] = ()) -> None:
+    """Upload :func:`staging_dir` ``local`` to ``target`` (:func:`put_tree`, ``last`` files last); nothing when
+    ``target`` is local (the files are already there). Raises: StoreUnavailable; OSError."""
+    if is_remote(target):
+        put_tree(local, target, last)

@@ -1,0 +1,249 @@
+"""Object storage end to end against a real S3-compatible server (moto's standalone server over HTTP on
+localhost, behind a fault-injecting TCP proxy; tests/store_server.py), through s3fs as a user's S3:
+
+- ``prepare`` writes shards to ``s3://``; the streams read from the URL hold the same tokens as the local
+  ones, by range reads through the bounded cache, each shard's sha256 checked once per object version.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from store_server import FaultProxy, environ_restore, environ_set, free_port, make_bucket, s3_env, start_moto
+from test_resume import finish, fresh, trajectory
+from test_resume import start as start_train
+
+from densetrain import storage
+from densetrain.checkpoint import list_complete, mirror
+from densetrain.cli import main
+from densetrain.data.streams import open_streams
+from densetrain.errors import EXIT_PREEMPTED
+from densetrain.metrics import read_events, read_metrics
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """(proxy, bucket URL): moto on a free port, the proxy in front (for the training processes, :func:`start`);
+    this process talks to moto directly (its polls must not meet the faults)."""
+    port, cache = free_port(), tmp_path_factory.mktemp("store_cache")
+    server = start_moto(port, cache.parent / "moto.log")
+    proxy = FaultProxy(port)
+    old = environ_set(s3_env(f"http://127.0.0.1:{port}", str(cache)))
+    storage._fs_cache.clear()
+    make_bucket("densetrain-test")
+    yield proxy, "s3://densetrain-test"
+    environ_restore(old)
+    storage._fs_cache.clear()
+    proxy.close()
+    server.kill()
+    server.wait()
+
+
+@pytest.fixture(scope="module")
+def remote_shards(store, tmp_path_factory, prepared):
+    """The stdlib sources of conftest's ``prepared`` prepared again, straight to ``s3://.../shards``."""
+    from densetrain.data.prepare import prepare
+
+    _, make = prepared
+    url = f"{store[1]}/shards"
+    cfg = make(tmp_path_factory.mktemp("remote_prep"))
+    cfg.data.shards_dir = url
+    prepare(cfg)
+    return url
+
+
+def test_prepare_writes_to_s3_and_training_reads_the_same_tokens(store, remote_shards, prepared, tmp_path):
+    _, make = prepared
+    local_cfg = make(tmp_path)
+    remote_cfg = make(tmp_path)
+    remote_cfg.data.shards_dir = remote_shards
+    assert storage.isfile(f"{remote_shards}/manifest.json") and storage.isfile(f"{remote_shards}/tokenizer.json")
+    local, remote = open_streams(local_cfg, "train"), open_streams(remote_cfg, "train")
+    assert set(local) == set(remote) and all(len(local[k]) == len(remote[k]) for k in local)
+    assert all(isinstance(f, str) and f.startswith("s3://") for s in remote.values() for f in s.files)
+    before = dict(storage.counters)
+    for name, stream in local.items():
+        n = len(stream)
+        for at in (0, 1, n // 3, n - 65):
+            assert np.array_equal(stream.read(at, 65), remote[name].read(at, 65))
+    hits = storage.counters["store_cache_hits"] - before["store_cache_hits"]
+    misses = storage.counters["store_cache_misses"] - before["store_cache_misses"]
+    assert hits == 4 * len(local) and misses == 0  # the sha256 pass at open filled the cache
+
+
+
+def test_store_faults_are_retried_and_counted_and_an_outage_is_one_line(store, monkeypatch):
+    proxy, bucket = store
+    storage.write_bytes(f"{bucket}/faults/blob", b"x" * 1000)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    monkeypatch.setattr(storage, "_fs_cache", {})  # a client of the proxy's endpoint
+    before = storage.counters["store_retries"]
+    proxy.fail_next(["503", "503", "503"])
+    assert storage.read_bytes(f"{bucket}/faults/blob", 1 << 20) == b"x" * 1000
+    assert storage.counters["store_retries"] - before == 3
+    with pytest.raises(FileNotFoundError):  # not retried: a missing object is not an outage
+        storage.read_bytes(f"{bucket}/faults/none", 1 << 20)
+    assert storage.counters["store_retries"] - before == 3
+    monkeypatch.setenv("DENSETRAIN_STORE_RETRY_S", "2")
+    proxy.faulty("503", 60)
+    try:
+        with pytest.raises(storage.StoreUnavailable) as e:
+            storage.read_bytes(f"{bucket}/faults/blob", 1 << 20)
+    finally:
+        proxy.faulty("pass", 0)
+    assert str(e.value).startswith(f"{bucket}/faults/blob: the object store did not answer for ") and \
+        "(DENSETRAIN_STORE_RETRY_S=2; last error" in str(e.value) and "\n" not in str(e.value)
+    assert "testing" not in str(e.value)  # the credentials are never in a message
+
+
+def test_range_reads_through_a_bounded_cache(store, tmp_path, monkeypatch):
+    _, bucket = store
+    data = np.random.default_rng(0).integers(0, 65535, 3 << 20, dtype=np.uint16)  # 6 MiB: 6 blocks
+    storage.write_bytes(f"{bucket}/bounded/a.ds", data.tobytes())
+    monkeypatch.setenv("DENSETRAIN_STORE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DENSETRAIN_STORE_CACHE_MIB", "3")
+    monkeypatch.setattr(storage, "_cache", None)
+    arr = storage.open_array(f"{bucket}/bounded/a.ds", np.uint16)
+    misses = storage.counters["store_cache_misses"]
+    assert np.array_equal(arr[1000:1100], data[1000:1100])  # a window: one 1 MiB block now, the next ones behind
+    assert storage.counters["store_cache_misses"] - misses == 1
+    for a in (5 << 19, (3 << 20) - 7, 123_456):  # across blocks, the last tokens, the first block again
+        assert np.array_equal(arr[a - 300:a], data[a - 300:a])
+    assert np.array_equal(np.asarray(arr), data)  # every block, more than the cache holds
+    storage._shared()[1].shutdown(wait=True)  # the readahead done (a new pool is made on the next use)
+    monkeypatch.setattr(storage, "_pool", None)
+    held = sum(f.stat().st_size for f in (tmp_path / "cache" / "blocks").rglob("*") if f.is_file())
+    assert 0 < held <= 3 << 20
+
+
+def test_a_read_that_fails_leaves_the_sampler_where_it_was(remote_shards, prepared, tmp_path, monkeypatch):
+    from densetrain.data.mixture import MixtureSampler
+
+    _, make = prepared
+    cfg = make(tmp_path)
+    cfg.data.shards_dir = remote_shards
+    streams = open_streams(cfg, "train")
+    sampler = MixtureSampler(streams)
+    sampler.next_samples(4, "main", {"email": 0.5, "json": 0.5}, 32, shuffle_seed=1)
+    state = sampler.state_dict()
+
+    def down(*a, **k):
+        raise storage.StoreUnavailable("s3://...: the object store did not answer")
+
+    for stream in streams.values():
+        monkeypatch.setattr(stream, "read", down)
+    with pytest.raises(storage.StoreUnavailable):
+        sampler.next_samples(4, "main", {"email": 0.5, "json": 0.5}, 32, shuffle_seed=1)
+    assert sampler.state_dict() == state  # the batch a failed read could not give is drawn again later
+
+
+def test_async_saves_upload_in_the_background(store, remote_shards, prepared, tmp_path):
+    from densetrain.train import train
+
+    _, make = prepared
+    url = f"{store[1]}/async/checkpoints"
+    cfg = make(tmp_path, **{**OV, "train.resume": "", "checkpoint.async_save": True, "checkpoint.every": 1,
+                            "data.shards_dir": remote_shards, "checkpoint.dir": url})
+    train(cfg)
+    run = Path(cfg.train.run_dir)
+    assert _remote_steps(url) == [7, 8] and [s for s, _ in list_complete(run)] == [7, 8]
+    uploads = [e for e in read_events(run) if e.get("action") == "uploaded"]
+    assert [e["step"] for e in uploads] == list(range(1, 9))  # each one, the last one waited for
+
+# ------------------------------------------------------------------------------------------------------
+# A 2-rank run whose shards and checkpoints live only in the store: kill -9 mid-upload, an outage, resume
+# ------------------------------------------------------------------------------------------------------
+
+OV = {"train.steps": 8, "checkpoint.every": 2, "checkpoint.keep": 2, "eval.every": 0, "logging.tensorboard": False,
+      "watchdog.every": 0, "probe.every": 0, "train.device": "cpu", "train.resume": "auto"}
+SLOW = [{"kind": "slow_rank", "step": 0, "rank": 0, "ms": 300}]  # only sleeps: the trajectory is unchanged
+
+
+def start(argv: list[str], proxy: FaultProxy) -> list:
+    """``densetrain train ARGV`` as two gloo ranks whose store is reached through ``proxy``."""
+    old = environ_set({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"})
+    try:
+        return start_train(argv, world=2)
+    finally:
+        environ_restore(old)
+
+
+def _wait(cond, procs, what: str, timeout: float = 120) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert all(p.poll() is None for p in procs), (what, [p.communicate()[1][-3000:] for p in procs])
+        assert time.monotonic() - t0 < timeout, what
+        time.sleep(0.1)
+
+
+def _remote_steps(url) -> list[int]:
+    return [s for s, _ in mirror.remote_complete(url)]
+
+
+def test_two_ranks_from_the_store_survive_kill_and_outage_and_resume_bitwise(store, remote_shards, prepared,
+                                                                            tmp_path):
+    proxy, bucket = store
+    _, make = prepared
+    ref_cfg = make(tmp_path / "ref", **OV, **{"data.shards_dir": remote_shards}, faults=SLOW)
+    res = finish(start(fresh(ref_cfg, tmp_path), proxy))
+    assert [rc for rc, _ in res] == [0, 0], [e[-3000:] for _, e in res]
+    want = trajectory(Path(ref_cfg.train.run_dir))
+    assert sorted(want) == list(range(1, 9))
+
+    url = f"{bucket}/run/checkpoints"
+    cfg = make(tmp_path / "run", **OV, **{"data.shards_dir": remote_shards, "checkpoint.dir": url}, faults=SLOW)
+    run, argv = Path(cfg.train.run_dir), fresh(cfg, tmp_path)
+    procs = start(argv, proxy)
+    # Short outages during step 4's upload (three 503 SlowDown answers, two reset connections): retried, counted.
+    _wait(lambda: _remote_steps(url) == [2], procs, "step 2 uploaded")
+    base = proxy.faults
+    proxy.fail_next(["503", "503", "503", "reset", "reset"])
+    uploaded = lambda: [e for e in read_events(run) if e.get("action") == "uploaded" and e["step"] == 4]  # noqa: E731
+    _wait(uploaded, procs, "step 4 uploaded")
+    (up4,) = uploaded()
+    assert _remote_steps(url) == [2, 4]
+    # Each 503 is one retry of ours; a reset of a pooled idle connection may be retried by the HTTP client
+    # itself (aiohttp reconnects once) before our layer sees it.
+    assert proxy.faults - base == 5 and 4 <= up4["values"]["store_retries"] <= 5, up4
+    # kill -9 while step 6's upload hangs on a store that stopped answering
+    proxy.faulty("stall", 3600)
+    _wait(lambda: proxy.faults > base + 5, procs, "an upload of step 6 under way")
+    for p in procs:
+        p.kill()
+    finish(procs)
+    proxy.faulty("pass", 0)
+    assert _remote_steps(url) == [2, 4]  # step 6 not listed: its marker never came
+    shutil.rmtree(run / "checkpoints")  # the run directory's copies are gone: the resume reads the store
+
+    # The same command resumes from the store's step 4; an outage of its writes longer than the retry budget
+    # (503 SlowDown to every upload) at step 6's upload stops it there with 75, the checkpoint on local disk only.
+    proxy.faulty("503", 3600, only=b"PUT")
+    res = finish(start(argv, proxy))
+    proxy.faulty("pass", 0)
+    assert [rc for rc, _ in res] == [EXIT_PREEMPTED] * 2, [e[-3000:] for _, e in res]
+    last = res[0][1].strip().splitlines()[-1]
+    assert last == (f"densetrain: stopped by an outage of {url} after step 6 (checkpoint step_00000006 written to "
+                    f"local disk only, not uploaded); continue with: densetrain train --resume {run}"), last
+    assert [s for s, _ in list_complete(run)] == [4, 6] and _remote_steps(url) == [2, 4]
+
+    res = finish(start(argv, proxy))  # the store is back: the same command finishes the run
+    assert [rc for rc, _ in res] == [0, 0], [e[-3000:] for _, e in res]
+    assert trajectory(run) == want
+    last = [r for r in read_metrics(run) if r["kind"] == "train"][-1]
+    assert last["store_cache_hits"] > 0 and last["store_retries"] == 0  # counted in the metrics (rank 0)
+    assert _remote_steps(url) == [6, 8]  # retention (keep 2) in the store too
+
+    # eval and export of the URL equal those of the run directory's own step 8
+    assert main(["eval", url]) == 0
+    assert main(["eval", str(run / "checkpoints" / "step_00000008")]) == 0
+    (copy,) = (storage.cache_dir() / "runs").glob("*/evals/step_00000008.json")
+    assert json.loads(copy.read_text())["val"] == json.loads((run / "evals" / "step_00000008.json").read_text())["val"]
+    assert main(["export", f"{url}/step_00000008", str(tmp_path / "hf_remote")]) == 0
+    assert main(["export", str(run / "checkpoints" / "step_00000008"), str(tmp_path / "hf_local")]) == 0
+    assert (tmp_path / "hf_remote" / "model.safetensors").read_bytes() == \
+        (tmp_path / "hf_local" / "model.safetensors").read_bytes()
