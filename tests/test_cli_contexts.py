@@ -1,12 +1,13 @@
 """Every flag acts or is refused in its context (issue 44 item 8): ``train --world-size 2`` or ``--rank 1``
-without ``--dry-run`` trained one process with exit 0. One row per flag of ``cli.FLAG_CONTEXTS``: the
+without ``--dry-run`` trained one process with exit 0. One row per flag of ``tools.contexts.FLAG_CONTEXTS``: the
 refusal is one line naming the flag and its value, before any work (no run directory is made)."""
 
 from __future__ import annotations
 
 import pytest
 
-from densetrain.cli import FLAG_CONTEXTS, main
+from densetrain.cli import main
+from densetrain.tools.contexts import FLAG_CONTEXTS
 
 CASES = [  # (argv after the command's own path arguments, the line's start after 'densetrain: error: ')
     (["train", "--world-size", "2"], "--world-size 2: acts only with --dry-run"),
