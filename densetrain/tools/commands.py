@@ -157,7 +157,7 @@ def _layout_plan(args: argparse.Namespace) -> int:
     from densetrain.cost import load_hardware
     from densetrain.errors import ConfigError
     from densetrain.tools.plan import format_layout_plan, gpu_cost, layout_plan, nearest_preset
-    from densetrain.tools.plan.report import layout_plan_json
+    from densetrain.tools.plan.report import layout_plan_json, refusals
 
     if args.gpus is None:
         return _error("the memory plan needs --gpus (and --gpu-memory-gib, else the --hardware profile's memory)")
@@ -180,30 +180,31 @@ def _layout_plan(args: argparse.Namespace) -> int:
     except (ValueError, ConfigError) as e:
         return _error(str(e))
     if args.json:
-        print(json_text(layout_plan_json(res), indent=1, default=str))
+        print(json_text(layout_plan_json(res), indent=1, default=str), flush=True)
     else:
-        print(note + format_layout_plan(res) + _unfit_note(cfg, args.gpus))
-    return 0
+        print(note + format_layout_plan(res), flush=True)
+    return _refuse(refusals(res))
 
 
-def _unfit_note(cfg, gpus: int) -> str:
-    """A last line when the configured ``[parallel]`` degrees are no layout of ``gpus`` processes (the plan
-    lists the configured layout's verdict only when it is one), else ''."""
-    from densetrain.parallel.mesh import resolve_layout
-
-    p = cfg.parallel
-    try:
-        resolve_layout(p.dp_replicate, p.dp_shard, p.tp, gpus, p.cp, p.pp)
-    except ValueError as e:
-        return f"\nconfigured layout: {e}"
-    return ""
+def _refuse(reasons: list[str]) -> int:
+    """After a plan is printed: each reason it cannot run as configured on its own ``densetrain: error:`` line,
+    and exit status 2; 0 without any."""
+    for why in reasons:
+        _error(why)
+    return 2 if reasons else 0
 
 
-def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, ranks: str | None = None) -> int:
+def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, ranks: str | None = None,
+                  gpu_memory_gib: float | None = None) -> int:
     """``densetrain train --dry-run``: the memory and layout plan of ``cfg`` for this launch (``world_size``,
-    else ``WORLD_SIZE`` GPUs, this GPU's memory, or 80 GiB without one), from the model built on the meta
-    device; no data is read and no process group is created. With ``rank`` / ``ranks`` (``'0,517,-1'``):
-    those ranks of the job, each built on a fake process group (:mod:`densetrain.tools.plan.rank`) instead."""
+    else ``WORLD_SIZE`` GPUs; ``gpu_memory_gib``, else this GPU's memory, or 80 GiB without one), from the model
+    built on the meta device; no data is read and no process group is created. With ``rank`` / ``ranks``
+    (``'0,517,-1'``): those ranks of the job, each built on a fake process group
+    (:mod:`densetrain.tools.plan.rank`) instead.
+
+    Returns 2 after the plan (each reason on a ``densetrain: error:`` line) when a stage cannot run as
+    configured: no layout, its configured layout's checks or memory (the planner's usable budget of the
+    device), or, per rank, a stage the rank does not run or whose planned bytes exceed that budget."""
     import os
 
     import torch
@@ -212,7 +213,8 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
     from densetrain.parallel.stage_layout import stage_layouts
     from densetrain.schedule import resolve_stages
     from densetrain.tools.plan import format_layout_plan, layout_plan
-    from densetrain.tools.plan.rank import dry_run_rank, format_rank, parse_ranks, world_words
+    from densetrain.tools.plan.rank import dry_run_rank, format_rank, parse_ranks, rank_refusals, world_words
+    from densetrain.tools.plan.report import refusals
 
     if world_size is not None and world_size < 1:
         return _error(f"--world-size: expected a number of processes >= 1, got {world_size} "
@@ -229,16 +231,25 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
     except (ConfigError, ValueError) as e:
         return _error(str(e))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 8)
+    if gpu_memory_gib is not None:
+        mem, src = gpu_memory_gib, " (given)"
+    elif torch.cuda.is_available():
+        mem, src = torch.cuda.get_device_properties(0).total_memory / 1024**3, ""
+    else:
+        mem, src = 80.0, " (assumed: no GPU here; --gpu-memory-gib sets it)"
     if rank is not None or ranks:
+        reasons = []
         for r in parse_ranks(ranks or str(rank), gpus):
-            print(format_rank(dry_run_rank(cfg, gpus, r, per_node)), flush=True)
-        return 0
-    mem = torch.cuda.get_device_properties(0).total_memory / 1024**3 if torch.cuda.is_available() else 80.0
+            built = dry_run_rank(cfg, gpus, r, per_node)
+            print(format_rank(built), flush=True)
+            reasons += rank_refusals(built, mem)
+        return _refuse(reasons)
     res = layout_plan(cfg, gpus, mem, mixed_precision=cfg.train.dtype != "fp32")
-    if os.environ.get("RANK", "0") == "0":
-        print(f"dry run: {gpus} process(es), {mem:.0f} GiB per GPU{'' if torch.cuda.is_available() else ' (assumed)'}")
-        print(format_layout_plan(res) + (f"\nconfigured layout: {why}" if why else ""))
-    return 0
+    if os.environ.get("RANK", "0") != "0":  # rank 0 prints the plan and the reasons, once for the job
+        return 2 if refusals(res) else 0
+    print(f"dry run: {gpus} process(es), {mem:g} GiB per GPU{src}")
+    print(format_layout_plan(res) + (f"\nconfigured layout: {why}" if why else ""), flush=True)
+    return _refuse(refusals(res))
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:

@@ -19,6 +19,7 @@ from densetrain.tools.plan.memory import (
     p2p_bytes,
     pipeline_fit,
 )
+from densetrain.tools.plan.verdict import configured_stages
 
 LOW_MFU = 0.10
 """A stage whose best layout is predicted below this MFU gets a warning."""
@@ -107,7 +108,9 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
         that run it, fastest first), ``rejected`` (count by reason)), ``layouts`` (per candidate: ``layout``,
         ``schedule``, ``virtual``, per stage ``{"ac", "bytes", "fits", "reason", "kind", "time"}``,
         ``runs_all``, ``days``), ``suggested``, ``running``, ``days``, ``seconds``, ``tokens``, ``warnings``,
-        ``configured``, ``published``, ``usable_bytes``.
+        ``configured`` ([parallel]'s layout, None when it does not resolve), ``configured_stages`` (each stage on
+        its own configured layout: :func:`~densetrain.tools.plan.verdict.configured_stages`), ``published``,
+        ``usable_bytes``.
     Raises:
         ValueError: non-positive gpus or memory. ConfigError: an unreadable hardware profile.
     """
@@ -175,6 +178,7 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
             "suggested": ok[0] if ok else None, "running": ok, "configured": configured,
             "seconds": days * 86400 if days is not None else None, "days": days, "warnings": warnings,
             "tokens": sum(r["tokens"] for r in rows), "mixed_precision": mixed_precision,
+            "configured_stages": configured_stages(cfg, gpus, counts, usable, mixed_precision),
             "published": published_layout(cfg, rows, counts, gpus, usable, hw, preset, mixed_precision),
             "logit_bytes_per_token": ((2 if mixed_precision else 4) + 4) * m.vocab_size}
 

@@ -19,7 +19,7 @@ from densetrain.parallel.mesh import resolve_layout
 from densetrain.parallel.parallelize import build_parallel_model
 from densetrain.parallel.pipeline import rank_stages
 from densetrain.parallel.stage_layout import stage_layouts
-from densetrain.tools.plan.memory import GIB, layout_memory, model_counts, pipeline_fit
+from densetrain.tools.plan.memory import GIB, RESERVED_GIB, USABLE_FRACTION, layout_memory, model_counts, pipeline_fit
 from densetrain.train.setup import layout_words
 
 
@@ -154,6 +154,21 @@ def dry_run_rank(cfg, world: int, rank: int, gpus_per_node: int = 8) -> dict:
             "embedding": model.tok_embeddings is not None, "head": model.output is not None,
             "shards": shards, "params_bytes": padded, "unpadded_bytes": 4 * local, "grads_bytes": 4 * local,
             "optim_bytes": 8 * local, "groups": groups, "gpus_per_node": gpus_per_node, "planned": planned}
+
+
+def rank_refusals(r: dict, gpu_memory_gib: float) -> list[str]:
+    """Why rank ``r`` (:func:`dry_run_rank`'s result) cannot run a stage, one line each: a stage its layout does
+    not run, and a stage whose planned bytes exceed the device's usable memory (the planner's budget:
+    ``USABLE_FRACTION`` of ``gpu_memory_gib`` less ``RESERVED_GIB``, :mod:`~densetrain.tools.plan.memory`)."""
+    usable = USABLE_FRACTION * gpu_memory_gib - RESERVED_GIB
+    out = []
+    for stage, m in r["planned"].items():
+        if "error" in m:
+            out.append(f"rank {r['rank']}, stage '{stage}': does not run: {m['error']}")
+        elif m["total"] / GIB > usable:
+            out.append(f"rank {r['rank']}, stage '{stage}': needs {m['total'] / GIB:.2f} GiB, over the device's "
+                       f"{gpu_memory_gib:g} GiB ({usable:.1f} GiB usable)")
+    return out
 
 
 def _runs(ids: list[int]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from densetrain.tools.plan.memory import GIB
+from densetrain.tools.plan.verdict import format_configured
 
 
 def human(x: float) -> str:
@@ -195,23 +196,37 @@ def format_layout_plan(r: dict, others: int = 4) -> str:
             if x["fits"] and s["time"] else f"{s['name']} does NOT run: {x['reason']}"
             for s, x in zip(r["stages"], pub["stages"])))
             + (f"; {_days(pub['days'])} days" if pub["days"] else ""))
-    if r["configured"] is not None:
-        conf = [x for x in r["layouts"] if x["layout"] == r["configured"]]
-        runs = [x for x in conf if x["runs_all"]]
-        verdict = ("not among the candidates" if not conf else
-                   f"runs every stage, {_days(min(x['days'] for x in runs))} days at its best schedule" if runs
-                   else "does NOT run every stage")
-        lines.append(f"configured layout ({r['configured']}): {verdict}")
+    lines += format_configured(r["configured_stages"])
     lines += [f"warning: {w}" for w in r["warnings"]]
-    lines += [why for i in range(len(r["stages"])) if (why := _shortfall(r, i))]
+    lines += [why for i in range(len(r["stages"])) if (why := _no_layout(r, i))]
     return "\n".join(lines)
+
+
+def _no_layout(r: dict, i: int) -> str | None:
+    """Why no layout of the plan runs stage ``i``: what is short in memory (:func:`_shortfall`), else the rejected
+    candidates counted by reason; None when some layout runs it."""
+    s = r["stages"][i]
+    if s["ranked"]:
+        return None
+    counts = ", ".join(f"{n} {k}" for k, n in s["rejected"].most_common())
+    return _shortfall(r, i) or f"stage '{s['name']}': no layout of {r['gpus']} GPUs runs it (rejected: {counts})"
+
+
+def refusals(r: dict) -> list[str]:
+    """Why the plan cannot run as configured, one line each: a stage no layout of the GPUs runs, and a stage its
+    configured layout (its own or ``[parallel]``) does not run; empty when every stage runs on its layout. The
+    commands print the plan, then these, and exit non-zero when there are any."""
+    out = [why for i in range(len(r["stages"])) if (why := _no_layout(r, i))]
+    return out + [c["reason"] for c in r["configured_stages"] if not c["runs"]]
 
 
 def layout_plan_json(r: dict) -> dict:
     """The part of a :func:`layout_plan` result a script needs: per stage ``name, seq_len, layout`` (degrees,
     schedule, virtual stages), ``ac, step_s, parts, mfu, tokens_per_sec_per_gpu, memory_gib, days`` (None where
-    no layout runs it), and the run's ``days``, ``gpus``, ``hardware``, ``warnings``, ``suggested`` (one layout
-    for every stage)."""
+    no layout runs it), ``reason`` (why no layout runs it, else None), ``configured`` (its configured layout:
+    ``layout, own, runs, reason, memory_gib``), and the run's ``days``, ``gpus``, ``hardware``, ``warnings``,
+    ``suggested`` (one layout for every stage), ``refusals`` (:func:`refusals`: non-empty, the command exits
+    non-zero)."""
     def lay(x):
         return {**dataclasses.asdict(x["layout"]), "schedule": x["schedule"], "virtual": x["virtual"]}
 
@@ -219,7 +234,8 @@ def layout_plan_json(r: dict) -> dict:
     for i, s in enumerate(r["stages"]):
         out = {"name": s["name"], "seq_len": s["seq_len"], "batch": s["batch"], "steps": s["steps"],
                "layout": None, "ac": None, "step_s": None, "parts": None, "mfu": None,
-               "tokens_per_sec_per_gpu": None, "memory_gib": None, "days": None}
+               "tokens_per_sec_per_gpu": None, "memory_gib": None, "days": None, "reason": _no_layout(r, i),
+               "configured": r["configured_stages"][i]}
         if s["ranked"]:
             x, t = s["ranked"][0], s["time"]
             out.update(layout=lay(x), ac=x["stages"][i]["ac"], step_s=t["step_s"], parts=t["parts"], mfu=t["mfu"],
@@ -228,5 +244,5 @@ def layout_plan_json(r: dict) -> dict:
         stages.append(out)
     sug = r["suggested"]
     return {"gpus": r["gpus"], "hardware": dataclasses.asdict(r["hardware"]), "stages": stages, "days": r["days"],
-            "tokens": r["tokens"], "warnings": r["warnings"],
+            "tokens": r["tokens"], "warnings": r["warnings"], "refusals": refusals(r),
             "suggested": {"layout": lay(sug), "days": sug["days"]} if sug else None, "cost": r.get("cost")}
