@@ -64,8 +64,10 @@ def test_a_world_size_that_does_not_divide_the_layout_names_the_nearest(capsys, 
 
 def test_dry_run_plan_without_a_world_size_says_it_is_one_process(capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert main(["train", "--preset", "tiny", "--dry-run", "--parallel.tp=2"]) == 0
-    out = capsys.readouterr().out
+    assert main(["train", "--preset", "tiny", "--dry-run", "--parallel.tp=2"]) == 2  # it cannot run as one process
+    cap = capsys.readouterr()
+    out = cap.out
+    assert "densetrain: error: stage 'main' ([parallel]): " in cap.err
     line = next(x for x in out.splitlines() if x.startswith("configured layout"))
     assert "does not divide 1 process (no --world-size or WORLD_SIZE given" in line and "{" not in line
     assert "nearest world sizes that run it are 2" in line

@@ -189,11 +189,20 @@ def test_plan_cli_memory_mode(capsys):
     parser = argparse.ArgumentParser(prog="densetrain")
     add_subcommands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["plan", "--preset", "gpt2-124m", "--gpus", "8", "--gpu-memory-gib", "80"])
-    assert args.func(args) == 0
-    out = capsys.readouterr().out
-    # 8 DDP ranks x micro-batch 4 exceed the long_context stage's 16 sequences: tp 2 lets 4 ranks split it.
-    assert "do not split the batch" in out
-    assert "one layout for every stage: " in out
+    # 8 DDP ranks x micro-batch 4 exceed the long_context stage's 16 sequences: tp 2 lets 4 ranks split it. The
+    # configured layout (DDP 8; micro-batch 16 at the 8K stages' 64 sequences) runs no stage: the plan says so per
+    # stage after its suggestions, and exits 2.
+    assert args.func(args) == 2
+    cap = capsys.readouterr()
+    assert "do not split the batch" in cap.out
+    assert "one layout for every stage: " in cap.out
+    err = cap.err.strip().splitlines()
+    assert [x.split(":")[1].strip() for x in err] == ["error"] * 3, err
+    assert err[0].startswith("densetrain: error: stage 'main' ([parallel]): dp_replicate=8 dp_shard=1 tp=1 cannot "
+                             "run it: its batch of 64 sequences does not split into 8 data-parallel ranks x "
+                             "micro_batch_size 16"), err
+    assert "stage 'long_context' ([parallel]): dp_replicate=8 dp_shard=1 tp=1 cannot run it: its batch of 16 " in err[2]
+    assert "configured layout: does NOT run: stage 'anneal' ([parallel]): " in cap.out
     args = parser.parse_args(["plan", "--params", "1.2e9", "--tokens", "2.4e10", "--gpus", "8",
                               "--gpu-memory-gib", "40"])
     assert args.func(args) == 0
@@ -209,9 +218,13 @@ def test_train_dry_run_prints_the_plan_without_data(tmp_path):
     r = forked.run([sys.executable, "-m", "densetrain", "train", "--preset", "llama3-8b", "--dry-run",
                     "--train.run_dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120,
                    env={**__import__("os").environ, "WORLD_SIZE": "64"})
-    assert r.returncode == 0, r.stderr
-    assert "dry run: 64 process(es)" in r.stdout and "configured layout (dp_replicate=64 dp_shard=1 tp=1)" in r.stdout
+    # The preset's [parallel] (DDP: every rank holds the whole 8B model's state) needs 172.5 GiB a GPU at the 8K
+    # stages, over the 80 GiB assumed without a GPU: the plan is printed, then refused with status 2.
+    assert r.returncode == 2, r.stderr
+    assert "dry run: 64 process(es), 80 GiB per GPU (assumed" in r.stdout
     assert "stage 'main': seq_len 8192" in r.stdout and "one layout for every stage" in r.stdout
+    assert ("densetrain: error: stage 'main': dp_replicate=64 dp_shard=1 tp=1 needs 172.5 GiB per GPU with "
+            "activation checkpointing none, over the 72.6 GiB usable") in r.stderr
     assert not (tmp_path / "run").exists()
 
 

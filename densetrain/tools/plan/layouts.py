@@ -82,7 +82,8 @@ def schedules(lay, parallel, n_layers: int) -> list[tuple[str, int]]:
 
 def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: Hardware | str = "h100-sxm",
                 tokens: float | None = None, params: float | None = None, mixed_precision: bool = True,
-                sequence_parallel: bool = False, max_pp: int = 64, preset: str | None = None) -> dict:
+                sequence_parallel: bool = False, max_pp: int = 64, preset: str | None = None,
+                given: bool = True) -> dict:
     """Which layouts of ``gpus`` GPUs run each stage of ``cfg``, ranked by the predicted step time
     (:func:`densetrain.cost.step_time` on ``hardware``, a :class:`~densetrain.cost.Hardware` or a profile name /
     file); memory decides what fits (``gpu_memory_gib``, default the profile's).
@@ -100,7 +101,8 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
     ``tokens`` replaces the run's length (the stages keep their fractions); ``params`` replaces the parameter
     count for the static memory and scales the step time by the FLOPs per token (``6 params`` in place of the
     shape's ``6 N``; the shape, for activations and attention, stays that of ``cfg.model``).
-    ``preset``: for a published layout of it to evaluate beside (:data:`PUBLISHED`).
+    ``preset``: for a published layout of it to evaluate beside (:data:`PUBLISHED`). ``given``: whether ``gpus``
+    was given (else it is the one process of a plain dry run, as the configured layouts' verdict says).
 
     Returns:
         dict: ``model`` (counts), ``hardware``, ``stages`` (name, seq_len, batch, micro, steps, tokens, and from
@@ -178,7 +180,7 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
             "suggested": ok[0] if ok else None, "running": ok, "configured": configured,
             "seconds": days * 86400 if days is not None else None, "days": days, "warnings": warnings,
             "tokens": sum(r["tokens"] for r in rows), "mixed_precision": mixed_precision,
-            "configured_stages": configured_stages(cfg, gpus, counts, usable, mixed_precision),
+            "configured_stages": configured_stages(cfg, gpus, counts, usable, mixed_precision, given),
             "published": published_layout(cfg, rows, counts, gpus, usable, hw, preset, mixed_precision),
             "logit_bytes_per_token": ((2 if mixed_precision else 4) + 4) * m.vocab_size}
 

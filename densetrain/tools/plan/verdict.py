@@ -9,10 +9,13 @@ from __future__ import annotations
 from densetrain.errors import ConfigError
 from densetrain.parallel.stage_layout import stage_layouts
 from densetrain.tools.plan.memory import GIB, layout_memory, pipeline_fit
+from densetrain.tools.plan.rank import world_words
 
 
-def configured_stages(cfg, gpus: int, counts: dict, usable: float, mixed_precision: bool = True) -> list[dict]:
-    """Each stage of ``cfg`` on its configured layout of ``gpus`` ranks.
+def configured_stages(cfg, gpus: int, counts: dict, usable: float, mixed_precision: bool = True,
+                      given: bool = True) -> list[dict]:
+    """Each stage of ``cfg`` on its configured layout of ``gpus`` ranks (``given``: whether the number was given,
+    else it is the one process of a plain dry run, said so when ``[parallel]`` needs more).
 
     Args:
         counts: :func:`~densetrain.tools.plan.memory.model_counts` (scaled when ``plan --params`` is given).
@@ -33,8 +36,10 @@ def configured_stages(cfg, gpus: int, counts: dict, usable: float, mixed_precisi
         out.append(row)
         try:
             ((par, lay),) = stage_layouts(cfg, [st], gpus)
-        except ConfigError as e:  # a [parallel] error comes without the stage: say it
-            row["reason"] = str(e) if own else f"stage '{st.name}' ([parallel]): {e}"
+        except ConfigError as e:  # a [parallel] error comes without the stage: say it, with the nearest world sizes
+            named = own or str(e).startswith(f"stage '{st.name}'")  # the stage's check names it; [parallel]'s not
+            row["reason"] = str(e) if named else (f"stage '{st.name}' ([parallel]): "
+                                                  f"{world_words(cfg.parallel, gpus, given) or e}")
             continue
         row["layout"] = str(lay)
         pipe, why = pipeline_fit(lay, st.batch_size, st.micro_batch_size, par)
