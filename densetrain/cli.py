@@ -93,7 +93,7 @@ def cmd_train(cfg: Config, args: argparse.Namespace) -> int:
             resolve_stages(cfg)  # the stage table's checks, as training would run them first
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        return print_dry_run(cfg, args.world_size, args.rank, args.ranks)
+        return print_dry_run(cfg, args.world_size, args.rank, args.ranks, args.gpu_memory_gib)
     from densetrain.train import train
     from densetrain.train.rundir import end_attempt, stopped_job
 
@@ -421,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--rank", type=int, metavar="R", help="with --dry-run: build rank R of the job on a fake "
                             "process group (meta device) and print its stage, shards and bytes")
             sp.add_argument("--ranks", metavar="R,R,..", help="with --dry-run: as --rank for each (e.g. 0,517,-1)")
+            sp.add_argument("--gpu-memory-gib", type=float, metavar="GIB", help="with --dry-run: memory per GPU "
+                            "(default: this GPU's, else 80); a stage over it exits 2")
             sp.add_argument("--rollback-to", type=int, metavar="STEP", help="with --resume: set the checkpoints "
                             "after STEP aside (moved to RUN_DIR/checkpoints_set_aside) and continue from STEP")
             sp.add_argument("--skip-batches", type=int, default=0, metavar="N",

@@ -10,6 +10,7 @@ from densetrain.cli import main
 from densetrain.config import load_config
 from densetrain.tools.plan import layout_plan
 from densetrain.tools.plan.rank import dry_run_rank, parse_ranks
+from densetrain.tools.plan.report import layout_plan_json, refusals
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +64,19 @@ def test_the_405b_plan_finds_a_layout_and_prints_metas_beside(big):
         "pp=16 dp_replicate=1 dp_shard=8 cp=16 tp=8"]
     assert all(x["fits"] for x in pub["stages"]) and pub["days"] >= r["days"]  # the per-stage plan is the fastest
     assert any(x["layout"].pp > 1 for x in r["running"])  # pipelined layouts are searched and some run
+    # the configured layouts, each stage on its own (long_context: stages[2].parallel's cp 16 over [parallel]), run
+    assert [(c["layout"], c["own"], c["runs"]) for c in r["configured_stages"]] == [
+        ("pp=16 dp_replicate=1 dp_shard=128 tp=8", False, True)] * 2 + [
+        ("pp=16 dp_replicate=1 dp_shard=8 cp=16 tp=8", True, True)]
+    assert refusals(r) == []
+
+
+def test_the_405b_plan_on_8_gpus_gives_each_stage_its_reason_and_exits_2(big, capsys):
+    d = layout_plan_json(layout_plan(big, 8, 80, preset="llama3-405b"))
+    assert [s["reason"].split(" fits no layout")[0] for s in d["stages"]] == [
+        "stage 'main'", "stage 'anneal'", "stage 'long_context'"]
+    assert "shard them over more GPUs" in d["stages"][0]["reason"]
+    assert d["stages"][2]["configured"]["reason"] == ("stage 'long_context' (stages[2].parallel): parallel.pp (16) "
+                                                      "must divide the world size 8")
+    assert len(d["refusals"]) == 6 and "warnings" in d
+    assert main(["plan", "--preset", "llama3-405b", "--gpus", "8", "--json"]) == 2

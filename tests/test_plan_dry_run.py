@@ -71,3 +71,77 @@ def test_dry_run_plan_without_a_world_size_says_it_is_one_process(capsys, monkey
     line = next(x for x in out.splitlines() if x.startswith("configured layout"))
     assert "does not divide 1 process (no --world-size or WORLD_SIZE given" in line and "{" not in line
     assert "nearest world sizes that run it are 2" in line
+
+
+# Issue 40 item 4: plan and the dry run refuse, after printing the plan, what the configured layouts cannot run.
+
+_OWN_LAYOUT = """
+[eval]
+samples = 0
+final_tasks = ""
+
+[[stages]]
+name = "main"
+start = 0.0
+
+[[stages]]
+name = "anneal"
+start = 0.85
+
+[[stages]]
+name = "long_context"
+start = 0.95
+seq_len = 1024
+parallel = { pp = 4, dp_replicate = 1 }
+"""
+
+
+def test_plan_judges_each_stage_on_its_own_layout(capsys, tmp_path):
+    path = tmp_path / "own.toml"
+    path.write_text(_OWN_LAYOUT)
+    assert main(["plan", "--preset", "tiny", "--config", str(path), "--gpus", "2"]) == 2
+    cap = capsys.readouterr()
+    assert "configured layout of stage 'main' ([parallel], dp_replicate=2 dp_shard=1 tp=1): runs" in cap.out
+    assert cap.err.strip().splitlines() == [
+        "densetrain: error: stage 'long_context' (stages[2].parallel): parallel.pp (4) must divide the world size 2"]
+    assert main(["plan", "--preset", "tiny", "--config", str(path), "--gpus", "2", "--json"]) == 2
+    import json
+
+    d = json.loads(capsys.readouterr().out)
+    assert [s["configured"]["runs"] for s in d["stages"]] == [True, True, False]
+    assert d["refusals"] == ["stage 'long_context' (stages[2].parallel): parallel.pp (4) must divide the world size 2"]
+
+
+def test_plan_refuses_as_the_dry_run_does_a_pipeline_with_too_few_micro_batches(capsys):
+    flags = ["--parallel.pp=2", "--parallel.dp_replicate=1", "--train.batch_size=4", "--train.micro_batch_size=4",
+             "--eval.samples=0", "--eval.final_tasks="]
+    assert main(["train", "--preset", "tiny", "--dry-run", "--world-size", "2", *flags]) == 2
+    dry = capsys.readouterr().err.strip().splitlines()
+    assert main(["plan", "--preset", "tiny", "--gpus", "2", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and err[0] == dry[0].removesuffix(" (see densetrain train --help)"), (err, dry)
+    assert "stage 'main' ([parallel]): pp=2 dp_replicate=1 dp_shard=1 tp=1 cannot run it: parallel.pp (2) needs " \
+        "at least 2 micro-batches per rank and step; a rank has 1" in err[0]
+
+
+def test_a_rank_over_the_device_memory_exits_2_naming_the_stage(capsys):
+    cfg = _cfg(("parallel.dp_replicate", 1), ("parallel.dp_shard", -1))
+    need = dry_run_rank(cfg, 2, 0)["planned"]["main"]["total"] / 2**30
+    run = ["train", "--preset", "tiny", "--dry-run", "--world-size", "2", "--rank", "0", "--parallel.dp_replicate=1",
+           "--parallel.dp_shard=-1", "--eval.samples=0", "--eval.final_tasks="]
+    # usable = 0.92 x memory - 1 GiB (the planner's budget): a device just over the need runs, just under refuses
+    fits = (need + 1.0) / 0.92 * 1.001
+    assert main([*run, "--gpu-memory-gib", str(fits)]) == 0
+    capsys.readouterr()
+    assert main([*run, "--gpu-memory-gib", str(fits / 1.002)]) == 2
+    cap = capsys.readouterr()
+    assert "planned at stage 'main'" in cap.out  # the plan is printed before the refusal
+    assert f"densetrain: error: rank 0, stage 'main': needs {need:.2f} GiB, over the device's" in cap.err
+
+
+def test_the_8b_preset_on_8_ranks_refuses_its_ddp_rank(capsys):
+    # the review's case: every rank holds the whole 8B model's fp32 state and AdamW moments (DDP)
+    assert main(["train", "--preset", "llama3-8b", "--dry-run", "--world-size", "8", "--rank", "0",
+                 "--gpu-memory-gib", "80"]) == 2
+    err = capsys.readouterr().err
+    assert "rank 0, stage 'main': needs 172.53 GiB, over the device's 80 GiB (72.6 GiB usable)" in err

@@ -65,6 +65,8 @@ FLAG_CONTEXTS = (  # (command, flag, attribute, given, out of the context where 
      f"acts only with --dry-run (builds that rank of the job on a fake process group); {_TORCHRUN}"),
     ("train", "--ranks", "ranks", lambda a: a.ranks is not None, lambda a: not a.dry_run,
      f"acts only with --dry-run; {_TORCHRUN}"),
+    ("train", "--gpu-memory-gib", "gpu_memory_gib", lambda a: a.gpu_memory_gib is not None, lambda a: not a.dry_run,
+     "acts only with --dry-run (the memory a stage's rank may use)"),
     ("train", "--rank", "rank", lambda a: a.rank is not None, lambda a: a.ranks is not None,
      "given with --ranks, which would replace it: name every rank in --ranks"),
     ("train", "--stop-after", "stop_after", lambda a: a.stop_after is not None, lambda a: a.dry_run,
