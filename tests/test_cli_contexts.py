@@ -13,6 +13,7 @@ CASES = [  # (argv after the command's own path arguments, the line's start afte
     (["train", "--world-size", "2"], "--world-size 2: acts only with --dry-run"),
     (["train", "--rank", "1"], "--rank 1: acts only with --dry-run"),
     (["train", "--ranks", "0,1"], "--ranks 0,1: acts only with --dry-run"),
+    (["train", "--gpu-memory-gib", "40"], "--gpu-memory-gib 40.0: acts only with --dry-run"),
     (["train", "--dry-run", "--world-size", "4", "--rank", "1", "--ranks", "0,2"],
      "--rank 1: given with --ranks, which would replace it"),
     (["train", "--dry-run", "--stop-after", "3"], "--stop-after 3: a dry run takes no step"),

@@ -316,11 +316,13 @@ def test_layouts_that_keep_the_context_parallel_intent(given, cp, world, want):
 def test_plan_and_dry_run_take_parallel_overrides(capsys, monkeypatch):
     assert main(["plan", "--preset", "tiny", "--gpus", "4", "--gpu-memory-gib", "80", "--parallel.dp_replicate=1",
                  "--parallel.dp_shard=2", "--parallel.tp=2"]) == 0
-    assert "configured layout (dp_replicate=1 dp_shard=2 tp=2): runs every stage" in capsys.readouterr().out
+    out = capsys.readouterr().out  # each stage judged on its configured layout (tools/plan/verdict.py)
+    assert "configured layout of stage 'long_context' ([parallel], dp_replicate=1 dp_shard=2 tp=2): runs" in out
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert main(["train", "--dry-run", "--parallel.dp_replicate=1", "--parallel.tp=2"]) == 0
+    assert main(["train", "--dry-run", "--parallel.dp_replicate=1", "--parallel.tp=2"]) == 2  # one process: refused
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith(
-        "configured layout: parallel: dp_replicate * dp_shard * cp * tp = 1 * 1 * 1 * 2 = 2, but the world size is 1")
+        "configured layout: does NOT run: stage 'long_context' ([parallel]): parallel: tp 2 = 2 processes per model "
+        "replica does not divide 1 process")
     assert main(["plan", "--flops", "1e20", "--parallel.tp=2"]) == 2  # the Chinchilla plan has no layout
 
 
