@@ -320,9 +320,8 @@ def test_plan_and_dry_run_take_parallel_overrides(capsys, monkeypatch):
     assert "configured layout of stage 'long_context' ([parallel], dp_replicate=1 dp_shard=2 tp=2): runs" in out
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["train", "--dry-run", "--parallel.dp_replicate=1", "--parallel.tp=2"]) == 2  # one process: refused
-    assert capsys.readouterr().out.strip().splitlines()[-1].startswith(
-        "configured layout: does NOT run: stage 'long_context' ([parallel]): parallel: tp 2 = 2 processes per model "
-        "replica does not divide 1 process")
+    assert ("\nconfigured layout: does NOT run: stage 'long_context' ([parallel]): parallel: tp 2 = 2 processes per "
+            "model replica does not divide 1 process") in capsys.readouterr().out
     assert main(["plan", "--flops", "1e20", "--parallel.tp=2"]) == 2  # the Chinchilla plan has no layout
 
 
