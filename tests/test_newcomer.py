@@ -40,7 +40,7 @@ def test_plan_prints_the_cost(capsys):
     assert main(["plan", "--preset", "gpt2-124m", "--gpus", "4", "--gpu-memory-gib", "80", "--gpu-peak-flops",
                  "312e12", "--gpu-hour-price", "2", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["cost"]["gpu_hours"] == pytest.approx(4 * res["seconds"] / 3600)
+    assert res["cost"]["gpu_hours"] == pytest.approx(4 * res["days"] * 24)  # 4 GPUs for the plan's days
     assert res["cost"]["usd"] == pytest.approx(2 * res["cost"]["gpu_hours"])
     with pytest.raises(SystemExit) as e:  # a negative price: one line, with the hint every argument error has
         main(["plan", "--params", "1e8", "--gpu-hour-price", "-1"])

@@ -216,9 +216,9 @@ def test_train_dry_run_prints_the_plan_without_data(tmp_path):
     import sys
 
     r = forked.run([sys.executable, "-m", "densetrain", "train", "--preset", "llama3-8b", "--dry-run",
-                    "--train.run_dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=120,
-                   env={**__import__("os").environ, "WORLD_SIZE": "64"})
-    # The preset's [parallel] (DDP: every rank holds the whole 8B model's state) needs 172.5 GiB a GPU at the 8K
+                    "--train.run_dir", str(tmp_path / "run"), "--parallel.dp_replicate=-1", "--parallel.dp_shard=1"],
+                   capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "WORLD_SIZE": "64"})
+    # [parallel] as DDP (: every rank holds the whole 8B model's state) needs 172.5 GiB a GPU at the 8K
     # stages, over the 80 GiB assumed without a GPU: the plan is printed, then refused with status 2.
     assert r.returncode == 2, r.stderr
     assert "dry run: 64 process(es), 80 GiB per GPU (assumed" in r.stdout
