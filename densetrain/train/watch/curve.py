@@ -30,7 +30,9 @@ import numpy as np
 from densetrain.config import Config
 from densetrain.errors import ConfigError
 from densetrain.fileio import atomic_write_json, read_json
-from densetrain.law import ANNEAL_MOMENTUM, Curve, fit_prediction, schedule_areas
+from densetrain.law import ANNEAL_MOMENTUM, Curve, schedule_areas
+from densetrain.law.files import read_fit as read_ladder_fit
+from densetrain.law.judge import checked_prediction
 from densetrain.schedule import Stage, lr_for, stage_at, warmup_steps
 from densetrain.train.watchers import Verdict, Watcher
 
@@ -56,31 +58,38 @@ def planned_tokens(cfg: Config, stages: list[Stage]) -> float:
 
 
 def read_fit(ladder_dir: str | Path) -> dict:
-    """``LADDER_DIR/fit.json`` as written by ``densetrain ladder fit``.
+    """``LADDER_DIR/fit.json`` as written by ``densetrain ladder fit``, read and checked
+    (:func:`densetrain.law.files.read_fit`).
 
     Raises:
-        ConfigError: no fit there, or one without the parts a prediction needs.
+        ConfigError: no fit there, or one that is not a fit (a bad value named by key).
     """
     path = Path(ladder_dir) / "fit.json"
     try:
-        fit = read_json(path)  # a regular file of <= 16 MiB (a fit is a few KiB); too deep a nesting refused
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"eval.ladder: {path}: expected the fit of a ladder (densetrain ladder fit {ladder_dir}), "
-                          f"got {type(e).__name__}: {e}") from None
-    if not isinstance(fit, dict) or "approach3" not in fit or "curves" not in fit:
-        raise ConfigError(f"eval.ladder: {path} has no approach 3 law or no curves (too few points?): expected "
-                          f"the output of densetrain ladder fit")
-    return fit
+        return read_ladder_fit(Path(ladder_dir))
+    except FileNotFoundError:
+        raise ConfigError(f"eval.ladder: {path}: no fit there; expected the fit of a ladder (densetrain ladder fit "
+                          f"{ladder_dir})") from None
+    except (OSError, ValueError) as e:  # DataError naming the key, ReadRefused (not a regular file, too large)
+        raise ConfigError(f"eval.ladder: {e}") from None
 
 
 def prediction_line(p: dict) -> str:
-    """One line of a prediction (:func:`densetrain.law.fit_prediction`)."""
+    """One line of a prediction (:func:`densetrain.law.judge.checked_prediction`); a withheld one says why and
+    what to run next, never a number."""
+    if p.get("withheld"):
+        nxt = f"; run next: {'; '.join(p['next'])}" if p.get("next") else ""
+        return f"no prediction: {p['withheld']}{nxt}"
     pct = int(round(p["level"] * 100))
     bpb = (f", bpb {p['bpb']:.4f} [{p['bpb_lo']:.4f}, {p['bpb_hi']:.4f}]" if p.get("bpb") is not None else "")
     far = (f"; WARNING: {p['extrapolation']:.0f}x past the ladder's largest budget (beyond {FAR:.0f}x the law is "
            f"a guess)" if p["extrapolation"] > FAR else f"; {p['extrapolation']:.3g}x the ladder's largest budget")
+    cross = ""
+    if "power_law" in p:
+        cross = (f"; the power law in compute through each budget's best point gives {p['power_law']:.4f}"
+                 + ("" if p["power_law_agrees"] else ", OUTSIDE the interval: the two laws disagree"))
     return (f"predicted final val loss {p['loss']:.4f} [{p['loss_lo']:.4f}, {p['loss_hi']:.4f}] ({pct}%){bpb} at "
-            f"N = {p['n']:.4g} parameters (no input embedding), D = {p['d']:.4g} tokens{far}")
+            f"N = {p['n']:.4g} parameters (no input embedding), D = {p['d']:.4g} tokens{far}{cross}")
 
 
 class OffCurve(Watcher):
@@ -109,7 +118,7 @@ class OffCurve(Watcher):
         self.s1, self.s2 = run_areas(self.cfg, run.stages, self.fit.get("lam", ANNEAL_MOMENTUM))
         m = self.cfg.model
         self.n = float(run.model.num_params() - m.vocab_size * m.d_model)
-        self.prediction = fit_prediction(self.fit, self.n, planned_tokens(self.cfg, run.stages))
+        self.prediction = checked_prediction(self.fit, self.n, planned_tokens(self.cfg, run.stages))
         if self.rank == 0 and run.state.step == 0:
             run.log.event(0, f"ladder {self.cfg.eval.ladder}: {prediction_line(self.prediction)}", kind="prediction",
                           values=self.prediction)
