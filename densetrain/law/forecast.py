@@ -55,10 +55,11 @@ class RunCurve:
         return self.E + self.B / s1 ** self.beta - self.C * np.asarray(s2, float) / s1
 
 
-def fit_run_curve(s1, s2, loss, c_prior: float | None = None) -> RunCurve:
+def fit_run_curve(s1, s2, loss, c_prior: float | None = None, start: RunCurve | None = None) -> RunCurve:
     """:class:`RunCurve` fitted to one run's validations at areas ``(s1, s2)`` with losses ``loss``: Huber
-    (delta 1e-3) on log-loss by L-BFGS-B from a small grid of starts; C free (>= 0) where ``S2 / S1`` spans at
-    least :data:`ANNEAL_SEEN`, else fixed at ``c_prior`` (``None``: :data:`DEFAULT_C`).
+    (delta 1e-3) on log-loss by L-BFGS-B from a small grid of starts (with ``start``, a previous fit of the same
+    run: from it and one grid start, which keeps a refit at each validation cheap); C free (>= 0) where
+    ``S2 / S1`` spans at least :data:`ANNEAL_SEEN`, else fixed at ``c_prior`` (``None``: :data:`DEFAULT_C`).
 
     Raises:
         ValueError: fewer than :data:`MIN_POINTS` points, or a point not finite (s1 and loss > 0, s2 >= 0).
@@ -88,9 +89,14 @@ def fit_run_curve(s1, s2, loss, c_prior: float | None = None) -> RunCurve:
     top = np.log(loss.min())
     bounds = [(-20.0, top), (-20.0, 50.0), (0.0, 3.0)] + ([(0.0, None)] if free_c else [])
     best = None
+    starts = []
     for e0, beta0 in itertools.product([top - 0.1, top - 1.0, -3.0], [0.2, 0.5, 1.0]):
         b0 = np.log(max(loss.max() - np.exp(e0), 1e-3 * loss.max())) + beta0 * ls1.min()
-        x0 = [e0, b0, beta0] + ([c_fixed] if free_c else [])
+        starts.append([e0, b0, beta0] + ([c_fixed] if free_c else []))
+    if start is not None:
+        starts = [[min(np.log(start.E), top), np.log(start.B), start.beta] + ([start.C] if free_c else []),
+                  starts[4]]
+    for x0 in starts:
         res = minimize(obj, x0, jac=True, method="L-BFGS-B", bounds=bounds,
                        options={"ftol": 1e-15, "gtol": 1e-12, "maxiter": 2000})
         if best is None or res.fun < best.fun:
@@ -102,13 +108,13 @@ def fit_run_curve(s1, s2, loss, c_prior: float | None = None) -> RunCurve:
     return RunCurve(curve.E, curve.B, curve.beta, c, scale)
 
 
-def forecast(s1, s2, steps, loss, c_prior: float | None = None) -> dict:
+def forecast(s1, s2, steps, loss, c_prior: float | None = None, start: RunCurve | None = None) -> dict:
     """The final loss of a run forecast from its validations so far.
 
     Args:
         s1, s2: the run's areas after each of its steps (``[k - 1]``: after k steps; the last: the run's end).
         steps: the steps of the validations so far (1-based, past warmup); ``loss``: their losses.
-        c_prior: C where the validations do not show it (module docstring).
+        c_prior: C where the validations do not show it (module docstring); ``start``: as :func:`fit_run_curve`.
     Returns:
         ``{"at_step", "predicted", "interval": [lo, hi], "c_seen": bool, "curve": RunCurve}``.
     Raises:
@@ -116,7 +122,7 @@ def forecast(s1, s2, steps, loss, c_prior: float | None = None) -> dict:
     """
     idx = np.asarray(steps, int) - 1
     s1, s2 = np.asarray(s1, float), np.asarray(s2, float)
-    curve = fit_run_curve(s1[idx], s2[idx], loss, c_prior)
+    curve = fit_run_curve(s1[idx], s2[idx], loss, c_prior, start)
     frac = s2[idx] / s1[idx]
     c_seen = bool(frac.max() - frac.min() >= ANNEAL_SEEN)
     pred = float(curve.loss(s1[-1], s2[-1]))

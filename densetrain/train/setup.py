@@ -229,8 +229,7 @@ def make_watchers(cfg: Config, info: DistInfo, run_dir: Path) -> list[Watcher]:
         watchers.append(DataProbe(cfg.probe, [s.name for s in cfg.data.sources]))
     if cfg.train.gc_freq:
         watchers.append(GarbageCollection(cfg.train.gc_freq))
-    if cfg.eval.ladder:
-        watchers.append(OffCurve(cfg, info.rank))
+    watchers.append(OffCurve(cfg, info.rank))  # every run: its own forecast and alarm (with eval.ladder: the ladder's)
     if cfg.health.every:  # last: its checks run after the watchdog has timed the step
         watchers.append(HealthWatch(cfg.health, next((w for w in watchers if isinstance(w, Watchdog)), None)))
     return watchers
