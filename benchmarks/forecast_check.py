@@ -22,8 +22,11 @@ from ladder_check import cpu_name, fineweb_config  # this folder's ladder benchm
 
 from densetrain.config import load_config, save_config
 from densetrain.data.prepare import prepare
-from densetrain.metrics import read_events
+from densetrain.law.forecast import FIT_FROM, FORECAST_FROM, MIN_POINTS, forecast
+from densetrain.metrics import read_events, read_metrics
+from densetrain.schedule import resolve_stages, warmup_steps
 from densetrain.train import train
+from densetrain.train.watch.curve import run_areas
 
 LONG = {"name": "long_context", "start": 0.8, "seq_len": 256, "rope_theta": 100000.0}
 RUNS = {  # name: overrides of the recipe (fineweb_config)
@@ -35,6 +38,25 @@ RUNS = {  # name: overrides of the recipe (fineweb_config)
     "wsd d96": [("schedule.kind", "wsd"), ("model.d_model", 96), ("model.d_ff", 256), ("model.n_heads", 6),
                 ("model.n_kv_heads", 3)],
 }
+
+
+def first_forecast(cfg, run: Path) -> dict:
+    """The watcher's first forecast of ``run`` replayed from its metrics (module docstring), with ``final`` and
+    ``error``; {} when there is none."""
+    s1, s2 = run_areas(cfg, resolve_stages(cfg))
+    steps = cfg.train.steps
+    first = max(warmup_steps(cfg.schedule, steps), FIT_FROM * steps)
+    pts = [(r["step"], r["val/all/loss"]) for r in read_metrics(run)
+           if r.get("kind") == "eval" and "val/all/loss" in r and first < r["step"] < steps]
+    final = json.loads((run / "summary.json").read_text())["val"]["all"]["loss"]
+    for k in range(MIN_POINTS, len(pts) + 1):
+        if pts[k - 1][0] > FORECAST_FROM * steps:
+            try:
+                f = forecast(s1, s2, [p[0] for p in pts[:k]], [p[1] for p in pts[:k]])
+            except ValueError:
+                continue
+            return {**f, "final": final, "error": f["predicted"] / final - 1}
+    return {}
 
 
 def main() -> None:
@@ -58,8 +80,7 @@ def main() -> None:
         run = Path(cfg.train.run_dir)
         if not (run / "summary.json").exists():
             train(cfg)
-        s = json.loads((run / "summary.json").read_text())
-        f = s.get("forecast") or {}
+        f = first_forecast(cfg, run)
         alarms = [e for e in read_events(run) if e["kind"] == "off_curve"]
         rows.append((name, f, alarms))
     print(f"forecast_check: {args.steps} steps per run, validation every {args.every}; {cpu_name()} "

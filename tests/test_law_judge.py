@@ -56,21 +56,32 @@ def test_one_budget_is_degenerate():
     assert not any("budget" in r for r in v["reasons"]), v["reasons"]
 
 
-@pytest.mark.parametrize("case,law,budgets,reason", [
-    ("E at its bound", NO_E, [1e18, 1e19, 1e20, 1e21], "E = 2.061e-09 at its lower bound"),
-])
-def test_degenerate_fit_is_marked_and_its_prediction_withheld(case, law, budgets, reason, tmp_path):
-    fit = fit_records(records(law, budgets), samples=14)
+REASON = "E = 2.061e-09 at its lower bound"
+BUDGETS = [1e18, 1e19, 1e20, 1e21]
+
+
+@pytest.fixture(scope="module")
+def degenerate(tmp_path_factory):
+    """Points of a law with E pinned at the fit's lower bound, fitted; the panel drawn with a run's prediction:
+    (fit, its prediction of a run at 8x the largest budget, the ladder directory)."""
+    tmp = tmp_path_factory.mktemp("degenerate")
+    fit = fit_records(records(NO_E, BUDGETS), samples=14)
+    p = checked_prediction(json.loads(json.dumps(fit)), *CHINCHILLA.optimal(8 * BUDGETS[-1]))
+    write_panel(tmp, fit, records(NO_E, BUDGETS), {"flops": p["flops"], "loss": p["loss"], "loss_lo": p["loss_lo"],
+                                                    "loss_hi": p["loss_hi"], "actual_loss": 3.0, "withheld": None,
+                                                    "ladder": str(tmp)})
+    return fit, p, tmp
+
+
+def test_degenerate_fit_is_marked_and_its_prediction_withheld(degenerate):
+    fit, p, tmp_path = degenerate
+    reason = REASON
     assert fit["degenerate"] is True and reason in fit["reasons"][0], fit["reasons"]
     assert fit["next"] and all(isinstance(x, str) and x for x in fit["next"])
     text = format_fit(fit)
     assert text.startswith("DEGENERATE FIT") and reason in text and "run next: " + fit["next"][0] in text
-    p = checked_prediction(json.loads(json.dumps(fit)), *CHINCHILLA.optimal(8 * budgets[-1]))
     assert p["withheld"].startswith("the ladder's fit is degenerate (") and reason in p["withheld"]
     # the panel: the verdict in place of the frontier's title, its reasons under the plots, no predicted point
-    write_panel(tmp_path, fit, records(law, budgets), {"flops": p["flops"], "loss": p["loss"], "loss_lo": p["loss_lo"],
-                                                        "loss_hi": p["loss_hi"], "actual_loss": 3.0, "withheld": None,
-                                                        "ladder": str(tmp_path)})
     s = ladder_series(tmp_path, None)
     assert verdict_text(s).startswith("DEGENERATE FIT: no prediction (") and reason in verdict_text(s)
     html = (tmp_path / "ladder.html").read_text()
@@ -110,3 +121,15 @@ def test_healthy_ladder_is_not_degenerate_and_cross_checks():
     # the power law without E bends too fast: it under-predicts Chinchilla's frontier at 10x, outside the interval
     assert x["power_law"] < x["lo"] and x["agree"] is False
     assert re.search(r"cross-check at 1e\+22 FLOPs: .* OUTSIDE the interval", format_fit(fit))
+
+
+def test_degenerate_panel_in_headless_chromium(degenerate):
+    """The page as a browser draws it: plotly wrote the verdict as the frontier's title and the reasons under the
+    plots (SVG text of the rendered DOM, not only the figure's JSON in the page's source)."""
+    from test_report import _browser, _chromium  # the report's browser helpers (Debian's chromium)
+
+    dom = _browser(_chromium(), (degenerate[2] / "ladder.html").resolve().as_uri(), "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    texts = re.findall(r'<text class="annotation-text"[^>]*>(.*?)</text>', dom.stdout)
+    assert "DEGENERATE FIT: no prediction" in texts, texts
+    assert any(t.startswith("DEGENERATE FIT: no prediction (") and REASON in t for t in texts), texts

@@ -29,6 +29,9 @@ from densetrain.law.fits import HUBER_DELTA, huber
 
 FORECAST_FROM = 0.25
 """The forecast starts at the first validation past this fraction of the run's steps (and past warmup)."""
+FIT_FROM = 0.1
+"""The forecast's fit starts at the first validation past this fraction of the run (and past warmup): a small
+model's first steps fall faster than any power law in S1 (a fit from step 10 of a 200-step run missed by 20%)."""
 MIN_POINTS = 4
 """Fewest validations the curve is fitted to (it has 3 free parameters, 4 where C is seen)."""
 ANNEAL_SEEN = 0.05
@@ -57,11 +60,13 @@ class RunCurve:
         return self.E + self.B / s1 ** self.beta - self.C * np.asarray(s2, float) / s1
 
 
-def fit_run_curve(s1, s2, loss, c_prior: float | None = None, start: RunCurve | None = None) -> RunCurve:
+def fit_run_curve(s1, s2, loss, c_prior: float | None = None, start: RunCurve | None = None,
+                  c_free: bool | None = None) -> RunCurve:
     """:class:`RunCurve` fitted to one run's validations at areas ``(s1, s2)`` with losses ``loss``: Huber
     (delta 1e-3) on log-loss by L-BFGS-B from a small grid of starts (with ``start``, a previous fit of the same
     run: from it and one grid start, which keeps a refit at each validation cheap); C free (>= 0) where
-    ``S2 / S1`` spans at least :data:`ANNEAL_SEEN`, else fixed at ``c_prior`` (``None``: :data:`DEFAULT_C`).
+    ``S2 / S1`` spans at least :data:`ANNEAL_SEEN` (or as ``c_free`` says), else fixed at ``c_prior`` (``None``:
+    :data:`DEFAULT_C`).
 
     Raises:
         ValueError: fewer than :data:`MIN_POINTS` points, or a point not finite (s1 and loss > 0, s2 >= 0).
@@ -72,7 +77,7 @@ def fit_run_curve(s1, s2, loss, c_prior: float | None = None, start: RunCurve | 
     if not (np.all(np.isfinite(np.r_[s1, s2, loss])) and s1.min() > 0 and loss.min() > 0 and s2.min() >= 0):
         raise ValueError("every S1 and loss must be a finite number > 0, every S2 >= 0")
     frac, ll, ls1 = s2 / s1, np.log(loss), np.log(s1)
-    free_c = frac.max() - frac.min() >= ANNEAL_SEEN
+    free_c = frac.max() - frac.min() >= ANNEAL_SEEN if c_free is None else c_free
     c_fixed = DEFAULT_C if c_prior is None else float(c_prior)
 
     def obj(x):
@@ -120,14 +125,19 @@ def forecast(s1, s2, steps, loss, c_prior: float | None = None, start: RunCurve 
     Returns:
         ``{"at_step", "predicted", "interval": [lo, hi], "c_seen": bool, "curve": RunCurve}``.
     Raises:
-        ValueError: as :func:`fit_run_curve`.
+        ValueError: as :func:`fit_run_curve`; or a forecast that is no loss (its interval reaching 0, or above
+            every validation so far).
     """
     idx = np.asarray(steps, int) - 1
     s1, s2 = np.asarray(s1, float), np.asarray(s2, float)
-    curve = fit_run_curve(s1[idx], s2[idx], loss, c_prior, start)
     frac = s2[idx] / s1[idx]
-    c_seen = bool(frac.max() - frac.min() >= ANNEAL_SEEN)
+    # C from the run only once it has annealed at least half of what it will: extrapolating the first few percent
+    # of a cosine's annealing put C at 11.7 and the forecast below zero (benchmarks/forecast_check.py, 200 steps)
+    c_seen = bool(frac.max() - frac.min() >= max(ANNEAL_SEEN, 0.5 * s2[-1] / s1[-1]))
+    curve = fit_run_curve(s1[idx], s2[idx], loss, c_prior, start, c_free=c_seen)
     pred = float(curve.loss(s1[-1], s2[-1]))
     half = pred * max(2.0 * curve.scale, MIN_BAND) + (0.0 if c_seen else 0.5 * curve.C * s2[-1] / s1[-1])
+    if not 0 < pred - half or pred > max(loss):
+        raise ValueError(f"the run's curve forecasts {pred:.4g} +- {half:.3g}: not a loss below the run's own")
     return {"at_step": int(steps[-1]), "predicted": pred, "interval": [pred - half, pred + half], "c_seen": c_seen,
             "curve": curve}

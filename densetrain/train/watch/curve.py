@@ -3,8 +3,9 @@
 Every run (with or without a ladder):
 
 - from the first validation past warmup and :data:`~densetrain.law.forecast.FORECAST_FROM` of the run (with at
-  least :data:`~densetrain.law.forecast.MIN_POINTS` validations past warmup), forecasts its final validation
-  loss from the schedule-aware curve fitted to its own validations (:func:`densetrain.law.forecast.forecast`;
+  least :data:`~densetrain.law.forecast.MIN_POINTS` validations past warmup and
+  :data:`~densetrain.law.forecast.FIT_FROM`), forecasts its final validation loss from the schedule-aware curve
+  fitted to its own validations past those (:func:`densetrain.law.forecast.forecast`;
   C, what annealing buys, from the ladder's curve when ``eval.ladder`` has a fit that is not degenerate): one
   ``forecast`` event at the first forecast, ``forecast/loss``, ``forecast/lo``, ``forecast/hi`` metrics
   (``kind="forecast"``) at every one, and ``summary.json``'s ``forecast``: the first forecast (``at_step``,
@@ -43,7 +44,7 @@ from densetrain.errors import ConfigError
 from densetrain.fileio import atomic_write_json, read_json
 from densetrain.law import ANNEAL_MOMENTUM, Curve, schedule_areas
 from densetrain.law.files import read_fit as read_ladder_fit
-from densetrain.law.forecast import FORECAST_FROM, MIN_POINTS, RunCurve, forecast
+from densetrain.law.forecast import FIT_FROM, FORECAST_FROM, MIN_POINTS, RunCurve, forecast
 from densetrain.law.judge import checked_prediction
 from densetrain.schedule import Stage, lr_for, stage_at, warmup_steps
 from densetrain.train.watchers import Verdict, Watcher
@@ -212,7 +213,7 @@ class OffCurve(Watcher):
 
     def _forecast(self, run, step: int) -> None:
         """The final loss forecast from every validation of 'all' past warmup (the areas carry the schedule)."""
-        pts = self.points.get("all", [])
+        pts = [p for p in self.points.get("all", []) if p[0] > FIT_FROM * self.cfg.train.steps]
         if step <= FORECAST_FROM * self.cfg.train.steps or len(pts) < MIN_POINTS:
             return
         f = self._fit("all", pts, self.c_prior)
