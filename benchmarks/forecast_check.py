@@ -40,9 +40,9 @@ RUNS = {  # name: overrides of the recipe (fineweb_config)
 }
 
 
-def first_forecast(cfg, run: Path) -> dict:
-    """The watcher's first forecast of ``run`` replayed from its metrics (module docstring), with ``final`` and
-    ``error``; {} when there is none."""
+def first_forecast(cfg, run: Path, start: float = FORECAST_FROM) -> dict:
+    """The watcher's first forecast of ``run`` past ``start`` of it, replayed from its metrics (module docstring),
+    with ``final`` and ``error``; {} when there is none."""
     s1, s2 = run_areas(cfg, resolve_stages(cfg))
     steps = cfg.train.steps
     first = max(warmup_steps(cfg.schedule, steps), FIT_FROM * steps)
@@ -50,7 +50,7 @@ def first_forecast(cfg, run: Path) -> dict:
            if r.get("kind") == "eval" and "val/all/loss" in r and first < r["step"] < steps]
     final = json.loads((run / "summary.json").read_text())["val"]["all"]["loss"]
     for k in range(MIN_POINTS, len(pts) + 1):
-        if pts[k - 1][0] > FORECAST_FROM * steps:
+        if pts[k - 1][0] > start * steps:
             try:
                 f = forecast(s1, s2, [p[0] for p in pts[:k]], [p[1] for p in pts[:k]])
             except ValueError:
@@ -81,22 +81,24 @@ def main() -> None:
         if not (run / "summary.json").exists():
             train(cfg)
         f = first_forecast(cfg, run)
+        f["half"] = first_forecast(cfg, run, 0.5).get("error")
         alarms = [e for e in read_events(run) if e["kind"] == "off_curve"]
         rows.append((name, f, alarms))
     print(f"forecast_check: {args.steps} steps per run, validation every {args.every}; {cpu_name()} "
           f"({platform.machine()})")
     print(f"{'run':<12} {'at step':>8} {'forecast':>9} {'interval':>19} {'final':>8} {'error':>8} {'inside':>6} "
-          f"{'off_curve':>9}")
+          f"{'off_curve':>9} {'error at 50%':>12}")
     worst = 0.0
     for name, f, alarms in rows:
-        if not f:
+        if "predicted" not in f:
             print(f"{name:<12} no forecast (fewer than 4 validations past 25%?)  off_curve {len(alarms)}")
             continue
         lo, hi = f["interval"]
         inside = lo <= f["final"] <= hi
         worst = max(worst, abs(f["error"]))
         print(f"{name:<12} {f['at_step']:>8} {f['predicted']:>9.4f} [{lo:>8.4f}, {hi:>8.4f}] {f['final']:>8.4f} "
-              f"{f['error']:>+8.2%} {'yes' if inside else 'no':>6} {len(alarms):>9}")
+              f"{f['error']:>+8.2%} {'yes' if inside else 'no':>6} {len(alarms):>9} "
+              + (f"{f['half']:>+12.2%}" if f.get("half") is not None else f"{'-':>12}"))
     print(f"largest |error| of the 25% forecast: {worst:.2%} (target 0.5%); off_curve alarms on these healthy runs: "
           f"{sum(len(a) for _, _, a in rows)}")
 

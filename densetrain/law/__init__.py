@@ -5,6 +5,9 @@
 - :mod:`~densetrain.law.files`: ``ladder.json``, ``ladder.jsonl``, a point's ``summary.json`` and ``fit.json``
   read through the bounded readers of :mod:`densetrain.fileio` and checked value by value (one line naming
   file, line and key);
+- :mod:`~densetrain.law.judge`: when a ladder's fit is degenerate (and what to run next), the cross-check against
+  the power law in compute, when a prediction is withheld;
+- :mod:`~densetrain.law.forecast`: a run's final loss forecast from its own validations.
 
 Used by ``densetrain ladder`` (the fits), ``plan`` (a prediction), the training watcher
 ``train/watch/curve.py`` and the report's scaling panel. The names below are the fits' (``from densetrain.law
