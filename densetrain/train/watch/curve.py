@@ -250,13 +250,16 @@ class OffCurve(Watcher):
                       values={"sources": named, "keys": out, **{k: row[k] for k in out if k in row}})
 
     def state_dict(self) -> dict:
+        # the fits too: the next fit starts from them, so a resumed run forecasts what the uninterrupted one did
         return {"above": self.above, "flagged": self.flagged, "history": self.history, "points": self.points,
-                "scale": self.scale, "first": self.first, "latest": self.latest}
+                "scale": self.scale, "first": self.first, "latest": self.latest,
+                "fits": {k: vars(c) for k, c in self.fits.items()}}
 
     def load_state_dict(self, d: dict) -> None:
         self.above, self.flagged = dict(d.get("above", {})), list(d.get("flagged", []))
         self.history, self.points = list(d.get("history", [])), dict(d.get("points", {}))
         self.scale, self.first, self.latest = dict(d.get("scale", {})), d.get("first"), d.get("latest")
+        self.fits = {k: RunCurve(**v) for k, v in d.get("fits", {}).items()}
 
     def close(self) -> None:
         """Add the forecast (and the prediction) with the outcome to ``summary.json`` (written by the loop just
