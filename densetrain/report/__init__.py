@@ -51,7 +51,12 @@ def write_report(run_dir: Path) -> str:
         if heads:
             lines.append("  downstream (headline metric): " + ", ".join(f"{t} {v:.3f}" for t, v in heads.items()))
         p = s.get("prediction")  # eval.ladder (train/watch/curve.py): the ladder's prediction and the outcome
-        if p and isinstance(p.get("actual_loss"), float):
+        if p and p.get("withheld"):  # a degenerate fit's prediction is no prediction (densetrain.law.judge)
+            out = p.get("actual_loss")
+            lines.append(f"  ladder: no prediction ({p['withheld']}); outcome "
+                         + (f"{out:.3f}" if isinstance(out, float) else "-") + f"; off_curve: "
+                         f"{', '.join(p.get('off_curve', [])) or 'none'}")
+        elif p and isinstance(p.get("actual_loss"), float):
             lines.append(f"  ladder prediction: val loss {p['loss']:.3f} [{p['loss_lo']:.3f}, {p['loss_hi']:.3f}], "
                          f"outcome {p['actual_loss']:.3f}; off_curve: {', '.join(p['off_curve']) or 'none'}")
     for r in data.checkpoint_evals:

@@ -7,8 +7,13 @@ Two plots from ``ladder.jsonl`` and ``fit.json`` (read here, no training imports
 - **isoFLOP curves**: the final validation loss of every point against N, one colour per budget, with the
   fitted law (approach 3) along each budget's ``D = C / (6 N)``;
 - **frontier**: the compute-optimal loss ``L(N_opt(C), D_opt(C))`` from the ladder's smallest budget to 1000x
-  its largest, with the bootstrap band, each budget's best point, and (``run``) a run's predicted point with
-  its interval and its outcome (``summary.json``'s ``prediction`` of a run trained with ``eval.ladder``).
+  its largest, with the bootstrap band, each budget's best point, the power law in compute through them (the
+  cross-check), and (``run``) a run's predicted point with its interval and its outcome (``summary.json``'s
+  ``prediction`` of a run trained with ``eval.ladder``).
+
+A degenerate fit (``fit.json``'s ``degenerate``, :mod:`densetrain.law.judge`) is drawn under the title
+"DEGENERATE FIT: no prediction" with its reasons and what to run next, and no run's predicted point is drawn
+(a withheld prediction, or any prediction of a degenerate fit): only the run's outcome.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ import plotly.graph_objects as go
 from matplotlib.figure import Figure
 from plotly.subplots import make_subplots
 
-from densetrain.fileio import atomic_write_bytes, read_json, read_jsonl
+from densetrain.errors import ConfigError
+from densetrain.fileio import atomic_write_bytes
 from densetrain.law import LEVEL, Law
+from densetrain.law.files import POINTS, read_fit, read_points, read_summary
 from densetrain.report.run import PALETTE
 
 
@@ -32,16 +39,20 @@ def ladder_series(ladder_dir: Path, prediction: dict | None = None) -> dict:
     ``loss``, ``loss_lo``, ``loss_hi``, and ``actual_loss`` once the run ended).
 
     Raises:
-        FileNotFoundError: no ``ladder.jsonl`` or ``fit.json`` in ``ladder_dir``.
+        FileNotFoundError: no ``ladder.jsonl`` or ``fit.json`` in ``ladder_dir``; DataError: a bad value in them
+        (densetrain.law.files: one line naming file, line and key).
     """
-    recs = read_jsonl(ladder_dir / "ladder.jsonl", strict=True)[0]  # regular files, bounded, too deep refused (fileio)
-    fit = read_json(ladder_dir / "fit.json")
+    recs = list(read_points(ladder_dir / POINTS).values())
+    fit = read_fit(ladder_dir)
     law = Law(**fit["approach3"]["law"])
     boot = [Law(*b) for b in fit["approach3"]["bootstrap"]]
     key = fit["n_key"]
     iso = []
     for c in fit["budgets"]:
-        pts = sorted((r[key], r["val"]["all"]["loss"]) for r in recs if r["budget"] == c)
+        pts = sorted((r[key], r["val"]["all"]["loss"]) for r in recs
+                     if r["budget"] == c and r["val"]["all"]["loss"] is not None)
+        if not pts:
+            continue
         n = np.geomspace(min(p[0] for p in pts) / 2, max(p[0] for p in pts) * 2, 60)
         iso.append({"budget": c, "points": pts, "n": n, "law": law.loss(n, c / (6 * n))})
     cs = np.geomspace(min(fit["budgets"]), 1000 * fit["largest_budget"], 80)
@@ -49,8 +60,25 @@ def ladder_series(ladder_dir: Path, prediction: dict | None = None) -> dict:
     q = (1 - fit.get("level", LEVEL)) / 2
     band = np.quantile([b.loss(*b.optimal(cs)) for b in boot], [q, 1 - q], axis=0) if boot else None
     best = [(c["budget"], min(p[1] for p in c["points"])) for c in iso]
+    x = fit.get("cross_check") or {}
+    power = x["k"] * cs ** x["gamma"] if "k" in x else None
+    degenerate = fit.get("degenerate") and {"reasons": fit.get("reasons", []), "next": fit.get("next", [])}
+    if prediction and (degenerate or prediction.get("withheld")):  # no predicted point: only the outcome
+        prediction = {k: prediction.get(k) for k in ("flops", "actual_loss", "withheld")}
     return {"iso": iso, "cs": cs, "front": front, "band": band, "best": best, "pred": prediction, "key": key,
-            "ladder_dir": ladder_dir}
+            "ladder_dir": ladder_dir, "power": power, "degenerate": degenerate or None}
+
+
+def verdict_text(s: dict) -> str:
+    """The panel's verdict line: "DEGENERATE FIT: no prediction (reasons); run next: ..." or ''."""
+    d = s.get("degenerate")
+    if not d:
+        return ""
+    return f"DEGENERATE FIT: no prediction ({'; '.join(d['reasons'])}); run next: {'; '.join(d['next'])}"
+
+
+def _has_predicted(p: dict | None) -> bool:
+    return bool(p) and p.get("loss") is not None and p.get("loss_lo") is not None
 
 
 def draw_axes(ax1, ax2, s: dict) -> None:
@@ -66,19 +94,28 @@ def draw_axes(ax1, ax2, s: dict) -> None:
     if s["band"] is not None:
         ax2.fill_between(s["cs"], s["band"][0], s["band"][1], color="grey", alpha=0.3, label="bootstrap band")
     ax2.plot(*zip(*s["best"]), "o", color=PALETTE[0], label="best point per budget")
+    if s.get("power") is not None:
+        ax2.plot(s["cs"], s["power"], "--", color=PALETTE[3], lw=1, label="power law in C (cross-check)")
     p = s["pred"]
-    if p:
+    if _has_predicted(p):
         ax2.errorbar([p["flops"]], [p["loss"]], yerr=[[p["loss"] - p["loss_lo"]], [p["loss_hi"] - p["loss"]]],
                      fmt="s", color=PALETTE[1], label="run: predicted")
-        if p.get("actual_loss") is not None:
-            ax2.plot([p["flops"]], [p["actual_loss"]], "*", ms=12, color=PALETTE[2], label="run: outcome")
-    ax2.set(xscale="log", xlabel="compute C = 6 N D (FLOPs)", ylabel="val loss", title="compute-optimal frontier")
+    if p and p.get("actual_loss") is not None and p.get("flops") is not None:
+        ax2.plot([p["flops"]], [p["actual_loss"]], "*", ms=12, color=PALETTE[2], label="run: outcome")
+    title = "compute-optimal frontier"
+    if s.get("degenerate"):
+        title = "DEGENERATE FIT: no prediction"
+        d = s["degenerate"]
+        ax2.text(0.02, 0.02, "\n".join(d["reasons"] + ["run next: " + "; ".join(d["next"])]), transform=ax2.transAxes,
+                 fontsize=7, color="red", va="bottom", wrap=True)
+    ax2.set(xscale="log", xlabel="compute C = 6 N D (FLOPs)", ylabel="val loss", title=title)
     ax2.legend(fontsize=8)
 
 
 def scaling_figure(s: dict) -> go.Figure:
     """:func:`ladder_series`'s ``s`` as one plotly figure of two plots (isoFLOP curves, frontier)."""
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("isoFLOP curves (approach 3 fit)", "compute-optimal frontier"))
+    right = "DEGENERATE FIT: no prediction" if s.get("degenerate") else "compute-optimal frontier"
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("isoFLOP curves (approach 3 fit)", right))
     for i, c in enumerate(s["iso"]):
         color = PALETTE[i % len(PALETTE)]
         fig.add_trace(go.Scatter(x=c["n"], y=c["law"], mode="lines", line={"color": color, "width": 1},
@@ -93,16 +130,24 @@ def scaling_figure(s: dict) -> go.Figure:
     fig.add_trace(go.Scatter(x=s["cs"], y=s["front"], mode="lines", line={"color": "black"}, name="frontier"), 1, 2)
     fig.add_trace(go.Scatter(x=[b[0] for b in s["best"]], y=[b[1] for b in s["best"]], mode="markers",
                              name="best point per budget"), 1, 2)
+    if s.get("power") is not None:
+        fig.add_trace(go.Scatter(x=s["cs"], y=s["power"], mode="lines", line={"dash": "dash", "width": 1},
+                                 name="power law in C (cross-check)"), 1, 2)
     p = s["pred"]
-    if p:
+    if _has_predicted(p):
         fig.add_trace(go.Scatter(x=[p["flops"]], y=[p["loss"]], mode="markers", marker={"symbol": "square"},
                                  error_y={"type": "data", "symmetric": False, "array": [p["loss_hi"] - p["loss"]],
                                           "arrayminus": [p["loss"] - p["loss_lo"]]}, name="run: predicted"), 1, 2)
-        if p.get("actual_loss") is not None:
-            fig.add_trace(go.Scatter(x=[p["flops"]], y=[p["actual_loss"]], mode="markers",
-                                     marker={"symbol": "star", "size": 12}, name="run: outcome"), 1, 2)
+    if p and p.get("actual_loss") is not None and p.get("flops") is not None:
+        fig.add_trace(go.Scatter(x=[p["flops"]], y=[p["actual_loss"]], mode="markers",
+                                 marker={"symbol": "star", "size": 12}, name="run: outcome"), 1, 2)
     fig.update_xaxes(type="log")
+    verdict = verdict_text(s)
     fig.update_layout(height=480, template="plotly_white", title=f"scaling ladder {s['ladder_dir']}")
+    if verdict:  # the reasons under the plots, where the reader looks for the prediction
+        fig.add_annotation(text=verdict, xref="paper", yref="paper", x=0, y=-0.18, showarrow=False,
+                           font={"color": "red", "size": 12}, align="left")
+        fig.update_layout(margin={"b": 110})
     return fig
 
 
@@ -111,10 +156,19 @@ def write_ladder_report(ladder_dir: Path, run: Path | None = None) -> list[Path]
 
     Raises:
         FileNotFoundError: no ``ladder.jsonl`` or ``fit.json`` (run ``densetrain ladder fit`` first).
+        ConfigError: ``run`` has no summary.json, or was not trained with this ladder (no ``prediction``).
+        DataError: a bad value in the ladder's files or the run's summary.json (one line naming file and key).
     """
     pred = None
-    if run is not None and (run / "summary.json").exists():
-        pred = read_json(run / "summary.json").get("prediction")
+    if run is not None:
+        if not (run / "summary.json").exists():
+            raise ConfigError(f"--run {run}: no summary.json there; expected a finished run trained with "
+                              f"--eval.ladder={ladder_dir}")
+        pred = read_summary(run / "summary.json").get("prediction")
+        if not pred or Path(str(pred.get("ladder", ""))).resolve() != ladder_dir.resolve():
+            used = f"with the ladder {pred.get('ladder')}" if pred else "without eval.ladder"
+            raise ConfigError(f"--run {run}: that run was trained {used} (its summary.json has no prediction of "
+                              f"{ladder_dir}); expected a run trained with --eval.ladder={ladder_dir}")
     s = ladder_series(ladder_dir, pred)
     fig = Figure(figsize=(13, 5))
     draw_axes(*fig.subplots(1, 2), s)

@@ -31,6 +31,18 @@ def _numbers(kind: type, what: str):
     return parse
 
 
+def _samples(text: str) -> int:
+    """An argparse type: ``ladder fit --samples``, a whole number in [20, 10,000] (fewer than 10 distinct refits
+    measure nothing, densetrain.law.judge.FEW, and some resamples are dropped; 10,000 refits take minutes)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of bootstrap resamples, got '{text}'") from None
+    if not 20 <= n <= 10_000:
+        raise argparse.ArgumentTypeError(f"expected 20 to 10000 bootstrap resamples, got {n}")
+    return n
+
+
 def ladder_dir_arg(path: str) -> Path:
     """``path`` as a ladder directory.
 
@@ -91,7 +103,7 @@ def plan_prediction(args: argparse.Namespace) -> int | None:
     if not ladder:
         return None
 
-    from densetrain.law import fit_prediction
+    from densetrain.law.judge import checked_prediction
     from densetrain.schedule import resolve_stages
     from densetrain.tools.ladder.grid import N_KEY, param_counts
     from densetrain.train.watch.curve import planned_tokens, prediction_line, read_fit
@@ -100,7 +112,7 @@ def plan_prediction(args: argparse.Namespace) -> int | None:
         stages = resolve_stages(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    p = fit_prediction(read_fit(ladder), float(param_counts(cfg)[N_KEY]), planned_tokens(cfg, stages))
+    p = checked_prediction(read_fit(ladder), float(param_counts(cfg)[N_KEY]), planned_tokens(cfg, stages))
     print(f"ladder {ladder}: {prediction_line(p)}")
     return 0
 
@@ -126,7 +138,8 @@ def add_ladder_command(subparsers: argparse._SubParsersAction, cmd_report) -> No
     f = sub.add_parser("fit", help="fit the laws of a ladder: fit.json", description="Chinchilla approaches 2 and 3 "
                        "with bootstrap intervals, tokens per parameter, the schedule-aware curves: LADDER_DIR/fit.json")
     f.add_argument("ladder_dir", help="ladder directory")
-    f.add_argument("--samples", type=int, default=200, help="bootstrap resamples (default %(default)s)")
+    f.add_argument("--samples", type=_samples, default=200, help="bootstrap resamples, 20 to 10000 (default "
+                   "%(default)s)")
     f.set_defaults(func=cmd_fit)
     r = sub.add_parser("report", help="scaling panel of a ladder: ladder.html / ladder.png",
                        description="isoFLOP curves and the fitted frontier with its band: LADDER_DIR/ladder.html, .png")

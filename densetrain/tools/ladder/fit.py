@@ -8,7 +8,12 @@
 - the schedule-aware curve (:class:`densetrain.law.Curve`) of every source and of all of them, on the
   validations of every run past warmup;
 - the downstream two-step's step 2 (accuracy as a sigmoid of the val loss) for every task headline the points
-  recorded (``eval.final_tasks`` in the ladder's config), from 4 points on.
+  recorded (``eval.final_tasks`` in the ladder's config), from 4 points on;
+- the verdict (:func:`densetrain.law.judge.judge_law`): ``degenerate`` (true / false), ``reasons`` and ``next``
+  (what to run next); and ``cross_check``: approach 3 against the power law in compute through each budget's
+  best point (:func:`densetrain.law.judge.cross_check`).
+
+Points whose final validation loss is null (a diverged run) are left out, named in ``skipped_points``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from densetrain.law import (
     isoflop_intervals,
     law_intervals,
 )
+from densetrain.law.judge import FEW, cross_check, judge_law
 from densetrain.tools.ladder.grid import N_KEY
 from densetrain.tools.ladder.launcher import collect
 
@@ -38,10 +44,17 @@ from densetrain.tools.ladder.launcher import collect
 def fit_records(records: list[dict], samples: int = 200, seed: int = 0) -> dict:
     """The fits of ``records`` (:func:`densetrain.tools.ladder.launcher.point_record`) as ``fit.json``'s dict.
 
+    Args:
+        samples: bootstrap resamples, 1 to :data:`MAX_SAMPLES`.
     Raises:
-        ConfigError: fewer than 5 finished points (approach 3 has 5 parameters).
+        ConfigError: fewer than 5 finished points (approach 3 has 5 parameters); ``samples`` out of range.
     """
-    recs = [r for r in records if isinstance(r["val"].get("all", {}).get("loss"), float)]
+    if not 1 <= samples <= MAX_SAMPLES:
+        raise ConfigError(f"ladder fit: --samples {samples}: expected a number of bootstrap resamples in "
+                          f"[1, {MAX_SAMPLES}]")
+    recs = [r for r in records if isinstance(r["val"].get("all", {}).get("loss"), (int, float))]
+    skipped = [r.get("name", "?") for r in records if not isinstance(r["val"].get("all", {}).get("loss"),
+                                                                      (int, float))]
     if len(recs) < 5:
         raise ConfigError(f"ladder fit: {len(recs)} finished points with a validation loss; expected at least 5 "
                           f"(approach 3 has 5 parameters): run more of the ladder")
@@ -55,8 +68,12 @@ def fit_records(records: list[dict], samples: int = 200, seed: int = 0) -> dict:
                  "budgets": sorted({r["budget"] for r in recs}), "largest_budget": top,
                  "approach3": {"law": {k: getattr(law, k) for k in ("E", "A", "B", "alpha", "beta")},
                                "intervals": law_intervals(law, boot, top),
-                               "bootstrap": [[b.E, b.A, b.B, b.alpha, b.beta] for b in boot]}}
+                               "bootstrap": [[b.E, b.A, b.B, b.alpha, b.beta] for b in boot]},
+                 "loss_range": [float(loss.min()), float(loss.max())], "skipped_points": skipped}
+    out.update(judge_law(law, boot, n, d, loss, [r["budget"] for r in recs], top))
     budgets = np.array([r["budget"] for r in recs])
+    best = [float(loss[budgets == c].min()) for c in out["budgets"]]
+    out["cross_check"] = cross_check(law, boot, out["budgets"], best, top)
     groups = [np.flatnonzero(budgets == c) for c in out["budgets"]]
     try:
         iso = fit_isoflop(n, d, loss, groups)
@@ -95,8 +112,8 @@ def fit_ladder(ladder_dir: Path, samples: int = 200) -> dict:
     return fit
 
 
-FEW = 20
-"""Fewer distinct bootstrap refits of approach 2 than this: its intervals are flagged as meaningless."""
+MAX_SAMPLES = 10_000
+"""Most bootstrap resamples of ``ladder fit`` (each a refit: 10,000 take minutes on one core)."""
 
 
 def _iv(d: dict, fmt: str = ".4g") -> str:
@@ -104,9 +121,15 @@ def _iv(d: dict, fmt: str = ".4g") -> str:
 
 
 def format_fit(fit: dict) -> str:
-    """The fit in a few lines (intervals at the fit's level)."""
+    """The fit in a few lines (intervals at the fit's level), led by the verdict when it is degenerate."""
     a3 = fit["approach3"]["intervals"]
-    lines = [f"{fit['points']} points, budgets {', '.join(f'{c:.3g}' for c in fit['budgets'])} FLOPs; "
+    lines = []
+    if fit.get("degenerate"):
+        lines += ["DEGENERATE FIT: its predictions are no predictions (plan, train and the report withhold them):",
+                  *(f"  - {r}" for r in fit["reasons"]), "run next: " + "; ".join(fit["next"])]
+    if fit.get("skipped_points"):
+        lines.append(f"left out (no final validation loss: diverged?): {', '.join(fit['skipped_points'])}")
+    lines += [f"{fit['points']} points, budgets {', '.join(f'{c:.3g}' for c in fit['budgets'])} FLOPs; "
              f"intervals: {fit['level']:.0%} bootstrap",
              f"approach 3: L(N, D) = E + A/N^alpha + B/D^beta (N = {fit['n_key']})",
              f"  E {_iv(a3['E'])}  A {_iv(a3['A'])}  B {_iv(a3['B'])}",
@@ -119,6 +142,11 @@ def format_fit(fit: dict) -> str:
     else:
         lines.append(f"approach 2: N_opt ~ C^{_iv(a2['a'], '.3f')}, D_opt ~ C^{_iv(a2['b'], '.3f')}; tokens per "
                      f"parameter at {fit['largest_budget']:.3g} FLOPs {_iv(a2['tokens_per_param'], '.3g')}")
+    x = fit.get("cross_check", {})
+    if "power_law" in x:
+        lines.append(f"cross-check at {x['at']:.3g} FLOPs: approach 3's frontier {x['approach3']:.4f} [{x['lo']:.4f}, "
+                     f"{x['hi']:.4f}], the power law in C through each budget's best point {x['power_law']:.4f}: "
+                     + ("within the interval" if x["agree"] else "OUTSIDE the interval: the two laws disagree"))
         if a2.get("distinct_resamples", FEW) < FEW:
             lines.append(f"  (approach 2's intervals come from {a2['distinct_resamples']} distinct refits: too few "
                          f"sizes per budget to resample; they are no measure of its uncertainty)")

@@ -88,6 +88,12 @@ def param_counts(cfg: Config) -> dict:
     return {"params": total, N_KEY: total - cfg.model.vocab_size * cfg.model.d_model}
 
 
+MAX_BUDGET = 1e27
+"""Largest ladder budget, FLOPs: above the largest training runs to date (~5e25); a typo like 1e30 is refused."""
+MAX_STEPS = 10**8
+"""Most steps of one ladder point (a budget far too large for the batch: lower it)."""
+
+
 def _wsd_total(start: int, decay_fraction: float) -> int:
     """The smallest run length T whose WSD decay begins at step ``start`` (``T - round(f T) == start``,
     :func:`densetrain.schedule.lr_at`), or 0 when no length has it."""
@@ -107,6 +113,9 @@ def build_grid(cfg: Config, sizes: list[int], budgets: list[float]) -> Grid:
     """
     if not sizes or not budgets or min(sizes) <= 0 or min(budgets) <= 0:
         raise ConfigError(f"ladder: expected positive sizes and budgets, got sizes={sizes} budgets={budgets}")
+    if max(budgets) > MAX_BUDGET:
+        raise ConfigError(f"ladder: budget {max(budgets):.3g} FLOPs; expected at most {MAX_BUDGET:.0e} (more than any "
+                          f"model has been trained with; a ladder's rungs are far smaller)")
     batch_tokens = cfg.train.batch_size * cfg.train.seq_len
     f = cfg.schedule.decay_fraction
     grid = Grid(sorted(set(sizes)), sorted(set(budgets)))
@@ -115,6 +124,9 @@ def build_grid(cfg: Config, sizes: list[int], budgets: list[float]) -> Grid:
         n = param_counts(scaled_model(cfg, d))[N_KEY]
         for c in grid.budgets:
             steps = round(c / (6.0 * n) / batch_tokens)
+            if steps > MAX_STEPS:
+                raise ConfigError(f"ladder: size d_model={d} at budget {c:.3g} FLOPs trains {steps:.3g} steps of "
+                                  f"{batch_tokens} tokens; expected at most {MAX_STEPS:.0e}: lower the budgets")
             if steps < 8:
                 raise ConfigError(f"ladder: size d_model={d} at budget {c:.3g} FLOPs trains {steps} steps of "
                                   f"{batch_tokens} tokens; expected at least 8: raise the budgets")

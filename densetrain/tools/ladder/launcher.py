@@ -23,23 +23,22 @@ from tqdm import tqdm
 
 from densetrain.config import Config, load_config, save_config, to_dict
 from densetrain.cost import Parallel, load_hardware, step_time
-from densetrain.errors import ConfigError
+from densetrain.errors import ConfigError, DataError
 from densetrain.fileio import (
     MAX_LOG_BYTES,
     atomic_write_bytes,
     atomic_write_json,
     json_text,
     read_bytes_bounded,
-    read_json,
-    read_jsonl,
 )
+from densetrain.law.files import PLAN, POINTS, read_plan, read_points, read_summary
 from densetrain.metrics import flops_per_token, read_metrics
 from densetrain.schedule import resolve_stages, warmup_steps
 from densetrain.tools.ladder.grid import N_KEY, Grid, Point, build_grid, param_counts, point_config
 from densetrain.train import train
 from densetrain.train.watch.curve import CURVE_FROM, run_areas
 
-PLAN, POINTS = "ladder.json", "ladder.jsonl"  # (command.py repeats PLAN: it imports no torch)
+# PLAN, POINTS: densetrain.law.files (command.py repeats PLAN: it imports no torch)
 
 
 def open_ladder(ladder_dir: Path, cfg: Config | None = None, sizes: list[int] | None = None,
@@ -52,7 +51,7 @@ def open_ladder(ladder_dir: Path, cfg: Config | None = None, sizes: list[int] | 
     """
     plan_path = ladder_dir / PLAN
     if plan_path.exists():
-        plan = read_json(plan_path)  # a few KiB: a regular file of <= 16 MiB (fileio)
+        plan = read_plan(plan_path)  # bounded regular read, sizes and budgets checked (one line naming the key)
         if cfg is None:
             cfg = load_config(path=ladder_dir / "base.toml")
             sizes, budgets = plan["sizes"], plan["budgets"]
@@ -86,11 +85,12 @@ def describe(cfg: Config, grid: Grid) -> str:
 
 
 def finished(ladder_dir: Path) -> dict[str, dict]:
-    """The records of ``ladder.jsonl`` by point name."""
+    """The records of ``ladder.jsonl`` by point name, each checked (:func:`densetrain.law.files.read_points`: a
+    bad value, a bad line or a point recorded twice is one line naming PATH:LINE and the key)."""
     path = ladder_dir / POINTS
     if not path.exists():
         return {}
-    return {r.get("name"): r for r in read_jsonl(path, strict=True)[0]}  # a bad line: PATH:LINE
+    return read_points(path)
 
 
 def record_point(ladder_dir: Path, rec: dict) -> None:
@@ -102,7 +102,9 @@ def record_point(ladder_dir: Path, rec: dict) -> None:
 
 def point_record(cfg: Config, p: Point, run_dir: Path) -> dict:
     """What the ladder keeps of a finished point (module docstring of the package)."""
-    summary = read_json(run_dir / "summary.json")
+    summary = read_summary(run_dir / "summary.json")
+    if "tokens" not in summary:
+        raise DataError(f"{run_dir / 'summary.json'}: key 'tokens' missing; expected the summary of a finished run")
     counts = param_counts(cfg)
     d = float(summary["tokens"])
     stages = resolve_stages(cfg)
@@ -181,7 +183,7 @@ def collect(ladder_dir: Path) -> list[dict]:
     for p in grid.points:
         run_dir = ladder_dir / "runs" / p.name
         if p.name not in done and (run_dir / "summary.json").exists():
-            s = read_json(run_dir / "summary.json")
+            s = read_summary(run_dir / "summary.json")
             if s.get("steps") == p.steps:
                 record_point(ladder_dir, point_record(point_config(cfg, grid, p, str(run_dir)), p, run_dir))
     return list(finished(ladder_dir).values())

@@ -1,23 +1,35 @@
-"""The on-track alarm: each validation against the run's predicted curve for its own lr schedule.
+"""The run's own forecast and the on-track alarm: each validation against the curve of the run's own lr schedule.
 
-With ``eval.ladder = LADDER_DIR`` (a ladder fitted by ``densetrain ladder fit``, its ``fit.json``), the
-watcher
+Every run (with or without a ladder):
 
-- logs the predicted final validation loss and bpb of this run (N its parameters without the input
-  embedding table, D its planned tokens) with the ladder's bootstrap interval and how far past the ladder's
-  largest budget the run extrapolates (a warning beyond :data:`FAR`), at the first step;
-- at each validation, compares the loss of every source and of all of them with the schedule-aware curve
-  fitted on the ladder's runs (:class:`densetrain.law.Curve`: the forward and annealing areas of *this*
-  run's lr schedule up to that step, :func:`run_areas`), and raises one ``off_curve`` event when
-  ``eval.off_curve_patience`` validations in a row are above the band (``eval.off_curve_margin``, or 3 times
-  the curve's own residual scale, at least 1%), naming the sources whose loss left their own curves: the slow
-  rise of a run fed bad data that no spike detector sees (the seed's post-mortem 7.1);
-- adds ``prediction`` (predicted, interval, outcome, the off-curve sources) to ``summary.json`` when the run
-  ends (after the loop wrote it).
+- from the first validation past warmup and :data:`~densetrain.law.forecast.FORECAST_FROM` of the run (with at
+  least :data:`~densetrain.law.forecast.MIN_POINTS` validations past warmup and
+  :data:`~densetrain.law.forecast.FIT_FROM`), forecasts its final validation loss from the schedule-aware curve
+  fitted to its own validations past those (:func:`densetrain.law.forecast.forecast`;
+  C, what annealing buys, from the ladder's curve when ``eval.ladder`` has a fit that is not degenerate): one
+  ``forecast`` event at the first forecast, ``forecast/loss``, ``forecast/lo``, ``forecast/hi`` metrics
+  (``kind="forecast"``) at every one, and ``summary.json``'s ``forecast``: the first forecast (``at_step``,
+  ``predicted``, ``interval``), the ``final`` value beside it and its ``error``, and the ``latest`` forecast;
+- the alarm: each validation of every source and of all of them against the curve fitted to that key's
+  validations before it, within the current *segment*: the validations since the last known sharp change (a
+  stage's start: an anneal's mix, a seq_len switch; the WSD decay's start), which are waited out: checks
+  resume once the new segment has :data:`~densetrain.law.forecast.MIN_POINTS` validations. A key is above its
+  band when its loss exceeds the curve by ``eval.off_curve_margin`` (0: 3 x the segment's first fit's residual
+  scale, at least 1%) and exceeds the lowest loss of the segment so far (a loss that still falls, only slower
+  than the fit extrapolates, is no alarm), and, with a ladder whose fit is not degenerate, also its curve on the ladder
+  (:class:`densetrain.law.Curve`). One ``off_curve`` event when a key is above for ``eval.off_curve_patience``
+  validations in a row; it names a source only when that source left its band while others did not (all of
+  them at once is a change of the run, not of one source's data).
 
-The loop validates after the watchers' ``after_step``, so a validation is judged at the next step; the
-final one only enters the summary. Checks start after warmup and :data:`CURVE_FROM` of the run, where the fit
-starts.
+With ``eval.ladder = LADDER_DIR`` (a ladder fitted by ``densetrain ladder fit``, its ``fit.json``), the watcher
+also logs the predicted final validation loss and bpb of this run (N without the input embedding table, D its
+planned tokens) with the ladder's interval and how far past the ladder's largest budget the run extrapolates (a
+warning beyond :data:`FAR`) at the first step, or "no prediction" and why (a degenerate fit,
+:mod:`densetrain.law.judge`), and adds ``prediction`` (with the outcome and the off-curve sources) to
+``summary.json``.
+
+The loop validates after the watchers' ``after_step``, so a validation is judged at the next step; the final
+one only enters the summary.
 """
 
 from __future__ import annotations
@@ -30,7 +42,10 @@ import numpy as np
 from densetrain.config import Config
 from densetrain.errors import ConfigError
 from densetrain.fileio import atomic_write_json, read_json
-from densetrain.law import ANNEAL_MOMENTUM, Curve, fit_prediction, schedule_areas
+from densetrain.law import ANNEAL_MOMENTUM, Curve, schedule_areas
+from densetrain.law.files import read_fit as read_ladder_fit
+from densetrain.law.forecast import FIT_FROM, FORECAST_FROM, MIN_POINTS, RunCurve, forecast
+from densetrain.law.judge import checked_prediction
 from densetrain.schedule import Stage, lr_for, stage_at, warmup_steps
 from densetrain.train.watchers import Verdict, Watcher
 
@@ -56,63 +71,106 @@ def planned_tokens(cfg: Config, stages: list[Stage]) -> float:
 
 
 def read_fit(ladder_dir: str | Path) -> dict:
-    """``LADDER_DIR/fit.json`` as written by ``densetrain ladder fit``.
+    """``LADDER_DIR/fit.json`` as written by ``densetrain ladder fit``, read and checked
+    (:func:`densetrain.law.files.read_fit`).
 
     Raises:
-        ConfigError: no fit there, or one without the parts a prediction needs.
+        ConfigError: no fit there, or one that is not a fit (a bad value named by key).
     """
     path = Path(ladder_dir) / "fit.json"
     try:
-        fit = read_json(path)  # a regular file of <= 16 MiB (a fit is a few KiB); too deep a nesting refused
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"eval.ladder: {path}: expected the fit of a ladder (densetrain ladder fit {ladder_dir}), "
-                          f"got {type(e).__name__}: {e}") from None
-    if not isinstance(fit, dict) or "approach3" not in fit or "curves" not in fit:
-        raise ConfigError(f"eval.ladder: {path} has no approach 3 law or no curves (too few points?): expected "
-                          f"the output of densetrain ladder fit")
-    return fit
+        return read_ladder_fit(Path(ladder_dir))
+    except FileNotFoundError:
+        raise ConfigError(f"eval.ladder: {path}: no fit there; expected the fit of a ladder (densetrain ladder fit "
+                          f"{ladder_dir})") from None
+    except (OSError, ValueError) as e:  # DataError naming the key, ReadRefused (not a regular file, too large)
+        raise ConfigError(f"eval.ladder: {e}") from None
 
 
 def prediction_line(p: dict) -> str:
-    """One line of a prediction (:func:`densetrain.law.fit_prediction`)."""
+    """One line of a prediction (:func:`densetrain.law.judge.checked_prediction`); a withheld one says why and
+    what to run next, never a number."""
+    if p.get("withheld"):
+        nxt = f"; run next: {'; '.join(p['next'])}" if p.get("next") else ""
+        return f"no prediction: {p['withheld']}{nxt}"
     pct = int(round(p["level"] * 100))
     bpb = (f", bpb {p['bpb']:.4f} [{p['bpb_lo']:.4f}, {p['bpb_hi']:.4f}]" if p.get("bpb") is not None else "")
     far = (f"; WARNING: {p['extrapolation']:.0f}x past the ladder's largest budget (beyond {FAR:.0f}x the law is "
            f"a guess)" if p["extrapolation"] > FAR else f"; {p['extrapolation']:.3g}x the ladder's largest budget")
+    cross = ""
+    if "power_law" in p:
+        cross = (f"; the power law in compute through each budget's best point gives {p['power_law']:.4f}"
+                 + ("" if p["power_law_agrees"] else ", OUTSIDE the interval: the two laws disagree"))
     return (f"predicted final val loss {p['loss']:.4f} [{p['loss_lo']:.4f}, {p['loss_hi']:.4f}] ({pct}%){bpb} at "
-            f"N = {p['n']:.4g} parameters (no input embedding), D = {p['d']:.4g} tokens{far}")
+            f"N = {p['n']:.4g} parameters (no input embedding), D = {p['d']:.4g} tokens{far}{cross}")
+
+
+def sharp_changes(cfg: Config, stages: list[Stage]) -> list[int]:
+    """The steps where the loss may jump by design: each later stage's start (a mix or seq_len change) and, in a
+    WSD schedule, the first step whose lr falls after the stable phase (its decay's start)."""
+    out = {st.start_step for st in stages[1:]}
+    if cfg.schedule.kind == "wsd":
+        w = warmup_steps(cfg.schedule, cfg.train.steps)
+        prev = lr_for(w, cfg, stages) if w < cfg.train.steps else 0.0
+        for i in range(w + 1, cfg.train.steps):
+            lr = lr_for(i, cfg, stages)
+            if lr < prev * (1 - 1e-9) and stage_at(i, stages) is stage_at(i - 1, stages):
+                out.add(i)
+                break
+            prev = lr
+    return sorted(out)
 
 
 class OffCurve(Watcher):
-    """The prediction and the on-track alarm (module docstring)."""
+    """The forecast, the prediction and the on-track alarm (module docstring)."""
 
     name = "off_curve"
 
     def __init__(self, cfg: Config, rank: int):
         self.cfg, self.rank = cfg, rank
-        self.fit = read_fit(cfg.eval.ladder)
-        self.curves = {k: Curve(**v) for k, v in self.fit["curves"].items()}
+        self.fit = read_fit(cfg.eval.ladder) if cfg.eval.ladder else None
+        usable = self.fit is not None and not self.fit.get("degenerate", False)
+        self.curves = {k: Curve(**v) for k, v in self.fit["curves"].items()} if usable else {}
+        self.c_prior = self.curves["all"].C if "all" in self.curves else None
         self.prediction: dict | None = None
         self.n = 0.0
         self.s1 = self.s2 = None
+        self.changes: list[int] = []
         self.seen = None  # the run.last_val judged last
+        self.points: dict[str, list[list[float]]] = {}  # per key: [step, loss] of every validation past warmup
+        self.scale: dict[str, list] = {}  # per key: [segment start, the segment's first residual scale]
+        self.fits: dict[str, RunCurve] = {}  # per key: the latest fit (the next one starts from it)
+        self.first: dict | None = None  # the first forecast
+        self.latest: dict | None = None
         self.above: dict[str, int] = {}  # consecutive validations above the band, per source / 'all'
         self.flagged: list[str] = []
         self.history: list[dict] = []
 
     def margin(self, key: str) -> float:
-        return self.cfg.eval.off_curve_margin or max(0.01, 3.0 * self.curves[key].scale)
+        return self.cfg.eval.off_curve_margin or max(0.01, 3.0 * self.scale[key][1])
 
     def before_step(self, run) -> None:
         if self.s1 is not None:
             return
-        self.s1, self.s2 = run_areas(self.cfg, run.stages, self.fit.get("lam", ANNEAL_MOMENTUM))
+        self.s1, self.s2 = run_areas(self.cfg, run.stages, (self.fit or {}).get("lam", ANNEAL_MOMENTUM))
+        self.changes = sharp_changes(self.cfg, run.stages)
+        if self.fit is None:
+            return
         m = self.cfg.model
         self.n = float(run.model.num_params() - m.vocab_size * m.d_model)
-        self.prediction = fit_prediction(self.fit, self.n, planned_tokens(self.cfg, run.stages))
+        self.prediction = checked_prediction(self.fit, self.n, planned_tokens(self.cfg, run.stages))
         if self.rank == 0 and run.state.step == 0:
             run.log.event(0, f"ladder {self.cfg.eval.ladder}: {prediction_line(self.prediction)}", kind="prediction",
                           values=self.prediction)
+
+    def _fit(self, key: str, pts: list, c_prior):
+        """The forecast of ``key`` from validations ``pts`` ([step, loss]); None where the fit fails."""
+        try:
+            f = forecast(self.s1, self.s2, [int(p[0]) for p in pts], [p[1] for p in pts], c_prior, self.fits.get(key))
+        except ValueError:
+            return None
+        self.fits[key] = f["curve"]
+        return f
 
     def after_step(self, run, result, verdict: Verdict) -> None:
         val = getattr(run, "last_val", None)
@@ -120,52 +178,108 @@ class OffCurve(Watcher):
             return
         self.seen = val
         step = run.state.step - 1  # the loop validated after the previous step (module docstring)
-        if step <= max(warmup_steps(self.cfg.schedule, self.cfg.train.steps), CURVE_FROM * self.cfg.train.steps):
+        warm = warmup_steps(self.cfg.schedule, self.cfg.train.steps)
+        if step <= warm or step >= self.cfg.train.steps:
             return
-        s1, s2 = self.s1[step - 1], self.s2[step - 1]
         tokens = sum(v["tokens"] for v in val.values())
         actual = {**{s: v["loss"] for s, v in val.items()},
                   "all": sum(v["loss"] * v["tokens"] for v in val.values()) / tokens if tokens else math.nan}
-        row = {"step": step}
+        seg = max([c for c in self.changes if c <= step], default=0)  # the current segment's first step
+        row: dict = {"step": step}
         for key, loss in actual.items():
-            if key not in self.curves or not math.isfinite(loss):
+            if not math.isfinite(loss) or loss <= 0:
                 continue
-            pred = float(self.curves[key].loss(self.n, s1, s2))
+            before = [p for p in self.points.get(key, []) if p[0] >= seg]
+            self.points.setdefault(key, []).append([step, loss])
+            if step <= FORECAST_FROM * self.cfg.train.steps or len(before) < MIN_POINTS:
+                continue
+            f = self._fit(key, before, self.c_prior if key == "all" else None)
+            if f is None:
+                continue
+            pred = float(f["curve"].loss(self.s1[step - 1], self.s2[step - 1]))
+            if self.scale.get(key, [None])[0] != seg:
+                self.scale[key] = [seg, f["curve"].scale]
+            # above the curve's band and above the segment's best so far: a loss that still falls, only slower
+            # than the fit extrapolates (a small model's phases), is no alarm; bad data makes it creep up
+            up = loss > pred * (1 + self.margin(key)) and loss > min(p[1] for p in before)
+            if key in self.curves:  # the ladder's curve too: both must say it left
+                ladder = float(self.curves[key].loss(self.n, self.s1[step - 1], self.s2[step - 1]))
+                up = up and loss > ladder * (1 + self.margin(key))
             row[key] = [loss, pred]
-            self.above[key] = self.above.get(key, 0) + 1 if loss > pred * (1 + self.margin(key)) else 0
+            self.above[key] = self.above.get(key, 0) + 1 if up else 0
+        self._forecast(run, step)
         self.history.append(row)
+        self._alarm(run, step, row, [k for k in actual if k != "all"])
+
+    def _forecast(self, run, step: int) -> None:
+        """The final loss forecast from every validation of 'all' past warmup (the areas carry the schedule)."""
+        pts = [p for p in self.points.get("all", []) if p[0] > FIT_FROM * self.cfg.train.steps]
+        if step <= FORECAST_FROM * self.cfg.train.steps or len(pts) < MIN_POINTS:
+            return
+        f = self._fit("all", pts, self.c_prior)
+        if f is None:
+            return
+        self.latest = {"at_step": step, "predicted": f["predicted"], "interval": f["interval"]}
+        if self.rank != 0:
+            return
+        run.log.log(step, {"forecast/loss": f["predicted"], "forecast/lo": f["interval"][0],
+                           "forecast/hi": f["interval"][1]}, kind="forecast")
+        if self.first is None:
+            self.first = dict(self.latest)
+            lo, hi = f["interval"]
+            c = "seen in the run" if f["c_seen"] else ("the ladder's" if self.c_prior is not None else "the default")
+            run.log.event(step, f"forecast at step {step} of {self.cfg.train.steps}: final val loss "
+                                f"{f['predicted']:.4f} [{lo:.4f}, {hi:.4f}] (the run's own curve; annealing's "
+                                f"gain C {f['curve'].C:.3g}: {c})", kind="forecast", values=self.first)
+
+    def _alarm(self, run, step: int, row: dict, sources: list[str]) -> None:
         out = [k for k, c in self.above.items() if c >= self.cfg.eval.off_curve_patience and k not in self.flagged]
-        if out:
-            self.flagged += out
-            sources = [k for k in out if k != "all"] or out
-            text = ", ".join(f"'{k}' {row[k][0]:.4f} vs {row[k][1]:.4f} ({row[k][0] / row[k][1] - 1:+.1%}, band "
-                             f"{self.margin(k):.1%})" for k in out)
-            run.log.event(step, f"off_curve: validation loss above the predicted curve for "
-                                f"{self.cfg.eval.off_curve_patience} evaluations in a row: {text}; sources "
-                                f"{sources} left their curves (bad data? see the data probe and densetrain blame)",
-                          kind="off_curve", action="report",
-                          values={"sources": sources, "keys": out, **{k: row[k] for k in out}})
+        if not out:
+            return
+        self.flagged += out
+        up = [k for k in sources if self.above.get(k, 0) >= self.cfg.eval.off_curve_patience]
+        named = up if up and (len(up) < len(sources) or len(sources) == 1) else []
+        why = (f"sources {named} left their curves while the others did not (bad data? see the data probe and "
+               f"densetrain blame)" if named else "every source moved together: a change of the run (lr, optimizer, "
+               "numerics), not of one source's data")
+        text = ", ".join(f"'{k}' {row[k][0]:.4f} vs {row[k][1]:.4f} ({row[k][0] / row[k][1] - 1:+.1%}, band "
+                         f"{self.margin(k):.1%})" for k in out if k in row)
+        run.log.event(step, f"off_curve: validation loss above the run's own curve for "
+                            f"{self.cfg.eval.off_curve_patience} evaluations in a row: {text}; {why}",
+                      kind="off_curve", action="report",
+                      values={"sources": named, "keys": out, **{k: row[k] for k in out if k in row}})
 
     def state_dict(self) -> dict:
-        return {"above": self.above, "flagged": self.flagged, "history": self.history}
+        # the fits too: the next fit starts from them, so a resumed run forecasts what the uninterrupted one did
+        return {"above": self.above, "flagged": self.flagged, "history": self.history, "points": self.points,
+                "scale": self.scale, "first": self.first, "latest": self.latest,
+                "fits": {k: vars(c) for k, c in self.fits.items()}}
 
     def load_state_dict(self, d: dict) -> None:
         self.above, self.flagged = dict(d.get("above", {})), list(d.get("flagged", []))
-        self.history = list(d.get("history", []))
+        self.history, self.points = list(d.get("history", [])), dict(d.get("points", {}))
+        self.scale, self.first, self.latest = dict(d.get("scale", {})), d.get("first"), d.get("latest")
+        self.fits = {k: RunCurve(**v) for k, v in d.get("fits", {}).items()}
 
     def close(self) -> None:
-        """Add the prediction and the outcome to ``summary.json`` (written by the loop just before)."""
+        """Add the forecast (and the prediction) with the outcome to ``summary.json`` (written by the loop just
+        before)."""
         path = Path(self.cfg.train.run_dir) / "summary.json"
-        if self.rank != 0 or self.prediction is None or not path.exists():
+        if self.rank != 0 or (self.first is None and self.prediction is None) or not path.exists():
             return
         try:
             summary = read_json(path)  # written by the loop just before: a regular file of a few KiB
         except (OSError, ValueError):
             return
-        if summary.get("steps") != self.cfg.train.steps:
+        if not isinstance(summary, dict) or summary.get("steps") != self.cfg.train.steps:
             return
         actual = summary.get("val", {}).get("all", {})
-        summary["prediction"] = {**self.prediction, "ladder": self.cfg.eval.ladder, "actual_loss": actual.get("loss"),
-                                 "actual_bpb": actual.get("bpb"), "off_curve": self.flagged,
-                                 "curve": self.history}
+        final = actual.get("loss")
+        if self.first is not None:
+            err = self.first["predicted"] / final - 1 if isinstance(final, float) and final > 0 else None
+            summary["forecast"] = {**self.first, "final": final, "error": err, "latest": self.latest}
+        if self.prediction is not None:
+            summary["prediction"] = {**self.prediction, "ladder": self.cfg.eval.ladder, "actual_loss": final,
+                                     "actual_bpb": actual.get("bpb"), "off_curve": self.flagged,
+                                     "curve": self.history}
         atomic_write_json(path, summary)

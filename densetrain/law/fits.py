@@ -30,8 +30,7 @@
   ``Acc(L) = a / (1 + exp(-k (L - L0))) + b`` (k < 0: accuracy rises as the loss falls); step 1 is the loss
   prediction above. :func:`fit_accuracy`.
 
-Units: N in parameters, D and S1/S2 in tokens, C in FLOPs (``6 N D``), losses in nats per token. Used by
-``densetrain ladder`` (the fits), ``plan`` (a prediction) and the training watcher ``train/watch/curve.py``.
+Units: N in parameters, D and S1/S2 in tokens, C in FLOPs (``6 N D``), losses in nats per token.
 """
 
 from __future__ import annotations
@@ -127,6 +126,13 @@ def _check_points(*arrays) -> list[np.ndarray]:
     return out
 
 
+LAW_BOUNDS = ((-20.0, 20.0), (-20.0, 100.0), (-20.0, 100.0), (0.0, 5.0), (0.0, 5.0))
+"""Bounds of approach 3's fit on ``(e, a, b, alpha, beta)`` (``E = e^e``, ``A = e^a``, ``B = e^b``): negative
+exponents are no scaling law; E = e^-20 is zero for any loss (a lower bound keeps it a number where the data
+puts E at 0), e^100 the largest coefficient that keeps the fit's arithmetic finite. A fit that ends on one is
+degenerate (:mod:`densetrain.law.judge`)."""
+
+
 def fit_law(n, d, loss, delta: float = HUBER_DELTA, starts: np.ndarray | None = None) -> Law:
     """Approach 3 fitted to points ``(n[i], d[i], loss[i])`` (module docstring).
 
@@ -145,9 +151,7 @@ def fit_law(n, d, loss, delta: float = HUBER_DELTA, starts: np.ndarray | None = 
         t = _lse_terms(grid, ln, ld)  # (4500, points, 3)
         obj = huber(logsumexp(t, axis=-1) - ll, delta)[0].sum(axis=1)
         starts = grid[np.argsort(obj)[:_KEEP_STARTS]]
-    # Negative exponents are no scaling law; E = e^-20 is zero for any loss (a lower bound keeps it a number
-    # where the data puts E at 0), e^100 the largest coefficient that keeps the fit's arithmetic finite.
-    bounds = [(-20.0, 20.0), (-20.0, 100.0), (-20.0, 100.0), (0.0, 5.0), (0.0, 5.0)]
+    bounds = LAW_BOUNDS
     best = None
     for x0 in starts:
         res = minimize(_objective, x0, args=(ln, ld, ll, delta), jac=True, method="L-BFGS-B", bounds=bounds,
