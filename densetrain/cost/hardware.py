@@ -10,8 +10,10 @@ import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+import tomli_w
+
 from densetrain.errors import ConfigError
-from densetrain.fileio import atomic_write_bytes, read_text_bounded
+from densetrain.fileio import atomic_write_bytes, json_text, read_text_bounded
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 
@@ -47,10 +49,7 @@ class Hardware:
 
     def to_toml(self) -> str:
         """The profile as a flat TOML table (what :func:`load_hardware` reads)."""
-        out = []
-        for k, v in asdict(self).items():
-            out.append(f"{k} = {json.dumps(v) if isinstance(v, str) else repr(v)}")
-        return "\n".join(out) + "\n"
+        return tomli_w.dumps(asdict(self))
 
 
 def profile_names() -> list[str]:
@@ -98,7 +97,7 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
 def write_hardware(hw: Hardware, path: str | Path) -> Path:
     """Write ``hw`` to ``path`` atomically (TOML, or JSON for a ``.json`` name); returns the path."""
     path = Path(path)
-    text = json.dumps(asdict(hw), indent=1) + "\n" if path.suffix == ".json" else hw.to_toml()
+    text = json_text(asdict(hw), indent=1) + "\n" if path.suffix == ".json" else hw.to_toml()
     atomic_write_bytes(path, text.encode())
     return path
 
