@@ -107,6 +107,20 @@ def test_a_run_killed_on_either_side_of_the_switch_resumes_bitwise_on_the_stage_
         assert [e["step"] for e in switches(run)] == [6] * (1 if run == after else 2)
 
 
+def test_a_plain_resume_on_one_process_adapts_the_stage_layouts_like_parallel(whole, reference, tmp_path):
+    """Review of issue 40: ``train --resume RUN`` on 1 process of the pp 2 -> cp 2 run refused the long stage's
+    cp 2 ("but the world size is 1") though ``[parallel]``'s pp 2 adapts. The stage's layout adapts the same
+    way, said once; the resumed steps equal one process."""
+    run = copy_until(whole, tmp_path / "one", 4)
+    assert main(["train", "--resume", str(run)]) == 0
+    assert_close(trajectory(run), trajectory(reference), range(5, 9))
+    (note,) = [e for e in read_events(run) if e.get("action") == "adapt"]
+    assert note["step"] == 4 and note["text"].startswith(
+        "stage 'long_context' (stages[2].parallel): the configured pp=1 dp_replicate=1 dp_shard=1 cp=2 tp=1 does "
+        "not fit 1 process(es): the layout closest to it that runs is dp_replicate=1 dp_shard=1 tp=1"), note
+    assert [e["step"] for e in switches(run)] == [6]  # the first attempt's only: cp 1 is [parallel]'s layout
+
+
 def test_an_impossible_stage_layout_is_refused_in_one_line_naming_the_stage(prepared, tmp_path, capsys):
     _, make = prepared
     with pytest.raises(ConfigError, match=r"^stage 'long_context': stages\[2\]\.parallel\.cp \(3\) needs "

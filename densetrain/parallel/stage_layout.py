@@ -14,13 +14,14 @@ import dataclasses
 
 from densetrain.config import Config, ParallelConfig, stage_parallel
 from densetrain.errors import ConfigError
-from densetrain.parallel.mesh import Layout, resolve_layout
+from densetrain.parallel.mesh import Layout, keep_intent, resolve_layout
 from densetrain.parallel.parallelize import seq_len_divisor
 from densetrain.parallel.pipeline import resolve_microbatches
 
 
 def stage_layouts(cfg: Config, stages: list, world: int, base: ParallelConfig | None = None,
-                  skip_unfit_base: bool = False) -> list[tuple[ParallelConfig, Layout | None]]:
+                  skip_unfit_base: bool = False, adapt: list[str] | None = None
+                  ) -> list[tuple[ParallelConfig, Layout | None]]:
     """Each stage's parallel config (``[parallel]``, or ``base`` in its place, with the stage's own
     ``stages[i].parallel`` keys over it) and its layout of ``world`` ranks, checked to run that stage before
     any compute: the degrees multiply to ``world``, the tensor-parallel degree divides the heads, every
@@ -29,6 +30,11 @@ def stage_layouts(cfg: Config, stages: list, world: int, base: ParallelConfig | 
 
     ``skip_unfit_base``: a ``[parallel]`` that does not resolve at ``world`` gives its stages the layout None
     instead of the error (the dry run reports it in its own words).
+
+    ``adapt`` (a plain ``--resume``, as ``base`` is then :func:`densetrain.train.setup.layout_keeping_intent`'s):
+    a stage's own degrees that cannot run it at ``world`` are replaced by the layout closest to them that does
+    (:func:`densetrain.parallel.mesh.keep_intent`, as ``[parallel]`` adapts on a resume at another world size);
+    one line per stage adapted is appended to the list, for the caller to log.
 
     Raises:
         ConfigError: one line; for a stage with a layout of its own it starts ``stage '<name>'
@@ -43,6 +49,8 @@ def stage_layouts(cfg: Config, stages: list, world: int, base: ParallelConfig | 
         if own:  # the stage's own keys (type-checked by stage_parallel) over base
             merged = stage_parallel(cfg, st.index)
             par = dataclasses.replace(base, **{k: getattr(merged, k) for k in own})
+            if adapt is not None:
+                par = _adapted(cfg, st, par, world, where, adapt)
         try:
             lay = resolve_layout(par.dp_replicate, par.dp_shard, par.tp, world, par.cp, par.pp)
         except ConfigError as e:
@@ -57,6 +65,41 @@ def stage_layouts(cfg: Config, stages: list, world: int, base: ParallelConfig | 
             raise ConfigError(f"{where}: {lay} cannot run it: {problem}")
         out.append((par, lay))
     return out
+
+
+def _fits(cfg: Config, st, par: ParallelConfig, world: int) -> bool:
+    try:
+        lay = resolve_layout(par.dp_replicate, par.dp_shard, par.tp, world, par.cp, par.pp)
+    except ConfigError:
+        return False
+    return stage_layout_problem(cfg, st, par, lay) is None
+
+
+def _adapted(cfg: Config, st, par: ParallelConfig, world: int, where: str, notes: list[str]) -> ParallelConfig:
+    """``par`` when it runs stage ``st`` on ``world`` ranks, else the closest layout that does (module
+    :func:`stage_layouts`, ``adapt``), with the line saying so appended to ``notes``.
+
+    Raises:
+        ConfigError: no layout of ``world`` ranks runs the stage; names the stage and the key to set."""
+    if _fits(cfg, st, par, world):
+        return par
+
+    def as_par(lay: Layout) -> ParallelConfig:
+        return dataclasses.replace(par, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp, cp=lay.cp,
+                                   pp=lay.pp)
+
+    try:
+        lay = keep_intent(par.dp_replicate, par.dp_shard, par.tp, world, lambda x: _fits(cfg, st, as_par(x), world),
+                          cp=par.cp, pp=par.pp)
+    except ConfigError:
+        raise ConfigError(f"{where}: no layout of {world} process(es) close to pp={par.pp} dp_replicate="
+                          f"{par.dp_replicate} dp_shard={par.dp_shard} cp={par.cp} tp={par.tp} runs it; set the "
+                          f"stage's degrees with --stages.{st.index}.parallel.<key>=N (e.g. "
+                          f"--stages.{st.index}.parallel.cp=1)") from None
+    notes.append(f"{where}: the configured pp={par.pp} dp_replicate={par.dp_replicate} dp_shard={par.dp_shard} "
+                 f"cp={par.cp} tp={par.tp} does not fit {world} process(es): the layout closest to it that runs "
+                 f"is {lay} (config.toml keeps the configured degrees)")
+    return as_par(lay)
 
 
 def stage_layout_problem(cfg: Config, st, par: ParallelConfig, lay: Layout) -> str | None:

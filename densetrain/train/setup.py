@@ -341,8 +341,10 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         stages = resolve_stages(cfg)
     except ValueError as e:
         raise TrainError(str(e)) from None
+    adapted: list[str] = []  # a plain resume lays each stage's own degrees out as [parallel]'s (logged below)
     layouts = stage_layouts(cfg, stages, int(os.environ.get("WORLD_SIZE", "1")),
-                            layout_keeping_intent(cfg) if keep_layout_intent else None)
+                            layout_keeping_intent(cfg) if keep_layout_intent else None,
+                            adapt=adapted if keep_layout_intent else None)
     # The stage at the step this launch starts from decides the first layout (a resume lands on its stage's).
     parallel = layouts[stage_at(start_step(run_dir, resume or cfg.train.resume == "auto", rollback_to),
                                 stages).index][0]
@@ -424,6 +426,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         run.log.event(0, f"{run_dir}: a new run (nothing to resume there yet)", kind="resume")
     if resume:
         log_restart(run, logged)
+    for line in adapted:
+        log.event(step, line, kind="parallel", action="adapt")
     if rollback_to is not None:
         skip_data(run, skip_batches, f"manual rollback to step {rollback_to}")
     if cfg.eval.tasks or cfg.eval.final_tasks:
