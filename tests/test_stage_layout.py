@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from densetrain.config import load_config
 from densetrain.errors import ConfigError
 from densetrain.metrics import read_events, read_metrics
 from densetrain.parallel.mesh import Layout
-from densetrain.parallel.stage_layout import stage_layouts
+from densetrain.parallel.stage_layout import layouts_that_fit, stage_layouts
 from densetrain.schedule import resolve_stages
 from densetrain.train import train
 
@@ -177,3 +178,22 @@ def test_pipeline_with_context_parallelism_runs_document_masked_stages():
         assert stages[1].document_mask
         want = Layout(1, 2, 1, 2, 1) if own.get("pp") == 1 else Layout(1, 1, 1, 2, 2)
         assert [lay for _, lay in stage_layouts(cfg, stages, 4)] == [Layout(1, 1, 1, 2, 2), want]
+
+
+def test_the_advice_for_a_batch_that_does_not_split_considers_cp_and_pp():
+    """Review of issue 40: the advice varied tp only, so it said "no layout of 16384 ranks runs it" for
+    llama3-405b's long_context stage with too many data-parallel ranks (cp 16 runs it), and never cp 2 on 2."""
+    cfg = load_config(preset="llama3-405b")
+    cfg.stages[2].parallel.update(dp_shard=256, cp=1, tp=4)  # 16 x 256 x 4 ranks; 128 sequences per step
+    with pytest.raises(ConfigError) as e:
+        stage_layouts(cfg, resolve_stages(cfg), 16384)
+    first = "--stages.2.parallel.dp_replicate=1 --stages.2.parallel.dp_shard=128 --stages.2.parallel.tp=8 " \
+            "--stages.2.parallel.cp=16 --stages.2.parallel.pp=1"
+    assert f"does not split into 256 data-parallel ranks x micro_batch_size 1; layouts that run it: {first} | " \
+        in str(e.value), str(e.value)
+    # One sequence per step, one KV head: on 2 ranks neither tp 2 (heads), pp 2 (micro-batches) nor dp 2 runs it.
+    tiny = load_config(preset="tiny", overrides=[("model.n_kv_heads", 1)])
+    st = dataclasses.replace(resolve_stages(tiny)[0], batch_size=1, micro_batch_size=1)
+    want = "--parallel.dp_replicate=1 --parallel.dp_shard=1 --parallel.tp=1 --parallel.cp=2 --parallel.pp=1"
+    assert layouts_that_fit(2, st, tiny.model) == f"layouts that run it: {want}"
+    assert layouts_that_fit(2, dataclasses.replace(st, seq_len=258), tiny.model).startswith("no layout of 2 ranks")

@@ -72,7 +72,7 @@ def _fits(cfg: Config, st, par: ParallelConfig, world: int) -> bool:
         lay = resolve_layout(par.dp_replicate, par.dp_shard, par.tp, world, par.cp, par.pp)
     except ConfigError:
         return False
-    return stage_layout_problem(cfg, st, par, lay) is None
+    return _problem(cfg.model, st, par, lay) is None
 
 
 def _adapted(cfg: Config, st, par: ParallelConfig, world: int, where: str, notes: list[str]) -> ParallelConfig:
@@ -103,8 +103,17 @@ def _adapted(cfg: Config, st, par: ParallelConfig, world: int, where: str, notes
 
 
 def stage_layout_problem(cfg: Config, st, par: ParallelConfig, lay: Layout) -> str | None:
-    """Why layout ``lay`` (of config ``par``) cannot run stage ``st``, in words, or None."""
-    m = cfg.model
+    """Why layout ``lay`` (of config ``par``) cannot run stage ``st``, in words, or None; a batch that does not
+    split names the layouts that would run it (:func:`layouts_that_fit`)."""
+    problem = _problem(cfg.model, st, par, lay)
+    if problem and problem.startswith("its batch of"):
+        prefix = f"--stages.{st.index}.parallel." if cfg.stages[st.index].parallel else "--parallel."
+        problem += "; " + layouts_that_fit(lay.world, st, cfg.model, par, prefix)
+    return problem
+
+
+def _problem(m, st, par: ParallelConfig, lay: Layout) -> str | None:
+    """:func:`stage_layout_problem` for model config ``m``, without advice."""
     for k in ("n_heads", "n_kv_heads", "d_ff", "vocab_size"):
         if getattr(m, k) % lay.tp:
             return f"tp {lay.tp} does not divide model.{k} ({getattr(m, k)})"
@@ -114,7 +123,7 @@ def stage_layout_problem(cfg: Config, st, par: ParallelConfig, lay: Layout) -> s
     rows = lay.dp_size * st.micro_batch_size
     if st.batch_size % rows:
         return (f"its batch of {st.batch_size} sequences does not split into {lay.dp_size} data-parallel ranks x "
-                f"micro_batch_size {st.micro_batch_size}; " + layouts_that_fit(st.batch_size, lay.world, m))
+                f"micro_batch_size {st.micro_batch_size}")
     if lay.pp > 1:
         try:
             resolve_microbatches(par.pp_microbatches, lay.pp, par.pp_virtual_stages, st.batch_size // rows,
@@ -127,13 +136,21 @@ def stage_layout_problem(cfg: Config, st, par: ParallelConfig, lay: Layout) -> s
     return None
 
 
-def layouts_that_fit(batch_size: int, world: int, model) -> str:
-    """The tensor-parallel degrees of ``world`` ranks whose data-parallel size divides ``batch_size``
-    (one sequence per rank and micro-batch), as advice for a stage whose batch does not split over its
-    data-parallel ranks (:func:`stage_layout_problem`, :func:`densetrain.train.setup.check_stages`)."""
-    fits = [tp for tp in range(1, world + 1) if world % tp == 0 and model.n_heads % tp == 0
-            and model.n_kv_heads % tp == 0 and batch_size % (world // tp) == 0]
+def layouts_that_fit(world: int, st, model, par: ParallelConfig | None = None, prefix: str = "--parallel.") -> str:
+    """Advice for stage ``st`` whose batch does not split over its data-parallel ranks
+    (:func:`stage_layout_problem`, :func:`densetrain.train.setup.check_stages`): up to three layouts of
+    ``world`` ranks that run it (every split into pipeline, context and tensor parallelism, the rest
+    data-parallel, checked as :func:`stage_layout_problem` checks a layout, with ``par``'s other settings),
+    the most data-parallel first, as the flags (``prefix``: ``--parallel.`` or ``--stages.N.parallel.``)
+    that set them; or that none does."""
+    par = par or ParallelConfig()
+    divisors = lambda n: [x for x in range(1, n + 1) if n % x == 0]  # noqa: E731
+    fits = [Layout(1, world // (pp * cp * tp), tp, cp, pp) for pp in divisors(world) for cp in divisors(world // pp)
+            for tp in divisors(world // (pp * cp))]
+    fits = sorted((x for x in fits if _problem(model, st, par, x) is None),
+                  key=lambda x: (x.tp * x.cp * x.pp, x.pp, x.cp))
     if not fits:
         return f"no layout of {world} ranks runs it: change the stage's batch_tokens or the number of ranks"
-    return "layouts that run it: " + ", ".join(f"--parallel.tp={tp} ({world // tp} data-parallel ranks)"
-                                               for tp in fits[:4]) + " with a micro_batch_size that divides"
+    return "layouts that run it: " + " | ".join(
+        f"{prefix}dp_replicate=1 {prefix}dp_shard={x.dp_shard} {prefix}tp={x.tp} {prefix}cp={x.cp} {prefix}pp={x.pp}"
+        for x in fits[:3])

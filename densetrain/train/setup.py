@@ -158,7 +158,7 @@ def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], info: Dist
         if st.batch_size % (dp * st.micro_batch_size):
             raise TrainError(f"stage '{st.name}': batch of {st.batch_size} sequences does not split into "
                              f"{dp} data-parallel ranks x micro_batch_size {st.micro_batch_size}; "
-                             + layouts_that_fit(st.batch_size, info.world_size, model))
+                             + layouts_that_fit(info.world_size, st, model, par))
         if par is not None and pp > 1:
             resolve_microbatches(par.pp_microbatches, pp, par.pp_virtual_stages,
                                  st.batch_size // (dp * st.micro_batch_size), f" at stage '{st.name}'")
