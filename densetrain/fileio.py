@@ -372,15 +372,45 @@ def directory_kind(path) -> tuple[str, str] | None:
     return None
 
 
+_STEP_DIR = re.compile(r"^step_\d+(\.tmp)?$")
+"""A checkpoint's directory name (``densetrain.checkpoint.common``: ``step_00000010``, ``.tmp`` while saved)."""
+
+
+def _belongs_elsewhere(path: Path) -> str:
+    """Why directory ``path``, which holds no kind's files, still belongs to a training run: it holds checkpoint
+    step directories, or it lies inside a run directory (its parent or grandparent, e.g. ``RUN/checkpoints``);
+    '' when neither. A parent holding only a config.toml is not taken for a run (``exp/config.toml`` beside a
+    new ``exp/run`` is a common layout)."""
+    if path.is_dir():
+        step = next((p.name for p in sorted(path.iterdir()) if p.is_dir() and _STEP_DIR.match(p.name)), None)
+        if step:
+            return f"holds checkpoint step directories ({step}): a training run's checkpoints"
+    for up in list(path.resolve().parents)[:2]:
+        found = directory_kind(up)
+        if found and found[0] == "run" and found[1] != "it holds config.toml":
+            return f"is inside {DIR_KINDS['run'][0]} at {up} ({found[1]})"
+    return ""
+
+
 def other_kind(path, kind: str, what: str) -> str:
     """'' when ``what`` (a command or key, e.g. ``train.run_dir``) may write its ``kind`` of files into
     directory ``path`` (new, empty, unrecognised, or of that kind); else the one line refusing it, naming the
-    directory and what it holds (the caller raises it as its own error type)."""
-    found = directory_kind(path) if Path(path).is_dir() else None
-    if found is None or found[0] == kind:
+    directory and what it holds (the caller raises it as its own error type): ``path`` is not a directory
+    (a regular file), holds another kind's files, holds checkpoint step directories, or lies inside a
+    training run's directory (e.g. its ``checkpoints/``)."""
+    path = Path(path)
+    takes = f"{what} takes a new or empty directory, or one of {DIR_KINDS[kind][0]}"
+    if path.exists() and not path.is_dir():
+        st = path.stat()
+        is_a = next((name for test, name in _KINDS if test(st.st_mode)), "a regular file")
+        return f"{what}: {path} is {is_a}, not a directory; {takes}"
+    found = directory_kind(path) if path.is_dir() else None
+    if found is None:
+        why = _belongs_elsewhere(path)
+        return f"{what}: {path} {why}, not {DIR_KINDS[kind][0]}; {takes}" if why else ""
+    if found[0] == kind:
         return ""
-    return (f"{path}: holds {DIR_KINDS[found[0]][0]} ({found[1]}), not {DIR_KINDS[kind][0]}; {what} takes a new or "
-            f"empty directory, or one of {DIR_KINDS[kind][0]}")
+    return f"{path}: holds {DIR_KINDS[found[0]][0]} ({found[1]}), not {DIR_KINDS[kind][0]}; {takes}"
 
 
 def mark_kind(path, kind: str) -> None:

@@ -71,6 +71,13 @@ def test_overrides_parse_toml_values():
         ([("train.batch_size", 10)], "train.batch_size (10) must be divisible by train.micro_batch_size (8)"),
         ([("stages.1.mix", {"wbe": 1.0})], "unknown source 'wbe'; did you mean 'web'?"),
         ([("optim.min_lr", 1.0)], "optim.min_lr must be in [0, optim.peak_lr"),
+        # A tie in difflib's score goes to the longer common prefix, not the larger string ('pp').
+        ([("parallel.cpp", 2)], "unknown config key 'parallel.cpp'; did you mean 'parallel.cp'?"),
+        ([("parallel.cp", True)], "parallel.cp: expected an integer, got true (a boolean)"),  # TOML's spelling
+        ([("stages", [{"name": "m", "start": 0.0, "parallel": {"cp": True}}])],
+         "stages[0].parallel.cp: expected an integer, got true (a boolean)"),
+        ([("stages", [{"name": "m", "start": 0.0, "parallel": {"cpp": 2}}])],
+         "unknown config key 'stages[0].parallel.cpp'; did you mean 'cp'?"),
     ],
 )
 def test_errors_name_the_key(overrides, msg):

@@ -56,3 +56,31 @@ def test_each_command_refuses_a_directory_of_another_kind(prepared, stopped_run,
         assert main(["ladder", "--sizes", "32", "--budgets", "2.5e9", "--out", str(tmp_path / "L"),
                      "--print-commands", "--config", str(config)]) == 0
     assert (tmp_path / "L" / KIND_FILE).read_text() == "ladder\n"
+
+
+def test_run_dir_that_is_a_file_or_a_runs_checkpoints_is_refused(prepared, stopped_run, tmp_path, capsys):
+    """Review of issue 44 item 9: ``train.run_dir`` at another run's ``checkpoints/`` trained and wrote
+    config.toml beside its step dirs; at a regular file it printed ``[Errno 17] File exists``."""
+    _, make = prepared
+    config = tmp_path / "c.toml"
+    save_config(make(tmp_path), config)
+    run = tmp_path / "run"
+    shutil.copytree(stopped_run[0], run)
+    ckpts = run / "checkpoints"
+    step = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_"))[0]
+    before = _snapshot(run)
+    err = _one_line(capsys, ["train", "--config", str(config), f"--train.run_dir={ckpts}"])
+    assert err == (f"densetrain: error: train.run_dir: {ckpts} holds checkpoint step directories ({step}): "
+                   "a training run's checkpoints, not a training run; train.run_dir takes a new or empty "
+                   "directory, or one of a training run\n"), err
+    # An empty folder inside a run (no step dirs yet) is refused as lying inside the run.
+    err = _one_line(capsys, ["train", "--config", str(config), f"--train.run_dir={run / 'sub'}"])
+    assert err.startswith(f"densetrain: error: train.run_dir: {run / 'sub'} is inside a training run at {run} "
+                          f"(its {KIND_FILE} says so), not a training run;"), err
+    assert _snapshot(run) == before
+    afile = tmp_path / "x.toml"
+    afile.write_text("a = 1\n")
+    err = _one_line(capsys, ["train", "--config", str(config), f"--train.run_dir={afile}"])
+    assert err == (f"densetrain: error: train.run_dir: {afile} is a regular file, not a directory; train.run_dir "
+                   "takes a new or empty directory, or one of a training run\n"), err
+    assert afile.read_text() == "a = 1\n"

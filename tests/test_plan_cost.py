@@ -85,11 +85,30 @@ def test_doctor_writes_this_machines_profile_that_plan_reads(tmp_path, capsys):
     path = tmp_path / "me.toml"
     main(["doctor", "--preset", "tiny", "--health.seconds=0.01", "--health.trials=1", "--health.copy_mib=1",
           "--profile", str(path)])
-    assert f"wrote this machine's hardware profile to {path}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"wrote this machine's hardware profile to {path}" in out
+    # One rank measures no collective: the profile's links are its memory bandwidth, and it says so.
+    assert "note: one rank measured no collective, so the profile's nvlink and net bandwidth are its memory " \
+        "bandwidth" in out
     hw = load_hardware(path)
     assert hw.peak_bf16_flops > 0 and hw.hbm_bytes_per_s > 0 and hw.gpus_per_node == 1
     assert main(["plan", "--preset", "tiny", "--gpus", "1", "--hardware", str(path), "--json"]) == 0
     assert '"mfu"' in capsys.readouterr().out
+    assert hw.nvlink_bytes_per_s == hw.net_bytes_per_s == hw.hbm_bytes_per_s
+
+
+def test_doctor_profile_at_a_directory_is_one_line_before_measuring(tmp_path, capsys):
+    """Review of issue 44: ``doctor --profile DIR`` measured, then printed ``[Errno 21] Is a directory:
+    '/tmp/.rv.tmp14174' -> '/tmp/rv'``, naming a temp file the user never gave."""
+    from densetrain.cli import main
+
+    missing = tmp_path / "no"
+    for bad, why in ((tmp_path, "is a directory"), (missing / "me.toml", f"{missing} is not a directory")):
+        assert main(["doctor", "--preset", "tiny", "--health.seconds=0.01", "--profile", str(bad)]) == 2
+        cap = capsys.readouterr()
+        assert cap.err.startswith(f"densetrain: error: --profile {bad}: {why}") and cap.err.count("\n") == 1, cap.err
+        assert "healthy" not in cap.out  # refused before measuring
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 _COUNT = r"""

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from densetrain.config import load_config
 from densetrain.errors import ConfigError
 from densetrain.metrics import read_events, read_metrics
 from densetrain.parallel.mesh import Layout
-from densetrain.parallel.stage_layout import stage_layouts
+from densetrain.parallel.stage_layout import layouts_that_fit, stage_layouts
 from densetrain.schedule import resolve_stages
 from densetrain.train import train
 
@@ -70,6 +71,8 @@ def whole(prepared, tmp_path_factory):
     cfg = staged(make, tmp, "whole")
     res = finish(start(fresh(cfg, tmp), world=2))
     assert [rc for rc, _ in res] == [0, 0], [err[-3000:] for _, err in res]
+    # The switch onto cp builds the flattened dp_shard_cp mesh without torch's deprecation warning on each rank.
+    assert not [err for _, err in res if "Slicing a flattened dim" in err]
     return Path(cfg.train.run_dir)
 
 
@@ -105,6 +108,20 @@ def test_a_run_killed_on_either_side_of_the_switch_resumes_bitwise_on_the_stage_
         assert starts[-1]["step"] == resumed_from and starts[-1]["values"]["layout"]["pp"] == pp
         # after: the first attempt's switch only; before: the first attempt's and the resume's own
         assert [e["step"] for e in switches(run)] == [6] * (1 if run == after else 2)
+
+
+def test_a_plain_resume_on_one_process_adapts_the_stage_layouts_like_parallel(whole, reference, tmp_path):
+    """Review of issue 40: ``train --resume RUN`` on 1 process of the pp 2 -> cp 2 run refused the long stage's
+    cp 2 ("but the world size is 1") though ``[parallel]``'s pp 2 adapts. The stage's layout adapts the same
+    way, said once; the resumed steps equal one process."""
+    run = copy_until(whole, tmp_path / "one", 4)
+    assert main(["train", "--resume", str(run)]) == 0
+    assert_close(trajectory(run), trajectory(reference), range(5, 9))
+    (note,) = [e for e in read_events(run) if e.get("action") == "adapt"]
+    assert note["step"] == 4 and note["text"].startswith(
+        "stage 'long_context' (stages[2].parallel): the configured pp=1 dp_replicate=1 dp_shard=1 cp=2 tp=1 does "
+        "not fit 1 process(es): the layout closest to it that runs is dp_replicate=1 dp_shard=1 tp=1"), note
+    assert [e["step"] for e in switches(run)] == [6]  # the first attempt's only: cp 1 is [parallel]'s layout
 
 
 def test_an_impossible_stage_layout_is_refused_in_one_line_naming_the_stage(prepared, tmp_path, capsys):
@@ -163,3 +180,22 @@ def test_pipeline_with_context_parallelism_runs_document_masked_stages():
         assert stages[1].document_mask
         want = Layout(1, 2, 1, 2, 1) if own.get("pp") == 1 else Layout(1, 1, 1, 2, 2)
         assert [lay for _, lay in stage_layouts(cfg, stages, 4)] == [Layout(1, 1, 1, 2, 2), want]
+
+
+def test_the_advice_for_a_batch_that_does_not_split_considers_cp_and_pp():
+    """Review of issue 40: the advice varied tp only, so it said "no layout of 16384 ranks runs it" for
+    llama3-405b's long_context stage with too many data-parallel ranks (cp 16 runs it), and never cp 2 on 2."""
+    cfg = load_config(preset="llama3-405b")
+    cfg.stages[2].parallel.update(dp_shard=256, cp=1, tp=4)  # 16 x 256 x 4 ranks; 128 sequences per step
+    with pytest.raises(ConfigError) as e:
+        stage_layouts(cfg, resolve_stages(cfg), 16384)
+    first = "--stages.2.parallel.dp_replicate=1 --stages.2.parallel.dp_shard=128 --stages.2.parallel.tp=8 " \
+            "--stages.2.parallel.cp=16 --stages.2.parallel.pp=1"
+    assert f"does not split into 256 data-parallel ranks x micro_batch_size 1; layouts that run it: {first} | " \
+        in str(e.value), str(e.value)
+    # One sequence per step, one KV head: on 2 ranks neither tp 2 (heads), pp 2 (micro-batches) nor dp 2 runs it.
+    tiny = load_config(preset="tiny", overrides=[("model.n_kv_heads", 1)])
+    st = dataclasses.replace(resolve_stages(tiny)[0], batch_size=1, micro_batch_size=1)
+    want = "--parallel.dp_replicate=1 --parallel.dp_shard=1 --parallel.tp=1 --parallel.cp=2 --parallel.pp=1"
+    assert layouts_that_fit(2, st, tiny.model) == f"layouts that run it: {want}"
+    assert layouts_that_fit(2, dataclasses.replace(st, seq_len=258), tiny.model).startswith("no layout of 2 ranks")

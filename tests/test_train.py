@@ -247,10 +247,15 @@ def test_a_batch_that_does_not_split_over_ranks_names_the_layouts_that_would(pre
     on = lambda world, dp: DistInfo(0, world, 0, torch.device("cpu"), dp_rank=0, dp_size=dp)  # noqa: E731
     check_stages(stages, streams, on(4, 4), cfg.model)  # main 8, long_context 4 sequences over 4 ranks: fine
     with pytest.raises(TrainError, match=r"does not split into 16 data-parallel ranks .* layouts that run it: "
-                                         r"--parallel.tp=2 \(8 data-parallel ranks\)"):
+                                         r"--parallel.dp_replicate=1 --parallel.dp_shard=8 --parallel.tp=2 "
+                                         r"--parallel.cp=1 --parallel.pp=1 \| --parallel.dp_replicate=1 "
+                                         r"--parallel.dp_shard=8 --parallel.tp=1 --parallel.cp=2 "):
         check_stages(stages, streams, on(16, 16), cfg.model)
-    with pytest.raises(TrainError, match="no layout of 48 ranks runs it"):
-        check_stages(stages, streams, on(48, 48), cfg.model)
+    with pytest.raises(TrainError, match=r"48 data-parallel ranks .* layouts that run it: --parallel.dp_replicate=1 "
+                                         r"--parallel.dp_shard=2 --parallel.tp=2 --parallel.cp=4 --parallel.pp=3 \| "):
+        check_stages(stages, streams, on(48, 48), cfg.model)  # cp and pp count too (the advice once tried tp only)
+    with pytest.raises(TrainError, match="no layout of 47 ranks runs it"):
+        check_stages(stages, streams, on(47, 47), cfg.model)
 
 
 def test_mfu_above_one_measures_the_peak_again_once_or_says_a_declared_one_is_low(prepared, tmp_path):

@@ -31,7 +31,7 @@ from typing import Any
 import tomli_w
 
 from densetrain.config.schema import Config
-from densetrain.config.validate import validate
+from densetrain.config.validate import closest_names, toml_words, validate
 from densetrain.errors import ConfigError
 from densetrain.fileio import ReadRefused, atomic_write_bytes, read_toml
 
@@ -73,12 +73,12 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
+            raise ConfigError(f"{key}: expected a list, got {toml_words(value)}")
         return [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         _, val_tp = typing.get_args(tp)
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a table, got {value!r}")
+            raise ConfigError(f"{key}: expected a table, got {toml_words(value)}")
         return {str(k): _convert(v, val_tp, f"{key}.{k}") for k, v in value.items()}
     if origin in (typing.Union, types.UnionType):  # e.g. a stage's parallel table: int | float | str | bool
         for member in typing.get_args(tp):
@@ -87,29 +87,29 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             except ConfigError:
                 continue
         names = " or ".join(getattr(m, "__name__", str(m)) for m in typing.get_args(tp))
-        raise ConfigError(f"{key}: expected {names}, got {value!r}")
+        raise ConfigError(f"{key}: expected {names}, got {toml_words(value)}")
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+            raise ConfigError(f"{key}: expected true or false, got {toml_words(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+            raise ConfigError(f"{key}: expected an integer, got {toml_words(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
+            raise ConfigError(f"{key}: expected a number, got {toml_words(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
+            raise ConfigError(f"{key}: expected a string, got {toml_words(value)}")
         return value
     raise ConfigError(f"{key}: unsupported type {tp}")  # pragma: no cover - programming error
 
 
 def _unknown_key(cls: type, name: str, prefix: str) -> ConfigError:
     names = [f.name for f in dataclasses.fields(cls)]
-    close = difflib.get_close_matches(name, names, n=1)
+    close = closest_names(name, names)
     hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
     return ConfigError(f"unknown config key '{prefix}{name}'{hint}")
 

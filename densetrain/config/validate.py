@@ -190,6 +190,25 @@ def validate(cfg: Config) -> None:
 _TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
+def closest_names(name: str, names: list[str]) -> list[str]:
+    """``difflib.get_close_matches(name, names, n=1)`` with ties broken by the longer common prefix, not by the
+    larger string (difflib's): ``cpp`` is as close to ``cp`` as to ``pp``, and a typo keeps the first letters."""
+    close = difflib.get_close_matches(name, names, n=len(names))
+    if not close:
+        return []
+    def rank(x: str) -> tuple[float, int]:  # difflib's score, then the common prefix's length
+        return difflib.SequenceMatcher(None, name, x).ratio(), next(
+            (i for i, (a, b) in enumerate(zip(name, x)) if a != b), min(len(name), len(x)))
+
+    return [max(close, key=rank)]
+
+
+def toml_words(value) -> str:
+    """``value`` as a TOML file would spell it, for error messages: a boolean is ``true (a boolean)``, not
+    Python's ``True``; anything else its ``repr``."""
+    return f"{str(value).lower()} (a boolean)" if isinstance(value, bool) else repr(value)
+
+
 def stage_parallel(cfg: Config, index: int) -> ParallelConfig:
     """The parallel layout stage ``index`` runs on: ``[parallel]`` with the stage's own ``parallel`` keys over it
     (``cfg.parallel`` itself when it sets none).
@@ -205,13 +224,13 @@ def stage_parallel(cfg: Config, index: int) -> ParallelConfig:
     for k, v in own.items():
         key = f"stages[{index}].parallel.{k}"
         if k not in hints:
-            close = difflib.get_close_matches(k, list(hints), n=1)
+            close = closest_names(k, list(hints))
             raise ConfigError(f"unknown config key '{key}'" + (f"; did you mean '{close[0]}'?" if close else
                                                                 f"; valid keys: {', '.join(hints)}"))
         want = hints[k]
         ok = isinstance(v, want) and (want is bool or not isinstance(v, bool)) or (want is float and isinstance(
             v, int) and not isinstance(v, bool))
-        check_config(ok, f"{key}: expected {_TYPE_WORDS[want]}, got {v!r}")
+        check_config(ok, f"{key}: expected {_TYPE_WORDS[want]}, got {toml_words(v)}")
     return dataclasses.replace(cfg.parallel, **{k: float(v) if hints[k] is float else v for k, v in own.items()})
 
 

@@ -9,7 +9,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from densetrain.parallel.mesh import Layout, build_mesh, resolve_layout
+from densetrain.parallel.mesh import Layout, build_mesh, resolve_layout, shard_cp_mesh
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def set_group_timeouts(mesh, timeout: timedelta, flattened: bool = False) -> Non
     Why: ``init_device_mesh`` creates its subgroups with torch's per-backend default (30 minutes for gloo, 10
     for NCCL), not the default group's timeout, so a hang in a tensor-parallel collective would outlast
     ``parallel.timeout_s``; torchtitan's ``set_pg_timeouts`` does the same with the same torch call."""
-    groups = list(mesh.get_all_groups()) + ([mesh["dp_shard_cp"].get_group()] if flattened else [])
+    groups = list(mesh.get_all_groups()) + ([shard_cp_mesh(mesh).get_group()] if flattened else [])
     for g in groups:
         dist.distributed_c10d._set_pg_timeout(timeout, g)
 

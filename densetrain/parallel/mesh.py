@@ -188,8 +188,18 @@ def build_mesh(layout: Layout, device_type: str):
     mesh = init_device_mesh(device_type, (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp),
                             mesh_dim_names=DIMS)
     if layout.cp > 1:
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # torchtitan's way: FSDP2 over shards x cp ranks
+        shard_cp_mesh(mesh)  # torchtitan's way: FSDP2 over shards x cp ranks
     return mesh
+
+
+def shard_cp_mesh(mesh):
+    """The 1-D ``dp_shard_cp`` mesh (``dp_shard * cp`` ranks), flattened on first use.
+
+    Why not ``mesh["dp_shard_cp"]``: slicing a flattened dim from the root mesh warns on every rank
+    (``device_mesh.py``: "Slicing a flattened dim from root mesh will be deprecated in PT 2.11. Users need
+    to bookkeep the flattened mesh directly"); ``_flatten`` is idempotent and returns the flattened mesh
+    the root mesh keeps, so asking it again is the bookkeeping torch asks for."""
+    return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
 
 
 def dp_mesh(mesh, layout: Layout):
@@ -198,7 +208,12 @@ def dp_mesh(mesh, layout: Layout):
     context parallelism the shard dim is ``dp_shard_cp`` (``dp_shard * cp`` ranks): context-parallel
     ranks hold different tokens of the same rows, so their gradients are reduced like data-parallel
     ones, and they shard the parameters too (as in torchtitan)."""
-    shard = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
+    from torch.distributed.device_mesh import DeviceMesh
+
+    shard = shard_cp_mesh(mesh) if layout.cp > 1 else mesh["dp_shard"]
     if layout.dp_replicate > 1 and (layout.dp_shard > 1 or layout.cp > 1):
-        return mesh["dp_replicate", shard]
-    return mesh["dp_replicate"] if layout.dp_replicate > 1 else mesh[shard]
+        # The 2-D (dp_replicate, dp_shard_cp) mesh from the two 1-D meshes, reusing their process groups:
+        # what slicing ``mesh["dp_replicate", "dp_shard_cp"]`` builds, without its deprecation warning.
+        return DeviceMesh._concatenate([mesh["dp_replicate"], shard]) if layout.cp > 1 else \
+            mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_replicate"] if layout.dp_replicate > 1 else shard

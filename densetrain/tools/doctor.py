@@ -13,6 +13,7 @@ import torch
 
 from densetrain.config import Config, parse_overrides
 from densetrain.cost import measured_hardware, write_hardware
+from densetrain.errors import ConfigError
 from densetrain.fileio import json_text
 from densetrain.health import check, format_table, read_first, rows_json, verdict
 from densetrain.parallel import init_distributed
@@ -26,6 +27,8 @@ def doctor(cfg: Config, args: argparse.Namespace) -> int:
     measurement (``RUN_DIR/health_first.json``). The matmul dtype: bf16 with ``train.dtype = 'bf16'`` (or 'auto'
     on a GPU), else fp32. Exit status (``densetrain doctor --help``): 0 healthy, 1 unhealthy, 3 busy, 2 bad input;
     under torchrun 0 after any verdict."""
+    if getattr(args, "profile", None):
+        check_profile_path(args.profile)  # before minutes of measuring, not after
     info = init_distributed(cfg.train.device, cfg.parallel)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
@@ -50,9 +53,27 @@ def doctor(cfg: Config, args: argparse.Namespace) -> int:
         if getattr(args, "profile", None):
             print(f"wrote this machine's hardware profile to {write_profile(rows, info, args.profile)} "
                   "(densetrain plan --hardware FILE)")
+            if not any(k.endswith("/all_reduce") for k in rows[0].figures):
+                print("note: one rank measured no collective, so the profile's nvlink and net bandwidth are its "
+                      "memory bandwidth; run doctor under torchrun --nproc-per-node N to measure them")
     # torchrun reports any other status of a rank as a failed child, with its whole error dump: a verdict is
     # a result, not a failure, so under torchrun it is read from the line (or --json)
     return 0 if int(os.environ.get("WORLD_SIZE", "1")) > 1 else status
+
+
+def check_profile_path(path: str) -> None:
+    """``--profile FILE`` names a file doctor can write: not a directory (nor another non-file), in an
+    existing directory.
+
+    Raises:
+        ConfigError: one line naming ``--profile`` and what was expected."""
+    p = Path(path)
+    if p.exists() and not p.is_file():
+        raise ConfigError(f"--profile {path}: is {'a directory' if p.is_dir() else 'not a regular file'}; expected "
+                          "the hardware profile file to write (.toml or .json)")
+    if not p.parent.is_dir():
+        raise ConfigError(f"--profile {path}: {p.parent} is not a directory; expected the hardware profile file "
+                          "to write (.toml or .json) in an existing directory")
 
 
 def write_profile(rows, info, path: str) -> str:

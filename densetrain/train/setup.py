@@ -158,7 +158,7 @@ def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], info: Dist
         if st.batch_size % (dp * st.micro_batch_size):
             raise TrainError(f"stage '{st.name}': batch of {st.batch_size} sequences does not split into "
                              f"{dp} data-parallel ranks x micro_batch_size {st.micro_batch_size}; "
-                             + layouts_that_fit(st.batch_size, info.world_size, model))
+                             + layouts_that_fit(info.world_size, st, model, par))
         if par is not None and pp > 1:
             resolve_microbatches(par.pp_microbatches, pp, par.pp_virtual_stages,
                                  st.batch_size // (dp * st.micro_batch_size), f" at stage '{st.name}'")
@@ -341,8 +341,10 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         stages = resolve_stages(cfg)
     except ValueError as e:
         raise TrainError(str(e)) from None
+    adapted: list[str] = []  # a plain resume lays each stage's own degrees out as [parallel]'s (logged below)
     layouts = stage_layouts(cfg, stages, int(os.environ.get("WORLD_SIZE", "1")),
-                            layout_keeping_intent(cfg) if keep_layout_intent else None)
+                            layout_keeping_intent(cfg) if keep_layout_intent else None,
+                            adapt=adapted if keep_layout_intent else None)
     # The stage at the step this launch starts from decides the first layout (a resume lands on its stage's).
     parallel = layouts[stage_at(start_step(run_dir, resume or cfg.train.resume == "auto", rollback_to),
                                 stages).index][0]
@@ -424,6 +426,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         run.log.event(0, f"{run_dir}: a new run (nothing to resume there yet)", kind="resume")
     if resume:
         log_restart(run, logged)
+    for line in adapted:
+        log.event(step, line, kind="parallel", action="adapt")
     if rollback_to is not None:
         skip_data(run, skip_batches, f"manual rollback to step {rollback_to}")
     if cfg.eval.tasks or cfg.eval.final_tasks:
