@@ -140,8 +140,12 @@ def test_a_rank_over_the_device_memory_exits_2_naming_the_stage(capsys):
 
 
 def test_the_8b_preset_on_8_ranks_refuses_its_ddp_rank(capsys):
-    # the review's case: every rank holds the whole 8B model's fp32 state and AdamW moments (DDP)
+    # the review's case: every rank holds the whole 8B model's fp32 state and AdamW moments (DDP, the preset's
+    # [parallel] before it became FSDP2); the preset's own layout fits
     assert main(["train", "--preset", "llama3-8b", "--dry-run", "--world-size", "8", "--rank", "0",
-                 "--gpu-memory-gib", "80"]) == 2
+                 "--gpu-memory-gib", "80"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--preset", "llama3-8b", "--dry-run", "--world-size", "8", "--rank", "0",
+                 "--gpu-memory-gib", "80", "--parallel.dp_replicate=-1", "--parallel.dp_shard=1"]) == 2
     err = capsys.readouterr().err
     assert "rank 0, stage 'main': needs 172.53 GiB, over the device's 80 GiB (72.6 GiB usable)" in err
