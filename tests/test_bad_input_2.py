@@ -311,8 +311,8 @@ def test_ladder_points_file_that_is_a_fifo_or_holds_a_line_nested_too_deeply(fif
     with _deadline(30), pytest.raises(ReadRefused, match=r"ladder\.jsonl: is a FIFO, expected a regular file"):
         finished(tmp_path)
     (tmp_path / "ladder.jsonl").unlink()
-    (tmp_path / "ladder.jsonl").write_text('{"name": "a"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
-    with pytest.raises(ReadRefused, match=r"ladder\.jsonl:2: nested too deeply .*\(expected one JSON object a line"):
+    (tmp_path / "ladder.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ReadRefused, match=r"ladder\.jsonl:1: nested too deeply"):
         finished(tmp_path)
 
 
@@ -386,8 +386,7 @@ def test_a_ladder_fit_and_a_prepare_manifest_nested_too_deeply(tmp_path):
 
     deep = "[" * 100_000 + "]" * 100_000
     (tmp_path / "fit.json").write_text(deep)
-    with pytest.raises(ConfigError, match=r"eval\.ladder: .*fit\.json: expected the fit of a ladder .*, got "
-                                          r"ReadRefused: .*fit\.json: nested too deeply"):
+    with pytest.raises(ConfigError, match=r"eval\.ladder: .*fit\.json: nested too deeply"):
         read_fit(tmp_path)
     (tmp_path / "manifest.json").write_text(deep)
     assert up_to_date(tmp_path, None, [], {}) is None  # not a manifest: the source is redone, no traceback
