@@ -305,15 +305,8 @@ class TokenFiles:
         if start < 0 or n < 0 or start + n > self._total:
             raise IndexError(f"token range [{start}, {start + n}) outside [0, {self._total})")
         out = np.empty(n, dtype=np.int64)
-        i = int(np.searchsorted(self._starts, start, side="right")) - 1
-        pos = 0
-        while pos < n:
-            off = start + pos - int(self._starts[i])
-            take = min(n - pos, int(self._lengths[i]) - off)
-            if take > 0:
-                out[pos : pos + take] = self._maps[i][off : off + take]
-                pos += take
-            i += 1
+        for i, off, pos, take in self._pieces(start, n):
+            out[pos : pos + take] = self._maps[i][off : off + take]
         if self.vocab_size is not None and n and int(out.max()) >= self.vocab_size:
             self._out_of_vocab(start, out)
         return out
@@ -330,14 +323,20 @@ class TokenFiles:
         start, n = int(start), int(n)
         if start < 0 or n <= 0 or start + n > self._total:
             return
+        for i, off, _, take in self._pieces(start, n):
+            if hasattr(self._maps[i], "prefetch"):
+                self._maps[i].prefetch(off, off + take)
+
+    def _pieces(self, start: int, n: int):
+        """The files holding tokens ``[start, start + n)`` (a range inside the stream), in order: ``(file index,
+        offset in that file, offset in the range, count)`` per non-empty piece; :meth:`read` and :meth:`prefetch`."""
         i = int(np.searchsorted(self._starts, start, side="right")) - 1
         pos = 0
         while pos < n:
             off = start + pos - int(self._starts[i])
             take = min(n - pos, int(self._lengths[i]) - off)
             if take > 0:
-                if hasattr(self._maps[i], "prefetch"):
-                    self._maps[i].prefetch(off, off + take)
+                yield i, off, pos, take
                 pos += take
             i += 1
 

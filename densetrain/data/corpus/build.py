@@ -257,6 +257,17 @@ def refuse_foreign_files(corpus_dir: Path, names: list[str], prev: dict | None, 
                             "or use another data.corpus_dir")
 
 
+
+def read_marker(marker: Path) -> dict | None:
+    """A corpus folder's marker (what it was built from): None without one, ``{}`` when it cannot be read (the
+    folder is then rebuilt, as for a changed recipe)."""
+    if not marker.is_file():
+        return None
+    try:
+        return json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
 def build_demo_corpus(
     corpus_dir: str | os.PathLike,
     max_bytes_per_source: int = 6_000_000,
@@ -291,12 +302,8 @@ def build_demo_corpus(
     params = {"version": CORPUS_VERSION, "max_bytes_per_source": int(max_bytes_per_source), "sources": names,
               "use_packages": use_packages}
     marker = corpus_dir / MARKER
-    prev = None
-    if marker.is_file():
-        try:
-            prev = json.loads(marker.read_text())
-        except (OSError, json.JSONDecodeError):
-            prev = {}
+    prev = read_marker(marker)
+    if prev is not None:
         if prev.get("params") == params and all((corpus_dir / f"{n}.jsonl").is_file() for n in names):
             log(f"demo corpus up to date in {corpus_dir} (delete {MARKER} to rebuild)")
             return prev["stats"]

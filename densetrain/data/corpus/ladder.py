@@ -38,7 +38,6 @@ cleans, filters, deduplicates and tokenizes the four sources like any others (RE
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import tarfile
 import tempfile
@@ -53,6 +52,7 @@ from densetrain.data.corpus.build import (
     DEMO_PACKAGES,
     books_groups,
     file_stamp,
+    read_marker,
     reference_groups,
     refuse_foreign_files,
     write_jsonl,
@@ -306,12 +306,8 @@ def build_ladder_corpus(
     params = {"version": LADDER_VERSION, "sources": names, "caps": caps, "max_file_bytes": MAX_FILE_BYTES,
               "origins": {n: [o.name for o in table[n][3]] for n in names}}
     marker = corpus_dir / MARKER
-    prev = None
-    if marker.is_file():
-        try:
-            prev = json.loads(marker.read_text())
-        except (OSError, json.JSONDecodeError):
-            prev = {}
+    prev = read_marker(marker)
+    if prev is not None:
         done = prev.get("complete", True) and prev.get("params") == params
         if done and all((corpus_dir / f"{n}.jsonl").is_file() for n in names):
             log(f"ladder corpus up to date in {corpus_dir} (delete {MARKER} to rebuild)")
