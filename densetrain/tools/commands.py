@@ -221,8 +221,8 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
     if world_size is not None and world_size < 1:
         return _error(f"--world-size: expected a number of processes >= 1, got {world_size} "
                       "(see densetrain train --help)")
-    if gpu_memory_gib is not None and not gpu_memory_gib > 0:
-        return _error(f"--gpu-memory-gib: expected GiB > 0, got {gpu_memory_gib} (see densetrain train --help)")
+    if gpu_memory_gib is not None and not 0 < gpu_memory_gib <= 1e6:  # inf would reach the planner's own check
+        return _error(f"--gpu-memory-gib: expected GiB in (0, 1e6], got {gpu_memory_gib} (see densetrain train --help)")
     given = world_size is not None or "WORLD_SIZE" in os.environ
     gpus = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     # Every stage's layout (its own, stages[i].parallel, or [parallel]) can run it, as train checks before its first
