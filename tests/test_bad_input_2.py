@@ -92,6 +92,14 @@ def test_a_value_that_passes_a_comparison_but_breaks_a_run_is_one_line(capsys, o
      "health: need seconds in (0, 60], trials in [1, 100], copy_mib in [1, 65536]"),
     (["train", "--preset", "tiny", "--dry-run", "--world-size", "0"],
      "--world-size: expected a number of processes >= 1, got 0"),
+    # A stage's layout inherits dp_replicate = -1 from [parallel]: the message named neither key (a dict of the
+    # merged degrees); a --rank outside a plain run's one process did not say why the world was 1.
+    (["train", "--preset", "tiny", "--dry-run", "--stages.0.parallel={cp=-1}"],
+     "stage 'main': parallel.dp_replicate (inherited from [parallel]) and stages[0].parallel.cp are both -1"),
+    (["train", "--preset", "tiny", "--dry-run", "--parallel.cp=-1", "--parallel.tp=-1"],
+     "parallel.dp_replicate and parallel.cp and parallel.tp are all -1: at most one degree may be -1"),
+    (["train", "--preset", "tiny", "--dry-run", "--rank", "1"],
+     "--rank: 1 is not a rank of --world-size 1 (no --world-size or WORLD_SIZE given: a plain run is one process)"),
     (["ladder", "--preset", "tiny", "--sizes", "32,64", "--budgets", "nan", "--out", "unused"],
      "argument --budgets: expected comma-separated FLOP budgets, got 'nan'"),
     (["ladder", "--preset", "tiny", "--sizes", "32,64", "--budgets", "inf", "--out", "unused"],

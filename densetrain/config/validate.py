@@ -256,11 +256,14 @@ def validate_parallel(cfg: Config) -> None:
     _validate_layout(cfg, cfg.parallel, seq_lens, "parallel", "")
     for i in sorted(own):
         st, (key, t) = cfg.stages[i], lens[i]
-        _validate_layout(cfg, stage_parallel(cfg, i), {key: t}, f"stages[{i}].parallel", f"stage '{st.name}': ")
+        _validate_layout(cfg, stage_parallel(cfg, i), {key: t}, f"stages[{i}].parallel", f"stage '{st.name}': ",
+                         st.parallel)
 
 
-def _validate_layout(cfg: Config, p: ParallelConfig, seq_lens: dict[str, int], name: str, where: str) -> None:
-    """One layout ``p`` (keys named ``<name>.<key>``, messages prefixed with ``where``): degrees >= 1 or -1 (fill,
+def _validate_layout(cfg: Config, p: ParallelConfig, seq_lens: dict[str, int], name: str, where: str,
+                     own: dict | None = None) -> None:
+    """One layout ``p`` (keys named ``<name>.<key>``, messages prefixed with ``where``; ``own``: the keys a stage
+    sets itself, the others named as inherited from ``[parallel]``): degrees >= 1 or -1 (fill,
     at most one), tensor parallel dividing the head counts, d_ff and the vocabulary (each rank holds whole heads and
     equal slices), context parallel dividing each of ``seq_lens`` into ``2 cp`` equal chunks (the load-balanced
     split), the pipeline keys."""
@@ -276,8 +279,14 @@ def _validate_layout(cfg: Config, p: ParallelConfig, seq_lens: dict[str, int], n
     # of a healthy job waits anywhere near that long.
     check(0 < p.timeout_s <= 7 * 86400,
           f"parallel.timeout_s must be a number of seconds in (0, 604800] (a week), got {p.timeout_s}")
-    check(sum(v == -1 for v in degrees.values()) <= 1,
-          f"parallel: at most one of dp_replicate, dp_shard, cp, tp may be -1, got {degrees}")
+    fills = [k for k, v in degrees.items() if v == -1]
+    if len(fills) > 1:
+        # Name each -1 by the key the user would edit: a stage's layout inherits unset keys from [parallel]
+        # (dp_replicate = -1 there by default), which a printed dict of merged degrees hid.
+        keys = [f"{name}.{k}" if own is None or k in own else f"parallel.{k} (inherited from [parallel])"
+                for k in fills]
+        check_config(False, f"{where}{' and '.join(keys)} are {'both' if len(keys) == 2 else 'all'} -1: at most "
+                            f"one degree may be -1 (it fills the world size); give the others a number")
     check(p.activation_checkpointing in ("none", "full", "selective"),
           f"parallel.activation_checkpointing must be none, full or selective, "
           f"got '{p.activation_checkpointing}'")

@@ -83,7 +83,8 @@ def resolve_layout(dp_replicate: int, dp_shard: int, tp: int, world: int, cp: in
     fill = [k for k, v in given.items() if v == -1]
     fits = ", ".join(f"({lay})" for lay in divisor_layouts(world))
     if len(fill) > 1:
-        raise ConfigError(f"parallel: at most one of dp_replicate, dp_shard, cp, tp may be -1, got {given}")
+        raise ConfigError(f"parallel: {' and '.join(fill)} are all -1: at most one degree may be -1 (it fills the "
+                          f"world size)")
     known = 1
     for k, v in given.items():
         if k not in fill:

@@ -243,7 +243,13 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
         mem, src = 80.0, " (assumed: no GPU here; --gpu-memory-gib sets it)"
     if rank is not None or ranks:
         reasons = []
-        for r in parse_ranks(ranks or str(rank), gpus):
+        try:
+            picked = parse_ranks(ranks or str(rank), gpus)
+        except ConfigError as e:
+            msg = str(e) if ranks else str(e).replace("--ranks:", "--rank:", 1)
+            hint = "" if given else " (no --world-size or WORLD_SIZE given: a plain run is one process)"
+            return _error(f"{msg}{hint}")
+        for r in picked:
             built = dry_run_rank(cfg, gpus, r, per_node)
             print(format_rank(built), flush=True)
             reasons += rank_refusals(built, mem)
