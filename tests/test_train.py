@@ -256,6 +256,10 @@ def test_a_batch_that_does_not_split_over_ranks_names_the_layouts_that_would(pre
         check_stages(stages, streams, on(48, 48), cfg.model)  # cp and pp count too (the advice once tried tp only)
     with pytest.raises(TrainError, match="no layout of 47 ranks runs it"):
         check_stages(stages, streams, on(47, 47), cfg.model)
+    # A stage with its own layout (stages[0].parallel) is advised by its own keys, not [parallel]'s flags.
+    with pytest.raises(TrainError, match=r"stage 'main'.* layouts that run it: --stages.0.parallel.dp_replicate=1 "
+                                         r"--stages.0.parallel.dp_shard=8 --stages.0.parallel.tp=2 "):
+        check_stages(stages, streams, on(16, 16), cfg.model, own=frozenset({0}))
 
 
 def test_mfu_above_one_measures_the_peak_again_once_or_says_a_declared_one_is_low(prepared, tmp_path):

@@ -91,8 +91,9 @@ def resolve_layout(dp_replicate: int, dp_shard: int, tp: int, world: int, cp: in
             known *= v
     if fill:
         if world % known:
-            raise ConfigError(f"parallel: the fixed degrees {given} (product {known}) do not divide the world size "
-                              f"{world}; layouts that fit: {fits}")
+            fixed = " * ".join(f"{k} {v}" for k, v in given.items() if k not in fill)
+            raise ConfigError(f"parallel: the fixed degrees {fixed} = {known} do not divide the world size {world} "
+                              f"({fill[0]} = -1 fills what they leave); layouts that fit: {fits}")
         given[fill[0]] = world // known
     layout = Layout(**given)
     if layout.world != world:

@@ -138,10 +138,12 @@ class Run:
 
 
 def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], info: DistInfo, model,
-                 parallel=None, layouts: list[tuple[ParallelConfig, Layout]] | None = None) -> None:
+                 parallel=None, layouts: list[tuple[ParallelConfig, Layout]] | None = None,
+                 own: frozenset[int] = frozenset()) -> None:
     """Every stage can draw a full sequence from each source of its mix and splits over the ranks (and,
     under pipeline parallelism, gives every rank enough micro-batches for the stages: ``parallel``), each
-    on its own layout when ``layouts`` (:func:`stage_layouts`) gives them, else on ``info``'s.
+    on its own layout when ``layouts`` (:func:`stage_layouts`) gives them, else on ``info``'s. ``own``: the
+    indices of stages that set their own layout (``stages[i].parallel``), whose advice names those keys.
 
     Raises:
         TrainError: a source shorter than one sequence, or a batch that does not divide over the
@@ -158,7 +160,8 @@ def check_stages(stages: list[Stage], streams: dict[str, TokenFiles], info: Dist
         if st.batch_size % (dp * st.micro_batch_size):
             raise TrainError(f"stage '{st.name}': batch of {st.batch_size} sequences does not split into "
                              f"{dp} data-parallel ranks x micro_batch_size {st.micro_batch_size}; "
-                             + layouts_that_fit(info.world_size, st, model, par))
+                             + layouts_that_fit(info.world_size, st, model, par,
+                                                f"--stages.{st.index}.parallel." if st.index in own else "--parallel."))
         if par is not None and pp > 1:
             resolve_microbatches(par.pp_microbatches, pp, par.pp_virtual_stages,
                                  st.batch_size // (dp * st.micro_batch_size), f" at stage '{st.name}'")
@@ -359,7 +362,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         stages = resolve_stages(cfg, available=set(train_streams))
     except ValueError as e:
         raise TrainError(str(e)) from None
-    check_stages(stages, train_streams, info, cfg.model, parallel, layouts)
+    check_stages(stages, train_streams, info, cfg.model, parallel, layouts,
+                 frozenset(i for i, s in enumerate(cfg.stages) if s.parallel))
     refuse_other_kind(run_dir, info)  # before anything there is read or written
     if cfg.train.resume == "auto":  # the same command restarts the job: continue the run dir's own run
         check_same_run(run_dir, cfg, info)
