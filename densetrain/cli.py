@@ -61,6 +61,10 @@ def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
                 path = cand
                 break
     if getattr(args, "resume", None):
+        if path or preset:  # before: read and silently ignored, so edits in that file never reached the run
+            raise ConfigError(f"--resume {args.resume} continues the run's own config.toml; drop "
+                              f"{'--config ' + str(path) if path else '--preset ' + preset} (change keys with "
+                              f"--key=value flags, or start a new run with it)")
         run, resolved = Path(args.resume), Path(args.resume) / "config.toml"
         if not resolved.exists():  # the config is the first file a run writes: none yet, nothing to resume
             raise TrainError(f"{run}: {'no config.toml' if run.is_dir() else 'no such run directory'}, so no run "

@@ -100,6 +100,9 @@ def test_a_value_that_passes_a_comparison_but_breaks_a_run_is_one_line(capsys, o
      "parallel.dp_replicate and parallel.cp and parallel.tp are all -1: at most one degree may be -1"),
     (["train", "--preset", "tiny", "--dry-run", "--rank", "1"],
      "--rank: 1 is not a rank of --world-size 1 (no --world-size or WORLD_SIZE given: a plain run is one process)"),
+    # --resume with --config or --preset: the file was read and silently ignored (the run's config.toml wins)
+    (["train", "--preset", "tiny", "--resume", "runs/x"],
+     "--resume runs/x continues the run's own config.toml; drop --preset tiny (change keys with --key=value flags"),
     (["ladder", "--preset", "tiny", "--sizes", "32,64", "--budgets", "nan", "--out", "unused"],
      "argument --budgets: expected comma-separated FLOP budgets, got 'nan'"),
     (["ladder", "--preset", "tiny", "--sizes", "32,64", "--budgets", "inf", "--out", "unused"],

@@ -187,7 +187,8 @@ def test_two_rank_fsdp2_async_run_resumes_on_the_uninterrupted_trajectory(prepar
     def run_ranks(cfg, name: str, resume: bool = False) -> None:
         path = tmp_path / f"{name}.toml"
         save_config(cfg, path)
-        res = launch(["train", "--config", str(path)] + (["--resume", cfg.train.run_dir] if resume else []))
+        # --resume reads the run's own config.toml (async_save and dp_shard 2 included); --config with it is refused
+        res = launch(["train", "--resume", cfg.train.run_dir] if resume else ["train", "--config", str(path)])
         assert all(r.returncode == 0 for r in res), "\n".join(r.stderr[-3000:] for r in res)
 
     run_ranks(par, "par")

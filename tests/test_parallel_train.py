@@ -56,7 +56,7 @@ def train_ranks(cfg, tmp: Path, name: str, resume: bool = False) -> None:
     save_config(cfg, path)
     # --resume reads the run's own config.toml: the layout to resume on is given as flags.
     layout = [f"--parallel.{k}={getattr(cfg.parallel, k)}" for k in ("dp_replicate", "dp_shard", "tp")]
-    argv = ["train", "--config", str(path)] + (["--resume", cfg.train.run_dir, *layout] if resume else [])
+    argv = ["train", "--resume", cfg.train.run_dir, *layout] if resume else ["train", "--config", str(path)]
     res = launch(argv)
     assert all(r.returncode == 0 for r in res), "\n".join(r.stderr[-3000:] for r in res)
 
