@@ -14,6 +14,27 @@ POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "us
 """Cookie/terms-of-use phrases whose lines C4's reference code removes (TFDS ``c4_utils``)."""
 
 
+def _judge_line(p: C4Config, line: str, n_words: int, end_marks: tuple[str, ...]) -> str | None:
+    """The line rules both readings share, in their common order (after the long-word and citation steps):
+    ``'remove'`` (the line goes: no terminal mark with ``remove_no_terminal_punct``, fewer than
+    ``min_words_per_line`` words (``n_words``: counted where each reading counts them), 'javascript', a
+    cookie/terms phrase), a page-drop reason (``lorem_ipsum``, ``curly_brace``), or None (kept)."""
+    if p.remove_no_terminal_punct and (not line.endswith(end_marks) or line.endswith("...")):
+        return "remove"
+    if n_words < p.min_words_per_line:
+        return "remove"
+    low = line.lower()
+    if p.drop_lorem_ipsum and "lorem ipsum" in low:
+        return "lorem_ipsum"
+    if p.remove_javascript_lines and "javascript" in low:
+        return "remove"
+    if p.drop_curly_brace and "{" in line:
+        return "curly_brace"
+    if p.remove_policy_lines and any(s in low for s in POLICY):
+        return "remove"
+    return None
+
+
 class C4Filter(Filter):
     """C4's page cleaning (Raffel et al. 2020, "Exploring the Limits of Transfer Learning with a
     Unified Text-to-Text Transformer", §2.2), in the order of its reference implementation
@@ -60,19 +81,11 @@ class C4Filter(Filter):
                 line = self._CITATION.sub("", line).strip()
                 if not line:
                     continue
-            if p.remove_no_terminal_punct and (not line.endswith(self.END_MARKS) or line.endswith("...")):
+            verdict = _judge_line(p, line, len(line.split()), self.END_MARKS)
+            if verdict == "remove":
                 continue
-            if len(line.split()) < p.min_words_per_line:
-                continue
-            low = line.lower()
-            if p.drop_lorem_ipsum and "lorem ipsum" in low:
-                return self._drop("lorem_ipsum")
-            if p.remove_javascript_lines and "javascript" in low:
-                continue
-            if p.drop_curly_brace and "{" in line:
-                return self._drop("curly_brace")
-            if p.remove_policy_lines and any(s in low for s in POLICY):
-                continue
+            if verdict:
+                return self._drop(verdict)
             sentences += max(1, len(self._SENTENCE_END.findall(line + " ")))
             if blank:
                 kept.append("")
@@ -124,19 +137,11 @@ class C4FineWebFilter(Filter):
                 continue
             if p.remove_citations and "[" in line:
                 line = self._CITATION.sub("", line)
-            if p.remove_no_terminal_punct and (not line.endswith(self.END_MARKS) or line.endswith("...")):
+            verdict = _judge_line(p, line, n_words, self.END_MARKS)
+            if verdict == "remove":
                 continue
-            if n_words < p.min_words_per_line:
-                continue
-            low = line.lower()
-            if p.drop_lorem_ipsum and "lorem ipsum" in low:
-                return self._drop("lorem_ipsum")
-            if p.remove_javascript_lines and "javascript" in low:
-                continue
-            if p.drop_curly_brace and "{" in line:
-                return self._drop("curly_brace")
-            if p.remove_policy_lines and any(s in low for s in POLICY):
-                continue
+            if verdict:
+                return self._drop(verdict)
             if sentences < p.min_sentences:  # enough already: the exact count does not matter
                 sentences += count_sentences(line)
             if blank:
