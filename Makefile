@@ -27,7 +27,7 @@ demo: $(VENV)/.installed
 # Two workers, each test file on one of them (its module fixtures built once): 11m42s vs 13m52s in one
 # process on 2 cores shared with a `make demo` (same 584 tests).
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"
+	$(PY) -m pytest -q -rs -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"
 
 # The tests marked slow (the recipe matrix's heavier layouts, tests/test_recipe_matrix.py); .ci/run runs them
 # after `make test`. Each cell on a worker of its own (--dist load): a cell's ranks wait on each other.
@@ -37,7 +37,7 @@ test-slow: $(VENV)/.installed
 # The same suite while one Python spinner per core keeps every core busy (issue 44): no test may assert what the
 # machine measures (a time, a rate, a ratio of them): tests inject measurements; speed belongs to benchmarks/.
 test-under-load: $(VENV)/.installed
-	$(PY) tests/cpu_hog.py -- $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"
+	$(PY) tests/cpu_hog.py -- $(PY) -m pytest -q -rs -n 2 --dist loadfile --no-loadscope-reorder -m "not slow"
 
 # ruff (line length 120, pyproject.toml) and the import-layer contracts; `make fix` applies ruff's fixes.
 lint: $(VENV)/.installed
