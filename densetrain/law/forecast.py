@@ -137,7 +137,8 @@ def fit_run_curve(s1, d, loss, prior: Prior = DEFAULT_PRIOR) -> tuple[RunCurve, 
     top = float(np.log(loss.min() + max(prior.c + 3 * prior.c_sd, 0.0) * d.max()))
     best = None
     e_starts = [np.log(prior.e)] if prior.e_sd > 0 and 0 < prior.e < np.exp(top) else []
-    for e0, beta0 in itertools.product(e_starts + [np.log(loss.min()) - 0.05, np.log(loss.min()) - 0.3, np.log(loss.min()) - 1.0], {prior.beta, 0.25, 0.75}):
+    low = float(np.log(loss.min()))
+    for e0, beta0 in itertools.product(e_starts + [low - 0.05, low - 0.3, low - 1.0], {prior.beta, 0.25, 0.75}):
         b0 = np.log(max(loss.max() - np.exp(e0), 1e-3 * loss.max())) + beta0 * ls1.min()
         x0 = np.clip([e0, b0, beta0, prior.c], [-20, -20, 0, 0], [top - 1e-6, 80, 3, 50])
         res = least_squares(residuals, x0, bounds=([-20, -20, 0, 0], [top, 80, 3, 50]), loss="soft_l1",
