@@ -103,10 +103,12 @@ def anneal_drop(lrs, peak_lr: float, memory: float = DROP_MEMORY) -> np.ndarray:
     return np.cumsum(fall) - pending
 
 
-def fit_run_curve(s1, d, loss, prior: Prior = DEFAULT_PRIOR) -> tuple[RunCurve, np.ndarray, callable]:
+def fit_run_curve(s1, d, loss, prior: Prior = DEFAULT_PRIOR,
+                  start: RunCurve | None = None) -> tuple[RunCurve, np.ndarray, callable]:
     """:class:`RunCurve` fitted to one run's validations at ``(s1, d)`` with losses ``loss`` (maximum a
     posteriori: log-loss residuals over :data:`NOISE`, soft-L1 robust, and ``prior``'s Gaussian terms; trust-region
-    least squares, scipy, from a grid of 9 starts of E and beta).
+    least squares, scipy, from a grid of 9 starts of E and beta; with ``start``, a previous fit of the same run,
+    from it and one grid start, which keeps a refit at each validation cheap).
 
     Returns:
         ``(curve, cov, predict)``: the curve; the Laplace covariance of its parameters ``(log E, log B, beta, C)``
@@ -137,10 +139,15 @@ def fit_run_curve(s1, d, loss, prior: Prior = DEFAULT_PRIOR) -> tuple[RunCurve, 
     top = float(np.log(loss.min() + max(prior.c + 3 * prior.c_sd, 0.0) * d.max()))
     best = None
     e_starts = [np.log(prior.e)] if prior.e_sd > 0 and 0 < prior.e < np.exp(top) else []
-    low = float(np.log(loss.min()))
-    for e0, beta0 in itertools.product(e_starts + [low - 0.05, low - 0.3, low - 1.0], {prior.beta, 0.25, 0.75}):
+    low, betas = float(np.log(loss.min())), dict.fromkeys([prior.beta, 0.25, 0.75])
+    starts = []
+    for e0, beta0 in itertools.product(e_starts + [low - 0.05, low - 0.3, low - 1.0], betas):
         b0 = np.log(max(loss.max() - np.exp(e0), 1e-3 * loss.max())) + beta0 * ls1.min()
-        x0 = np.clip([e0, b0, beta0, prior.c], [-20, -20, 0, 0], [top - 1e-6, 80, 3, 50])
+        starts.append([e0, b0, beta0, prior.c])
+    if start is not None:
+        starts = [[np.log(start.E), np.log(start.B), start.beta, start.C], starts[(len(e_starts) + 1) * len(betas)]]
+    for x0 in starts:
+        x0 = np.clip(x0, [-20, -20, 0, 0], [top - 1e-6, 80, 3, 50])
         res = least_squares(residuals, x0, bounds=([-20, -20, 0, 0], [top, 80, 3, 50]), loss="soft_l1",
                             f_scale=3.0, x_scale=[1.0, 1.0, 0.1, 0.1])
         if best is None or res.cost < best.cost:
@@ -153,14 +160,14 @@ def fit_run_curve(s1, d, loss, prior: Prior = DEFAULT_PRIOR) -> tuple[RunCurve, 
     return RunCurve(curve.E, curve.B, curve.beta, curve.C, scale), cov, lambda x_, a, b: predict(x_, a, b)
 
 
-def forecast(s1, d, steps, loss, prior: Prior = DEFAULT_PRIOR) -> dict:
+def forecast(s1, d, steps, loss, prior: Prior = DEFAULT_PRIOR, start: RunCurve | None = None) -> dict:
     """The final loss of a run forecast from its validations so far.
 
     Args:
         s1, d: the run's forward area and :func:`anneal_drop` after each of its steps (``[k - 1]``: after k steps;
             the last: the run's end).
         steps: the steps of the validations so far (1-based, past warmup); ``loss``: their losses.
-        prior: as :func:`fit_run_curve`.
+        prior, start: as :func:`fit_run_curve`.
     Returns:
         ``{"at_step", "predicted", "interval": [lo, hi], "curve": RunCurve}``.
     Raises:
@@ -168,7 +175,7 @@ def forecast(s1, d, steps, loss, prior: Prior = DEFAULT_PRIOR) -> dict:
     """
     idx = np.asarray(steps, int) - 1
     s1, d = np.asarray(s1, float), np.asarray(d, float)
-    curve, cov, predict = fit_run_curve(s1[idx], d[idx], loss, prior)
+    curve, cov, predict = fit_run_curve(s1[idx], d[idx], loss, prior, start)
     x = np.array([np.log(curve.E), np.log(curve.B), curve.beta, curve.C])
     pred = float(predict(x, s1[-1], d[-1]))
     grad = np.array([(predict(x + h, s1[-1], d[-1]) - pred) / 1e-6 for h in np.eye(4) * 1e-6])

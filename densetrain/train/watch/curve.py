@@ -49,6 +49,7 @@ from densetrain.law.forecast import (
     FIT_FROM,
     FORECAST_FROM,
     MIN_POINTS,
+    RunCurve,
     anneal_drop,
     fit_run_curve,
     forecast,
@@ -159,6 +160,7 @@ class OffCurve(Watcher):
         self.seen = None  # the run.last_val judged last
         self.points: dict[str, list[list[float]]] = {}  # per key: [step, loss] of every validation past warmup
         self.scale: dict[str, list] = {}  # per key: [segment start, the segment's first residual scale]
+        self.fits: dict[str, RunCurve] = {}  # per fit ('all', 'forecast'): the latest (the next starts from it)
         self.first: dict | None = None  # the first forecast
         self.latest: dict | None = None
         self.above: dict[str, int] = {}  # consecutive validations above the band, per source / 'all'
@@ -208,8 +210,8 @@ class OffCurve(Watcher):
                 continue
             before = [p for p in self.points.get(key, []) if p[0] >= seg]
             self.points.setdefault(key, []).append([step, loss])
-            if key != "all" and len(sources) > 1:
-                continue  # judged against the other sources (_sources)
+            if key != "all":
+                continue  # one source: it is 'all'; more: judged against the others (_sources)
             if step <= FORECAST_FROM * self.cfg.train.steps or len(before) < MIN_POINTS:
                 continue
             up = self._own(key, step, loss, before, row)
@@ -219,6 +221,8 @@ class OffCurve(Watcher):
             self.above[key] = self.above.get(key, 0) + 1 if up else 0
         if len(sources) > 1:
             self._sources(step, seg, sources, row)
+        elif "all" in row:
+            row[sources[0]], self.above[sources[0]] = row["all"], self.above["all"]
         self._forecast(run, step)
         self.history.append(row)
         self._alarm(run, step, row, sources)
@@ -229,9 +233,11 @@ class OffCurve(Watcher):
         extrapolates, is no alarm; bad data makes it creep up)."""
         idx = np.array([int(p[0]) - 1 for p in before])
         try:
-            curve, _, _ = fit_run_curve(self.s1[idx], self.d[idx], [p[1] for p in before], self.prior)
+            curve, _, _ = fit_run_curve(self.s1[idx], self.d[idx], [p[1] for p in before], self.prior,
+                                        self.fits.get(key))
         except ValueError:
             return False
+        self.fits[key] = curve
         pred = float(curve.loss(self.s1[step - 1], self.d[step - 1]))
         if self.scale.get(key, [None])[0] != (seg := int(before[0][0])):
             self.scale[key] = [seg, curve.scale]
@@ -259,9 +265,11 @@ class OffCurve(Watcher):
         if step <= FORECAST_FROM * self.cfg.train.steps or len(pts) < MIN_POINTS:
             return
         try:
-            f = forecast(self.s1, self.d, [int(p[0]) for p in pts], [p[1] for p in pts], self.prior)
+            f = forecast(self.s1, self.d, [int(p[0]) for p in pts], [p[1] for p in pts], self.prior,
+                         self.fits.get("forecast"))
         except ValueError:
             return
+        self.fits["forecast"] = f["curve"]
         self.latest = {"at_step": step, "predicted": f["predicted"], "interval": f["interval"]}
         if self.rank != 0:
             return
@@ -295,12 +303,14 @@ class OffCurve(Watcher):
 
     def state_dict(self) -> dict:
         return {"above": self.above, "flagged": self.flagged, "history": self.history, "points": self.points,
-                "scale": self.scale, "first": self.first, "latest": self.latest}
+                "scale": self.scale, "first": self.first, "latest": self.latest,
+                "fits": {k: vars(c) for k, c in self.fits.items()}}
 
     def load_state_dict(self, d: dict) -> None:
         self.above, self.flagged = dict(d.get("above", {})), list(d.get("flagged", []))
         self.history, self.points = list(d.get("history", [])), dict(d.get("points", {}))
         self.scale, self.first, self.latest = dict(d.get("scale", {})), d.get("first"), d.get("latest")
+        self.fits = {k: RunCurve(**v) for k, v in d.get("fits", {}).items()}
 
     def close(self) -> None:
         """Add the forecast (and the prediction) with the outcome to ``summary.json`` (written by the loop just
