@@ -67,11 +67,12 @@ class Prior:
     e_sd: float = 0.0
 
 
-DEFAULT_PRIOR = Prior(beta=0.6, beta_sd=0.1, c=0.17, c_sd=0.04)
-"""Where the run has no ladder: calibrated on the clean 1500-step WSD run over web text and Python code of
-``benchmarks/forecast_check.py`` (``mix clean``, not one of its five forecast runs; benchmarks/RESULTS.md, issue 42
-session 15). A recipe far from it (another tokenizer, model size or lr) needs a ladder for a forecast this
-early."""
+DEFAULT_PRIOR = Prior(beta=0.48, beta_sd=0.1, c=0.156, c_sd=0.04)
+"""Where the run has no ladder: beta and C of the curve fitted to the whole of the clean 1500-step WSD run over
+web text and Python code of ``benchmarks/forecast_check.py`` (``mix clean``, not one of its five forecast runs;
+benchmarks/RESULTS.md, issue 42 session 15); the sds let a quarter of a run move them. Those five runs' own
+whole-run fits span beta 0.29-0.70 and C 0.14-0.21: a recipe far from this one (another tokenizer, model size or
+lr) needs a ladder for a forecast this early."""
 
 
 @dataclass(frozen=True)
