@@ -1,22 +1,29 @@
-"""The run's own forecast and the on-track alarm: each validation against the curve of the run's own lr schedule.
+"""The run's own forecast and the on-track alarm: each validation against the run's own curve and each source
+against the others.
 
-Every run (with or without a ladder):
+Every run that validates during training (``eval.every > 0``; with or without a ladder):
 
 - from the first validation past warmup and :data:`~densetrain.law.forecast.FORECAST_FROM` of the run (with at
   least :data:`~densetrain.law.forecast.MIN_POINTS` validations past warmup and
   :data:`~densetrain.law.forecast.FIT_FROM`), forecasts its final validation loss from the schedule-aware curve
-  fitted to its own validations past those (:func:`densetrain.law.forecast.forecast`;
-  C, what annealing buys, from the ladder's curve when ``eval.ladder`` has a fit that is not degenerate): one
-  ``forecast`` event at the first forecast, ``forecast/loss``, ``forecast/lo``, ``forecast/hi`` metrics
-  (``kind="forecast"``) at every one, and ``summary.json``'s ``forecast``: the first forecast (``at_step``,
-  ``predicted``, ``interval``), the ``final`` value beside it and its ``error``, and the ``latest`` forecast;
-- the alarm: each validation of every source and of all of them against the curve fitted to that key's
-  validations before it, within the current *segment*: the validations since the last known sharp change (a
-  stage's start: an anneal's mix, a seq_len switch; the WSD decay's start), which are waited out: checks
-  resume once the new segment has :data:`~densetrain.law.forecast.MIN_POINTS` validations. A key is above its
-  band when its loss exceeds the curve by ``eval.off_curve_margin`` (0: 3 x the segment's first fit's residual
-  scale, at least 1%) and exceeds the lowest loss of the segment so far (a loss that still falls, only slower
-  than the fit extrapolates, is no alarm), and, with a ladder whose fit is not degenerate, also its curve on the ladder
+  fitted to its own validations past those (:func:`densetrain.law.forecast.forecast`; its priors from the
+  ladder's curve when ``eval.ladder`` has a fit that is not degenerate, else the defaults): one ``forecast``
+  event at the first forecast, ``forecast/loss``, ``forecast/lo``, ``forecast/hi`` metrics (``kind="forecast"``)
+  at every one, and ``summary.json``'s ``forecast``: the first forecast (``at_step``, ``predicted``,
+  ``interval``), the ``final`` value beside it and its ``error``, and the ``latest`` forecast;
+- the alarm, within the current *segment*: the validations since the last known sharp change (a stage's start:
+  an anneal's mix, a seq_len switch; the WSD decay's start), which is waited out. ``all`` (and the source of a
+  one-source run) against the curve fitted to its validations of the segment before this one, from the
+  segment's :data:`~densetrain.law.forecast.MIN_POINTS`-th on: above its band when its loss exceeds the curve by
+  ``eval.off_curve_margin`` (0: 3 x the segment's first fit's residual scale, at least 1%) and the lowest loss
+  of the segment so far (a loss that still falls, only slower than the fit extrapolates, is no alarm). With two
+  or more sources, each source against the others (:func:`densetrain.law.forecast.source_excess`): its log-loss
+  drop since the segment's first validation past :data:`CURVE_FROM` of the run, against the median drop of the
+  others times the ratio of the two fitted on validations at least :data:`SOURCE_LAG` of the run earlier; above
+  when it fell less than that by its band (``eval.off_curve_margin``, or 3 x the ratio fit's residual scale, at
+  least :data:`~densetrain.law.forecast.SOURCE_BAND`). A refit of a source's own curve bends with a fault that
+  slows its fall (the seed's 7.1 case: windows repeated from the middle on); the others' progress does not.
+  With a ladder whose fit is not degenerate, ``all`` must also be above its curve on the ladder
   (:class:`densetrain.law.Curve`). One ``off_curve`` event when a key is above for ``eval.off_curve_patience``
   validations in a row; it names a source only when that source left its band while others did not (all of
   them at once is a change of the run, not of one source's data).
@@ -296,8 +303,9 @@ class OffCurve(Watcher):
                "numerics), not of one source's data")
         text = ", ".join(f"'{k}' {row[k][0]:.4f} vs {row[k][1]:.4f} ({row[k][0] / row[k][1] - 1:+.1%}, band "
                          f"{self.margin(k):.1%})" for k in out if k in row)
-        run.log.event(step, f"off_curve: validation loss above the run's own curve for "
-                            f"{self.cfg.eval.off_curve_patience} evaluations in a row: {text}; {why}",
+        run.log.event(step, f"off_curve: validation loss above its band (a source: what the other sources' "
+                            f"progress says; 'all': the run's own curve) for {self.cfg.eval.off_curve_patience} "
+                            f"evaluations in a row: {text}; {why}",
                       kind="off_curve", action="report",
                       values={"sources": named, "keys": out, **{k: row[k] for k in out if k in row}})
 
