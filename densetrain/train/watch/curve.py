@@ -168,6 +168,7 @@ class OffCurve(Watcher):
         self.points: dict[str, list[list[float]]] = {}  # per key: [step, loss] of every validation past warmup
         self.scale: dict[str, list] = {}  # per key: [segment start, the segment's first residual scale]
         self.fits: dict[str, RunCurve] = {}  # per fit ('all', 'forecast'): the latest (the next starts from it)
+        self.frozen: float | None = None  # the last step of the sources' ratio fit (_sources)
         self.first: dict | None = None  # the first forecast
         self.latest: dict | None = None
         self.above: dict[str, int] = {}  # consecutive validations above the band, per source / 'all'
@@ -254,13 +255,18 @@ class OffCurve(Watcher):
     def _sources(self, step: int, seg: int, sources: list[str], row: dict) -> None:
         """Each source's drop since the segment's first validation past :data:`CURVE_FROM` of the run against the
         other sources' (:func:`densetrain.law.forecast.source_excess`), the ratio fitted up to
-        :data:`SOURCE_LAG` of the run before ``step``; a source is above when its excess passes its band."""
+        :data:`SOURCE_LAG` of the run before ``step`` (and no further while a source is above its band); a source
+        is above when its excess passes its band."""
         first = max(seg, CURVE_FROM * self.cfg.train.steps)
         at = [int(p[0]) for p in self.points[sources[0]] if p[0] >= first]
         losses = {k: [p[1] for p in self.points[k] if p[0] >= first] for k in sources}
         if any(len(v) != len(at) for v in losses.values()) or not at:
             return  # a source missing from a validation: no common reference
-        fit_to = max((i for i, s in enumerate(at) if s <= step - SOURCE_LAG * self.cfg.train.steps), default=0)
+        last = step - SOURCE_LAG * self.cfg.train.steps
+        if self.frozen is not None and self.frozen >= first and any(self.above.get(k, 0) for k in sources):
+            last = min(last, self.frozen)  # a source above its band: its fault stays out of the fit that judges it
+        self.frozen = last
+        fit_to = max((i for i, s in enumerate(at) if s <= last), default=0)
         for k, (excess, band) in source_excess(losses, 0, fit_to).items():
             row[k] = [losses[k][-1], losses[k][-1] / math.exp(excess)]  # the loss, the loss the others say
             self.scale[k] = [seg, band / 3.0]
@@ -312,13 +318,14 @@ class OffCurve(Watcher):
     def state_dict(self) -> dict:
         return {"above": self.above, "flagged": self.flagged, "history": self.history, "points": self.points,
                 "scale": self.scale, "first": self.first, "latest": self.latest,
-                "fits": {k: vars(c) for k, c in self.fits.items()}}
+                "fits": {k: vars(c) for k, c in self.fits.items()}, "frozen": self.frozen}
 
     def load_state_dict(self, d: dict) -> None:
         self.above, self.flagged = dict(d.get("above", {})), list(d.get("flagged", []))
         self.history, self.points = list(d.get("history", [])), dict(d.get("points", {}))
         self.scale, self.first, self.latest = dict(d.get("scale", {})), d.get("first"), d.get("latest")
         self.fits = {k: RunCurve(**v) for k, v in d.get("fits", {}).items()}
+        self.frozen = d.get("frozen")
 
     def close(self) -> None:
         """Add the forecast (and the prediction) with the outcome to ``summary.json`` (written by the loop just
