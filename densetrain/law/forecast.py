@@ -6,15 +6,16 @@ C * D(t)``: ``S1`` the forward area of the run's lr schedule (tokens, :func:`den
 Tissue et al. 2024, "Scaling law with learning rate annealing"), ``D`` the loss drop the lr's falls have bought
 so far, in units of the peak lr (:func:`anneal_drop`): each fall ``r_(k-1) - r_k`` of the lr ratio pays off as
 ``1 - DROP_MEMORY^(t - k)`` of it. This is the multi-power law of Luo et al. 2025 ("A multi-power law for loss
-curve prediction across learning rate schedules", eq. 4) with its saturation ``G`` taken exponential in steps:
+curve prediction across learning rate schedules") with its saturation ``G`` taken exponential in steps:
 what annealing buys is proportional to how far the lr fell, whichever the schedule. Tissue et al.'s
 ``C * S2`` (``S2`` the momentum of the falls summed over all later steps) did not transfer between schedules
 on our runs: fitted to whole 1500-step runs its C was 0.25 for a cosine and 1.45 for a WSD schedule
 (``S2 / S1`` form), where the loss each bought at the end was the same 0.13 (benchmarks/RESULTS.md, issue 42
 session 15); with ``D`` the two Cs are 0.21 and 0.16.
 
-A quarter into a run the curve cannot tell its floor E from its exponent beta (a free fit put E at 0 and beta
-at 0.13 where the whole run says 3.2 and 0.69), and C is not seen before a WSD decay. So the fit is a maximum a
+A quarter into a run the curve cannot tell its floor E from its exponent beta (without a prior on beta, the
+fit of the benchmark's cosine run at step 400 of 1500 put E at 0 and beta at 0.13, where the whole run says 3.2
+and 0.70, and forecast -2.5%; the WSD run's -7.0%), and C is not seen before a WSD decay. So the fit is a maximum a
 posteriori one (:func:`fit_run_curve`): Gaussian priors on beta and C (and E where a ladder gives it), from the
 ladder's curve when the run has one (:func:`ladder_prior`), else :data:`DEFAULT_PRIOR`; the run's validations
 outweigh them as they accumulate. The interval is the Laplace approximation of the fit's uncertainty
@@ -23,7 +24,8 @@ alarm, not a calibrated probability.
 
 :func:`source_excess`: the alarm's reference that does not bend with a fault (issue 42, item 5): each source's
 log-loss drop since a reference validation, against the median drop of the other sources (which the shared lr
-schedule and model move alike), the ratio fitted on the validations up to a lag behind and frozen there.
+schedule and model move alike), the ratio fitted on the validations up to a lag behind (so a fault's start is
+not in the fit that judges it).
 
 Used by the training watcher (``train/watch/curve.py``) and ``benchmarks/forecast_check.py``.
 """
