@@ -33,6 +33,7 @@ Used by the training watcher (``train/watch/curve.py``) and ``benchmarks/forecas
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,10 +108,10 @@ def anneal_drop(lrs, peak_lr: float, memory: float = DROP_MEMORY) -> np.ndarray:
 
 
 def fit_run_curve(s1, d, loss, prior: Prior = DEFAULT_PRIOR,
-                  start: RunCurve | None = None) -> tuple[RunCurve, np.ndarray, callable]:
+                  start: RunCurve | None = None) -> tuple[RunCurve, np.ndarray, Callable]:
     """:class:`RunCurve` fitted to one run's validations at ``(s1, d)`` with losses ``loss`` (maximum a
     posteriori: log-loss residuals over :data:`NOISE`, soft-L1 robust, and ``prior``'s Gaussian terms; trust-region
-    least squares, scipy, from a grid of 9 starts of E and beta; with ``start``, a previous fit of the same run,
+    least squares, scipy, from a grid of starts of E and beta; with ``start``, a previous fit of the same run,
     from it and one grid start, which keeps a refit at each validation cheap).
 
     Returns:
@@ -160,7 +161,7 @@ def fit_run_curve(s1, d, loss, prior: Prior = DEFAULT_PRIOR,
     scale = float(1.4826 * np.median(np.abs(loss / curve.loss(s1, d) - 1.0)))
     j = best.jac
     cov = np.linalg.pinv(j.T @ j) * max(1.0, scale / NOISE) ** 2
-    return RunCurve(curve.E, curve.B, curve.beta, curve.C, scale), cov, lambda x_, a, b: predict(x_, a, b)
+    return RunCurve(curve.E, curve.B, curve.beta, curve.C, scale), cov, predict
 
 
 def forecast(s1, d, steps, loss, prior: Prior = DEFAULT_PRIOR, start: RunCurve | None = None) -> dict:
