@@ -1,106 +1,173 @@
-"""How well does a run forecast its own final validation loss from 25% in? (issue 42, item 4; not a test: minutes
-of training, numbers for RESULTS.md)
+"""How well does a run forecast its own final validation loss from 25% in, and does the off_curve alarm stay quiet
+on healthy runs and name the bad source in the seed's 7.1 case? (issue 42, items 4 and 5; not a test: minutes of
+training, numbers for RESULTS.md)
 
-Five healthy runs of different shapes and schedules (cosine and WSD, with and without a long-context stage at
-the end, two widths) on FineWeb text that none of them repeats; each run's ``summary.json`` ``forecast`` (the
-first forecast past :data:`densetrain.law.forecast.FORECAST_FROM` of the run, from the run's own validations,
-``train/watch/curve.py``) against its final validation loss, and the ``off_curve`` alarms each raised (none
-expected: they are healthy). Prints one table row per run and the largest |error|; target 0.5%.
+Forecast: five healthy runs of different shapes and schedules (cosine and WSD, with and without a long-context
+stage over the last 20%, two widths) on the FineWeb development sample (BPE 512: 4.9M tokens; a run trains on at
+most 3.7M of them, so nothing repeats). Alarm: those five plus two runs over three sources (``web``: FineWeb;
+``code_a``, ``code_b``: Python standard library packages, under ``OUT/mix/corpus`` as links), a clean one and the
+7.1 case (``code_b``'s windows duplicated from the middle of the run, the ``duplicate_data`` fault).
 
-    python benchmarks/forecast_check.py --fineweb /work/shared/data/fineweb_sample --out runs/forecast_check \\
-        --steps 300
+Each run's validations are replayed through the training watcher (``train/watch/curve.py``'s ``OffCurve``, the
+rule a run applies as it trains) so the table always shows the current rule, even for runs trained before it:
+the first forecast past :data:`densetrain.law.forecast.FORECAST_FROM` of the run against the final validation
+loss, the one past 50%, and the ``off_curve`` events. Prints a table and the lines ``forecast_check: largest
+|error| of the 25% forecast X% over 5 runs`` and ``off_curve: ...``.
+
+    python benchmarks/forecast_check.py --fineweb /work/shared/data/fineweb_sample --out runs/forecast_check
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import sysconfig
 from pathlib import Path
+from types import SimpleNamespace
 
 from ladder_check import cpu_name, fineweb_config  # this folder's ladder benchmark: the same small recipe
 
 from densetrain.config import load_config, save_config
 from densetrain.data.prepare import prepare
-from densetrain.law.forecast import FIT_FROM, FORECAST_FROM, MIN_POINTS, forecast
-from densetrain.metrics import read_events, read_metrics
-from densetrain.schedule import resolve_stages, warmup_steps
+from densetrain.metrics import read_metrics
+from densetrain.schedule import resolve_stages
 from densetrain.train import train
-from densetrain.train.watch.curve import run_areas
+from densetrain.train.watch.curve import OffCurve
+from densetrain.train.watchers import Verdict
 
 LONG = {"name": "long_context", "start": 0.8, "seq_len": 256, "rope_theta": 100000.0}
+MAIN = {"name": "main", "start": 0.0, "mix": {"web": 1.0}}
 RUNS = {  # name: overrides of the recipe (fineweb_config)
     "cosine": [("schedule.kind", "cosine")],
     "wsd": [("schedule.kind", "wsd")],
-    "cosine+long": [("schedule.kind", "cosine"), ("stages", [{"name": "main", "start": 0.0, "mix": {"web": 1.0}},
-                                                              LONG])],
-    "wsd+long": [("schedule.kind", "wsd"), ("stages", [{"name": "main", "start": 0.0, "mix": {"web": 1.0}}, LONG])],
+    "cosine+long": [("schedule.kind", "cosine"), ("stages", [MAIN, LONG])],
+    "wsd+long": [("schedule.kind", "wsd"), ("stages", [MAIN, LONG])],
     "wsd d96": [("schedule.kind", "wsd"), ("model.d_model", 96), ("model.d_ff", 256), ("model.n_heads", 6),
                 ("model.n_kv_heads", 3)],
 }
+PY = ["asyncio", "email", "unittest", "multiprocessing"], ["idlelib", "tkinter", "lib2to3", "xml"]
+SOURCES = [{"name": "web", "kind": "web", "paths": ["web/*.parquet"], "format": "parquet", "filters": ["none"]},
+           {"name": "code_a", "kind": "code", "paths": [f"py/{p}" for p in PY[0]], "format": "text"},
+           {"name": "code_b", "kind": "code", "paths": [f"py/{p}" for p in PY[1]], "format": "text"}]
+MIX = {"name": "main", "start": 0.0, "mix": {"web": 0.4, "code_a": 0.25, "code_b": 0.35}}  # no source repeats
+MIXED = {"mix clean": [], "mix 7.1": [{"kind": "duplicate_data", "step": 0.5, "source": "code_b"}]}
 
 
-def first_forecast(cfg, run: Path, start: float = FORECAST_FROM) -> dict:
-    """The watcher's first forecast of ``run`` past ``start`` of it, replayed from its metrics (module docstring),
-    with ``final`` and ``error``; {} when there is none."""
-    s1, s2 = run_areas(cfg, resolve_stages(cfg))
-    steps = cfg.train.steps
-    first = max(warmup_steps(cfg.schedule, steps), FIT_FROM * steps)
-    pts = [(r["step"], r["val/all/loss"]) for r in read_metrics(run)
-           if r.get("kind") == "eval" and "val/all/loss" in r and first < r["step"] < steps]
+class _Log:
+    """The replayed watcher's log: its events and forecast metrics, kept."""
+
+    def __init__(self):
+        self.events, self.metrics = [], []
+
+    def event(self, step, text, kind="note", action=None, values=None, **_):
+        self.events.append({"step": step, "text": text, "kind": kind, "values": values or {}})
+
+    def log(self, step, metrics, kind="train"):
+        self.metrics.append({"step": step, "kind": kind, **metrics})
+
+
+def replay(cfg, run: Path) -> dict:
+    """The watcher of a run (module docstring) fed the run's recorded validations, each source weighted alike
+    (the metrics keep no token counts; equal batches per source): its first forecast, the first past 50% of the
+    run, the final loss, the off_curve events."""
+    w = OffCurve(cfg, 0)
+    state = SimpleNamespace(step=0)
+    r = SimpleNamespace(stages=resolve_stages(cfg), state=state, log=_Log(), last_val=None)
+    w.before_step(r)
+    for rec in read_metrics(run):
+        if rec.get("kind") != "eval" or rec["step"] >= cfg.train.steps:
+            continue
+        r.last_val = {k.split("/")[1]: {"loss": v, "tokens": 1} for k, v in rec.items()
+                      if k.startswith("val/") and k.endswith("/loss") and k != "val/all/loss"}
+        state.step = rec["step"] + 1  # the loop validates after the watchers: judged at the next step
+        w.after_step(r, None, Verdict.APPLY)
     final = json.loads((run / "summary.json").read_text())["val"]["all"]["loss"]
-    for k in range(MIN_POINTS, len(pts) + 1):
-        if pts[k - 1][0] > start * steps:
-            try:
-                f = forecast(s1, s2, [p[0] for p in pts[:k]], [p[1] for p in pts[:k]])
-            except ValueError:
-                continue
-            return {**f, "final": final, "error": f["predicted"] / final - 1}
-    return {}
+    fc = [m for m in r.log.metrics if m["kind"] == "forecast"]
+    half = next((m for m in fc if m["step"] > 0.5 * cfg.train.steps), None)
+    return {"first": w.first, "half": half and half["forecast/loss"], "final": final,
+            "alarms": [e for e in r.log.events if e["kind"] == "off_curve"]}
+
+
+def mix_config(fineweb: Path, out: Path, vocab: int):
+    """Three sources (module docstring) under ``out/corpus`` (links to the FineWeb folder and the stdlib)."""
+    corpus = out / "corpus"
+    corpus.mkdir(parents=True, exist_ok=True)
+    for name, target in (("web", fineweb.resolve()), ("py", Path(sysconfig.get_paths()["stdlib"]))):
+        if not (corpus / name).exists():
+            os.symlink(target, corpus / name)
+    save_config(fineweb_config(corpus, out, vocab), out / "recipe.toml")
+    return load_config(path=out / "recipe.toml", overrides=[("schedule.kind", "wsd"), ("stages", [MIX]),
+                                                             ("data.sources", SOURCES)])
+
+
+def run_all(base_path: Path, out: Path, runs: dict, steps: int, every: int) -> list:
+    rows = []
+    for name, over in runs.items():
+        cfg = load_config(path=base_path, overrides=[
+            *over, ("train.steps", steps), ("eval.every", every), ("checkpoint.every", 10 * steps),
+            ("train.run_dir", str(out / name.replace(" ", "_").replace("+", "_").replace(".", "")))])
+        run = Path(cfg.train.run_dir)
+        if not (run / "summary.json").exists():
+            train(cfg)
+        rows.append((name, cfg, replay(cfg, run)))
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fineweb", required=True, help="folder of FineWeb Parquet files")
     ap.add_argument("--out", required=True, help="working folder (shards, runs)")
-    ap.add_argument("--steps", type=int, default=300, help="steps per run (2048 tokens each)")
-    ap.add_argument("--every", type=int, default=10, help="validation every this many steps")
+    ap.add_argument("--steps", type=int, default=1500, help="steps per run (2048 tokens each)")
+    ap.add_argument("--every", type=int, default=25, help="validation every this many steps")
+    ap.add_argument("--vocab", type=int, default=512, help="BPE vocabulary (512: 4.9M tokens of the sample)")
     ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ", ".join(RUNS))
+    ap.add_argument("--no-mix", action="store_true", help="skip the two three-source runs (the 7.1 case)")
     args = ap.parse_args()
     out = Path(args.out)
-    base = fineweb_config(Path(args.fineweb), out, 1024)
+    base = fineweb_config(Path(args.fineweb), out, args.vocab)
     if not (out / "shards" / "manifest.json").exists():
         prepare(base)
     save_config(base, out / "base.toml")
-    rows = []
-    for name in args.runs.split(","):
-        cfg = load_config(path=out / "base.toml", overrides=[
-            *RUNS[name], ("train.steps", args.steps), ("eval.every", args.every), ("checkpoint.every", 10 * args.steps),
-            ("train.run_dir", str(out / name.replace(" ", "_").replace("+", "_")))])
-        run = Path(cfg.train.run_dir)
-        if not (run / "summary.json").exists():
-            train(cfg)
-        f = first_forecast(cfg, run)
-        f["half"] = first_forecast(cfg, run, 0.5).get("error")
-        alarms = [e for e in read_events(run) if e["kind"] == "off_curve"]
-        rows.append((name, f, alarms))
+    rows = run_all(out / "base.toml", out, {k: RUNS[k] for k in args.runs.split(",")}, args.steps, args.every)
+    mixed = []
+    if not args.no_mix:
+        mix = mix_config(Path(args.fineweb), out / "mix", args.vocab)
+        if not (out / "mix" / "shards" / "manifest.json").exists():
+            prepare(mix)
+        save_config(mix, out / "mix" / "base.toml")
+        faults = {k: [{**f, "step": int(f["step"] * args.steps)} for f in v] for k, v in MIXED.items()}
+        mixed = run_all(out / "mix" / "base.toml", out / "mix", {k: [("faults", v)] for k, v in faults.items()},
+                        args.steps, args.every)
     print(f"forecast_check: {args.steps} steps per run, validation every {args.every}; {cpu_name()} "
-          f"({platform.machine()})")
-    print(f"{'run':<12} {'at step':>8} {'forecast':>9} {'interval':>19} {'final':>8} {'error':>8} {'inside':>6} "
-          f"{'off_curve':>9} {'error at 50%':>12}")
-    worst = 0.0
-    for name, f, alarms in rows:
-        if "predicted" not in f:
-            print(f"{name:<12} no forecast (fewer than 4 validations past 25%?)  off_curve {len(alarms)}")
+          f"({platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})")
+    print("| run | at step | forecast | interval | final | error | inside | error from 50% | off_curve |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    worst, healthy_alarms = 0.0, 0
+    for name, cfg, r in rows + mixed:
+        f, final = r["first"], r["final"]
+        alarms = "; ".join(f"step {e['step']}: {e['values'].get('sources') or e['values'].get('keys')}"
+                           for e in r["alarms"]) or "0"
+        healthy_alarms += len(r["alarms"]) if "7.1" not in name else 0
+        if f is None:
+            print(f"| {name} | no forecast | | | {final:.4f} | | | | {alarms} |")
             continue
         lo, hi = f["interval"]
-        inside = lo <= f["final"] <= hi
-        worst = max(worst, abs(f["error"]))
-        print(f"{name:<12} {f['at_step']:>8} {f['predicted']:>9.4f} [{lo:>8.4f}, {hi:>8.4f}] {f['final']:>8.4f} "
-              f"{f['error']:>+8.2%} {'yes' if inside else 'no':>6} {len(alarms):>9} "
-              + (f"{f['half']:>+12.2%}" if f.get("half") is not None else f"{'-':>12}"))
-    print(f"largest |error| of the 25% forecast: {worst:.2%} (target 0.5%); off_curve alarms on these healthy runs: "
-          f"{sum(len(a) for _, _, a in rows)}")
+        err = f["predicted"] / final - 1
+        if (name, cfg, r) in rows:
+            worst = max(worst, abs(err))
+        half = f"{r['half'] / final - 1:+.2%}" if r["half"] else "-"
+        print(f"| {name} | {f['at_step']} | {f['predicted']:.4f} | [{lo:.4f}, {hi:.4f}] | {final:.4f} | {err:+.2%} | "
+              f"{'yes' if lo <= final <= hi else 'no'} | {half} | {alarms} |")
+    print(f"forecast_check: largest |error| of the 25% forecast {worst:.2%} over {len(rows)} runs (target 0.5%)")
+    if mixed:
+        bad = mixed[-1][2]["alarms"]
+        last = (args.steps - 1) // args.every * args.every
+        caught = ", ".join(f"{e['values'].get('sources') or e['values'].get('keys')} at step {e['step']}"
+                           for e in bad) or "nothing"
+        print(f"off_curve: {healthy_alarms} alarms on {len(rows) + len(mixed) - 1} healthy runs; the 7.1 case "
+              f"(code_b duplicated from step {args.steps // 2}): {caught} (last evaluation before the end: {last})")
 
 
 if __name__ == "__main__":

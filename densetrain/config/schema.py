@@ -314,11 +314,11 @@ class EvalConfig:
     summary.json and report give the predicted final val loss and bpb with an interval, and each validation is
     compared with the run's predicted curve for its own lr schedule (train/watch/curve.py); '' disables."""
     off_curve_patience: int = 3
-    """With eval.ladder: an off_curve event when this many validations in a row are above the predicted curve's
-    band (per source and overall)."""
+    """An off_curve event when this many validations in a row are above their band (per source and overall;
+    train/watch/curve.py)."""
     off_curve_margin: float = 0.0
-    """With eval.ladder: the band above the predicted curve, as a fraction of the loss; 0 = from the fit (3 times the
-    robust scale of its relative residuals on the ladder's runs, at least 0.01)."""
+    """The off_curve band, as a fraction of the loss; 0 = from the fits (3 times the robust scale of their
+    relative residuals, at least 0.01; train/watch/curve.py)."""
 
 
 @dataclass

@@ -1,31 +1,43 @@
-"""A run's final validation loss forecast from its own start (pure math: numpy and scipy).
+"""A run's final validation loss forecast from its own start, and each source's progress against the others'
+(pure math: numpy and scipy).
 
-The curve is the schedule-aware one of :mod:`densetrain.law.fits` for one run (its N fixed, so Chinchilla's N
-term is part of E): ``L(s) = E + B / S1(s)^beta - C * S2(s) / S1(s)`` with ``S1``, ``S2`` the forward and
-annealing areas of the run's own lr schedule (tokens, :func:`densetrain.law.fits.schedule_areas`), fitted to the
-run's validations so far by Huber on log-loss (:func:`fit_run_curve`). Evaluated at the last step's areas it is
-the forecast of the final loss (:func:`forecast`).
+The curve of one run (its N fixed, so Chinchilla's N term is part of E) is ``L(t) = E + B / S1(t)^beta -
+C * D(t)``: ``S1`` the forward area of the run's lr schedule (tokens, :func:`densetrain.law.fits.schedule_areas`;
+Tissue et al. 2024, "Scaling law with learning rate annealing"), ``D`` the loss drop the lr's falls have bought
+so far, in units of the peak lr (:func:`anneal_drop`): each fall ``r_(k-1) - r_k`` of the lr ratio pays off as
+``1 - DROP_MEMORY^(t - k)`` of it. This is the multi-power law of Luo et al. 2025 ("A multi-power law for loss
+curve prediction across learning rate schedules") with its saturation ``G`` taken exponential in steps:
+what annealing buys is proportional to how far the lr fell, whichever the schedule. Tissue et al.'s
+``C * S2`` (``S2`` the momentum of the falls summed over all later steps) did not transfer between schedules
+on our runs: fitted to whole 1500-step runs its C was 0.25 for a cosine and 1.45 for a WSD schedule
+(``S2 / S1`` form), where the loss each bought at the end was the same 0.13 (benchmarks/RESULTS.md, issue 42
+session 15); with ``D`` the two Cs are 0.21 and 0.16.
 
-C, what annealing buys, is seen only once the lr has fallen: before the decay of a WSD run (and early in a
-cosine one) ``S2 / S1`` stays below :data:`ANNEAL_SEEN` and C is taken from a prior instead: the ladder's
-curve when the run has one (``fit.json``'s ``curves.all.C``), else :data:`DEFAULT_C` (measured on the healthy
-runs of ``benchmarks/forecast_check.py``, see ``benchmarks/RESULTS.md``). The interval is the forecast
-``+- max(2 x the fit's robust residual scale, MIN_BAND)`` widened by what the prior's C would change at the
-end when C was not seen (``+-50%`` of it): a band for the alarm, not a calibrated probability.
+A quarter into a run the curve cannot tell its floor E from its exponent beta (without a prior on beta, the
+fit of the benchmark's cosine run at step 400 of 1500 put E at 0 and beta at 0.13, where the whole run says 3.2
+and 0.70, and forecast -2.5%; the WSD run's -7.0%), and C is not seen before a WSD decay. So the fit is a maximum a
+posteriori one (:func:`fit_run_curve`): Gaussian priors on beta and C (and E where a ladder gives it), from the
+ladder's curve when the run has one (:func:`ladder_prior`), else :data:`DEFAULT_PRIOR`; the run's validations
+outweigh them as they accumulate. The interval is the Laplace approximation of the fit's uncertainty
+propagated to the last step, 2 standard deviations, at least :data:`MIN_BAND` of the forecast: a band for the
+alarm, not a calibrated probability.
 
-Used by the training watcher (``train/watch/curve.py``: the ``forecast`` events, the off_curve band) and
-``benchmarks/forecast_check.py``.
+:func:`source_excess`: the alarm's reference that does not bend with a fault (issue 42, item 5): each source's
+log-loss drop since a reference validation, against the median drop of the other sources (which the shared lr
+schedule and model move alike), the ratio fitted on the validations up to a lag behind (so a fault's start is
+not in the fit that judges it).
+
+Used by the training watcher (``train/watch/curve.py``) and ``benchmarks/forecast_check.py``.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import minimize
-
-from densetrain.law.fits import HUBER_DELTA, huber
+from scipy.optimize import least_squares
 
 FORECAST_FROM = 0.25
 """The forecast starts at the first validation past this fraction of the run's steps (and past warmup)."""
@@ -33,20 +45,42 @@ FIT_FROM = 0.1
 """The forecast's fit starts at the first validation past this fraction of the run (and past warmup): a small
 model's first steps fall faster than any power law in S1 (a fit from step 10 of a 200-step run missed by 20%)."""
 MIN_POINTS = 4
-"""Fewest validations the curve is fitted to (it has 3 free parameters, 4 where C is seen)."""
-ANNEAL_SEEN = 0.05
-"""Below this range of ``S2 / S1`` over the fitted validations, C is the prior's (module docstring): a quarter
-into a cosine run ``S2 / S1`` has moved by ~0.035, too little to fit C (a free C missed the final loss by 1.4% on
-a generated curve, ``tests/test_law_forecast.py``); a WSD decay of 20% moves it by ~0.09."""
-DEFAULT_C = 0.1
-"""C where neither the run nor a ladder shows it: calibrated on the benchmark's WSD runs (benchmarks/RESULTS.md)."""
+"""Fewest validations the curve is fitted to."""
+DROP_MEMORY = 0.97
+"""Per step, the part of an lr fall not yet paid off as loss (:func:`anneal_drop`): ~33 steps to 1 - 1/e. Fitted
+to whole runs (benchmarks/forecast_check.py, 1500 steps), 0.9-0.99 left the same residual scale (0.27-0.30%);
+0.97 gave the closest C between the cosine and the WSD run."""
+NOISE = 0.003
+"""Relative noise of one validation loss assumed by the fit (the residual scale of whole 1500-step runs was
+0.25-0.34%); it weighs the validations against the priors."""
 MIN_BAND = 0.005
-"""Narrowest half-width of the forecast's band, relative to the loss: the validation set's own noise."""
+"""Narrowest half-width of the forecast's band, relative to the loss."""
+
+
+@dataclass(frozen=True)
+class Prior:
+    """Gaussian priors of the run's curve: ``beta ~ N(beta, beta_sd)``, ``C ~ N(c, c_sd)`` and, where
+    ``e_sd > 0``, ``E ~ N(e, e_sd)`` (loss units)."""
+
+    beta: float
+    beta_sd: float
+    c: float
+    c_sd: float
+    e: float = 0.0
+    e_sd: float = 0.0
+
+
+DEFAULT_PRIOR = Prior(beta=0.48, beta_sd=0.1, c=0.156, c_sd=0.04)
+"""Where the run has no ladder: beta and C of the curve fitted to the whole of the clean 1500-step WSD run over
+web text and Python code of ``benchmarks/forecast_check.py`` (``mix clean``, not one of its five forecast runs;
+benchmarks/RESULTS.md, issue 42 session 15); the sds let a quarter of a run move them. Those five runs' own
+whole-run fits span beta 0.29-0.70 and C 0.14-0.21: a recipe far from this one (another tokenizer, model size or
+lr) needs a ladder for a forecast this early."""
 
 
 @dataclass(frozen=True)
 class RunCurve:
-    """``L(S1, S2) = E + B / S1^beta - C * S2 / S1`` of one run (module docstring); ``scale``: the robust scale
+    """``L(S1, D) = E + B / S1^beta - C * D`` of one run (module docstring); ``scale``: the robust scale
     (1.4826 x the median absolute value) of the relative residuals of the points it was fitted to."""
 
     E: float
@@ -55,89 +89,146 @@ class RunCurve:
     C: float
     scale: float = 0.0
 
-    def loss(self, s1, s2):
-        s1 = np.asarray(s1, float)
-        return self.E + self.B / s1 ** self.beta - self.C * np.asarray(s2, float) / s1
+    def loss(self, s1, d):
+        return self.E + self.B / np.asarray(s1, float) ** self.beta - self.C * np.asarray(d, float)
 
 
-def fit_run_curve(s1, s2, loss, c_prior: float | None = None, start: RunCurve | None = None,
-                  c_free: bool | None = None) -> RunCurve:
-    """:class:`RunCurve` fitted to one run's validations at areas ``(s1, s2)`` with losses ``loss``: Huber
-    (delta 1e-3) on log-loss by L-BFGS-B from a small grid of starts (with ``start``, a previous fit of the same
-    run: from it and one grid start, which keeps a refit at each validation cheap); C free (>= 0) where
-    ``S2 / S1`` spans at least :data:`ANNEAL_SEEN` (or as ``c_free`` says), else fixed at ``c_prior`` (``None``:
-    :data:`DEFAULT_C`).
+def anneal_drop(lrs, peak_lr: float, memory: float = DROP_MEMORY) -> np.ndarray:
+    """``D`` after each step of a run whose step i ran at ``lrs[i]``: ``sum_k (r_(k-1) - r_k) * (1 -
+    memory^(t - k))`` over the falls of the lr ratio ``r = lr / peak_lr`` (a rise, warmup's, buys nothing;
+    module docstring). Dimensionless, between 0 and the lr's total fall (0.9 for a decay to 10% of the peak)."""
+    r = np.asarray(lrs, float) / peak_lr
+    fall = np.maximum(-np.diff(r, prepend=r[:1]), 0.0)
+    pending = np.empty_like(r)
+    acc = 0.0
+    for i, x in enumerate(fall):
+        acc = memory * acc + x
+        pending[i] = acc
+    return np.cumsum(fall) - pending
 
+
+def fit_run_curve(s1, d, loss, prior: Prior = DEFAULT_PRIOR,
+                  start: RunCurve | None = None) -> tuple[RunCurve, np.ndarray, Callable]:
+    """:class:`RunCurve` fitted to one run's validations at ``(s1, d)`` with losses ``loss`` (maximum a
+    posteriori: log-loss residuals over :data:`NOISE`, soft-L1 robust, and ``prior``'s Gaussian terms; trust-region
+    least squares, scipy, from a grid of starts of E and beta; with ``start``, a previous fit of the same run,
+    from it and one grid start, which keeps a refit at each validation cheap).
+
+    Returns:
+        ``(curve, cov, predict)``: the curve; the Laplace covariance of its parameters ``(log E, log B, beta, C)``
+        (4 x 4); ``predict(x, s1, d)``, the loss at parameters ``x``.
     Raises:
-        ValueError: fewer than :data:`MIN_POINTS` points, or a point not finite (s1 and loss > 0, s2 >= 0).
+        ValueError: fewer than :data:`MIN_POINTS` points, or a point not finite (s1 and loss > 0, d >= 0).
     """
-    s1, s2, loss = (np.asarray(a, float).ravel() for a in (s1, s2, loss))
+    s1, d, loss = (np.asarray(a, float).ravel() for a in (s1, d, loss))
     if len(loss) < MIN_POINTS:
         raise ValueError(f"the run's curve needs {MIN_POINTS} validations; {len(loss)} given")
-    if not (np.all(np.isfinite(np.r_[s1, s2, loss])) and s1.min() > 0 and loss.min() > 0 and s2.min() >= 0):
-        raise ValueError("every S1 and loss must be a finite number > 0, every S2 >= 0")
-    frac, ll, ls1 = s2 / s1, np.log(loss), np.log(s1)
-    free_c = frac.max() - frac.min() >= ANNEAL_SEEN if c_free is None else c_free
-    c_fixed = DEFAULT_C if c_prior is None else float(c_prior)
+    if not (np.all(np.isfinite(np.r_[s1, d, loss])) and s1.min() > 0 and loss.min() > 0 and d.min() >= 0):
+        raise ValueError("every S1 and loss must be a finite number > 0, every D >= 0")
+    ls1, ll = np.log(s1), np.log(loss)
 
-    def obj(x):
-        e, b, beta = x[:3]
-        c = x[3] if free_c else c_fixed
+    def predict(x, s1_, d_):
+        return np.exp(x[0]) + np.exp(x[1] - x[2] * np.log(s1_)) - x[3] * d_
+
+    def residuals(x):
         with np.errstate(over="ignore", invalid="ignore"):
-            ts = np.exp(b - beta * ls1)
-            pred = np.exp(e) + ts - c * frac
-            if not np.all(np.isfinite(pred)) or np.any(pred <= 0):
-                return 1e6, np.zeros(len(x))
-        lo, dr = huber(np.log(pred) - ll, HUBER_DELTA)
-        g = dr / pred
-        grad = [g @ np.full_like(pred, np.exp(e)), g @ ts, -(g * ls1) @ ts] + ([-(g @ frac)] if free_c else [])
-        return float(lo.sum()), np.array(grad)
+            pred = np.exp(x[0]) + np.exp(x[1] - x[2] * ls1) - x[3] * d
+            data = (np.log(np.maximum(pred, 1e-9)) - ll) / NOISE
+        pri = [(x[2] - prior.beta) / prior.beta_sd, (x[3] - prior.c) / prior.c_sd]
+        if prior.e_sd > 0:
+            pri.append((np.exp(x[0]) - prior.e) / prior.e_sd)
+        return np.r_[np.nan_to_num(data, nan=1e6, posinf=1e6), pri]
 
-    top = np.log(loss.min())
-    bounds = [(-20.0, top), (-20.0, 50.0), (0.0, 3.0)] + ([(0.0, None)] if free_c else [])
+    # E is the floor at the peak lr: a run's annealed losses go below it (by C * D), its stable ones never
+    top = float(np.log(loss.min() + max(prior.c + 3 * prior.c_sd, 0.0) * d.max()))
     best = None
+    e_starts = [np.log(prior.e)] if prior.e_sd > 0 and 0 < prior.e < np.exp(top) else []
+    low, betas = float(np.log(loss.min())), dict.fromkeys([prior.beta, 0.25, 0.75])
     starts = []
-    for e0, beta0 in itertools.product([top - 0.1, top - 1.0, -3.0], [0.2, 0.5, 1.0]):
+    for e0, beta0 in itertools.product(e_starts + [low - 0.05, low - 0.3, low - 1.0], betas):
         b0 = np.log(max(loss.max() - np.exp(e0), 1e-3 * loss.max())) + beta0 * ls1.min()
-        starts.append([e0, b0, beta0] + ([c_fixed] if free_c else []))
+        starts.append([e0, b0, beta0, prior.c])
     if start is not None:
-        starts = [[min(np.log(start.E), top), np.log(start.B), start.beta] + ([start.C] if free_c else []),
-                  starts[4]]
+        starts = [[np.log(start.E), np.log(start.B), start.beta, start.C], starts[(len(e_starts) + 1) * len(betas)]]
     for x0 in starts:
-        res = minimize(obj, x0, jac=True, method="L-BFGS-B", bounds=bounds,
-                       options={"ftol": 1e-15, "gtol": 1e-12, "maxiter": 2000})
-        if best is None or res.fun < best.fun:
+        x0 = np.clip(x0, [-20, -20, 0, 0], [top - 1e-6, 80, 3, 50])
+        res = least_squares(residuals, x0, bounds=([-20, -20, 0, 0], [top, 80, 3, 50]), loss="soft_l1",
+                            f_scale=3.0, x_scale=[1.0, 1.0, 0.1, 0.1])
+        if best is None or res.cost < best.cost:
             best = res
-    e, b, beta = best.x[:3]
-    c = float(best.x[3]) if free_c else c_fixed
-    curve = RunCurve(float(np.exp(e)), float(np.exp(b)), float(beta), c)
-    scale = float(1.4826 * np.median(np.abs(loss / curve.loss(s1, s2) - 1.0)))
-    return RunCurve(curve.E, curve.B, curve.beta, c, scale)
+    x = best.x
+    curve = RunCurve(float(np.exp(x[0])), float(np.exp(x[1])), float(x[2]), float(x[3]))
+    scale = float(1.4826 * np.median(np.abs(loss / curve.loss(s1, d) - 1.0)))
+    j = best.jac
+    cov = np.linalg.pinv(j.T @ j) * max(1.0, scale / NOISE) ** 2
+    return RunCurve(curve.E, curve.B, curve.beta, curve.C, scale), cov, predict
 
 
-def forecast(s1, s2, steps, loss, c_prior: float | None = None, start: RunCurve | None = None) -> dict:
+def forecast(s1, d, steps, loss, prior: Prior = DEFAULT_PRIOR, start: RunCurve | None = None) -> dict:
     """The final loss of a run forecast from its validations so far.
 
     Args:
-        s1, s2: the run's areas after each of its steps (``[k - 1]``: after k steps; the last: the run's end).
+        s1, d: the run's forward area and :func:`anneal_drop` after each of its steps (``[k - 1]``: after k steps;
+            the last: the run's end).
         steps: the steps of the validations so far (1-based, past warmup); ``loss``: their losses.
-        c_prior: C where the validations do not show it (module docstring); ``start``: as :func:`fit_run_curve`.
+        prior, start: as :func:`fit_run_curve`.
     Returns:
-        ``{"at_step", "predicted", "interval": [lo, hi], "c_seen": bool, "curve": RunCurve}``.
+        ``{"at_step", "predicted", "interval": [lo, hi], "curve": RunCurve}``.
     Raises:
-        ValueError: as :func:`fit_run_curve`; or a forecast that is no loss (its interval reaching 0, or above
-            every validation so far).
+        ValueError: as :func:`fit_run_curve`; or a forecast that is no loss (its interval reaching 0).
     """
     idx = np.asarray(steps, int) - 1
-    s1, s2 = np.asarray(s1, float), np.asarray(s2, float)
-    frac = s2[idx] / s1[idx]
-    # C from the run only once it has annealed at least half of what it will: extrapolating the first few percent
-    # of a cosine's annealing put C at 11.7 and the forecast below zero (benchmarks/forecast_check.py, 200 steps)
-    c_seen = bool(frac.max() - frac.min() >= max(ANNEAL_SEEN, 0.5 * s2[-1] / s1[-1]))
-    curve = fit_run_curve(s1[idx], s2[idx], loss, c_prior, start, c_free=c_seen)
-    pred = float(curve.loss(s1[-1], s2[-1]))
-    half = pred * max(2.0 * curve.scale, MIN_BAND) + (0.0 if c_seen else 0.5 * curve.C * s2[-1] / s1[-1])
-    if not 0 < pred - half or pred > max(loss):
-        raise ValueError(f"the run's curve forecasts {pred:.4g} +- {half:.3g}: not a loss below the run's own")
-    return {"at_step": int(steps[-1]), "predicted": pred, "interval": [pred - half, pred + half], "c_seen": c_seen,
-            "curve": curve}
+    s1, d = np.asarray(s1, float), np.asarray(d, float)
+    curve, cov, predict = fit_run_curve(s1[idx], d[idx], loss, prior, start)
+    x = np.array([np.log(curve.E), np.log(curve.B), curve.beta, curve.C])
+    pred = float(predict(x, s1[-1], d[-1]))
+    grad = np.array([(predict(x + h, s1[-1], d[-1]) - pred) / 1e-6 for h in np.eye(4) * 1e-6])
+    half = max(2.0 * float(np.sqrt(max(grad @ cov @ grad, 0.0))), MIN_BAND * pred)
+    if not 0 < pred - half:
+        raise ValueError(f"the run's curve forecasts {pred:.4g} +- {half:.3g}: not a loss")
+    return {"at_step": int(steps[-1]), "predicted": pred, "interval": [pred - half, pred + half], "curve": curve}
+
+
+def ladder_prior(curve, n: float, s1_end: float, s2_end: float, d_end: float) -> Prior:
+    """The prior a ladder's schedule-aware curve (:class:`densetrain.law.Curve`, ``E + A / N^alpha + B /
+    S1^beta - C * S2 / S1``) gives one run of ``n`` parameters: its beta (sd 0.05), its floor ``E + A / n^alpha``
+    (sd 2% of it) and the C that buys, at this run's end (areas ``s1_end``, ``s2_end``, drop ``d_end``), what the
+    ladder's annealing term does there (sd half of it)."""
+    gain = curve.C * s2_end / s1_end
+    c = gain / d_end if d_end > 0 else DEFAULT_PRIOR.c
+    e = curve.E + curve.A / n ** curve.alpha
+    return Prior(beta=curve.beta, beta_sd=0.05, c=c, c_sd=max(0.5 * c, 1e-3), e=e, e_sd=0.02 * e)
+
+
+SOURCE_BAND = 0.01
+"""Narrowest band of :func:`source_excess`, in log-loss (~1% of the loss)."""
+
+
+def source_excess(losses: dict[str, list[float]], ref: int, fit_to: int) -> dict[str, tuple[float, float]]:
+    """How far each source's latest loss is above what the other sources' progress says it should be.
+
+    ``losses[k][i]``: source k's validation loss at the i-th validation (the same validations for all, at least 3
+    sources or 2). For each source, ``drop_k(i) = log L_k(ref) - log L_k(i)`` and the median drop of the others
+    ``m_k(i)``; the ratio ``a_k`` of the two, fitted (least squares through 0) on validations ``ref + 1 ..
+    fit_to`` and frozen there, predicts the latest drop. Returns ``{k: (excess, band)}``: ``excess = a_k *
+    m_k(last) - drop_k(last)`` (log-loss: > 0 when k fell less than the others say; ~ its relative excess) and
+    ``band = max(SOURCE_BAND, 3 x the robust scale of the fit's residuals)``; {} with fewer than 2 sources or
+    fewer than :data:`MIN_POINTS` validations to fit.
+    """
+    keys = sorted(losses)
+    if len(keys) < 2 or fit_to - ref < MIN_POINTS:
+        return {}
+    lg = {k: np.log(np.asarray(losses[k], float)) for k in keys}
+    drop = {k: lg[k][ref] - lg[k] for k in keys}
+    out = {}
+    for k in keys:
+        other = np.median([drop[j] for j in keys if j != k], axis=0)
+        w = slice(ref + 1, fit_to + 1)
+        den = float(other[w] @ other[w])
+        if den <= 0:
+            continue
+        a = float(drop[k][w] @ other[w]) / den
+        resid = drop[k][w] - a * other[w]
+        band = max(SOURCE_BAND, 3.0 * 1.4826 * float(np.median(np.abs(resid - np.median(resid)))))
+        out[k] = (float(a * other[-1] - drop[k][-1]), band)
+    return out

@@ -312,7 +312,7 @@ def make_watchers(cfg: Config, info: DistInfo, run_dir: Path, old: list[Watcher]
         watchers.append(get(DataProbe, lambda: DataProbe(cfg.probe, [s.name for s in cfg.data.sources])))
     if cfg.train.gc_freq:
         watchers.append(get(GarbageCollection, lambda: GarbageCollection(cfg.train.gc_freq)))
-    if cfg.eval.ladder:
+    if cfg.eval.ladder or cfg.eval.every > 0:  # every run forecasts its final loss (issue 42, item 4)
         watchers.append(get(OffCurve, lambda: OffCurve(cfg, info.rank)))
     if cfg.health.every:  # last: its checks run after the watchdog has timed the step
         watchers.append(get(HealthWatch, lambda: HealthWatch(

@@ -1,22 +1,29 @@
-"""The run's own forecast and the on-track alarm: each validation against the curve of the run's own lr schedule.
+"""The run's own forecast and the on-track alarm: each validation against the run's own curve and each source
+against the others.
 
-Every run (with or without a ladder):
+Every run that validates during training (``eval.every > 0``; with or without a ladder):
 
 - from the first validation past warmup and :data:`~densetrain.law.forecast.FORECAST_FROM` of the run (with at
   least :data:`~densetrain.law.forecast.MIN_POINTS` validations past warmup and
   :data:`~densetrain.law.forecast.FIT_FROM`), forecasts its final validation loss from the schedule-aware curve
-  fitted to its own validations past those (:func:`densetrain.law.forecast.forecast`;
-  C, what annealing buys, from the ladder's curve when ``eval.ladder`` has a fit that is not degenerate): one
-  ``forecast`` event at the first forecast, ``forecast/loss``, ``forecast/lo``, ``forecast/hi`` metrics
-  (``kind="forecast"``) at every one, and ``summary.json``'s ``forecast``: the first forecast (``at_step``,
-  ``predicted``, ``interval``), the ``final`` value beside it and its ``error``, and the ``latest`` forecast;
-- the alarm: each validation of every source and of all of them against the curve fitted to that key's
-  validations before it, within the current *segment*: the validations since the last known sharp change (a
-  stage's start: an anneal's mix, a seq_len switch; the WSD decay's start), which are waited out: checks
-  resume once the new segment has :data:`~densetrain.law.forecast.MIN_POINTS` validations. A key is above its
-  band when its loss exceeds the curve by ``eval.off_curve_margin`` (0: 3 x the segment's first fit's residual
-  scale, at least 1%) and exceeds the lowest loss of the segment so far (a loss that still falls, only slower
-  than the fit extrapolates, is no alarm), and, with a ladder whose fit is not degenerate, also its curve on the ladder
+  fitted to its own validations past those (:func:`densetrain.law.forecast.forecast`; its priors from the
+  ladder's curve when ``eval.ladder`` has a fit that is not degenerate, else the defaults): one ``forecast``
+  event at the first forecast, ``forecast/loss``, ``forecast/lo``, ``forecast/hi`` metrics (``kind="forecast"``)
+  at every one, and ``summary.json``'s ``forecast``: the first forecast (``at_step``, ``predicted``,
+  ``interval``), the ``final`` value beside it and its ``error``, and the ``latest`` forecast;
+- the alarm, within the current *segment*: the validations since the last known sharp change (a stage's start:
+  an anneal's mix, a seq_len switch; the WSD decay's start), which is waited out. ``all`` (and the source of a
+  one-source run) against the curve fitted to its validations of the segment before this one, from the
+  segment's :data:`~densetrain.law.forecast.MIN_POINTS`-th on: above its band when its loss exceeds the curve by
+  ``eval.off_curve_margin`` (0: 3 x the segment's first fit's residual scale, at least 1%) and the lowest loss
+  of the segment so far (a loss that still falls, only slower than the fit extrapolates, is no alarm). With two
+  or more sources, each source against the others (:func:`densetrain.law.forecast.source_excess`): its log-loss
+  drop since the segment's first validation past :data:`CURVE_FROM` of the run, against the median drop of the
+  others times the ratio of the two fitted on validations at least :data:`SOURCE_LAG` of the run earlier; above
+  when it fell less than that by its band (``eval.off_curve_margin``, or 3 x the ratio fit's residual scale, at
+  least :data:`~densetrain.law.forecast.SOURCE_BAND`). A refit of a source's own curve bends with a fault that
+  slows its fall (the seed's 7.1 case: windows repeated from the middle on); the others' progress does not.
+  With a ladder whose fit is not degenerate, ``all`` must also be above its curve on the ladder
   (:class:`densetrain.law.Curve`). One ``off_curve`` event when a key is above for ``eval.off_curve_patience``
   validations in a row; it names a source only when that source left its band while others did not (all of
   them at once is a change of the run, not of one source's data).
@@ -44,7 +51,18 @@ from densetrain.errors import ConfigError
 from densetrain.fileio import atomic_write_json, read_json
 from densetrain.law import ANNEAL_MOMENTUM, Curve, schedule_areas
 from densetrain.law.files import read_fit as read_ladder_fit
-from densetrain.law.forecast import FIT_FROM, FORECAST_FROM, MIN_POINTS, RunCurve, forecast
+from densetrain.law.forecast import (
+    DEFAULT_PRIOR,
+    FIT_FROM,
+    FORECAST_FROM,
+    MIN_POINTS,
+    RunCurve,
+    anneal_drop,
+    fit_run_curve,
+    forecast,
+    ladder_prior,
+    source_excess,
+)
 from densetrain.law.judge import checked_prediction
 from densetrain.schedule import Stage, lr_for, stage_at, warmup_steps
 from densetrain.train.watchers import Verdict, Watcher
@@ -53,6 +71,10 @@ CURVE_FROM = 0.25
 """The curve covers validations from this fraction of a run's steps on, in the fit and in the checks: the first
 steps of a small model's loss fall faster than any power law in S1 (a micro ladder's fit on them left residuals
 from -25% early to +3% late)."""
+SOURCE_LAG = 0.1
+"""A source's progress is judged against the other sources' with the ratio fitted on validations at least this
+fraction of the run's steps before the one judged (:func:`densetrain.law.forecast.source_excess`): a fault's
+first validations are not in the fit that judges them, so the reference does not bend with it."""
 FAR = 100.0
 """Extrapolation factor (run FLOPs / the ladder's largest budget) beyond which a prediction is flagged."""
 
@@ -63,6 +85,12 @@ def run_areas(cfg: Config, stages: list[Stage], lam: float = ANNEAL_MOMENTUM) ->
     steps = range(cfg.train.steps)
     return schedule_areas([lr_for(i, cfg, stages) for i in steps],
                           [stage_at(i, stages).batch_tokens for i in steps], cfg.optim.peak_lr, lam)
+
+
+def run_drops(cfg: Config, stages: list[Stage]) -> np.ndarray:
+    """What the lr's falls have bought after each of the ``cfg.train.steps`` steps
+    (:func:`densetrain.law.forecast.anneal_drop`; ``[k - 1]``: after k steps)."""
+    return anneal_drop([lr_for(i, cfg, stages) for i in range(cfg.train.steps)], cfg.optim.peak_lr)
 
 
 def planned_tokens(cfg: Config, stages: list[Stage]) -> float:
@@ -131,15 +159,16 @@ class OffCurve(Watcher):
         self.fit = read_fit(cfg.eval.ladder) if cfg.eval.ladder else None
         usable = self.fit is not None and not self.fit.get("degenerate", False)
         self.curves = {k: Curve(**v) for k, v in self.fit["curves"].items()} if usable else {}
-        self.c_prior = self.curves["all"].C if "all" in self.curves else None
+        self.prior = DEFAULT_PRIOR
         self.prediction: dict | None = None
         self.n = 0.0
-        self.s1 = self.s2 = None
+        self.s1 = self.s2 = self.d = None
         self.changes: list[int] = []
         self.seen = None  # the run.last_val judged last
         self.points: dict[str, list[list[float]]] = {}  # per key: [step, loss] of every validation past warmup
         self.scale: dict[str, list] = {}  # per key: [segment start, the segment's first residual scale]
-        self.fits: dict[str, RunCurve] = {}  # per key: the latest fit (the next one starts from it)
+        self.fits: dict[str, RunCurve] = {}  # per fit ('all', 'forecast'): the latest (the next starts from it)
+        self.frozen: float | None = None  # the last step of the sources' ratio fit (_sources)
         self.first: dict | None = None  # the first forecast
         self.latest: dict | None = None
         self.above: dict[str, int] = {}  # consecutive validations above the band, per source / 'all'
@@ -147,30 +176,27 @@ class OffCurve(Watcher):
         self.history: list[dict] = []
 
     def margin(self, key: str) -> float:
-        return self.cfg.eval.off_curve_margin or max(0.01, 3.0 * self.scale[key][1])
+        return self.cfg.eval.off_curve_margin or max(0.01, 3.0 * self.scale.get(key, [0, 0.0])[1])
 
     def before_step(self, run) -> None:
         if self.s1 is not None:
             return
         self.s1, self.s2 = run_areas(self.cfg, run.stages, (self.fit or {}).get("lam", ANNEAL_MOMENTUM))
+        self.d = run_drops(self.cfg, run.stages)
         self.changes = sharp_changes(self.cfg, run.stages)
         if self.fit is None:
             return
         m = self.cfg.model
         self.n = float(run.model.num_params() - m.vocab_size * m.d_model)
+        if "all" in self.curves:
+            self.prior = ladder_prior(self.curves["all"], self.n, self.s1[-1], self.s2[-1], self.d[-1])
+            if self.rank == 0 and run.state.step == 0:
+                run.log.event(0, f"forecast prior from the ladder's curve: beta {self.prior.beta:.3g}, E "
+                                 f"{self.prior.e:.4g}, C {self.prior.c:.3g}", kind="forecast")
         self.prediction = checked_prediction(self.fit, self.n, planned_tokens(self.cfg, run.stages))
         if self.rank == 0 and run.state.step == 0:
             run.log.event(0, f"ladder {self.cfg.eval.ladder}: {prediction_line(self.prediction)}", kind="prediction",
                           values=self.prediction)
-
-    def _fit(self, key: str, pts: list, c_prior):
-        """The forecast of ``key`` from validations ``pts`` ([step, loss]); None where the fit fails."""
-        try:
-            f = forecast(self.s1, self.s2, [int(p[0]) for p in pts], [p[1] for p in pts], c_prior, self.fits.get(key))
-        except ValueError:
-            return None
-        self.fits[key] = f["curve"]
-        return f
 
     def after_step(self, run, result, verdict: Verdict) -> None:
         val = getattr(run, "last_val", None)
@@ -184,6 +210,7 @@ class OffCurve(Watcher):
         tokens = sum(v["tokens"] for v in val.values())
         actual = {**{s: v["loss"] for s, v in val.items()},
                   "all": sum(v["loss"] * v["tokens"] for v in val.values()) / tokens if tokens else math.nan}
+        sources = [k for k in actual if k != "all"]
         seg = max([c for c in self.changes if c <= step], default=0)  # the current segment's first step
         row: dict = {"step": step}
         for key, loss in actual.items():
@@ -191,34 +218,71 @@ class OffCurve(Watcher):
                 continue
             before = [p for p in self.points.get(key, []) if p[0] >= seg]
             self.points.setdefault(key, []).append([step, loss])
+            if key != "all":
+                continue  # one source: it is 'all'; more: judged against the others (_sources)
             if step <= FORECAST_FROM * self.cfg.train.steps or len(before) < MIN_POINTS:
                 continue
-            f = self._fit(key, before, self.c_prior if key == "all" else None)
-            if f is None:
-                continue
-            pred = float(f["curve"].loss(self.s1[step - 1], self.s2[step - 1]))
-            if self.scale.get(key, [None])[0] != seg:
-                self.scale[key] = [seg, f["curve"].scale]
-            # above the curve's band and above the segment's best so far: a loss that still falls, only slower
-            # than the fit extrapolates (a small model's phases), is no alarm; bad data makes it creep up
-            up = loss > pred * (1 + self.margin(key)) and loss > min(p[1] for p in before)
+            up = self._own(key, step, loss, before, row)
             if key in self.curves:  # the ladder's curve too: both must say it left
                 ladder = float(self.curves[key].loss(self.n, self.s1[step - 1], self.s2[step - 1]))
                 up = up and loss > ladder * (1 + self.margin(key))
-            row[key] = [loss, pred]
             self.above[key] = self.above.get(key, 0) + 1 if up else 0
+        if len(sources) > 1:
+            self._sources(step, seg, sources, row)
+        elif "all" in row:
+            row[sources[0]], self.above[sources[0]] = row["all"], self.above["all"]
         self._forecast(run, step)
         self.history.append(row)
-        self._alarm(run, step, row, [k for k in actual if k != "all"])
+        self._alarm(run, step, row, sources)
+
+    def _own(self, key: str, step: int, loss: float, before: list, row: dict) -> bool:
+        """``key``'s validation at ``step`` against the curve fitted to the segment's validations ``before`` it:
+        above its band and above the segment's best so far (a loss that still falls, only slower than the fit
+        extrapolates, is no alarm; bad data makes it creep up)."""
+        idx = np.array([int(p[0]) - 1 for p in before])
+        try:
+            curve, _, _ = fit_run_curve(self.s1[idx], self.d[idx], [p[1] for p in before], self.prior,
+                                        self.fits.get(key))
+        except ValueError:
+            return False
+        self.fits[key] = curve
+        pred = float(curve.loss(self.s1[step - 1], self.d[step - 1]))
+        if self.scale.get(key, [None])[0] != (seg := int(before[0][0])):
+            self.scale[key] = [seg, curve.scale]
+        row[key] = [loss, pred]
+        return loss > pred * (1 + self.margin(key)) and loss > min(p[1] for p in before)
+
+    def _sources(self, step: int, seg: int, sources: list[str], row: dict) -> None:
+        """Each source's drop since the segment's first validation past :data:`CURVE_FROM` of the run against the
+        other sources' (:func:`densetrain.law.forecast.source_excess`), the ratio fitted up to
+        :data:`SOURCE_LAG` of the run before ``step`` (and no further while a source is above its band); a source
+        is above when its excess passes its band."""
+        first = max(seg, CURVE_FROM * self.cfg.train.steps)
+        at = [int(p[0]) for p in self.points[sources[0]] if p[0] >= first]
+        losses = {k: [p[1] for p in self.points[k] if p[0] >= first] for k in sources}
+        if any(len(v) != len(at) for v in losses.values()) or not at:
+            return  # a source missing from a validation: no common reference
+        last = step - SOURCE_LAG * self.cfg.train.steps
+        if self.frozen is not None and self.frozen >= first and any(self.above.get(k, 0) for k in sources):
+            last = min(last, self.frozen)  # a source above its band: its fault stays out of the fit that judges it
+        self.frozen = last
+        fit_to = max((i for i, s in enumerate(at) if s <= last), default=0)
+        for k, (excess, band) in source_excess(losses, 0, fit_to).items():
+            row[k] = [losses[k][-1], losses[k][-1] / math.exp(excess)]  # the loss, the loss the others say
+            self.scale[k] = [seg, band / 3.0]
+            self.above[k] = self.above.get(k, 0) + 1 if excess > self.margin(k) else 0
 
     def _forecast(self, run, step: int) -> None:
         """The final loss forecast from every validation of 'all' past warmup (the areas carry the schedule)."""
         pts = [p for p in self.points.get("all", []) if p[0] > FIT_FROM * self.cfg.train.steps]
         if step <= FORECAST_FROM * self.cfg.train.steps or len(pts) < MIN_POINTS:
             return
-        f = self._fit("all", pts, self.c_prior)
-        if f is None:
+        try:
+            f = forecast(self.s1, self.d, [int(p[0]) for p in pts], [p[1] for p in pts], self.prior,
+                         self.fits.get("forecast"))
+        except ValueError:
             return
+        self.fits["forecast"] = f["curve"]
         self.latest = {"at_step": step, "predicted": f["predicted"], "interval": f["interval"]}
         if self.rank != 0:
             return
@@ -227,10 +291,11 @@ class OffCurve(Watcher):
         if self.first is None:
             self.first = dict(self.latest)
             lo, hi = f["interval"]
-            c = "seen in the run" if f["c_seen"] else ("the ladder's" if self.c_prior is not None else "the default")
+            src = "the ladder's curve" if "all" in self.curves else "the defaults"
             run.log.event(step, f"forecast at step {step} of {self.cfg.train.steps}: final val loss "
-                                f"{f['predicted']:.4f} [{lo:.4f}, {hi:.4f}] (the run's own curve; annealing's "
-                                f"gain C {f['curve'].C:.3g}: {c})", kind="forecast", values=self.first)
+                                f"{f['predicted']:.4f} [{lo:.4f}, {hi:.4f}] (the run's own curve, priors from "
+                                f"{src}: beta {f['curve'].beta:.3g}, annealing's gain C {f['curve'].C:.3g})",
+                          kind="forecast", values=self.first)
 
     def _alarm(self, run, step: int, row: dict, sources: list[str]) -> None:
         out = [k for k, c in self.above.items() if c >= self.cfg.eval.off_curve_patience and k not in self.flagged]
@@ -244,22 +309,23 @@ class OffCurve(Watcher):
                "numerics), not of one source's data")
         text = ", ".join(f"'{k}' {row[k][0]:.4f} vs {row[k][1]:.4f} ({row[k][0] / row[k][1] - 1:+.1%}, band "
                          f"{self.margin(k):.1%})" for k in out if k in row)
-        run.log.event(step, f"off_curve: validation loss above the run's own curve for "
-                            f"{self.cfg.eval.off_curve_patience} evaluations in a row: {text}; {why}",
+        run.log.event(step, f"off_curve: validation loss above its band (a source: what the other sources' "
+                            f"progress says; 'all': the run's own curve) for {self.cfg.eval.off_curve_patience} "
+                            f"evaluations in a row: {text}; {why}",
                       kind="off_curve", action="report",
                       values={"sources": named, "keys": out, **{k: row[k] for k in out if k in row}})
 
     def state_dict(self) -> dict:
-        # the fits too: the next fit starts from them, so a resumed run forecasts what the uninterrupted one did
         return {"above": self.above, "flagged": self.flagged, "history": self.history, "points": self.points,
                 "scale": self.scale, "first": self.first, "latest": self.latest,
-                "fits": {k: vars(c) for k, c in self.fits.items()}}
+                "fits": {k: vars(c) for k, c in self.fits.items()}, "frozen": self.frozen}
 
     def load_state_dict(self, d: dict) -> None:
         self.above, self.flagged = dict(d.get("above", {})), list(d.get("flagged", []))
         self.history, self.points = list(d.get("history", [])), dict(d.get("points", {}))
         self.scale, self.first, self.latest = dict(d.get("scale", {})), d.get("first"), d.get("latest")
         self.fits = {k: RunCurve(**v) for k, v in d.get("fits", {}).items()}
+        self.frozen = d.get("frozen")
 
     def close(self) -> None:
         """Add the forecast (and the prediction) with the outcome to ``summary.json`` (written by the loop just
