@@ -150,7 +150,8 @@ def read_points(path: Path) -> dict[str, dict]:
 
 
 def read_plan(path: Path) -> dict:
-    """``ladder.json`` checked: ``sizes`` (whole numbers > 0), ``budgets`` (finite FLOPs > 0).
+    """``ladder.json`` checked: ``sizes`` (whole numbers > 0), ``budgets`` (finite FLOPs > 0), ``protocol`` an
+    object where present (its values: :meth:`densetrain.tools.ladder.grid.Protocol.from_dict`).
 
     Raises:
         DataError: not JSON, or a key missing or wrong (naming it); ReadRefused / OSError (fileio).
@@ -160,6 +161,8 @@ def read_plan(path: Path) -> dict:
     _object(plan, where, "(top level)")
     plan["sizes"] = _numbers(_get(plan, "sizes", where), where, "sizes", integer=True)
     plan["budgets"] = _numbers(_get(plan, "budgets", where), where, "budgets")
+    if "protocol" in plan:  # (ladders planned before the protocol have none: every size at every budget)
+        _object(plan["protocol"], where, "protocol")
     return plan
 
 
