@@ -164,9 +164,9 @@ def _branch_start(main_dir: Path, run_dir: Path, step: int) -> None:
 
 
 def run_ladder(cfg: Config, sizes: list[int], budgets: list[float], ladder_dir: Path,
-               progress: bool = True) -> list[dict]:
+               progress: bool = True, protocol: Protocol | None = None) -> list[dict]:
     """Train every point of the ladder not yet finished, one after another in this process; return all records."""
-    cfg, grid = open_ladder(ladder_dir, cfg, sizes, budgets)
+    cfg, grid = open_ladder(ladder_dir, cfg, sizes, budgets, protocol)
     done = finished(ladder_dir)
     todo = [p for p in _order(grid) if p.name not in done]
     print(describe(cfg, grid))
