@@ -102,6 +102,9 @@ def check_point(rec, where: str) -> dict:
     for k in ("d_model", "steps"):
         number(_get(rec, k, where), where, k, integer=True)
     number(rec.get("branch_from", 0), where, "branch_from", lo_open=False, integer=True)
+    number(rec.get("seed", 0), where, "seed", lo_open=False, integer=True)
+    for src, x in _object(rec.get("repeated_tokens", {}), where, "repeated_tokens").items():
+        number(x, where, f"repeated_tokens.{src}", lo_open=False, integer=True)
     for k in ("budget", "params", "params_no_embed", "tokens"):
         number(_get(rec, k, where), where, k)
     val = check_val(_get(rec, "val", where), where)

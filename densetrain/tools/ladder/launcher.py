@@ -21,8 +21,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from densetrain.checkpoint import latest_checkpoint, read_trainer_state
 from densetrain.config import Config, load_config, save_config, to_dict
 from densetrain.cost import Parallel, load_hardware, step_time
+from densetrain.data.streams import open_streams
 from densetrain.errors import ConfigError, DataError
 from densetrain.fileio import (
     MAX_LOG_BYTES,
@@ -134,7 +136,35 @@ def point_record(cfg: Config, p: Point, run_dir: Path) -> dict:
             "flops_6nd": 6.0 * counts[N_KEY] * d, "flops_6nd_all": 6.0 * counts["params"] * d,
             "flops": flops_per_token(cfg.model, cfg.train.seq_len) * d, "seed": p.seed,
             "val": {s: {k: v.get(k) for k in ("loss", "bpb")} for s, v in summary.get("val", {}).items()},
-            "downstream": summary.get("downstream", {}), "curve": curve, "run_dir": str(run_dir)}
+            "downstream": summary.get("downstream", {}), "curve": curve, "run_dir": str(run_dir),
+            "repeated_tokens": repeated_tokens(run_dir, cfg)}
+
+
+def repeated_tokens(run_dir: Path, cfg: Config) -> dict[str, int]:
+    """Per source, the tokens run ``run_dir`` (of config ``cfg``, one stage) trained on more than once, from its
+    newest checkpoint's sampler state against each source's train tokens (:func:`open_streams`).
+
+    A source whose first pass is unfinished (``epoch`` 0) repeated nothing; once a pass ends, every window of
+    the next passes repeats text: ``max(window, drawn - W)`` windows of ``seq_len`` tokens (``window``: drawn in
+    the current pass, ``drawn``: in the run, ``W = (tokens - 1) // seq_len`` windows a pass; the sampler ends
+    a pass early only by the few windows a batch cannot take, densetrain.data.mixture).
+
+    Raises:
+        DataError: no checkpoint in ``run_dir`` (the ladder's runs save one at their end).
+    """
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise DataError(f"{run_dir}: no checkpoint; expected a finished run with its final checkpoint (to count "
+                        "the tokens it repeated)")
+    st = read_trainer_state(ckpt)["sampler"]
+    seq_len = cfg.train.seq_len
+    out = {}
+    for name, stream in open_streams(cfg, "train").items():
+        epoch, window = st["epoch"].get(name, 0), st["window"].get(name, 0)
+        drawn = st["stage_drawn"].get(name, 0)
+        w = (len(stream) - 1) // seq_len
+        out[name] = 0 if not epoch else max(window, drawn - w) * seq_len
+    return out
 
 
 def _order(grid: Grid) -> list[Point]:
