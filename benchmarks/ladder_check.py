@@ -139,6 +139,22 @@ def points_table(ladder_dir: Path) -> list[str]:
     return rows
 
 
+def heldout_runs(out: Path, d_model: int, factor: float, seeds: int) -> list[tuple[Path, object, int]]:
+    """``(run_dir, config, steps)`` of the held-out run at each seed: size ``d_model`` at ``factor`` x the ladder's
+    largest budget, the ladder's recipe (its grid's protocol and warmup, :func:`point_config`), ``train.seed`` +
+    0, 1, ...; in ``OUT/heldout/s<seed>``."""
+    bcfg, grid = open_ladder(out / "ladder")
+    target = factor * max(grid.budgets)
+    top = next(q for q in build_grid(bcfg, [d_model], [target], grid.protocol).points if not q.seed)
+    runs = []
+    for seed in range(seeds):
+        run_dir = out / "heldout" / f"s{seed}"
+        p = Point(name=f"heldout_s{seed}", d_model=d_model, budget=target, steps=top.steps, main=f"heldout_s{seed}",
+                  seed=seed)
+        runs.append((run_dir, point_config(bcfg, grid, p, str(run_dir)), top.steps))
+    return runs
+
+
 def unseen(cfg, out: Path, fit: dict, args) -> None:
     """The held-out run at ``factor`` x the largest budget, at ``heldout_seeds`` seeds, against the prediction."""
     ladder_dir = out / "ladder"
@@ -150,14 +166,9 @@ def unseen(cfg, out: Path, fit: dict, args) -> None:
         head = grid.protocol.head_dim or bcfg.model.d_model // bcfg.model.n_heads
         d_model = min(range(head, 8 * max(grid.sizes) + 1, head),
                       key=lambda d: abs(param_counts(size_config(bcfg, d, grid.protocol))[N_KEY] - n_opt))
-    hgrid = build_grid(bcfg, [d_model], [target], grid.protocol)
-    top = next(q for q in hgrid.points if not q.branch_from and not q.seed)
     outcomes, repeats, times, tokens = [], {}, [], None
-    for seed in range(args.heldout_seeds):
-        run_dir = out / "heldout" / f"s{seed}"
-        p = Point(name=f"heldout_s{seed}", d_model=d_model, budget=target, steps=top.steps, main=f"heldout_s{seed}",
-                  seed=seed)
-        rcfg = point_config(bcfg, grid, p, str(run_dir))  # the ladder's grid: its warmup steps and protocol
+    for run_dir, rcfg, run_steps in heldout_runs(out, d_model, args.factor, args.heldout_seeds):
+        steps = run_steps
         t0 = time.time()
         if (run_dir / "config.toml").exists():  # a run started earlier (or elsewhere): it must be this recipe
             was, now = to_dict(load_config(path=run_dir / "config.toml")), to_dict(rcfg)
@@ -171,7 +182,7 @@ def unseen(cfg, out: Path, fit: dict, args) -> None:
         summary = json.loads((run_dir / "summary.json").read_text())
         outcomes.append(summary["val"]["all"]["loss"])
         tokens = summary["tokens"]
-        repeats[f"s{seed}"] = repeated_tokens(run_dir, rcfg)
+        repeats[run_dir.name] = repeated_tokens(run_dir, rcfg)
     n = param_counts(rcfg)[N_KEY]
     pred = checked_prediction(fit, float(n), float(tokens))
     run_flops = flops_per_token(rcfg.model, rcfg.train.seq_len) * tokens
@@ -186,7 +197,7 @@ def unseen(cfg, out: Path, fit: dict, args) -> None:
     print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print("\n".join(points_table(ladder_dir)))
     print(f"held-out: d_model {d_model} ({n:,} params without the input embedding) at {target:.3g} FLOPs "
-          f"({args.factor:g}x C), {tokens:,} tokens, {top.steps} steps, seeds {list(range(args.heldout_seeds))}: "
+          f"({args.factor:g}x C), {tokens:,} tokens, {steps} steps, seeds {list(range(args.heldout_seeds))}: "
           + ", ".join(f"{x:.4f}" for x in outcomes) + " (" + ", ".join(f"{t:.0f}s" for t in times) + " this call)")
     mean = statistics.mean(outcomes)
     sd = statistics.stdev(outcomes) / mean if len(outcomes) > 1 else float("nan")
