@@ -98,8 +98,10 @@ PROTOCOL = Protocol(per_budget=3, seeds=3, lr_rule="inverse-width", head_dim=16,
 """``densetrain ladder``'s protocol (issue 42 item 2; measured with it: benchmarks/RESULTS.md, "issue 42: the
 ladder protocol"): 3 sizes per budget on a staircase, the largest rung at 3 seeds, lr x 1/width, heads of 16,
 exact FLOPs."""
-DEFAULT_SIZES = (16, 32, 48, 64, 96)
-"""``densetrain ladder``'s sizes (d_model): with heads of 16, vocab 1024 and the ladder-corpus shape (aspect
-ratio d_model / n_layers = 32) N = 19.8k, 44.4k, 98.5k, 158k, 410k (20.7x)."""
+DEFAULT_SIZES = (16, 32, 48, 64)
+"""``densetrain ladder``'s sizes (d_model): with heads of 16, vocab 512 and the ladder-corpus shape (aspect ratio
+d_model / n_layers = 32; benchmarks/ladder_protocol.toml) N = 11.6k, 28.0k, 74.0k, 125k (10.8x). On the
+staircase of 3 sizes a budget the middle size of each window trains ~13-18 tokens per parameter at the three
+larger budgets (near Chinchilla's ~20), so each budget has sizes on both sides of its optimum."""
 DEFAULT_BUDGETS = (3.3e10, 1e11, 3.3e11, 1e12)
 """``densetrain ladder``'s budgets, FLOPs (30.3x): ~6 CPU-minutes for the whole ladder on 2 shared Zen 4 cores."""
