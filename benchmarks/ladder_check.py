@@ -205,12 +205,16 @@ def unseen(cfg, out: Path, fit: dict, args) -> None:
           f"{lflops / run_flops:.3f}x the held-out run's {run_flops:.3g}")
     print("tokens repeated per source: held-out " + "; ".join(f"{k} {v}" for k, v in repeats.items())
           + f"; ladder: {sum(sum(v.values()) for v in ladder_reps.values())} in {len(ladder_reps)} runs")
-    if pred["withheld"]:
-        print(f"no prediction: {pred['withheld']}; run next: {'; '.join(pred['next'])}")
-        print(f"ladder_check: no prediction at {args.factor:.1f}x (fit degenerate; seed sd {sd:.1%}, "
-              f"{total_rep} tokens repeated)")
-        return
     err = mean / pred["loss"] - 1
+    if pred["withheld"]:  # no prediction: said so, with what the withheld law and the power law would have missed by
+        print(f"no prediction: {pred['withheld']}; run next: {'; '.join(pred['next'])}")
+        print(f"(withheld, for the record: approach 3 says {pred['loss']:.4f} [{pred['loss_lo']:.4f}, "
+              f"{pred['loss_hi']:.4f}], the outcome's mean {mean:.4f} misses it by {err:+.2%}"
+              + (f"; the power law in compute says {pred['power_law']:.4f}: {mean / pred['power_law'] - 1:+.2%}"
+                 if "power_law" in pred else "") + ")")
+        print(f"ladder_check: no prediction at {args.factor:.1f}x (degenerate fit; withheld approach 3 off by "
+              f"{err:+.1%}, seed sd {sd:.1%}, {total_rep} tokens repeated)")
+        return
     lo, hi = pred["loss_lo"] / pred["loss"] - 1, pred["loss_hi"] / pred["loss"] - 1
     inside = pred["loss_lo"] <= mean <= pred["loss_hi"]
     target_err = max(0.01, 2 * sd)
