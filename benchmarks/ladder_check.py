@@ -1,22 +1,33 @@
-"""Does the ladder predict a run it never saw? (issue 34; not a test: minutes of training, numbers for RESULTS.md)
+"""Does the ladder predict a run it never saw? (issues 34, 42; not a test: an hour of CPU, numbers for RESULTS.md)
 
-1. a ladder (``densetrain.tools.ladder``: sizes x budgets up to C, WSD runs with cooldown branches) on real text;
-2. ``ladder fit``: approaches 3 and 2 with bootstrap intervals;
-3. one run at ``--factor`` x C (default 8) that the fit never saw, of the compute-optimal size the fit names
-   among the sizes the config scales to (the d_model nearest N_opt), with the same recipe (WSD, same decay);
-4. prints the prediction (with its interval) against the outcome, the fitted numbers, the ladder's compute
-   against the run's, and whether any run repeated a token (it trains more tokens than the data has);
+1. a ladder with the protocol of ``densetrain ladder`` (:mod:`densetrain.tools.ladder.protocol`: sizes on a
+   staircase around each budget's optimum, the largest rung at 3 seeds, lr x 1/width, exact FLOPs) on real text;
+2. ``ladder fit``: approaches 3 and 2 with bootstrap intervals, the verdict (degenerate or not), seed spread;
+3. the held-out run at ``--factor`` x the largest budget C (default 12: the ladder costs <= 0.5x it) at
+   ``--heldout-seeds`` seeds (default 3), of ``--heldout-size`` (default: the size nearest the fit's N_opt among
+   the multiples of the head dimension), with the same recipe (:func:`densetrain.tools.ladder.grid.point_config`:
+   WSD, lr rule, warmup);
+4. prints the table of points, the fit, the prediction (:func:`densetrain.law.judge.checked_prediction`, withheld
+   when the fit is degenerate) against the mean outcome with the seed spread, the ladder's compute against the
+   held-out run's (exact FLOPs, ``densetrain.metrics.flops_per_token``: the count plan uses; branches counted past
+   their start), the tokens every run repeated per source (:func:`densetrain.tools.ladder.launcher.repeated_tokens`),
+   the CPU and load, and one line::
+
+       ladder_check: error -0.4% at 12.0x (interval [-1.2%, +0.9%], seed sd 0.3%, 0 tokens repeated)
+
+   (error: mean outcome / prediction - 1; interval: the prediction's, relative to it; seed sd: the held-out
+   outcomes' sample standard deviation over their mean; the target |error| <= max(1%, 2 x seed sd), inside);
 5. with ``--compare-muon``: the same ladder with ``optim.name = "muon"`` (``--muon-lr``) on the same data, and
-   Muon's compute multiplier over AdamW at each ladder budget (the compute AdamW's fitted frontier needs to reach
-   Muon's compute-optimal loss, :func:`densetrain.law.compute_multiplier`, with a bootstrap interval) and the
-   compute-optimal tokens per parameter of each (approaches 3 and 2). ``--no-unseen`` skips step 3.
+   Muon's compute multiplier over AdamW at each ladder budget (:func:`densetrain.law.compute_multiplier`).
 
-Data: ``--config FILE`` (your recipe over your prepared shards: ``densetrain prepare --config FILE`` first), or
-for development ``--fineweb DIR`` (a folder of FineWeb Parquet files, e.g. ``/work/shared/data/fineweb_sample``:
-~1.6M tokens, prepared here with a BPE tokenizer of ``--vocab`` tokens; too small for a serious check).
+Data: ``--preset`` / ``--config`` (your recipe over prepared shards: ``densetrain prepare`` first), or for
+development ``--fineweb DIR`` (FineWeb Parquet files, prepared here with a BPE of ``--vocab`` tokens: too small).
+The run of RESULTS.md ("issue 42: the ladder protocol")::
 
-    python benchmarks/ladder_check.py --fineweb /work/shared/data/fineweb_sample --out runs/ladder_check \\
-        --sizes 32,48,64 --budgets 2e10,4e10,8e10 --factor 8
+    densetrain prepare --preset ladder-corpus --data.corpus_dir=/work/data/ladder-corpus \
+        --data.shards_dir=/work/data/ladder-shards-v1024 --data.tokenizer_vocab_size=1024 --model.vocab_size=1024
+    python benchmarks/ladder_check.py --preset ladder-corpus --config benchmarks/ladder_protocol.toml \
+        --out /work/data/ladder_run/check
 """
 
 from __future__ import annotations
@@ -24,17 +35,21 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
-from densetrain.config import load_config
+from densetrain.config import load_config, to_dict
 from densetrain.data.prepare import prepare
-from densetrain.data.streams import open_streams
-from densetrain.law import Law, fit_compute_power, multiplier_intervals
+from densetrain.law import Law, multiplier_intervals
+from densetrain.law.judge import checked_prediction
+from densetrain.metrics import flops_per_token
 from densetrain.tools.ladder.fit import fit_ladder, format_fit
-from densetrain.tools.ladder.grid import N_KEY, Point, build_grid, param_counts, point_config, scaled_model
-from densetrain.tools.ladder.launcher import finished, run_ladder
+from densetrain.tools.ladder.grid import N_KEY, Point, build_grid, param_counts, point_config, size_config
+from densetrain.tools.ladder.launcher import finished, open_ladder, repeated_tokens, run_ladder
+from densetrain.tools.ladder.protocol import DEFAULT_BUDGETS, DEFAULT_SIZES, PROTOCOL
 from densetrain.train import train
 
 
@@ -64,37 +79,154 @@ def cpu_name() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", help="preset the recipe starts from (with --config: applied over it)")
     ap.add_argument("--config", help="your recipe (TOML) over prepared shards")
     ap.add_argument("--fineweb", help="development data: a folder of FineWeb Parquet files")
     ap.add_argument("--vocab", type=int, default=2048, help="--fineweb: BPE vocabulary (default %(default)s)")
-    ap.add_argument("--sizes", default="32,48,64", help="d_model values (default %(default)s)")
-    ap.add_argument("--budgets", default="2e10,4e10,8e10", help="FLOP budgets up to C (default %(default)s)")
-    ap.add_argument("--factor", type=float, default=8.0, help="the unseen run's budget / C (default %(default)s)")
+    ap.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="d_model values (default %(default)s)")
+    ap.add_argument("--budgets", default=",".join(f"{b:g}" for b in DEFAULT_BUDGETS),
+                    help="FLOP budgets up to C (default %(default)s)")
+    ap.add_argument("--factor", type=float, default=12.0, help="the held-out run's budget / C (default %(default)s)")
+    ap.add_argument("--heldout-size", type=int, default=0, help="the held-out run's d_model (default: the size "
+                    "nearest the fit's N_opt at factor x C)")
+    ap.add_argument("--heldout-seeds", type=int, default=3, help="seeds of the held-out run (default %(default)s)")
     ap.add_argument("--out", default="runs/ladder_check", help="work directory (default %(default)s)")
     ap.add_argument("--compare-muon", action="store_true", help="also ladder Muon on the same data: its compute "
                     "multiplier over AdamW and both recipes' tokens per parameter")
     ap.add_argument("--muon-lr", type=float, default=0.04, help="--compare-muon: optim.muon_lr (default %(default)s: "
                     "the best of the README's width sweep)")
-    ap.add_argument("--no-unseen", action="store_true", help="skip the unseen run at --factor x C")
+    ap.add_argument("--no-unseen", action="store_true", help="skip the held-out run")
     args = ap.parse_args()
     out = Path(args.out)
     if args.fineweb:
         cfg = fineweb_config(Path(args.fineweb), out, args.vocab)
         prepare(cfg)
     else:
-        cfg = load_config(path=args.config)
+        cfg = load_config(preset=args.preset, path=args.config)
     sizes = [int(x) for x in args.sizes.split(",")]
     budgets = [float(x) for x in args.budgets.split(",")]
     t0 = time.time()
-    run_ladder(cfg, sizes, budgets, out / "ladder", progress=True)
+    run_ladder(cfg, sizes, budgets, out / "ladder", progress=True, protocol=PROTOCOL)
     ladder_s = time.time() - t0
     fit = fit_ladder(out / "ladder")
-    print(f"CPU: {cpu_name()}; AdamW ladder {ladder_s:.0f}s")
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs; load average now {os.getloadavg()[0]:.1f}; AdamW ladder "
+          f"{ladder_s:.0f}s this call")
     print(format_fit(fit))
     if args.compare_muon:
         compare_muon(cfg, sizes, budgets, out, fit, args.muon_lr)
     if not args.no_unseen:
-        unseen(cfg, sizes, budgets, out, fit, args.factor, ladder_s)
+        unseen(cfg, out, fit, args)
+
+
+def ladder_flops(ladder_dir: Path) -> float:
+    """The ladder's compute in exact FLOPs (``flops`` of each record: flops_per_token x tokens), main runs and seed
+    replicas in full, branches only past their branch point."""
+    return sum(r["flops"] * (1 - r["branch_from"] / r["steps"]) for r in finished(ladder_dir).values())
+
+
+def points_table(ladder_dir: Path) -> list[str]:
+    """The ladder's points as a Markdown table, with the tokens each run repeated."""
+    cfg, grid = open_ladder(ladder_dir)
+    rows = ["| point | d_model | N | budget (FLOPs) | steps (branch from) | tokens | final val loss | repeated |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(finished(ladder_dir).values(), key=lambda r: (r["budget"], r["params_no_embed"], r["seed"])):
+        p = next(q for q in grid.points if q.name == r["name"])
+        rep = sum(repeated_tokens(Path(ladder_dir) / "runs" / p.name,
+                                  point_config(cfg, grid, p, str(Path(ladder_dir) / "runs" / p.name))).values())
+        rows.append(f"| {r['name']} | {r['d_model']} | {r[N_KEY]:,} | {r['budget']:.3g} | {r['steps']}"
+                    + (f" ({r['branch_from']})" if r["branch_from"] else "") + f" | {r['tokens']:,.0f} | "
+                    f"{r['val']['all']['loss']:.4f} | {rep} |")
+    return rows
+
+
+def heldout_runs(out: Path, d_model: int, factor: float, seeds: int) -> list[tuple[Path, object, int]]:
+    """``(run_dir, config, steps)`` of the held-out run at each seed: size ``d_model`` at ``factor`` x the ladder's
+    largest budget, the ladder's recipe (its grid's protocol and warmup, :func:`point_config`), ``train.seed`` +
+    0, 1, ...; in ``OUT/heldout/s<seed>``."""
+    bcfg, grid = open_ladder(out / "ladder")
+    target = factor * max(grid.budgets)
+    top = next(q for q in build_grid(bcfg, [d_model], [target], grid.protocol).points if not q.seed)
+    runs = []
+    for seed in range(seeds):
+        run_dir = out / "heldout" / f"s{seed}"
+        p = Point(name=f"heldout_s{seed}", d_model=d_model, budget=target, steps=top.steps, main=f"heldout_s{seed}",
+                  seed=seed)
+        runs.append((run_dir, point_config(bcfg, grid, p, str(run_dir)), top.steps))
+    return runs
+
+
+def unseen(cfg, out: Path, fit: dict, args) -> None:
+    """The held-out run at ``factor`` x the largest budget, at ``heldout_seeds`` seeds, against the prediction."""
+    ladder_dir = out / "ladder"
+    bcfg, grid = open_ladder(ladder_dir)
+    target = args.factor * max(grid.budgets)
+    d_model = args.heldout_size
+    if not d_model:  # the size nearest the fit's N_opt at factor x C, among multiples of the head dimension
+        n_opt = float(Law(**fit["approach3"]["law"]).optimal(target)[0])
+        head = grid.protocol.head_dim or bcfg.model.d_model // bcfg.model.n_heads
+        d_model = min(range(head, 8 * max(grid.sizes) + 1, head),
+                      key=lambda d: abs(param_counts(size_config(bcfg, d, grid.protocol))[N_KEY] - n_opt))
+    outcomes, repeats, times, tokens = [], {}, [], None
+    for run_dir, rcfg, run_steps in heldout_runs(out, d_model, args.factor, args.heldout_seeds):
+        steps = run_steps
+        t0 = time.time()
+        if (run_dir / "config.toml").exists():  # a run started earlier (or elsewhere): it must be this recipe
+            was, now = to_dict(load_config(path=run_dir / "config.toml")), to_dict(rcfg)
+            differ = sorted(f"{k}.{f}" for k in now for f in now[k] if k != "faults" and isinstance(now[k], dict)
+                            and was.get(k, {}).get(f) != now[k][f] and f != "run_dir")
+            if differ:
+                raise SystemExit(f"{run_dir}: the run there has another recipe ({', '.join(differ)} differ)")
+        if not (run_dir / "summary.json").exists():
+            train(rcfg, resume=True)
+        times.append(time.time() - t0)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        outcomes.append(summary["val"]["all"]["loss"])
+        tokens = summary["tokens"]
+        repeats[run_dir.name] = repeated_tokens(run_dir, rcfg)
+    n = param_counts(rcfg)[N_KEY]
+    pred = checked_prediction(fit, float(n), float(tokens))
+    run_flops = flops_per_token(rcfg.model, rcfg.train.seq_len) * tokens
+    lflops = ladder_flops(ladder_dir)
+    ladder_reps = {}
+    for q in grid.points:
+        rd = ladder_dir / "runs" / q.name
+        ladder_reps[q.name] = repeated_tokens(rd, point_config(bcfg, grid, q, str(rd)))
+    total_rep = sum(sum(v.values()) for v in [*repeats.values(), *ladder_reps.values()])
+
+    print("\n== ladder_check")
+    print(f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print("\n".join(points_table(ladder_dir)))
+    print(f"held-out: d_model {d_model} ({n:,} params without the input embedding) at {target:.3g} FLOPs "
+          f"({args.factor:g}x C), {tokens:,} tokens, {steps} steps, seeds {list(range(args.heldout_seeds))}: "
+          + ", ".join(f"{x:.4f}" for x in outcomes) + " (" + ", ".join(f"{t:.0f}s" for t in times) + " this call)")
+    mean = statistics.mean(outcomes)
+    sd = statistics.stdev(outcomes) / mean if len(outcomes) > 1 else float("nan")
+    print(f"compute: ladder {lflops:.3g} FLOPs (exact; branches past their start, seed replicas in full) = "
+          f"{lflops / run_flops:.3f}x the held-out run's {run_flops:.3g}")
+    print("tokens repeated per source: held-out " + "; ".join(f"{k} {v}" for k, v in repeats.items())
+          + f"; ladder: {sum(sum(v.values()) for v in ladder_reps.values())} in {len(ladder_reps)} runs")
+    err = mean / pred["loss"] - 1
+    if pred["withheld"]:  # no prediction: said so, with what the withheld law and the power law would have missed by
+        print(f"no prediction: {pred['withheld']}; run next: {'; '.join(pred['next'])}")
+        print(f"(withheld, for the record: approach 3 says {pred['loss']:.4f} [{pred['loss_lo']:.4f}, "
+              f"{pred['loss_hi']:.4f}], the outcome's mean {mean:.4f} misses it by {err:+.2%}"
+              + (f"; the power law in compute says {pred['power_law']:.4f}: {mean / pred['power_law'] - 1:+.2%}"
+                 if "power_law" in pred else "") + ")")
+        print(f"ladder_check: no prediction at {args.factor:.1f}x (degenerate fit; withheld approach 3 off by "
+              f"{err:+.1%}, seed sd {sd:.1%}, {total_rep} tokens repeated)")
+        return
+    lo, hi = pred["loss_lo"] / pred["loss"] - 1, pred["loss_hi"] / pred["loss"] - 1
+    inside = pred["loss_lo"] <= mean <= pred["loss_hi"]
+    target_err = max(0.01, 2 * sd)
+    print(f"prediction {pred['loss']:.4f} [{pred['loss_lo']:.4f}, {pred['loss_hi']:.4f}] vs mean outcome {mean:.4f} "
+          f"(seed sd {sd:.2%}): error {err:+.2%}, {'inside' if inside else 'OUTSIDE'} the interval; target "
+          f"|error| <= {target_err:.2%}: {'met' if abs(err) <= target_err and inside else 'MISSED'}")
+    if "power_law" in pred:
+        print(f"cross-check: the power law in compute through each budget's best point predicts "
+              f"{pred['power_law']:.4f}: error {mean / pred['power_law'] - 1:+.2%} "
+              f"({'inside' if pred['power_law_agrees'] else 'outside'} approach 3's interval)")
+    print(f"ladder_check: error {err:+.1%} at {args.factor:.1f}x (interval [{lo:+.1%}, {hi:+.1%}], seed sd {sd:.1%}, "
+          f"{total_rep} tokens repeated)")
 
 
 def compare_muon(cfg, sizes: list[int], budgets: list[float], out: Path, fit: dict, muon_lr: float) -> None:
@@ -102,7 +234,7 @@ def compare_muon(cfg, sizes: list[int], budgets: list[float], out: Path, fit: di
     mcfg = copy.deepcopy(cfg)
     mcfg.optim.name, mcfg.optim.muon_lr = "muon", muon_lr
     t0 = time.time()
-    run_ladder(mcfg, sizes, budgets, out / "ladder_muon", progress=True)
+    run_ladder(mcfg, sizes, budgets, out / "ladder_muon", progress=True, protocol=PROTOCOL)
     muon_s = time.time() - t0
     mfit = fit_ladder(out / "ladder_muon")
     print(f"\n== Muon ladder (optim.muon_lr {muon_lr:g}, AdamW peak_lr {cfg.optim.peak_lr:g} for the rest), "
@@ -134,52 +266,6 @@ def compare_muon(cfg, sizes: list[int], budgets: list[float], out: Path, fit: di
         print(f"  {name} points: " + ", ".join(f"{r['name']} {r['val']['all']['loss']:.4f}"
                                               for r in sorted(rs, key=lambda r: r["name"])))
     (out / "compare_muon.json").write_text(json.dumps({"multiplier": rows, "muon_lr": muon_lr}, indent=1))
-
-
-def unseen(cfg, sizes: list[int], budgets: list[float], out: Path, fit: dict, factor: float, ladder_s: float) -> None:
-    """One run at ``factor`` x the largest budget that the fit never saw, against its prediction."""
-    # the unseen run: the size nearest the fit's N_opt at factor x C, among d_model multiples of the head dim
-    target = factor * max(budgets)
-    n_opt = float(Law(**fit["approach3"]["law"]).optimal(target)[0])
-    head = cfg.model.d_model // cfg.model.n_heads
-    cands = [d for d in range(head, 8 * max(sizes) + 1, head)]
-    d_model = min(cands, key=lambda d: abs(param_counts(scaled_model(cfg, d))[N_KEY] - n_opt))
-    grid = build_grid(cfg, [d_model], [target])
-    p = Point(name="unseen", d_model=d_model, budget=target, steps=grid.points[-1].steps, main="unseen")
-    rcfg = point_config(cfg, grid, p, str(out / "unseen"))
-    rcfg.schedule.warmup_steps = json.loads((out / "ladder" / "ladder.json").read_text())["warmup_steps"]
-    rcfg.eval.ladder = str(out / "ladder")
-    t0 = time.time()
-    summary = train(rcfg, resume=True)
-    run_s = time.time() - t0
-    pred = json.loads((out / "unseen" / "summary.json").read_text())["prediction"]
-    actual = summary["val"]["all"]["loss"]
-
-    recs = list(finished(out / "ladder").values())
-    # the ladder's cost: main runs in full, branches only past their branch point
-    ladder_flops = sum(r["flops_6nd"] * (1 - r["branch_from"] / r["steps"]) for r in recs)
-    train_tokens = sum(len(s) for s in open_streams(rcfg, "train").values())
-    most = max([r["tokens"] for r in recs] + [pred["d"]])
-    print("\n== ladder_check")
-    print(f"sizes {sizes} x budgets {budgets}: {len(recs)} points in {ladder_s:.0f}s; unseen run d_model {d_model} "
-          f"({pred['n']:.4g} params without embedding) at {target:.3g} FLOPs ({factor:g}x C), "
-          f"{pred['d']:.4g} tokens, {run_s:.0f}s")
-    err = actual / pred["loss"] - 1
-    inside = pred["loss_lo"] <= actual <= pred["loss_hi"]
-    print(f"prediction {pred['loss']:.4f} [{pred['loss_lo']:.4f}, {pred['loss_hi']:.4f}] vs outcome {actual:.4f}: "
-          f"error {err:+.2%}, {'inside' if inside else 'OUTSIDE'} the interval; off_curve events: {pred['off_curve']}")
-    # cross-check (issue 34's 1% target was missed by approach 3): a power law in C through each budget's best
-    # ladder loss, which has no E, alpha or beta to pin, extrapolated to the unseen run's compute
-    budgets_ = sorted({r["budget"] for r in recs})
-    best = [min(r["val"]["all"]["loss"] for r in recs if r["budget"] == c) for c in budgets_]
-    k, gamma = fit_compute_power(budgets_, best)
-    alt = k * pred["flops"] ** gamma
-    print(f"cross-check: best loss per budget ~ {k:.4g} C^{gamma:.4f} predicts {alt:.4f}: error "
-          f"{actual / alt - 1:+.2%} (the unseen run is the size nearest N_opt, so near the frontier)")
-    print(f"ladder compute {ladder_flops:.3g} FLOPs (6ND, branches past their start) = "
-          f"{ladder_flops / pred['flops']:.2f}x the unseen run's {pred['flops']:.3g}")
-    print(f"training text {train_tokens:,} tokens; the longest run trains {most:,.0f}: "
-          + ("no token repeated" if most <= train_tokens else "TOKENS REPEATED (more epochs than one)"))
 
 
 if __name__ == "__main__":

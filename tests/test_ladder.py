@@ -46,7 +46,10 @@ def ladder(prepared, tmp_path_factory):
     err = open(tmp / "err", "w")
     proc = subprocess.Popen([sys.executable, "-m", "densetrain", "ladder", "--config", str(tmp / "base.toml"),
                              "--sizes", "32,64", "--budgets", ",".join(map(str, BUDGETS)), "--out", str(out),
-                             "--no-progress"], env=env, stdout=subprocess.DEVNULL, stderr=err)
+                             # the grid before the protocol (every size at every budget, one seed, the config's
+                             # lr and heads, 6ND): this micro-ladder tests resume and fit, not the protocol
+                             "--per-budget", "0", "--seeds", "1", "--lr-rule", "config", "--head-dim", "0",
+                             "--flops", "6nd", "--no-progress"], env=env, stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.time() + 300
     while not finished(out) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)

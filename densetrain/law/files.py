@@ -102,6 +102,9 @@ def check_point(rec, where: str) -> dict:
     for k in ("d_model", "steps"):
         number(_get(rec, k, where), where, k, integer=True)
     number(rec.get("branch_from", 0), where, "branch_from", lo_open=False, integer=True)
+    number(rec.get("seed", 0), where, "seed", lo_open=False, integer=True)
+    for src, x in _object(rec.get("repeated_tokens", {}), where, "repeated_tokens").items():
+        number(x, where, f"repeated_tokens.{src}", lo_open=False, integer=True)
     for k in ("budget", "params", "params_no_embed", "tokens"):
         number(_get(rec, k, where), where, k)
     val = check_val(_get(rec, "val", where), where)
@@ -150,7 +153,8 @@ def read_points(path: Path) -> dict[str, dict]:
 
 
 def read_plan(path: Path) -> dict:
-    """``ladder.json`` checked: ``sizes`` (whole numbers > 0), ``budgets`` (finite FLOPs > 0).
+    """``ladder.json`` checked: ``sizes`` (whole numbers > 0), ``budgets`` (finite FLOPs > 0), ``protocol`` an
+    object where present (its values: :meth:`densetrain.tools.ladder.grid.Protocol.from_dict`).
 
     Raises:
         DataError: not JSON, or a key missing or wrong (naming it); ReadRefused / OSError (fileio).
@@ -160,6 +164,8 @@ def read_plan(path: Path) -> dict:
     _object(plan, where, "(top level)")
     plan["sizes"] = _numbers(_get(plan, "sizes", where), where, "sizes", integer=True)
     plan["budgets"] = _numbers(_get(plan, "budgets", where), where, "budgets")
+    if "protocol" in plan:  # (ladders planned before the protocol have none: every size at every budget)
+        _object(plan["protocol"], where, "protocol")
     return plan
 
 

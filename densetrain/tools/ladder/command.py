@@ -11,6 +11,7 @@ from pathlib import Path
 
 from densetrain.errors import ConfigError
 from densetrain.fileio import mark_kind, other_kind
+from densetrain.tools.ladder.protocol import DEFAULT_BUDGETS, DEFAULT_SIZES, FLOP_COUNTS, LR_RULES, PROTOCOL, Protocol
 
 PLAN = "ladder.json"  # as densetrain.tools.ladder.launcher.PLAN (not imported here: it loads torch)
 
@@ -43,6 +44,25 @@ def _samples(text: str) -> int:
     return n
 
 
+def _count(lo: int, hi: int, what: str):
+    """An argparse type: a whole number in [lo, hi] (``--per-budget``, ``--seeds``, ``--head-dim``)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number of {what}, got '{text}'") from None
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"expected {lo} to {hi} {what}, got {n}")
+        return n
+    return parse
+
+
+def protocol_args(args: argparse.Namespace) -> Protocol:
+    """The protocol of ``densetrain ladder``'s flags (each defaults to :data:`PROTOCOL`'s value)."""
+    return Protocol(per_budget=args.per_budget, seeds=args.seeds, lr_rule=args.lr_rule, head_dim=args.head_dim,
+                    flops=args.flops).check()
+
+
 def ladder_dir_arg(path: str) -> Path:
     """``path`` as a ladder directory.
 
@@ -60,20 +80,22 @@ def cmd_ladder(args: argparse.Namespace) -> int:
     from densetrain.config import load_config
     from densetrain.tools.ladder.launcher import print_commands, run_ladder
 
-    if args.sizes is None or args.budgets is None or args.out is None:
-        raise ConfigError("densetrain ladder needs --sizes, --budgets and --out (or: ladder fit / ladder report "
-                          "LADDER_DIR)")
+    if args.out is None:
+        raise ConfigError("densetrain ladder needs --out LADDER_DIR (or: ladder fit / ladder report LADDER_DIR)")
+    protocol = protocol_args(args)
+    sizes = args.sizes or list(DEFAULT_SIZES)
+    budgets = args.budgets or list(DEFAULT_BUDGETS)
     cfg = load_config(preset=args.preset or (None if args.config else "tiny"), path=args.config,
                       overrides=args.overrides)
     out = Path(args.out)
     if why := other_kind(out, "ladder", "ladder --out"):  # e.g. a training run's directory: never written into
         raise ConfigError(why)
     if args.print_commands:
-        print("\n".join(print_commands(cfg, args.sizes, args.budgets, out)))
+        print("\n".join(print_commands(cfg, sizes, budgets, out, protocol)))
         mark_kind(out, "ladder")  # (its ladder.json, written first, says so meanwhile)
         print(f"# then: densetrain ladder fit {out}")
         return 0
-    records = run_ladder(cfg, args.sizes, args.budgets, out, progress=not args.no_progress)
+    records = run_ladder(cfg, sizes, budgets, out, progress=not args.no_progress, protocol=protocol)
     mark_kind(out, "ladder")
     print(f"ladder {out}: {len(records)} points; next: densetrain ladder fit {out}")
     return 0
@@ -120,15 +142,29 @@ def plan_prediction(args: argparse.Namespace) -> int | None:
 def add_ladder_command(subparsers: argparse._SubParsersAction, cmd_report) -> None:
     """Add ``ladder`` (with ``fit`` and ``report``) to ``subparsers``; each sets ``func(args) -> int``.
     ``cmd_report(args) -> int`` draws the panel: the caller's (the cli), as tools do not import report."""
-    h = "scaling ladder: isoFLOP grid of model sizes x compute budgets (WSD runs with cooldown branches)"
+    h = ("scaling ladder: isoFLOP grid of model sizes x compute budgets (WSD runs with cooldown branches); the "
+         "defaults are the protocol of docs (README 'densetrain ladder')")
     p = subparsers.add_parser("ladder", help=h, description=h + "; then `ladder fit` and `ladder report`. Any "
                               "--section.key=value override applies to the base config.")
     p.add_argument("--preset", help="preset the sizes are scaled from (default tiny, none with --config)")
     p.add_argument("--config", help="TOML config the sizes are scaled from (with --preset: applied over it)")
     p.add_argument("--sizes", type=_numbers(int, "d_model values"), help="comma-separated d_model values, each a "
-                   "multiple of the base config's head dimension (d_model / n_heads: it stays, n_heads follows)")
+                   "multiple of the head dimension (--head-dim; n_heads follows, n_layers keeps the config's aspect "
+                   "ratio); default " + ",".join(map(str, DEFAULT_SIZES)))
     p.add_argument("--budgets", type=_numbers(float, "FLOP budgets"), help="comma-separated compute budgets, FLOPs "
-                   "(6 N D, N without the input embedding)")
+                   "(--flops: exact = plan's count x tokens, 6nd = 6 N D; N without the input embedding); default "
+                   + ",".join(f"{b:g}" for b in DEFAULT_BUDGETS))
+    p.add_argument("--per-budget", type=_count(0, 20, "sizes per budget"), default=PROTOCOL.per_budget,
+                   help="sizes per budget, a window moving up the sizes with the budget (0: every size at every "
+                   "budget; default %(default)s)")
+    p.add_argument("--seeds", type=_count(1, 10, "seeds"), default=PROTOCOL.seeds, help="seeds of the largest rung "
+                   "(the largest size at its largest budget; default %(default)s)")
+    p.add_argument("--lr-rule", choices=LR_RULES, default=PROTOCOL.lr_rule, help="lr per size: inverse-width scales "
+                   "peak_lr and min_lr by the config's d_model / d_model; config keeps them (default %(default)s)")
+    p.add_argument("--head-dim", type=_count(0, 1024, "head dimension"), default=PROTOCOL.head_dim,
+                   help="head dimension of every size (0: the config's; default %(default)s)")
+    p.add_argument("--flops", choices=FLOP_COUNTS, default=PROTOCOL.flops, help="what a budget counts (default "
+                   "%(default)s)")
     p.add_argument("--out", help="ladder directory (created; a re-run continues it)")
     p.add_argument("--print-commands", action="store_true", help="write each run's config and print one command "
                    "per run (for a cluster) instead of running here, then the total tokens, FLOPs and GPU-hours")

@@ -14,6 +14,9 @@
   best point (:func:`densetrain.law.judge.cross_check`).
 
 Points whose final validation loss is null (a diverged run) are left out, named in ``skipped_points``.
+Seed replicas of a point (the protocol's largest rung, :mod:`densetrain.tools.ladder.protocol`: same N and
+tokens) enter the fits as one point at their mean loss, so the law is not pulled towards the rung three times;
+``seed_spread`` keeps their losses, mean and standard deviation (absolute and relative to the mean).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def fit_records(records: list[dict], samples: int = 200, seed: int = 0) -> dict:
     recs = [r for r in records if isinstance(r["val"].get("all", {}).get("loss"), (int, float))]
     skipped = [r.get("name", "?") for r in records if not isinstance(r["val"].get("all", {}).get("loss"),
                                                                       (int, float))]
+    recs, spread = merge_seeds(recs)
     if len(recs) < 5:
         raise ConfigError(f"ladder fit: {len(recs)} finished points with a validation loss; expected at least 5 "
                           f"(approach 3 has 5 parameters): run more of the ladder")
@@ -69,11 +73,16 @@ def fit_records(records: list[dict], samples: int = 200, seed: int = 0) -> dict:
                  "approach3": {"law": {k: getattr(law, k) for k in ("E", "A", "B", "alpha", "beta")},
                                "intervals": law_intervals(law, boot, top),
                                "bootstrap": [[b.E, b.A, b.B, b.alpha, b.beta] for b in boot]},
-                 "loss_range": [float(loss.min()), float(loss.max())], "skipped_points": skipped}
+                 "loss_range": [float(loss.min()), float(loss.max())], "skipped_points": skipped,
+                 "seed_spread": spread}
     out.update(judge_law(law, boot, n, d, loss, [r["budget"] for r in recs], top))
     budgets = np.array([r["budget"] for r in recs])
-    best = [float(loss[budgets == c].min()) for c in out["budgets"]]
-    out["cross_check"] = cross_check(law, boot, out["budgets"], best, top)
+    best_i = [int(np.flatnonzero(budgets == c)[np.argmin(loss[budgets == c])]) for c in out["budgets"]]
+    best = [float(loss[i]) for i in best_i]
+    # the power law in C counts each best point's 6 N D (the budgets may count exact FLOPs: protocol 'exact'),
+    # as a prediction's C does (densetrain.law.judge.checked_prediction: 6 n d)
+    c6 = [float(6.0 * n[i] * d[i]) for i in best_i]
+    out["cross_check"] = cross_check(law, boot, c6, best, max(c6))
     groups = [np.flatnonzero(budgets == c) for c in out["budgets"]]
     try:
         iso = fit_isoflop(n, d, loss, groups)
@@ -105,6 +114,33 @@ def fit_records(records: list[dict], samples: int = 200, seed: int = 0) -> dict:
     return out
 
 
+def merge_seeds(recs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """``recs`` with each group of seed replicas (same N and tokens) replaced by its first record carrying the
+    group's mean final loss (``val.all.loss``; other sources' and bpb means too), and one row per group:
+    ``{"name", "seeds", "losses", "mean", "sd", "sd_rel"}`` (sd: sample standard deviation, ddof 1)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in recs:
+        groups.setdefault((r[N_KEY], r["tokens"]), []).append(r)
+    out, spread = [], []
+    for reps in groups.values():
+        if len(reps) == 1:
+            out.append(reps[0])
+            continue
+        first = min(reps, key=lambda r: r.get("seed", 0))
+        merged = dict(first, val={s: dict(v) for s, v in first["val"].items()})
+        for src, v in merged["val"].items():
+            for k in ("loss", "bpb"):
+                vals = [r["val"].get(src, {}).get(k) for r in reps]
+                if all(isinstance(x, (int, float)) for x in vals):
+                    v[k] = float(np.mean(vals))
+        out.append(merged)
+        losses = [float(r["val"]["all"]["loss"]) for r in reps]
+        sd = float(np.std(losses, ddof=1))
+        spread.append({"name": first.get("name", "?"), "seeds": [r.get("seed", 0) for r in reps], "losses": losses,
+                       "mean": float(np.mean(losses)), "sd": sd, "sd_rel": sd / float(np.mean(losses))})
+    return out, spread
+
+
 def fit_ladder(ladder_dir: Path, samples: int = 200) -> dict:
     """Collect the ladder's finished points, fit them, write ``LADDER_DIR/fit.json``; return the fit."""
     fit = fit_records(collect(ladder_dir), samples)
@@ -129,6 +165,9 @@ def format_fit(fit: dict) -> str:
                   *(f"  - {r}" for r in fit["reasons"]), "run next: " + "; ".join(fit["next"])]
     if fit.get("skipped_points"):
         lines.append(f"left out (no final validation loss: diverged?): {', '.join(fit['skipped_points'])}")
+    for g in fit.get("seed_spread", []):
+        lines.append(f"seeds of {g['name']}: {', '.join(f'{x:.4f}' for x in g['losses'])}: mean {g['mean']:.4f}, "
+                     f"sd {g['sd']:.4f} ({g['sd_rel']:.2%}); the fit takes the mean")
     lines += [f"{fit['points']} points, budgets {', '.join(f'{c:.3g}' for c in fit['budgets'])} FLOPs; "
              f"intervals: {fit['level']:.0%} bootstrap",
              f"approach 3: L(N, D) = E + A/N^alpha + B/D^beta (N = {fit['n_key']})",

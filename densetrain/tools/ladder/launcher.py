@@ -21,8 +21,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from densetrain.checkpoint import latest_checkpoint, read_trainer_state
 from densetrain.config import Config, load_config, save_config, to_dict
 from densetrain.cost import Parallel, load_hardware, step_time
+from densetrain.data.streams import open_streams
 from densetrain.errors import ConfigError, DataError
 from densetrain.fileio import (
     MAX_LOG_BYTES,
@@ -34,7 +36,7 @@ from densetrain.fileio import (
 from densetrain.law.files import PLAN, POINTS, read_plan, read_points, read_summary
 from densetrain.metrics import flops_per_token, read_metrics
 from densetrain.schedule import resolve_stages, warmup_steps
-from densetrain.tools.ladder.grid import N_KEY, Grid, Point, build_grid, param_counts, point_config
+from densetrain.tools.ladder.grid import N_KEY, Grid, Point, Protocol, build_grid, param_counts, point_config
 from densetrain.train import train
 from densetrain.train.watch.curve import CURVE_FROM, run_areas
 
@@ -42,16 +44,22 @@ from densetrain.train.watch.curve import CURVE_FROM, run_areas
 
 
 def open_ladder(ladder_dir: Path, cfg: Config | None = None, sizes: list[int] | None = None,
-                budgets: list[float] | None = None) -> tuple[Config, Grid]:
-    """The ladder's base config and grid: planned now from ``cfg``, ``sizes``, ``budgets`` (and written to
-    ``ladder.json``), or read back from ``ladder.json`` when they are None.
+                budgets: list[float] | None = None, protocol: Protocol | None = None) -> tuple[Config, Grid]:
+    """The ladder's base config and grid: planned now from ``cfg``, ``sizes``, ``budgets`` and ``protocol``
+    (default :class:`~densetrain.tools.ladder.grid.Protocol`'s: every size at every budget) and written to
+    ``ladder.json``, or read back from ``ladder.json`` when they are None (its protocol too).
 
     Raises:
-        ConfigError: no ladder there, or another ladder (other sizes / budgets / config) already there.
+        ConfigError: no ladder there, or another ladder (other sizes / budgets / protocol / config) already there.
     """
     plan_path = ladder_dir / PLAN
     if plan_path.exists():
         plan = read_plan(plan_path)  # bounded regular read, sizes and budgets checked (one line naming the key)
+        planned = Protocol.from_dict(plan.get("protocol", {}), str(plan_path))
+        if protocol is not None and protocol != planned:
+            raise ConfigError(f"{plan_path}: a ladder of protocol {planned.as_dict()} is there; expected the same "
+                              f"protocol to continue it, got {protocol.as_dict()} (or another LADDER_DIR)")
+        protocol = planned
         if cfg is None:
             cfg = load_config(path=ladder_dir / "base.toml")
             sizes, budgets = plan["sizes"], plan["budgets"]
@@ -66,11 +74,12 @@ def open_ladder(ladder_dir: Path, cfg: Config | None = None, sizes: list[int] | 
                                   f"(sections {changed} differ); expected the same config to continue it")
     elif cfg is None:
         raise ConfigError(f"{ladder_dir}: no {PLAN}; expected a ladder directory of densetrain ladder")
-    grid = build_grid(cfg, sizes, budgets)
+    grid = build_grid(cfg, sizes, budgets, protocol)
     if not plan_path.exists():
         ladder_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, ladder_dir / "base.toml")
         atomic_write_json(plan_path, {"sizes": grid.sizes, "budgets": grid.budgets, "warmup_steps": grid.warmup_steps,
+                                      "protocol": grid.protocol.as_dict(), "left_out": grid.left_out,
                                       "points": [vars(p) for p in grid.points]})
     return cfg, grid
 
@@ -78,10 +87,17 @@ def open_ladder(ladder_dir: Path, cfg: Config | None = None, sizes: list[int] | 
 def describe(cfg: Config, grid: Grid) -> str:
     """One line saying how the ladder's runs differ from ``cfg`` (the decisions the grid makes for them)."""
     mains = sum(1 for p in grid.points if not p.branch_from)
-    return (f"ladder: {len(grid.points)} points ({len(grid.sizes)} sizes x {len(grid.budgets)} budgets), {mains} WSD "
+    pr = grid.protocol
+    line = (f"ladder: {len(grid.points)} points ({len(grid.sizes)} sizes x {len(grid.budgets)} budgets), {mains} WSD "
             f"runs + {len(grid.points) - mains} cooldown branches; every run: schedule wsd (decay_fraction "
             f"{cfg.schedule.decay_fraction:g}, {cfg.schedule.decay_shape}), warmup {grid.warmup_steps} steps, one "
             f"stage with the mix of the config's first stage, no faults")
+    if pr == Protocol():
+        return line
+    return (line + f"; protocol: {pr.per_budget or 'every'} sizes a budget, the largest rung at {pr.seeds} seeds, "
+            f"lr {pr.lr_rule}, head_dim {pr.head_dim or 'of the config'}, {pr.flops} FLOPs"
+            + (f"; left out (too short to decay after the warmup): {', '.join(grid.left_out)}" if grid.left_out
+               else ""))
 
 
 def finished(ladder_dir: Path) -> dict[str, dict]:
@@ -118,9 +134,37 @@ def point_record(cfg: Config, p: Point, run_dir: Path) -> dict:
     return {"name": p.name, "d_model": p.d_model, "n_layers": cfg.model.n_layers, "budget": p.budget,
             "steps": p.steps, "branch_from": p.branch_from, **counts, "tokens": d,
             "flops_6nd": 6.0 * counts[N_KEY] * d, "flops_6nd_all": 6.0 * counts["params"] * d,
-            "flops": flops_per_token(cfg.model, cfg.train.seq_len) * d,
+            "flops": flops_per_token(cfg.model, cfg.train.seq_len) * d, "seed": p.seed,
             "val": {s: {k: v.get(k) for k in ("loss", "bpb")} for s, v in summary.get("val", {}).items()},
-            "downstream": summary.get("downstream", {}), "curve": curve, "run_dir": str(run_dir)}
+            "downstream": summary.get("downstream", {}), "curve": curve, "run_dir": str(run_dir),
+            "repeated_tokens": repeated_tokens(run_dir, cfg)}
+
+
+def repeated_tokens(run_dir: Path, cfg: Config) -> dict[str, int]:
+    """Per source, the tokens run ``run_dir`` (of config ``cfg``, one stage) trained on more than once, from its
+    newest checkpoint's sampler state against each source's train tokens (:func:`open_streams`).
+
+    A source whose first pass is unfinished (``epoch`` 0) repeated nothing; once a pass ends, every window of
+    the next passes repeats text: ``max(window, drawn - W)`` windows of ``seq_len`` tokens (``window``: drawn in
+    the current pass, ``drawn``: in the run, ``W = (tokens - 1) // seq_len`` windows a pass; the sampler ends
+    a pass early only by the few windows a batch cannot take, densetrain.data.mixture).
+
+    Raises:
+        DataError: no checkpoint in ``run_dir`` (the ladder's runs save one at their end).
+    """
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        raise DataError(f"{run_dir}: no checkpoint; expected a finished run with its final checkpoint (to count "
+                        "the tokens it repeated)")
+    st = read_trainer_state(ckpt)["sampler"]
+    seq_len = cfg.train.seq_len
+    out = {}
+    for name, stream in open_streams(cfg, "train").items():
+        epoch, window = st["epoch"].get(name, 0), st["window"].get(name, 0)
+        drawn = st["stage_drawn"].get(name, 0)
+        w = (len(stream) - 1) // seq_len
+        out[name] = 0 if not epoch else max(window, drawn - w) * seq_len
+    return out
 
 
 def _order(grid: Grid) -> list[Point]:
@@ -150,9 +194,9 @@ def _branch_start(main_dir: Path, run_dir: Path, step: int) -> None:
 
 
 def run_ladder(cfg: Config, sizes: list[int], budgets: list[float], ladder_dir: Path,
-               progress: bool = True) -> list[dict]:
+               progress: bool = True, protocol: Protocol | None = None) -> list[dict]:
     """Train every point of the ladder not yet finished, one after another in this process; return all records."""
-    cfg, grid = open_ladder(ladder_dir, cfg, sizes, budgets)
+    cfg, grid = open_ladder(ladder_dir, cfg, sizes, budgets, protocol)
     done = finished(ladder_dir)
     todo = [p for p in _order(grid) if p.name not in done]
     print(describe(cfg, grid))
@@ -189,10 +233,11 @@ def collect(ladder_dir: Path) -> list[dict]:
     return list(finished(ladder_dir).values())
 
 
-def print_commands(cfg: Config, sizes: list[int], budgets: list[float], ladder_dir: Path) -> list[str]:
+def print_commands(cfg: Config, sizes: list[int], budgets: list[float], ladder_dir: Path,
+                   protocol: Protocol | None = None) -> list[str]:
     """One shell command per run (main runs, then the branches that need their checkpoints), with each run's
     config written to ``LADDER_DIR/configs``; ``densetrain ladder fit`` collects the finished runs."""
-    cfg, grid = open_ladder(ladder_dir, cfg, sizes, budgets)
+    cfg, grid = open_ladder(ladder_dir, cfg, sizes, budgets, protocol)
     lines = [f"# {describe(cfg, grid)}"]
     for p in _order(grid):
         run_dir = ladder_dir / "runs" / p.name
