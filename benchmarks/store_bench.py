@@ -93,7 +93,10 @@ def _load() -> str:
 
 
 def _run(args, tmp: Path) -> None:
-    over = [(k, v) for k, v in (("train.seq_len", args.seq_len), ("train.batch_size", args.batch_size)) if v > 0]
+    over = [(k, v) for k, v in (("train.seq_len", args.seq_len), ("train.batch_size", args.batch_size),
+                                ("train.micro_batch_size", args.batch_size)) if v > 0]
+    if args.seq_len > 0:  # one stage at that length (a preset's long-context stage needs its own seq_len)
+        over.append(("stages", [{"name": "main", "start": 0.0, "mix": load_config(args.preset).stages[0].mix}]))
     cfg = load_config(args.preset, overrides=over)
     vocab, seq, batch = cfg.model.vocab_size, cfg.train.seq_len, cfg.train.batch_size
     rng = np.random.default_rng(0)
