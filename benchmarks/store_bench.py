@@ -28,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +76,7 @@ def main() -> None:
     ap.add_argument("--ckpt-preset", default="tiny", help="the model whose checkpoints are timed")
     ap.add_argument("--no-checkpoints", dest="checkpoints", action="store_false")
     args = ap.parse_args()
+    warnings.filterwarnings("ignore", message=".*torch.distributed.*")  # single-process DCP warns on each call
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="store-bench-"))
     port = free_port()
