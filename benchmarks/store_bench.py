@@ -7,26 +7,35 @@
    through the bounded local cache, the next batch's windows prefetched while a step trains:
    densetrain/storage.py). The first remote pass starts from an empty cache; the second draws the same
    windows again from what the cache holds (a restart on the same node).
-2. Checkpoint save and load: :func:`save_checkpoint` into the run directory, then (remote) the upload of
-   ``checkpoint.dir`` (:func:`sync_up`); load: (remote) the fetch of :func:`fetch_newest` into an empty run
-   directory, then :func:`load_checkpoint`.
+2. Checkpoint save and load (the ``--ckpt-preset`` model with its AdamW moments), two ways to the store,
+   alternating: (a) what densetrain does: :func:`save_checkpoint` into the run directory, then the upload of
+   ``checkpoint.dir`` (:func:`sync_up`); load: the fetch of :func:`fetch_newest` into an empty run directory,
+   then :func:`load_checkpoint`; (b) DCP straight to the URL through torch's fsspec storage writer / reader
+   (``torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter`` / ``FsspecReader``, the same state dict).
 3. The server's own latency: the median of 50 small GETs.
 
     .venv/bin/python benchmarks/store_bench.py --preset tiny --steps 20
+    .venv/bin/python benchmarks/store_bench.py --preset gpt2-124m --seq-len 128 --batch-size 4 --steps 4 \
+        --no-checkpoints
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -62,7 +71,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="steps per side (alternating)")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--shard-mib", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=0, help="train.seq_len of the preset when > 0")
+    ap.add_argument("--batch-size", type=int, default=0, help="train.batch_size of the preset when > 0")
+    ap.add_argument("--ckpt-preset", default="tiny", help="the model whose checkpoints are timed")
+    ap.add_argument("--no-checkpoints", dest="checkpoints", action="store_false")
     args = ap.parse_args()
+    warnings.filterwarnings("ignore", message=".*torch.distributed.*")  # single-process DCP warns on each call
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="store-bench-"))
     port = free_port()
@@ -76,8 +90,16 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _load() -> str:
+    return "load average %.1f %.1f %.1f" % os.getloadavg()
+
+
 def _run(args, tmp: Path) -> None:
-    cfg = load_config(args.preset)
+    over = [(k, v) for k, v in (("train.seq_len", args.seq_len), ("train.batch_size", args.batch_size),
+                                ("train.micro_batch_size", args.batch_size)) if v > 0]
+    if args.seq_len > 0:  # one stage at that length (a preset's long-context stage needs its own seq_len)
+        over.append(("stages", [{"name": "main", "start": 0.0, "mix": load_config(args.preset).stages[0].mix}]))
+    cfg = load_config(args.preset, overrides=over)
     vocab, seq, batch = cfg.model.vocab_size, cfg.train.seq_len, cfg.train.batch_size
     rng = np.random.default_rng(0)
     local = tmp / "shards"
@@ -130,7 +152,8 @@ def _run(args, tmp: Path) -> None:
         hits = b["store_cache_hits"] - a["store_cache_hits"]
         return hits / max(hits + b["store_cache_misses"] - a["store_cache_misses"], 1)
 
-    print(f"CPU: {_cpu()}; torch {torch.__version__}; 1 thread; preset {args.preset}: {model.num_params() / 1e6:.1f}M "
+    print(f"CPU: {_cpu()}, {os.cpu_count()} vCPUs, {_load()}; torch {torch.__version__}; 1 thread; "
+          f"preset {args.preset}: {model.num_params() / 1e6:.1f}M "
           f"parameters, batch {batch} x seq_len {seq}; {args.shards} shards x {args.shard_mib} MiB; "
           f"moto server on localhost: median small GET {latency * 1e3:.1f} ms; median of {args.steps} steps")
     for label in passes:
@@ -141,12 +164,22 @@ def _run(args, tmp: Path) -> None:
               f"ms, s3 {rd[(label, 's3')] * 1e3:.2f} ms: +{extra / lo * 100:.2f}% of a local step")
     fetched = (c2["store_bytes_fetched"] - c0["store_bytes_fetched"]) / 2**20
     print(f"cache: hit rate {rate(c0, c1):.3f} first pass, {rate(c1, c2):.3f} second; {cache_mib:.0f} MiB held "
-          f"(limit {storage.cache_limit() / 2**20:.0f} MiB); {fetched:.0f} MiB fetched; {c2['store_retries']} retries")
-    _checkpoints(model, opt, tmp)
+          f"(limit {storage.cache_limit() / 2**20:.0f} MiB); {fetched:.0f} MiB fetched; {c2['store_retries']} retries; "
+          f"{_load()}")
+    if args.checkpoints:
+        if args.ckpt_preset != args.preset:
+            cfg = load_config(args.ckpt_preset)
+            model = build_model(cfg.model, cfg.train.seed, torch.device("cpu"))
+            opt = build_optimizer(model, cfg)
+            x = torch.randint(0, cfg.model.vocab_size, (2, 33))  # one step: AdamW's moments exist
+            torch.nn.functional.cross_entropy(model(x[:, :-1]).float().flatten(0, 1), x[:, 1:].flatten()).backward()
+            opt.step()
+        _checkpoints(model, opt, tmp)
 
 
 def _checkpoints(model, opt, tmp: Path) -> None:
-    res: dict[str, list[float]] = {k: [] for k in ("save", "upload", "load", "fetch")}
+    """Staged (densetrain's way) and direct (DCP's fsspec writer) alternating, 3 of each; medians printed."""
+    res: dict[str, list[float]] = {k: [] for k in ("save", "upload", "load", "fetch", "direct_save", "direct_load")}
     size = 0
     for r in range(3):
         run = tmp / f"run{r}"
@@ -156,10 +189,29 @@ def _checkpoints(model, opt, tmp: Path) -> None:
         res["load"].append(_timed(lambda run=run: load_checkpoint(list_complete(run)[-1][1], model, opt)))
         fresh = tmp / f"fresh{r}"
         res["fetch"].append(_timed(lambda fresh=fresh, r=r: fetch_newest(fresh, f"s3://bench/ckpt{r}")))
+        url = f"s3://bench/direct{r}/step_{r + 1:08d}"
+        # sync_files off: an object PUT is durable when it returns (fsync of an fsspec stream is os.sync())
+        res["direct_save"].append(_timed(lambda url=url: dcp.save(_state(model, opt), storage_writer=FsspecWriter(
+            url, sync_files=False))))
+        res["direct_load"].append(_timed(lambda url=url: dcp.load(_state(model, opt),
+                                                                  storage_reader=FsspecReader(url))))
     med = {k: statistics.median(v) for k, v in res.items()}
-    print(f"checkpoint {size / 2**20:.1f} MiB, median of 3: save {med['save']:.3f} s local, +{med['upload']:.3f} s "
-          f"upload ({(med['save'] + med['upload']) / med['save']:.2f}x); load {med['load']:.3f} s local, "
-          f"+{med['fetch']:.3f} s fetch ({(med['load'] + med['fetch']) / med['load']:.2f}x)")
+    staged_save, staged_load = med["save"] + med["upload"], med["load"] + med["fetch"]
+    print(f"checkpoint {size / 2**20:.1f} MiB, median of 3, {_load()}:\n"
+          f"  local: save {med['save']:.3f} s, load {med['load']:.3f} s\n"
+          f"  staged (densetrain): save {med['save']:.3f} s + upload {med['upload']:.3f} s = {staged_save:.3f} s "
+          f"({staged_save / med['save']:.2f}x local); fetch {med['fetch']:.3f} s + load {med['load']:.3f} s = "
+          f"{staged_load:.3f} s ({staged_load / med['load']:.2f}x local)\n"
+          f"  direct (DCP FsspecWriter / FsspecReader): save {med['direct_save']:.3f} s "
+          f"({med['direct_save'] / med['save']:.2f}x local, {med['direct_save'] / staged_save:.2f}x staged); load "
+          f"{med['direct_load']:.3f} s ({med['direct_load'] / med['load']:.2f}x local, "
+          f"{med['direct_load'] / staged_load:.2f}x staged)")
+
+
+def _state(model, opt) -> dict:
+    """The state dict densetrain's checkpoints hold (model and optimizer, as :func:`save_checkpoint`)."""
+    model_sd, optim_sd = get_state_dict(model, opt)
+    return {"model": model_sd, "optim": optim_sd}
 
 
 if __name__ == "__main__":

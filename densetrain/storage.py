@@ -94,6 +94,11 @@ def _fs(path):
             timeout = float(os.environ.get("DENSETRAIN_STORE_TIMEOUT_S", "10"))
             opts["config_kwargs"] = {"retries": {"total_max_attempts": 1, "mode": "standard"},
                                      "connect_timeout": timeout, "read_timeout": timeout}
+        elif protocol in ("gs", "gcs"):  # gcsfs passes no timeout to aiohttp by default: a stalled store hangs
+            from aiohttp import ClientTimeout  # gcsfs's HTTP client, only where a gs:// URL is used
+
+            timeout = float(os.environ.get("DENSETRAIN_STORE_TIMEOUT_S", "10"))
+            opts["requests_timeout"] = ClientTimeout(sock_connect=timeout, sock_read=timeout)
         try:
             fs, _ = url_to_fs(path, **opts)
         except ImportError as e:  # s3fs / gcsfs not installed
@@ -115,9 +120,13 @@ def _transient(e: BaseException) -> bool:
     text = f"{type(e).__name__}: {e}"
     if any(k in text for k in ("NoSuchKey", "NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "403", "404")):
         return False
+    if text.startswith("OSError: Forbidden: "):  # gcsfs's 403 (an OSError without the code)
+        return False
     return isinstance(e, (OSError, TimeoutError, ConnectionError)) or any(
         k in text for k in ("SlowDown", "Timeout", "timeout", "Connection", "ServiceUnavailable", "InternalError",
-                            "503", "500", "502", "504", "reset", "Throttl"))
+                            "503", "500", "502", "504", "reset", "Throttl",
+                            # gcsfs: HttpError("..., 429"); aiohttp: a dropped connection or a cut-off body
+                            "429", "408", "ServerDisconnected", "ClientPayloadError"))
 
 
 def retrying(what: str, fn, *args, **kwargs):
