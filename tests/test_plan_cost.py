@@ -55,7 +55,8 @@ def test_bubble_is_counted_once_and_the_parts_add_up():
 
 
 def test_profiles_load_and_bad_ones_are_one_line(tmp_path):
-    assert profile_names() == ["a100-80gb", "b200", "h100-sxm", "h200"]
+    assert profile_names() == ["a100-80gb", "b200", "h100-96gb-500w", "h100-sxm", "h200"]
+    assert load_hardware("h100-96gb-500w").hbm_bytes_per_s == 2.4e12  # torchtitan's Grand Teton H100s
     assert load_hardware("b200").peak_bf16_flops == 2250e12 and load_hardware("a100-80gb").memory_gib == 80
     back = load_hardware(write_hardware(H100, tmp_path / "mine.json"))
     assert back == H100 and load_hardware(write_hardware(H100, tmp_path / "mine.toml")) == H100
@@ -68,15 +69,19 @@ def test_profiles_load_and_bad_ones_are_one_line(tmp_path):
         load_hardware(tmp_path / "zero.toml")
 
 
-def test_published_runs_within_15_percent():
+def test_published_runs_within_15_percent_but_two():
     spec = importlib.util.spec_from_file_location("planner_check", Path(__file__).parents[1] / "benchmarks" /
                                                   "planner_check.py")
     pc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pc)
-    rows = pc.table(H100)
-    assert len(rows) == 10 and sum(r["role"] == "fit" for r in rows) == 3
-    worst = max(rows, key=lambda r: abs(r["error"]))
-    assert abs(worst["error"]) < 0.15, worst["name"]
+    rows = pc.table()
+    assert len(rows) == 19 and sum(r["role"] == "fit" for r in rows) == 3
+    assert all(abs(r["error"]) < 0.02 for r in rows if r["role"] == "fit")
+    # the known misses (docs/planner.md): torchtitan's 8B FSDP + CP rows at 128K and 256K run 2.4x slower than at
+    # 64K for 1.7x the FLOPs a token; every other row is within 15%, most within 10%
+    missed = {r["name"] for r in rows if abs(r["error"]) >= 0.15}
+    assert missed == {"titan 8B FSDP 2 x CP 4 at 128K, Float8", "titan 8B FSDP 1 x CP 8 at 256K, Float8"}, missed
+    assert sum(abs(r["error"]) < 0.10 for r in rows) >= 14
 
 
 def test_doctor_writes_this_machines_profile_that_plan_reads(tmp_path, capsys):
