@@ -28,7 +28,10 @@ class Hardware:
     ``latency_intra_s`` / ``latency_inter_s`` (s per ring step of a collective), ``name``, ``source``.
     Optional: ``gemm_efficiency``, ``attention_efficiency``, ``network_efficiency``, ``hbm_efficiency``, the
     fractions of those rates the work reaches (0: the cost model's fitted constants, for datasheet rates; a
-    measured profile sets 1, its rates being reached ones).
+    measured profile sets 1, its rates being reached ones); ``sms``, the streaming multiprocessors a GEMM's
+    output tiles are scheduled over in waves (0: not modelled); ``op_overhead_s``, the fixed cost of one
+    operator (kernel launch and tail on a GPU; eager PyTorch's dispatch on a CPU, measured by ``doctor
+    --profile``; 0: the cost model's default).
     """
 
     name: str
@@ -46,6 +49,8 @@ class Hardware:
     attention_efficiency: float = 0.0
     network_efficiency: float = 0.0
     hbm_efficiency: float = 0.0
+    sms: int = 0
+    op_overhead_s: float = 0.0
 
     def to_toml(self) -> str:
         """The profile as a flat TOML table (what :func:`load_hardware` reads)."""
@@ -76,7 +81,8 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
         raise ConfigError(f"{path}: not a hardware profile ({e})") from None
     names = {f.name: f for f in fields(Hardware)}
     unknown = sorted(set(raw) - set(names))
-    missing = sorted(k for k, f in names.items() if k not in raw and k != "source" and not k.endswith("_efficiency"))
+    optional = {"source", "sms", "op_overhead_s"}
+    missing = sorted(k for k, f in names.items() if k not in raw and k not in optional and not k.endswith("_efficiency"))
     if unknown or missing:
         raise ConfigError(f"{path}: " + "; ".join(([f"unknown key(s) {', '.join(unknown)}"] if unknown else [])
                                                   + ([f"missing key(s) {', '.join(missing)}"] if missing else [])))
@@ -84,6 +90,10 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
         if k in ("name", "source"):
             if not isinstance(v, str):
                 raise ConfigError(f"{path}: {k} = {v!r}: expected a string")
+        elif k in ("sms", "op_overhead_s"):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
+                    or (k == "sms" and int(v) != v):
+                raise ConfigError(f"{path}: {k} = {v!r}: expected a number >= 0" + (" (an integer)" if k == "sms" else ""))
         elif k.endswith("_efficiency"):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ConfigError(f"{path}: {k} = {v!r}: expected a fraction in [0, 1] (0: the fitted constant)")
@@ -91,7 +101,7 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
             raise ConfigError(f"{path}: {k} = {v!r}: expected a finite number > 0")
         elif k == "gpus_per_node" and int(v) != v:
             raise ConfigError(f"{path}: gpus_per_node = {v!r}: expected an integer")
-    return Hardware(**{**raw, "gpus_per_node": int(raw["gpus_per_node"])})
+    return Hardware(**{**raw, "gpus_per_node": int(raw["gpus_per_node"]), "sms": int(raw.get("sms", 0))})
 
 
 def write_hardware(hw: Hardware, path: str | Path) -> Path:

@@ -38,8 +38,11 @@ GEMM_EFFICIENCY = 0.58
 """Fraction of the dense peak a large bf16/fp8 GEMM reaches (fitted: benchmarks/planner_check.py ``--fit``)."""
 ATTENTION_EFFICIENCY = 0.26
 """Fraction of the dense bf16 peak the flash-attention kernels reach, forward and backward (fitted)."""
-NETWORK_EFFICIENCY = 0.65
+NETWORK_EFFICIENCY = 0.5
 """Fraction of a link's datasheet bandwidth NCCL's bus bandwidth reaches for large messages (fitted)."""
+NVLINK_EFFICIENCY = 0.8
+"""Fraction of NVLink's datasheet bandwidth per direction NCCL's ring all-gather / reduce-scatter bus bandwidth
+reaches within an 8-GPU H100 node (nccl-tests on DGX H100 report ~360 GB/s of 450; an assumption, not fitted)."""
 HBM_EFFICIENCY = 0.8
 """Fraction of the HBM datasheet bandwidth elementwise kernels reach (STREAM-like copies on H100 reach ~0.8-0.9;
 an assumption, not fitted)."""
@@ -109,12 +112,41 @@ def bubble_share(pp: int, microbatches: int, virtual: int = 1, schedule: str = "
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
+def pipeline_pace(n_layers: int, pp: int, virtual: int, head: float) -> tuple[int, int]:
+    """``(blocks, heads)`` of the pipeline rank that sets a schedule's pace, ``heads`` 1 when it also runs the
+    output head and loss (which cost ``head`` blocks' time). Without pipelining: every block and the head.
+
+    A schedule runs at the pace of its slowest stage. The ``pp v`` stages take whole blocks; the best split
+    gives the head's stage ``head`` blocks fewer (Llama 3 took one block off the first and the last stage,
+    Dubey et al. 2024 sec. 3.3.2): the smallest stage time ``S`` (in blocks) such that ``pp v - 1`` stages of
+    ``floor(S)`` blocks and the head's stage of ``floor(S - head)`` hold ``n_layers``. 405B (126 blocks, head
+    ~0.6 of a block): 8 a rank at pp 16 v 8, 16 at pp 8; 70B (80 blocks) at pp 4: the head's rank runs 20
+    blocks and the head, the split having no whole-block way to spare it.
+    """
+    if pp <= 1:
+        return n_layers, 1
+    n = pp * virtual
+    best = None
+    for k in range(1, n_layers + 1):
+        for stage in (k, k + head):  # a stage time of k blocks (the head's stage holds fewer), or k + the head
+            if (n - 1) * math.floor(stage) + math.floor(stage - head + 1e-9) >= n_layers and stage >= head:
+                if best is None or stage < best:
+                    best = stage
+        if best is not None:
+            break
+    k_full = math.floor(best + 1e-9)
+    head_rank = (virtual - 1) * k_full + math.floor(best - head + 1e-9)  # blocks beside the head
+    if head_rank + head > virtual * k_full:
+        return head_rank, 1
+    return virtual * k_full, 0
+
+
 def link(hw, stride: int, degree: int) -> tuple[float, float, str]:
     """``(bytes/s, latency s per ring step, 'nvlink' | 'network')`` of a group of ``degree`` ranks ``stride``
     apart (module docstring)."""
     g, eff = hw.gpus_per_node, hw.network_efficiency or NETWORK_EFFICIENCY
     if stride * degree <= g:
-        return hw.nvlink_bytes_per_s * eff, hw.latency_intra_s, "nvlink"
+        return hw.nvlink_bytes_per_s * (hw.network_efficiency or NVLINK_EFFICIENCY), hw.latency_intra_s, "nvlink"
     per_node = max(1, g // stride)
     return min(hw.nvlink_bytes_per_s, per_node * hw.net_bytes_per_s) * eff, hw.latency_inter_s, "network"
 
@@ -136,9 +168,14 @@ def bus_bytes(kind: str, nbytes: float, n: int) -> float:
 def gemm_s(M: int, K: int, N: int, peak: float, hw) -> float:
     """One GEMM (``M x K`` by ``K x N``, 2-byte operands): the slower of its FLOPs at ``peak`` times
     :data:`GEMM_EFFICIENCY` times the tile occupancy (dimensions rounded up to 128 x 128 x 64 tiles: small and
-    odd shapes waste the rest) and its bytes at the memory bandwidth, plus a kernel's fixed cost."""
+    odd shapes waste the rest) times the wave occupancy (``hw.sms``: the last wave of output tiles part-full)
+    and its bytes at the memory bandwidth, plus an operator's fixed cost (:func:`op_overhead`)."""
     up = lambda x, t: math.ceil(x / t) * t
     tile = (M * N * K) / (up(M, 128) * up(N, 128) * up(K, 64))
+    if hw.sms:  # wave quantization: the 128 x 128 output tiles run in waves of one tile an SM; the last wave
+        # runs part-full (CUTLASS/cuBLAS schedule one output tile per CTA; the H100 whitepaper's SM count)
+        tiles = math.ceil(M / 128) * math.ceil(N / 128)
+        tile *= tiles / (hw.sms * math.ceil(tiles / hw.sms))
     flops = 2.0 * M * K * N
     return max(flops / (peak * (hw.gemm_efficiency or GEMM_EFFICIENCY) * tile),
                2.0 * (M * K + K * N + M * N) / (hw.hbm_bytes_per_s * (hw.hbm_efficiency or HBM_EFFICIENCY))) \
@@ -186,11 +223,6 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     peak, peak_mm = hw.peak_bf16_flops, hw.peak_fp8_flops if precision == "fp8" else hw.peak_bf16_flops
     a = 4 if precision == "fp32" else 2  # bytes of an activation and of a gathered weight
     hbm = hw.hbm_bytes_per_s * (hw.hbm_efficiency or HBM_EFFICIENCY)
-    # blocks of the slowest pipeline rank: a schedule runs at its pace. Stages split the blocks as evenly as they
-    # go (torchtitan's generate_split_points: floor or floor + 1 a stage), so one rank runs v whole-number
-    # stages of ceil(L / (pp v)) blocks (405B, 126 blocks: 16 on a rank of pp 8, 8 of pp 16 v 8, not 15.75)
-    layers = math.ceil(s.n_layers / (p * par.virtual)) * par.virtual if p > 1 else s.n_layers
-
     # compute of one micro-batch on this rank, forward; backward is 2x (attention 2.5x: flash-attention's five
     # matmuls to the forward's two)
     gemms = gemm_shapes(s, int(tok), t)
@@ -211,8 +243,10 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     fwd_block = block_mm + attn + elem
     bwd_block = 2 * block_mm + 2.5 * attn + 2 * elem
     recompute = {"none": 0.0, "selective": elem, "op": block_mm / 2 + elem, "full": fwd_block}[ac]
-    head = (3 * head_mm + 2 * loss) / p  # the last stage's; balanced over the stages
-    compute = n_micro * (layers * (fwd_block + bwd_block) + head)
+    head = 3 * head_mm + 2 * loss  # forward and backward of the output head and the loss, on the last stage
+    layers, heads = pipeline_pace(s.n_layers, p, par.virtual if p > 1 else 1,
+                                  head / (fwd_block + bwd_block + recompute))
+    compute = n_micro * (layers * (fwd_block + bwd_block) + heads * head)
     recompute_s = n_micro * layers * recompute
 
     # tensor parallel: per block two all-reduces forward, two backward (with SP an all-gather before the
