@@ -82,7 +82,7 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
     names = {f.name: f for f in fields(Hardware)}
     unknown = sorted(set(raw) - set(names))
     optional = {"source", "sms", "op_overhead_s"}
-    missing = sorted(k for k, f in names.items() if k not in raw and k not in optional and not k.endswith("_efficiency"))
+    missing = sorted(k for k in names if k not in raw and k not in optional and not k.endswith("_efficiency"))
     if unknown or missing:
         raise ConfigError(f"{path}: " + "; ".join(([f"unknown key(s) {', '.join(unknown)}"] if unknown else [])
                                                   + ([f"missing key(s) {', '.join(missing)}"] if missing else [])))
@@ -93,7 +93,8 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
         elif k in ("sms", "op_overhead_s"):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
                     or (k == "sms" and int(v) != v):
-                raise ConfigError(f"{path}: {k} = {v!r}: expected a number >= 0" + (" (an integer)" if k == "sms" else ""))
+                raise ConfigError(f"{path}: {k} = {v!r}: expected a number >= 0"
+                                  + (" (an integer)" if k == "sms" else ""))
         elif k.endswith("_efficiency"):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ConfigError(f"{path}: {k} = {v!r}: expected a fraction in [0, 1] (0: the fitted constant)")
