@@ -114,15 +114,18 @@ def write_hardware(hw: Hardware, path: str | Path) -> Path:
 
 
 def measured_hardware(matmul_flops: float, copy_bytes_per_s: float, collective_bytes_per_s: float | None,
-                      gpus_per_node: int, memory_gib: float, name: str) -> Hardware:
+                      gpus_per_node: int, memory_gib: float, name: str, op_overhead_s: float = 0.0,
+                      collective_latency_s: float | None = None) -> Hardware:
     """A profile of this machine from ``doctor``'s measurements: the matmul rate stands for both peaks (so the
     profile's MFU is relative to what this machine reaches, as the training log's is without
     ``logging.peak_flops``), the copy rate for the memory bandwidth, the collective bus bandwidth (None on
-    one process: the copy rate) for both links; latencies a gloo-scale 50 µs per ring step; efficiencies 1
-    (the rates are reached ones, not datasheet peaks)."""
+    one process: the copy rate) for both links; latencies the measured one per ring step
+    (``collective_latency_s``, else a gloo-scale 50 µs); the measured fixed cost of one operator
+    (``op_overhead_s``); efficiencies 1 (the rates are reached ones, not datasheet peaks)."""
     link = collective_bytes_per_s or copy_bytes_per_s
+    lat = collective_latency_s or 50e-6
     return Hardware(name=name, peak_bf16_flops=matmul_flops, peak_fp8_flops=matmul_flops, memory_gib=memory_gib,
                     hbm_bytes_per_s=copy_bytes_per_s, nvlink_bytes_per_s=link, net_bytes_per_s=link,
-                    gpus_per_node=max(1, gpus_per_node), latency_intra_s=50e-6, latency_inter_s=50e-6,
+                    gpus_per_node=max(1, gpus_per_node), latency_intra_s=lat, latency_inter_s=lat,
                     source="measured by densetrain doctor --profile", gemm_efficiency=1.0, attention_efficiency=1.0,
-                    network_efficiency=1.0, hbm_efficiency=1.0)
+                    network_efficiency=1.0, hbm_efficiency=1.0, op_overhead_s=op_overhead_s)

@@ -32,7 +32,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from densetrain.cost.flops import attention_flops, block_matmul_params, flops_per_token, gemm_shapes, shape_of
+from densetrain.cost.flops import (
+    BASE_OPS,
+    attention_flops,
+    block_matmul_params,
+    block_ops,
+    flops_per_token,
+    gemm_shapes,
+    optimizer_ops,
+    shape_of,
+)
 
 GEMM_EFFICIENCY = 0.58
 """Fraction of the dense peak a large bf16/fp8 GEMM reaches (fitted: benchmarks/planner_check.py ``--fit``)."""
@@ -167,19 +176,22 @@ def bus_bytes(kind: str, nbytes: float, n: int) -> float:
 
 def gemm_s(M: int, K: int, N: int, peak: float, hw) -> float:
     """One GEMM (``M x K`` by ``K x N``, 2-byte operands): the slower of its FLOPs at ``peak`` times
-    :data:`GEMM_EFFICIENCY` times the tile occupancy (dimensions rounded up to 128 x 128 x 64 tiles: small and
-    odd shapes waste the rest) times the wave occupancy (``hw.sms``: the last wave of output tiles part-full)
-    and its bytes at the memory bandwidth, plus an operator's fixed cost (:func:`op_overhead`)."""
+    :data:`GEMM_EFFICIENCY` times, on a GPU (a profile with ``sms``), the tile occupancy (dimensions rounded up
+    to 128 x 128 x 64 tiles: small and odd shapes waste the rest) and the wave occupancy (the last wave of
+    output tiles part-full), and its bytes at the memory bandwidth; plus a kernel's fixed cost
+    (:data:`KERNEL_LAUNCH_S`, or the profile's measured ``op_overhead_s`` per operator counted per block)."""
     up = lambda x, t: math.ceil(x / t) * t
-    tile = (M * N * K) / (up(M, 128) * up(N, 128) * up(K, 64))
-    if hw.sms:  # wave quantization: the 128 x 128 output tiles run in waves of one tile an SM; the last wave
-        # runs part-full (CUTLASS/cuBLAS schedule one output tile per CTA; the H100 whitepaper's SM count)
+    tile = 1.0
+    if hw.sms:  # a GPU's tensor-core tiles: dimensions rounded up to 128 x 128 x 64 (small and odd shapes waste
+        # the rest), and wave quantization: the output tiles run in waves of one tile an SM, the last wave
+        # part-full (CUTLASS/cuBLAS schedule one output tile per CTA; the H100 whitepaper's SM count)
+        tile = (M * N * K) / (up(M, 128) * up(N, 128) * up(K, 64))
         tiles = math.ceil(M / 128) * math.ceil(N / 128)
         tile *= tiles / (hw.sms * math.ceil(tiles / hw.sms))
     flops = 2.0 * M * K * N
     return max(flops / (peak * (hw.gemm_efficiency or GEMM_EFFICIENCY) * tile),
                2.0 * (M * K + K * N + M * N) / (hw.hbm_bytes_per_s * (hw.hbm_efficiency or HBM_EFFICIENCY))) \
-        + KERNEL_LAUNCH_S
+        + (0.0 if hw.op_overhead_s else KERNEL_LAUNCH_S)
 
 
 def elementwise_bytes(m, tokens: float, tp: int, sp: bool) -> float:
@@ -240,39 +252,54 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
         ins, outs = 2 * s.d_model + (q + s.d_ff) / t, (q + 2 * kv + 2 * s.d_ff) / t + 2 * s.d_model
         elem += (3 * tok * (ins + outs) + (2 if fp8_all_gather else 10) * block_matmul_params(s) / t) / hbm
     loss = tok * (2 + 4 + 4) * s.vocab_size / t / hbm  # logits, fp32 log-softmax, its gradient
-    fwd_block = block_mm + attn + elem
-    bwd_block = 2 * block_mm + 2.5 * attn + 2 * elem
+    # a measured per-operator cost (eager PyTorch's dispatch on a CPU; the GEMMs' launch cost is then in it)
+    f_ops, b_ops = block_ops(s)
+    op_s = hw.op_overhead_s
+    fwd_block = block_mm + attn + elem + f_ops * op_s
+    bwd_block = 2 * block_mm + 2.5 * attn + 2 * elem + b_ops * op_s
     recompute = {"none": 0.0, "selective": elem, "op": block_mm / 2 + elem, "full": fwd_block}[ac]
-    head = 3 * head_mm + 2 * loss  # forward and backward of the output head and the loss, on the last stage
+    # forward and backward of the output head and the loss, on the last stage
+    head = 3 * head_mm + 2 * loss + sum(BASE_OPS) * op_s
     layers, heads = pipeline_pace(s.n_layers, p, par.virtual if p > 1 else 1,
                                   head / (fwd_block + bwd_block + recompute))
     compute = n_micro * (layers * (fwd_block + bwd_block) + heads * head)
     recompute_s = n_micro * layers * recompute
 
-    # tensor parallel: per block two all-reduces forward, two backward (with SP an all-gather before the
-    # column-parallel GEMM and a reduce-scatter after the row-parallel one, the same bytes), one more pair forward
-    # under full recomputation. AsyncTP (with SP) splits each collective in tp pieces, each moving beside the
+    # tensor parallel. With SP (torchtitan's; densetrain's parallel.sequence_parallel) per block an all-gather
+    # before each column-parallel group (q/k/v; w1/w3) and a reduce-scatter after each row-parallel GEMM (wo, w2),
+    # forward; the same pair backward (the groups' input gradients summed before the one reduce-scatter); again in
+    # a full recomputation. Without SP (densetrain's default) the forward all-reduces the row-parallel outputs
+    # (2 a block) and the backward each column-parallel linear's input gradient on its own (wq, wk, wv, w1, w3:
+    # 5 a block), as counted on a real 2-rank gloo step (tests/test_plan_cost.py); plus, once a micro-batch, the
+    # embedding's output (forward), the head's input gradient (backward) and the vocabulary-parallel loss's two
+    # fp32 per-token reductions. AsyncTP (with SP) splits each collective in tp pieces, each moving beside the
     # GEMM on the piece before it: the first piece and what the GEMM cannot cover stay exposed.
     # Float8 with SP (torchao's PrepareFloat8ModuleInput / Float8ColwiseParallel, as torchtitan uses them): the
     # forward's all-gathers carry the activation already cast to fp8, 1 byte; reduce-scatters stay bf16.
     act = tok * s.d_model * a
     bw_tp, lat_tp, where_tp = link(hw, 1, t)
     half = collective_s("all_gather", act, t, bw_tp, lat_tp)  # one all-gather or reduce-scatter of act
+    ar = collective_s("all_reduce", act, t, bw_tp, lat_tp)
     if precision == "fp8" and sp:  # the forward passes' two all-gathers at half the bytes: 3/4 of 4 halves
         half_fwd = (half + collective_s("all_gather", act / a, t, bw_tp, lat_tp)) / 2
     else:
         half_fwd = half
     fwd_passes = 1 + (1 if ac == "full" else 0)  # forward, recomputed forward; the backward has 2x the GEMMs
-    wire = fwd_passes * 4 * half_fwd + 4 * half
+    wire = fwd_passes * 4 * half_fwd + 4 * half if sp else (2 * fwd_passes + 5) * ar
     if par.async_tp and sp and t > 1:
         exposed = lambda c, g: c / t + max(0.0, c * (t - 1) / t - g)
         per_block = sum(fwd_passes * exposed(half_fwd, g) + exposed(half, 2 * g) for g in blk_g)
         per_block += CONTENTION * (wire - per_block)
     else:
         per_block = wire
-    tp_s = n_micro * layers * per_block
+    ends = (2 if p == 1 else 1) if t > 1 else 0  # embedding and head collectives: the pace rank's share
+    tp_s = n_micro * (layers * per_block + ends * ar
+                      + (2 * collective_s("all_reduce", 4 * tok, t, bw_tp, lat_tp) if heads and t > 1 else 0.0))
     fwd_bytes = bus_bytes("all_reduce", act, t) * ((1 + 1 / a) / 2 if precision == "fp8" and sp else 1)
-    tp_bytes = n_micro * layers * 2 * (fwd_passes * fwd_bytes + bus_bytes("all_reduce", act, t))
+    block_bytes = (2 * (fwd_passes * fwd_bytes + bus_bytes("all_reduce", act, t)) if sp
+                   else (2 * fwd_passes + 5) * bus_bytes("all_reduce", act, t))
+    tp_bytes = n_micro * (layers * block_bytes + ends * bus_bytes("all_reduce", act, t)
+                          + (2 * bus_bytes("all_reduce", 4 * tok, t) if heads else 0.0))
 
     # context parallel (CP_EXCHANGE): the keys and values of this rank's rows, gathered from the cp ranks
     if par.cp_exchange not in CP_EXCHANGE:
@@ -326,7 +353,7 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     bubble_s = share / (1 - share) * busy  # (pp - 1) / (v m) of the busy time
 
     # optimizer: AdamW over the rank's fp32 shard (parameter, gradient, two moments read and written)
-    optim_s = 28 * params / max(n_sh, 1) / hbm
+    optim_s = 28 * params / max(n_sh, 1) / hbm + optimizer_ops(s, layers) * op_s
     parts = {"compute": compute, "recompute": recompute_s, "tp": tp_s, "cp": cp_s, "dp": dp_s, "pp": pp_s,
              "bubble": bubble_s, "optimizer": optim_s}
     step = sum(parts.values())
