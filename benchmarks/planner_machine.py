@@ -64,11 +64,11 @@ def worker(a) -> None:
     """One rank: profile, then the timed steps; rank 0 prints one JSON line."""
     import torch.distributed as dist
 
-    from densetrain.health import COLLECTIVE_MIB, MATMUL_N, _best_rate, collective_figures, memory_bandwidth
+    from densetrain.health import COLLECTIVE_MIB, collective_figures, memory_bandwidth
     from densetrain.optim import build_optimizer
     from densetrain.parallel import init_distributed
     from densetrain.parallel.parallelize import build_parallel_model
-    from densetrain.tools.doctor import op_overhead
+    from densetrain.tools.doctor import attention_rate, loss_rate, op_overhead, training_gemm_rate
     from densetrain.train.step import forward_backward
 
     torch.set_num_threads(a.threads)
@@ -103,12 +103,12 @@ def worker(a) -> None:
             figures = {"world/all_reduce": 2 * (ranks - 1) / ranks * big.numel() * 4
                        / cpu_seconds(lambda: dist.all_reduce(big), 4),
                        "world/all_reduce_lat": cpu_seconds(lambda: dist.all_reduce(tiny), 50)}
-        n = MATMUL_N[torch.float32]
-        x, y = torch.full((n, n), 0.01), torch.full((n, n), 0.02)
-        return measured_hardware(_best_rate(lambda: x @ y, 2.0 * n**3, cpu, 0.1, 3, clock)[0],
-                                 memory_bandwidth(cpu, 64, 0.1, 3, clock)[0], figures.get("world/all_reduce"),
-                                 ranks, 16, "this machine", op_overhead(cpu, clock=clock),
-                                 figures["world/all_reduce_lat"] / 2 if figures else None)
+        return measured_hardware(training_gemm_rate(cpu, 0.1, 3, clock),
+                                 memory_bandwidth(cpu, 64, 0.1, 3, clock)[0],
+                                 figures.get("world/all_reduce"), ranks, 16, "this machine",
+                                 op_overhead(cpu, clock=clock),
+                                 figures["world/all_reduce_lat"] / 2 if figures else None,
+                                 loss_rate(cpu, 0.1, 3, clock), attention_rate(cpu, 0.1, 3, clock))
 
     one_step()  # warm-up: allocations, AdamW state
     out = {}

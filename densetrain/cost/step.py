@@ -251,7 +251,10 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
         q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
         ins, outs = 2 * s.d_model + (q + s.d_ff) / t, (q + 2 * kv + 2 * s.d_ff) / t + 2 * s.d_model
         elem += (3 * tok * (ins + outs) + (2 if fp8_all_gather else 10) * block_matmul_params(s) / t) / hbm
-    loss = tok * (2 + 4 + 4) * s.vocab_size / t / hbm  # logits, fp32 log-softmax, its gradient
+    # the loss: the logits' bytes (bf16 logits, fp32 log-softmax, its gradient) forward and backward, or the
+    # profile's measured cross-entropy rate (on a CPU the exponentials bound it)
+    loss = (tok * s.vocab_size / t / hw.loss_elements_per_s / 2 if hw.loss_elements_per_s
+            else tok * (2 + 4 + 4) * s.vocab_size / t / hbm)
     # a measured per-operator cost (eager PyTorch's dispatch on a CPU; the GEMMs' launch cost is then in it)
     f_ops, b_ops = block_ops(s)
     op_s = hw.op_overhead_s
