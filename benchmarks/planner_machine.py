@@ -139,7 +139,8 @@ def launch(a, shape: str, layout: str) -> dict:
         port = s.getsockname()[1]
     threads = a.threads if ranks == 1 else max(1, a.threads // ranks)
     env = {**os.environ, "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+           "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE",  # densetrain's default (no spin)
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     argv = [sys.executable, __file__, "--worker", "--shape", shape, "--layout", layout, "--seq-len",
             str(a.seq_len), "--micro", str(a.micro), "--steps", str(a.steps), "--threads", str(threads)]
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, text=True,

@@ -355,8 +355,10 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     share = bubble_share(p, m_call, v, par.schedule)
     bubble_s = share / (1 - share) * busy  # (pp - 1) / (v m) of the busy time
 
-    # optimizer: AdamW over the rank's fp32 shard (parameter, gradient, two moments read and written)
-    optim_s = 28 * params / max(n_sh, 1) / hbm + optimizer_ops(s, layers) * op_s
+    # optimizer: AdamW over the rank's fp32 shard. Fused (densetrain's choice for bf16 runs, densetrain/optim.py):
+    # parameter, gradient and two moments read, three written, 28 bytes a parameter. foreach (its choice for fp32
+    # runs): eight passes (weight decay, lerp, mul + addcmul, sqrt, div, add eps, addcdiv), 84 bytes
+    optim_s = (84 if precision == "fp32" else 28) * params / max(n_sh, 1) / hbm + optimizer_ops(s, layers) * op_s
     parts = {"compute": compute, "recompute": recompute_s, "tp": tp_s, "cp": cp_s, "dp": dp_s, "pp": pp_s,
              "bubble": bubble_s, "optimizer": optim_s}
     step = sum(parts.values())
