@@ -10,21 +10,27 @@ efficiency constants were fitted on are marked ``fit``, the others ``check``. En
 
 Sources (each row cites its own):
 
-* Llama 3: Dubey et al. 2024, "The Llama 3 Herd of Models", sec. 3.3.2 and Table 4 (405B on H100 80GB, bf16,
-  MFU by the report's own count, 6N + attention not halved). The third row's DP is 8: 16,384 / (8 x 16 x 16);
-  the printed 4 is a typo. The report gives no virtual-stage count; the rows use v = 8 (one block per virtual
-  stage of a pipeline rank's 8 layers, the finest its interleaved schedule allows): with v = 2 the bubble
-  alone would be (16 - 1) / (2 x 16) = 47% of the busy time at 16 micro-batches, above what 41% MFU leaves.
-  No activation recomputation is assumed.
-* torchtitan: Liang et al. 2025, "TorchTitan: One-stop PyTorch native solution for production ready LLM
-  pre-training" (ICLR 2025, arXiv:2410.06511), Tables 1-4, tokens/s per GPU on H100, seq_len 8192, bf16 mixed
-  precision with torch.compile and torchtitan's op-level selective activation checkpointing. The 8B rows
-  are the torch.compile rows *without* Float8; the 70B row (FSDP 32 x TP 8, without async TP) and the 405B
-  rows (FSDP 8 x TP 8 x PP 8, local batch 32 in 8 micro-batches, 1F1B and interleaved with 2 stages per
-  rank, full recomputation) used Float8: the model runs the blocks' linear layers at the fp8 peak
-  (1,979 TFLOP/s) with the same GEMM efficiency, adds the casts' bytes (dynamic tensorwise scaling), keeps
-  attention and the output head in bf16, and gathers fp8 weights in FSDP2; MFU stays relative to the bf16
-  peak, as torchtitan reports it.
+* Llama 3: Dubey et al. 2024, "The Llama 3 Herd of Models", sec. 3.3.2 and Table 4 (405B on H100 SXM 80GB,
+  bf16, MFU by the report's own count, 6N + attention not halved; profile ``h100-sxm``). The third row's DP is
+  8: 16,384 / (8 x 16 x 16); the printed 4 is a typo. The report gives no virtual-stage count; the rows use
+  v = 8 (one block per virtual stage of a pipeline rank's 8 layers, the finest its interleaved schedule
+  allows): with v = 2 the bubble alone would be (16 - 1) / (2 x 16) = 47% of the busy time at 16
+  micro-batches, above what 41% MFU leaves. No activation recomputation is assumed. CP: the report's
+  all-gather of the n_kv_heads keys and values (``cp_exchange="kv"``).
+* torchtitan: its repository's ``benchmarks/llama3_h100_202412_torchtitan.md`` (read from the source, Tables
+  1-6), tokens/s per GPU read at step 90, seq_len 8192 unless stated, torch.compile, torchtitan 9dec370 (its
+  train_configs: 8B op-level selective AC). Machine: Grand Teton, H100 96 GB HBM2e at 2.4 TB/s, 500 W power
+  limit, 400 Gb/s per GPU (profile ``h100-96gb-500w``; its peak is a named assumption, see the profile). Table
+  1 / 3: 8B FSDP on 8 / 128 GPUs, local batch 2, selective AC, bf16 and Float8. Table 2: 8B FSDP + CP on 8
+  GPUs at 32K-262K, local batch 1, full AC, Float8. Table 4: 70B FSDP 32 x TP 8, local batch 16, global 512,
+  full AC, Float8, without and with AsyncTP. Table 5: 405B FSDP 8 x TP 8 x PP 8, local batch 32 in 8
+  micro-batches (torchtitan's default: the pipeline degree), 1F1B and interleaved (2 stages a rank), full AC,
+  Float8, AsyncTP. Table 6: 405B TP 8 x PP 8 1F1B with FSDP x CP at 32K-262K, local batch 8 in 8
+  micro-batches, full AC, Float8, AsyncTP. Float8: the blocks' linear layers at the fp8 peak with the same GEMM
+  efficiency, plus the casts' bytes (dynamic tensorwise scaling); attention and the output head stay bf16;
+  FSDP2 gathers fp8 weights (the 405B config's ``enable_fsdp_float8_all_gather``). CP: torch's ring attention
+  (rotate method ``allgather``) on K/V repeated to n_heads before SDPA at 9dec370 (``cp_exchange="expanded"``,
+  densetrain/cost/step.py ``CP_EXCHANGE``).
 """
 
 from __future__ import annotations
@@ -42,36 +48,54 @@ from densetrain.cost import Parallel, load_hardware, step  # noqa: E402
 from densetrain.cost.step import step_time  # noqa: E402
 
 LLAMA3 = "Dubey et al. 2024, Llama 3 report, Table 4"
-TITAN = "Liang et al. 2025, torchtitan (arXiv:2410.06511)"
+TITAN = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+SXM, GT = "h100-sxm", "h100-96gb-500w"
+TPS = "tokens_per_sec_per_gpu"
 
-# name, preset, Parallel, seq_len, batch (sequences), micro, ac, precision, published metric, value, role, source
+
+def titan(dp_shard=1, tp=1, cp=1, pp=1, schedule="1f1b", virtual=1, microbatches=0, async_tp=False) -> Parallel:
+    """A torchtitan layout: sequence parallel with TP, torch's ring-attention CP on expanded K/V heads."""
+    return Parallel(1, dp_shard, tp, cp, pp, schedule, virtual, microbatches, tp > 1, async_tp, "expanded")
+
+
+# name, preset, hardware, Parallel, seq_len, batch (sequences), micro, ac, precision, metric, value, role, source
 RUNS = [
-    ("llama3-405b 8K, 8,192 GPUs", "llama3-405b",
+    ("llama3-405b 8K, 8,192 GPUs", "llama3-405b", SXM,
      Parallel(1, 64, 8, 1, 16, "interleaved_1f1b", 8, 0, True), 8192, 2048, 1, "none", "bf16", "mfu", 0.43, "fit",
      f"{LLAMA3} row 1: TP 8, CP 1, PP 16, DP 64, 430 TFLOP/s/GPU"),
-    ("llama3-405b 8K, 16,384 GPUs", "llama3-405b",
+    ("llama3-405b 8K, 16,384 GPUs", "llama3-405b", SXM,
      Parallel(1, 128, 8, 1, 16, "interleaved_1f1b", 8, 0, True), 8192, 2048, 1, "none", "bf16", "mfu", 0.41, "check",
      f"{LLAMA3} row 2: TP 8, CP 1, PP 16, DP 128, 400 TFLOP/s/GPU"),
-    ("llama3-405b 128K, 16,384 GPUs", "llama3-405b",
+    ("llama3-405b 128K, 16,384 GPUs", "llama3-405b", SXM,
      Parallel(1, 8, 8, 16, 16, "interleaved_1f1b", 8, 0, True), 131072, 128, 1, "none", "bf16", "mfu", 0.38, "fit",
      f"{LLAMA3} row 3: TP 8, CP 16, PP 16, DP 8, 380 TFLOP/s/GPU"),
-    ("llama3-8b FSDP 8", "llama3-8b", Parallel(1, 8), 8192, 16, 2, "op", "bf16", "tokens_per_sec_per_gpu", 6667,
-     "fit", f"{TITAN} Table 1: FSDP + torch.compile, local batch 2"),
-    ("llama3-8b FSDP 128", "llama3-8b", Parallel(1, 128), 8192, 256, 2, "op", "bf16", "tokens_per_sec_per_gpu",
-     6514, "check", f"{TITAN} Table 2: FSDP + torch.compile, local batch 2"),
-    ("llama3-8b FSDP 8 (fp8)", "llama3-8b", Parallel(1, 8), 8192, 16, 2, "op", "fp8", "tokens_per_sec_per_gpu",
-     8532, "check", f"{TITAN} Table 1: FSDP + torch.compile + Float8, local batch 2"),
-    ("llama3-8b FSDP 128 (fp8)", "llama3-8b", Parallel(1, 128), 8192, 256, 2, "op", "fp8", "tokens_per_sec_per_gpu",
-     8380, "check", f"{TITAN} Table 2: FSDP + torch.compile + Float8, local batch 2"),
-    ("llama3-70b FSDP 32 x TP 8 (fp8)", "llama3-70b", Parallel(1, 32, 8, sequence_parallel=True), 8192, 512, 16,
-     "op", "fp8", "tokens_per_sec_per_gpu", 829, "check",
-     f"{TITAN} Table 3: FSDP + TP + torch.compile + Float8, local batch 16"),
-    ("llama3-405b FSDP 8 x TP 8 x PP 8 1F1B (fp8)", "llama3-405b",
-     Parallel(1, 8, 8, 1, 8, "1f1b", 1, 8, True), 8192, 256, 4, "full", "fp8", "tokens_per_sec_per_gpu", 100,
-     "check", f"{TITAN} Table 4: 1F1B, local batch 32, 8 micro-batches, Float8"),
-    ("llama3-405b FSDP 8 x TP 8 x PP 8 interleaved (fp8)", "llama3-405b",
-     Parallel(1, 8, 8, 1, 8, "interleaved_1f1b", 2, 8, True), 8192, 256, 4, "full", "fp8", "tokens_per_sec_per_gpu",
-     130, "check", f"{TITAN} Table 4: interleaved 1F1B, 2 stages per rank, Float8"),
+    ("titan 8B FSDP 8", "llama3-8b", GT, titan(8), 8192, 16, 2, "op", "bf16", TPS, 6667, "fit",
+     f"{TITAN} Table 1: FSDP + torch.compile, local batch 2, selective AC"),
+    ("titan 8B FSDP 8, Float8", "llama3-8b", GT, titan(8), 8192, 16, 2, "op", "fp8", TPS, 8532, "check",
+     f"{TITAN} Table 1: FSDP + torch.compile + Float8"),
+    ("titan 8B FSDP 128", "llama3-8b", GT, titan(128), 8192, 256, 2, "op", "bf16", TPS, 6514, "check",
+     f"{TITAN} Table 3: FSDP + torch.compile, local batch 2, selective AC"),
+    ("titan 8B FSDP 128, Float8", "llama3-8b", GT, titan(128), 8192, 256, 2, "op", "fp8", TPS, 8380, "check",
+     f"{TITAN} Table 3: FSDP + torch.compile + Float8"),
+] + [
+    (f"titan 8B FSDP {8 // c} x CP {c} at {seq // 1024}K, Float8", "llama3-8b", GT, titan(8 // c, cp=c), seq,
+     8 // c, 1, "full", "fp8", TPS, value, "check", f"{TITAN} Table 2: FSDP + CP, local batch 1, full AC")
+    for c, seq, value in ((1, 32768, 3890), (2, 65536, 2540), (4, 131072, 1071), (8, 262144, 548))
+] + [
+    ("titan 70B FSDP 32 x TP 8, Float8", "llama3-70b", GT, titan(32, 8), 8192, 512, 16, "full", "fp8", TPS, 829,
+     "check", f"{TITAN} Table 4: 2D, local batch 16, global 512, full AC"),
+    ("titan 70B FSDP 32 x TP 8, Float8, AsyncTP", "llama3-70b", GT, titan(32, 8, async_tp=True), 8192, 512, 16,
+     "full", "fp8", TPS, 876, "check", f"{TITAN} Table 4: 2D + AsyncTP"),
+    ("titan 405B FSDP 8 x TP 8 x PP 8 1F1B", "llama3-405b", GT, titan(8, 8, 1, 8, "1f1b", 1, 8, True), 8192, 256, 4,
+     "full", "fp8", TPS, 100, "check", f"{TITAN} Table 5: 1F1B, local batch 32, 8 micro-batches, Float8, AsyncTP"),
+    ("titan 405B FSDP 8 x TP 8 x PP 8 interleaved", "llama3-405b", GT,
+     titan(8, 8, 1, 8, "interleaved_1f1b", 2, 8, True), 8192, 256, 4, "full", "fp8", TPS, 128, "check",
+     f"{TITAN} Table 5: interleaved 1F1B, 2 stages a rank"),
+] + [
+    (f"titan 405B TP 8 x PP 8 x FSDP {8 // c} x CP {c} at {seq // 1024}K", "llama3-405b", GT,
+     titan(8 // c, 8, c, 8, "1f1b", 1, 8, True), seq, 8 * (8 // c), 1, "full", "fp8", TPS, value, "check",
+     f"{TITAN} Table 6: 1F1B, local batch 8, 8 micro-batches, Float8, AsyncTP")
+    for c, seq, value in ((1, 32768, 76), (2, 65536, 47), (4, 131072, 31), (8, 262144, 16))
 ]
 
 
@@ -80,27 +104,32 @@ def shape(preset: str):
     return load_config(preset).model
 
 
-def predict(run, hw) -> dict:
-    name, preset, par, seq, batch, micro, ac, prec, metric, value, role, source = run
-    res = step_time(shape(preset), par, hw, seq, batch, micro, ac, prec, fp8_all_gather=prec == "fp8")
+@functools.lru_cache(maxsize=None)
+def hardware(name: str):
+    return load_hardware(name)
+
+
+def predict(run) -> dict:
+    name, preset, hw, par, seq, batch, micro, ac, prec, metric, value, role, source = run
+    res = step_time(shape(preset), par, hardware(hw), seq, batch, micro, ac, prec, fp8_all_gather=prec == "fp8")
     return {"name": name, "metric": metric, "published": value, "predicted": res[metric], "role": role,
             "error": res[metric] / value - 1, "source": source, "result": res}
 
 
-def table(hw) -> list[dict]:
-    return [predict(r, hw) for r in RUNS]
+def table() -> list[dict]:
+    return [predict(r) for r in RUNS]
 
 
-def fit(hw) -> tuple[float, float, float]:
+def fit() -> tuple[float, float, float]:
     """Grid search of the three constants minimising the largest error over the ``fit`` rows."""
     grid = {"GEMM_EFFICIENCY": [x / 100 for x in range(40, 81, 2)],
             "ATTENTION_EFFICIENCY": [x / 100 for x in range(16, 71, 2)],
             "NETWORK_EFFICIENCY": [x / 100 for x in range(30, 101, 5)]}
     best = None
-    fit_rows = [r for r in RUNS if r[10] == "fit"]
+    fit_rows = [r for r in RUNS if r[11] == "fit"]
     for g, a, n in itertools.product(*grid.values()):
         step.GEMM_EFFICIENCY, step.ATTENTION_EFFICIENCY, step.NETWORK_EFFICIENCY = g, a, n
-        worst = max(abs(predict(r, hw)["error"]) for r in fit_rows)
+        worst = max(abs(predict(r)["error"]) for r in fit_rows)
         if best is None or worst < best[0]:
             best = (worst, g, a, n)
     step.GEMM_EFFICIENCY, step.ATTENTION_EFFICIENCY, step.NETWORK_EFFICIENCY = best[1:]
@@ -112,12 +141,10 @@ def fit(hw) -> tuple[float, float, float]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--fit", action="store_true", help="re-fit the three efficiency constants on the fit rows")
-    ap.add_argument("--hardware", default="h100-sxm", help="profile (default %(default)s)")
     a = ap.parse_args(argv)
-    hw = load_hardware(a.hardware)
     if a.fit:
-        fit(hw)
-    rows = table(hw)
+        fit()
+    rows = table()
     print(f"{'run':<52} {'role':<6} {'metric':<8} {'published':>10} {'predicted':>10} {'error':>7}  step parts (s)")
     for r in rows:
         unit = (lambda x: f"{x:.1%}") if r["metric"] == "mfu" else (lambda x: f"{x:,.0f}")

@@ -1,21 +1,31 @@
-"""Does the cost model predict densetrain's own steps on this machine? (issue 41 item 6, one process)
+"""Does the cost model predict densetrain's own steps on this machine? (issue 41 item 6)
 
-Per round: this machine's profile measured as ``densetrain doctor --profile`` measures it (the matmul rate and
-the copy bandwidth of :mod:`densetrain.health`, efficiencies 1: reached rates), then densetrain's step timed on
-the same shape (its model, cross-entropy and AdamW, fp32, random tokens: no data loader), side by side with
-:func:`densetrain.cost.step_time`'s prediction; the ratio per round and its median.
+For each shape (``--shapes``) and layout (``--layouts``: ``single`` one process; ``ddp``, ``fsdp``, ``tp``,
+``pp`` two gloo ranks), in rounds: the worker processes measure this machine's profile as ``densetrain doctor
+--profile`` does (matmul rate and copy bandwidth of :mod:`densetrain.health`, the all-reduce bus bandwidth and
+one-element latency over the two ranks, :func:`densetrain.tools.doctor.op_overhead`), then time densetrain's
+real step on that layout (:func:`densetrain.parallel.parallelize.build_parallel_model`,
+:func:`densetrain.train.step.forward_backward` and AdamW; fp32, random tokens, no data loader), and rank 0
+prints :func:`densetrain.cost.step_time`'s prediction from the profile beside the measured median step:
+predicted / measured per run and the median per layout over the rounds. Prediction and measurement run in
+the same process one right after the other, so both see the same load; the load average is printed.
 
-    python benchmarks/planner_machine.py --shape gpt2-124m --seq-len 256 --rounds 3
+    python benchmarks/planner_machine.py                                # tiny and gpt2-124m, every layout
+    python benchmarks/planner_machine.py --shapes tiny --layouts single,ddp --rounds 3
 
-On a shared machine both measurements move with the other processes' load; measuring the profile right
-before each round's steps keeps them under the same load. Not modelled: eager PyTorch's per-operator cost
-(tens of µs on a CPU), which is most of a step of the tiny preset.
+Batch: ``--micro`` sequences a rank (``single``, ``ddp``, ``fsdp``: one micro-batch a rank; ``tp``: the
+``--micro`` sequences shared by the two ranks; ``pp``: ``--micro`` micro-batches of one sequence, 1F1B).
+Each process runs ``--threads`` threads (2 ranks on 2 cores: 1 each).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,49 +36,162 @@ import torch  # noqa: E402
 
 from densetrain.config import load_config  # noqa: E402
 from densetrain.cost import Parallel, measured_hardware, step_time  # noqa: E402
-from densetrain.health import matmul_rate, memory_bandwidth  # noqa: E402
-from densetrain.loss import token_losses  # noqa: E402
-from densetrain.model.init import build_model  # noqa: E402
-from densetrain.optim import build_optimizer  # noqa: E402
+
+WALL = time.perf_counter
+
+
+def cpu_seconds(fn, calls: int) -> float:
+    """CPU seconds of this process per call of ``fn`` (the best of 3 tries of ``calls`` calls)."""
+    best = float("inf")
+    for _ in range(3):
+        c0 = time.process_time()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.process_time() - c0) / calls)
+    return max(best, 1e-9)
+
+
+LAYOUTS = {  # name: (ranks, overrides, Parallel)
+    "single": (1, [], Parallel()),
+    "ddp": (2, [("parallel.dp_replicate", 2), ("parallel.dp_shard", 1)], Parallel(dp_replicate=2)),
+    "fsdp": (2, [("parallel.dp_shard", 2)], Parallel(dp_shard=2)),
+    "tp": (2, [("parallel.dp_shard", 1), ("parallel.tp", 2)], Parallel(tp=2)),
+    # tied embeddings cannot split over stages: pp runs the shape untied (gpt2-124m: one more 38.6M head)
+    "pp": (2, [("parallel.dp_shard", 1), ("parallel.pp", 2), ("parallel.pp_schedule", "1f1b"),
+               ("model.tie_embeddings", False)], Parallel(pp=2)),
+}
+
+
+def worker(a) -> None:
+    """One rank: profile, then the timed steps; rank 0 prints one JSON line."""
+    import torch.distributed as dist
+
+    from densetrain.health import COLLECTIVE_MIB, collective_figures, memory_bandwidth
+    from densetrain.optim import build_optimizer
+    from densetrain.parallel import init_distributed
+    from densetrain.parallel.parallelize import build_parallel_model
+    from densetrain.tools.doctor import attention_rate, loss_rate, op_overhead, training_gemm_rate
+    from densetrain.train.step import forward_backward
+
+    torch.set_num_threads(a.threads)
+    ranks, overrides, par = LAYOUTS[a.layout]
+    cfg = load_config(a.shape, overrides=[("train.dtype", "fp32"), ("parallel.dp_replicate", 1),
+                                          ("train.seq_len", a.seq_len), ("eval.tasks", ""), ("eval.samples", 0),
+                                          ("eval.final_tasks", ""), *overrides])
+    info = init_distributed("cpu", cfg.parallel)
+    model, step_model = build_parallel_model(cfg, info)
+    opt = build_optimizer(model, cfg)
+    m, cpu = cfg.model, torch.device("cpu")
+    dp = par.dp_replicate * par.dp_shard
+    if a.layout == "pp":
+        micro, n_micro, batch = 1, a.micro, a.micro
+    else:
+        micro, n_micro, batch = a.micro, 1, a.micro * dp
+    g = torch.Generator().manual_seed(1 + info.rank // (ranks // dp if dp > 1 else ranks))
+    xs = [torch.randint(0, m.vocab_size, (micro, a.seq_len + 1), generator=g) for _ in range(n_micro)]
+    mbs = [(x[:, :-1], x[:, 1:], ["web"] * micro) for x in xs]
+
+    def one_step() -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
+        forward_backward(step_model, mbs, batch * a.seq_len, dp)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    def profile(clock):
+        figures = collective_figures(dist.group.WORLD, "world", cpu, 2) if ranks > 1 and clock is WALL else {}
+        if ranks > 1 and clock is not WALL:  # the all-reduce's CPU seconds (a rank waiting for its peer is idle)
+            big, tiny = torch.ones(COLLECTIVE_MIB * 2**20 // 4), torch.ones(1)
+            figures = {"world/all_reduce": 2 * (ranks - 1) / ranks * big.numel() * 4
+                       / cpu_seconds(lambda: dist.all_reduce(big), 4),
+                       "world/all_reduce_lat": cpu_seconds(lambda: dist.all_reduce(tiny), 50)}
+        return measured_hardware(training_gemm_rate(cpu, 0.1, 3, clock),
+                                 memory_bandwidth(cpu, 64, 0.1, 3, clock)[0],
+                                 figures.get("world/all_reduce"), ranks, 16, "this machine",
+                                 op_overhead(cpu, clock=clock),
+                                 figures["world/all_reduce_lat"] / 2 if figures else None,
+                                 loss_rate(cpu, 0.1, 3, clock), attention_rate(cpu, 0.1, 3, clock))
+
+    one_step()  # warm-up: allocations, AdamW state
+    out = {}
+    for kind, clock in (("wall", WALL), ("cpu", time.process_time)):
+        hw = profile(clock)
+        times = [one_step()[kind == "cpu"] for _ in range(a.steps)]
+        if ranks > 1:  # wall: the slowest rank's steps (every rank waits for it); CPU: the ranks' mean
+            t = torch.tensor(times)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX if kind == "wall" else dist.ReduceOp.SUM)
+            times = (t / (1 if kind == "wall" else ranks)).tolist()
+        pred = step_time(m, par, hw, a.seq_len, batch, micro, "none", "fp32")
+        # in CPU seconds the bubble is idle time: a rank waiting for its peer uses no CPU
+        predicted = pred["step_s"] - (pred["parts"]["bubble"] if kind == "cpu" else 0.0)
+        out[kind] = {"measured": statistics.median(times), "predicted": predicted, "parts": pred["parts"],
+                     "matmul": hw.peak_bf16_flops, "copy": hw.hbm_bytes_per_s, "op_overhead": hw.op_overhead_s,
+                     "link": hw.nvlink_bytes_per_s, "latency": hw.latency_intra_s}
+    if info.rank == 0:
+        print(json.dumps(out))
+    if ranks > 1:
+        dist.destroy_process_group()
+
+
+def launch(a, shape: str, layout: str) -> dict:
+    """Run the worker on ``layout``'s ranks (as torchrun would start them); rank 0's JSON line."""
+    ranks = LAYOUTS[layout][0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = a.threads if ranks == 1 else max(1, a.threads // ranks)
+    env = {**os.environ, "WORLD_SIZE": str(ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE",  # densetrain's default (no spin)
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    argv = [sys.executable, __file__, "--worker", "--shape", shape, "--layout", layout, "--seq-len",
+            str(a.seq_len), "--micro", str(a.micro), "--steps", str(a.steps), "--threads", str(threads)]
+    procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(ranks)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"{shape} {layout}: a rank failed:\n" + "\n".join(e[-2000:] for _, e in outs))
+    return json.loads(outs[0][0].strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="gpt2-124m", help="preset whose model shape is timed (default %(default)s)")
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--micro", type=int, default=2, help="sequences per step")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per round (after one warm-up)")
+    ap.add_argument("--shapes", default="tiny,gpt2-124m")
+    ap.add_argument("--layouts", default="single,ddp,fsdp,tp,pp")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--micro", type=int, default=2, help="sequences a rank (see the module docstring)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per run (after one warm-up)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--shape", help=argparse.SUPPRESS)
+    ap.add_argument("--layout", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    torch.set_num_threads(a.threads)
-    cfg = load_config(a.shape)
-    m, cpu = cfg.model, torch.device("cpu")
-    model = build_model(m, 0)
-    opt = build_optimizer(model, cfg)
-    x = torch.randint(0, m.vocab_size, (a.micro, a.seq_len + 1))
-
-    def one_step() -> float:
-        t0 = time.perf_counter()
-        token_losses(model(x[:, :-1]), x[:, 1:]).mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t0
-
-    one_step()  # warm-up: allocations, AdamW state
-    ratios = []
-    print(f"{a.shape}: seq_len {a.seq_len}, {a.micro} sequences a step, fp32, {a.threads} threads")
+    if a.worker:
+        worker(a)
+        return 0
+    shapes, layouts = a.shapes.split(","), a.layouts.split(",")
+    print(f"seq_len {a.seq_len}, {a.micro} sequences a rank, fp32, {a.threads} threads in all; load average "
+          f"{os.getloadavg()[0]:.1f} at the start")
+    ratios = {(s, lay, k): [] for s in shapes for lay in layouts for k in ("wall", "cpu")}
     for r in range(a.rounds):
-        hw = measured_hardware(matmul_rate(cpu, torch.float32, 0.2, 3), memory_bandwidth(cpu, 64, 0.2, 3), None, 1,
-                               16, "this machine")
-        measured = statistics.median(one_step() for _ in range(a.steps))
-        pred = step_time(m, Parallel(), hw, a.seq_len, a.micro, a.micro, "none", "fp32")
-        ratios.append(pred["step_s"] / measured)
-        print(f"  round {r}: matmul {hw.peak_bf16_flops / 1e9:.1f} GFLOP/s, copy {hw.hbm_bytes_per_s / 1e9:.1f} "
-              f"GB/s; measured {measured:.3f} s, predicted {pred['step_s']:.3f} s, predicted/measured "
-              f"{ratios[-1]:.2f}")
-    print(f"planner_machine: {a.shape} predicted/measured median {statistics.median(ratios):.2f} over "
-          f"{a.rounds} rounds")
+        for s in shapes:
+            for lay in layouts:  # interleaved: every layout once per round
+                res = launch(a, s, lay)
+                for k, v in res.items():
+                    ratios[(s, lay, k)].append(v["predicted"] / v["measured"])
+                    parts = ", ".join(f"{n} {x * 1e3:.0f}" for n, x in v["parts"].items() if x * 1e3 >= 0.5)
+                    print(f"round {r} {s:<9} {lay:<6} {k:<4} measured {v['measured'] * 1e3:6.0f} ms  predicted "
+                          f"{v['predicted'] * 1e3:6.0f} ms  ratio {ratios[(s, lay, k)][-1]:.2f}  (matmul "
+                          f"{v['matmul'] / 1e9:.0f} GFLOP/s, copy {v['copy'] / 1e9:.1f} GB/s, op "
+                          f"{v['op_overhead'] * 1e6:.1f} us, link {v['link'] / 1e9:.2f} GB/s, latency "
+                          f"{v['latency'] * 1e6:.0f} us; ms: {parts}) load {os.getloadavg()[0]:.1f}", flush=True)
+    worst = {"wall": 0.0, "cpu": 0.0}
+    for (s, lay, k), v in ratios.items():
+        med = statistics.median(v)
+        worst[k] = max(worst[k], abs(med - 1))
+        print(f"planner_machine: {s} {lay} {k}: predicted/measured median {med:.2f} over {len(v)} rounds")
+    print(f"planner_machine: largest |median ratio - 1|: CPU seconds {worst['cpu']:.0%}, wall seconds "
+          f"{worst['wall']:.0%}; load average {os.getloadavg()[0]:.1f} at the end")
     return 0
 
 

@@ -54,8 +54,80 @@ def test_bubble_is_counted_once_and_the_parts_add_up():
         step_time(m, Parallel(1, 3), H100, 8192, 2048)
 
 
+def test_pipeline_pace_is_the_slowest_stage_with_the_head():
+    from densetrain.cost.step import pipeline_pace
+
+    # 405B, 126 blocks: Llama 3's pp 16 x v 8 leaves the head's stage a block short (8 a rank); torchtitan's pp 8
+    # runs 16 on the slowest rank; 70B's 80 blocks on pp 4 cannot spare the head's rank a whole block
+    assert pipeline_pace(126, 16, 8, 0.63) == (8, 0) and pipeline_pace(126, 8, 1, 0.63) == (16, 0)
+    assert pipeline_pace(80, 4, 1, 0.6) == (20, 1) and pipeline_pace(4, 1, 1, 0.5) == (4, 1)
+    assert pipeline_pace(4, 2, 1, 2.0) == (3, 0)  # a head of two blocks' time: 3 blocks, and 1 + the head
+
+
+def test_tp_and_cp_implementations_are_charged_as_they_send():
+    m = load_config("llama3-70b").model
+    sync = step_time(m, Parallel(1, 32, 8, sequence_parallel=True), H100, 8192, 512, 16, "full")
+    asy = step_time(m, Parallel(1, 32, 8, sequence_parallel=True, async_tp=True), H100, 8192, 512, 16, "full")
+    assert asy["bytes"]["tp"] == sync["bytes"]["tp"]  # AsyncTP moves the same bytes, beside the GEMMs
+    assert sync["parts"]["tp"] / 8 < asy["parts"]["tp"] < sync["parts"]["tp"]  # a piece of each stays exposed
+    plain = step_time(m, Parallel(1, 32, 8), H100, 8192, 512, 16, "none")  # no SP: 2 + 5 all-reduces a block
+    sp = step_time(m, Parallel(1, 32, 8, sequence_parallel=True), H100, 8192, 512, 16, "none")
+    assert plain["bytes"]["tp"] > 1.7 * sp["bytes"]["tp"]
+    kv = step_time(m, Parallel(1, 32, 1, 8), H100, 65536, 32, 1, "none")
+    wide = step_time(m, Parallel(1, 32, 1, 8, cp_exchange="expanded"), H100, 65536, 32, 1, "none")
+    # torch's ring attention on K/V repeated to n_heads: 8x the bytes of a 70B exchange, 3 passes not 2
+    assert wide["bytes"]["cp"] == pytest.approx(kv["bytes"]["cp"] * 8 * 3 / 2)
+
+
+def test_a_measured_operator_cost_is_charged_per_counted_operator():
+    from dataclasses import replace
+
+    from densetrain.cost.flops import BASE_OPS, block_ops, optimizer_ops
+
+    m = load_config("tiny").model
+    hw = load_hardware("h100-sxm")
+    base = replace(hw, sms=0, op_overhead_s=1e-12)  # no GPU tiles, a negligible operator cost
+    slow = replace(base, op_overhead_s=1e-3)
+    one, two = (step_time(m, Parallel(), h, 64, 2, 1, "none", "fp32")["step_s"] for h in (base, slow))
+    ops = 2 * (m.n_layers * sum(block_ops(m)) + sum(BASE_OPS)) + optimizer_ops(m, m.n_layers)
+    assert two - one == pytest.approx(ops * (1e-3 - 1e-12), rel=1e-6)
+
+
+def test_operator_counts_are_the_real_blocks():
+    """:data:`densetrain.cost.flops.BLOCK_OPS` / ``GQA_OPS`` / ``BASE_OPS`` against the operators a real model of
+    1 and 2 blocks runs (a TorchDispatchMode counts every aten call), for a GQA (tiny) and a multi-head shape."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from densetrain.cost.flops import BASE_OPS, block_ops
+    from densetrain.loss import token_losses
+    from densetrain.model.init import build_model
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    for overrides in ([], [("model.n_kv_heads", 4)]):
+        counts = []
+        for n_layers in (1, 2):
+            m = load_config("tiny", overrides=[("model.n_layers", n_layers), *overrides]).model
+            model, x = build_model(m, 0), torch.randint(0, m.vocab_size, (2, 9))
+            fwd, bwd = Count(), Count()
+            with fwd:
+                loss = token_losses(model(x[:, :-1]), x[:, 1:]).mean()
+            with bwd:
+                loss.backward()
+            counts.append((fwd.n, bwd.n))
+        assert (counts[1][0] - counts[0][0], counts[1][1] - counts[0][1]) == block_ops(m)
+        base = (counts[0][0] - block_ops(m)[0], counts[0][1] - block_ops(m)[1])
+        assert abs(base[0] - BASE_OPS[0]) <= 1 and base[1] == BASE_OPS[1], base  # 35 or 36 by the shape
+
+
 def test_profiles_load_and_bad_ones_are_one_line(tmp_path):
-    assert profile_names() == ["a100-80gb", "b200", "h100-sxm", "h200"]
+    assert profile_names() == ["a100-80gb", "b200", "h100-96gb-500w", "h100-sxm", "h200"]
+    assert load_hardware("h100-96gb-500w").hbm_bytes_per_s == 2.4e12  # torchtitan's Grand Teton H100s
     assert load_hardware("b200").peak_bf16_flops == 2250e12 and load_hardware("a100-80gb").memory_gib == 80
     back = load_hardware(write_hardware(H100, tmp_path / "mine.json"))
     assert back == H100 and load_hardware(write_hardware(H100, tmp_path / "mine.toml")) == H100
@@ -68,15 +140,19 @@ def test_profiles_load_and_bad_ones_are_one_line(tmp_path):
         load_hardware(tmp_path / "zero.toml")
 
 
-def test_published_runs_within_15_percent():
+def test_published_runs_within_15_percent_but_two():
     spec = importlib.util.spec_from_file_location("planner_check", Path(__file__).parents[1] / "benchmarks" /
                                                   "planner_check.py")
     pc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pc)
-    rows = pc.table(H100)
-    assert len(rows) == 10 and sum(r["role"] == "fit" for r in rows) == 3
-    worst = max(rows, key=lambda r: abs(r["error"]))
-    assert abs(worst["error"]) < 0.15, worst["name"]
+    rows = pc.table()
+    assert len(rows) == 19 and sum(r["role"] == "fit" for r in rows) == 3
+    assert all(abs(r["error"]) < 0.02 for r in rows if r["role"] == "fit")
+    # the known misses (docs/planner.md): torchtitan's 8B FSDP + CP rows at 128K and 256K run 2.4x slower than at
+    # 64K for 1.7x the FLOPs a token; every other row is within 15%, most within 10%
+    missed = {r["name"] for r in rows if abs(r["error"]) >= 0.15}
+    assert missed == {"titan 8B FSDP 2 x CP 4 at 128K, Float8", "titan 8B FSDP 1 x CP 8 at 256K, Float8"}, missed
+    assert sum(abs(r["error"]) < 0.10 for r in rows) >= 14
 
 
 def test_doctor_writes_this_machines_profile_that_plan_reads(tmp_path, capsys):
@@ -91,7 +167,7 @@ def test_doctor_writes_this_machines_profile_that_plan_reads(tmp_path, capsys):
     assert "note: one rank measured no collective, so the profile's nvlink and net bandwidth are its memory " \
         "bandwidth" in out
     hw = load_hardware(path)
-    assert hw.peak_bf16_flops > 0 and hw.hbm_bytes_per_s > 0 and hw.gpus_per_node == 1
+    assert hw.peak_bf16_flops > 0 and hw.hbm_bytes_per_s > 0 and hw.gpus_per_node == 1 and hw.op_overhead_s > 0
     assert main(["plan", "--preset", "tiny", "--gpus", "1", "--hardware", str(path), "--json"]) == 0
     assert '"mfu"' in capsys.readouterr().out
     assert hw.nvlink_bytes_per_s == hw.net_bytes_per_s == hw.hbm_bytes_per_s
@@ -112,34 +188,67 @@ def test_doctor_profile_at_a_directory_is_one_line_before_measuring(tmp_path, ca
 
 
 _COUNT = r"""
-import json, sys
+import collections, json, sys
 import torch, torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 from densetrain.config import load_config
 from densetrain.parallel.dist import init_distributed
 from densetrain.parallel.parallelize import build_parallel_model
+from densetrain.train.step import forward_backward
 
-sent = {"all_gather": 0, "reduce_scatter": 0}
-def counting(name, orig):  # FSDP2's two collectives; a ring sends (n - 1) / n of the whole tensor per rank
+kind, world = sys.argv[1], int(sys.argv[2])
+sent = collections.Counter()  # bytes one rank sends, at NCCL's ring factors
+def ring(name, nbytes, n):  # all-reduce 2 (n - 1) / n, all-gather and reduce-scatter (n - 1) / n of the whole
+    sent[name] += (2 if name == "all_reduce" else 1) * (n - 1) / n * nbytes
+
+def counting(name, orig):  # FSDP2's collectives (c10d calls)
     def f(*a, **k):
         out, inp = k.get("output", a[0] if a else None), k.get("input", a[1] if len(a) > 1 else None)
-        n = dist.get_world_size(k.get("group"))
-        sent[name] += (n - 1) / n * (out if name == "all_gather" else inp).numel() * out.element_size()
+        t = out if name == "all_gather" else inp
+        ring(name, t.numel() * t.element_size(), dist.get_world_size(k.get("group")))
         return orig(*a, **k)
     return f
 dist.all_gather_single = counting("all_gather", dist.all_gather_single)
 dist.reduce_scatter_single = counting("reduce_scatter", dist.reduce_scatter_single)
-cfg = load_config("tiny", overrides=[("parallel.dp_replicate", 1), ("parallel.dp_shard", -1), ("train.dtype", "fp32")])
+
+class Functional(TorchDispatchMode):  # tensor parallel's collectives: DTensor's functional collectives
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if name.startswith("_c10d_functional.all_reduce"):
+            ring("all_reduce", args[0].numel() * args[0].element_size(), world)
+        elif name.startswith("_c10d_functional.all_gather"):
+            ring("all_gather", world * args[0].numel() * args[0].element_size(), world)
+        elif name.startswith("_c10d_functional.reduce_scatter"):
+            ring("reduce_scatter", args[0].numel() * args[0].element_size(), world)
+        return func(*args, **(kwargs or {}))
+
+layout = {"fsdp": [("parallel.dp_shard", -1)], "ddp": [("parallel.dp_replicate", world), ("parallel.dp_shard", 1)],
+          "tp": [("parallel.dp_shard", 1), ("parallel.tp", world)]}[kind]
+cfg = load_config("tiny", overrides=[("parallel.dp_replicate", 1), ("train.dtype", "fp32"), *layout])
 info = init_distributed("cpu", cfg.parallel)
-model, _ = build_parallel_model(cfg, info)
-x = torch.randint(0, cfg.model.vocab_size, (1, 64))
-model(x).float().sum().backward()  # one micro-batch's forward and backward: all a step sends (AdamW sends nothing)
+model, step_model = build_parallel_model(cfg, info)
+if kind == "ddp":  # DDP's buckets are all-reduced in C++: a comm hook sees each bucket and all-reduces it
+    def hook(state, bucket):
+        buf = bucket.buffer()
+        ring("all_reduce", buf.numel() * buf.element_size(), world)
+        return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0] / world)
+    step_model.register_comm_hook(None, hook)
+x = torch.randint(0, cfg.model.vocab_size, (1, 65))
+with Functional():  # one micro-batch's forward and backward, the training step's own (AdamW sends nothing)
+    forward_backward(step_model, [(x[:, :-1], x[:, 1:], ["web"])], 64, 1 if kind == "tp" else world)
 if info.rank == 0:
     print(json.dumps(sent))
 """
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_fsdp_bytes_per_step_equal_a_counted_gloo_step(world, tmp_path):
+@pytest.mark.parametrize("kind,world,dim,par", [("fsdp", 2, "dp", Parallel(dp_shard=2)),
+                                                ("fsdp", 4, "dp", Parallel(dp_shard=4)),
+                                                ("ddp", 2, "dp", Parallel(dp_replicate=2)),
+                                                ("tp", 2, "tp", Parallel(tp=2))])
+def test_bytes_per_step_equal_a_counted_gloo_step(kind, world, dim, par, tmp_path):
+    """What FSDP2 (all-gathers, reduce-scatters), DDP (its gradient buckets) and tensor parallelism (DTensor's
+    functional all-reduces: 7 a block without SP, the embedding's, the head's and the loss's) send in a real
+    training micro-step on ``world`` gloo ranks equals the cost model's bytes of that mesh dimension."""
     import json
     import os
     import socket
@@ -154,11 +263,13 @@ def test_fsdp_bytes_per_step_equal_a_counted_gloo_step(world, tmp_path):
         port = s.getsockname()[1]
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    procs = [forked.Popen([sys.executable, str(script)], text=True, stdout=forked.PIPE, stderr=forked.PIPE,
-                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world)]
+    procs = [forked.Popen([sys.executable, str(script), kind, str(world)], text=True, stdout=forked.PIPE,
+                          stderr=forked.PIPE, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(world)]
     outs = [p.communicate(timeout=240) for p in procs]
     assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
     sent = json.loads(outs[0][0].strip().splitlines()[-1])
     m = load_config("tiny").model
-    want = step_time(m, Parallel(dp_shard=world), H100, 64, world, 1, precision="fp32")["bytes"]["dp"]
+    batch = 1 if kind == "tp" else world
+    want = step_time(m, par, H100, 64, batch, 1, precision="fp32")["bytes"][dim]
     assert sum(sent.values()) == pytest.approx(want, rel=0.02)  # the model leaves out the norm gains (0.04%)

@@ -82,3 +82,32 @@ def attention_flops(m, tokens: int, seq_len: int, tp: int = 1) -> float:
     mask halves the work that :func:`flops_per_token` counts whole)."""
     s = shape_of(m)
     return 2.0 * 2.0 * tokens * (seq_len / 2) * s.n_heads * s.head_dim / tp
+
+
+BLOCK_OPS = (68, 133)
+"""Operators (aten calls) one densetrain block runs, ``(forward, backward)``, eager, fp32, no checkpointing: counted
+with a ``TorchDispatchMode`` on the gpt2-124m shape (multi-head: ``n_kv_heads == n_heads``);
+``tests/test_plan_cost.py`` recounts them on the real model. Each costs ``Hardware.op_overhead_s`` beside its
+work where a profile measures it (``doctor --profile``: eager PyTorch on a CPU, tens of µs)."""
+GQA_OPS = (8, 7)
+"""More operators a block runs when ``n_kv_heads < n_heads`` (the key/value heads repeated for attention)."""
+BASE_OPS = (35, 37)
+"""Operators outside the blocks, ``(forward, backward)``: the embedding, final norm, output head and the loss."""
+
+OPTIM_OPS = (23, 2)
+"""Operators of one AdamW step (torch's foreach implementation, densetrain's fp32 choice): ``23 + 2`` a
+parameter tensor (counted as :data:`BLOCK_OPS`); a block holds 9 tensors, the rest 3 (2 with tied embeddings)."""
+
+
+def optimizer_ops(m, n_blocks: float) -> float:
+    """Operators of one AdamW step over ``n_blocks`` blocks and the embedding, final norm and head
+    (:data:`OPTIM_OPS`)."""
+    s = shape_of(m)
+    return OPTIM_OPS[0] + OPTIM_OPS[1] * (9 * n_blocks + (2 if s.tie_embeddings else 3))
+
+
+def block_ops(m) -> tuple[int, int]:
+    """``(forward, backward)`` operators of one block of shape ``m`` (:data:`BLOCK_OPS`, :data:`GQA_OPS`)."""
+    s = shape_of(m)
+    gqa = s.n_kv_heads < s.n_heads
+    return BLOCK_OPS[0] + gqa * GQA_OPS[0], BLOCK_OPS[1] + gqa * GQA_OPS[1]

@@ -28,7 +28,12 @@ class Hardware:
     ``latency_intra_s`` / ``latency_inter_s`` (s per ring step of a collective), ``name``, ``source``.
     Optional: ``gemm_efficiency``, ``attention_efficiency``, ``network_efficiency``, ``hbm_efficiency``, the
     fractions of those rates the work reaches (0: the cost model's fitted constants, for datasheet rates; a
-    measured profile sets 1, its rates being reached ones).
+    measured profile sets 1, its rates being reached ones); ``sms``, the streaming multiprocessors a GEMM's
+    output tiles are scheduled over in waves (0: not modelled); ``op_overhead_s``, the fixed cost of one
+    operator (kernel launch and tail on a GPU; eager PyTorch's dispatch on a CPU, measured by ``doctor
+    --profile``; 0: the cost model's default); ``loss_elements_per_s``, logits a second the cross-entropy's
+    forward and backward get through (measured by ``doctor --profile``: on a CPU the exponentials bound it, not
+    the bytes; 0: the logits' bytes at the memory bandwidth).
     """
 
     name: str
@@ -46,6 +51,9 @@ class Hardware:
     attention_efficiency: float = 0.0
     network_efficiency: float = 0.0
     hbm_efficiency: float = 0.0
+    sms: int = 0
+    op_overhead_s: float = 0.0
+    loss_elements_per_s: float = 0.0
 
     def to_toml(self) -> str:
         """The profile as a flat TOML table (what :func:`load_hardware` reads)."""
@@ -76,7 +84,8 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
         raise ConfigError(f"{path}: not a hardware profile ({e})") from None
     names = {f.name: f for f in fields(Hardware)}
     unknown = sorted(set(raw) - set(names))
-    missing = sorted(k for k, f in names.items() if k not in raw and k != "source" and not k.endswith("_efficiency"))
+    optional = {"source", "sms", "op_overhead_s", "loss_elements_per_s"}
+    missing = sorted(k for k in names if k not in raw and k not in optional and not k.endswith("_efficiency"))
     if unknown or missing:
         raise ConfigError(f"{path}: " + "; ".join(([f"unknown key(s) {', '.join(unknown)}"] if unknown else [])
                                                   + ([f"missing key(s) {', '.join(missing)}"] if missing else [])))
@@ -84,6 +93,11 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
         if k in ("name", "source"):
             if not isinstance(v, str):
                 raise ConfigError(f"{path}: {k} = {v!r}: expected a string")
+        elif k in ("sms", "op_overhead_s", "loss_elements_per_s"):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
+                    or (k == "sms" and int(v) != v):
+                raise ConfigError(f"{path}: {k} = {v!r}: expected a number >= 0"
+                                  + (" (an integer)" if k == "sms" else ""))
         elif k.endswith("_efficiency"):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ConfigError(f"{path}: {k} = {v!r}: expected a fraction in [0, 1] (0: the fitted constant)")
@@ -91,7 +105,7 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
             raise ConfigError(f"{path}: {k} = {v!r}: expected a finite number > 0")
         elif k == "gpus_per_node" and int(v) != v:
             raise ConfigError(f"{path}: gpus_per_node = {v!r}: expected an integer")
-    return Hardware(**{**raw, "gpus_per_node": int(raw["gpus_per_node"])})
+    return Hardware(**{**raw, "gpus_per_node": int(raw["gpus_per_node"]), "sms": int(raw.get("sms", 0))})
 
 
 def write_hardware(hw: Hardware, path: str | Path) -> Path:
@@ -103,15 +117,23 @@ def write_hardware(hw: Hardware, path: str | Path) -> Path:
 
 
 def measured_hardware(matmul_flops: float, copy_bytes_per_s: float, collective_bytes_per_s: float | None,
-                      gpus_per_node: int, memory_gib: float, name: str) -> Hardware:
+                      gpus_per_node: int, memory_gib: float, name: str, op_overhead_s: float = 0.0,
+                      collective_latency_s: float | None = None, loss_elements_per_s: float = 0.0,
+                      attention_flops: float = 0.0) -> Hardware:
     """A profile of this machine from ``doctor``'s measurements: the matmul rate stands for both peaks (so the
     profile's MFU is relative to what this machine reaches, as the training log's is without
     ``logging.peak_flops``), the copy rate for the memory bandwidth, the collective bus bandwidth (None on
-    one process: the copy rate) for both links; latencies a gloo-scale 50 µs per ring step; efficiencies 1
-    (the rates are reached ones, not datasheet peaks)."""
+    one process: the copy rate) for both links; latencies the measured one per ring step
+    (``collective_latency_s``, else a gloo-scale 50 µs); the measured fixed cost of one operator
+    (``op_overhead_s``) and the cross-entropy's rate (``loss_elements_per_s``); efficiencies 1 (the rates are
+    reached ones, not datasheet peaks) but attention's, the measured attention rate over the matmul rate
+    (``attention_flops``; 0: 1)."""
     link = collective_bytes_per_s or copy_bytes_per_s
+    lat = collective_latency_s or 50e-6
     return Hardware(name=name, peak_bf16_flops=matmul_flops, peak_fp8_flops=matmul_flops, memory_gib=memory_gib,
                     hbm_bytes_per_s=copy_bytes_per_s, nvlink_bytes_per_s=link, net_bytes_per_s=link,
-                    gpus_per_node=max(1, gpus_per_node), latency_intra_s=50e-6, latency_inter_s=50e-6,
-                    source="measured by densetrain doctor --profile", gemm_efficiency=1.0, attention_efficiency=1.0,
-                    network_efficiency=1.0, hbm_efficiency=1.0)
+                    gpus_per_node=max(1, gpus_per_node), latency_intra_s=lat, latency_inter_s=lat,
+                    source="measured by densetrain doctor --profile", gemm_efficiency=1.0,
+                    attention_efficiency=min(1.0, attention_flops / matmul_flops) if attention_flops else 1.0,
+                    network_efficiency=1.0, hbm_efficiency=1.0, op_overhead_s=op_overhead_s,
+                    loss_elements_per_s=loss_elements_per_s)

@@ -14,9 +14,9 @@ bytes through each rank's link, plus ``(n-1)`` (all-reduce ``2 (n-1)``) ring ste
 What hides (torchtitan's and Megatron's behaviour): FSDP2's all-gathers (prefetched) and reduce-scatters, and
 the replicas' all-reduce, run beside the blocks' compute (taking :data:`CONTENTION` of it while they run);
 under pipelining the gather comes once per step (before the first micro-batch) and the reduction once (after
-the last), so they hide behind one micro-batch only. Tensor-parallel collectives (synchronous: no async TP),
-context parallelism's key/value all-gather and gradient reduce-scatter, and the pipeline's sends on the fill
-and drain path are exposed. The bubble of
+the last), so they hide behind one micro-batch only. Tensor-parallel collectives are exposed unless AsyncTP
+runs them beside their GEMMs (``Parallel.async_tp``); context parallelism's key/value exchange
+(:data:`CP_EXCHANGE`) and the pipeline's sends on the fill and drain path are exposed. The bubble of
 1F1B and of the interleaved schedule is ``(pp - 1) / (v m)`` of the pipeline's busy time (``m`` micro-batches
 per schedule call, ``v`` stages per rank; Narayanan et al. 2021 sec. 2.2), counted once: the compute and
 exposed communication of the micro-batches are its busy time, and MFU is computed from the step time, not
@@ -32,14 +32,26 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from densetrain.cost.flops import attention_flops, block_matmul_params, flops_per_token, gemm_shapes, shape_of
+from densetrain.cost.flops import (
+    BASE_OPS,
+    attention_flops,
+    block_matmul_params,
+    block_ops,
+    flops_per_token,
+    gemm_shapes,
+    optimizer_ops,
+    shape_of,
+)
 
-GEMM_EFFICIENCY = 0.52
+GEMM_EFFICIENCY = 0.58
 """Fraction of the dense peak a large bf16/fp8 GEMM reaches (fitted: benchmarks/planner_check.py ``--fit``)."""
-ATTENTION_EFFICIENCY = 0.24
+ATTENTION_EFFICIENCY = 0.26
 """Fraction of the dense bf16 peak the flash-attention kernels reach, forward and backward (fitted)."""
-NETWORK_EFFICIENCY = 0.90
+NETWORK_EFFICIENCY = 0.5
 """Fraction of a link's datasheet bandwidth NCCL's bus bandwidth reaches for large messages (fitted)."""
+NVLINK_EFFICIENCY = 0.8
+"""Fraction of NVLink's datasheet bandwidth per direction NCCL's ring all-gather / reduce-scatter bus bandwidth
+reaches within an 8-GPU H100 node (nccl-tests on DGX H100 report ~360 GB/s of 450; an assumption, not fitted)."""
 HBM_EFFICIENCY = 0.8
 """Fraction of the HBM datasheet bandwidth elementwise kernels reach (STREAM-like copies on H100 reach ~0.8-0.9;
 an assumption, not fitted)."""
@@ -48,6 +60,16 @@ CONTENTION = 0.12
 they run (its default channel count on InfiniBand; an assumption from the hardware, not fitted)."""
 KERNEL_LAUNCH_S = 4e-6
 """Fixed cost of one kernel (launch and tail), s: what makes tiny GEMMs slow whatever their FLOPs."""
+
+CP_EXCHANGE = ("kv", "expanded")
+"""What a context-parallel rank exchanges per layer. ``kv``: densetrain's (``parallel/context.py``) and Llama 3's
+(Dubey et al. 2024 sec. 3.3.2): an all-gather of the ``n_kv_heads`` keys and values forward (again in a full
+recomputation), its gradients' reduce-scatter backward. ``expanded``: torch's ring attention
+(``torch.distributed.tensor.experimental.context_parallel``, rotate method ``allgather``) as torchtitan 9dec370
+called it: its attention repeats the key/value heads to ``n_heads`` *before* ``F.scaled_dot_product_attention``
+(``torchtitan/models/llama/model.py``, ``repeat_kv``), so the exchanged K/V are ``n_heads / n_kv_heads`` times
+larger (4x for Llama 3 8B, 8x for 70B and 405B), and its backward rotates the K/V again beside their gradients
+(three exchanges a layer, four under full recomputation)."""
 
 AC_RECOMPUTE = ("none", "selective", "op", "full")
 """Activation checkpointing: ``none``; ``selective`` (densetrain's: pointwise ops recomputed, matmul outputs
@@ -59,7 +81,10 @@ runs again in its backward)."""
 class Parallel:
     """A layout and its schedule: degrees, pipeline ``schedule`` (``1f1b``, ``interleaved_1f1b``, ``gpipe``),
     ``virtual`` stages per rank, ``microbatches`` per schedule call (0: all a rank runs in a step),
-    ``sequence_parallel`` (norm regions split by tp; the same bytes on the wire as plain TP)."""
+    ``sequence_parallel`` (norm regions split by tp; the same bytes on the wire as plain TP), ``async_tp``
+    (torch's AsyncTP, with sequence parallelism: each TP all-gather / reduce-scatter split in ``tp`` pieces
+    that run beside the GEMM it feeds or drains) and ``cp_exchange``, a property of the context-parallel
+    implementation (:data:`CP_EXCHANGE`)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -70,6 +95,8 @@ class Parallel:
     virtual: int = 1
     microbatches: int = 0
     sequence_parallel: bool = False
+    async_tp: bool = False
+    cp_exchange: str = "kv"
 
     @property
     def world(self) -> int:
@@ -94,12 +121,41 @@ def bubble_share(pp: int, microbatches: int, virtual: int = 1, schedule: str = "
     return (pp - 1) / (v * microbatches + pp - 1)
 
 
+def pipeline_pace(n_layers: int, pp: int, virtual: int, head: float) -> tuple[int, int]:
+    """``(blocks, heads)`` of the pipeline rank that sets a schedule's pace, ``heads`` 1 when it also runs the
+    output head and loss (which cost ``head`` blocks' time). Without pipelining: every block and the head.
+
+    A schedule runs at the pace of its slowest stage. The ``pp v`` stages take whole blocks; the best split
+    gives the head's stage ``head`` blocks fewer (Llama 3 took one block off the first and the last stage,
+    Dubey et al. 2024 sec. 3.3.2): the smallest stage time ``S`` (in blocks) such that ``pp v - 1`` stages of
+    ``floor(S)`` blocks and the head's stage of ``floor(S - head)`` hold ``n_layers``. 405B (126 blocks, head
+    ~0.6 of a block): 8 a rank at pp 16 v 8, 16 at pp 8; 70B (80 blocks) at pp 4: the head's rank runs 20
+    blocks and the head, the split having no whole-block way to spare it.
+    """
+    if pp <= 1:
+        return n_layers, 1
+    n = pp * virtual
+    best = None
+    for k in range(1, n_layers + 1):
+        for stage in (k, k + head):  # a stage time of k blocks (the head's stage holds fewer), or k + the head
+            if (n - 1) * math.floor(stage) + math.floor(stage - head + 1e-9) >= n_layers and stage >= head:
+                if best is None or stage < best:
+                    best = stage
+        if best is not None:
+            break
+    k_full = math.floor(best + 1e-9)
+    head_rank = (virtual - 1) * k_full + math.floor(best - head + 1e-9)  # blocks beside the head
+    if head_rank + head > virtual * k_full:
+        return head_rank, 1
+    return virtual * k_full, 0
+
+
 def link(hw, stride: int, degree: int) -> tuple[float, float, str]:
     """``(bytes/s, latency s per ring step, 'nvlink' | 'network')`` of a group of ``degree`` ranks ``stride``
     apart (module docstring)."""
     g, eff = hw.gpus_per_node, hw.network_efficiency or NETWORK_EFFICIENCY
     if stride * degree <= g:
-        return hw.nvlink_bytes_per_s * eff, hw.latency_intra_s, "nvlink"
+        return hw.nvlink_bytes_per_s * (hw.network_efficiency or NVLINK_EFFICIENCY), hw.latency_intra_s, "nvlink"
     per_node = max(1, g // stride)
     return min(hw.nvlink_bytes_per_s, per_node * hw.net_bytes_per_s) * eff, hw.latency_inter_s, "network"
 
@@ -120,14 +176,22 @@ def bus_bytes(kind: str, nbytes: float, n: int) -> float:
 
 def gemm_s(M: int, K: int, N: int, peak: float, hw) -> float:
     """One GEMM (``M x K`` by ``K x N``, 2-byte operands): the slower of its FLOPs at ``peak`` times
-    :data:`GEMM_EFFICIENCY` times the tile occupancy (dimensions rounded up to 128 x 128 x 64 tiles: small and
-    odd shapes waste the rest) and its bytes at the memory bandwidth, plus a kernel's fixed cost."""
+    :data:`GEMM_EFFICIENCY` times, on a GPU (a profile with ``sms``), the tile occupancy (dimensions rounded up
+    to 128 x 128 x 64 tiles: small and odd shapes waste the rest) and the wave occupancy (the last wave of
+    output tiles part-full), and its bytes at the memory bandwidth; plus a kernel's fixed cost
+    (:data:`KERNEL_LAUNCH_S`, or the profile's measured ``op_overhead_s`` per operator counted per block)."""
     up = lambda x, t: math.ceil(x / t) * t
-    tile = (M * N * K) / (up(M, 128) * up(N, 128) * up(K, 64))
+    tile = 1.0
+    if hw.sms:  # a GPU's tensor-core tiles: dimensions rounded up to 128 x 128 x 64 (small and odd shapes waste
+        # the rest), and wave quantization: the output tiles run in waves of one tile an SM, the last wave
+        # part-full (CUTLASS/cuBLAS schedule one output tile per CTA; the H100 whitepaper's SM count)
+        tile = (M * N * K) / (up(M, 128) * up(N, 128) * up(K, 64))
+        tiles = math.ceil(M / 128) * math.ceil(N / 128)
+        tile *= tiles / (hw.sms * math.ceil(tiles / hw.sms))
     flops = 2.0 * M * K * N
     return max(flops / (peak * (hw.gemm_efficiency or GEMM_EFFICIENCY) * tile),
                2.0 * (M * K + K * N + M * N) / (hw.hbm_bytes_per_s * (hw.hbm_efficiency or HBM_EFFICIENCY))) \
-        + KERNEL_LAUNCH_S
+        + (0.0 if hw.op_overhead_s else KERNEL_LAUNCH_S)
 
 
 def elementwise_bytes(m, tokens: float, tp: int, sp: bool) -> float:
@@ -143,7 +207,7 @@ def elementwise_bytes(m, tokens: float, tp: int, sp: bool) -> float:
 def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac: str = "none",
               precision: str = "bf16", fp8_all_gather: bool = False) -> dict:
     """Seconds of one optimizer step of ``batch`` sequences of ``seq_len`` tokens on layout ``par`` (every rank
-    alike; under pipelining the stages are taken as balanced, ``1 / pp`` of the model each).
+    alike; under pipelining the slowest rank's ``v ceil(n_layers / (pp v))`` blocks set the pace).
 
     ``micro``: sequences per micro-batch; ``ac``: :data:`AC_RECOMPUTE`; ``precision``: ``bf16``, ``fp8``
     (the blocks' linear layers at the fp8 peak plus the casts' bytes, torchtitan's Float8 recipe with dynamic
@@ -171,42 +235,82 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     peak, peak_mm = hw.peak_bf16_flops, hw.peak_fp8_flops if precision == "fp8" else hw.peak_bf16_flops
     a = 4 if precision == "fp32" else 2  # bytes of an activation and of a gathered weight
     hbm = hw.hbm_bytes_per_s * (hw.hbm_efficiency or HBM_EFFICIENCY)
-    layers = s.n_layers / p  # blocks per rank, balanced
-
     # compute of one micro-batch on this rank, forward; backward is 2x (attention 2.5x: flash-attention's five
     # matmuls to the forward's two)
     gemms = gemm_shapes(s, int(tok), t)
-    block_mm = sum(gemm_s(M, K, N, peak_mm, hw) for name, M, K, N in gemms if name != "head")
+    blk_g = [gemm_s(M, K, N, peak_mm, hw) for name, M, K, N in gemms if name != "head"]  # qkv, wo, w1w3, w2
+    block_mm = sum(blk_g)
     head_mm = next(gemm_s(M, K, N, peak, hw) for name, M, K, N in gemms if name == "head")
     attn = attention_flops(s, tok, seq_len, t) / (peak * (hw.attention_efficiency or ATTENTION_EFFICIENCY))
     elem = elementwise_bytes(s, tok, t, sp) / hbm
-    if precision == "fp8":  # dynamic scaling: an amax pass (read 2) and a cast (read 2, write 1) per operand,
-        # forward (each linear's input and weight) and backward (output gradients, weights again transposed)
+    if precision == "fp8":  # tensorwise dynamic scaling (torchao Float8Linear): each activation operand, forward
+        # (each linear's input) and backward (its output gradient), needs its amax, then a cast; torch.compile
+        # fuses the amax into the kernel that produces the operand, leaving the cast (read 2, write 1). Weights:
+        # gathered in fp8 by FSDP2 (fp8_all_gather) they need only the backward's transposed copy (read 1,
+        # write 1), else an amax and a cast each pass (5 bytes a weight, twice)
         q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
         ins, outs = 2 * s.d_model + (q + s.d_ff) / t, (q + 2 * kv + 2 * s.d_ff) / t + 2 * s.d_model
-        elem += (5 * tok * (ins + outs) + 2 * 5 * block_matmul_params(s) / t) / hbm
-    loss = tok * (2 + 4 + 4) * s.vocab_size / t / hbm  # logits, fp32 log-softmax, its gradient
-    fwd_block = block_mm + attn + elem
-    bwd_block = 2 * block_mm + 2.5 * attn + 2 * elem
+        elem += (3 * tok * (ins + outs) + (2 if fp8_all_gather else 10) * block_matmul_params(s) / t) / hbm
+    # the loss: the logits' bytes (bf16 logits, fp32 log-softmax, its gradient) forward and backward, or the
+    # profile's measured cross-entropy rate (on a CPU the exponentials bound it)
+    loss = (tok * s.vocab_size / t / hw.loss_elements_per_s / 2 if hw.loss_elements_per_s
+            else tok * (2 + 4 + 4) * s.vocab_size / t / hbm)
+    # a measured per-operator cost (eager PyTorch's dispatch on a CPU; the GEMMs' launch cost is then in it)
+    f_ops, b_ops = block_ops(s)
+    op_s = hw.op_overhead_s
+    fwd_block = block_mm + attn + elem + f_ops * op_s
+    bwd_block = 2 * block_mm + 2.5 * attn + 2 * elem + b_ops * op_s
     recompute = {"none": 0.0, "selective": elem, "op": block_mm / 2 + elem, "full": fwd_block}[ac]
-    head = (3 * head_mm + 2 * loss) / p  # the last stage's; balanced over the stages
-    compute = n_micro * (layers * (fwd_block + bwd_block) + head)
+    # forward and backward of the output head and the loss, on the last stage
+    head = 3 * head_mm + 2 * loss + sum(BASE_OPS) * op_s
+    layers, heads = pipeline_pace(s.n_layers, p, par.virtual if p > 1 else 1,
+                                  head / (fwd_block + bwd_block + recompute))
+    compute = n_micro * (layers * (fwd_block + bwd_block) + heads * head)
     recompute_s = n_micro * layers * recompute
 
-    # tensor parallel: per block two all-reduces forward, two backward (or all-gather + reduce-scatter with SP:
-    # the same bytes), one more pair forward under full recomputation
+    # tensor parallel. With SP (torchtitan's; densetrain's parallel.sequence_parallel) per block an all-gather
+    # before each column-parallel group (q/k/v; w1/w3) and a reduce-scatter after each row-parallel GEMM (wo, w2),
+    # forward; the same pair backward (the groups' input gradients summed before the one reduce-scatter); again in
+    # a full recomputation. Without SP (densetrain's default) the forward all-reduces the row-parallel outputs
+    # (2 a block) and the backward each column-parallel linear's input gradient on its own (wq, wk, wv, w1, w3:
+    # 5 a block), as counted on a real 2-rank gloo step (tests/test_plan_cost.py); plus, once a micro-batch, the
+    # embedding's output (forward), the head's input gradient (backward) and the vocabulary-parallel loss's two
+    # fp32 per-token reductions. AsyncTP (with SP) splits each collective in tp pieces, each moving beside the
+    # GEMM on the piece before it: the first piece and what the GEMM cannot cover stay exposed.
+    # Float8 with SP (torchao's PrepareFloat8ModuleInput / Float8ColwiseParallel, as torchtitan uses them): the
+    # forward's all-gathers carry the activation already cast to fp8, 1 byte; reduce-scatters stay bf16.
     act = tok * s.d_model * a
     bw_tp, lat_tp, where_tp = link(hw, 1, t)
-    per_tp = collective_s("all_reduce", act, t, bw_tp, lat_tp)
-    tp_calls = 4 + (2 if ac == "full" else 0)
-    tp_s = n_micro * layers * tp_calls * per_tp
-    tp_bytes = n_micro * layers * tp_calls * bus_bytes("all_reduce", act, t)
+    half = collective_s("all_gather", act, t, bw_tp, lat_tp)  # one all-gather or reduce-scatter of act
+    ar = collective_s("all_reduce", act, t, bw_tp, lat_tp)
+    if precision == "fp8" and sp:  # the forward passes' two all-gathers at half the bytes: 3/4 of 4 halves
+        half_fwd = (half + collective_s("all_gather", act / a, t, bw_tp, lat_tp)) / 2
+    else:
+        half_fwd = half
+    fwd_passes = 1 + (1 if ac == "full" else 0)  # forward, recomputed forward; the backward has 2x the GEMMs
+    wire = fwd_passes * 4 * half_fwd + 4 * half if sp else (2 * fwd_passes + 5) * ar
+    if par.async_tp and sp and t > 1:
+        exposed = lambda c, g: c / t + max(0.0, c * (t - 1) / t - g)
+        per_block = sum(fwd_passes * exposed(half_fwd, g) + exposed(half, 2 * g) for g in blk_g)
+        per_block += CONTENTION * (wire - per_block)
+    else:
+        per_block = wire
+    ends = (2 if p == 1 else 1) if t > 1 else 0  # embedding and head collectives: the pace rank's share
+    tp_s = n_micro * (layers * per_block + ends * ar
+                      + (2 * collective_s("all_reduce", 4 * tok, t, bw_tp, lat_tp) if heads and t > 1 else 0.0))
+    fwd_bytes = bus_bytes("all_reduce", act, t) * ((1 + 1 / a) / 2 if precision == "fp8" and sp else 1)
+    block_bytes = (2 * (fwd_passes * fwd_bytes + bus_bytes("all_reduce", act, t)) if sp
+                   else (2 * fwd_passes + 5) * bus_bytes("all_reduce", act, t))
+    tp_bytes = n_micro * (layers * block_bytes + ends * bus_bytes("all_reduce", act, t)
+                          + (2 * bus_bytes("all_reduce", 4 * tok, t) if heads else 0.0))
 
-    # context parallel: all-gather of the keys and values forward (again under full recomputation), reduce-scatter
-    # of their gradients backward
-    kv_local = tok * 2 * max(s.n_kv_heads // t, 1) * s.head_dim * a
+    # context parallel (CP_EXCHANGE): the keys and values of this rank's rows, gathered from the cp ranks
+    if par.cp_exchange not in CP_EXCHANGE:
+        raise ValueError(f"cp_exchange must be one of {CP_EXCHANGE}, got {par.cp_exchange!r}")
+    kv_heads = s.n_heads if par.cp_exchange == "expanded" else s.n_kv_heads
+    kv_local = tok * 2 * max(kv_heads // t, 1) * s.head_dim * a
     bw_cp, lat_cp, where_cp = link(hw, t, c)
-    cp_calls = 2 + (1 if ac == "full" else 0)
+    cp_calls = (3 if par.cp_exchange == "expanded" else 2) + (1 if ac == "full" else 0)
     cp_s = n_micro * layers * cp_calls * collective_s("all_gather", c * kv_local, c, bw_cp, lat_cp)
     cp_bytes = n_micro * layers * cp_calls * bus_bytes("all_gather", c * kv_local, c)
 
@@ -251,8 +355,10 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     share = bubble_share(p, m_call, v, par.schedule)
     bubble_s = share / (1 - share) * busy  # (pp - 1) / (v m) of the busy time
 
-    # optimizer: AdamW over the rank's fp32 shard (parameter, gradient, two moments read and written)
-    optim_s = 28 * params / max(n_sh, 1) / hbm
+    # optimizer: AdamW over the rank's fp32 shard. Fused (densetrain's choice for bf16 runs, densetrain/optim.py):
+    # parameter, gradient and two moments read, three written, 28 bytes a parameter. foreach (its choice for fp32
+    # runs): eight passes (weight decay, lerp, mul + addcmul, sqrt, div, add eps, addcdiv), 84 bytes
+    optim_s = (84 if precision == "fp32" else 28) * params / max(n_sh, 1) / hbm + optimizer_ops(s, layers) * op_s
     parts = {"compute": compute, "recompute": recompute_s, "tp": tp_s, "cp": cp_s, "dp": dp_s, "pp": pp_s,
              "bubble": bubble_s, "optimizer": optim_s}
     step = sum(parts.values())

@@ -7,9 +7,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from densetrain.config import Config, parse_overrides
 from densetrain.cost import measured_hardware, write_hardware
@@ -76,16 +79,125 @@ def check_profile_path(path: str) -> None:
                           "to write (.toml or .json) in an existing directory")
 
 
+class _OpCount(TorchDispatchMode):
+    """Counts the operators (aten calls) run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def op_overhead(device: torch.device, seconds: float = 0.05, trials: int = 3, clock=time.perf_counter) -> float:
+    """Fixed seconds one operator costs beside its work (eager PyTorch's dispatch, autograd bookkeeping,
+    allocation, a thread-pool wake-up; a kernel launch on a GPU): a chain of 16 small autograd steps
+    (``silu(x) * 0.5 + x``), forward and backward, timed at two sizes (1 Ki and 16 Ki fp32 elements); the
+    per-operator time at zero elements by the line through the two (the fastest of ``trials`` tries each,
+    ~``seconds`` per try by ``clock``: wall seconds; ``time.process_time`` gives CPU seconds). Read by the cost
+    model as ``Hardware.op_overhead_s``."""
+    def chain(n: int):
+        x = torch.ones(n, device=device, requires_grad=True)
+
+        def run():
+            y = x
+            for _ in range(16):
+                y = F.silu(y) * 0.5 + y
+            y.sum().backward()
+        return run
+
+    per_op = {}
+    for n in (1024, 16384):
+        run = chain(n)
+        count = _OpCount()
+        with count:
+            run()
+        best = float("inf")
+        for _ in range(trials):
+            calls, t0 = 0, clock()
+            while clock() - t0 < seconds:
+                run()
+                calls += 1
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, (clock() - t0) / calls / count.n)
+        per_op[n] = best
+    slope = (per_op[16384] - per_op[1024]) / (16384 - 1024)
+    return max(per_op[1024] - slope * 1024, 0.0)
+
+
+def training_gemm_rate(device: torch.device, seconds: float = 0.05, trials: int = 3, clock=time.perf_counter,
+                       n: int = 512) -> float:
+    """FLOP/s of a linear layer's training GEMMs: ``F.linear`` of ``n x n`` by ``n x n`` forward and its two
+    backward GEMMs (input and weight gradients, transposed operands), fp32, ``6 n^3`` FLOPs a call; the
+    fastest of ``trials`` tries of ~``seconds`` by ``clock``: the rate a training step's GEMMs run at, transposed
+    operands included (on this CPU, fp32, one thread: 57 GFLOP/s at n = 128, 86 at 256 and 512, 91 at 768)."""
+    x = torch.full((n, n), 0.01, device=device, requires_grad=True)
+    w = torch.full((n, n), 0.02, device=device, requires_grad=True)
+
+    def run():
+        F.linear(x, w).sum().backward()
+    return 6.0 * n**3 / _fastest(run, device, seconds, trials, clock)
+
+
+def loss_rate(device: torch.device, seconds: float = 0.05, trials: int = 3, clock=time.perf_counter,
+              vocab: int = 8192, rows: int = 256) -> float:
+    """Logits a second through the cross-entropy's forward and backward (``rows x vocab`` fp32), the fastest
+    of ``trials`` tries by ``clock``: on a CPU the exponentials bound it, which the logits' bytes understate."""
+    logits = torch.zeros(rows, vocab, device=device, requires_grad=True)
+    y = torch.zeros(rows, dtype=torch.long, device=device)
+
+    def run():
+        F.cross_entropy(logits, y).backward()
+    return rows * vocab / _fastest(run, device, seconds, trials, clock)
+
+
+def attention_rate(device: torch.device, seconds: float = 0.05, trials: int = 3, clock=time.perf_counter,
+                   seq_len: int = 512, heads: int = 4, head_dim: int = 64) -> float:
+    """FLOP/s of causal ``F.scaled_dot_product_attention`` forward and backward (fp32, one sequence of
+    ``seq_len``), counting the executed FLOPs as the cost model does (``QK^T`` and ``AV`` over half the keys,
+    the backward 2.5x the forward); the fastest of ``trials`` tries by ``clock``."""
+    q, k, v = (torch.full((1, heads, seq_len, head_dim), 0.01, device=device, requires_grad=True) for _ in range(3))
+
+    def run():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    return 3.5 * 4.0 * seq_len * (seq_len / 2) * heads * head_dim / _fastest(run, device, seconds, trials, clock)
+
+
+def _fastest(run, device: torch.device, seconds: float, trials: int, clock) -> float:
+    """Seconds of one ``run()``: the fastest of ``trials`` tries of ~``seconds`` each by ``clock``."""
+    run()
+    best = float("inf")
+    for _ in range(trials):
+        calls, t0 = 0, clock()
+        while clock() - t0 < seconds:
+            run()
+            calls += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, (clock() - t0) / calls)
+    return best
+
+
 def write_profile(rows, info, path: str) -> str:
     """``doctor --profile FILE``: a :class:`densetrain.cost.Hardware` profile of this machine from the ranks'
-    median matmul rate and memory bandwidth and the slowest group's all-reduce bus bandwidth; returns the path."""
+    median matmul rate and memory bandwidth, the slowest group's all-reduce bus bandwidth and one-element
+    latency (half of it a ring step on 2 ranks, ``1 / (2 (n - 1))`` on ``n``), and this rank's
+    :func:`op_overhead`; returns the path."""
     def med(k):
         return statistics.median(r.figures[k] for r in rows)
 
     links = [med(k) for k in rows[0].figures if k.endswith("/all_reduce")]
+    world = len(rows)
+    lats = [med(k) / (2 * max(world - 1, 1)) for k in rows[0].figures if k.endswith("/all_reduce_lat")]
     memory = (torch.cuda.get_device_properties(info.device).total_memory if info.device.type == "cuda"
               else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / 1024**3
     hw = measured_hardware(med("matmul"), med("memory"), min(links) if links else None,
                            int(os.environ.get("LOCAL_WORLD_SIZE", "1")), round(memory, 1),
-                           f"this machine ({rows[0].host}, {info.device.type}, {len(rows)} rank(s))")
+                           f"this machine ({rows[0].host}, {info.device.type}, {len(rows)} rank(s))",
+                           op_overhead(info.device), max(lats) if lats else None,
+                           loss_rate(info.device) if info.device.type == "cpu" else 0.0,
+                           attention_rate(info.device) if info.device.type == "cpu" else 0.0)
     return str(write_hardware(hw, path))
