@@ -19,6 +19,7 @@ one set of functions, used by the shard reader, the checkpointer and the run-fil
   batch's windows, which the sampler names (:meth:`RemoteArray.prefetch`, a window of one batch), and after a
   miss the next :data:`PREFETCH_BLOCKS` (file order). Hits and misses are counted (``store_cache_hits``,
   ``store_cache_misses``: blocks asked for by a read; a block being prefetched counts as a hit).
+  A background fetch that fails (an outage past the retry budget) is raised by the next read of that block, once.
 - **Digests once** (:func:`sha256`): a remote file's sha256 is computed by one streaming read (which also
   fills the cache) and remembered in the cache under its ETag, so a later run does not read it again.
 - **Trees** (:func:`put_tree`, :func:`get_tree`, :func:`remove_tree`): a folder is uploaded with its marker
@@ -349,6 +350,7 @@ class RemoteArray:
         self.shape = (self.size,)
         self.key = cache_key(path, version)
         self._inflight: dict[int, object] = {}
+        self._failed: dict[int, BaseException] = {}  # block -> its background fetch's error, not yet raised
         self._ilock = threading.Lock()
 
     def _fetch(self, block: int) -> bytes:
@@ -372,7 +374,9 @@ class RemoteArray:
             _count("store_cache_hits")
             return data
         with self._ilock:
-            fut = self._inflight.get(block)
+            fut, failed = self._inflight.get(block), self._failed.pop(block, None)
+        if failed is not None:  # its prefetch failed (an outage past the retry budget): said here, once
+            raise failed
         if fut is not None:  # being prefetched: wait for it rather than fetching twice
             _count("store_cache_hits")
             return fut.result()[lo:hi]
@@ -391,7 +395,8 @@ class RemoteArray:
                     continue
                 fut = pool.submit(self._fetch, b)
                 self._inflight[b] = fut
-            fut.add_done_callback(lambda _, b=b: self._drop(b))
+                self._failed.pop(b, None)  # fetched again: an earlier failure is no longer news
+            fut.add_done_callback(lambda f, b=b: self._drop(b, f))
 
     def prefetch(self, a: int, b: int) -> None:
         """Fetch the blocks holding elements ``[a, b)`` in the background (the windows of the next batch)."""
@@ -399,9 +404,13 @@ class RemoteArray:
         if hi > lo:
             self._submit(range(lo // BLOCK_BYTES, (hi - 1) // BLOCK_BYTES + 1))
 
-    def _drop(self, block: int) -> None:
+    def _drop(self, block: int, fut) -> None:
+        """A background fetch ended: a failure is kept for the next read of that block to raise (a prefetch that
+        waited out the retry budget is an outage the reader must hear of, not a lost exception in a thread)."""
         with self._ilock:
             self._inflight.pop(block, None)
+            if not fut.cancelled() and fut.exception() is not None:
+                self._failed[block] = fut.exception()
 
     def __len__(self) -> int:
         return self.size

@@ -164,9 +164,10 @@ OV = {"train.steps": 8, "checkpoint.every": 2, "checkpoint.keep": 2, "eval.every
 SLOW = [{"kind": "slow_rank", "step": 0, "rank": 0, "ms": 300}]  # only sleeps: the trajectory is unchanged
 
 
-def start(argv: list[str], proxy: FaultProxy) -> list:
-    """``densetrain train ARGV`` as two gloo ranks whose store is reached through ``proxy``."""
-    old = environ_set({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"})
+def start(argv: list[str], proxy: FaultProxy, **env: str) -> list:
+    """``densetrain train ARGV`` as two gloo ranks whose store is reached through ``proxy`` (``env``: more
+    variables of their environment)."""
+    old = environ_set({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}", **env})
     try:
         return start_train(argv, world=2)
     finally:
@@ -185,15 +186,24 @@ def _remote_steps(url) -> list[int]:
     return [s for s, _ in mirror.remote_complete(url)]
 
 
-def test_two_ranks_from_the_store_survive_kill_and_outage_and_resume_bitwise(store, remote_shards, prepared,
-                                                                            tmp_path):
-    proxy, bucket = store
+@pytest.fixture(scope="module")
+def reference(store, remote_shards, prepared, tmp_path_factory):
+    """The trajectory of an uninterrupted 2-rank run of OV reading the store's shards (checkpoints local)."""
     _, make = prepared
-    ref_cfg = make(tmp_path / "ref", **OV, **{"data.shards_dir": remote_shards}, faults=SLOW)
-    res = finish(start(fresh(ref_cfg, tmp_path), proxy))
+    tmp = tmp_path_factory.mktemp("reference")
+    ref_cfg = make(tmp / "ref", **OV, **{"data.shards_dir": remote_shards}, faults=SLOW)
+    res = finish(start(fresh(ref_cfg, tmp), store[0]))
     assert [rc for rc, _ in res] == [0, 0], [e[-3000:] for _, e in res]
     want = trajectory(Path(ref_cfg.train.run_dir))
     assert sorted(want) == list(range(1, 9))
+    return want
+
+
+def test_two_ranks_from_the_store_survive_kill_and_outage_and_resume_bitwise(store, remote_shards, prepared,
+                                                                            reference, tmp_path):
+    proxy, bucket = store
+    _, make = prepared
+    want = reference
 
     url = f"{bucket}/run/checkpoints"
     cfg = make(tmp_path / "run", **OV, **{"data.shards_dir": remote_shards, "checkpoint.dir": url}, faults=SLOW)
@@ -247,3 +257,43 @@ def test_two_ranks_from_the_store_survive_kill_and_outage_and_resume_bitwise(sto
     assert main(["export", str(run / "checkpoints" / "step_00000008"), str(tmp_path / "hf_local")]) == 0
     assert (tmp_path / "hf_remote" / "model.safetensors").read_bytes() == \
         (tmp_path / "hf_local" / "model.safetensors").read_bytes()
+
+
+def test_an_outage_of_shard_reads_stops_every_rank_at_a_step_and_the_same_command_resumes_bitwise(
+        store, remote_shards, prepared, reference, tmp_path):
+    """The shards' store stops answering range reads mid-run (longer than the retry budget) while it still takes
+    the checkpoints: both ranks stop at one step boundary with exit 75 and that step's checkpoint, written and
+    uploaded; once the store answers again the same command finishes the run bitwise as if never stopped."""
+    proxy, bucket = store
+    _, make = prepared
+    url = f"{bucket}/readout/checkpoints"
+    cfg = make(tmp_path / "run", **OV, **{"data.shards_dir": remote_shards, "checkpoint.dir": url}, faults=SLOW)
+    run, argv = Path(cfg.train.run_dir), fresh(cfg, tmp_path)
+    # A cache of their own that keeps no block: every training window is a range read of the store.
+    env = {"DENSETRAIN_STORE_CACHE": str(tmp_path / "cache"), "DENSETRAIN_STORE_CACHE_MIB": "0",
+           "DENSETRAIN_STORE_TIMEOUT_S": "3", "DENSETRAIN_STORE_RETRY_S": "5"}
+    procs = start(argv, proxy, **env)
+    _wait(lambda: any(r["kind"] == "train" and r["step"] >= 2 for r in read_metrics(run)), procs, "step 2")
+    base = proxy.faults
+    proxy.faulty("stall", 3600, only=f"GET /{bucket[len('s3://'):]}/shards/".encode())  # the shards' objects only
+    try:
+        res = finish(procs)
+    finally:
+        proxy.faulty("pass", 0)
+    assert proxy.faults > base
+    assert [rc for rc, _ in res] == [EXIT_PREEMPTED] * 2, [e[-3000:] for _, e in res]
+    (stop,) = [e for e in read_events(run) if e.get("kind") == "preempt"]
+    step = stop["step"]
+    assert 2 <= step < 8 and stop["values"]["checkpoint"] == f"step_{step:08d}"
+    assert stop["values"]["error"].startswith(("rank 0: s3://", "rank 1: s3://")) and \
+        "the object store did not answer" in stop["values"]["error"]
+    last = res[0][1].strip().splitlines()[-1]
+    assert last == (f"densetrain: stopped by an outage of {remote_shards} after step {step} (checkpoint "
+                    f"step_{step:08d} written); continue with: densetrain train --resume {run}"), last
+    assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"] == list(range(1, step + 1))
+    assert list_complete(run)[-1][0] == step and _remote_steps(url)[-1] == step  # uploaded: that store answered
+
+    res = finish(start(argv, proxy, **env))  # the store answers again: the same command finishes the run
+    assert [rc for rc, _ in res] == [0, 0], [e[-3000:] for _, e in res]
+    assert trajectory(run) == reference
+    assert _remote_steps(url) == [6, 8]
