@@ -121,6 +121,32 @@ def test_range_reads_through_a_bounded_cache(store, tmp_path, monkeypatch):
     assert 0 < held <= 3 << 20
 
 
+def test_a_failed_prefetch_is_raised_by_the_next_read_of_its_block(store, tmp_path, monkeypatch):
+    proxy, bucket = store
+    data = np.arange(3 << 19, dtype=np.uint16)  # 3 MiB: 3 blocks
+    storage.write_bytes(f"{bucket}/prefetch/a.ds", data.tobytes())
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    monkeypatch.setenv("DENSETRAIN_STORE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DENSETRAIN_STORE_RETRY_S", "1")
+    for name in ("_fs_cache", "_cache", "_pool"):  # a client of the proxy, an empty cache, a pool of this test
+        monkeypatch.setattr(storage, name, {} if name == "_fs_cache" else None)
+    arr = storage.open_array(f"{bucket}/prefetch/a.ds", np.uint16)
+    proxy.faulty("503", 60)
+    try:
+        arr.prefetch(1 << 19, 1 << 20)  # block 1, in the background: it fails past the 1 s budget
+        t0 = time.monotonic()
+        while arr._inflight:
+            assert time.monotonic() - t0 < 30
+            time.sleep(0.05)
+    finally:
+        proxy.faulty("pass", 0)
+    with pytest.raises(storage.StoreUnavailable):  # the store answers again, but the failure is not lost
+        arr[(1 << 19) + 5:(1 << 19) + 10]
+    assert np.array_equal(arr[(1 << 19) + 5:(1 << 19) + 10], data[(1 << 19) + 5:(1 << 19) + 10])  # said once
+    assert np.array_equal(arr[0:10], data[0:10])
+    storage._shared()[1].shutdown(wait=True)
+
+
 def test_a_read_that_fails_leaves_the_sampler_where_it_was(remote_shards, prepared, tmp_path, monkeypatch):
     from densetrain.data.mixture import MixtureSampler
 
