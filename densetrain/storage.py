@@ -22,8 +22,9 @@ one set of functions, used by the shard reader, the checkpointer and the run-fil
   A background fetch that fails (an outage past the retry budget) is raised by the next read of that block, once.
 - **Digests once** (:func:`sha256`): a remote file's sha256 is computed by one streaming read (which also
   fills the cache) and remembered in the cache under its ETag, so a later run does not read it again.
-- **Trees** (:func:`put_tree`, :func:`get_tree`, :func:`remove_tree`): a folder is uploaded with its marker
-  files last (``last``), so a reader that waits for the marker never reads a partial upload.
+- **Trees** (:func:`put_tree`, :func:`get_tree`, :func:`move_tree`, :func:`remove_tree`): a folder is uploaded
+  (or moved) with its marker files last (``last``), so a reader that waits for the marker never reads a partial
+  upload.
 """
 
 from __future__ import annotations
@@ -529,6 +530,27 @@ def remove_tree(path) -> None:
     fs, p = _fs(path)
     with contextlib.suppress(FileNotFoundError):
         retrying(str(path), fs.rm, p, recursive=True)
+
+
+def move_tree(source, target, last: tuple[str, ...] = ()) -> None:
+    """Move folder ``source`` to ``target`` (on the same store; ``target`` must not exist). Locally one rename. An
+    object store has no rename: the files named in ``last`` (in ``source`` itself) are deleted first and written
+    to ``target`` after all others, so that while the objects are copied (on the store's side) and deleted, neither
+    folder is listed as holding them (a reader waits for the marker, :func:`put_tree`).
+
+    Raises: StoreUnavailable; OSError."""
+    if not is_remote(source):
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(source, target)
+        return
+    fs, p = _fs(source)
+    held = {n: read_bytes(join(source, n), 16 << 20) for n in last if isfile(join(source, n))}
+    for n in held:
+        retrying(str(source), fs.rm_file, f"{p}/{n}")
+    retrying(str(source), fs.copy, p, _fs(target)[1], recursive=True)
+    for n, data in held.items():
+        write_bytes(join(target, n), data)
+    remove_tree(source)
 
 
 def staging_dir(target) -> Path:

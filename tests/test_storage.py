@@ -7,6 +7,7 @@ localhost, behind a fault-injecting TCP proxy; tests/store_server.py), through s
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import time
@@ -323,3 +324,76 @@ def test_an_outage_of_shard_reads_stops_every_rank_at_a_step_and_the_same_comman
     assert [rc for rc, _ in res] == [0, 0], [e[-3000:] for _, e in res]
     assert trajectory(run) == reference
     assert _remote_steps(url) == [6, 8]
+
+
+# ------------------------------------------------------------------------------------------------------
+# Rollbacks with checkpoints in the store; replay and blame of such a run
+# ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def remote_run(store, remote_shards, prepared, tmp_path_factory):
+    """(config, checkpoint.dir URL, trajectory): a 1-process run of 6 steps whose checkpoints (every 2, keep 2)
+    are uploaded to the store."""
+    from densetrain.train import train
+
+    _, make = prepared
+    tmp = tmp_path_factory.mktemp("remote_run")
+    url = f"{store[1]}/remote_run/checkpoints"
+    cfg = make(tmp, **{**OV, "train.resume": "", "train.steps": 6, "data.shards_dir": remote_shards,
+                       "checkpoint.dir": url})
+    train(cfg)
+    assert _remote_steps(url) == [4, 6]
+    return cfg, url, trajectory(Path(cfg.train.run_dir))
+
+
+def test_a_rollback_sets_aside_the_store_copies_too_and_a_resume_never_fetches_them(remote_run, store, tmp_path):
+    from densetrain.train import train
+
+    cfg0, url0, want = remote_run
+    cfg = copy.deepcopy(cfg0)  # a run of its own: the module's run stays as it is for replay and blame
+    run = tmp_path / "run"
+    shutil.copytree(cfg0.train.run_dir, run)
+    cfg.train.run_dir, cfg.checkpoint.dir = str(run), f"{store[1]}/rollback/checkpoints"
+    storage.put_tree(run / "checkpoints", cfg.checkpoint.dir, last=("COMPLETE",))
+    (run / "config.toml").write_text((run / "config.toml").read_text().replace(url0, cfg.checkpoint.dir))
+    url = cfg.checkpoint.dir
+    assert _remote_steps(url) == [4, 6]
+
+    # --rollback-to 4, stopped before its first new step (no new upload): the store's step 6 is set aside at once
+    train(cfg, resume=True, rollback_to=4, stop_after=4)
+    assert [s for s, _ in list_complete(run)] == [4] and _remote_steps(url) == [4]
+    assert storage.listdir(f"{url}/set_aside") == ["step_00000006"]
+    assert storage.read_bytes(f"{url}/set_aside/step_00000006/COMPLETE", 1 << 20) == \
+        (run / "checkpoints_set_aside" / "step_00000006" / "COMPLETE").read_bytes()
+    assert not (run / "checkpoints_set_aside" / mirror.PENDING).exists()
+
+    # A fresh machine: the resume fetches step 4 (not the set-aside 6) and trains 5 and 6 again, bitwise
+    shutil.rmtree(run / "checkpoints")
+    train(cfg, resume=True)
+    assert trajectory(run) == want
+    assert _remote_steps(url) == [4, 6] and storage.listdir(f"{url}/set_aside") == ["step_00000006"]
+
+
+def test_a_rollback_the_store_missed_is_set_aside_there_by_the_next_resume(remote_run, store, tmp_path, monkeypatch):
+    from densetrain.train.rundir import set_aside_future
+
+    cfg0, url0, _ = remote_run
+    run, url = tmp_path / "run", f"{store[1]}/missed/checkpoints"
+    shutil.copytree(cfg0.train.run_dir, run)
+    storage.put_tree(run / "checkpoints", url, last=("COMPLETE",))
+    # The rollback to 4 meets a store that does not answer: the local side is done, the store's is recorded.
+    proxy = store[0]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    monkeypatch.setenv("DENSETRAIN_STORE_RETRY_S", "1")
+    monkeypatch.setattr(storage, "_fs_cache", {})
+    proxy.faulty("503", 60)
+    try:
+        set_aside_future(run, 4, True, url)
+    finally:
+        proxy.faulty("pass", 0)
+    assert [s for s, _ in list_complete(run)] == [4] and _remote_steps(url) == [4, 6]
+    assert json.loads((run / "checkpoints_set_aside" / mirror.PENDING).read_text()) == {"after_step": 4}
+    # The next resume (here: its fetch) sets the store's 6 aside before anything else and fetches nothing newer.
+    assert mirror.fetch_newest(run, url) is None
+    assert _remote_steps(url) == [4] and storage.listdir(f"{url}/set_aside") == ["step_00000006"]
+    assert not (run / "checkpoints_set_aside" / mirror.PENDING).exists()

@@ -165,13 +165,15 @@ def rollback(run: Run, result: StepResult) -> None:
             the checkpoints, so no lr advice).
     """
     run.checkpointer.finish_pending(run.log)  # a save in flight is set aside below like any later one
+    run.checkpointer.finish_pending(run.log)  # and its upload (started by the call above): none in flight below
     before = result.rollback_before if result.rollback_before is not None else result.index
     done = [(s, p) for s, p in list_complete(run.run_dir) if s <= before]
     if not done:
         raise TrainError(f"step {result.index}: trouble since step {before} and no checkpoint at or before it to "
                          f"roll back to; lower optim.peak_lr or save checkpoints more often (checkpoint.every)")
     for k, (step, path) in enumerate(reversed(done)):
-        set_aside_future(run.run_dir, step, run.info.is_main)  # and the files made from the steps after it
+        # and the files made from the steps after it, and their copies in checkpoint.dir
+        set_aside_future(run.run_dir, step, run.info.is_main, run.checkpointer.remote)
         try:
             saved = load_checkpoint(path, run.model, run.optimizer)
             break
