@@ -397,3 +397,24 @@ def test_a_rollback_the_store_missed_is_set_aside_there_by_the_next_resume(remot
     assert mirror.fetch_newest(run, url) is None
     assert _remote_steps(url) == [4] and storage.listdir(f"{url}/set_aside") == ["step_00000006"]
     assert not (run / "checkpoints_set_aside" / mirror.PENDING).exists()
+
+
+def test_replay_and_blame_fetch_the_checkpoint_they_need_from_the_store(remote_run, tmp_path):
+    from densetrain.tools.blame import blame
+    from densetrain.tools.replay import replay
+
+    cfg, url, _ = remote_run
+    run = tmp_path / "run"  # the run directory without its checkpoints: they live in checkpoint.dir only
+    shutil.copytree(cfg.train.run_dir, run, ignore=shutil.ignore_patterns("checkpoints*"))
+    local = tmp_path / "local"  # the same run with its checkpoints, and without the store
+    shutil.copytree(cfg.train.run_dir, local)
+    (local / "config.toml").write_text((local / "config.toml").read_text().replace(url, ""))
+    assert list_complete(run) == [] and _remote_steps(url) == [4, 6]
+    got, want = replay(run, 6), replay(local, 6)  # from step_00000004, fetched
+    assert got["checkpoint"] == want["checkpoint"] == "step_00000004" and got["reproduced"]
+    assert got["replayed"] == want["replayed"] and got["logged"] == want["logged"]
+    b_got, b_want = blame(run, 5), blame(local, 5)
+    (rec,) = [r for r in read_metrics(run) if r["kind"] == "train" and r["step"] == 5]
+    assert b_got == b_want and b_got["sample_index"] == rec["sample_index"] and len(b_got["samples"]) == 8
+    (part,) = (storage.cache_dir() / "runs").glob("*/partial/step_00000004")  # blame: the sampler state only
+    assert sorted(p.name for p in part.iterdir()) == [".metadata", "COMPLETE", "trainer_state.json"]

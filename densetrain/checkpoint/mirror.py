@@ -185,11 +185,23 @@ def open_store(run_dir: Path, root, resume: bool, at: int | None = None) -> str 
     return fetched
 
 
-def localize(path) -> str | Path:
+def run_checkpoints(run_dir: Path, root) -> list[tuple[int, Path | str]]:
+    """The complete checkpoints of run ``run_dir`` as ``[(step, path), ...]`` sorted by step: its own, and with
+    ``checkpoint.dir`` = ``root`` ('' none) those of the store that it lacks (their URLs; :func:`localize` one to
+    read it). For ``replay`` and ``blame``, whose run directory may keep only the metrics.
+
+    Raises: StoreUnavailable; OSError."""
+    local = dict(list_complete(run_dir))
+    remote = {s: url for s, url in remote_complete(root) if s not in local} if root else {}
+    return sorted({**remote, **local}.items())
+
+
+def localize(path, names: tuple[str, ...] | None = None) -> str | Path:
     """``eval`` / ``export``'s checkpoint argument as a local path: itself when local; for a URL of one
     checkpoint (``.../step_XXXXXXXX``) or of a ``checkpoint.dir`` (its newest complete one), a copy in the
     cache laid out as a run directory (``config.toml`` + ``checkpoints/step_XXXXXXXX``), the checkpoint's
-    path returned. Fetched once per checkpoint (the copy is kept while complete).
+    path returned. Fetched once per checkpoint (the copy is kept while complete). With ``names``, only those
+    files and the marker (``blame`` reads the sampler state, not the weights), in ``partial/step_XXXXXXXX``.
 
     Raises: TrainError: the URL holds no complete checkpoint. StoreUnavailable; OSError."""
     if not storage.is_remote(path):
@@ -207,8 +219,15 @@ def localize(path) -> str | Path:
         root, url = path, done[-1][1]
     marker = storage.read_bytes(storage.join(url, "COMPLETE"), 16 << 20)
     run = storage.cache_dir() / "runs" / storage.cache_key(root, "run")
-    local = run / "checkpoints" / storage.name(url)
-    if not ((local / "COMPLETE").is_file() and (local / "COMPLETE").read_bytes() == marker):
+    local = run / ("checkpoints" if names is None else "partial") / storage.name(url)
+    same = (local / "COMPLETE").is_file() and (local / "COMPLETE").read_bytes() == marker
+    if names is not None:  # the files asked for that are not there yet, each written whole, the marker last
+        if not same:
+            shutil.rmtree(local, ignore_errors=True)
+        for n in (*names, "COMPLETE"):
+            if not (local / n).is_file() and storage.isfile(storage.join(url, n)):
+                atomic_write_bytes(local / n, storage.read_bytes(storage.join(url, n), 1 << 30))
+    elif not same:
         shutil.rmtree(local, ignore_errors=True)
         tmp = local.with_name(local.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
