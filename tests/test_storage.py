@@ -3,6 +3,11 @@ localhost, behind a fault-injecting TCP proxy; tests/store_server.py), through s
 
 - ``prepare`` writes shards to ``s3://``; the streams read from the URL hold the same tokens as the local
   ones, by range reads through the bounded cache, each shard's sha256 checked once per object version.
+- Faults are retried and counted; a failed background prefetch is raised by the next read of its block.
+- A 2-rank run from the store survives kill -9 mid-upload and an upload outage (exit 75), and an outage of its
+  shard reads (every rank stops at one step with exit 75), each time resumed bitwise by the same command.
+- A rollback sets aside the store's later checkpoints (also when the store was down at the rollback);
+  replay and blame fetch the checkpoint they need from ``checkpoint.dir``.
 """
 
 from __future__ import annotations

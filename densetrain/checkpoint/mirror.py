@@ -2,11 +2,13 @@
 run directory's ``checkpoints/`` stays the staging area, written with the local protocol (temp dir, fsync,
 marker, rename), and each complete checkpoint is then uploaded with its ``COMPLETE`` marker last
 (:func:`sync_up`), so a remote ``step_N`` without a marker is an upload a kill cut short: never listed, never
-read, deleted by the next upload. Retention deletes remote checkpoints as it deletes local ones.
+read, deleted by the next upload. Retention deletes remote checkpoints as it deletes local ones; a rollback sets
+aside the later ones (``checkpoint.dir/set_aside/``, :func:`set_aside_remote`) as it sets aside local ones.
 
 A resume fetches the newest remote checkpoint when the run directory has none as new (:func:`fetch_newest`:
 a new machine, a wiped disk); ``eval`` and ``export`` of a URL read a local copy in the cache
-(:func:`localize`), made of the checkpoint and the run's ``config.toml`` (uploaded beside the checkpoints).
+(:func:`localize`), made of the checkpoint and the run's ``config.toml`` (uploaded beside the checkpoints);
+``replay`` and ``blame`` of a run directory find its checkpoints in both places (:func:`run_checkpoints`).
 The marker's digests are checked on every read as for any local checkpoint (:mod:`densetrain.dcp_read`).
 
 Chosen over DCP's fsspec writer: the local staging keeps the write protocol, the digests (hashed from local
