@@ -336,11 +336,12 @@ def draw_samples(sampler: MixtureSampler, stage: Stage, keep: range | None = Non
                                 shuffle_seed=stage.shuffle_seed)
 
 
-class ReadOutage(Exception):
+class ReadOutage(StoreUnavailable):
     """A rank could not read its share of the batch: the object store holding the shards did not answer within the
     retry budget (:class:`densetrain.storage.StoreUnavailable`). Raised on every rank alike by :func:`fetch_batch`,
-    before the step's first collective, the sampler left where it was; the loop stops the run there (exit 75). The
-    message is one line: the failing rank and its error."""
+    before the step's first collective, the sampler left where it was; the loop stops the run there (exit 75),
+    other callers (``replay``) say it as the store's one line. The message is one line: the failing rank and its
+    error."""
 
 
 def fetch_batch(run, stage: Stage, keep: range) -> list[Sample]:
