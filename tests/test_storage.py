@@ -423,3 +423,19 @@ def test_replay_and_blame_fetch_the_checkpoint_they_need_from_the_store(remote_r
     assert b_got == b_want and b_got["sample_index"] == rec["sample_index"] and len(b_got["samples"]) == 8
     (part,) = (storage.cache_dir() / "runs").glob("*/partial/step_00000004")  # blame: the sampler state only
     assert sorted(p.name for p in part.iterdir()) == [".metadata", "COMPLETE", "trainer_state.json"]
+
+
+def test_a_store_that_does_not_answer_is_exit_75_in_one_line(remote_run, store, monkeypatch, capsys):
+    _, url, _ = remote_run
+    proxy = store[0]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    monkeypatch.setenv("DENSETRAIN_STORE_RETRY_S", "1")
+    monkeypatch.setattr(storage, "_fs_cache", {})
+    proxy.faulty("503", 60)
+    try:
+        rc = main(["eval", url])
+    finally:
+        proxy.faulty("pass", 0)
+    assert rc == EXIT_PREEMPTED  # a temporary failure: the same command works once the store is back
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"densetrain: error: {url}: the object store did not answer for "), last
