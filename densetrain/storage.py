@@ -103,8 +103,22 @@ def _fs(path):
                               f"'densetrain[s3]' (or gcsfs for gs://) ({e})") from None
         if hasattr(fs, "retries"):
             fs.retries = 1
+        if protocol in ("s3", "s3a"):
+            _no_expect_continue(fs)
         _fs_cache[protocol] = fs
     return fs, fs._strip_protocol(path)
+
+
+def _no_expect_continue(fs) -> None:
+    """Make s3fs's client send uploads without ``Expect: 100-continue`` (botocore adds it to every PUT with a
+    file body): aiohttp waits for the ``100 Continue`` answer with no timeout, so a store that accepts the
+    connection and then stops answering held an upload for ever (measured: 569 s until the store came back,
+    read_timeout 1 s); without it the upload's answer is waited for under ``read_timeout`` like any other."""
+    from botocore.handlers import add_expect_header
+    from fsspec.asyn import sync
+
+    sync(fs.loop, fs.set_session)  # the client, made now (no request is sent)
+    fs.s3.meta.events.unregister("before-call.s3", add_expect_header)
 
 
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)

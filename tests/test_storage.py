@@ -439,3 +439,52 @@ def test_a_store_that_does_not_answer_is_exit_75_in_one_line(remote_run, store, 
     assert rc == EXIT_PREEMPTED  # a temporary failure: the same command works once the store is back
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"densetrain: error: {url}: the object store did not answer for "), last
+
+
+def test_a_read_outage_that_also_stops_uploads_keeps_the_checkpoint_local_and_says_so(remote_shards, prepared, store,
+                                                                                     tmp_path, monkeypatch):
+    """One process whose shards and checkpoint.dir are both behind the proxy, which stops answering at step 2:
+    the read outage stops the run there; the stop's checkpoint cannot be uploaded either, which its one line
+    says (the event still carries the read's error). Before storage._no_expect_continue that upload waited for
+    ever for its "100 Continue"."""
+    import threading
+
+    from densetrain.errors import Preempted
+    from densetrain.train import train
+
+    proxy, bucket = store
+    _, make = prepared
+    url = f"{bucket}/both_down/checkpoints"
+    cfg = make(tmp_path, **{**OV, "train.resume": "", "checkpoint.every": 0, "data.shards_dir": remote_shards,
+                            "checkpoint.dir": url})  # no upload before the outage: it meets a read first
+    run = Path(cfg.train.run_dir)
+    for k, v in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}", "DENSETRAIN_STORE_CACHE": str(tmp_path / "c"),
+                 "DENSETRAIN_STORE_CACHE_MIB": "0", "DENSETRAIN_STORE_TIMEOUT_S": "1",
+                 "DENSETRAIN_STORE_RETRY_S": "2"}.items():
+        monkeypatch.setenv(k, v)
+    for name in ("_fs_cache", "_cache", "_pool"):
+        monkeypatch.setattr(storage, name, {} if name == "_fs_cache" else None)
+
+    def stall_after_step_2():
+        t0 = time.monotonic()
+        while not any(r["kind"] == "train" and r["step"] >= 2 for r in read_metrics(run)):
+            if time.monotonic() - t0 > 120:
+                return
+            time.sleep(0.02)
+        proxy.faulty("stall", 3600)
+
+    watcher = threading.Thread(target=stall_after_step_2, daemon=True)
+    watcher.start()
+    try:
+        with pytest.raises(Preempted) as e:
+            train(cfg)
+    finally:
+        proxy.faulty("pass", 0)
+        watcher.join()
+    (stop,) = [ev for ev in read_events(run) if ev.get("kind") == "preempt"]
+    step = stop["step"]
+    assert str(e.value) == (f"stopped by an outage of {url} after step {step} (checkpoint step_{step:08d} written "
+                            f"to local disk only, not uploaded); continue with: densetrain train --resume {run}")
+    assert stop["values"]["uploaded"] is False and stop["values"]["error"].startswith("rank 0: s3://")
+    assert stop["values"]["signal"] == f"an outage of {remote_shards}"
+    assert list_complete(run)[-1][0] == step and step < 8
