@@ -11,7 +11,8 @@ one set of functions, used by the shard reader, the checkpointer and the run-fil
   is retried with exponential backoff (0.2 s doubling to 5 s) for up to ``DENSETRAIN_STORE_RETRY_S`` seconds
   (default 120) in all; each retry is counted in :data:`counters` (``store_retries``, in the training
   log). Past the budget, :class:`StoreUnavailable`. Not found and permission errors are not retried.
-  The clients' own retries are turned off so that every retry is counted here.
+  The clients' own retries are turned off so that every retry is counted here. Each request waits at most
+  ``DENSETRAIN_STORE_TIMEOUT_S`` seconds (default 10) to connect and to read its answer (S3).
 - **Range reads with a bounded local cache** (:class:`RemoteArray`): a remote shard is read in 1 MiB blocks,
   each kept in a local cache directory (``DENSETRAIN_STORE_CACHE``, default ``~/.cache/densetrain/store``)
   bounded to ``DENSETRAIN_STORE_CACHE_MIB`` (default 16384 MiB; least recently used blocks go first). Blocks
