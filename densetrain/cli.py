@@ -28,6 +28,7 @@ from densetrain.errors import (
     is_disk_full,
 )
 from densetrain.fileio import json_text, mark_kind, recover_folder_swap
+from densetrain.storage import StoreUnavailable
 from densetrain.tools.contexts import (
     RUN_CONFIG_COMMANDS,
     check_path_arg,
@@ -550,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `densetrain ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except StoreUnavailable as e:  # the object store did not answer (at a start, in eval / export): a temporary
+        say_error(str(e))  # failure, as a stop on an outage is (exit 75): the same command works once it is back
+        return EXIT_PREEMPTED
     except OSError as e:  # a full disk, a read-only or unwritable path in a writer without its own handling
         say_error(f"no space left on {e.filename or 'the device'} ({e.strerror})" if is_disk_full(e) else str(e))
         return 2

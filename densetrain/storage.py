@@ -11,7 +11,8 @@ one set of functions, used by the shard reader, the checkpointer and the run-fil
   is retried with exponential backoff (0.2 s doubling to 5 s) for up to ``DENSETRAIN_STORE_RETRY_S`` seconds
   (default 120) in all; each retry is counted in :data:`counters` (``store_retries``, in the training
   log). Past the budget, :class:`StoreUnavailable`. Not found and permission errors are not retried.
-  The clients' own retries are turned off so that every retry is counted here.
+  The clients' own retries are turned off so that every retry is counted here. Each request waits at most
+  ``DENSETRAIN_STORE_TIMEOUT_S`` seconds (default 10) to connect and to read its answer (S3).
 - **Range reads with a bounded local cache** (:class:`RemoteArray`): a remote shard is read in 1 MiB blocks,
   each kept in a local cache directory (``DENSETRAIN_STORE_CACHE``, default ``~/.cache/densetrain/store``)
   bounded to ``DENSETRAIN_STORE_CACHE_MIB`` (default 16384 MiB; least recently used blocks go first). Blocks
@@ -19,10 +20,12 @@ one set of functions, used by the shard reader, the checkpointer and the run-fil
   batch's windows, which the sampler names (:meth:`RemoteArray.prefetch`, a window of one batch), and after a
   miss the next :data:`PREFETCH_BLOCKS` (file order). Hits and misses are counted (``store_cache_hits``,
   ``store_cache_misses``: blocks asked for by a read; a block being prefetched counts as a hit).
+  A background fetch that fails (an outage past the retry budget) is raised by the next read of that block, once.
 - **Digests once** (:func:`sha256`): a remote file's sha256 is computed by one streaming read (which also
   fills the cache) and remembered in the cache under its ETag, so a later run does not read it again.
-- **Trees** (:func:`put_tree`, :func:`get_tree`, :func:`remove_tree`): a folder is uploaded with its marker
-  files last (``last``), so a reader that waits for the marker never reads a partial upload.
+- **Trees** (:func:`put_tree`, :func:`get_tree`, :func:`move_tree`, :func:`remove_tree`): a folder is uploaded
+  (or moved) with its marker files last (``last``), so a reader that waits for the marker never reads a partial
+  upload.
 """
 
 from __future__ import annotations
@@ -106,8 +109,22 @@ def _fs(path):
                               f"'densetrain[s3]' (or gcsfs for gs://) ({e})") from None
         if hasattr(fs, "retries"):
             fs.retries = 1
+        if protocol in ("s3", "s3a"):
+            _no_expect_continue(fs)
         _fs_cache[protocol] = fs
     return fs, fs._strip_protocol(path)
+
+
+def _no_expect_continue(fs) -> None:
+    """Make s3fs's client send uploads without ``Expect: 100-continue`` (botocore adds it to every PUT with a
+    file body): aiohttp waits for the ``100 Continue`` answer with no timeout, so a store that accepts the
+    connection and then stops answering held an upload for ever (measured: 569 s until the store came back,
+    read_timeout 1 s); without it the upload's answer is waited for under ``read_timeout`` like any other."""
+    from botocore.handlers import add_expect_header
+    from fsspec.asyn import sync
+
+    sync(fs.loop, fs.set_session)  # the client, made now (no request is sent)
+    fs.s3.meta.events.unregister("before-call.s3", add_expect_header)
 
 
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
@@ -358,6 +375,7 @@ class RemoteArray:
         self.shape = (self.size,)
         self.key = cache_key(path, version)
         self._inflight: dict[int, object] = {}
+        self._failed: dict[int, BaseException] = {}  # block -> its background fetch's error, not yet raised
         self._ilock = threading.Lock()
 
     def _fetch(self, block: int) -> bytes:
@@ -381,7 +399,9 @@ class RemoteArray:
             _count("store_cache_hits")
             return data
         with self._ilock:
-            fut = self._inflight.get(block)
+            fut, failed = self._inflight.get(block), self._failed.pop(block, None)
+        if failed is not None:  # its prefetch failed (an outage past the retry budget): said here, once
+            raise failed
         if fut is not None:  # being prefetched: wait for it rather than fetching twice
             _count("store_cache_hits")
             return fut.result()[lo:hi]
@@ -400,7 +420,8 @@ class RemoteArray:
                     continue
                 fut = pool.submit(self._fetch, b)
                 self._inflight[b] = fut
-            fut.add_done_callback(lambda _, b=b: self._drop(b))
+                self._failed.pop(b, None)  # fetched again: an earlier failure is no longer news
+            fut.add_done_callback(lambda f, b=b: self._drop(b, f))
 
     def prefetch(self, a: int, b: int) -> None:
         """Fetch the blocks holding elements ``[a, b)`` in the background (the windows of the next batch)."""
@@ -408,9 +429,13 @@ class RemoteArray:
         if hi > lo:
             self._submit(range(lo // BLOCK_BYTES, (hi - 1) // BLOCK_BYTES + 1))
 
-    def _drop(self, block: int) -> None:
+    def _drop(self, block: int, fut) -> None:
+        """A background fetch ended: a failure is kept for the next read of that block to raise (a prefetch that
+        waited out the retry budget is an outage the reader must hear of, not a lost exception in a thread)."""
         with self._ilock:
             self._inflight.pop(block, None)
+            if not fut.cancelled() and fut.exception() is not None:
+                self._failed[block] = fut.exception()
 
     def __len__(self) -> int:
         return self.size
@@ -529,6 +554,27 @@ def remove_tree(path) -> None:
     fs, p = _fs(path)
     with contextlib.suppress(FileNotFoundError):
         retrying(str(path), fs.rm, p, recursive=True)
+
+
+def move_tree(source, target, last: tuple[str, ...] = ()) -> None:
+    """Move folder ``source`` to ``target`` (on the same store; ``target`` must not exist). Locally one rename. An
+    object store has no rename: the files named in ``last`` (in ``source`` itself) are deleted first and written
+    to ``target`` after all others, so that while the objects are copied (on the store's side) and deleted, neither
+    folder is listed as holding them (a reader waits for the marker, :func:`put_tree`).
+
+    Raises: StoreUnavailable; OSError."""
+    if not is_remote(source):
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(source, target)
+        return
+    fs, p = _fs(source)
+    held = {n: read_bytes(join(source, n), 16 << 20) for n in last if isfile(join(source, n))}
+    for n in held:
+        retrying(str(source), fs.rm_file, f"{p}/{n}")
+    retrying(str(source), fs.copy, p, _fs(target)[1], recursive=True)
+    for n, data in held.items():
+        write_bytes(join(target, n), data)
+    remove_tree(source)
 
 
 def staging_dir(target) -> Path:

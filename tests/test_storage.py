@@ -3,10 +3,16 @@ localhost, behind a fault-injecting TCP proxy; tests/store_server.py), through s
 
 - ``prepare`` writes shards to ``s3://``; the streams read from the URL hold the same tokens as the local
   ones, by range reads through the bounded cache, each shard's sha256 checked once per object version.
+- Faults are retried and counted; a failed background prefetch is raised by the next read of its block.
+- A 2-rank run from the store survives kill -9 mid-upload and an upload outage (exit 75), and an outage of its
+  shard reads (every rank stops at one step with exit 75), each time resumed bitwise by the same command.
+- A rollback sets aside the store's later checkpoints (also when the store was down at the rollback);
+  replay and blame fetch the checkpoint they need from ``checkpoint.dir``.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import time
@@ -121,6 +127,32 @@ def test_range_reads_through_a_bounded_cache(store, tmp_path, monkeypatch):
     assert 0 < held <= 3 << 20
 
 
+def test_a_failed_prefetch_is_raised_by_the_next_read_of_its_block(store, tmp_path, monkeypatch):
+    proxy, bucket = store
+    data = np.arange(3 << 19, dtype=np.uint16)  # 3 MiB: 3 blocks
+    storage.write_bytes(f"{bucket}/prefetch/a.ds", data.tobytes())
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    monkeypatch.setenv("DENSETRAIN_STORE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DENSETRAIN_STORE_RETRY_S", "1")
+    for name in ("_fs_cache", "_cache", "_pool"):  # a client of the proxy, an empty cache, a pool of this test
+        monkeypatch.setattr(storage, name, {} if name == "_fs_cache" else None)
+    arr = storage.open_array(f"{bucket}/prefetch/a.ds", np.uint16)
+    proxy.faulty("503", 60)
+    try:
+        arr.prefetch(1 << 19, 1 << 20)  # block 1, in the background: it fails past the 1 s budget
+        t0 = time.monotonic()
+        while arr._inflight:
+            assert time.monotonic() - t0 < 30
+            time.sleep(0.05)
+    finally:
+        proxy.faulty("pass", 0)
+    with pytest.raises(storage.StoreUnavailable):  # the store answers again, but the failure is not lost
+        arr[(1 << 19) + 5:(1 << 19) + 10]
+    assert np.array_equal(arr[(1 << 19) + 5:(1 << 19) + 10], data[(1 << 19) + 5:(1 << 19) + 10])  # said once
+    assert np.array_equal(arr[0:10], data[0:10])
+    storage._shared()[1].shutdown(wait=True)
+
+
 def test_a_read_that_fails_leaves_the_sampler_where_it_was(remote_shards, prepared, tmp_path, monkeypatch):
     from densetrain.data.mixture import MixtureSampler
 
@@ -164,9 +196,10 @@ OV = {"train.steps": 8, "checkpoint.every": 2, "checkpoint.keep": 2, "eval.every
 SLOW = [{"kind": "slow_rank", "step": 0, "rank": 0, "ms": 300}]  # only sleeps: the trajectory is unchanged
 
 
-def start(argv: list[str], proxy: FaultProxy) -> list:
-    """``densetrain train ARGV`` as two gloo ranks whose store is reached through ``proxy``."""
-    old = environ_set({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"})
+def start(argv: list[str], proxy: FaultProxy, **env: str) -> list:
+    """``densetrain train ARGV`` as two gloo ranks whose store is reached through ``proxy`` (``env``: more
+    variables of their environment)."""
+    old = environ_set({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}", **env})
     try:
         return start_train(argv, world=2)
     finally:
@@ -185,15 +218,24 @@ def _remote_steps(url) -> list[int]:
     return [s for s, _ in mirror.remote_complete(url)]
 
 
-def test_two_ranks_from_the_store_survive_kill_and_outage_and_resume_bitwise(store, remote_shards, prepared,
-                                                                            tmp_path):
-    proxy, bucket = store
+@pytest.fixture(scope="module")
+def reference(store, remote_shards, prepared, tmp_path_factory):
+    """The trajectory of an uninterrupted 2-rank run of OV reading the store's shards (checkpoints local)."""
     _, make = prepared
-    ref_cfg = make(tmp_path / "ref", **OV, **{"data.shards_dir": remote_shards}, faults=SLOW)
-    res = finish(start(fresh(ref_cfg, tmp_path), proxy))
+    tmp = tmp_path_factory.mktemp("reference")
+    ref_cfg = make(tmp / "ref", **OV, **{"data.shards_dir": remote_shards}, faults=SLOW)
+    res = finish(start(fresh(ref_cfg, tmp), store[0]))
     assert [rc for rc, _ in res] == [0, 0], [e[-3000:] for _, e in res]
     want = trajectory(Path(ref_cfg.train.run_dir))
     assert sorted(want) == list(range(1, 9))
+    return want
+
+
+def test_two_ranks_from_the_store_survive_kill_and_outage_and_resume_bitwise(store, remote_shards, prepared,
+                                                                            reference, tmp_path):
+    proxy, bucket = store
+    _, make = prepared
+    want = reference
 
     url = f"{bucket}/run/checkpoints"
     cfg = make(tmp_path / "run", **OV, **{"data.shards_dir": remote_shards, "checkpoint.dir": url}, faults=SLOW)
@@ -247,3 +289,202 @@ def test_two_ranks_from_the_store_survive_kill_and_outage_and_resume_bitwise(sto
     assert main(["export", str(run / "checkpoints" / "step_00000008"), str(tmp_path / "hf_local")]) == 0
     assert (tmp_path / "hf_remote" / "model.safetensors").read_bytes() == \
         (tmp_path / "hf_local" / "model.safetensors").read_bytes()
+
+
+def test_an_outage_of_shard_reads_stops_every_rank_at_a_step_and_the_same_command_resumes_bitwise(
+        store, remote_shards, prepared, reference, tmp_path):
+    """The shards' store stops answering range reads mid-run (longer than the retry budget) while it still takes
+    the checkpoints: both ranks stop at one step boundary with exit 75 and that step's checkpoint, written and
+    uploaded; once the store answers again the same command finishes the run bitwise as if never stopped."""
+    proxy, bucket = store
+    _, make = prepared
+    url = f"{bucket}/readout/checkpoints"
+    cfg = make(tmp_path / "run", **OV, **{"data.shards_dir": remote_shards, "checkpoint.dir": url}, faults=SLOW)
+    run, argv = Path(cfg.train.run_dir), fresh(cfg, tmp_path)
+    # A cache of their own that keeps no block: every training window is a range read of the store.
+    env = {"DENSETRAIN_STORE_CACHE": str(tmp_path / "cache"), "DENSETRAIN_STORE_CACHE_MIB": "0",
+           "DENSETRAIN_STORE_TIMEOUT_S": "3", "DENSETRAIN_STORE_RETRY_S": "5"}
+    procs = start(argv, proxy, **env)
+    _wait(lambda: any(r["kind"] == "train" and r["step"] >= 2 for r in read_metrics(run)), procs, "step 2")
+    base = proxy.faults
+    proxy.faulty("stall", 3600, only=f"GET /{bucket[len('s3://'):]}/shards/".encode())  # the shards' objects only
+    try:
+        res = finish(procs)
+    finally:
+        proxy.faulty("pass", 0)
+    assert proxy.faults > base
+    assert [rc for rc, _ in res] == [EXIT_PREEMPTED] * 2, [e[-3000:] for _, e in res]
+    (stop,) = [e for e in read_events(run) if e.get("kind") == "preempt"]
+    step = stop["step"]
+    assert 2 <= step < 8 and stop["values"]["checkpoint"] == f"step_{step:08d}"
+    assert stop["values"]["error"].startswith(("rank 0: s3://", "rank 1: s3://")) and \
+        "the object store did not answer" in stop["values"]["error"]
+    last = res[0][1].strip().splitlines()[-1]
+    assert last == (f"densetrain: stopped by an outage of {remote_shards} after step {step} (checkpoint "
+                    f"step_{step:08d} written); continue with: densetrain train --resume {run}"), last
+    assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"] == list(range(1, step + 1))
+    assert list_complete(run)[-1][0] == step and _remote_steps(url)[-1] == step  # uploaded: that store answered
+
+    res = finish(start(argv, proxy, **env))  # the store answers again: the same command finishes the run
+    assert [rc for rc, _ in res] == [0, 0], [e[-3000:] for _, e in res]
+    assert trajectory(run) == reference
+    assert _remote_steps(url) == [6, 8]
+
+
+# ------------------------------------------------------------------------------------------------------
+# Rollbacks with checkpoints in the store; replay and blame of such a run
+# ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def remote_run(store, remote_shards, prepared, tmp_path_factory):
+    """(config, checkpoint.dir URL, trajectory): a 1-process run of 6 steps whose checkpoints (every 2, keep 2)
+    are uploaded to the store."""
+    from densetrain.train import train
+
+    _, make = prepared
+    tmp = tmp_path_factory.mktemp("remote_run")
+    url = f"{store[1]}/remote_run/checkpoints"
+    cfg = make(tmp, **{**OV, "train.resume": "", "train.steps": 6, "data.shards_dir": remote_shards,
+                       "checkpoint.dir": url})
+    train(cfg)
+    assert _remote_steps(url) == [4, 6]
+    return cfg, url, trajectory(Path(cfg.train.run_dir))
+
+
+def test_a_rollback_sets_aside_the_store_copies_too_and_a_resume_never_fetches_them(remote_run, store, tmp_path):
+    from densetrain.train import train
+
+    cfg0, url0, want = remote_run
+    cfg = copy.deepcopy(cfg0)  # a run of its own: the module's run stays as it is for replay and blame
+    run = tmp_path / "run"
+    shutil.copytree(cfg0.train.run_dir, run)
+    cfg.train.run_dir, cfg.checkpoint.dir = str(run), f"{store[1]}/rollback/checkpoints"
+    storage.put_tree(run / "checkpoints", cfg.checkpoint.dir, last=("COMPLETE",))
+    (run / "config.toml").write_text((run / "config.toml").read_text().replace(url0, cfg.checkpoint.dir))
+    url = cfg.checkpoint.dir
+    assert _remote_steps(url) == [4, 6]
+
+    # --rollback-to 4, stopped before its first new step (no new upload): the store's step 6 is set aside at once
+    train(cfg, resume=True, rollback_to=4, stop_after=4)
+    assert [s for s, _ in list_complete(run)] == [4] and _remote_steps(url) == [4]
+    assert storage.listdir(f"{url}/set_aside") == ["step_00000006"]
+    assert storage.read_bytes(f"{url}/set_aside/step_00000006/COMPLETE", 1 << 20) == \
+        (run / "checkpoints_set_aside" / "step_00000006" / "COMPLETE").read_bytes()
+    assert not (run / "checkpoints_set_aside" / mirror.PENDING).exists()
+
+    # A fresh machine: the resume fetches step 4 (not the set-aside 6) and trains 5 and 6 again, bitwise
+    shutil.rmtree(run / "checkpoints")
+    train(cfg, resume=True)
+    assert trajectory(run) == want
+    assert _remote_steps(url) == [4, 6] and storage.listdir(f"{url}/set_aside") == ["step_00000006"]
+
+
+def test_a_rollback_the_store_missed_is_set_aside_there_by_the_next_resume(remote_run, store, tmp_path, monkeypatch):
+    from densetrain.train.rundir import set_aside_future
+
+    cfg0, url0, _ = remote_run
+    run, url = tmp_path / "run", f"{store[1]}/missed/checkpoints"
+    shutil.copytree(cfg0.train.run_dir, run)
+    storage.put_tree(run / "checkpoints", url, last=("COMPLETE",))
+    # The rollback to 4 meets a store that does not answer: the local side is done, the store's is recorded.
+    proxy = store[0]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    monkeypatch.setenv("DENSETRAIN_STORE_RETRY_S", "1")
+    monkeypatch.setattr(storage, "_fs_cache", {})
+    proxy.faulty("503", 60)
+    try:
+        set_aside_future(run, 4, True, url)
+    finally:
+        proxy.faulty("pass", 0)
+    assert [s for s, _ in list_complete(run)] == [4] and _remote_steps(url) == [4, 6]
+    assert json.loads((run / "checkpoints_set_aside" / mirror.PENDING).read_text()) == {"after_step": 4}
+    # The next resume (here: its fetch) sets the store's 6 aside before anything else and fetches nothing newer.
+    assert mirror.fetch_newest(run, url) is None
+    assert _remote_steps(url) == [4] and storage.listdir(f"{url}/set_aside") == ["step_00000006"]
+    assert not (run / "checkpoints_set_aside" / mirror.PENDING).exists()
+
+
+def test_replay_and_blame_fetch_the_checkpoint_they_need_from_the_store(remote_run, tmp_path):
+    from densetrain.tools.blame import blame
+    from densetrain.tools.replay import replay
+
+    cfg, url, _ = remote_run
+    run = tmp_path / "run"  # the run directory without its checkpoints: they live in checkpoint.dir only
+    shutil.copytree(cfg.train.run_dir, run, ignore=shutil.ignore_patterns("checkpoints*"))
+    local = tmp_path / "local"  # the same run with its checkpoints, and without the store
+    shutil.copytree(cfg.train.run_dir, local)
+    (local / "config.toml").write_text((local / "config.toml").read_text().replace(url, ""))
+    assert list_complete(run) == [] and _remote_steps(url) == [4, 6]
+    got, want = replay(run, 6), replay(local, 6)  # from step_00000004, fetched
+    assert got["checkpoint"] == want["checkpoint"] == "step_00000004" and got["reproduced"]
+    assert got["replayed"] == want["replayed"] and got["logged"] == want["logged"]
+    b_got, b_want = blame(run, 5), blame(local, 5)
+    (rec,) = [r for r in read_metrics(run) if r["kind"] == "train" and r["step"] == 5]
+    assert b_got == b_want and b_got["sample_index"] == rec["sample_index"] and len(b_got["samples"]) == 8
+    (part,) = (storage.cache_dir() / "runs").glob("*/partial/step_00000004")  # blame: the sampler state only
+    assert sorted(p.name for p in part.iterdir()) == [".metadata", "COMPLETE", "trainer_state.json"]
+
+
+def test_a_store_that_does_not_answer_is_exit_75_in_one_line(remote_run, store, monkeypatch, capsys):
+    _, url, _ = remote_run
+    proxy = store[0]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    monkeypatch.setenv("DENSETRAIN_STORE_RETRY_S", "1")
+    monkeypatch.setattr(storage, "_fs_cache", {})
+    proxy.faulty("503", 60)
+    try:
+        rc = main(["eval", url])
+    finally:
+        proxy.faulty("pass", 0)
+    assert rc == EXIT_PREEMPTED  # a temporary failure: the same command works once the store is back
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"densetrain: error: {url}: the object store did not answer for "), last
+
+
+def test_a_read_outage_that_also_stops_uploads_keeps_the_checkpoint_local_and_says_so(remote_shards, prepared, store,
+                                                                                     tmp_path, monkeypatch):
+    """One process whose shards and checkpoint.dir are both behind the proxy, which stops answering at step 2:
+    the read outage stops the run there; the stop's checkpoint cannot be uploaded either, which its one line
+    says (the event still carries the read's error). Before storage._no_expect_continue that upload waited for
+    ever for its "100 Continue"."""
+    import threading
+
+    from densetrain.errors import Preempted
+    from densetrain.train import train
+
+    proxy, bucket = store
+    _, make = prepared
+    url = f"{bucket}/both_down/checkpoints"
+    cfg = make(tmp_path, **{**OV, "train.resume": "", "checkpoint.every": 0, "data.shards_dir": remote_shards,
+                            "checkpoint.dir": url})  # no upload before the outage: it meets a read first
+    run = Path(cfg.train.run_dir)
+    for k, v in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}", "DENSETRAIN_STORE_CACHE": str(tmp_path / "c"),
+                 "DENSETRAIN_STORE_CACHE_MIB": "0", "DENSETRAIN_STORE_TIMEOUT_S": "1",
+                 "DENSETRAIN_STORE_RETRY_S": "2"}.items():
+        monkeypatch.setenv(k, v)
+    for name in ("_fs_cache", "_cache", "_pool"):
+        monkeypatch.setattr(storage, name, {} if name == "_fs_cache" else None)
+
+    def stall_after_step_2():
+        t0 = time.monotonic()
+        while not any(r["kind"] == "train" and r["step"] >= 2 for r in read_metrics(run)):
+            if time.monotonic() - t0 > 120:
+                return
+            time.sleep(0.02)
+        proxy.faulty("stall", 3600)
+
+    watcher = threading.Thread(target=stall_after_step_2, daemon=True)
+    watcher.start()
+    try:
+        with pytest.raises(Preempted) as e:
+            train(cfg)
+    finally:
+        proxy.faulty("pass", 0)
+        watcher.join()
+    (stop,) = [ev for ev in read_events(run) if ev.get("kind") == "preempt"]
+    step = stop["step"]
+    assert str(e.value) == (f"stopped by an outage of {url} after step {step} (checkpoint step_{step:08d} written "
+                            f"to local disk only, not uploaded); continue with: densetrain train --resume {run}")
+    assert stop["values"]["uploaded"] is False and stop["values"]["error"].startswith("rank 0: s3://")
+    assert stop["values"]["signal"] == f"an outage of {remote_shards}"
+    assert list_complete(run)[-1][0] == step and step < 8

@@ -66,7 +66,7 @@ from densetrain.checkpoint.load import (
     load_checkpoint,
     read_trainer_state,
 )
-from densetrain.checkpoint.mirror import localize, open_store
+from densetrain.checkpoint.mirror import localize, open_store, run_checkpoints
 from densetrain.checkpoint.save import (
     PendingSave,
     cpu_stager,
@@ -80,6 +80,6 @@ __all__ = [
     "CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError", "CheckpointReadError", "Checkpointer",
     "PendingSave", "checkpoint_dir", "cpu_stager", "describe_error", "finish_async_save", "latest_checkpoint",
     "leased_checkpoint", "list_complete", "load_checkpoint",
-    "localize", "open_store", "passed_over", "read_trainer_state", "save_checkpoint",
+    "localize", "open_store", "run_checkpoints", "passed_over", "read_trainer_state", "save_checkpoint",
     "set_aside", "start_async_save", "sweep",
 ]

@@ -2,11 +2,13 @@
 run directory's ``checkpoints/`` stays the staging area, written with the local protocol (temp dir, fsync,
 marker, rename), and each complete checkpoint is then uploaded with its ``COMPLETE`` marker last
 (:func:`sync_up`), so a remote ``step_N`` without a marker is an upload a kill cut short: never listed, never
-read, deleted by the next upload. Retention deletes remote checkpoints as it deletes local ones.
+read, deleted by the next upload. Retention deletes remote checkpoints as it deletes local ones; a rollback sets
+aside the later ones (``checkpoint.dir/set_aside/``, :func:`set_aside_remote`) as it sets aside local ones.
 
 A resume fetches the newest remote checkpoint when the run directory has none as new (:func:`fetch_newest`:
 a new machine, a wiped disk); ``eval`` and ``export`` of a URL read a local copy in the cache
-(:func:`localize`), made of the checkpoint and the run's ``config.toml`` (uploaded beside the checkpoints).
+(:func:`localize`), made of the checkpoint and the run's ``config.toml`` (uploaded beside the checkpoints);
+``replay`` and ``blame`` of a run directory find its checkpoints in both places (:func:`run_checkpoints`).
 The marker's digests are checked on every read as for any local checkpoint (:mod:`densetrain.dcp_read`).
 
 Chosen over DCP's fsspec writer: the local staging keeps the write protocol, the digests (hashed from local
@@ -23,9 +25,66 @@ from pathlib import Path
 from densetrain import storage
 from densetrain.checkpoint.common import _agree, _rank, checkpoint_dir, list_complete
 from densetrain.errors import TrainError
-from densetrain.fileio import atomic_write_bytes, fsync_dir
+from densetrain.fileio import atomic_write_bytes, atomic_write_json, fsync_dir, read_json
 
 _STEP = re.compile(r"^step_(\d{8})$")
+SET_ASIDE = "set_aside"
+"""``checkpoint.dir/set_aside/``: the remote copies of checkpoints a rollback set aside (as the run directory's
+``checkpoints_set_aside/``): kept, never listed, never resumed from, never counted nor deleted by retention."""
+
+
+PENDING = "remote_set_aside.json"
+"""``RUN_DIR/checkpoints_set_aside/remote_set_aside.json``: ``{"after_step": S}``, written before a rollback sets
+anything aside and deleted once ``checkpoint.dir`` has had its checkpoints after S set aside too; while it is
+there (the store was down, or the run was killed in between), the next upload or resume does that first
+(:func:`settle`), so no checkpoint a rollback abandoned is ever fetched, kept or counted in the store."""
+
+
+def note_set_aside(run_dir: Path, after_step: int) -> None:
+    """Record that ``checkpoint.dir``'s checkpoints after ``after_step`` are to be set aside (:data:`PENDING`;
+    the lowest step when one is pending already). Rank 0."""
+    path = Path(run_dir) / "checkpoints_set_aside" / PENDING
+    try:
+        after_step = min(after_step, int(read_json(path)["after_step"]))
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, TypeError, KeyError):  # unreadable: this rollback's step is the one known
+        pass
+    atomic_write_json(path, {"after_step": after_step})
+
+
+def settle(run_dir: Path, root) -> list[str]:
+    """Set aside in ``root`` what a rollback of this run directory left there (:data:`PENDING`), then forget it.
+    Rank 0. Returns: the new URLs. Raises: StoreUnavailable (the record stays for the next try); OSError."""
+    path = Path(run_dir) / "checkpoints_set_aside" / PENDING
+    try:
+        after_step = int(read_json(path)["after_step"])
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, TypeError, KeyError):  # unreadable: the safe reading is "nothing after step 0"
+        after_step = 0
+    moved = set_aside_remote(root, after_step)
+    path.unlink()
+    return moved
+
+
+def set_aside_remote(root, after_step: int) -> list[str]:
+    """A rollback to ``after_step``: move ``root``'s complete checkpoints after it into
+    ``root/set_aside/`` (a second one past the same step adds ``.1``, ``.2``, ...), marker deleted first and
+    written last (:func:`densetrain.storage.move_tree`): from the first request on they are not listed, so a
+    resume never fetches them and retention neither counts nor deletes them. Rank 0 only.
+
+    Returns: the new URLs. Raises: StoreUnavailable; OSError."""
+    moved = []
+    for step, url in remote_complete(root):
+        if step <= after_step:
+            continue
+        dest, k = storage.join(root, SET_ASIDE, storage.name(url)), 1
+        while storage.exists(dest):
+            dest, k = storage.join(root, SET_ASIDE, f"{storage.name(url)}.{k}"), k + 1
+        storage.move_tree(url, dest, last=("COMPLETE",))
+        moved.append(dest)
+    return moved
 
 
 def remote_complete(root) -> list[tuple[int, str]]:
@@ -40,8 +99,9 @@ def remote_complete(root) -> list[tuple[int, str]]:
 
 def sync_up(run_dir: Path, root, keep: int) -> list[str]:
     """Upload the run's complete local checkpoints that ``root`` lacks (the newest ``keep`` of them; 0: all),
-    each with its marker last; delete the remote ones that retention drops, the partial uploads of killed
-    runs, and those newer than the local newest (set aside by a rollback). Rank 0 only.
+    each with its marker last; delete the remote ones that retention drops and the partial uploads of killed
+    runs; set aside (:func:`set_aside_remote`) those newer than the local newest and, first, those a rollback
+    here left in the store (:func:`settle`). Rank 0 only.
 
     A local checkpoint deleted while it is uploaded (an upload in the background meets retention or a rollback)
     is left out. Returns: the names uploaded. Raises: StoreUnavailable (the store did not answer); OSError."""
@@ -51,8 +111,12 @@ def sync_up(run_dir: Path, root, keep: int) -> list[str]:
     config = Path(run_dir) / "config.toml"
     if config.is_file():  # eval / export of the URL read it (localize)
         storage.write_bytes(storage.join(root, "config.toml"), config.read_bytes())
-    have = {s for s, _ in remote_complete(root)}
     wanted = local[-keep:] if keep > 0 else local
+    settle(run_dir, root)  # a rollback's set-aside the store did not take then: before a new step_N goes up
+    remote = remote_complete(root)
+    if any(s > local[-1][0] for s, _ in remote):  # newer than the local newest: abandoned here, kept aside there
+        set_aside_remote(root, local[-1][0])
+    have = {s for s, _ in remote if s <= local[-1][0]}
     uploaded = []
     for step, path in wanted:
         if step not in have:
@@ -64,23 +128,30 @@ def sync_up(run_dir: Path, root, keep: int) -> list[str]:
                 storage.remove_tree(target)
                 continue
             uploaded.append(path.name)
-    keep_steps, newest = {s for s, _ in wanted}, local[-1][0]
+    keep_steps = {s for s, _ in wanted}
     for name in storage.listdir(root):
         m = _STEP.match(name)
-        if m and (int(m.group(1)) not in keep_steps or int(m.group(1)) > newest):
+        if m and int(m.group(1)) not in keep_steps:
             storage.remove_tree(storage.join(root, name))
     return uploaded
 
 
-def fetch_newest(run_dir: Path, root) -> str | None:
+def fetch_newest(run_dir: Path, root, at: int | None = None) -> str | None:
     """Before a resume: copy ``root``'s newest complete checkpoint into the run directory when the run directory
     has none as new (a fresh machine, a wiped disk; a local one is newer when the store was down at the last
-    save). Downloaded into ``step_N.tmp`` (swept if killed), then renamed. Rank 0 only.
+    save); with ``at`` (``--rollback-to``), checkpoint ``step_<at>`` when the run directory lacks it. What a
+    rollback here left in the store is set aside there first (:func:`settle`), never fetched. Downloaded into
+    ``step_N.tmp`` (swept if killed), then renamed. Rank 0 only.
 
     Returns: the name fetched, or None. Raises: StoreUnavailable; OSError."""
+    settle(run_dir, root)
     remote = remote_complete(root)
     local = list_complete(run_dir)
-    if not remote or (local and local[-1][0] >= remote[-1][0]):
+    if at is not None:
+        remote = [(s, url) for s, url in remote if s == at and at not in {s2 for s2, _ in local}]
+    elif local and remote and local[-1][0] >= remote[-1][0]:
+        return None
+    if not remote:
         return None
     step, url = remote[-1]
     final = checkpoint_dir(run_dir) / storage.name(url)
@@ -94,10 +165,11 @@ def fetch_newest(run_dir: Path, root) -> str | None:
     return final.name
 
 
-def open_store(run_dir: Path, root, resume: bool) -> str | None:
+def open_store(run_dir: Path, root, resume: bool, at: int | None = None) -> str | None:
     """At the start of a run with ``checkpoint.dir`` = ``root`` (nothing when ''); all ranks call it, rank 0
-    works. A resume fetches what the run directory lacks (:func:`fetch_newest`); a fresh run refuses a
-    ``root`` that already holds checkpoints (another run's: its uploads would replace them).
+    works. A resume fetches what the run directory lacks (:func:`fetch_newest`; ``at``: the ``--rollback-to``
+    step); a fresh run refuses a ``root`` that already holds checkpoints (another run's: its uploads would
+    replace them).
 
     Returns: the name fetched, or None. Raises: TrainError (one line); StoreUnavailable."""
     if not root:
@@ -106,7 +178,7 @@ def open_store(run_dir: Path, root, resume: bool) -> str | None:
     if _rank() == 0:
         done = remote_complete(root)
         if resume:
-            fetched = fetch_newest(run_dir, root)
+            fetched = fetch_newest(run_dir, root, at)
         elif done:
             error = (f"checkpoint.dir {root} already holds checkpoints ({storage.name(done[-1][1])}, ...) of another "
                      "run: continue it with --resume, or choose another checkpoint.dir")
@@ -115,11 +187,23 @@ def open_store(run_dir: Path, root, resume: bool) -> str | None:
     return fetched
 
 
-def localize(path) -> str | Path:
+def run_checkpoints(run_dir: Path, root) -> list[tuple[int, Path | str]]:
+    """The complete checkpoints of run ``run_dir`` as ``[(step, path), ...]`` sorted by step: its own, and with
+    ``checkpoint.dir`` = ``root`` ('' none) those of the store that it lacks (their URLs; :func:`localize` one to
+    read it). For ``replay`` and ``blame``, whose run directory may keep only the metrics.
+
+    Raises: StoreUnavailable; OSError."""
+    local = dict(list_complete(run_dir))
+    remote = {s: url for s, url in remote_complete(root) if s not in local} if root else {}
+    return sorted({**remote, **local}.items())
+
+
+def localize(path, names: tuple[str, ...] | None = None) -> str | Path:
     """``eval`` / ``export``'s checkpoint argument as a local path: itself when local; for a URL of one
     checkpoint (``.../step_XXXXXXXX``) or of a ``checkpoint.dir`` (its newest complete one), a copy in the
     cache laid out as a run directory (``config.toml`` + ``checkpoints/step_XXXXXXXX``), the checkpoint's
-    path returned. Fetched once per checkpoint (the copy is kept while complete).
+    path returned. Fetched once per checkpoint (the copy is kept while complete). With ``names``, only those
+    files and the marker (``blame`` reads the sampler state, not the weights), in ``partial/step_XXXXXXXX``.
 
     Raises: TrainError: the URL holds no complete checkpoint. StoreUnavailable; OSError."""
     if not storage.is_remote(path):
@@ -137,8 +221,15 @@ def localize(path) -> str | Path:
         root, url = path, done[-1][1]
     marker = storage.read_bytes(storage.join(url, "COMPLETE"), 16 << 20)
     run = storage.cache_dir() / "runs" / storage.cache_key(root, "run")
-    local = run / "checkpoints" / storage.name(url)
-    if not ((local / "COMPLETE").is_file() and (local / "COMPLETE").read_bytes() == marker):
+    local = run / ("checkpoints" if names is None else "partial") / storage.name(url)
+    same = (local / "COMPLETE").is_file() and (local / "COMPLETE").read_bytes() == marker
+    if names is not None:  # the files asked for that are not there yet, each written whole, the marker last
+        if not same:
+            shutil.rmtree(local, ignore_errors=True)
+        for n in (*names, "COMPLETE"):
+            if not (local / n).is_file() and storage.isfile(storage.join(url, n)):
+                atomic_write_bytes(local / n, storage.read_bytes(storage.join(url, n), 1 << 30))
+    elif not same:
         shutil.rmtree(local, ignore_errors=True)
         tmp = local.with_name(local.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)

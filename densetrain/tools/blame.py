@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from densetrain.checkpoint import list_complete, read_trainer_state
+from densetrain.checkpoint import localize, read_trainer_state, run_checkpoints
 from densetrain.config import load_config
 from densetrain.data.mixture import MixtureSampler
 from densetrain.data.provenance import window_documents
@@ -30,6 +30,10 @@ from densetrain.errors import DataError
 from densetrain.metrics import read_events, read_metrics
 from densetrain.schedule import resolve_stages, stage_at
 from densetrain.train.step import draw_samples
+
+STATE_FILES = (".metadata", "trainer_state.json")
+"""The files of a checkpoint that blame reads (with its marker): a checkpoint in the store is fetched without its
+weights."""
 
 
 def _draw(sampler: MixtureSampler, stages, step: int, keep: range | None = None):
@@ -59,11 +63,13 @@ def blame(run_dir: str | Path, step: int) -> dict:
     index = step - 1
     sampler = MixtureSampler(streams)
     start, base = 0, None
-    for s, path in list_complete(run_dir):
+    done = run_checkpoints(run_dir, cfg.checkpoint.dir)  # the run dir's, and the store's it lacks (URLs)
+    for s, path in done:
         if s <= index:
             start, base = s, path
-    _check_shards(run_dir, step, streams)
+    _check_shards(run_dir, step, streams, done)
     if base is not None:
+        base = Path(localize(base, STATE_FILES))
         # Only the JSON sampler state is used, but a checkpoint holding a crafted .metadata is refused as by
         # every reader of checkpoints (the trust rule; one line naming the file), a damaged one too.
         verify_checkpoint(base, names=[".metadata"])
@@ -100,21 +106,21 @@ def blame(run_dir: str | Path, step: int) -> dict:
     return {"step": step, "stage": st.name, "sample_index": first, "samples": out}
 
 
-def _check_shards(run_dir: Path, step: int, streams) -> None:
+def _check_shards(run_dir: Path, step: int, streams, done: list) -> None:
     """The train shards now are those step ``step`` was trained on: the data fingerprint recorded by the
-    first checkpoint saved at or after it (its process trained the step), else by the newest before it.
+    first checkpoint saved at or after it (its process trained the step), else by the newest before it, of the
+    run's checkpoints ``done`` (:func:`densetrain.checkpoint.run_checkpoints`).
 
     Raises:
         DataError: they differ (re-prepared, or copied without keeping modification times).
     """
-    done = list_complete(run_dir)
     after = [(s, p) for s, p in done if s >= step]
     s, path = (after[0] if after else done[-1]) if done else (None, None)
     if path is None:
         print(f"densetrain: note: {run_dir} has no checkpoint recording its train shards; blame cannot check that "
               f"they are still the ones step {step} was trained on", file=sys.stderr)
         return
-    recorded = read_trainer_state(path).get("data", {})
+    recorded = read_trainer_state(Path(localize(path, STATE_FILES))).get("data", {})
     now = data_fingerprint(streams)
     changed = sorted(k for k in set(recorded) | set(now) if recorded.get(k) != now.get(k))
     if changed:

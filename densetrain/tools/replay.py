@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from densetrain.checkpoint import CheckpointError, list_complete, read_trainer_state
+from densetrain.checkpoint import CheckpointError, localize, read_trainer_state, run_checkpoints
 from densetrain.config import load_config
 from densetrain.config.recovery import MACHINE_FAULTS
 from densetrain.data.provenance import window_documents
@@ -131,6 +131,7 @@ def _replay_config(cfg, tmp: Path):
     one process whatever layout the run had (its checkpoint is resharded on load by DCP)."""
     rc = copy.deepcopy(cfg)
     rc.train.run_dir = str(tmp)
+    rc.checkpoint.dir = ""  # the checkpoint replayed from is linked into tmp; nothing is fetched or uploaded
     rc.parallel = dataclasses.replace(cfg.parallel, dp_replicate=1, dp_shard=1, tp=1, cp=1, sequence_parallel=False)
     rc.faults = [f for f in cfg.faults if f.kind not in MACHINE_FAULTS]
     rc.guard.replica_every = rc.guard.update_every = 0
@@ -230,18 +231,19 @@ def check_arguments(run_dir: Path, step: int, rtol: float) -> None:
         raise ConfigError(f"step {step}: expected a step >= 1 as in {run_dir}/metrics.jsonl (the STEP-th update)")
 
 
-def replay_start(run_dir: Path, index: int) -> tuple[int, Path | None]:
+def replay_start(run_dir: Path, index: int, store: str = "") -> tuple[int, Path | None]:
     """(step, path) of the newest complete checkpoint at or before update ``index`` (``(0, None)``: none, the
-    seeded initial weights).
+    seeded initial weights), among the run directory's and those of its ``checkpoint.dir`` ``store`` (one there
+    that the run directory lacks is fetched into the local cache: :func:`densetrain.checkpoint.localize`).
 
     Raises:
         DataError: that checkpoint's ``trainer_state.json`` lacks the sampler state (written by an older
             densetrain) or cannot be read: the batches after it cannot be re-drawn.
     """
-    before = [(s, p) for s, p in list_complete(run_dir) if s <= index]
+    before = [(s, p) for s, p in run_checkpoints(run_dir, store) if s <= index]
     if not before:
         return 0, None
-    start, ckpt = before[-1]
+    start, ckpt = before[-1][0], Path(localize(before[-1][1]))
     try:
         state = read_trainer_state(ckpt)
     except CheckpointError as e:
@@ -270,7 +272,7 @@ def replay(run_dir: str | Path, step: int, rtol: float = 1e-3) -> dict:
     cfg = load_config(path=run_dir / "config.toml")
     index = step - 1
     logged, spike = _logged(run_dir, cfg, step)
-    start, ckpt = replay_start(run_dir, index)  # none that early: the seeded initial weights
+    start, ckpt = replay_start(run_dir, index, cfg.checkpoint.dir)  # none that early: the seeded initial weights
     rollbacks, skipped = _original_path(run_dir, start, index, spike)
     with tempfile.TemporaryDirectory(prefix="densetrain-replay-") as tmp, contextlib.redirect_stdout(sys.stderr):
         if ckpt is not None:

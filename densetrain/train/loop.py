@@ -8,7 +8,9 @@ and the explicit calls it makes are the functions below it. A stage with a layou
 :func:`densetrain.train.setup.switch_layout`. Setup lives in :mod:`densetrain.train.setup`,
 the step in :mod:`densetrain.train.step`, the decision point in :mod:`densetrain.train.watchers`. A SIGTERM
 or Ctrl-C stops the run at the next step boundary, or between two batches of an in-loop evaluation (which is
-then abandoned), checkpointed (:mod:`densetrain.train.preempt`).
+then abandoned), checkpointed (:mod:`densetrain.train.preempt`). An outage of the object store holding the
+shards (a read past the retry budget, on any rank) stops it the same way before the step it could not read
+(:func:`densetrain.train.step.fetch_batch`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from densetrain.storage import counters as store_counters
 from densetrain.train.preempt import StopRequest, stop_run
 from densetrain.train.rundir import set_aside_future, unlock_run_dir
 from densetrain.train.setup import Run, probe_peak_flops, setup, switch_layout
-from densetrain.train.step import StepResult, compute_step
+from densetrain.train.step import ReadOutage, StepResult, compute_step
 from densetrain.train.watchers import Verdict, decide
 
 
@@ -88,7 +90,10 @@ def _train(run: Run) -> dict:
                 w.before_step(run)
             lr = lr_for(run.state.step, cfg, run.stages) * run.lr_scale
             set_lr(run.optimizer, lr)
-            result = compute_step(run, st, lr)  # loss, gradients, global grad norm: nothing applied yet
+            try:
+                result = compute_step(run, st, lr)  # loss, gradients, global grad norm: nothing applied yet
+            except ReadOutage as e:  # the shards' store did not answer a read: every rank stops here (exit 75)
+                stop_run(run, 0, outage=(cfg.data.shards_dir, str(e)))
             verdict = decide(run.watchers, run, result)  # the one decision point: apply / skip / roll back
             commit(run, result, verdict)
             for w in run.watchers:
@@ -160,13 +165,15 @@ def rollback(run: Run, result: StepResult) -> None:
             the checkpoints, so no lr advice).
     """
     run.checkpointer.finish_pending(run.log)  # a save in flight is set aside below like any later one
+    run.checkpointer.finish_pending(run.log)  # and its upload (started by the call above): none in flight below
     before = result.rollback_before if result.rollback_before is not None else result.index
     done = [(s, p) for s, p in list_complete(run.run_dir) if s <= before]
     if not done:
         raise TrainError(f"step {result.index}: trouble since step {before} and no checkpoint at or before it to "
                          f"roll back to; lower optim.peak_lr or save checkpoints more often (checkpoint.every)")
     for k, (step, path) in enumerate(reversed(done)):
-        set_aside_future(run.run_dir, step, run.info.is_main)  # and the files made from the steps after it
+        # and the files made from the steps after it, and their copies in checkpoint.dir
+        set_aside_future(run.run_dir, step, run.info.is_main, run.checkpointer.remote)
         try:
             saved = load_checkpoint(path, run.model, run.optimizer)
             break

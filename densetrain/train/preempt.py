@@ -90,18 +90,22 @@ class StopRequest:
         self._previous = {}
 
 
-def stop_run(run, signum: int, abandoned: str = "", noted_at: float | None = None) -> None:
+def stop_run(run, signum: int, abandoned: str = "", noted_at: float | None = None,
+             outage: tuple[str, str] = ()) -> None:
     """Stop ``run`` at this step boundary (every rank calls it): finish the save in flight, save a
     checkpoint of the current step unless rank 0 has it complete already, log the ``preempt`` event,
     close the metrics sinks. ``abandoned``: the evaluation of the step left unfinished (e.g. 'validation'),
     said in the event; ``noted_at``: when this rank noted the signal (``time.monotonic()``), for the
-    event's ``waited_s`` (signal to stop decision, on rank 0 when it received the signal itself).
+    event's ``waited_s`` (signal to stop decision, on rank 0 when it received the signal itself). ``outage``:
+    ``(what, error)`` instead of a signal: the object store holding ``what`` (the shards' URL) did not answer a
+    read (``error``, one line); the stop is the same (every rank, this step boundary, exit 75).
 
     Raises:
-        Preempted: always, once the checkpoint is on disk.
+        Preempted: always, once the checkpoint is on disk; when ``checkpoint.dir``'s store did not take it either,
+            the one of :meth:`Checkpointer.publish` (its line says "to local disk only, not uploaded").
         CheckpointError: the checkpoint could not be written (one line; the earlier ones are intact).
     """
-    name = signal.Signals(signum).name
+    name = f"an outage of {outage[0]}" if outage else signal.Signals(signum).name
     step, log = run.state.step, run.log
     waited = None if noted_at is None else time.monotonic() - noted_at
     run.checkpointer.finish_pending(log)
@@ -112,19 +116,27 @@ def stop_run(run, signum: int, abandoned: str = "", noted_at: float | None = Non
     t0 = time.perf_counter()
     if step and not have:
         save_checkpoint(run.run_dir, step, run.model, run.optimizer, run.state_dict(), run.checkpointer.keep)
-    run.checkpointer.publish(step, log, wait=True)  # to checkpoint.dir, if any
+    not_uploaded = None
+    try:
+        run.checkpointer.publish(step, log, wait=True)  # to checkpoint.dir, if any
+    except Preempted as e:  # its store did not answer either (an event says so): the event below still goes
+        not_uploaded = e
     dt = time.perf_counter() - t0
     ckpt = path.name if step else ""
     values = {"signal": name, "checkpoint": ckpt, "seconds": dt, "exit_status": EXIT_PREEMPTED}
+    if outage:
+        values["error"] = outage[1]
+    if not_uploaded is not None:
+        values["uploaded"] = False
     if abandoned:
         values["abandoned"] = abandoned
     if waited is not None:
         values["waited_s"] = waited
     # The event (echoed on the console) says what happened; the line naming the resume command is the
     # exception's, printed once by whoever catches it (the CLI: rank 0 only), not twice.
-    log.event(step, f"{name}: stopped after step {step}"
+    log.event(step, f"{name}: stopped after step {step}" + (f" ({outage[1]})" if outage else "")
                     + (f" (its {abandoned} abandoned part-way, not logged)" if abandoned else "") + ", "
                     + (f"checkpoint {ckpt} written in {dt:.2f}s" if ckpt else "no step taken, nothing to save"),
               kind="preempt", action="stop", values=values)
     log.close()
-    raise Preempted(name, step, ckpt, run.run_dir)
+    raise not_uploaded or Preempted(name, step, ckpt, run.run_dir)

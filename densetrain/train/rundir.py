@@ -21,6 +21,7 @@ from densetrain.checkpoint import (
     read_trainer_state,
     set_aside,
 )
+from densetrain.checkpoint.mirror import note_set_aside, settle
 from densetrain.config import Config, load_config, to_dict
 from densetrain.errors import EXIT_REPEATED, ConfigError, TrainError
 from densetrain.fileio import (
@@ -34,6 +35,7 @@ from densetrain.fileio import (
 )
 from densetrain.metrics import read_metrics
 from densetrain.parallel import DistInfo, all_reduce_sum
+from densetrain.storage import StoreUnavailable
 
 
 def refuse_existing_run(run_dir: Path, info: DistInfo) -> None:
@@ -205,7 +207,7 @@ def configured_steps(run_dir: Path) -> int | None:
         return None
 
 
-def set_aside_future(run_dir: Path, step: int, is_main: bool) -> list[Path]:
+def set_aside_future(run_dir: Path, step: int, is_main: bool, remote: str = "") -> list[Path]:
     """A rollback to ``step`` (``--rollback-to`` or the guard's): set aside, in
     ``RUN_DIR/checkpoints_set_aside/``, the checkpoints after ``step`` (:func:`set_aside`) and every file
     made from those abandoned steps, so that no file of the run directory shows numbers of steps that no
@@ -213,12 +215,22 @@ def set_aside_future(run_dir: Path, step: int, is_main: bool) -> list[Path]:
     from the metrics being rewound; ``densetrain report`` redraws them) and ``evals/step_N.json`` of
     N > ``step`` (into ``checkpoints_set_aside/evals/``). Each is moved by one rename (kept, as the
     checkpoints are; a second rollback past the same file adds ``.1``, ``.2``, ...); rank 0 moves, every
-    rank waits (in :func:`set_aside`).
+    rank waits (in :func:`set_aside`). With ``remote`` (``checkpoint.dir``), the copies there after ``step`` are
+    set aside there too (:func:`densetrain.checkpoint.mirror.settle`; no upload may be in flight), recorded
+    first, so that a store that does not answer (said in one line) or a kill leaves it to the next upload or
+    resume, which do it before anything else.
 
     Returns:
-        The new paths of the files and checkpoints moved.
+        The new paths of the files and checkpoints moved (local ones).
     """
     run_dir, moved = Path(run_dir), []
+    if is_main and remote:
+        note_set_aside(run_dir, step)
+        try:
+            settle(run_dir, remote)
+        except StoreUnavailable as e:
+            print(f"densetrain: warning: the checkpoints after step {step} in {remote} are set aside at the next "
+                  f"upload or resume (the store did not answer: {e})", file=sys.stderr)
     if is_main:
         aside = run_dir / "checkpoints_set_aside"
         stale = [run_dir / "report.html", run_dir / "report.png"]

@@ -368,7 +368,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     if cfg.train.resume == "auto":  # the same command restarts the job: continue the run dir's own run
         check_same_run(run_dir, cfg, info)
         resume = True
-    open_store(run_dir, cfg.checkpoint.dir, resume)  # checkpoint.dir: a resume fetches what the run dir lacks
+    open_store(run_dir, cfg.checkpoint.dir, resume, rollback_to)  # checkpoint.dir: a resume fetches what the run
+    # dir lacks (the newest, or the --rollback-to step)
     saved_cfg = cfg  # config.toml keeps the user's train.dtype ('auto' stays 'auto')
     cfg, dtype_note = keep_started_dtype(cfg, run_dir, rollback_to, info.device) if resume else (cfg, None)
     model, dp_model, optimizer = build_model_and_optimizer(cfg, info, parallel, layouts)
@@ -380,7 +381,7 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         if rollback_to not in [s for s, _ in list_complete(run_dir)]:
             raise TrainError(f"{run_dir}: no complete checkpoint at step {rollback_to} to roll back to "
                              f"(have: {[s for s, _ in list_complete(run_dir)]})")
-        set_aside_future(run_dir, rollback_to, info.is_main)
+        set_aside_future(run_dir, rollback_to, info.is_main, cfg.checkpoint.dir)
     ckpt, saved = checkpointer.load_latest(model, optimizer) if resume else (None, None)
     if not resume:
         refuse_existing_run(run_dir, info)  # (resume without a checkpoint yet, e.g. killed early: start over)

@@ -6,6 +6,7 @@ loop's decision point (:mod:`densetrain.train.watchers`) decides whether the upd
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import math
 import os
@@ -26,12 +27,13 @@ from densetrain.loss import (
 )
 from densetrain.model.compiling import pin_inductor_cache
 from densetrain.model.masks import document_ids
-from densetrain.parallel import all_reduce_sum, clip_grad_norm, grad_sync, unwrap
+from densetrain.parallel import all_reduce_max, all_reduce_sum, clip_grad_norm, grad_sync, unwrap
 from densetrain.parallel.context import chunk_index, shard_rows
 from densetrain.parallel.dist import sum_over_group
 from densetrain.parallel.loss_parallel import loss_parallel_context, loss_parallel_mesh, vocab_parallel_head
 from densetrain.parallel.pipeline import PipelineModel, join_inputs
 from densetrain.schedule import Stage
+from densetrain.storage import StoreUnavailable
 
 
 @dataclass
@@ -334,6 +336,43 @@ def draw_samples(sampler: MixtureSampler, stage: Stage, keep: range | None = Non
                                 shuffle_seed=stage.shuffle_seed)
 
 
+class ReadOutage(StoreUnavailable):
+    """A rank could not read its share of the batch: the object store holding the shards did not answer within the
+    retry budget (:class:`densetrain.storage.StoreUnavailable`). Raised on every rank alike by :func:`fetch_batch`,
+    before the step's first collective, the sampler left where it was; the loop stops the run there (exit 75),
+    other callers (``replay``) say it as the store's one line. The message is one line: the failing rank and its
+    error."""
+
+
+def fetch_batch(run, stage: Stage, keep: range) -> list[Sample]:
+    """:func:`draw_samples` for a training step, agreed on by every rank when some shard is read from object
+    storage: one MAX all-reduce of "my read failed" (rank + 1), so that a rank whose read met an outage stops
+    every rank at this step boundary instead of leaving the others waiting in the step's collectives (gloo's
+    timeout, ``parallel.timeout_s``, must exceed the store's retry budget). On local files (memory-mapped; a
+    failure there is a bad file, not an outage) nothing is added to the step.
+
+    Raises:
+        ReadOutage: some rank's read failed with StoreUnavailable; the sampler state is restored on every rank
+            (ranks whose read succeeded drew the batch too), so the checkpoint of this step and the resumed run
+            draw this batch again: nothing half-read is trained on.
+    """
+    sampler = run.sampler
+    if not any(getattr(s, "prefetches", False) for s in sampler.streams.values()):
+        return draw_samples(sampler, stage, keep)
+    before, error = copy.deepcopy(sampler.state), None
+    try:
+        samples = draw_samples(sampler, stage, keep)
+    except StoreUnavailable as e:
+        samples, error = [], e
+    failed = int(all_reduce_max(torch.tensor([run.info.rank + 1 if error else 0], device=run.info.device)).item())
+    if failed:
+        sampler.state = before
+        sampler.events.clear()
+        raise ReadOutage(f"rank {run.info.rank}: {error}" if error else
+                         f"rank {failed - 1} could not read its part of the batch of step {run.state.step + 1}")
+    return samples
+
+
 def compute_step(run, stage: Stage, lr: float) -> StepResult:
     """Draw this rank's share of the stage's global batch and compute loss, gradients and the global
     grad norm (gradients clipped to ``optim.grad_clip``); the optimizer is not stepped.
@@ -347,7 +386,7 @@ def compute_step(run, stage: Stage, lr: float) -> StepResult:
     per_rank = stage.batch_size // info.dp_size
     keep = range(info.dp_rank * per_rank, (info.dp_rank + 1) * per_rank)
     first_sample = sampler.state["samples_seen"]
-    samples = draw_samples(sampler, stage, keep)
+    samples = fetch_batch(run, stage, keep)  # ReadOutage: every rank stops here, before the collectives
     for ev in sampler.events:
         run.log.event(run.state.step, ev, kind="epoch")
     sampler.events.clear()
