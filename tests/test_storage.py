@@ -331,6 +331,37 @@ def test_an_outage_of_shard_reads_stops_every_rank_at_a_step_and_the_same_comman
     assert _remote_steps(url) == [6, 8]
 
 
+def test_an_outage_of_held_out_reads_during_validation_stops_every_rank_there_and_resumes_bitwise(
+        store, remote_shards, prepared, reference, tmp_path):
+    """The store stops answering the held-out shards' reads while the training windows still come: at the next
+    validation every rank's read fails past the retry budget, and every rank (not only the one whose read failed,
+    which left the others waiting in the evaluation's next collective before) abandons it at the same batch,
+    checkpoints that step and exits 75; the same command then finishes the run on the uninterrupted trajectory."""
+    proxy, bucket = store
+    _, make = prepared
+    url = f"{bucket}/valout/checkpoints"
+    cfg = make(tmp_path / "run", **{**OV, "data.shards_dir": remote_shards, "checkpoint.dir": url,
+                                    "eval.every": 3, "eval.max_batches": 1}, faults=SLOW)
+    run, argv = Path(cfg.train.run_dir), fresh(cfg, tmp_path)
+    env = {"DENSETRAIN_STORE_CACHE": str(tmp_path / "cache"), "DENSETRAIN_STORE_CACHE_MIB": "0",
+           "DENSETRAIN_STORE_TIMEOUT_S": "3", "DENSETRAIN_STORE_RETRY_S": "5"}
+    procs = start(argv, proxy, **env)
+    _wait(lambda: any(r["kind"] == "eval" and r["step"] == 3 for r in read_metrics(run)), procs, "validation 3")
+    proxy.faulty("stall", 3600, only=f"GET /{bucket[len('s3://'):]}/shards/email/val/".encode())
+    try:
+        res = finish(procs)
+    finally:
+        proxy.faulty("pass", 0)
+    assert [rc for rc, _ in res] == [EXIT_PREEMPTED] * 2, [e[-3000:] for _, e in res]
+    (stop,) = [e for e in read_events(run) if e.get("kind") == "preempt"]
+    assert stop["step"] == 6 and stop["values"]["checkpoint"] == "step_00000006", stop
+    assert stop["values"]["abandoned"] == "validation" and "did not answer" in stop["values"]["error"], stop
+    assert [r["step"] for r in read_metrics(run) if r["kind"] == "eval"] == [3]  # nothing of the abandoned one
+    res = finish(start(argv, proxy, **env))  # the store answers again: the same command finishes the run
+    assert [rc for rc, _ in res] == [0, 0], [e[-3000:] for _, e in res]
+    assert trajectory(run) == reference
+
+
 # ------------------------------------------------------------------------------------------------------
 # Rollbacks with checkpoints in the store; replay and blame of such a run
 # ------------------------------------------------------------------------------------------------------

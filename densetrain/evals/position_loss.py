@@ -25,13 +25,14 @@ end (:func:`position_eval_due`), and logs :func:`position_metrics`'s keys
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import numpy as np
 import torch
 
 from densetrain.data.shards import TokenFiles
 from densetrain.evals.scoring import eval_mode
-from densetrain.evals.stop import StopCheck, stop_point
+from densetrain.evals.stop import StopCheck, read_then_stop_point
 from densetrain.loss import token_losses
 from densetrain.parallel import all_reduce_sum, dp_rank_size, even_split
 from densetrain.schedule import Stage
@@ -84,11 +85,12 @@ def evaluate_position_loss(
     with eval_mode(model) as model:
         for name in sorted(streams):
             stream = streams[name]
-            docs = long_documents(stream, n_docs)
+            docs = long_documents(stream, n_docs)  # from the shards' index, read when the stream opened
             acc = torch.zeros(2, len(edges), dtype=torch.float64, device=device)  # [loss sum; tokens] per bucket
             for k in even_split(len(docs), rank, size):
-                stop_point(should_stop)
-                doc = stream.document(docs[0 if k is None else k])[: length + 1]  # None: stand-in, dropped
+                # None: a stand-in, dropped; a read that meets a store outage stops every rank here (evals.stop)
+                doc = read_then_stop_point(should_stop, partial(stream.document, docs[0 if k is None else k]))
+                doc = doc[: length + 1]
                 t = torch.from_numpy(doc).to(device)[None]  # (1, n + 1)
                 with autocast or contextlib.nullcontext():
                     logits = model(t[:, :-1])  # (1, n, vocab)

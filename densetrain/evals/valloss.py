@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from functools import partial
 
 import numpy as np
 import torch
 
 from densetrain.data.shards import TokenFiles
 from densetrain.evals.scoring import eval_mode
-from densetrain.evals.stop import StopCheck, stop_point
+from densetrain.evals.stop import StopCheck, read_then_stop_point
 from densetrain.loss import token_losses
 from densetrain.model.masks import document_ids
 from densetrain.parallel import all_reduce_sum, dp_rank_size, even_split
@@ -80,6 +81,14 @@ def _span_bytes(stream: TokenFiles, end: int, tokenizer) -> int:
     return _BYTES_CACHE[key]
 
 
+def _read_batch(stream: TokenFiles, part: list, win: int, bytes_end: int, tokenizer) -> tuple[np.ndarray, int | None]:
+    """The windows ``part`` of ``stream`` as rows (B, win + 1) (None: window 0 stands in, the same forward as the
+    other ranks; its losses are dropped), and with ``bytes_end`` the UTF-8 bytes of the scored span (read with the
+    first batch, so that its read meets the same stop check as the windows')."""
+    rows = np.stack([stream.read((0 if k is None else k) * win, win + 1) for k in part])
+    return rows, (_span_bytes(stream, bytes_end, tokenizer) if bytes_end else None)
+
+
 @torch.no_grad()
 def evaluate_val(
     model: torch.nn.Module,
@@ -118,12 +127,12 @@ def evaluate_val(
             win, n_windows, end = scored_span(stream, seq_len, micro_batch_size, max_batches)
             mine = even_split(n_windows, rank, size)
             loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
+            nbytes = None
             for i in range(0, len(mine), micro_batch_size):
-                stop_point(should_stop)
                 part = mine[i : i + micro_batch_size]
-                # None: window 0 stands in (same forward as the other ranks), its losses are dropped
-                rows = [stream.read((0 if k is None else k) * win, win + 1) for k in part]
-                rows = np.stack(rows)  # (B, win + 1)
+                span = end if tokenizer is not None and i == 0 else 0
+                rows, got = read_then_stop_point(should_stop, partial(_read_batch, stream, part, win, span, tokenizer))
+                nbytes = got if i == 0 else nbytes
                 t = torch.from_numpy(rows).to(device)
                 inputs = {}
                 if eos_id is not None:
@@ -143,7 +152,6 @@ def evaluate_val(
             n = int(loss_sum[1])
             out[name] = {"loss": float(loss_sum[0] / n) if n else float("nan"), "tokens": n}
             if tokenizer is not None:
-                nbytes = _span_bytes(stream, end, tokenizer)
                 out[name]["bytes"] = nbytes
                 out[name]["bpb"] = float(loss_sum[0]) / _LN2 / nbytes if nbytes else float("nan")
     return out

@@ -34,7 +34,7 @@ from densetrain.optim import set_lr
 from densetrain.parallel import all_reduce_max
 from densetrain.schedule import Stage, lr_for, stage_at
 from densetrain.storage import counters as store_counters
-from densetrain.train.preempt import StopRequest, stop_run
+from densetrain.train.preempt import OUTAGE, StopRequest, stop_run
 from densetrain.train.rundir import set_aside_future, unlock_run_dir
 from densetrain.train.setup import Run, probe_peak_flops, setup, switch_layout
 from densetrain.train.step import ReadOutage, StepResult, compute_step
@@ -282,6 +282,9 @@ def evaluate(run: Run, st: Stage, stop: StopRequest | None = None) -> None:
             run.log.console("  tasks " + " ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in dm.items()
                                                    if k.endswith("/headline")))
     except EvalStopped:  # every rank got the same all-reduced answer at the same batch
+        if stop.agreed == OUTAGE:  # a held-out read met the store's outage on some rank: the same stop (exit 75)
+            stop_run(run, 0, abandoned=what, outage=(cfg.data.shards_dir, stop.outage or "another rank's read of "
+                                                     "the held-out shards did not answer within the retry budget"))
         stop_run(run, stop.agreed, abandoned=what, noted_at=stop.noted_at)
 
 

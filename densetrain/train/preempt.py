@@ -42,6 +42,10 @@ exit with it and torchrun itself exits 1 (it was signalled too); the ``preempt``
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+OUTAGE = 1 << 16
+""":meth:`StopRequest.requested`'s answer when an evaluation's read met an object-store outage on some rank:
+above every signal number, so that the all-reduced maximum says an outage stopped the run."""
+
 
 class StopRequest:
     """Notes the first SIGTERM or SIGINT while installed (from construction to :meth:`restore`).
@@ -55,6 +59,7 @@ class StopRequest:
         self.signum = 0  # the first signal noted on this rank (0: none)
         self.noted_at: float | None = None  # time.monotonic() when this rank noted it
         self.agreed = 0  # the last answer of requested(): the same on every rank
+        self.outage = ""  # this rank's evaluation read that met an object-store outage (one line), if any
         self._previous: dict[int, object] = {}
         if threading.current_thread() is threading.main_thread():
             self._previous = {s: signal.signal(s, self._note) for s in SIGNALS}
@@ -71,16 +76,21 @@ class StopRequest:
 
     def requested(self) -> int:
         """At a step boundary, on every rank: the signal number (SIGTERM over SIGINT) if any rank noted one,
-        else 0. One all-reduce of one number under torchrun, the same answer on every rank."""
+        :data:`OUTAGE` if a rank's evaluation read met an object-store outage (:meth:`asked`), else 0. One
+        all-reduce of one number under torchrun, the same answer on every rank."""
+        mine = OUTAGE if self.outage else self.signum
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            self.agreed = self.signum
+            self.agreed = mine
         else:
-            self.agreed = int(all_reduce_max(torch.tensor([self.signum], device=self.device)).item())
+            self.agreed = int(all_reduce_max(torch.tensor([mine], device=self.device)).item())
         return self.agreed
 
-    def asked(self) -> bool:
-        """:meth:`requested` as the ``should_stop()`` of an evaluation (:mod:`densetrain.evals.stop`): every rank
-        must call it at the same points."""
+    def asked(self, failed: BaseException | None = None) -> bool:
+        """:meth:`requested` as the ``should_stop(failed)`` of an evaluation (:mod:`densetrain.evals.stop`): every
+        rank must call it at the same points; ``failed``: this rank's read error (a store outage), which stops
+        every rank there."""
+        if failed is not None and not self.outage:
+            self.outage = " ".join(str(failed).split())
         return bool(self.requested())
 
     def restore(self) -> None:
