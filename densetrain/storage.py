@@ -11,8 +11,10 @@ one set of functions, used by the shard reader, the checkpointer and the run-fil
   is retried with exponential backoff (0.2 s doubling to 5 s) for up to ``DENSETRAIN_STORE_RETRY_S`` seconds
   (default 120) in all; each retry is counted in :data:`counters` (``store_retries``, in the training
   log). Past the budget, :class:`StoreUnavailable`. Not found and permission errors are not retried.
-  The clients' own retries are turned off so that every retry is counted here. Each request waits at most
-  ``DENSETRAIN_STORE_TIMEOUT_S`` seconds (default 10) to connect and to read its answer (S3).
+  s3fs's own retries are turned off so that every retry is counted here; gcsfs retries each request itself
+  (6 tries over ~31 s, fixed when it is imported), so a gs:// outage is noticed that much later and those tries
+  are not counted. Each request waits at most ``DENSETRAIN_STORE_TIMEOUT_S`` seconds (default 10) to connect
+  and to read its answer (S3 and GCS).
 - **Range reads with a bounded local cache** (:class:`RemoteArray`): a remote shard is read in 1 MiB blocks,
   each kept in a local cache directory (``DENSETRAIN_STORE_CACHE``, default ``~/.cache/densetrain/store``)
   bounded to ``DENSETRAIN_STORE_CACHE_MIB`` (default 16384 MiB; least recently used blocks go first). Blocks
@@ -85,8 +87,8 @@ _fs_cache: dict[str, object] = {}
 
 def _fs(path):
     """(filesystem, path without protocol) of URL ``path``. Listings are not cached (another process adds and
-    deletes checkpoints); the client's own retries are off (:func:`retrying` counts each); short timeouts so
-    that a store that stops answering is noticed in seconds, not minutes."""
+    deletes checkpoints); s3fs's own retries are off (:func:`retrying` counts each; gcsfs keeps its own); short
+    timeouts so that a store that stops answering is noticed in seconds, not minutes."""
     from fsspec.core import split_protocol, url_to_fs  # fsspec only where a URL is used
 
     protocol = split_protocol(path)[0]
