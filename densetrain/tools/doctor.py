@@ -114,16 +114,7 @@ def op_overhead(device: torch.device, seconds: float = 0.05, trials: int = 3, cl
         count = _OpCount()
         with count:
             run()
-        best = float("inf")
-        for _ in range(trials):
-            calls, t0 = 0, clock()
-            while clock() - t0 < seconds:
-                run()
-                calls += 1
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            best = min(best, (clock() - t0) / calls / count.n)
-        per_op[n] = best
+        per_op[n] = _fastest(run, device, seconds, trials, clock) / count.n
     slope = (per_op[16384] - per_op[1024]) / (16384 - 1024)
     return max(per_op[1024] - slope * 1024, 0.0)
 
