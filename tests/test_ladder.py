@@ -173,7 +173,9 @@ def test_print_commands(prepared, tmp_path):
     lines = print_commands(cfg, SIZES, BUDGETS, tmp_path / "L")
     assert lines[0] == ("# ladder: 6 points (2 sizes x 3 budgets), 2 WSD runs + 4 cooldown branches; every run: "
                         "schedule wsd (decay_fraction 0.15, linear), warmup 2 steps, one stage with the mix of the "
-                        "config's first stage, no faults")
+                        "config's first stage, no faults; note: N spans 4.2x over the sizes (the protocol asks >= "
+                        "10x: wider sizes or a smaller vocabulary, e.g. benchmarks/ladder_protocol.toml's BPE 512); "
+                        "at d_model 32 the output head (vocab_size 512 x d_model) is 64% of N")
     assert lines[-1].startswith("# total: 6 runs, ") and "GPU-hours on one H100 SXM" in lines[-1]  # issue 44 item 7
     lines = lines[1:-1]
     branch = load_config(path=tmp_path / "L" / "configs" / "d32_c0.toml")

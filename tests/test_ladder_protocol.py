@@ -20,7 +20,7 @@ from densetrain.law import Law
 from densetrain.metrics import flops_per_token, read_events
 from densetrain.tools.ladder.fit import fit_records, merge_seeds
 from densetrain.tools.ladder.grid import N_KEY, build_grid, param_counts, placement, point_config
-from densetrain.tools.ladder.launcher import open_ladder, repeated_tokens
+from densetrain.tools.ladder.launcher import head_note, open_ladder, repeated_tokens
 from densetrain.tools.ladder.protocol import DEFAULT_BUDGETS, DEFAULT_SIZES, PROTOCOL, Protocol
 from densetrain.train import train
 
@@ -64,6 +64,20 @@ def test_the_defaults_span_sizes_budgets_and_seed_the_largest_rung():
     ladder = sum(flops_per_token(configs[p.name].model, cfg.train.seq_len) * cfg.train.batch_size * cfg.train.seq_len
                  * (p.steps - p.branch_from) for p in grid.points)
     assert ladder <= 0.5 * 12 * max(grid.budgets)
+
+
+def test_a_ladder_whose_n_spans_less_than_10x_says_so_and_names_the_head():
+    # The defaults on the tiny preset (BPE 8192): the head is most of N at d_model 16 and N spans 4.6x, which the
+    # ladder's first line now says (before: nothing, and the fit's exponents came from a head-dominated N).
+    tiny = load_config(preset="tiny")
+    grid = build_grid(tiny, list(DEFAULT_SIZES), list(DEFAULT_BUDGETS), PROTOCOL)
+    n = [param_counts(point_config(tiny, grid, p, "r"))[N_KEY] for p in grid.points]
+    note = head_note(tiny, grid)
+    assert f"N spans {max(n) / min(n):.1f}x over the sizes (the protocol asks >= 10x" in note and max(n) < 10 * min(n)
+    head = tiny.model.vocab_size * 16
+    assert f"at d_model 16 the output head (vocab_size 8192 x d_model) is {head / min(n):.0%} of N" in note
+    assert head_note(protocol_config(), build_grid(protocol_config(), list(DEFAULT_SIZES), list(DEFAULT_BUDGETS),
+                                                   PROTOCOL)) == ""  # the recipe's BPE 512: 10.8x
 
 
 def test_placement_moves_up_the_sizes():

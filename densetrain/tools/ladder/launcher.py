@@ -36,7 +36,16 @@ from densetrain.fileio import (
 from densetrain.law.files import PLAN, POINTS, read_plan, read_points, read_summary
 from densetrain.metrics import flops_per_token, read_metrics
 from densetrain.schedule import resolve_stages, warmup_steps
-from densetrain.tools.ladder.grid import N_KEY, Grid, Point, Protocol, build_grid, param_counts, point_config
+from densetrain.tools.ladder.grid import (
+    N_KEY,
+    Grid,
+    Point,
+    Protocol,
+    build_grid,
+    param_counts,
+    point_config,
+    scaled_model,
+)
 from densetrain.train import train
 from densetrain.train.watch.curve import CURVE_FROM, run_areas
 
@@ -92,12 +101,29 @@ def describe(cfg: Config, grid: Grid) -> str:
             f"runs + {len(grid.points) - mains} cooldown branches; every run: schedule wsd (decay_fraction "
             f"{cfg.schedule.decay_fraction:g}, {cfg.schedule.decay_shape}), warmup {grid.warmup_steps} steps, one "
             f"stage with the mix of the config's first stage, no faults")
-    if pr == Protocol():
-        return line
-    return (line + f"; protocol: {pr.per_budget or 'every'} sizes a budget, the largest rung at {pr.seeds} seeds, "
-            f"lr {pr.lr_rule}, head_dim {pr.head_dim or 'of the config'}, {pr.flops} FLOPs"
-            + (f"; left out (too short to decay after the warmup): {', '.join(grid.left_out)}" if grid.left_out
-               else ""))
+    if pr != Protocol():
+        line += (f"; protocol: {pr.per_budget or 'every'} sizes a budget, the largest rung at {pr.seeds} seeds, "
+                 f"lr {pr.lr_rule}, head_dim {pr.head_dim or 'of the config'}, {pr.flops} FLOPs"
+                 + (f"; left out (too short to decay after the warmup): {', '.join(grid.left_out)}" if grid.left_out
+                    else ""))
+    return line + head_note(cfg, grid)
+
+
+def head_note(cfg: Config, grid: Grid) -> str:
+    """A note when N (parameters without the input embedding, the fit's N) spans less than the protocol's 10x over
+    the ladder's sizes, naming the output head's share of N at the smallest size when it is the reason (an untied
+    ``vocab_size x d_model`` head grows with d_model like the blocks' rows, not their squares: at BPE 8192 and
+    d_model 16-64 N spans 4.6x; the protocol's recipe, benchmarks/ladder_protocol.toml, trains BPE 512: 10.8x).
+    Empty otherwise."""
+    models = [scaled_model(cfg, d, grid.protocol.head_dim) for d in (min(grid.sizes), max(grid.sizes))]
+    (n_lo, n_hi) = (param_counts(m)[N_KEY] for m in models)
+    if n_hi >= 10 * n_lo:
+        return ""
+    m = models[0].model
+    head = "" if m.tie_embeddings else (f"; at d_model {m.d_model} the output head (vocab_size {m.vocab_size} x "
+                                        f"d_model) is {m.vocab_size * m.d_model / n_lo:.0%} of N")
+    return (f"; note: N spans {n_hi / n_lo:.1f}x over the sizes (the protocol asks >= 10x: wider sizes or a smaller "
+            f"vocabulary, e.g. benchmarks/ladder_protocol.toml's BPE 512){head}")
 
 
 def finished(ladder_dir: Path) -> dict[str, dict]:
