@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from densetrain.errors import ConfigError
+from densetrain.errors import ConfigError, DataError
 from densetrain.fileio import ReadRefused, atomic_write_bytes, open_regular, parse_json_line, read_bytes_bounded
 
 BLOCK_BYTES = 1 << 20
@@ -363,6 +363,11 @@ def _shared() -> tuple[_BlockCache, ThreadPoolExecutor]:
     return _cache, _pool
 
 
+class ObjectChanged(DataError):
+    """A remote shard's object differs from the version this run opened and verified (its ETag or size moved):
+    the data under the run changed, which no retry or resume on the same URL mends."""
+
+
 class RemoteArray:
     """A 1-D token array of a remote file read by byte ranges through the block cache: ``arr[a:b]`` reads only
     the blocks it covers (and prefetches the next :data:`PREFETCH_BLOCKS` in the background on a miss).
@@ -375,7 +380,7 @@ class RemoteArray:
         self.path, self.dtype, self.nbytes = path, np.dtype(dtype), int(size)
         self.size = self.nbytes // self.dtype.itemsize
         self.shape = (self.size,)
-        self.key = cache_key(path, version)
+        self.key, self.version = cache_key(path, version), version
         self._inflight: dict[int, object] = {}
         self._failed: dict[int, BaseException] = {}  # block -> its background fetch's error, not yet raised
         self._ilock = threading.Lock()
@@ -387,7 +392,17 @@ class RemoteArray:
             return data
         fs, p = _fs(self.path)
         start = block * BLOCK_BYTES
-        data = retrying(self.path, fs.cat_file, p, start=start, end=min(start + BLOCK_BYTES, self.nbytes))
+        end = min(start + BLOCK_BYTES, self.nbytes)
+        data = retrying(self.path, fs.cat_file, p, start=start, end=end)
+        # A range read names no object version, so an object rewritten in the store mid-run (prepare re-run into
+        # the same URL, another job) would be read and trained on, past the manifest's sha256 that vetted the version
+        # this run opened. One HEAD after each fetched block sees any change that could have reached its bytes.
+        size, version = stat(self.path)
+        if cache_key(self.path, version) != self.key or size != self.nbytes or len(data) != end - start:
+            raise ObjectChanged(f"{self.path}: changed in the object store since this run verified it against its "
+                                f"manifest (version {self.version} -> {version}, {self.nbytes} -> {size} bytes); "
+                                f"nothing of the new object was used: prepare into a new URL and start a new run, "
+                                f"or restore the object and --resume")
         _count("store_bytes_fetched", len(data))
         cache.put(self.key, block, data)
         return data

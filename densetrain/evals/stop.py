@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from densetrain.storage import StoreUnavailable
+from densetrain.storage import ObjectChanged, StoreUnavailable
 
 StopCheck = Callable[..., bool] | None
 """``should_stop(failed=None)``: True when the caller wants the evaluation abandoned, or ``failed`` (this rank's
@@ -37,7 +37,7 @@ class EvalStopped(Exception):
     returned (a partial sum over some batches is no value of the metric)."""
 
 
-def stop_point(should_stop: StopCheck, failed: StoreUnavailable | None = None) -> None:
+def stop_point(should_stop: StopCheck, failed: StoreUnavailable | ObjectChanged | None = None) -> None:
     """Ask ``should_stop`` (when given) before the next forward batch, with this rank's read failure if any.
 
     Raises:
@@ -64,7 +64,7 @@ def read_then_stop_point(should_stop: StopCheck, read: Callable[[], T]) -> T:
     """
     try:
         value, failed = read(), None
-    except StoreUnavailable as e:
+    except (StoreUnavailable, ObjectChanged) as e:  # a shard changed in the store stops every rank here too
         value, failed = None, e
     stop_point(should_stop, failed)
     return value

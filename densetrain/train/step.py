@@ -33,7 +33,7 @@ from densetrain.parallel.dist import sum_over_group
 from densetrain.parallel.loss_parallel import loss_parallel_context, loss_parallel_mesh, vocab_parallel_head
 from densetrain.parallel.pipeline import PipelineModel, join_inputs
 from densetrain.schedule import Stage
-from densetrain.storage import StoreUnavailable
+from densetrain.storage import ObjectChanged, StoreUnavailable
 
 
 @dataclass
@@ -359,15 +359,21 @@ def fetch_batch(run, stage: Stage, keep: range) -> list[Sample]:
     sampler = run.sampler
     if not any(getattr(s, "prefetches", False) for s in sampler.streams.values()):
         return draw_samples(sampler, stage, keep)
-    before, error = copy.deepcopy(sampler.state), None
+    before, error, world = copy.deepcopy(sampler.state), None, run.info.world_size
     try:
         samples = draw_samples(sampler, stage, keep)
-    except StoreUnavailable as e:
+    except (StoreUnavailable, ObjectChanged) as e:
         samples, error = [], e
-    failed = int(all_reduce_max(torch.tensor([run.info.rank + 1 if error else 0], device=run.info.device)).item())
+    # rank + 1 for an outage, world + rank + 1 for a shard changed in the store (which wins: it is no outage)
+    mine = (run.info.rank + 1 + (world if isinstance(error, ObjectChanged) else 0)) if error else 0
+    failed = int(all_reduce_max(torch.tensor([mine], device=run.info.device)).item())
     if failed:
         sampler.state = before
         sampler.events.clear()
+        if failed > world:
+            raise error if isinstance(error, ObjectChanged) else ObjectChanged(
+                f"rank {failed - world - 1}: a shard changed in the object store during the run (its own line says "
+                f"which); nothing of it was trained on")
         raise ReadOutage(f"rank {run.info.rank}: {error}" if error else
                          f"rank {failed - 1} could not read its part of the batch of step {run.state.step + 1}")
     return samples
