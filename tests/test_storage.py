@@ -28,7 +28,7 @@ from densetrain import storage
 from densetrain.checkpoint import list_complete, mirror
 from densetrain.cli import main
 from densetrain.data.streams import open_streams
-from densetrain.errors import EXIT_PREEMPTED
+from densetrain.errors import EXIT_PREEMPTED, TrainError
 from densetrain.metrics import read_events, read_metrics
 
 
@@ -406,6 +406,33 @@ def remote_run(store, remote_shards, prepared, tmp_path_factory):
     train(cfg)
     assert _remote_steps(url) == [4, 6]
     return cfg, url, trajectory(Path(cfg.train.run_dir))
+
+
+def test_a_checkpoint_dir_claimed_by_a_second_run_stops_the_first_ones_uploads(remote_run, tmp_path):
+    # Found trying it as a user: two runs started at once on one fresh checkpoint.dir both exited 0 saying
+    # "uploaded" while each replaced or set aside the other's checkpoints. The first to start writes OWNER; a run
+    # that finds another's token there is refused, and an upload that finds its token replaced stops.
+    cfg, url, _ = remote_run
+    run = Path(cfg.train.run_dir)
+    mine = (run / mirror.LOCAL_OWNER).read_text()
+    owner = storage.join(url, mirror.OWNER)
+    assert storage.read_bytes(owner, 256).decode() == mine and len(mine) == 16
+    other = tmp_path / "other_run"  # a second run on the same checkpoint.dir, before any checkpoint is there
+    assert mirror.claim(other, url, resume=False).startswith(f"checkpoint.dir {url} belongs to another run (OWNER "
+                                                             f"{mine}, this run's none)")
+    storage.write_bytes(owner, b"0123456789abcdef")  # as if that second run had started first and claimed it
+    try:
+        before = storage.listdir(url)
+        with pytest.raises(TrainError, match=rf"checkpoint.dir {url} was claimed by another run \(OWNER "
+                                             rf"0123456789abcdef, this run's {mine}\) while this run wrote there"):
+            mirror.sync_up(run, url, keep=2)
+        assert storage.listdir(url) == before  # nothing uploaded, nothing set aside
+        assert mirror.claim(run, url, resume=True).startswith(f"checkpoint.dir {url} belongs to another run")
+        lost = tmp_path / "new_machine"  # the same run resumed where its run directory is gone: takes the token
+        assert mirror.claim(lost, url, resume=True) == "" and (lost / mirror.LOCAL_OWNER).read_text() == \
+            "0123456789abcdef"
+    finally:
+        storage.write_bytes(owner, mine.encode())
 
 
 def test_a_rollback_sets_aside_the_store_copies_too_and_a_resume_never_fetches_them(remote_run, store, tmp_path):

@@ -40,6 +40,53 @@ there (the store was down, or the run was killed in between), the next upload or
 (:func:`settle`), so no checkpoint a rollback abandoned is ever fetched, kept or counted in the store."""
 
 
+OWNER = "OWNER"
+"""``checkpoint.dir/OWNER``: the token of the run that writes there (also in ``RUN_DIR/store_owner``). Written at a
+fresh start, checked before every upload: a second run started on the same ``checkpoint.dir`` (at the same time,
+before either had a checkpoint there) claims it, and the first run's next upload stops with one line instead of
+the two runs replacing and setting aside each other's checkpoints while both say "uploaded"."""
+LOCAL_OWNER = "store_owner"
+
+
+def _owner(root) -> str:
+    """The token in ``root/OWNER`` ('' when there is none). Raises: StoreUnavailable."""
+    path = storage.join(root, OWNER)
+    return storage.read_bytes(path, 256).decode(errors="replace").strip() if storage.exists(path) else ""
+
+
+def claim(run_dir: Path, root, resume: bool) -> str:
+    """Rank 0 at a run's start: make ``root`` this run's (:data:`OWNER`). A fresh run takes a new token unless
+    another run holds ``root``; a resume keeps its token, or (a run directory that lost it: a new machine) takes
+    the store's. Returns: an error line ('' when claimed). Raises: StoreUnavailable."""
+    local = Path(run_dir) / LOCAL_OWNER
+    mine = local.read_text().strip() if local.is_file() else ""
+    theirs = _owner(root)
+    if theirs and theirs != mine and (mine or not resume):
+        return (f"checkpoint.dir {root} belongs to another run ({OWNER} {theirs}, this run's "
+                f"{mine or 'none'}): two runs writing there would replace each other's checkpoints; choose another "
+                f"checkpoint.dir (or delete {storage.join(root, OWNER)} if that run is gone)")
+    token = mine or theirs or os.urandom(8).hex()
+    if not mine:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(local, token.encode())
+    if theirs != token:
+        storage.write_bytes(storage.join(root, OWNER), token.encode())
+    return ""
+
+
+def check_owner(run_dir: Path, root) -> None:
+    """Before an upload: ``root`` is still this run's (a run directory from before :data:`OWNER` has no token and is
+    not checked). Raises: TrainError (one line) when another run has claimed it; StoreUnavailable."""
+    local = Path(run_dir) / LOCAL_OWNER
+    if not local.is_file():
+        return
+    mine, theirs = local.read_text().strip(), _owner(root)
+    if theirs and theirs != mine:
+        raise TrainError(f"checkpoint.dir {root} was claimed by another run ({OWNER} {theirs}, this run's {mine}) "
+                         f"while this run wrote there: nothing uploaded; the checkpoints are in {run_dir}/checkpoints"
+                         f"; continue with another checkpoint.dir")
+
+
 def note_set_aside(run_dir: Path, after_step: int) -> None:
     """Record that ``checkpoint.dir``'s checkpoints after ``after_step`` are to be set aside (:data:`PENDING`;
     the lowest step when one is pending already). Rank 0."""
@@ -108,6 +155,7 @@ def sync_up(run_dir: Path, root, keep: int) -> list[str]:
     local = list_complete(run_dir)
     if not local:
         return []
+    check_owner(run_dir, root)  # before anything is written or set aside there
     config = Path(run_dir) / "config.toml"
     if config.is_file():  # eval / export of the URL read it (localize)
         storage.write_bytes(storage.join(root, "config.toml"), config.read_bytes())
@@ -178,10 +226,13 @@ def open_store(run_dir: Path, root, resume: bool, at: int | None = None) -> str 
     if _rank() == 0:
         done = remote_complete(root)
         if resume:
-            fetched = fetch_newest(run_dir, root, at)
+            error = claim(run_dir, root, resume)
+            fetched = None if error else fetch_newest(run_dir, root, at)
         elif done:
             error = (f"checkpoint.dir {root} already holds checkpoints ({storage.name(done[-1][1])}, ...) of another "
                      "run: continue it with --resume, or choose another checkpoint.dir")
+        else:
+            error = claim(run_dir, root, resume)
     if not _agree(not error):
         raise TrainError(error or f"checkpoint.dir {root}: refused on rank 0")
     return fetched
