@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -203,6 +204,14 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def check_local_out(out: str) -> None:
+    """``--out`` of export / import-hf is a local folder: a URL became a folder named ``s3:`` (pathlib folds
+    ``//``) while the command said it had exported. Raises: ConfigError (one line)."""
+    if "://" in out or re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:/", out):
+        raise ConfigError(f"{out}: the output must be a local folder (export or import there, then copy it to the "
+                          f"store, e.g. with `aws s3 cp --recursive`), got a URL")
+
+
 def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     """Write a Hugging Face LlamaForCausalLM folder (config.json + safetensors + tokenizer) from a checkpoint
     of any layout, read one tensor at a time (files of at most 2 GiB, with an index when there are more)."""
@@ -210,6 +219,7 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
     from densetrain.hf import check_export_target
     from densetrain.tools.offline_eval import find_checkpoint
 
+    check_local_out(args.out)
     check_export_target(Path(args.out))  # before any work: an export never replaces a run or other files
     given = Path(args.checkpoint)
     # A read lease: the retention of a run still training keeps this checkpoint until the export is done.
@@ -280,6 +290,7 @@ def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
     from densetrain.model.llama import Transformer
     from densetrain.optim import build_optimizer
 
+    check_local_out(args.out)
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out}: already exists and is not empty; import into a new run directory")

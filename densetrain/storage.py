@@ -109,6 +109,9 @@ def _fs(path):
         except ImportError as e:  # s3fs / gcsfs not installed
             raise ConfigError(f"{path}: the {protocol}:// protocol needs its fsspec client: pip install "
                               f"'densetrain[s3]' (or gcsfs for gs://) ({e})") from None
+        except ValueError as e:  # fsspec knows no such protocol (e.g. S3://: its names are lower case)
+            raise ConfigError(f"{path}: {e}; expected an fsspec URL such as s3://bucket/path or gs://bucket/path") \
+                from None
         if hasattr(fs, "retries"):
             fs.retries = 1
         if protocol in ("s3", "s3a"):
@@ -148,6 +151,10 @@ def _transient(e: BaseException) -> bool:
                             "429", "408", "ServerDisconnected", "ClientPayloadError"))
 
 
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError")
+"""botocore's exceptions for a credential chain that found nothing usable (matched by name: botocore is s3fs's)."""
+
+
 def retrying(what: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)``, retried with backoff while it fails with a transient error (module docstring).
 
@@ -157,6 +164,10 @@ def retrying(what: str, fn, *args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - classified below; permanent ones are re-raised
+            if type(e).__name__ in _NO_CREDENTIALS:  # botocore's: a traceback of 79 lines before
+                raise ConfigError(f"{what}: no credentials for the object store ({type(e).__name__}): give them "
+                                  f"through the client's standard chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
+                                  f"~/.aws/credentials or an instance role for s3://)") from None
             if not _transient(e):
                 raise
             spent = time.monotonic() - t0

@@ -100,6 +100,14 @@ def test_a_value_that_passes_a_comparison_but_breaks_a_run_is_one_line(capsys, o
      "parallel.dp_replicate and parallel.cp and parallel.tp are all -1: at most one degree may be -1"),
     (["train", "--preset", "tiny", "--dry-run", "--rank", "1"],
      "--rank: 1 is not a rank of --world-size 1 (no --world-size or WORLD_SIZE given: a plain run is one process)"),
+    # Found trying object storage as a user: a URL where only a local folder works, or with one slash or a capital
+    # protocol, became a local folder named 's3:' (the log said "uploaded to s3:/...") or a ValueError traceback.
+    (["train", "--preset", "tiny", "--dry-run", "--train.run_dir=s3://b/runs/x"],
+     "train.run_dir must be a local directory (logs, metrics, the checkpoints' staging), got the URL 's3://b/runs/x'"),
+    (["train", "--preset", "tiny", "--dry-run", "--checkpoint.dir=s3:/b/ck"],
+     "checkpoint.dir = 's3:/b/ck' looks like a URL with one slash after 's3:'; expected 's3://...'"),
+    (["train", "--preset", "tiny", "--dry-run", "--data.shards_dir=S3://b/shards"],
+     "data.shards_dir = 'S3://b/shards': fsspec protocols are lower case, expected 's3://...'"),
     # --resume with --config or --preset: the file was read and silently ignored (the run's config.toml wins)
     (["train", "--preset", "tiny", "--resume", "runs/x"],
      "--resume runs/x continues the run's own config.toml; drop --preset tiny (change keys with --key=value flags"),
@@ -554,3 +562,10 @@ def test_an_async_save_on_a_full_disk_says_so_and_leaves_no_tmp(prepared, tmpfs,
     err = _run(capsys, "train", "--config", str(tmp_path / "c.toml"))
     assert "no space left" in err, err
     assert not list((tmpfs / "run" / "checkpoints").glob("*.tmp")), sorted((tmpfs / "run").rglob("*"))
+
+
+def test_import_hf_to_a_url_is_refused_in_one_line(hf_dir, capsys):
+    # pathlib folded s3://b/imported into a local folder s3:/b/imported, and the command said it had imported there
+    err = _run(capsys, "import-hf", str(hf_dir), "--out", "s3://b/imported")
+    assert "s3://b/imported: the output must be a local folder" in err, err
+    assert not Path("s3:").exists()

@@ -28,7 +28,7 @@ from densetrain import storage
 from densetrain.checkpoint import list_complete, mirror
 from densetrain.cli import main
 from densetrain.data.streams import open_streams
-from densetrain.errors import EXIT_PREEMPTED, TrainError
+from densetrain.errors import EXIT_PREEMPTED, ConfigError, TrainError
 from densetrain.metrics import read_events, read_metrics
 
 
@@ -177,6 +177,20 @@ def test_an_object_rewritten_after_the_run_opened_it_is_refused_not_read(store, 
     fresh = storage.open_array(url, np.uint16)  # a run that opens (and verifies) the new version reads it
     assert np.array_equal(fresh[(2 << 19) + 5:(2 << 19) + 10], np.full(5, 7, np.uint16))
     storage._shared()[1].shutdown(wait=True)
+
+
+def test_missing_credentials_are_one_line_naming_the_url(store, tmp_path, monkeypatch):
+    # Found trying it as a user: botocore's NoCredentialsError reached the command line as a 79-line traceback.
+    _, bucket = store
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    for k in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE"):
+        monkeypatch.setenv(k, str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to ask
+    monkeypatch.setattr(storage, "_fs_cache", {})
+    with pytest.raises(ConfigError, match=rf"^{bucket}/nocreds/x.ds: no credentials for the object store "
+                                          r"\(NoCredentialsError\): give them through the client's standard chain"):
+        storage.exists(f"{bucket}/nocreds/x.ds")
 
 
 def test_a_read_that_fails_leaves_the_sampler_where_it_was(remote_shards, prepared, tmp_path, monkeypatch):

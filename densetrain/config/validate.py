@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import typing
 
 from densetrain.config.filters import validate_filters
@@ -436,12 +437,33 @@ def model_params(m) -> int:
     return m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2) + m.n_layers * block + m.d_model
 
 
+_ONE_SLASH = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/(?!/)")
+
+
+def check_local_or_url(value: str, key: str) -> None:
+    """``value`` of ``key`` (a path or an fsspec URL) is not a URL with one slash after its protocol (``s3:/bucket``:
+    a local folder named ``s3:`` would take the run's files while the log says "uploaded to s3:/bucket") nor with a
+    protocol in capitals (fsspec's are lower case). Raises: ConfigError naming the key."""
+    m = _ONE_SLASH.match(value or "")
+    check_config(m is None, f"{key} = '{value}' looks like a URL with one slash after '{m and m.group(1)}:'; "
+                            f"expected '{m and m.group(1)}://...' (or a local path without the colon)")
+    proto = value.split("://", 1)[0] if "://" in (value or "") else ""
+    check_config(proto == proto.lower(), f"{key} = '{value}': fsspec protocols are lower case, expected "
+                                         f"'{proto.lower()}://...'")
+
+
 def validate_bounds(cfg) -> None:
     """Bounds a value can break without failing a type check: an empty run directory (the current folder,
     whose files a run would overwrite), a negative held-out cap, seeds outside the generators' range, a
     negative peak FLOP/s, and a model too large or too deep to exist (:data:`MAX_PARAMS`, :data:`MAX_LAYERS`)."""
     t, d = cfg.train, cfg.data
     check_config(t.run_dir.strip() != "", "train.run_dir must name a directory, got ''")
+    check_config("://" not in t.run_dir, f"train.run_dir must be a local directory (logs, metrics, the checkpoints' "
+                                         f"staging), got the URL '{t.run_dir}': put checkpoints in a store with "
+                                         f"checkpoint.dir")
+    for key, value in (("train.run_dir", t.run_dir), ("data.shards_dir", d.shards_dir),
+                       ("checkpoint.dir", cfg.checkpoint.dir)):
+        check_local_or_url(value, key)
     check_config(d.max_val_tokens >= 0, f"data.max_val_tokens must be >= 0, got {d.max_val_tokens}")
     for key, seed in (("train.seed", t.seed), ("data.seed", d.seed)):
         check_config(0 <= seed < SEED_RANGE, f"{key} must be in [0, 2**64), got {seed}")
