@@ -404,7 +404,11 @@ class RemoteArray:
         fs, p = _fs(self.path)
         start = block * BLOCK_BYTES
         end = min(start + BLOCK_BYTES, self.nbytes)
-        data = retrying(self.path, fs.cat_file, p, start=start, end=end)
+        try:
+            data = retrying(self.path, fs.cat_file, p, start=start, end=end)
+        except FileNotFoundError as e:  # the object or its bucket deleted (a store restarted empty) under the run
+            raise ObjectChanged(f"{self.path}: gone from the object store since this run opened it ({e}); nothing "
+                                f"of it was read: restore it (prepare again into that URL), then --resume") from None
         # A range read names no object version, so an object rewritten in the store mid-run (prepare re-run into
         # the same URL, another job) would be read and trained on, past the manifest's sha256 that vetted the version
         # this run opened. One HEAD after each fetched block sees any change that could have reached its bytes.

@@ -179,6 +179,13 @@ def test_an_object_rewritten_after_the_run_opened_it_is_refused_not_read(store, 
     storage._shared()[1].shutdown(wait=True)
 
 
+def test_a_checkpoint_dir_in_a_missing_bucket_is_refused_at_the_start(store, tmp_path):
+    # Found trying it as a user: the first upload, after the first checkpoint interval of training, said so.
+    with pytest.raises(TrainError, match=r"^checkpoint.dir s3://no-such-bucket-45/ck: cannot write there "
+                                         r"\(FileNotFoundError: .*\); expected an existing bucket"):
+        mirror.open_store(tmp_path / "run", "s3://no-such-bucket-45/ck", resume=False)
+
+
 def test_missing_credentials_are_one_line_naming_the_url(store, tmp_path, monkeypatch):
     # Found trying it as a user: botocore's NoCredentialsError reached the command line as a 79-line traceback.
     _, bucket = store

@@ -232,7 +232,11 @@ def open_store(run_dir: Path, root, resume: bool, at: int | None = None) -> str 
             error = (f"checkpoint.dir {root} already holds checkpoints ({storage.name(done[-1][1])}, ...) of another "
                      "run: continue it with --resume, or choose another checkpoint.dir")
         else:
-            error = claim(run_dir, root, resume)
+            try:
+                error = claim(run_dir, root, resume)
+            except (FileNotFoundError, PermissionError) as e:  # at the start, not at the first upload hours later
+                error = (f"checkpoint.dir {root}: cannot write there ({type(e).__name__}: {e}); expected an existing "
+                         f"bucket and prefix this run may write to")
     if not _agree(not error):
         raise TrainError(error or f"checkpoint.dir {root}: refused on rank 0")
     return fetched
