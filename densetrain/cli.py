@@ -63,6 +63,10 @@ def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
                 path = cand
                 break
     if getattr(args, "resume", None):
+        if "://" in args.resume:  # pathlib folded it into a local 's3:/...' that does not exist
+            raise ConfigError(f"--resume {args.resume}: RUN_DIR is the local run directory (its checkpoints may live "
+                              f"at checkpoint.dir's URL); a run whose directory is gone resumes with the command "
+                              f"that started it and --train.resume=auto")
         if path or preset:  # before: read and silently ignored, so edits in that file never reached the run
             raise ConfigError(f"--resume {args.resume} continues the run's own config.toml; drop "
                               f"{'--config ' + str(path) if path else '--preset ' + preset} (change keys with "
