@@ -106,9 +106,9 @@ def test_ladder_points_resume_and_fit(ladder):
 
 def test_prediction_and_off_curve_alarm(ladder, tmp_path, capsys):
     """The ladder's largest run trained again with eval.ladder: the degenerate micro-ladder's prediction withheld,
-    the run's own forecast in summary.json, no alarm on the healthy run. (The seed's 7.1 case, duplicated 'email'
-    windows from the middle, is not seen by the run's own curve on this corpus: email's loss keeps falling, only
-    slower, and the refitted curve bends with it; benchmarks/RESULTS.md, issue 42.)"""
+    the run's own forecast in summary.json, no alarm on the healthy run. (The seed's 7.1 case, one source's windows
+    duplicated from the middle, is caught by comparing each source with the others' progress:
+    tests/test_curve_alarm.py and benchmarks/forecast_check.py.)"""
     out = ladder[0]
     if not (out / "fit.json").exists():
         fit_ladder(out, samples=30)
