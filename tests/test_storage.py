@@ -12,6 +12,7 @@ localhost, behind a fault-injecting TCP proxy; tests/store_server.py), through s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import shutil
@@ -253,6 +254,20 @@ def start(argv: list[str], proxy: FaultProxy, **env: str) -> list:
         environ_restore(old)
 
 
+@contextlib.contextmanager
+def answering_503(proxy: FaultProxy, monkeypatch):
+    """This process's store client behind ``proxy``, which answers 503 (SlowDown) to everything inside the block;
+    a 1 s retry budget, so that the outage is past it at once."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
+    monkeypatch.setenv("DENSETRAIN_STORE_RETRY_S", "1")
+    monkeypatch.setattr(storage, "_fs_cache", {})
+    proxy.faulty("503", 60)
+    try:
+        yield
+    finally:
+        proxy.faulty("pass", 0)
+
+
 def _wait(cond, procs, what: str, timeout: float = 120) -> None:
     t0 = time.monotonic()
     while not cond():
@@ -492,15 +507,8 @@ def test_a_rollback_the_store_missed_is_set_aside_there_by_the_next_resume(remot
     shutil.copytree(cfg0.train.run_dir, run)
     storage.put_tree(run / "checkpoints", url, last=("COMPLETE",))
     # The rollback to 4 meets a store that does not answer: the local side is done, the store's is recorded.
-    proxy = store[0]
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
-    monkeypatch.setenv("DENSETRAIN_STORE_RETRY_S", "1")
-    monkeypatch.setattr(storage, "_fs_cache", {})
-    proxy.faulty("503", 60)
-    try:
+    with answering_503(store[0], monkeypatch):
         set_aside_future(run, 4, True, url)
-    finally:
-        proxy.faulty("pass", 0)
     assert [s for s, _ in list_complete(run)] == [4] and _remote_steps(url) == [4, 6]
     assert json.loads((run / "checkpoints_set_aside" / mirror.PENDING).read_text()) == {"after_step": 4}
     # The next resume (here: its fetch) sets the store's 6 aside before anything else and fetches nothing newer.
@@ -532,15 +540,8 @@ def test_replay_and_blame_fetch_the_checkpoint_they_need_from_the_store(remote_r
 
 def test_a_store_that_does_not_answer_is_exit_75_in_one_line(remote_run, store, monkeypatch, capsys):
     _, url, _ = remote_run
-    proxy = store[0]
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
-    monkeypatch.setenv("DENSETRAIN_STORE_RETRY_S", "1")
-    monkeypatch.setattr(storage, "_fs_cache", {})
-    proxy.faulty("503", 60)
-    try:
+    with answering_503(store[0], monkeypatch):
         rc = main(["eval", url])
-    finally:
-        proxy.faulty("pass", 0)
     assert rc == EXIT_PREEMPTED  # a temporary failure: the same command works once the store is back
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"densetrain: error: {url}: the object store did not answer for "), last
