@@ -163,3 +163,15 @@ def environ_restore(old: dict) -> None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def prepare_to(url: str, prepared, tmp) -> str:
+    """conftest's ``prepared`` stdlib sources prepared again, straight to ``url`` (an object store's folder);
+    returns ``url``."""
+    from densetrain.data.prepare import prepare
+
+    _, make = prepared
+    cfg = make(tmp)
+    cfg.data.shards_dir = url
+    prepare(cfg)
+    return url

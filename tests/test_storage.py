@@ -21,7 +21,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from store_server import FaultProxy, environ_restore, environ_set, free_port, make_bucket, s3_env, start_moto
+from store_server import (
+    FaultProxy,
+    environ_restore,
+    environ_set,
+    free_port,
+    make_bucket,
+    prepare_to,
+    s3_env,
+    start_moto,
+)
 from test_resume import finish, fresh, trajectory
 from test_resume import start as start_train
 
@@ -54,14 +63,7 @@ def store(tmp_path_factory):
 @pytest.fixture(scope="module")
 def remote_shards(store, tmp_path_factory, prepared):
     """The stdlib sources of conftest's ``prepared`` prepared again, straight to ``s3://.../shards``."""
-    from densetrain.data.prepare import prepare
-
-    _, make = prepared
-    url = f"{store[1]}/shards"
-    cfg = make(tmp_path_factory.mktemp("remote_prep"))
-    cfg.data.shards_dir = url
-    prepare(cfg)
-    return url
+    return prepare_to(f"{store[1]}/shards", prepared, tmp_path_factory.mktemp("remote_prep"))
 
 
 def test_prepare_writes_to_s3_and_training_reads_the_same_tokens(store, remote_shards, prepared, tmp_path):

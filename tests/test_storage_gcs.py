@@ -23,7 +23,7 @@ import fsspec.config
 import numpy as np
 import pytest
 from gcs_server import gcs_env, make_bucket, start_gcs
-from store_server import environ_restore, environ_set, free_port
+from store_server import environ_restore, environ_set, free_port, prepare_to
 from test_resume import finish, fresh, trajectory
 from test_resume import start as start_train
 
@@ -84,14 +84,7 @@ def test_gcsfs_errors_are_retried_when_transient():
 @pytest.fixture(scope="module")
 def remote_shards(gcs, tmp_path_factory, prepared):
     """The stdlib sources of conftest's ``prepared`` prepared again, straight to ``gs://.../shards``."""
-    from densetrain.data.prepare import prepare
-
-    _, make = prepared
-    url = f"{gcs}/shards"
-    cfg = make(tmp_path_factory.mktemp("gcs_prep"))
-    cfg.data.shards_dir = url
-    prepare(cfg)
-    return url
+    return prepare_to(f"{gcs}/shards", prepared, tmp_path_factory.mktemp("gcs_prep"))
 
 
 def test_prepare_writes_to_gs_and_the_reads_are_the_local_tokens(remote_shards, prepared, tmp_path):
