@@ -167,7 +167,10 @@ def test_doctor_writes_this_machines_profile_that_plan_reads(tmp_path, capsys):
     assert "note: one rank measured no collective, so the profile's nvlink and net bandwidth are its memory " \
         "bandwidth" in out
     hw = load_hardware(path)
-    assert hw.peak_bf16_flops > 0 and hw.hbm_bytes_per_s > 0 and hw.gpus_per_node == 1 and hw.op_overhead_s > 0
+    assert hw.peak_bf16_flops > 0 and hw.hbm_bytes_per_s > 0 and hw.gpus_per_node == 1
+    # The per-operator cost is an intercept of two timings (doctor.op_overhead): on a busy machine it may come
+    # out 0 (clamped), so only its presence and range are this machine-independent test's to check.
+    assert 0 <= hw.op_overhead_s < 1e-3
     assert main(["plan", "--preset", "tiny", "--gpus", "1", "--hardware", str(path), "--json"]) == 0
     assert '"mfu"' in capsys.readouterr().out
     assert hw.nvlink_bytes_per_s == hw.net_bytes_per_s == hw.hbm_bytes_per_s
