@@ -11,8 +11,9 @@ damaged one is said in an event and replaced by the next check.
 
 Only hardware outliers are health alarms (``health`` events, action ``report``). Outliers that contention
 explains (:func:`densetrain.health.judge`: a busy host, another process on the GPU) are said once, in one
-``health`` event with action ``busy``, until a check finds the host quiet again: a shared machine does not repeat
-them at every check.
+``health`` event with action ``busy``, until a check no longer finds them: a shared machine does not repeat them
+at every check, but a rank's figure that becomes an outlier while the host is busy (a fault that struck then)
+is said when it first appears, beside the ones already said.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class HealthWatch(Watcher):
         self.first: list[Row] | None = None
         self.started = False
         self.seen = 0  # watchdog reports already followed by a check
-        self.busy_said = False  # contention said since the last check that found none
+        self.busy_said: set[tuple[int, str]] = set()  # (rank, figure) of contention outliers already said
 
     def before_step(self, run) -> None:
         if not self.started:
@@ -77,10 +78,11 @@ class HealthWatch(Watcher):
                 run.log.event(step, f"health check ({why}): {o['text']}", kind="health", action="report",
                               values={k: v for k, v in o.items() if k != "text"})
         busy = [o for o in outliers if o["cause"] == "contention"]
-        if busy and not self.busy_said:
-            run.log.event(step, f"health check ({why}): {busy[0]['text']}"
-                                + (f" (and {len(busy) - 1} more figure(s) of busy ranks)" if len(busy) > 1 else "")
-                                + "; said once until a check finds the host quiet", kind="health", action="busy",
-                          values={"outliers": [{k: v for k, v in o.items() if k != "text"} for o in busy]})
-        self.busy_said = bool(busy)
+        new = [o for o in busy if (o["rank"], o["figure"]) not in self.busy_said]
+        if new:
+            run.log.event(step, f"health check ({why}): {new[0]['text']}"
+                                + (f" (and {len(new) - 1} more figure(s) of busy ranks)" if len(new) > 1 else "")
+                                + "; said once until a check no longer finds it", kind="health", action="busy",
+                          values={"outliers": [{k: v for k, v in o.items() if k != "text"} for o in new]})
+        self.busy_said = {(o["rank"], o["figure"]) for o in busy}
         return outliers
