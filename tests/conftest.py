@@ -153,9 +153,10 @@ def tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def run_script_ranks(source: str, tmp: Path, name: str, world: int = 2, timeout: int = 120) -> Path:
+def run_script_ranks(source: str, tmp: Path, name: str, world: int = 2, timeout: int = 120,
+                     args: tuple[str, ...] = ()) -> Path:
     """Write ``source`` to ``tmp/name.py`` and run it as ``world`` ranks of one gloo job (:func:`gloo_env`),
-    each with argv ``[repo root, out]``; assert every rank exits 0 (their stderr tails otherwise). Returns
+    each with argv ``[repo root, *args, out]``; assert every rank exits 0 (their stderr tails otherwise). Returns
     ``out`` (``tmp/name``): rank r writes its results to ``out.r``."""
     import sys
 
@@ -164,7 +165,7 @@ def run_script_ranks(source: str, tmp: Path, name: str, world: int = 2, timeout:
     script, out = tmp / f"{name}.py", tmp / name
     script.write_text(source)
     env = gloo_env(world)
-    procs = [forked.Popen([sys.executable, str(script), str(Path(__file__).resolve().parents[1]), str(out)],
+    procs = [forked.Popen([sys.executable, str(script), str(Path(__file__).resolve().parents[1]), *args, str(out)],
                           env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=forked.PIPE, text=True)
              for r in range(world)]
     errs = [p.communicate(timeout=timeout)[1] for p in procs]

@@ -13,12 +13,10 @@ with a tiny ``max_norm`` (every step clipped) and tied embeddings (still one par
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-import forked
 import pytest
-from conftest import gloo_env
+from conftest import run_script_ranks
 
 _WORKER = r"""
 import json, os, sys
@@ -110,14 +108,7 @@ sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
 
 def run_ranks(tmp: Path, world: int, layout: dict) -> list[dict]:
     """Start ``world`` ranks of the worker (gloo, env:// on a free port, one thread each); each rank's result."""
-    script, out = tmp / "layout_worker.py", tmp / "layout_result"
-    script.write_text(_WORKER)
-    env = gloo_env(world)
-    argv = [sys.executable, str(script), str(Path(__file__).resolve().parents[1]), json.dumps(layout), str(out)]
-    procs = [forked.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stderr=forked.PIPE,
-                          text=True) for r in range(world)]
-    errs = [p.communicate(timeout=240)[1] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for e in errs)
+    out = run_script_ranks(_WORKER, tmp, "layout_result", world, timeout=240, args=(json.dumps(layout),))
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
 
 
