@@ -30,7 +30,13 @@ Sources (each row cites its own):
   efficiency, plus the casts' bytes (dynamic tensorwise scaling); attention and the output head stay bf16;
   FSDP2 gathers fp8 weights (the 405B config's ``enable_fsdp_float8_all_gather``). CP: torch's ring attention
   (rotate method ``allgather``) on K/V repeated to n_heads before SDPA at 9dec370 (``cp_exchange="expanded"``,
-  densetrain/cost/step.py ``CP_EXCHANGE``).
+  densetrain/cost/step.py ``CP_EXCHANGE``). AsyncTP: what torch's micro-pipeline pass fuses (the forward's
+  collectives; not the backward's reduce-scatters, nor Float8's backward all-gathers: ``step.async_tp_exposed``).
+
+Known misses: Table 2's 64K and 128K rows (FSDP 4 x CP 2, FSDP 2 x CP 4) hold the same 32K tokens on every GPU;
+between them every per-rank cost that depends on seq_len at most doubles (attention's keys, the gathered K/V, the
+ring's steps), so a step can take at most 2x as long a local token. The table gives 2,540 / 1,071 = 2.37x: no
+per-rank work term explains it, and none is fitted to it; the 256K row (1.95x the 128K one) inherits the miss.
 """
 
 from __future__ import annotations

@@ -50,8 +50,14 @@ ATTENTION_EFFICIENCY = 0.26
 NETWORK_EFFICIENCY = 0.5
 """Fraction of a link's datasheet bandwidth NCCL's bus bandwidth reaches for large messages (fitted)."""
 NVLINK_EFFICIENCY = 0.8
-"""Fraction of NVLink's datasheet bandwidth per direction NCCL's ring all-gather / reduce-scatter bus bandwidth
-reaches within an 8-GPU H100 node (nccl-tests on DGX H100 report ~360 GB/s of 450; an assumption, not fitted)."""
+"""Fraction of NVLink's datasheet bandwidth per direction NCCL's bus bandwidth reaches within an 8-GPU H100 node
+(not fitted). Source: NCCL's maintainer (S. Jeaugey, NVIDIA/nccl-tests issue 212, 2024): "450GB/s is the line
+rate. With the protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s", seen as the bus
+bandwidth of the non-all-reduce collectives (0.82; the model keeps 0.8). NVLink SHARP (NVLS) does not raise the
+all-gather / reduce-scatter rate (it is slower than the ring there: NVIDIA/nccl issue 1083); it lifts the
+all-reduce's bus bandwidth to ~480 GB/s on 8 GPUs (same comment), which the model does not take: an all-reduce
+within a node (densetrain's tensor parallelism without SP, a replica group inside a node) is charged at the
+ring's rate, ~25% over what NVLS takes."""
 HBM_EFFICIENCY = 0.8
 """Fraction of the HBM datasheet bandwidth elementwise kernels reach (STREAM-like copies on H100 reach ~0.8-0.9;
 an assumption, not fitted)."""
@@ -69,7 +75,14 @@ recomputation), its gradients' reduce-scatter backward. ``expanded``: torch's ri
 called it: its attention repeats the key/value heads to ``n_heads`` *before* ``F.scaled_dot_product_attention``
 (``torchtitan/models/llama/model.py``, ``repeat_kv``), so the exchanged K/V are ``n_heads / n_kv_heads`` times
 larger (4x for Llama 3 8B, 8x for 70B and 405B), and its backward rotates the K/V again beside their gradients
-(three exchanges a layer, four under full recomputation)."""
+(three exchanges a layer, four under full recomputation).
+
+What a CP rank computes is charged as without CP (its queries against the keys before them, the load-balanced
+split leaving every rank the same work): densetrain's CP runs FlexAttention on CUDA where the unmasked 8K stages
+run SDPA's flash kernel, and FlexAttention is not the slower of the two on an H100 (its forward ~25% faster than
+FlashAttention 2, its backward ~3%: Dong et al. 2024, "Flex Attention", arXiv 2412.05496), so no kernel penalty
+is charged for CP at any seq_len. torch's ring attention (``expanded``) merges each ring step's partial output in
+fp32 (``_SDPAMerger``, ``convert_to_f32``): a few % of a step by its bytes, not charged."""
 
 AC_RECOMPUTE = ("none", "selective", "op", "full")
 """Activation checkpointing: ``none``; ``selective`` (densetrain's: pointwise ops recomputed, matmul outputs
