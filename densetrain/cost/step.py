@@ -14,8 +14,10 @@ bytes through each rank's link, plus ``(n-1)`` (all-reduce ``2 (n-1)``) ring ste
 What hides (torchtitan's and Megatron's behaviour): FSDP2's all-gathers (prefetched) and reduce-scatters, and
 the replicas' all-reduce, run beside the blocks' compute (taking :data:`CONTENTION` of it while they run);
 under pipelining the gather comes once per step (before the first micro-batch) and the reduction once (after
-the last), so they hide behind one micro-batch only. Tensor-parallel collectives are exposed unless AsyncTP
-runs them beside their GEMMs (``Parallel.async_tp``); context parallelism's key/value exchange
+the last), so they hide behind one micro-batch only. Tensor-parallel collectives are exposed (each feeds or
+drains the next op; torch.compile does not move them: Inductor's ``reorder_for_compute_comm_overlap`` is off by
+default) unless AsyncTP runs them beside their GEMMs (``Parallel.async_tp``, :func:`async_tp_exposed`); context
+parallelism's key/value exchange
 (:data:`CP_EXCHANGE`) and the pipeline's sends on the fill and drain path are exposed. The bubble of
 1F1B and of the interleaved schedule is ``(pp - 1) / (v m)`` of the pipeline's busy time (``m`` micro-batches
 per schedule call, ``v`` stages per rank; Narayanan et al. 2021 sec. 2.2), counted once: the compute and
