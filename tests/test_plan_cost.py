@@ -40,6 +40,26 @@ def test_nccl_bus_factors_and_placement():
     assert link(H100, 8, 16)[0] == pytest.approx(link(H100, 2, 8)[0] / 4)
 
 
+def test_nvlink_sharp_speeds_only_a_whole_nodes_all_reduce():
+    """NCCL's NVLS all-reduce: ~480 GB/s bus bandwidth over a node's 8 H100s, the ring's rate on 2-4 (NVIDIA/nccl
+    issue 1455); all-gather and reduce-scatter keep the ring's (issue 1083); an A100 node has none."""
+    from dataclasses import replace
+
+    from densetrain.cost.step import allreduce_bw
+
+    ring = link(H100, 1, 8)[0]
+    assert allreduce_bw(H100, 1, 8, ring) == 480e9 and allreduce_bw(H100, 1, 4, ring) == ring
+    assert allreduce_bw(H100, 2, 4, ring) == ring  # 4 ranks 2 apart: not the whole node
+    assert load_hardware("a100-80gb").nvls_bus_bytes_per_s == 0 and load_hardware("h200").nvls_bus_bytes_per_s
+    m = load_config("llama3-70b").model
+    plain, sp = Parallel(1, 32, 8), Parallel(1, 32, 8, sequence_parallel=True)
+    no_nvls = replace(H100, nvls_bus_bytes_per_s=0.0)
+    with_, without = (step_time(m, plain, h, 8192, 512, 16, "full")["parts"]["tp"] for h in (H100, no_nvls))
+    assert with_ == pytest.approx(without * ring / 480e9, rel=0.01)  # TP 8 without SP: all-reduces only
+    assert step_time(m, sp, H100, 8192, 512, 16, "full")["parts"]["tp"] == pytest.approx(
+        step_time(m, sp, no_nvls, 8192, 512, 16, "full")["parts"]["tp"], rel=0.01)  # SP: all-gathers, reduce-scatters
+
+
 def test_bubble_is_counted_once_and_the_parts_add_up():
     m = load_config("llama3-405b").model
     one = step_time(m, Parallel(1, 64, 8, 1, 16, "interleaved_1f1b", 8, 0, True), H100, 8192, 2048)

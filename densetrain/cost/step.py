@@ -175,6 +175,15 @@ def link(hw, stride: int, degree: int) -> tuple[float, float, str]:
     return min(hw.nvlink_bytes_per_s, per_node * hw.net_bytes_per_s) * eff, hw.latency_inter_s, "network"
 
 
+def allreduce_bw(hw, stride: int, degree: int, bw: float) -> float:
+    """Bus bandwidth (B/s) of an all-reduce over a group of ``degree`` ranks ``stride`` apart whose ring runs at
+    ``bw`` (:func:`link`): the profile's NVLink SHARP figure (``Hardware.nvls_bus_bytes_per_s``) where the group is
+    a whole node (NCCL's NVLS all-reduce reaches ~480 GB/s on 8 H100s, the ring's rate on 2-4: NVIDIA/nccl issue
+    1455), else ``bw``. Only the all-reduce gains: NVLS does not speed all-gather or reduce-scatter."""
+    whole_node = stride == 1 and degree == hw.gpus_per_node and degree > 1
+    return hw.nvls_bus_bytes_per_s if whole_node and hw.nvls_bus_bytes_per_s else bw
+
+
 def collective_s(kind: str, nbytes: float, n: int, bw: float, latency: float) -> float:
     """Seconds of one collective of ``nbytes`` (whole tensor) over ``n`` ranks: ``kind`` ``all_reduce``,
     ``all_gather`` or ``reduce_scatter`` (module docstring)."""
@@ -328,8 +337,9 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     # forward's all-gathers carry the activation already cast to fp8, 1 byte; reduce-scatters stay bf16.
     act = tok * s.d_model * a
     bw_tp, lat_tp, where_tp = link(hw, 1, t)
+    ar_tp = allreduce_bw(hw, 1, t, bw_tp)
     half = collective_s("all_gather", act, t, bw_tp, lat_tp)  # one all-gather or reduce-scatter of act
-    ar = collective_s("all_reduce", act, t, bw_tp, lat_tp)
+    ar = collective_s("all_reduce", act, t, ar_tp, lat_tp)
     if precision == "fp8" and sp:  # the forward passes' two all-gathers at half the bytes: 3/4 of 4 halves
         half_fwd = (half + collective_s("all_gather", act / a, t, bw_tp, lat_tp)) / 2
     else:
@@ -343,7 +353,7 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
         per_block = wire
     ends = (2 if p == 1 else 1) if t > 1 else 0  # embedding and head collectives: the pace rank's share
     tp_s = n_micro * (layers * per_block + ends * ar
-                      + (2 * collective_s("all_reduce", 4 * tok, t, bw_tp, lat_tp) if heads and t > 1 else 0.0))
+                      + (2 * collective_s("all_reduce", 4 * tok, t, ar_tp, lat_tp) if heads and t > 1 else 0.0))
     fwd_bytes = bus_bytes("all_reduce", act, t) * ((1 + 1 / a) / 2 if precision == "fp8" and sp else 1)
     block_bytes = (2 * (fwd_passes * fwd_bytes + bus_bytes("all_reduce", act, t)) if sp
                    else (2 * fwd_passes + 5) * bus_bytes("all_reduce", act, t))
@@ -378,7 +388,7 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     gathered *= 1 if fp8_all_gather else a
     ag_s = bus_bytes("all_gather", gathered, n_sh) / bw_sh + calls * (n_sh - 1) * lat_sh
     rs_s = collective_s("reduce_scatter", 4 * params, n_sh, bw_sh, lat_sh)
-    ar_s = collective_s("all_reduce", 4 * params / n_sh, r, bw_rep, lat_rep)
+    ar_s = collective_s("all_reduce", 4 * params / n_sh, r, allreduce_bw(hw, t * n_sh, r, bw_rep), lat_rep)
     dp_bytes = bus_bytes("all_gather", gathered, n_sh) + bus_bytes("reduce_scatter", 4 * params, n_sh) \
         + bus_bytes("all_reduce", 4 * params / n_sh, r)
     one_fwd, one_bwd = layers * fwd_block, layers * (bwd_block + recompute)
