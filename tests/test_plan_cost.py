@@ -12,7 +12,8 @@ import torch
 
 from densetrain.config import load_config
 from densetrain.cost import Parallel, flops_per_token, load_hardware, profile_names, step_time, write_hardware
-from densetrain.cost.step import bus_bytes, collective_s, link
+from densetrain.cost.flops import attention_flops
+from densetrain.cost.step import ATTENTION_EFFICIENCY, bus_bytes, collective_s, link
 from densetrain.errors import ConfigError
 from densetrain.metrics import flops_per_token as metrics_flops
 from densetrain.model.llama import Transformer
@@ -58,6 +59,27 @@ def test_nvlink_sharp_speeds_only_a_whole_nodes_all_reduce():
     assert with_ == pytest.approx(without * ring / 480e9, rel=0.01)  # TP 8 without SP: all-reduces only
     assert step_time(m, sp, H100, 8192, 512, 16, "full")["parts"]["tp"] == pytest.approx(
         step_time(m, sp, no_nvls, 8192, 512, 16, "full")["parts"]["tp"], rel=0.01)  # SP: all-gathers, reduce-scatters
+
+
+def test_densetrains_cp_runs_flexattention_at_the_profiles_rate():
+    """Under CP densetrain runs FlexAttention (parallel/context.py), without it SDPA's causal kernel (cuDNN's on an
+    H100 with a recent cuDNN): the CP layout's attention at the profile's flex rates (0.85 forward, 0.76 backward
+    on H100: Dong et al. 2024), a document-masked stage's at them whatever the layout, Llama 3's kernel at SDPA's."""
+    from dataclasses import replace
+
+    m = load_config("llama3-8b").model
+    same = replace(H100, flex_forward_rate=0.0, flex_backward_rate=0.0)  # no difference between the kernels
+    cp = Parallel(1, 2, 1, 2, sequence_parallel=False)
+    flex, sdpa, equal = (step_time(m, p, h, 8192, 2, 1, "none")["parts"]["compute"]
+                         for p, h in ((cp, H100), (replace(cp, attention="sdpa"), H100), (cp, same)))
+    assert sdpa == pytest.approx(equal) and flex > sdpa
+    attn = attention_flops(m, 4096, 8192) / (H100.peak_bf16_flops * ATTENTION_EFFICIENCY) * m.n_layers
+    assert flex - sdpa == pytest.approx(attn * (1 / 0.85 - 1) + 2.5 * attn * (1 / 0.76 - 1), rel=1e-6)
+    one = Parallel(1, 4)  # no CP: SDPA, unless the stage masks documents
+    assert step_time(m, replace(one, attention="flex"), H100, 8192, 4, 1)["step_s"] > \
+        step_time(m, one, H100, 8192, 4, 1)["step_s"]
+    with pytest.raises(ValueError, match="attention must be one of"):
+        step_time(m, replace(one, attention="fa3"), H100, 8192, 4, 1)
 
 
 def test_bubble_is_counted_once_and_the_parts_add_up():

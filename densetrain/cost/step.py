@@ -79,12 +79,19 @@ called it: its attention repeats the key/value heads to ``n_heads`` *before* ``F
 larger (4x for Llama 3 8B, 8x for 70B and 405B), and its backward rotates the K/V again beside their gradients
 (three exchanges a layer, four under full recomputation).
 
-What a CP rank computes is charged as without CP (its queries against the keys before them, the load-balanced
-split leaving every rank the same work): densetrain's CP runs FlexAttention on CUDA where the unmasked 8K stages
-run SDPA's flash kernel, and FlexAttention is not the slower of the two on an H100 (its forward ~25% faster than
-FlashAttention 2, its backward ~3%: Dong et al. 2024, "Flex Attention", arXiv 2412.05496), so no kernel penalty
-is charged for CP at any seq_len. torch's ring attention (``expanded``) merges each ring step's partial output in
-fp32 (``_SDPAMerger``, ``convert_to_f32``): a few % of a step by its bytes, not charged."""
+What a CP rank computes is the work it has without CP (its queries against the keys before them, the
+load-balanced split leaving every rank the same), at the rate of the kernel that runs it (:data:`ATTENTION_KERNELS`).
+torch's ring attention (``expanded``) merges each ring step's partial output in fp32 (``_SDPAMerger``,
+``convert_to_f32``): a few % of a step by its bytes, not charged."""
+
+ATTENTION_KERNELS = ("auto", "sdpa", "flex")
+"""The attention kernel of a run (``Parallel.attention``). ``sdpa``: the fused causal kernel whatever the layout
+(Llama 3's; torchtitan's, whose ring attention calls SDPA's flash kernel per ring step). ``flex``: FlexAttention
+with a block mask (densetrain's document-masked stages, CP or not). ``auto``: densetrain's choice for an unmasked
+stage: FlexAttention under context parallelism (``parallel/context.py``: the gathered K/V with the rank's two
+load-balanced chunks in one block mask), ``F.scaled_dot_product_attention(is_causal=True)`` without it. A
+profile's ``flex_forward_rate`` / ``flex_backward_rate`` give FlexAttention's speed relative to SDPA's kernel on
+that GPU (e.g. 0.85 / 0.76 on an H100 whose SDPA runs cuDNN's kernel; 0: the same)."""
 
 AC_RECOMPUTE = ("none", "selective", "op", "full")
 """Activation checkpointing: ``none``; ``selective`` (densetrain's: pointwise ops recomputed, matmul outputs
@@ -98,8 +105,8 @@ class Parallel:
     ``virtual`` stages per rank, ``microbatches`` per schedule call (0: all a rank runs in a step),
     ``sequence_parallel`` (norm regions split by tp; the same bytes on the wire as plain TP), ``async_tp``
     (torch's AsyncTP, with sequence parallelism: each TP all-gather / reduce-scatter split in ``tp`` pieces
-    that run beside the GEMM it feeds or drains) and ``cp_exchange``, a property of the context-parallel
-    implementation (:data:`CP_EXCHANGE`)."""
+    that run beside the GEMM it feeds or drains), ``cp_exchange``, a property of the context-parallel
+    implementation (:data:`CP_EXCHANGE`), and ``attention``, the attention kernel (:data:`ATTENTION_KERNELS`)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -112,6 +119,7 @@ class Parallel:
     sequence_parallel: bool = False
     async_tp: bool = False
     cp_exchange: str = "kv"
+    attention: str = "auto"
 
     @property
     def world(self) -> int:
@@ -119,11 +127,11 @@ class Parallel:
 
 
 def parallel_of(layout, schedule: str = "1f1b", virtual: int = 1, microbatches: int = 0,
-                sequence_parallel: bool = False) -> Parallel:
+                sequence_parallel: bool = False, attention: str = "auto") -> Parallel:
     """:class:`Parallel` of a :class:`~densetrain.parallel.mesh.Layout` (or anything with its degrees)."""
     return Parallel(layout.dp_replicate, layout.dp_shard, layout.tp, getattr(layout, "cp", 1),
                     getattr(layout, "pp", 1), schedule, virtual if getattr(layout, "pp", 1) > 1 else 1, microbatches,
-                    sequence_parallel)
+                    sequence_parallel, attention=attention)
 
 
 def bubble_share(pp: int, microbatches: int, virtual: int = 1, schedule: str = "1f1b") -> float:
@@ -276,7 +284,8 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
         "bytes": {dimension: bytes one rank sends per step}, "links": {dimension: 'nvlink' | 'network'},
         "microbatches", "bubble"}``; the parts add up to ``step_s``.
     Raises:
-        ValueError: the batch does not split into the data-parallel ranks' micro-batches, or an unknown ``ac``.
+        ValueError: the batch does not split into the data-parallel ranks' micro-batches, an unknown ``ac``,
+            ``cp_exchange`` or ``attention``.
     """
     if ac not in AC_RECOMPUTE:
         raise ValueError(f"ac must be one of {AC_RECOMPUTE}, got {ac!r}")
@@ -298,6 +307,11 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     block_mm = sum(blk_g)
     head_mm = next(gemm_s(M, K, N, peak, hw) for name, M, K, N in gemms if name == "head")
     attn = attention_flops(s, tok, seq_len, t) / (peak * (hw.attention_efficiency or ATTENTION_EFFICIENCY))
+    if par.attention not in ATTENTION_KERNELS:
+        raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {par.attention!r}")
+    flex = par.attention == "flex" or (par.attention == "auto" and c > 1)
+    attn_f, attn_b = (attn / (hw.flex_forward_rate or 1.0), attn / (hw.flex_backward_rate or 1.0)) if flex \
+        else (attn, attn)
     elem = elementwise_bytes(s, tok, t, sp) / hbm
     if precision == "fp8":  # tensorwise dynamic scaling (torchao Float8Linear): each activation operand, forward
         # (each linear's input) and backward (its output gradient), needs its amax, then a cast; torch.compile
@@ -314,8 +328,8 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     # a measured per-operator cost (eager PyTorch's dispatch on a CPU; the GEMMs' launch cost is then in it)
     f_ops, b_ops = block_ops(s)
     op_s = hw.op_overhead_s
-    fwd_block = block_mm + attn + elem + f_ops * op_s
-    bwd_block = 2 * block_mm + 2.5 * attn + 2 * elem + b_ops * op_s
+    fwd_block = block_mm + attn_f + elem + f_ops * op_s
+    bwd_block = 2 * block_mm + 2.5 * attn_b + 2 * elem + b_ops * op_s
     recompute = {"none": 0.0, "selective": elem, "op": block_mm / 2 + elem, "full": fwd_block}[ac]
     # forward and backward of the output head and the loss, on the last stage
     head = 3 * head_mm + 2 * loss + sum(BASE_OPS) * op_s
