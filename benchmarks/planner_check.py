@@ -30,7 +30,13 @@ Sources (each row cites its own):
   efficiency, plus the casts' bytes (dynamic tensorwise scaling); attention and the output head stay bf16;
   FSDP2 gathers fp8 weights (the 405B config's ``enable_fsdp_float8_all_gather``). CP: torch's ring attention
   (rotate method ``allgather``) on K/V repeated to n_heads before SDPA at 9dec370 (``cp_exchange="expanded"``,
-  densetrain/cost/step.py ``CP_EXCHANGE``).
+  densetrain/cost/step.py ``CP_EXCHANGE``). AsyncTP: what torch's micro-pipeline pass fuses (the forward's
+  collectives; not the backward's reduce-scatters, nor Float8's backward all-gathers: ``step.async_tp_exposed``).
+
+Known misses: Table 2's 64K and 128K rows (FSDP 4 x CP 2, FSDP 2 x CP 4) hold the same 32K tokens on every GPU;
+between them every per-rank cost that depends on seq_len at most doubles (attention's keys, the gathered K/V, the
+ring's steps), so a step can take at most 2x as long a local token. The table gives 2,540 / 1,071 = 2.37x: no
+per-rank work term explains it, and none is fitted to it; the 256K row (1.95x the 128K one) inherits the miss.
 """
 
 from __future__ import annotations
@@ -53,21 +59,27 @@ SXM, GT = "h100-sxm", "h100-96gb-500w"
 TPS = "tokens_per_sec_per_gpu"
 
 
+def meta(dp, cp=1) -> Parallel:
+    """A Llama 3 layout: TP 8 with sequence parallelism, PP 16 interleaved (v = 8), its own fused attention kernel."""
+    return Parallel(1, dp, 8, cp, 16, "interleaved_1f1b", 8, 0, True, attention="sdpa")
+
+
 def titan(dp_shard=1, tp=1, cp=1, pp=1, schedule="1f1b", virtual=1, microbatches=0, async_tp=False) -> Parallel:
-    """A torchtitan layout: sequence parallel with TP, torch's ring-attention CP on expanded K/V heads."""
-    return Parallel(1, dp_shard, tp, cp, pp, schedule, virtual, microbatches, tp > 1, async_tp, "expanded")
+    """A torchtitan layout: sequence parallel with TP, torch's ring-attention CP on expanded K/V heads, SDPA's
+    flash kernel per ring step."""
+    return Parallel(1, dp_shard, tp, cp, pp, schedule, virtual, microbatches, tp > 1, async_tp, "expanded", "sdpa")
 
 
 # name, preset, hardware, Parallel, seq_len, batch (sequences), micro, ac, precision, metric, value, role, source
 RUNS = [
     ("llama3-405b 8K, 8,192 GPUs", "llama3-405b", SXM,
-     Parallel(1, 64, 8, 1, 16, "interleaved_1f1b", 8, 0, True), 8192, 2048, 1, "none", "bf16", "mfu", 0.43, "fit",
+     meta(64), 8192, 2048, 1, "none", "bf16", "mfu", 0.43, "fit",
      f"{LLAMA3} row 1: TP 8, CP 1, PP 16, DP 64, 430 TFLOP/s/GPU"),
     ("llama3-405b 8K, 16,384 GPUs", "llama3-405b", SXM,
-     Parallel(1, 128, 8, 1, 16, "interleaved_1f1b", 8, 0, True), 8192, 2048, 1, "none", "bf16", "mfu", 0.41, "check",
+     meta(128), 8192, 2048, 1, "none", "bf16", "mfu", 0.41, "check",
      f"{LLAMA3} row 2: TP 8, CP 1, PP 16, DP 128, 400 TFLOP/s/GPU"),
     ("llama3-405b 128K, 16,384 GPUs", "llama3-405b", SXM,
-     Parallel(1, 8, 8, 16, 16, "interleaved_1f1b", 8, 0, True), 131072, 128, 1, "none", "bf16", "mfu", 0.38, "fit",
+     meta(8, 16), 131072, 128, 1, "none", "bf16", "mfu", 0.38, "fit",
      f"{LLAMA3} row 3: TP 8, CP 16, PP 16, DP 8, 380 TFLOP/s/GPU"),
     ("titan 8B FSDP 8", "llama3-8b", GT, titan(8), 8192, 16, 2, "op", "bf16", TPS, 6667, "fit",
      f"{TITAN} Table 1: FSDP + torch.compile, local batch 2, selective AC"),

@@ -12,7 +12,8 @@ import torch
 
 from densetrain.config import load_config
 from densetrain.cost import Parallel, flops_per_token, load_hardware, profile_names, step_time, write_hardware
-from densetrain.cost.step import bus_bytes, collective_s, link
+from densetrain.cost.flops import attention_flops
+from densetrain.cost.step import ATTENTION_EFFICIENCY, bus_bytes, collective_s, link
 from densetrain.errors import ConfigError
 from densetrain.metrics import flops_per_token as metrics_flops
 from densetrain.model.llama import Transformer
@@ -38,6 +39,47 @@ def test_nccl_bus_factors_and_placement():
     # tp 8 fills a node (NVLink); a group 8 apart has one rank a node (its NIC); 2 apart spans 2 nodes x 4 NICs
     assert link(H100, 1, 8)[2] == "nvlink" and link(H100, 8, 16)[2] == "network"
     assert link(H100, 8, 16)[0] == pytest.approx(link(H100, 2, 8)[0] / 4)
+
+
+def test_nvlink_sharp_speeds_only_a_whole_nodes_all_reduce():
+    """NCCL's NVLS all-reduce: ~480 GB/s bus bandwidth over a node's 8 H100s, the ring's rate on 2-4 (NVIDIA/nccl
+    issue 1455); all-gather and reduce-scatter keep the ring's (issue 1083); an A100 node has none."""
+    from dataclasses import replace
+
+    from densetrain.cost.step import allreduce_bw
+
+    ring = link(H100, 1, 8)[0]
+    assert allreduce_bw(H100, 1, 8, ring) == 480e9 and allreduce_bw(H100, 1, 4, ring) == ring
+    assert allreduce_bw(H100, 2, 4, ring) == ring  # 4 ranks 2 apart: not the whole node
+    assert load_hardware("a100-80gb").nvls_bus_bytes_per_s == 0 and load_hardware("h200").nvls_bus_bytes_per_s
+    m = load_config("llama3-70b").model
+    plain, sp = Parallel(1, 32, 8), Parallel(1, 32, 8, sequence_parallel=True)
+    no_nvls = replace(H100, nvls_bus_bytes_per_s=0.0)
+    with_, without = (step_time(m, plain, h, 8192, 512, 16, "full")["parts"]["tp"] for h in (H100, no_nvls))
+    assert with_ == pytest.approx(without * ring / 480e9, rel=0.01)  # TP 8 without SP: all-reduces only
+    assert step_time(m, sp, H100, 8192, 512, 16, "full")["parts"]["tp"] == pytest.approx(
+        step_time(m, sp, no_nvls, 8192, 512, 16, "full")["parts"]["tp"], rel=0.01)  # SP: all-gathers, reduce-scatters
+
+
+def test_densetrains_cp_runs_flexattention_at_the_profiles_rate():
+    """Under CP densetrain runs FlexAttention (parallel/context.py), without it SDPA's causal kernel (cuDNN's on an
+    H100 with a recent cuDNN): the CP layout's attention at the profile's flex rates (0.85 forward, 0.76 backward
+    on H100: Dong et al. 2024), a document-masked stage's at them whatever the layout, Llama 3's kernel at SDPA's."""
+    from dataclasses import replace
+
+    m = load_config("llama3-8b").model
+    same = replace(H100, flex_forward_rate=0.0, flex_backward_rate=0.0)  # no difference between the kernels
+    cp = Parallel(1, 2, 1, 2, sequence_parallel=False)
+    flex, sdpa, equal = (step_time(m, p, h, 8192, 2, 1, "none")["parts"]["compute"]
+                         for p, h in ((cp, H100), (replace(cp, attention="sdpa"), H100), (cp, same)))
+    assert sdpa == pytest.approx(equal) and flex > sdpa
+    attn = attention_flops(m, 4096, 8192) / (H100.peak_bf16_flops * ATTENTION_EFFICIENCY) * m.n_layers
+    assert flex - sdpa == pytest.approx(attn * (1 / 0.85 - 1) + 2.5 * attn * (1 / 0.76 - 1), rel=1e-6)
+    one = Parallel(1, 4)  # no CP: SDPA, unless the stage masks documents
+    assert step_time(m, replace(one, attention="flex"), H100, 8192, 4, 1)["step_s"] > \
+        step_time(m, one, H100, 8192, 4, 1)["step_s"]
+    with pytest.raises(ValueError, match="attention must be one of"):
+        step_time(m, replace(one, attention="fa3"), H100, 8192, 4, 1)
 
 
 def test_bubble_is_counted_once_and_the_parts_add_up():
@@ -77,6 +119,33 @@ def test_tp_and_cp_implementations_are_charged_as_they_send():
     wide = step_time(m, Parallel(1, 32, 1, 8, cp_exchange="expanded"), H100, 65536, 32, 1, "none")
     # torch's ring attention on K/V repeated to n_heads: 8x the bytes of a 70B exchange, 3 passes not 2
     assert wide["bytes"]["cp"] == pytest.approx(kv["bytes"]["cp"] * 8 * 3 / 2)
+
+
+def test_async_tp_hides_what_torchs_pass_fuses_not_the_backwards_reduce_scatters():
+    """torch's micro-pipeline pass fuses an all-gather into the matmuls it feeds and a reduce-scatter into the one
+    matmul that alone feeds it: the backward's reduce-scatters follow a sum of input gradients (q/k/v, w1/w3) and
+    stay exposed; under Float8 so do the backward's all-gathers (a cast sits before the matmul)."""
+    from densetrain.cost.step import async_tp_exposed
+
+    big = [1.0] * 4  # GEMMs long enough to cover any collective
+    # forward: each fused collective leaves its first of 8 pieces; backward: 2 reduce-scatters whole
+    assert async_tp_exposed(big, 0.01, 0.02, 8, 1, False) == pytest.approx(4 * 0.01 / 8 + 2 * 0.02 + 2 * 0.02 / 8)
+    assert async_tp_exposed(big, 0.01, 0.02, 8, 2, True) == pytest.approx(2 * 4 * 0.01 / 8 + 4 * 0.02)
+    m = load_config("llama3-70b").model
+    par = Parallel(1, 32, 8, sequence_parallel=True, async_tp=True)
+    sync = step_time(m, Parallel(1, 32, 8, sequence_parallel=True), H100, 8192, 512, 16, "full", "fp8")
+    fp8 = step_time(m, par, H100, 8192, 512, 16, "full", "fp8")
+    bf16 = step_time(m, par, H100, 8192, 512, 16, "full", "bf16")
+    # under full recomputation 8 of a block's 12 collectives are forward ones (fused, the all-gathers in fp8:
+    # 6 of the 10 units of bytes); the 4 backward ones are not (the old model hid them too: 0.31x of sync)
+    assert 0.5 * sync["parts"]["tp"] < fp8["parts"]["tp"] < 0.7 * sync["parts"]["tp"]
+    assert bf16["parts"]["tp"] < fp8["parts"]["tp"]  # bf16's backward all-gathers are fused
+    # the PyTorch team measured "~8% E2E speedup in Llama3 70B" with AsyncTP at TP 8 (discuss.pytorch.org, 2024):
+    # 8.0-8.1% here without or with op-level checkpointing; hiding the backward too (the old model) gave 11.5%
+    for ac in ("none", "op"):
+        plain, fused = (step_time(m, Parallel(1, 8, 8, sequence_parallel=True, async_tp=a), H100, 8192, 16, 2, ac)
+                        for a in (False, True))
+        assert 0.06 < plain["step_s"] / fused["step_s"] - 1 < 0.10
 
 
 def test_a_measured_operator_cost_is_charged_per_counted_operator():
@@ -149,10 +218,10 @@ def test_published_runs_within_15_percent_but_two():
     assert len(rows) == 19 and sum(r["role"] == "fit" for r in rows) == 3
     assert all(abs(r["error"]) < 0.02 for r in rows if r["role"] == "fit")
     # the known misses (docs/planner.md): torchtitan's 8B FSDP + CP rows at 128K and 256K run 2.4x slower than at
-    # 64K for 1.7x the FLOPs a token; every other row is within 15%, most within 10%
+    # 64K for 1.7x the FLOPs a token; every other row is within 10%
     missed = {r["name"] for r in rows if abs(r["error"]) >= 0.15}
     assert missed == {"titan 8B FSDP 2 x CP 4 at 128K, Float8", "titan 8B FSDP 1 x CP 8 at 256K, Float8"}, missed
-    assert sum(abs(r["error"]) < 0.10 for r in rows) >= 14
+    assert sum(abs(r["error"]) < 0.10 for r in rows) >= 17
 
 
 def test_doctor_writes_this_machines_profile_that_plan_reads(tmp_path, capsys):

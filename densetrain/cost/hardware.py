@@ -33,7 +33,11 @@ class Hardware:
     operator (kernel launch and tail on a GPU; eager PyTorch's dispatch on a CPU, measured by ``doctor
     --profile``; 0: the cost model's default); ``loss_elements_per_s``, logits a second the cross-entropy's
     forward and backward get through (measured by ``doctor --profile``: on a CPU the exponentials bound it, not
-    the bytes; 0: the logits' bytes at the memory bandwidth).
+    the bytes; 0: the logits' bytes at the memory bandwidth); ``nvls_bus_bytes_per_s``, the bus bandwidth NCCL's
+    all-reduce reaches over all of a node's GPUs with NVLink SHARP (B/s, nccl-tests' busbw: it replaces the
+    ring's ``nvlink_bytes_per_s`` x efficiency for that one case; 0: no NVLink SHARP); ``flex_forward_rate`` /
+    ``flex_backward_rate``, FlexAttention's speed relative to SDPA's causal kernel on this GPU, forward / backward
+    (densetrain's context parallelism runs FlexAttention: ``densetrain.cost.step.ATTENTION_KERNELS``; 0: the same).
     """
 
     name: str
@@ -54,6 +58,9 @@ class Hardware:
     sms: int = 0
     op_overhead_s: float = 0.0
     loss_elements_per_s: float = 0.0
+    nvls_bus_bytes_per_s: float = 0.0
+    flex_forward_rate: float = 0.0
+    flex_backward_rate: float = 0.0
 
     def to_toml(self) -> str:
         """The profile as a flat TOML table (what :func:`load_hardware` reads)."""
@@ -84,7 +91,8 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
         raise ConfigError(f"{path}: not a hardware profile ({e})") from None
     names = {f.name: f for f in fields(Hardware)}
     unknown = sorted(set(raw) - set(names))
-    optional = {"source", "sms", "op_overhead_s", "loss_elements_per_s"}
+    optional = {"source", "sms", "op_overhead_s", "loss_elements_per_s", "nvls_bus_bytes_per_s",
+                "flex_forward_rate", "flex_backward_rate"}
     missing = sorted(k for k in names if k not in raw and k not in optional and not k.endswith("_efficiency"))
     if unknown or missing:
         raise ConfigError(f"{path}: " + "; ".join(([f"unknown key(s) {', '.join(unknown)}"] if unknown else [])
@@ -93,7 +101,8 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
         if k in ("name", "source"):
             if not isinstance(v, str):
                 raise ConfigError(f"{path}: {k} = {v!r}: expected a string")
-        elif k in ("sms", "op_overhead_s", "loss_elements_per_s"):
+        elif k in ("sms", "op_overhead_s", "loss_elements_per_s", "nvls_bus_bytes_per_s", "flex_forward_rate",
+                   "flex_backward_rate"):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
                     or (k == "sms" and int(v) != v):
                 raise ConfigError(f"{path}: {k} = {v!r}: expected a number >= 0"

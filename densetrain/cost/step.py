@@ -14,8 +14,10 @@ bytes through each rank's link, plus ``(n-1)`` (all-reduce ``2 (n-1)``) ring ste
 What hides (torchtitan's and Megatron's behaviour): FSDP2's all-gathers (prefetched) and reduce-scatters, and
 the replicas' all-reduce, run beside the blocks' compute (taking :data:`CONTENTION` of it while they run);
 under pipelining the gather comes once per step (before the first micro-batch) and the reduction once (after
-the last), so they hide behind one micro-batch only. Tensor-parallel collectives are exposed unless AsyncTP
-runs them beside their GEMMs (``Parallel.async_tp``); context parallelism's key/value exchange
+the last), so they hide behind one micro-batch only. Tensor-parallel collectives are exposed (each feeds or
+drains the next op; torch.compile does not move them: Inductor's ``reorder_for_compute_comm_overlap`` is off by
+default) unless AsyncTP runs them beside their GEMMs (``Parallel.async_tp``, :func:`async_tp_exposed`); context
+parallelism's key/value exchange
 (:data:`CP_EXCHANGE`) and the pipeline's sends on the fill and drain path are exposed. The bubble of
 1F1B and of the interleaved schedule is ``(pp - 1) / (v m)`` of the pipeline's busy time (``m`` micro-batches
 per schedule call, ``v`` stages per rank; Narayanan et al. 2021 sec. 2.2), counted once: the compute and
@@ -50,8 +52,14 @@ ATTENTION_EFFICIENCY = 0.26
 NETWORK_EFFICIENCY = 0.5
 """Fraction of a link's datasheet bandwidth NCCL's bus bandwidth reaches for large messages (fitted)."""
 NVLINK_EFFICIENCY = 0.8
-"""Fraction of NVLink's datasheet bandwidth per direction NCCL's ring all-gather / reduce-scatter bus bandwidth
-reaches within an 8-GPU H100 node (nccl-tests on DGX H100 report ~360 GB/s of 450; an assumption, not fitted)."""
+"""Fraction of NVLink's datasheet bandwidth per direction NCCL's bus bandwidth reaches within an 8-GPU H100 node
+(not fitted). Source: NCCL's maintainer (S. Jeaugey, NVIDIA/nccl-tests issue 212, 2024): "450GB/s is the line
+rate. With the protocol overhead (~20%) NCCL can get an effective NVLink bandwidth of 370GB/s", seen as the bus
+bandwidth of the non-all-reduce collectives (0.82; the model keeps 0.8). NVLink SHARP (NVLS) does not raise the
+all-gather / reduce-scatter rate (it is slower than the ring there: NVIDIA/nccl issue 1083); it lifts the
+all-reduce's bus bandwidth to ~480 GB/s on 8 GPUs (same comment), which the model does not take: an all-reduce
+within a node (densetrain's tensor parallelism without SP, a replica group inside a node) is charged at the
+ring's rate, ~25% over what NVLS takes."""
 HBM_EFFICIENCY = 0.8
 """Fraction of the HBM datasheet bandwidth elementwise kernels reach (STREAM-like copies on H100 reach ~0.8-0.9;
 an assumption, not fitted)."""
@@ -69,7 +77,21 @@ recomputation), its gradients' reduce-scatter backward. ``expanded``: torch's ri
 called it: its attention repeats the key/value heads to ``n_heads`` *before* ``F.scaled_dot_product_attention``
 (``torchtitan/models/llama/model.py``, ``repeat_kv``), so the exchanged K/V are ``n_heads / n_kv_heads`` times
 larger (4x for Llama 3 8B, 8x for 70B and 405B), and its backward rotates the K/V again beside their gradients
-(three exchanges a layer, four under full recomputation)."""
+(three exchanges a layer, four under full recomputation).
+
+What a CP rank computes is the work it has without CP (its queries against the keys before them, the
+load-balanced split leaving every rank the same), at the rate of the kernel that runs it (:data:`ATTENTION_KERNELS`).
+torch's ring attention (``expanded``) merges each ring step's partial output in fp32 (``_SDPAMerger``,
+``convert_to_f32``): a few % of a step by its bytes, not charged."""
+
+ATTENTION_KERNELS = ("auto", "sdpa", "flex")
+"""The attention kernel of a run (``Parallel.attention``). ``sdpa``: the fused causal kernel whatever the layout
+(Llama 3's; torchtitan's, whose ring attention calls SDPA's flash kernel per ring step). ``flex``: FlexAttention
+with a block mask (densetrain's document-masked stages, CP or not). ``auto``: densetrain's choice for an unmasked
+stage: FlexAttention under context parallelism (``parallel/context.py``: the gathered K/V with the rank's two
+load-balanced chunks in one block mask), ``F.scaled_dot_product_attention(is_causal=True)`` without it. A
+profile's ``flex_forward_rate`` / ``flex_backward_rate`` give FlexAttention's speed relative to SDPA's kernel on
+that GPU (e.g. 0.85 / 0.76 on an H100 whose SDPA runs cuDNN's kernel; 0: the same)."""
 
 AC_RECOMPUTE = ("none", "selective", "op", "full")
 """Activation checkpointing: ``none``; ``selective`` (densetrain's: pointwise ops recomputed, matmul outputs
@@ -83,8 +105,8 @@ class Parallel:
     ``virtual`` stages per rank, ``microbatches`` per schedule call (0: all a rank runs in a step),
     ``sequence_parallel`` (norm regions split by tp; the same bytes on the wire as plain TP), ``async_tp``
     (torch's AsyncTP, with sequence parallelism: each TP all-gather / reduce-scatter split in ``tp`` pieces
-    that run beside the GEMM it feeds or drains) and ``cp_exchange``, a property of the context-parallel
-    implementation (:data:`CP_EXCHANGE`)."""
+    that run beside the GEMM it feeds or drains), ``cp_exchange``, a property of the context-parallel
+    implementation (:data:`CP_EXCHANGE`), and ``attention``, the attention kernel (:data:`ATTENTION_KERNELS`)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -97,6 +119,7 @@ class Parallel:
     sequence_parallel: bool = False
     async_tp: bool = False
     cp_exchange: str = "kv"
+    attention: str = "auto"
 
     @property
     def world(self) -> int:
@@ -104,11 +127,11 @@ class Parallel:
 
 
 def parallel_of(layout, schedule: str = "1f1b", virtual: int = 1, microbatches: int = 0,
-                sequence_parallel: bool = False) -> Parallel:
+                sequence_parallel: bool = False, attention: str = "auto") -> Parallel:
     """:class:`Parallel` of a :class:`~densetrain.parallel.mesh.Layout` (or anything with its degrees)."""
     return Parallel(layout.dp_replicate, layout.dp_shard, layout.tp, getattr(layout, "cp", 1),
                     getattr(layout, "pp", 1), schedule, virtual if getattr(layout, "pp", 1) > 1 else 1, microbatches,
-                    sequence_parallel)
+                    sequence_parallel, attention=attention)
 
 
 def bubble_share(pp: int, microbatches: int, virtual: int = 1, schedule: str = "1f1b") -> float:
@@ -160,6 +183,15 @@ def link(hw, stride: int, degree: int) -> tuple[float, float, str]:
     return min(hw.nvlink_bytes_per_s, per_node * hw.net_bytes_per_s) * eff, hw.latency_inter_s, "network"
 
 
+def allreduce_bw(hw, stride: int, degree: int, bw: float) -> float:
+    """Bus bandwidth (B/s) of an all-reduce over a group of ``degree`` ranks ``stride`` apart whose ring runs at
+    ``bw`` (:func:`link`): the profile's NVLink SHARP figure (``Hardware.nvls_bus_bytes_per_s``) where the group is
+    a whole node (NCCL's NVLS all-reduce reaches ~480 GB/s on 8 H100s, the ring's rate on 2-4: NVIDIA/nccl issue
+    1455), else ``bw``. Only the all-reduce gains: NVLS does not speed all-gather or reduce-scatter."""
+    whole_node = stride == 1 and degree == hw.gpus_per_node and degree > 1
+    return hw.nvls_bus_bytes_per_s if whole_node and hw.nvls_bus_bytes_per_s else bw
+
+
 def collective_s(kind: str, nbytes: float, n: int, bw: float, latency: float) -> float:
     """Seconds of one collective of ``nbytes`` (whole tensor) over ``n`` ranks: ``kind`` ``all_reduce``,
     ``all_gather`` or ``reduce_scatter`` (module docstring)."""
@@ -194,6 +226,38 @@ def gemm_s(M: int, K: int, N: int, peak: float, hw) -> float:
         + (0.0 if hw.op_overhead_s else KERNEL_LAUNCH_S)
 
 
+def async_tp_exposed(blk_g: list[float], half_fwd: float, half: float, tp: int, fwd_passes: int,
+                     fp8: bool) -> float:
+    """Seconds of one block's tensor-parallel collectives (sequence parallel) that AsyncTP leaves exposed.
+
+    ``blk_g``: the forward GEMMs' seconds ``[qkv, wo, w1w3, w2]``; ``half_fwd`` / ``half``: one all-gather or
+    reduce-scatter of the block's activation in a forward pass / in the backward; ``fwd_passes``: 1, or 2 under
+    full recomputation; ``fp8``: torchao's Float8 linears.
+
+    AsyncTP is torch's micro-pipeline pass (``torch/_inductor/fx_passes/micro_pipeline_tp.py``, late 2024): it
+    fuses an all-gather into the matmuls that take the gathered tensor as their left operand
+    (``fused_all_gather_matmul``) and a reduce-scatter into the one matmul whose output alone feeds it
+    (``fused_matmul_reduce_scatter``: "the matmul result ... used by multiple users" or a non-matmul input is left
+    alone). A fused collective runs in ``tp`` pieces beside the GEMM on the piece before: its first piece and
+    what the GEMM cannot cover stay exposed. What it fuses in a block:
+
+    - forward (and the recomputed forward): all four, the all-gathers before q/k/v and w1/w3, the reduce-scatters
+      after wo and w2;
+    - backward: the reduce-scatter of the input gradient of q/k/v (w1/w3) follows the *sum* of the three (two)
+      linears' input gradients, not a matmul: not fused, exposed whole; the all-gather of the output gradient
+      before wo's (w2's) data-gradient GEMM is fused in bf16; under Float8 that GEMM's left operand is the
+      gradient's fp8 cast, not the gathered tensor: not fused either.
+
+    The PyTorch team's own measurement agrees that the backward gains little: "up to ~20% forward pass speedup
+    and ~8% E2E speedup in Llama3 70B" (Async Tensor Parallelism in PyTorch, discuss.pytorch.org, 2024).
+    """
+    exposed = lambda c, g: c / tp + max(0.0, c * (tp - 1) / tp - g)  # noqa: E731
+    qkv, wo, w1w3, w2 = blk_g
+    fwd = fwd_passes * sum(exposed(half_fwd, g) for g in blk_g)
+    bwd = 2 * half + sum(half if fp8 else exposed(half, g) for g in (wo, w2))
+    return fwd + bwd
+
+
 def elementwise_bytes(m, tokens: float, tp: int, sp: bool) -> float:
     """Bytes one block's forward reads and writes outside the matmuls for ``tokens`` rows: two RMSNorms (fp32
     in, bf16 out: ``6 d`` each), two fp32 residual adds (``10 d`` each), RoPE on q and k (``4 (q + kv)``),
@@ -220,7 +284,8 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
         "bytes": {dimension: bytes one rank sends per step}, "links": {dimension: 'nvlink' | 'network'},
         "microbatches", "bubble"}``; the parts add up to ``step_s``.
     Raises:
-        ValueError: the batch does not split into the data-parallel ranks' micro-batches, or an unknown ``ac``.
+        ValueError: the batch does not split into the data-parallel ranks' micro-batches, an unknown ``ac``,
+            ``cp_exchange`` or ``attention``.
     """
     if ac not in AC_RECOMPUTE:
         raise ValueError(f"ac must be one of {AC_RECOMPUTE}, got {ac!r}")
@@ -242,6 +307,11 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     block_mm = sum(blk_g)
     head_mm = next(gemm_s(M, K, N, peak, hw) for name, M, K, N in gemms if name == "head")
     attn = attention_flops(s, tok, seq_len, t) / (peak * (hw.attention_efficiency or ATTENTION_EFFICIENCY))
+    if par.attention not in ATTENTION_KERNELS:
+        raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {par.attention!r}")
+    flex = par.attention == "flex" or (par.attention == "auto" and c > 1)
+    attn_f, attn_b = (attn / (hw.flex_forward_rate or 1.0), attn / (hw.flex_backward_rate or 1.0)) if flex \
+        else (attn, attn)
     elem = elementwise_bytes(s, tok, t, sp) / hbm
     if precision == "fp8":  # tensorwise dynamic scaling (torchao Float8Linear): each activation operand, forward
         # (each linear's input) and backward (its output gradient), needs its amax, then a cast; torch.compile
@@ -258,8 +328,8 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     # a measured per-operator cost (eager PyTorch's dispatch on a CPU; the GEMMs' launch cost is then in it)
     f_ops, b_ops = block_ops(s)
     op_s = hw.op_overhead_s
-    fwd_block = block_mm + attn + elem + f_ops * op_s
-    bwd_block = 2 * block_mm + 2.5 * attn + 2 * elem + b_ops * op_s
+    fwd_block = block_mm + attn_f + elem + f_ops * op_s
+    bwd_block = 2 * block_mm + 2.5 * attn_b + 2 * elem + b_ops * op_s
     recompute = {"none": 0.0, "selective": elem, "op": block_mm / 2 + elem, "full": fwd_block}[ac]
     # forward and backward of the output head and the loss, on the last stage
     head = 3 * head_mm + 2 * loss + sum(BASE_OPS) * op_s
@@ -281,8 +351,9 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     # forward's all-gathers carry the activation already cast to fp8, 1 byte; reduce-scatters stay bf16.
     act = tok * s.d_model * a
     bw_tp, lat_tp, where_tp = link(hw, 1, t)
+    ar_tp = allreduce_bw(hw, 1, t, bw_tp)
     half = collective_s("all_gather", act, t, bw_tp, lat_tp)  # one all-gather or reduce-scatter of act
-    ar = collective_s("all_reduce", act, t, bw_tp, lat_tp)
+    ar = collective_s("all_reduce", act, t, ar_tp, lat_tp)
     if precision == "fp8" and sp:  # the forward passes' two all-gathers at half the bytes: 3/4 of 4 halves
         half_fwd = (half + collective_s("all_gather", act / a, t, bw_tp, lat_tp)) / 2
     else:
@@ -290,14 +361,13 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     fwd_passes = 1 + (1 if ac == "full" else 0)  # forward, recomputed forward; the backward has 2x the GEMMs
     wire = fwd_passes * 4 * half_fwd + 4 * half if sp else (2 * fwd_passes + 5) * ar
     if par.async_tp and sp and t > 1:
-        exposed = lambda c, g: c / t + max(0.0, c * (t - 1) / t - g)
-        per_block = sum(fwd_passes * exposed(half_fwd, g) + exposed(half, 2 * g) for g in blk_g)
+        per_block = async_tp_exposed(blk_g, half_fwd, half, t, fwd_passes, precision == "fp8")
         per_block += CONTENTION * (wire - per_block)
     else:
         per_block = wire
     ends = (2 if p == 1 else 1) if t > 1 else 0  # embedding and head collectives: the pace rank's share
     tp_s = n_micro * (layers * per_block + ends * ar
-                      + (2 * collective_s("all_reduce", 4 * tok, t, bw_tp, lat_tp) if heads and t > 1 else 0.0))
+                      + (2 * collective_s("all_reduce", 4 * tok, t, ar_tp, lat_tp) if heads and t > 1 else 0.0))
     fwd_bytes = bus_bytes("all_reduce", act, t) * ((1 + 1 / a) / 2 if precision == "fp8" and sp else 1)
     block_bytes = (2 * (fwd_passes * fwd_bytes + bus_bytes("all_reduce", act, t)) if sp
                    else (2 * fwd_passes + 5) * bus_bytes("all_reduce", act, t))
@@ -332,7 +402,7 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     gathered *= 1 if fp8_all_gather else a
     ag_s = bus_bytes("all_gather", gathered, n_sh) / bw_sh + calls * (n_sh - 1) * lat_sh
     rs_s = collective_s("reduce_scatter", 4 * params, n_sh, bw_sh, lat_sh)
-    ar_s = collective_s("all_reduce", 4 * params / n_sh, r, bw_rep, lat_rep)
+    ar_s = collective_s("all_reduce", 4 * params / n_sh, r, allreduce_bw(hw, t * n_sh, r, bw_rep), lat_rep)
     dp_bytes = bus_bytes("all_gather", gathered, n_sh) + bus_bytes("reduce_scatter", 4 * params, n_sh) \
         + bus_bytes("all_reduce", 4 * params / n_sh, r)
     one_fwd, one_bwd = layers * fwd_block, layers * (bwd_block + recompute)

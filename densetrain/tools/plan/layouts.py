@@ -140,7 +140,7 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
         scale = (fpt - 6 * (model_counts_flops(m) - params)) / fpt if params is not None else 1.0
         rows.append({"name": st.name, "seq_len": st.seq_len, "batch": st.batch_size, "micro": st.micro_batch_size,
                      "batch_tokens": st.batch_tokens, "steps": steps, "tokens": steps * st.batch_tokens,
-                     "scale": scale})
+                     "scale": scale, "document_mask": st.document_mask})
     usable = USABLE_FRACTION * gpu_memory_gib * GIB - RESERVED_GIB * GIB
     layouts = []
     for lay in candidate_layouts(gpus, m, hw.gpus_per_node, tuple(r["seq_len"] for r in rows), max_pp):
@@ -188,14 +188,16 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
 def timed_fit(counts: dict, m, st: dict, lay, parallel, usable: float, hw: Hardware, mixed_precision: bool = True,
               sp: bool = False, scale: float = 1.0) -> dict:
     """:func:`stage_fit` and, when the layout runs the stage, its predicted step (``time``:
-    :func:`densetrain.cost.step_time` with the chosen checkpointing, schedule and micro-batches). ``scale``
+    :func:`densetrain.cost.step_time` with the chosen checkpointing, schedule and micro-batches; a document-masked
+    stage runs FlexAttention whatever the layout, an unmasked one under context parallelism only). ``scale``
     (``--params`` on another preset's shape): every part of the step times the ratio of the FLOPs per token
     (MFU unchanged)."""
     fit = stage_fit(counts, m, st, lay, parallel, usable, mixed_precision, sp)
     fit["time"] = None
     if fit["fits"]:
         pipe = fit.get("pipeline") or {}
-        par = parallel_of(lay, pipe.get("schedule", "1f1b"), pipe.get("virtual", 1), pipe.get("microbatches", 0), sp)
+        par = parallel_of(lay, pipe.get("schedule", "1f1b"), pipe.get("virtual", 1), pipe.get("microbatches", 0), sp,
+                          "flex" if st.get("document_mask") else "auto")
         t = step_time(m, par, hw, st["seq_len"], st["batch"], st["micro"], fit["ac"])
         if scale != 1.0:
             t.update(parts={k: v * scale for k, v in t["parts"].items()}, step_s=t["step_s"] * scale,

@@ -91,7 +91,7 @@ def _name(x: dict) -> str:
     return f"{lay} ({'interleaved v=' + str(x['virtual']) if x['schedule'] == 'interleaved_1f1b' else x['schedule']})"
 
 
-PART_WORDS = {"compute": "compute", "recompute": "recomputation", "tp": "tensor-parallel all-reduces",
+PART_WORDS = {"compute": "compute", "recompute": "recomputation", "tp": "exposed tensor-parallel collectives",
               "cp": "context-parallel K/V gathers", "dp": "exposed FSDP/replica communication",
               "pp": "pipeline sends", "bubble": "pipeline bubble", "optimizer": "optimizer"}
 
