@@ -70,10 +70,11 @@ def worker(a) -> None:
     from densetrain.optim import build_optimizer
     from densetrain.parallel import init_distributed
     from densetrain.parallel.parallelize import build_parallel_model
-    from densetrain.tools.doctor import attention_rate, loss_rate, op_overhead, training_gemm_rate
-    from densetrain.train.step import forward_backward
+    from densetrain.tools.doctor import attention_rate, host_figures, loss_rate, op_overhead, training_gemm_rate
+    from densetrain.train.step import forward_backward, keep_freed_memory
 
     torch.set_num_threads(a.threads)
+    keep_freed_memory()  # as densetrain's training sets it on a CPU (train.keep_freed_memory, default true)
     ranks, overrides, par = LAYOUTS[a.layout]
     cfg = load_config(a.shape, overrides=[("train.dtype", "fp32"), ("parallel.dp_replicate", 1),
                                           ("train.seq_len", a.seq_len), ("eval.tasks", ""), ("eval.samples", 0),
@@ -110,7 +111,8 @@ def worker(a) -> None:
                                  figures.get("world/all_reduce"), ranks, 16, "this machine",
                                  op_overhead(cpu, clock=clock),
                                  figures["world/all_reduce_lat"] / 2 if figures else None,
-                                 loss_rate(cpu, 0.1, 3, clock), attention_rate(cpu, 0.1, 3, clock))
+                                 loss_rate(cpu, 0.1, 3, clock), attention_rate(cpu, 0.1, 3, clock),
+                                 host_figures(info, clock))
 
     one_step()  # warm-up: allocations, AdamW state
     out = {}
@@ -126,7 +128,8 @@ def worker(a) -> None:
         predicted = pred["step_s"] - (pred["parts"]["bubble"] if kind == "cpu" else 0.0)
         out[kind] = {"measured": statistics.median(times), "predicted": predicted, "parts": pred["parts"],
                      "matmul": hw.peak_bf16_flops, "copy": hw.hbm_bytes_per_s, "op_overhead": hw.op_overhead_s,
-                     "link": hw.nvlink_bytes_per_s, "latency": hw.latency_intra_s}
+                     "link": hw.nvlink_bytes_per_s, "latency": hw.latency_intra_s,
+                     "dtensor": hw.dtensor_op_s, "fsdp": hw.fsdp_group_s}
     if info.rank == 0:
         print(json.dumps(out))
     if ranks > 1:
@@ -183,7 +186,8 @@ def main(argv=None) -> int:
                     print(f"round {r} {s:<9} {lay:<6} {k:<4} measured {v['measured'] * 1e3:6.0f} ms  predicted "
                           f"{v['predicted'] * 1e3:6.0f} ms  ratio {ratios[(s, lay, k)][-1]:.2f}  (matmul "
                           f"{v['matmul'] / 1e9:.0f} GFLOP/s, copy {v['copy'] / 1e9:.1f} GB/s, op "
-                          f"{v['op_overhead'] * 1e6:.1f} us, link {v['link'] / 1e9:.2f} GB/s, latency "
+                          f"{v['op_overhead'] * 1e6:.1f} us, DTensor {v['dtensor'] * 1e6:.0f} us, FSDP group "
+                          f"{v['fsdp'] * 1e6:.0f} us, link {v['link'] / 1e9:.2f} GB/s, latency "
                           f"{v['latency'] * 1e6:.0f} us; ms: {parts}) load {os.getloadavg()[0]:.1f}", flush=True)
     worst = {"wall": 0.0, "cpu": 0.0}
     for (s, lay, k), v in ratios.items():

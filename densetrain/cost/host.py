@@ -18,8 +18,8 @@ Counts x unit costs. The counts come from the model shape and layout; the unit c
   (:mod:`densetrain.cost.step`); gloo's copies, reductions and socket work run on the same cores, so the part
   the step model left hidden is charged here, each kind at its own measured rate
   (``Hardware.all_gather_bytes_per_s``, ``reduce_scatter_bytes_per_s``; gloo's reduce-scatter moves a byte
-  3-4x slower than its all-reduce on this machine) plus a fixed cost a call (the profile's latency per ring
-  step).
+  3-4x slower than its all-reduce on this machine); FSDP2's fixed cost a call is in its group's cost, the
+  replicas' all-reduce pays the profile's latency per ring step.
 
 Pure math, like the rest of :mod:`densetrain.cost`: no torch. Read by :func:`densetrain.cost.step.step_time`.
 """
@@ -58,26 +58,24 @@ def fsdp_groups(par, n_micro: int, layers: float, heads: int) -> float:
     return n_micro * (layers + heads)
 
 
-def dp_collectives_cpu_s(hw, par, n_micro: int, layers: float, gathered: float, grad_bytes: float) -> float:
+def dp_collectives_cpu_s(hw, par, gathered: float, grad_bytes: float) -> float:
     """Seconds the data-parallel collectives take on the cores: FSDP2's all-gathers of ``gathered`` bytes
     (the whole parameters each call gathers, summed over the step) and reduce-scatter of ``grad_bytes`` (fp32
     gradients of the rank's ``1 / tp`` of the model) over ``dp_shard x cp`` ranks, the replicas' all-reduce of
-    the shard's gradients over ``dp_replicate``; bytes at NCCL's ring factors (:func:`densetrain.cost.step.bus_bytes`)
-    over the kind's measured rate, and each call's fixed cost ((n - 1) ring steps of the profile's latency, an
-    all-reduce 2 (n - 1)). Calls: an all-gather per group per pass (as the step model counts them), a
-    reduce-scatter per group a step (gradient sync on the last micro-batch only), an all-reduce per DDP bucket
+    the shard's gradients over ``dp_replicate``: bytes at NCCL's ring factors (all-gather and reduce-scatter
+    ``(n - 1) / n``, all-reduce ``2 (n - 1) / n`` of the whole, as densetrain.cost.step.bus_bytes) over the
+    kind's measured rate. Fixed costs a call: FSDP2's are in ``Hardware.fsdp_group_s`` (measured with its
+    collectives); the replicas' all-reduce pays ``2 (n - 1)`` ring steps of the profile's latency per DDP bucket
     (:data:`DDP_BUCKET_BYTES`)."""
     n, r = par.dp_shard * par.cp, par.dp_replicate
-    link, lat = hw.nvlink_bytes_per_s, hw.latency_intra_s
+    link = hw.nvlink_bytes_per_s
     total = 0.0
     if n > 1:
-        groups = layers + 1
-        ag_calls = groups if par.pp > 1 else n_micro * (2 * layers)
-        total += (n - 1) / n * gathered / (hw.all_gather_bytes_per_s or link) + ag_calls * (n - 1) * lat
-        total += (n - 1) / n * grad_bytes / (hw.reduce_scatter_bytes_per_s or link) + groups * (n - 1) * lat
+        total += (n - 1) / n * (gathered / (hw.all_gather_bytes_per_s or link)
+                                + grad_bytes / (hw.reduce_scatter_bytes_per_s or link))
     if r > 1:
         shard = grad_bytes / n
-        total += 2 * (r - 1) / r * shard / link + math.ceil(shard / DDP_BUCKET_BYTES) * 2 * (r - 1) * lat
+        total += 2 * (r - 1) / r * shard / link + math.ceil(shard / DDP_BUCKET_BYTES) * 2 * (r - 1) * hw.latency_intra_s
     return total
 
 
@@ -89,7 +87,6 @@ def host_time(par, hw, n_micro: int, layers: float, heads: int, gathered: float,
     costs (the GPU datasheet profiles)."""
     dp_cpu = 0.0
     if hw.collectives_on_cores:
-        dp_cpu = hw.collectives_on_cores * max(0.0, dp_collectives_cpu_s(hw, par, n_micro, layers, gathered,
-                                                                         grad_bytes) - exposed_dp_s)
+        dp_cpu = hw.collectives_on_cores * max(0.0, dp_collectives_cpu_s(hw, par, gathered, grad_bytes) - exposed_dp_s)
     return (dtensor_ops(par, n_micro, layers, heads) * hw.dtensor_op_s
             + fsdp_groups(par, n_micro, layers, heads) * hw.fsdp_group_s + dp_cpu)

@@ -5,13 +5,20 @@ Its flags are declared in :func:`densetrain.cli.build_parser` (``if name == "doc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from densetrain.config import Config, parse_overrides
@@ -44,6 +51,8 @@ def doctor(cfg: Config, args: argparse.Namespace) -> int:
     bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and info.device.type == "cuda")
     rows, outliers = check(info.device, torch.bfloat16 if bf16 else torch.float32, info.mesh, cfg.health, first)
     status, line = verdict(rows, outliers)
+    # the host's share (cost/host.py), measured on every rank: its collectives need all of them
+    host = host_figures(info) if getattr(args, "profile", None) else None
     if int(os.environ.get("RANK", "0")) == 0:  # one verdict, not one per rank
         if args.json:
             print(json_text({"verdict": line.split(":")[0], "status": status, "line": line, "note": note,
@@ -54,7 +63,7 @@ def doctor(cfg: Config, args: argparse.Namespace) -> int:
                 print(f"note: {note}")
             print(line)
         if getattr(args, "profile", None):
-            print(f"wrote this machine's hardware profile to {write_profile(rows, info, args.profile)} "
+            print(f"wrote this machine's hardware profile to {write_profile(rows, info, args.profile, host)} "
                   "(densetrain plan --hardware FILE)")
             if not any(k.endswith("/all_reduce") for k in rows[0].figures):
                 print("note: one rank measured no collective, so the profile's nvlink and net bandwidth are its "
@@ -80,14 +89,16 @@ def check_profile_path(path: str) -> None:
 
 
 class _OpCount(TorchDispatchMode):
-    """Counts the operators (aten calls) run under it."""
+    """Counts the operators (aten calls) run under it, ``n``, and those with a DTensor argument, ``dtensor``
+    (one DTensor dispatch each: the mode sees them before DTensor runs their local operators)."""
 
     def __init__(self):
         super().__init__()
-        self.n = 0
+        self.n = self.dtensor = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.n += 1
+        self.dtensor += any(isinstance(a, DTensor) for a in args)
         return func(*args, **(kwargs or {}))
 
 
@@ -172,11 +183,121 @@ def _fastest(run, device: torch.device, seconds: float, trials: int, clock) -> f
     return best
 
 
-def write_profile(rows, info, path: str) -> str:
+@contextlib.contextmanager
+def one_rank_mesh():
+    """A 1-D :class:`DeviceMesh` of this process alone (CPU, gloo), for timing DTensor's and FSDP2's host work
+    without communication: a subgroup per rank when torch.distributed is initialised (every rank must enter
+    it), else a private 1-rank group, destroyed on exit."""
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.group.WORLD if own else dist.new_subgroups(group_size=1, backend="gloo")[0]
+    try:
+        yield DeviceMesh.from_group(group, "cpu")
+    finally:
+        dist.destroy_process_group(None if own else group)
+
+
+def dtensor_op_cost(mesh, seconds: float = 0.05, trials: int = 3, clock=time.perf_counter) -> float:
+    """Seconds one DTensor dispatch adds to its local operator: a SwiGLU-less feed-forward (``Linear(64, 128)``
+    column-parallel, SiLU, ``Linear(128, 64)`` row-parallel: densetrain's TP plan for a block's w1 and w2) on
+    8 rows, forward and backward, with and without ``parallelize_module`` on ``mesh`` (one rank: the
+    sharding propagation, redistribution bookkeeping and wrapping, no communication), the difference over the
+    counted DTensor dispatches; the fastest of ``trials`` tries of ~``seconds`` by ``clock``."""
+    def mlp(parallel: bool):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(64, 128, bias=False), nn.SiLU(), nn.Linear(128, 64, bias=False))
+        if parallel:
+            parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        x = torch.full((8, 64), 0.01)
+        return lambda: m(x).sum().backward()
+
+    plain, tp = mlp(False), mlp(True)
+    count = _OpCount()
+    with count:
+        tp()
+    cpu = torch.device("cpu")
+    extra = _fastest(tp, cpu, seconds, trials, clock) - _fastest(plain, cpu, seconds, trials, clock)
+    return max(extra, 0.0) / max(count.dtensor, 1)
+
+
+def fsdp_group_cost(mesh, trials: int = 3, clock=time.perf_counter, groups: int = 8, calls: int = 8) -> float:
+    """Seconds one FSDP2 group adds to a micro-batch's forward and backward: ``groups`` groups of 4
+    ``Linear(32, 32)`` layers, each ``fully_shard``-ed on ``mesh``, and the root, against the same stack plain,
+    over ``groups``: the hooks, the unshard/reshard bookkeeping, the copies in and out of the flat buffers and,
+    on a mesh of several ranks, the fixed cost of each group's all-gathers and reduce-scatter (their bytes are
+    negligible here; the cost model charges bytes by rate). The fastest of ``trials`` tries of ``calls`` runs
+    by ``clock`` (a fixed count: every rank of ``mesh`` runs the same collectives; every rank must call it)."""
+    def stack(sharded: bool):
+        torch.manual_seed(0)
+        m = nn.Sequential(*[nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(4)])
+                            for _ in range(groups)])
+        if sharded:
+            for group in m:
+                fully_shard(group, mesh=mesh)
+            fully_shard(m, mesh=mesh)
+        x = torch.full((4, 32), 0.01)
+        return lambda: m(x).sum().backward()
+
+    return max(_fixed(stack(True), calls, trials, clock) - _fixed(stack(False), calls, trials, clock), 0.0) / groups
+
+
+def _fixed(run, calls: int, trials: int, clock) -> float:
+    """Seconds of one ``run()``: the fastest of ``trials`` tries of ``calls`` runs each by ``clock``, the ranks
+    lined up by a barrier before each try when torch.distributed is initialised (a fixed count: runs that hold
+    collectives match on every rank)."""
+    run()
+    best = float("inf")
+    for _ in range(trials):
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = clock()
+        for _ in range(calls):
+            run()
+        best = min(best, (clock() - t0) / calls)
+    return best
+
+
+def gather_scatter_rates(device: torch.device, trials: int = 3, clock=time.perf_counter,
+                         mib: int = 4) -> tuple[float, float]:
+    """Bus bytes a second of ``all_gather_single`` and ``reduce_scatter_single`` (FSDP2's collectives) over
+    the world, ``mib`` MiB a rank gathered, ``mib`` MiB reduced: ``(n - 1) / n`` of the whole tensor a call
+    (NCCL's factors, densetrain.cost.step.bus_bytes), the fastest of ``trials`` tries of 4 calls by ``clock``
+    (every rank runs the same count). Every rank must call it."""
+    n = dist.get_world_size()
+    numel = mib * 2**20 // 4
+    shard, whole = torch.ones(numel, device=device), torch.empty(n * numel, device=device)
+    out = torch.empty(numel // n, device=device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    ag = _fixed(lambda: (dist.all_gather_single(whole, shard), sync()), 4, trials, clock)
+    rs = _fixed(lambda: (dist.reduce_scatter_single(out, shard), sync()), 4, trials, clock)
+    return (n - 1) / n * n * numel * 4 / ag, (n - 1) / n * numel * 4 / rs
+
+
+def host_figures(info, clock=time.perf_counter) -> dict[str, float]:
+    """The host's share of a step (:data:`densetrain.cost.hardware.HOST_FIELDS`, read by cost/host.py) on
+    this machine: on a CPU, :func:`dtensor_op_cost` on this rank alone (TP's collectives are charged by the step
+    model), :func:`fsdp_group_cost` over the world (alone on one process), with more than one rank
+    :func:`gather_scatter_rates`, and ``collectives_on_cores`` 1 (gloo runs on the compute's cores). On a GPU
+    none (its host work runs ahead of the kernels: the cost model leaves it out). Every rank must call it."""
+    if info.device.type != "cpu":
+        return {}
+    with one_rank_mesh() as mesh:
+        out = {"dtensor_op_s": dtensor_op_cost(mesh, clock=clock), "collectives_on_cores": 1.0}
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            out["fsdp_group_s"] = fsdp_group_cost(mesh, clock=clock)
+            return out
+    out["fsdp_group_s"] = fsdp_group_cost(DeviceMesh.from_group(dist.group.WORLD, "cpu"), clock=clock)
+    out["all_gather_bytes_per_s"], out["reduce_scatter_bytes_per_s"] = gather_scatter_rates(info.device,
+                                                                                           clock=clock)
+    return out
+
+
+def write_profile(rows, info, path: str, host: dict[str, float] | None = None) -> str:
     """``doctor --profile FILE``: a :class:`densetrain.cost.Hardware` profile of this machine from the ranks'
     median matmul rate and memory bandwidth, the slowest group's all-reduce bus bandwidth and one-element
     latency (half of it a ring step on 2 ranks, ``1 / (2 (n - 1))`` on ``n``), and this rank's
-    :func:`op_overhead`; returns the path."""
+    :func:`op_overhead`, and the host's share ``host`` (:func:`host_figures`); returns the path."""
     def med(k):
         return statistics.median(r.figures[k] for r in rows)
 
@@ -190,5 +311,5 @@ def write_profile(rows, info, path: str) -> str:
                            f"this machine ({rows[0].host}, {info.device.type}, {len(rows)} rank(s))",
                            op_overhead(info.device), max(lats) if lats else None,
                            loss_rate(info.device) if info.device.type == "cpu" else 0.0,
-                           attention_rate(info.device) if info.device.type == "cpu" else 0.0)
+                           attention_rate(info.device) if info.device.type == "cpu" else 0.0, host)
     return str(write_hardware(hw, path))
