@@ -14,19 +14,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from densetrain.config import Config, parse_overrides
+from densetrain.config import Config, ModelConfig, parse_overrides
 from densetrain.cost import measured_hardware, write_hardware
 from densetrain.errors import ConfigError
 from densetrain.fileio import json_text
 from densetrain.health import check, format_table, read_first, rows_json, verdict
+from densetrain.loss import token_losses
+from densetrain.model.init import build_model
 from densetrain.parallel import init_distributed
+from densetrain.parallel.parallelize import apply_fsdp, apply_tensor_parallel
 
 
 def doctor(cfg: Config, args: argparse.Namespace) -> int:
@@ -198,48 +198,45 @@ def one_rank_mesh():
         dist.destroy_process_group(None if own else group)
 
 
-def dtensor_op_cost(mesh, seconds: float = 0.05, trials: int = 3, clock=time.perf_counter) -> float:
-    """Seconds one DTensor dispatch adds to its local operator: a SwiGLU-less feed-forward (``Linear(64, 128)``
-    column-parallel, SiLU, ``Linear(128, 64)`` row-parallel: densetrain's TP plan for a block's w1 and w2) on
-    8 rows, forward and backward, with and without ``parallelize_module`` on ``mesh`` (one rank: the
-    sharding propagation, redistribution bookkeeping and wrapping, no communication), the difference over the
-    counted DTensor dispatches; the fastest of ``trials`` tries of ~``seconds`` by ``clock``."""
-    def mlp(parallel: bool):
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(64, 128, bias=False), nn.SiLU(), nn.Linear(128, 64, bias=False))
-        if parallel:
-            parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        x = torch.full((8, 64), 0.01)
-        return lambda: m(x).sum().backward()
+PROBE_MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
+"""The densetrain model the host probes run (:func:`dtensor_op_cost`, :func:`fsdp_group_cost`): small enough
+that its operators' work is negligible beside their fixed costs, every kind of block operator present (GQA)."""
 
-    plain, tp = mlp(False), mlp(True)
+
+def _probe_step(wrap=None, rows: int = 16):
+    """One forward and backward of :data:`PROBE_MODEL` on a row of ``rows`` tokens, ``wrap(model)`` applied
+    first (tensor parallelism, FSDP2), as a callable."""
+    model = build_model(PROBE_MODEL, 0)
+    if wrap is not None:
+        wrap(model)
+    x = torch.arange(rows + 1).remainder(PROBE_MODEL.vocab_size).unsqueeze(0)
+    return lambda: token_losses(model(x[:, :-1]), x[:, 1:]).mean().backward()
+
+
+def dtensor_op_cost(mesh, trials: int = 3, clock=time.perf_counter, calls: int = 8) -> float:
+    """Seconds one DTensor dispatch adds to its local operator: densetrain's tensor parallelism
+    (:func:`densetrain.parallel.parallelize.apply_tensor_parallel`) on :data:`PROBE_MODEL` over ``mesh`` (one
+    rank: sharding propagation, redistribution bookkeeping and wrapping without communication, whose cost the
+    step model charges) against the plain model, forward and backward, over the counted DTensor dispatches;
+    the fastest of ``trials`` tries of ``calls`` by ``clock``."""
+    tp = _probe_step(lambda m: apply_tensor_parallel(m, mesh))
     count = _OpCount()
     with count:
         tp()
-    cpu = torch.device("cpu")
-    extra = _fastest(tp, cpu, seconds, trials, clock) - _fastest(plain, cpu, seconds, trials, clock)
+    extra = _fixed(tp, calls, trials, clock) - _fixed(_probe_step(), calls, trials, clock)
     return max(extra, 0.0) / max(count.dtensor, 1)
 
 
-def fsdp_group_cost(mesh, trials: int = 3, clock=time.perf_counter, groups: int = 8, calls: int = 8) -> float:
-    """Seconds one FSDP2 group adds to a micro-batch's forward and backward: ``groups`` groups of 4
-    ``Linear(32, 32)`` layers, each ``fully_shard``-ed on ``mesh``, and the root, against the same stack plain,
-    over ``groups``: the hooks, the unshard/reshard bookkeeping, the copies in and out of the flat buffers and,
-    on a mesh of several ranks, the fixed cost of each group's all-gathers and reduce-scatter (their bytes are
-    negligible here; the cost model charges bytes by rate). The fastest of ``trials`` tries of ``calls`` runs
-    by ``clock`` (a fixed count: every rank of ``mesh`` runs the same collectives; every rank must call it)."""
-    def stack(sharded: bool):
-        torch.manual_seed(0)
-        m = nn.Sequential(*[nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(4)])
-                            for _ in range(groups)])
-        if sharded:
-            for group in m:
-                fully_shard(group, mesh=mesh)
-            fully_shard(m, mesh=mesh)
-        x = torch.full((4, 32), 0.01)
-        return lambda: m(x).sum().backward()
-
-    return max(_fixed(stack(True), calls, trials, clock) - _fixed(stack(False), calls, trials, clock), 0.0) / groups
+def fsdp_group_cost(mesh, trials: int = 3, clock=time.perf_counter, calls: int = 8) -> float:
+    """Seconds one FSDP2 group adds to a micro-batch's forward and backward: densetrain's FSDP2
+    (:func:`densetrain.parallel.parallelize.apply_fsdp`: a group a block and the root) on :data:`PROBE_MODEL`
+    over ``mesh`` against the plain model, over its groups: the hooks, the unshard/reshard bookkeeping, the
+    copies in and out of the flat buffers and, on several ranks, each group's all-gathers and reduce-scatter
+    (whose bytes are negligible here: the cost model charges bytes at the measured rates). The fastest of
+    ``trials`` tries of ``calls`` by ``clock`` (a fixed count: every rank of ``mesh`` must call it)."""
+    sharded = _probe_step(lambda m: apply_fsdp(m, mesh, bf16=False))
+    extra = _fixed(sharded, calls, trials, clock) - _fixed(_probe_step(), calls, trials, clock)
+    return max(extra, 0.0) / (PROBE_MODEL.n_layers + 1)
 
 
 def _fixed(run, calls: int, trials: int, clock) -> float:
