@@ -184,14 +184,16 @@ def _fastest(run, device: torch.device, seconds: float, trials: int, clock) -> f
 
 
 @contextlib.contextmanager
-def one_rank_mesh():
-    """A 1-D :class:`DeviceMesh` of this process alone (CPU, gloo), for timing DTensor's and FSDP2's host work
-    without communication: a subgroup per rank when torch.distributed is initialised (every rank must enter
-    it), else a private 1-rank group, destroyed on exit."""
+def probe_mesh():
+    """A 1-D CPU (gloo) :class:`DeviceMesh` for the host probes: pairs of ranks when torch.distributed runs an
+    even world (as two ranks split a model; every rank must enter it), this rank alone in an odd one, and a
+    private 1-rank group, destroyed on exit, when torch.distributed is not initialised (one process)."""
     own = not dist.is_initialized()
     if own:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    group = dist.group.WORLD if own else dist.new_subgroups(group_size=1, backend="gloo")[0]
+        group = dist.group.WORLD
+    else:
+        group = dist.new_subgroups(group_size=2 if dist.get_world_size() % 2 == 0 else 1, backend="gloo")[0]
     try:
         yield DeviceMesh.from_group(group, "cpu")
     finally:
@@ -215,10 +217,11 @@ def _probe_step(wrap=None, rows: int = 16):
 
 def dtensor_op_cost(mesh, trials: int = 3, clock=time.perf_counter, calls: int = 8) -> float:
     """Seconds one DTensor dispatch adds to its local operator: densetrain's tensor parallelism
-    (:func:`densetrain.parallel.parallelize.apply_tensor_parallel`) on :data:`PROBE_MODEL` over ``mesh`` (one
-    rank: sharding propagation, redistribution bookkeeping and wrapping without communication, whose cost the
-    step model charges) against the plain model, forward and backward, over the counted DTensor dispatches;
-    the fastest of ``trials`` tries of ``calls`` by ``clock``."""
+    (:func:`densetrain.parallel.parallelize.apply_tensor_parallel`) on :data:`PROBE_MODEL` over ``mesh``
+    (sharding propagation, redistribution bookkeeping, wrapping, and on several ranks the functional
+    collectives' per-call work) against the plain model, forward and backward, over the counted DTensor
+    dispatches; the fastest of ``trials`` tries of ``calls`` by ``clock`` (a fixed count: every rank of ``mesh``
+    must call it)."""
     tp = _probe_step(lambda m: apply_tensor_parallel(m, mesh))
     count = _OpCount()
     with count:
@@ -273,20 +276,21 @@ def gather_scatter_rates(device: torch.device, trials: int = 3, clock=time.perf_
 
 def host_figures(info, clock=time.perf_counter) -> dict[str, float]:
     """The host's share of a step (:data:`densetrain.cost.hardware.HOST_FIELDS`, read by cost/host.py) on
-    this machine: on a CPU, :func:`dtensor_op_cost` on this rank alone (TP's collectives are charged by the step
-    model), :func:`fsdp_group_cost` over the world (alone on one process), with more than one rank
-    :func:`gather_scatter_rates`, and ``collectives_on_cores`` 1 (gloo runs on the compute's cores). On a GPU
+    this machine: on a CPU, :func:`dtensor_op_cost` and :func:`fsdp_group_cost` on :func:`probe_mesh` (pairs
+    of ranks; one process alone), with more than one rank :func:`gather_scatter_rates`, and
+    ``collectives_on_cores`` 1 (gloo runs on the compute's cores). Over a pair, a DTensor dispatch carries its
+    share of the probe's tensor-parallel collectives (the per-call work of gloo's functional all-reduces around
+    it, which a real step pays too: the step model's TP term also charges their latency, so ~2 all-reduces' fixed
+    cost a probe is counted twice, a few ms a tiny step; measured on this machine). On a GPU
     none (its host work runs ahead of the kernels: the cost model leaves it out). Every rank must call it."""
     if info.device.type != "cpu":
         return {}
-    with one_rank_mesh() as mesh:
-        out = {"dtensor_op_s": dtensor_op_cost(mesh, clock=clock), "collectives_on_cores": 1.0}
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            out["fsdp_group_s"] = fsdp_group_cost(mesh, clock=clock)
-            return out
-    out["fsdp_group_s"] = fsdp_group_cost(DeviceMesh.from_group(dist.group.WORLD, "cpu"), clock=clock)
-    out["all_gather_bytes_per_s"], out["reduce_scatter_bytes_per_s"] = gather_scatter_rates(info.device,
-                                                                                           clock=clock)
+    with probe_mesh() as mesh:
+        out = {"dtensor_op_s": dtensor_op_cost(mesh, clock=clock), "fsdp_group_s": fsdp_group_cost(mesh, clock=clock),
+               "collectives_on_cores": 1.0}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        out["all_gather_bytes_per_s"], out["reduce_scatter_bytes_per_s"] = gather_scatter_rates(info.device,
+                                                                                               clock=clock)
     return out
 
 
