@@ -3,12 +3,17 @@
 For each shape (``--shapes``) and layout (``--layouts``: ``single`` one process; ``ddp``, ``fsdp``, ``tp``,
 ``pp`` two gloo ranks), in rounds: the worker processes measure this machine's profile as ``densetrain doctor
 --profile`` does (matmul rate and copy bandwidth of :mod:`densetrain.health`, the all-reduce bus bandwidth and
-one-element latency over the two ranks, :func:`densetrain.tools.doctor.op_overhead`), then time densetrain's
-real step on that layout (:func:`densetrain.parallel.parallelize.build_parallel_model`,
-:func:`densetrain.train.step.forward_backward` and AdamW; fp32, random tokens, no data loader), and rank 0
-prints :func:`densetrain.cost.step_time`'s prediction from the profile beside the measured median step:
-predicted / measured per run and the median per layout over the rounds. Prediction and measurement run in
-the same process one right after the other, so both see the same load; the load average is printed.
+one-element latency over the two ranks, :func:`densetrain.tools.doctor.op_overhead`, the host's share:
+:func:`densetrain.tools.doctor.host_figures`), then time densetrain's real step on that layout
+(:func:`densetrain.parallel.parallelize.build_parallel_model`, :func:`densetrain.train.step.forward_backward`
+and AdamW; fp32, random tokens, no data loader; glibc keeping freed memory, as training sets it on a CPU), and
+rank 0 prints :func:`densetrain.cost.step_time`'s prediction from the profile beside the measured step:
+predicted / measured per run. Prediction and measurement run in the same process one right after the other,
+so both see the same load; the load average and the processes' CPU share (:func:`densetrain.health.cpu_got`)
+are printed. Measured is the fastest of the timed steps, as the profile's rates are the fastest of their tries
+(the median beside it). The closing table and line judge each row on its quietest round (the largest CPU
+share), in CPU seconds (what 2 ranks on 2 shared cores leave comparable; wall seconds beside them):
+``planner_machine: N of 10 within 25% (worst X)``.
 
     python benchmarks/planner_machine.py                                # tiny and gpt2-124m, every layout
     python benchmarks/planner_machine.py --shapes tiny --layouts single,ddp --rounds 3
