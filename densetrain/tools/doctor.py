@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import time
@@ -186,18 +187,24 @@ def _fastest(run, device: torch.device, seconds: float, trials: int, clock) -> f
 @contextlib.contextmanager
 def probe_mesh():
     """A 1-D CPU (gloo) :class:`DeviceMesh` for the host probes: pairs of ranks when torch.distributed runs an
-    even world (as two ranks split a model; every rank must enter it), this rank alone in an odd one, and a
-    private 1-rank group, destroyed on exit, when torch.distributed is not initialised (one process)."""
+    even world (as two ranks split a model; every rank must enter it the first time), this rank alone in an odd
+    one, and a private 1-rank group, destroyed on exit, when torch.distributed is not initialised (one
+    process). The subgroups are made once and kept: DTensor caches its redistributions by mesh, so a destroyed
+    group's name would outlive it."""
     own = not dist.is_initialized()
     if own:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        group = dist.group.WORLD
-    else:
-        group = dist.new_subgroups(group_size=2 if dist.get_world_size() % 2 == 0 else 1, backend="gloo")[0]
     try:
-        yield DeviceMesh.from_group(group, "cpu")
+        yield DeviceMesh.from_group(dist.group.WORLD if own else _probe_group(), "cpu")
     finally:
-        dist.destroy_process_group(None if own else group)
+        if own:
+            dist.destroy_process_group()
+
+
+@functools.cache
+def _probe_group():
+    """This rank's subgroup for :func:`probe_mesh` (made once per process; every rank must call it)."""
+    return dist.new_subgroups(group_size=2 if dist.get_world_size() % 2 == 0 else 1, backend="gloo")[0]
 
 
 PROBE_MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
