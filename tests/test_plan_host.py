@@ -153,3 +153,26 @@ def test_doctor_profile_has_the_host_figures_and_plan_reads_them(tmp_path, capsy
     tp = step_time(m, Parallel(tp=2), replace(hw, dtensor_op_s=max(hw.dtensor_op_s, 1e-6)), 128, 2, 1, "none",
                    "fp32")
     assert tp["parts"]["host"] >= dtensor_ops(Parallel(tp=2), 2, m.n_layers, 1) * 1e-6
+
+
+def test_doctor_profile_on_two_gloo_ranks_measures_the_pair(tmp_path):
+    """``doctor --profile`` as torchrun starts it on 2 CPU ranks: every rank runs the host probes on the pair
+    (fixed counts, so their collectives match) and rank 0 writes the gloo all-gather and reduce-scatter rates
+    beside the DTensor and FSDP2 costs."""
+    import forked
+
+    path = tmp_path / "pair.toml"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    argv = [sys.executable, "-m", "densetrain", "doctor", "--preset", "tiny", "--health.seconds=0.01",
+            "--health.trials=1", "--health.copy_mib=1", "--profile", str(path)]
+    procs = [forked.Popen(argv, text=True, stdout=forked.PIPE, stderr=forked.PIPE,
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    hw = load_hardware(path)
+    assert hw.all_gather_bytes_per_s > 0 and hw.reduce_scatter_bytes_per_s > 0 and hw.collectives_on_cores == 1.0
+    assert 0 <= hw.dtensor_op_s < 0.05 and 0 <= hw.fsdp_group_s < 0.5 and hw.gpus_per_node == 2
