@@ -64,7 +64,8 @@ def dp_collectives_cpu_s(hw, par, gathered: float, grad_bytes: float) -> float:
     gradients of the rank's ``1 / tp`` of the model) over ``dp_shard x cp`` ranks, the replicas' all-reduce of
     the shard's gradients over ``dp_replicate``: bytes at NCCL's ring factors (all-gather and reduce-scatter
     ``(n - 1) / n``, all-reduce ``2 (n - 1) / n`` of the whole, as densetrain.cost.step.bus_bytes) over the
-    kind's measured rate. Fixed costs a call: FSDP2's are in ``Hardware.fsdp_group_s`` (measured with its
+    kind's measured rate (else the profile's one link: collectives on the cores means one host, a measured CPU
+    profile). Fixed costs a call: FSDP2's are in ``Hardware.fsdp_group_s`` (measured with its
     collectives); the replicas' all-reduce pays ``2 (n - 1)`` ring steps of the profile's latency per DDP bucket
     (:data:`DDP_BUCKET_BYTES`)."""
     n, r = par.dp_shard * par.cp, par.dp_replicate
