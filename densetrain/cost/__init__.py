@@ -3,7 +3,8 @@ planner and the ladder share), hardware profiles as data, and the time of a trai
 
 - :mod:`~densetrain.cost.flops`: :func:`flops_per_token` (torchtitan's and Llama 3's MFU count), per-op shapes;
 - :mod:`~densetrain.cost.hardware`: :class:`Hardware` profiles (``profiles/*.toml``), ``--hardware FILE``;
-- :mod:`~densetrain.cost.step`: :func:`step_time` (compute, communication per mesh dimension, overlap, bubble).
+- :mod:`~densetrain.cost.step`: :func:`step_time` (compute, communication per mesh dimension, overlap, bubble);
+- :mod:`~densetrain.cost.host`: the host's share of a step (DTensor and FSDP2 Python work, gloo on the cores).
 
 Read by ``densetrain plan`` (tools/plan/), the dry run, ``doctor --profile`` and :mod:`densetrain.metrics`.
 """

@@ -16,6 +16,9 @@ from densetrain.errors import ConfigError
 from densetrain.fileio import atomic_write_bytes, json_text, read_text_bounded
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
+HOST_FIELDS = ("dtensor_op_s", "fsdp_group_s", "all_gather_bytes_per_s", "reduce_scatter_bytes_per_s",
+               "collectives_on_cores")
+"""Optional figures of the host's share (:mod:`densetrain.cost.host`), each a number >= 0 (0: not modelled)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,12 @@ class Hardware:
     ring's ``nvlink_bytes_per_s`` x efficiency for that one case; 0: no NVLink SHARP); ``flex_forward_rate`` /
     ``flex_backward_rate``, FlexAttention's speed relative to SDPA's causal kernel on this GPU, forward / backward
     (densetrain's context parallelism runs FlexAttention: ``densetrain.cost.step.ATTENTION_KERNELS``; 0: the same).
+    The host's share (:mod:`densetrain.cost.host`,
+    measured by ``doctor --profile`` on a CPU, 0 in the GPU profiles, whose host work hides behind the kernels):
+    ``dtensor_op_s`` (s a DTensor dispatch beyond its local operator), ``fsdp_group_s`` (s an FSDP2 group a
+    micro-batch, forward and backward), ``all_gather_bytes_per_s`` / ``reduce_scatter_bytes_per_s`` (bus bytes a
+    second of those collectives; 0: the link's), ``collectives_on_cores`` (1 where the collectives run on the
+    compute's cores, gloo on a CPU: what the step model hides behind compute is charged).
     """
 
     name: str
@@ -61,6 +70,11 @@ class Hardware:
     nvls_bus_bytes_per_s: float = 0.0
     flex_forward_rate: float = 0.0
     flex_backward_rate: float = 0.0
+    dtensor_op_s: float = 0.0
+    fsdp_group_s: float = 0.0
+    all_gather_bytes_per_s: float = 0.0
+    reduce_scatter_bytes_per_s: float = 0.0
+    collectives_on_cores: float = 0.0
 
     def to_toml(self) -> str:
         """The profile as a flat TOML table (what :func:`load_hardware` reads)."""
@@ -92,7 +106,7 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
     names = {f.name: f for f in fields(Hardware)}
     unknown = sorted(set(raw) - set(names))
     optional = {"source", "sms", "op_overhead_s", "loss_elements_per_s", "nvls_bus_bytes_per_s",
-                "flex_forward_rate", "flex_backward_rate"}
+                "flex_forward_rate", "flex_backward_rate", *HOST_FIELDS}
     missing = sorted(k for k in names if k not in raw and k not in optional and not k.endswith("_efficiency"))
     if unknown or missing:
         raise ConfigError(f"{path}: " + "; ".join(([f"unknown key(s) {', '.join(unknown)}"] if unknown else [])
@@ -102,7 +116,7 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
             if not isinstance(v, str):
                 raise ConfigError(f"{path}: {k} = {v!r}: expected a string")
         elif k in ("sms", "op_overhead_s", "loss_elements_per_s", "nvls_bus_bytes_per_s", "flex_forward_rate",
-                   "flex_backward_rate"):
+                   "flex_backward_rate", *HOST_FIELDS):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
                     or (k == "sms" and int(v) != v):
                 raise ConfigError(f"{path}: {k} = {v!r}: expected a number >= 0"
@@ -128,7 +142,7 @@ def write_hardware(hw: Hardware, path: str | Path) -> Path:
 def measured_hardware(matmul_flops: float, copy_bytes_per_s: float, collective_bytes_per_s: float | None,
                       gpus_per_node: int, memory_gib: float, name: str, op_overhead_s: float = 0.0,
                       collective_latency_s: float | None = None, loss_elements_per_s: float = 0.0,
-                      attention_flops: float = 0.0) -> Hardware:
+                      attention_flops: float = 0.0, host: dict[str, float] | None = None) -> Hardware:
     """A profile of this machine from ``doctor``'s measurements: the matmul rate stands for both peaks (so the
     profile's MFU is relative to what this machine reaches, as the training log's is without
     ``logging.peak_flops``), the copy rate for the memory bandwidth, the collective bus bandwidth (None on
@@ -136,7 +150,7 @@ def measured_hardware(matmul_flops: float, copy_bytes_per_s: float, collective_b
     (``collective_latency_s``, else a gloo-scale 50 µs); the measured fixed cost of one operator
     (``op_overhead_s``) and the cross-entropy's rate (``loss_elements_per_s``); efficiencies 1 (the rates are
     reached ones, not datasheet peaks) but attention's, the measured attention rate over the matmul rate
-    (``attention_flops``; 0: 1)."""
+    (``attention_flops``; 0: 1); ``host``: the host's share by :data:`HOST_FIELDS` name (absent: 0)."""
     link = collective_bytes_per_s or copy_bytes_per_s
     lat = collective_latency_s or 50e-6
     return Hardware(name=name, peak_bf16_flops=matmul_flops, peak_fp8_flops=matmul_flops, memory_gib=memory_gib,
@@ -145,4 +159,4 @@ def measured_hardware(matmul_flops: float, copy_bytes_per_s: float, collective_b
                     source="measured by densetrain doctor --profile", gemm_efficiency=1.0,
                     attention_efficiency=min(1.0, attention_flops / matmul_flops) if attention_flops else 1.0,
                     network_efficiency=1.0, hbm_efficiency=1.0, op_overhead_s=op_overhead_s,
-                    loss_elements_per_s=loss_elements_per_s)
+                    loss_elements_per_s=loss_elements_per_s, **(host or {}))

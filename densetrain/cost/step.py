@@ -44,6 +44,7 @@ from densetrain.cost.flops import (
     optimizer_ops,
     shape_of,
 )
+from densetrain.cost.host import host_time
 
 GEMM_EFFICIENCY = 0.58
 """Fraction of the dense peak a large bf16/fp8 GEMM reaches (fitted: benchmarks/planner_check.py ``--fit``)."""
@@ -431,6 +432,8 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     optim_s = (84 if precision == "fp32" else 28) * params / max(n_sh, 1) / hbm + optimizer_ops(s, layers) * op_s
     parts = {"compute": compute, "recompute": recompute_s, "tp": tp_s, "cp": cp_s, "dp": dp_s, "pp": pp_s,
              "bubble": bubble_s, "optimizer": optim_s}
+    # the host's share: DTensor and FSDP2 Python work, collectives on the compute's cores (cost/host.py)
+    parts["host"] = host_time(par, hw, n_micro, layers, heads, gathered, 4 * params, dp_s)
     step = sum(parts.values())
     tokens = batch * seq_len
     per_gpu = tokens / step / par.world

@@ -5,21 +5,29 @@ Its flags are declared in :func:`densetrain.cli.build_parser` (``if name == "doc
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from densetrain.config import Config, parse_overrides
+from densetrain.config import Config, ModelConfig, parse_overrides
 from densetrain.cost import measured_hardware, write_hardware
 from densetrain.errors import ConfigError
 from densetrain.fileio import json_text
 from densetrain.health import check, format_table, read_first, rows_json, verdict
+from densetrain.loss import token_losses
+from densetrain.model.init import build_model
 from densetrain.parallel import init_distributed
+from densetrain.parallel.parallelize import apply_fsdp, apply_tensor_parallel
 
 
 def doctor(cfg: Config, args: argparse.Namespace) -> int:
@@ -44,6 +52,8 @@ def doctor(cfg: Config, args: argparse.Namespace) -> int:
     bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and info.device.type == "cuda")
     rows, outliers = check(info.device, torch.bfloat16 if bf16 else torch.float32, info.mesh, cfg.health, first)
     status, line = verdict(rows, outliers)
+    # the host's share (cost/host.py), measured on every rank: its collectives need all of them
+    host = host_figures(info) if getattr(args, "profile", None) else None
     if int(os.environ.get("RANK", "0")) == 0:  # one verdict, not one per rank
         if args.json:
             print(json_text({"verdict": line.split(":")[0], "status": status, "line": line, "note": note,
@@ -54,7 +64,7 @@ def doctor(cfg: Config, args: argparse.Namespace) -> int:
                 print(f"note: {note}")
             print(line)
         if getattr(args, "profile", None):
-            print(f"wrote this machine's hardware profile to {write_profile(rows, info, args.profile)} "
+            print(f"wrote this machine's hardware profile to {write_profile(rows, info, args.profile, host)} "
                   "(densetrain plan --hardware FILE)")
             if not any(k.endswith("/all_reduce") for k in rows[0].figures):
                 print("note: one rank measured no collective, so the profile's nvlink and net bandwidth are its "
@@ -80,14 +90,16 @@ def check_profile_path(path: str) -> None:
 
 
 class _OpCount(TorchDispatchMode):
-    """Counts the operators (aten calls) run under it."""
+    """Counts the operators (aten calls) run under it, ``n``, and those with a DTensor argument, ``dtensor``
+    (one DTensor dispatch each: the mode sees them before DTensor runs their local operators)."""
 
     def __init__(self):
         super().__init__()
-        self.n = 0
+        self.n = self.dtensor = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.n += 1
+        self.dtensor += any(isinstance(a, DTensor) for a in args)
         return func(*args, **(kwargs or {}))
 
 
@@ -172,11 +184,128 @@ def _fastest(run, device: torch.device, seconds: float, trials: int, clock) -> f
     return best
 
 
-def write_profile(rows, info, path: str) -> str:
+@contextlib.contextmanager
+def probe_mesh():
+    """A 1-D CPU (gloo) :class:`DeviceMesh` for the host probes: pairs of ranks when torch.distributed runs an
+    even world (as two ranks split a model; every rank must enter it the first time), this rank alone in an odd
+    one, and a private 1-rank group, destroyed on exit, when torch.distributed is not initialised (one
+    process). The subgroups are made once and kept: DTensor caches its redistributions by mesh, so a destroyed
+    group's name would outlive it."""
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield DeviceMesh.from_group(dist.group.WORLD if own else _probe_group(), "cpu")
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
+@functools.cache
+def _probe_group():
+    """This rank's subgroup for :func:`probe_mesh` (made once per process; every rank must call it)."""
+    return dist.new_subgroups(group_size=2 if dist.get_world_size() % 2 == 0 else 1, backend="gloo")[0]
+
+
+PROBE_MODEL = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
+"""The densetrain model the host probes run (:func:`dtensor_op_cost`, :func:`fsdp_group_cost`): small enough
+that its operators' work is negligible beside their fixed costs, every kind of block operator present (GQA)."""
+
+
+def _probe_step(wrap=None, rows: int = 16):
+    """One forward and backward of :data:`PROBE_MODEL` on a row of ``rows`` tokens, ``wrap(model)`` applied
+    first (tensor parallelism, FSDP2), as a callable."""
+    model = build_model(PROBE_MODEL, 0)
+    if wrap is not None:
+        wrap(model)
+    x = torch.arange(rows + 1).remainder(PROBE_MODEL.vocab_size).unsqueeze(0)
+    return lambda: token_losses(model(x[:, :-1]), x[:, 1:]).mean().backward()
+
+
+def dtensor_op_cost(mesh, trials: int = 3, clock=time.perf_counter, calls: int = 8) -> float:
+    """Seconds one DTensor dispatch adds to its local operator: densetrain's tensor parallelism
+    (:func:`densetrain.parallel.parallelize.apply_tensor_parallel`) on :data:`PROBE_MODEL` over ``mesh``
+    (sharding propagation, redistribution bookkeeping, wrapping, and on several ranks the functional
+    collectives' per-call work) against the plain model, forward and backward, over the counted DTensor
+    dispatches; the fastest of ``trials`` tries of ``calls`` by ``clock`` (a fixed count: every rank of ``mesh``
+    must call it)."""
+    tp = _probe_step(lambda m: apply_tensor_parallel(m, mesh))
+    count = _OpCount()
+    with count:
+        tp()
+    extra = _fixed(tp, calls, trials, clock) - _fixed(_probe_step(), calls, trials, clock)
+    return max(extra, 0.0) / max(count.dtensor, 1)
+
+
+def fsdp_group_cost(mesh, trials: int = 3, clock=time.perf_counter, calls: int = 8) -> float:
+    """Seconds one FSDP2 group adds to a micro-batch's forward and backward: densetrain's FSDP2
+    (:func:`densetrain.parallel.parallelize.apply_fsdp`: a group a block and the root) on :data:`PROBE_MODEL`
+    over ``mesh`` against the plain model, over its groups: the hooks, the unshard/reshard bookkeeping, the
+    copies in and out of the flat buffers and, on several ranks, each group's all-gathers and reduce-scatter
+    (whose bytes are negligible here: the cost model charges bytes at the measured rates). The fastest of
+    ``trials`` tries of ``calls`` by ``clock`` (a fixed count: every rank of ``mesh`` must call it)."""
+    sharded = _probe_step(lambda m: apply_fsdp(m, mesh, bf16=False))
+    extra = _fixed(sharded, calls, trials, clock) - _fixed(_probe_step(), calls, trials, clock)
+    return max(extra, 0.0) / (PROBE_MODEL.n_layers + 1)
+
+
+def _fixed(run, calls: int, trials: int, clock) -> float:
+    """Seconds of one ``run()``: the fastest of ``trials`` tries of ``calls`` runs each by ``clock``, the ranks
+    lined up by a barrier before each try when torch.distributed is initialised (a fixed count: runs that hold
+    collectives match on every rank)."""
+    run()
+    best = float("inf")
+    for _ in range(trials):
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = clock()
+        for _ in range(calls):
+            run()
+        best = min(best, (clock() - t0) / calls)
+    return best
+
+
+def gather_scatter_rates(device: torch.device, trials: int = 3, clock=time.perf_counter,
+                         mib: int = 4) -> tuple[float, float]:
+    """Bus bytes a second of ``all_gather_single`` and ``reduce_scatter_single`` (FSDP2's collectives) over
+    the world, ``mib`` MiB a rank gathered, ``mib`` MiB reduced: ``(n - 1) / n`` of the whole tensor a call
+    (NCCL's factors, densetrain.cost.step.bus_bytes), the fastest of ``trials`` tries of 4 calls by ``clock``
+    (every rank runs the same count). Every rank must call it."""
+    n = dist.get_world_size()
+    numel = mib * 2**20 // 4
+    shard, whole = torch.ones(numel, device=device), torch.empty(n * numel, device=device)
+    out = torch.empty(numel // n, device=device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    ag = _fixed(lambda: (dist.all_gather_single(whole, shard), sync()), 4, trials, clock)
+    rs = _fixed(lambda: (dist.reduce_scatter_single(out, shard), sync()), 4, trials, clock)
+    return (n - 1) / n * n * numel * 4 / ag, (n - 1) / n * numel * 4 / rs
+
+
+def host_figures(info, clock=time.perf_counter) -> dict[str, float]:
+    """The host's share of a step (:data:`densetrain.cost.hardware.HOST_FIELDS`, read by cost/host.py) on
+    this machine: on a CPU, :func:`dtensor_op_cost` and :func:`fsdp_group_cost` on :func:`probe_mesh` (pairs
+    of ranks; one process alone), with more than one rank :func:`gather_scatter_rates`, and
+    ``collectives_on_cores`` 1 (gloo runs on the compute's cores). Over a pair, a DTensor dispatch carries its
+    share of the probe's tensor-parallel collectives (the per-call work of gloo's functional all-reduces around
+    it, which a real step pays too: the step model's TP term also charges their latency, so ~2 all-reduces' fixed
+    cost a probe is counted twice, a few ms a tiny step; measured on this machine). On a GPU
+    none (its host work runs ahead of the kernels: the cost model leaves it out). Every rank must call it."""
+    if info.device.type != "cpu":
+        return {}
+    with probe_mesh() as mesh:
+        out = {"dtensor_op_s": dtensor_op_cost(mesh, clock=clock), "fsdp_group_s": fsdp_group_cost(mesh, clock=clock),
+               "collectives_on_cores": 1.0}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        out["all_gather_bytes_per_s"], out["reduce_scatter_bytes_per_s"] = gather_scatter_rates(info.device,
+                                                                                               clock=clock)
+    return out
+
+
+def write_profile(rows, info, path: str, host: dict[str, float] | None = None) -> str:
     """``doctor --profile FILE``: a :class:`densetrain.cost.Hardware` profile of this machine from the ranks'
     median matmul rate and memory bandwidth, the slowest group's all-reduce bus bandwidth and one-element
     latency (half of it a ring step on 2 ranks, ``1 / (2 (n - 1))`` on ``n``), and this rank's
-    :func:`op_overhead`; returns the path."""
+    :func:`op_overhead`, and the host's share ``host`` (:func:`host_figures`); returns the path."""
     def med(k):
         return statistics.median(r.figures[k] for r in rows)
 
@@ -190,5 +319,5 @@ def write_profile(rows, info, path: str) -> str:
                            f"this machine ({rows[0].host}, {info.device.type}, {len(rows)} rank(s))",
                            op_overhead(info.device), max(lats) if lats else None,
                            loss_rate(info.device) if info.device.type == "cpu" else 0.0,
-                           attention_rate(info.device) if info.device.type == "cpu" else 0.0)
+                           attention_rate(info.device) if info.device.type == "cpu" else 0.0, host)
     return str(write_hardware(hw, path))

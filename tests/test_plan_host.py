@@ -1,0 +1,178 @@
+"""The host's share of a step (densetrain/cost/host.py): its counts against what a real 2-rank gloo step runs,
+its time as counts x the profile's unit costs, and the profile's host figures through ``doctor --profile`` and
+``plan --hardware``."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from densetrain.config import load_config
+from densetrain.cost import Parallel, load_hardware, step_time
+from densetrain.cost.host import OPTIM_DTENSOR_OPS, TP_DTENSOR_OPS, dtensor_ops, fsdp_groups
+
+H100 = load_hardware("h100-sxm")
+
+_COUNT = r"""
+import collections, json, sys
+import torch
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from densetrain.config import load_config
+from densetrain.optim import build_optimizer
+from densetrain.parallel.dist import init_distributed
+from densetrain.parallel.parallelize import build_parallel_model
+from densetrain.train.step import forward_backward
+
+class Count(TorchDispatchMode):  # a DTensor dispatch: an operator the mode sees with a DTensor argument
+    n = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = [y for a in (*args, *(kwargs or {}).values()) for y in (a if isinstance(a, (list, tuple)) else [a])]
+        self.n += any(isinstance(a, DTensor) for a in flat)
+        return func(*args, **(kwargs or {}))
+
+groups = collections.Counter()  # FSDP2's hooks, one call a group a pass
+for hook in ("pre_forward", "post_backward"):
+    orig = getattr(FSDPParamGroup, hook)
+    def counted(self, *a, _orig=orig, _hook=hook, **k):
+        groups[_hook] += 1
+        return _orig(self, *a, **k)
+    setattr(FSDPParamGroup, hook, counted)
+
+kind = sys.argv[1]
+layout = {"fsdp": [("parallel.dp_shard", 2)], "tp": [("parallel.dp_shard", 1), ("parallel.tp", 2)]}[kind]
+out = {}
+info = None
+for n_layers in (1, 3):
+    cfg = load_config("tiny", overrides=[("parallel.dp_replicate", 1), ("train.dtype", "fp32"),
+                                         ("model.n_layers", n_layers), *layout])
+    info = info or init_distributed("cpu", cfg.parallel)
+    model, step_model = build_parallel_model(cfg, info)
+    opt = build_optimizer(model, cfg)
+    x = torch.randint(0, cfg.model.vocab_size, (1, 33))
+    def step():  # one micro-batch's forward and backward, then the optimizer step
+        forward_backward(step_model, [(x[:, :-1], x[:, 1:], ["web"])], 32, 1 if kind == "tp" else 2)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    step()  # the first creates AdamW's state (two zeros_like a parameter): not a step's work
+    groups.clear()
+    with Count() as count:
+        step()
+    out[n_layers] = {"dtensor": count.n, **groups}
+if info.rank == 0:
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("kind,par", [("tp", Parallel(tp=2)), ("fsdp", Parallel(dp_shard=2))])
+def test_counts_equal_a_real_two_rank_gloo_step(kind, par, tmp_path):
+    """The DTensor dispatches (TP's blocks and head, the optimizer's foreach operators) and FSDP2 groups that
+    :mod:`densetrain.cost.host` counts equal those a real training micro-step and AdamW step run on 2 gloo
+    ranks, for the tiny preset at 1 and 3 blocks (so per block and outside the blocks both)."""
+    import forked
+
+    script = tmp_path / "count.py"
+    script.write_text(_COUNT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    procs = [forked.Popen([sys.executable, str(script), kind], text=True, stdout=forked.PIPE, stderr=forked.PIPE,
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    counted = json.loads(outs[0][0].strip().splitlines()[-1])
+    for n_layers in (1, 3):
+        got = counted[str(n_layers)]
+        assert got["dtensor"] == dtensor_ops(par, 1, n_layers, 1), (n_layers, got)
+        assert got.get("pre_forward", 0) == got.get("post_backward", 0) == fsdp_groups(par, 1, n_layers, 1)
+    if kind == "tp":  # the constants themselves, so that a change in torch shows which one moved
+        assert counted["3"]["dtensor"] - counted["1"]["dtensor"] == 2 * TP_DTENSOR_OPS[0]
+        assert counted["1"]["dtensor"] == TP_DTENSOR_OPS[0] + TP_DTENSOR_OPS[1] + OPTIM_DTENSOR_OPS
+    else:
+        assert counted["1"]["dtensor"] == OPTIM_DTENSOR_OPS and counted["3"]["pre_forward"] == 4
+
+
+def test_host_time_is_counts_times_the_profiles_unit_costs():
+    """The host part of :func:`step_time` is the counted DTensor dispatches and FSDP2 groups at the profile's
+    unit costs, plus, where collectives run on the compute's cores, what the step model hid of the data-parallel
+    collectives at their measured rates; the GPU profiles (no unit costs) add nothing."""
+    m = load_config("tiny").model
+    cpu = replace(H100, sms=0, dtensor_op_s=1e-4, fsdp_group_s=2e-3)
+    for par, batch in ((Parallel(tp=2), 2), (Parallel(dp_shard=2), 4), (Parallel(dp_replicate=2), 4)):
+        assert step_time(m, par, H100, 128, batch, 1, "none", "fp32")["parts"]["host"] == 0.0
+        got = step_time(m, par, cpu, 128, batch, 1, "none", "fp32")["parts"]["host"]
+        n_micro = batch // (par.dp_shard * par.dp_replicate)
+        want = dtensor_ops(par, n_micro, m.n_layers, 1) * 1e-4 + fsdp_groups(par, n_micro, m.n_layers, 1) * 2e-3
+        assert got == pytest.approx(want, rel=1e-9)
+    # tp 2, one micro-batch of each of 2 sequences: 4 blocks and the head, then AdamW's 15
+    assert dtensor_ops(Parallel(tp=2), 2, 4, 1) == 2 * (141 * 4 + 52) + 15
+    # FSDP2 on 2 ranks with gloo's collectives on the cores: the hidden all-gathers and reduce-scatter are
+    # charged at their own rates (a reduce-scatter 4x slower than the link costs 4x the link's time)
+    on = replace(cpu, collectives_on_cores=1.0, nvlink_bytes_per_s=1e9, latency_intra_s=1e-6,
+                 all_gather_bytes_per_s=1e9, reduce_scatter_bytes_per_s=0.25e9, network_efficiency=1.0)
+    fsdp = step_time(m, Parallel(dp_shard=2), on, 128, 4, 1, "none", "fp32")
+    off = step_time(m, Parallel(dp_shard=2), replace(on, collectives_on_cores=0.0), 128, 4, 1, "none", "fp32")
+    params = m.n_layers * (128 * (128 + 2 * 64) + 128 * 128 + 3 * 128 * 352) + 128 * 8192 * (
+        1 if m.tie_embeddings else 2)
+    gathered = 2 * 4 * (params + (m.n_layers - 1) * (128 * 256 + 128 * 128 + 3 * 128 * 352))  # 2 micro-batches
+    comm = 0.5 * gathered / 1e9 + 0.5 * 4 * params / 0.25e9
+    assert fsdp["parts"]["host"] - off["parts"]["host"] == pytest.approx(comm - fsdp["parts"]["dp"], rel=1e-6)
+
+
+def test_doctor_profile_has_the_host_figures_and_plan_reads_them(tmp_path, capsys):
+    """``doctor --profile`` on one CPU process measures the DTensor and FSDP2 unit costs on densetrain's own
+    probe model (a private 1-rank group, gone afterwards) and marks the collectives as on the cores; ``plan
+    --hardware`` reads the file back and a TP layout's predicted step then holds a host part."""
+    import torch.distributed as dist
+
+    from densetrain.cli import main
+
+    path = tmp_path / "me.json"
+    assert main(["doctor", "--preset", "tiny", "--health.seconds=0.01", "--health.trials=1",
+                 "--health.copy_mib=1", "--profile", str(path)]) in (0, 3)  # healthy, or busy on a shared host
+    assert not dist.is_initialized()  # the probes' private group is destroyed
+    hw = load_hardware(path)
+    assert hw.collectives_on_cores == 1.0 and hw.all_gather_bytes_per_s == 0.0  # one rank: no collective
+    # intercepts of two timings: 0 when a busy machine makes the wrapped run no slower, never absurd
+    assert 0 <= hw.dtensor_op_s < 0.05 and 0 <= hw.fsdp_group_s < 0.5
+    raw = json.loads(path.read_text())
+    assert raw["dtensor_op_s"] == hw.dtensor_op_s and raw["fsdp_group_s"] == hw.fsdp_group_s
+    capsys.readouterr()
+    assert main(["plan", "--preset", "tiny", "--gpus", "1", "--hardware", str(path), "--json"]) == 0
+    assert '"mfu"' in capsys.readouterr().out
+    m = load_config("tiny").model
+    tp = step_time(m, Parallel(tp=2), replace(hw, dtensor_op_s=max(hw.dtensor_op_s, 1e-6)), 128, 2, 1, "none",
+                   "fp32")
+    assert tp["parts"]["host"] >= dtensor_ops(Parallel(tp=2), 2, m.n_layers, 1) * 1e-6
+
+
+def test_doctor_profile_on_two_gloo_ranks_measures_the_pair(tmp_path):
+    """``doctor --profile`` as torchrun starts it on 2 CPU ranks: every rank runs the host probes on the pair
+    (fixed counts, so their collectives match) and rank 0 writes the gloo all-gather and reduce-scatter rates
+    beside the DTensor and FSDP2 costs."""
+    import forked
+
+    path = tmp_path / "pair.toml"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    argv = [sys.executable, "-m", "densetrain", "doctor", "--preset", "tiny", "--health.seconds=0.01",
+            "--health.trials=1", "--health.copy_mib=1", "--profile", str(path)]
+    procs = [forked.Popen(argv, text=True, stdout=forked.PIPE, stderr=forked.PIPE,
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    hw = load_hardware(path)
+    assert hw.all_gather_bytes_per_s > 0 and hw.reduce_scatter_bytes_per_s > 0 and hw.collectives_on_cores == 1.0
+    assert 0 <= hw.dtensor_op_s < 0.05 and 0 <= hw.fsdp_group_s < 0.5 and hw.gpus_per_node == 2
