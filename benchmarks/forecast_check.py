@@ -138,13 +138,14 @@ def error(r: dict) -> float | None:
     return r["first"]["predicted"] / r["final"] - 1 if r["first"] else None
 
 
-def h2_check(h2: Path, ladder: Path) -> None:
-    """The finished H2 runs replayed (``replay``) with the ladder's prior (the watcher's rule: sds from the fit's
-    bootstrap), with fixed sds and without a ladder; the table of the first, the comparison, the summary lines."""
+def h2_check(h2: Path, ladder: Path, shapes: list[str] = H2_SHAPES, more: list[str] = H2_MORE) -> None:
+    """The finished runs ``shapes`` (forecast and alarm) and ``more`` (alarm) under ``h2`` replayed (``replay``)
+    with the ladder's prior (the watcher's rule: sds from the fit's bootstrap), with fixed sds and without a
+    ladder; the table of the first, the comparison, the summary lines."""
     variants = {"ladder prior": (str(ladder), None), "fixed sds": (str(ladder), fixed_prior),
                 "no ladder": ("", None)}
     rows, missing = [], []
-    for name in H2_SHAPES + H2_MORE:
+    for name in shapes + more:
         run = h2 / name
         if not (run / "summary.json").exists():
             missing.append(name)
@@ -179,9 +180,8 @@ def h2_check(h2: Path, ladder: Path) -> None:
         errs = " | ".join(f"{error(out[v]):+.2%}" if out[v]["first"] else "-" for v in variants)
         print(f"| {name} | {p.beta:.3f}+-{p.beta_sd:.3f}, {p.e:.3f}+-{p.e_sd:.3f}, {p.c:.3f}+-{p.c_sd:.3f} | "
               f"{errs} |")
-    shapes = [(n, out) for n, _, out in rows if n in H2_SHAPES]
     for v in variants:
-        errs = [abs(error(out[v])) for _, out in shapes if out[v]["first"]]
+        errs = [abs(error(out[v])) for n, _, out in rows if n in shapes and out[v]["first"]]
         worst = max(errs, default=float("nan"))
         alarms = sum(len(out[v]["alarms"]) for _, _, out in rows)
         tag = "" if v == "ladder prior" else f" ({v})"
@@ -196,6 +196,8 @@ def main() -> None:
     ap.add_argument("--out", help="working folder (shards, runs) of --fineweb")
     ap.add_argument("--h2", help="instead: the folder of the finished H2 runs, replayed with --ladder's prior")
     ap.add_argument("--ladder", help="with --h2: the ladder's folder (its fit.json)")
+    ap.add_argument("--names", help="with --h2: other run folders under it (comma-separated; default: H2's 5 "
+                    "shapes, and its 2 more seeds for the alarm)")
     ap.add_argument("--steps", type=int, default=1500, help="steps per run (2048 tokens each)")
     ap.add_argument("--every", type=int, default=25, help="validation every this many steps")
     ap.add_argument("--vocab", type=int, default=512, help="BPE vocabulary (512: 4.9M tokens of the sample)")
@@ -205,7 +207,8 @@ def main() -> None:
     if args.h2:
         if not args.ladder:
             ap.error("--h2 needs --ladder LADDER_DIR")
-        h2_check(Path(args.h2), Path(args.ladder))
+        names = args.names.split(",") if args.names else None
+        h2_check(Path(args.h2), Path(args.ladder), *((names, []) if names else ()))
         return
     if not (args.fineweb and args.out):
         ap.error("--fineweb and --out (or --h2 and --ladder)")
