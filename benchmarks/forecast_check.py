@@ -15,6 +15,14 @@ loss, the one past 50%, and the ``off_curve`` events. Prints a table and the lin
 |error| of the 25% forecast X% over 5 runs`` and ``off_curve: ...``.
 
     python benchmarks/forecast_check.py --fineweb /work/shared/data/fineweb_sample --out runs/forecast_check
+
+With ``--h2 DIR --ladder LADDER_DIR`` (issue 42, session 16): no training; the finished runs of the held-out set
+H2 (``/work/data/h2/run_h2.py``: five shapes at 12x the ladder's largest budget, and two more seeds of one for
+the alarm; ``--names`` for other run folders) replayed with the ladder's curve as the forecast's prior (the
+watcher's rule, its sds from the fit's bootstrap: :func:`densetrain.law.forecast.ladder_spread`), with session
+15's fixed sds, and without a ladder; the same table and lines, one line per variant::
+
+    python benchmarks/forecast_check.py --h2 /work/data/h2 --ladder /work/data/ladder_run/check/ladder
 """
 
 from __future__ import annotations
