@@ -17,10 +17,10 @@ A quarter into a run the curve cannot tell its floor E from its exponent beta (w
 fit of the benchmark's cosine run at step 400 of 1500 put E at 0 and beta at 0.13, where the whole run says 3.2
 and 0.70, and forecast -2.5%; the WSD run's -7.0%), and C is not seen before a WSD decay. So the fit is a maximum a
 posteriori one (:func:`fit_run_curve`): Gaussian priors on beta and C (and E where a ladder gives it), from the
-ladder's curve when the run has one (:func:`ladder_prior`), else :data:`DEFAULT_PRIOR`; the run's validations
-outweigh them as they accumulate. The interval is the Laplace approximation of the fit's uncertainty
-propagated to the last step, 2 standard deviations, at least :data:`MIN_BAND` of the forecast: a band for the
-alarm, not a calibrated probability.
+ladder's curve when the run has one (:func:`ladder_prior`; as sure as the ladder's bootstrap refits agree,
+:func:`ladder_spread`), else :data:`DEFAULT_PRIOR`; the run's validations outweigh them as they accumulate. The
+interval is the Laplace approximation of the fit's uncertainty propagated to the last step, 2 standard
+deviations, at least :data:`MIN_BAND` of the forecast: a band for the alarm, not a calibrated probability.
 
 :func:`source_excess`: the alarm's reference that does not bend with a fault (issue 42, item 5): each source's
 log-loss drop since a reference validation, against the median drop of the other sources (which the shared lr
@@ -189,15 +189,84 @@ def forecast(s1, d, steps, loss, prior: Prior = DEFAULT_PRIOR, start: RunCurve |
     return {"at_step": int(steps[-1]), "predicted": pred, "interval": [pred - half, pred + half], "curve": curve}
 
 
-def ladder_prior(curve, n: float, s1_end: float, s2_end: float, d_end: float) -> Prior:
+FIXED_SPREAD = (0.05, 0.02, 0.5)
+"""The narrowest prior a ladder gives (:func:`ladder_spread`): beta's sd, E's sd over E, C's sd over C. Alone
+(session 15's rule) where the fit has no bootstrap to derive wider ones from."""
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The sds of a ladder's prior for one run (:func:`ladder_spread`): ``beta_sd``; ``e_sd`` in loss units;
+    ``c_sd`` in this module's C; ``source``: where they come from, in words (logged)."""
+
+    beta_sd: float
+    e_sd: float
+    c_sd: float
+    source: str
+
+
+def robust_sd(x) -> float:
+    """Half the 16-84 percentile range of ``x``: a normal's sd, not moved by a bootstrap's few wild refits."""
+    lo, hi = np.percentile(np.asarray(x, float), [16, 84])
+    return float(hi - lo) / 2
+
+
+def ladder_spread(fit: dict, key: str, n: float, anneal: float) -> Spread:
+    """How sure a ladder's fit (``fit.json`` as a dict) is of its curve ``fit["curves"][key]`` for a run of ``n``
+    parameters; ``anneal`` converts the ladder's C to this module's (its ``S2 / S1`` over ``D`` at the run's end,
+    :func:`ladder_prior`).
+
+    The sds are the spread (:func:`robust_sd`) over the fit's bootstrap refits of the quantities the prior
+    holds: the floor ``E + A / n^alpha``, beta and C, taken from
+
+    1. refits of the curve itself, where the curve carries them (``curves.<key>.bootstrap``: ``[E, A, alpha, B,
+       beta, C]`` each);
+    2. else approach 3's refits (``approach3.bootstrap``, ``[E, A, B, alpha, beta]`` of ``E + A / N^alpha +
+       B / D^beta``: its ``E + A / n^alpha`` is the same floor, its data exponent beta the same exponent at a
+       constant lr); C has no refits there: half of it;
+
+    never narrower than :data:`FIXED_SPREAD` (E's also never below the curve's residual scale); without refits,
+    :data:`FIXED_SPREAD` alone. A degenerate fit's refits disagree, so its prior weighs little by itself.
+
+    Raises:
+        ValueError: a curve bootstrap that is not a list of 6-number refits (the key named).
+    """
+    curve = fit["curves"][key]
+    e_run = curve["E"] + curve["A"] / n ** curve["alpha"]
+    c = curve["C"] * anneal
+    beta_sd, e_sd, c_sd = FIXED_SPREAD[0], FIXED_SPREAD[1] * e_run, FIXED_SPREAD[2] * c
+    e_sd = max(e_sd, curve.get("scale", 0.0) * e_run)
+    own, a3 = curve.get("bootstrap") or [], (fit.get("approach3") or {}).get("bootstrap") or []
+    if len(own) >= 10:
+        try:
+            b = np.asarray(own, float)
+        except (TypeError, ValueError):
+            b = np.zeros((0, 0))
+        if b.ndim != 2 or b.shape[1] != 6 or not np.all(np.isfinite(b)):
+            raise ValueError(f"key 'curves.{key}.bootstrap': expected a list of [E, A, alpha, B, beta, C] refits")
+        spread = (robust_sd(b[:, 4]), robust_sd(b[:, 0] + b[:, 1] / n ** b[:, 2]), robust_sd(b[:, 5] * anneal))
+        source = f"{len(b)} bootstrap refits of the ladder's '{key}' curve"
+    elif len(a3) >= 10:
+        b = np.asarray(a3, float)
+        spread = (robust_sd(b[:, 4]), robust_sd(b[:, 0] + b[:, 1] / n ** b[:, 3]), 0.0)
+        source = f"{len(b)} bootstrap refits of the ladder's approach 3 (C: half of it)"
+    else:
+        return Spread(beta_sd, e_sd, max(c_sd, 1e-3), "fixed: the ladder's fit has no bootstrap")
+    return Spread(max(beta_sd, spread[0]), max(e_sd, spread[1]), max(c_sd, spread[2], 1e-3), source)
+
+
+def ladder_prior(curve, n: float, s1_end: float, s2_end: float, d_end: float,
+                 spread: Spread | None = None) -> Prior:
     """The prior a ladder's schedule-aware curve (:class:`densetrain.law.Curve`, ``E + A / N^alpha + B /
-    S1^beta - C * S2 / S1``) gives one run of ``n`` parameters: its beta (sd 0.05), its floor ``E + A / n^alpha``
-    (sd 2% of it) and the C that buys, at this run's end (areas ``s1_end``, ``s2_end``, drop ``d_end``), what the
-    ladder's annealing term does there (sd half of it)."""
+    S1^beta - C * S2 / S1``) gives one run of ``n`` parameters: its beta, its floor ``E + A / n^alpha`` and the C
+    that buys, at this run's end (areas ``s1_end``, ``s2_end``, drop ``d_end``), what the ladder's annealing term
+    does there; sds from ``spread`` (:func:`ladder_spread`), by default :data:`FIXED_SPREAD`."""
     gain = curve.C * s2_end / s1_end
     c = gain / d_end if d_end > 0 else DEFAULT_PRIOR.c
     e = curve.E + curve.A / n ** curve.alpha
-    return Prior(beta=curve.beta, beta_sd=0.05, c=c, c_sd=max(0.5 * c, 1e-3), e=e, e_sd=0.02 * e)
+    if spread is None:
+        spread = Spread(FIXED_SPREAD[0], FIXED_SPREAD[1] * e, max(FIXED_SPREAD[2] * c, 1e-3), "fixed")
+    return Prior(beta=curve.beta, beta_sd=spread.beta_sd, c=c, c_sd=spread.c_sd, e=e, e_sd=spread.e_sd)
 
 
 SOURCE_BAND = 0.01

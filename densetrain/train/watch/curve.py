@@ -7,7 +7,8 @@ Every run that validates during training (``eval.every > 0``; with or without a 
   least :data:`~densetrain.law.forecast.MIN_POINTS` validations past warmup and
   :data:`~densetrain.law.forecast.FIT_FROM`), forecasts its final validation loss from the schedule-aware curve
   fitted to its own validations past those (:func:`densetrain.law.forecast.forecast`; its priors from the
-  ladder's curve when ``eval.ladder`` has a fit that is not degenerate, else the defaults): one ``forecast``
+  ladder's curve when ``eval.ladder`` has one, as sure as the fit's bootstrap refits agree
+  (:func:`densetrain.law.forecast.ladder_spread`: a degenerate fit's weigh little), else the defaults): one ``forecast``
   event at the first forecast, ``forecast/loss``, ``forecast/lo``, ``forecast/hi`` metrics (``kind="forecast"``)
   at every one, and ``summary.json``'s ``forecast``: the first forecast (``at_step``, ``predicted``,
   ``interval``), the ``final`` value beside it and its ``error``, and the ``latest`` forecast;
@@ -61,6 +62,7 @@ from densetrain.law.forecast import (
     fit_run_curve,
     forecast,
     ladder_prior,
+    ladder_spread,
     source_excess,
 )
 from densetrain.law.judge import checked_prediction
@@ -75,6 +77,9 @@ SOURCE_LAG = 0.1
 """A source's progress is judged against the other sources' with the ratio fitted on validations at least this
 fraction of the run's steps before the one judged (:func:`densetrain.law.forecast.source_excess`): a fault's
 first validations are not in the fit that judges them, so the reference does not bend with it."""
+CURVE_KEYS = ("E", "A", "alpha", "B", "beta", "C", "scale")
+"""The parameters of a ladder's curve in ``fit.json`` (other keys, e.g. its bootstrap, are for
+:func:`densetrain.law.forecast.ladder_spread`)."""
 FAR = 100.0
 """Extrapolation factor (run FLOPs / the ladder's largest budget) beyond which a prediction is flagged."""
 
@@ -158,7 +163,12 @@ class OffCurve(Watcher):
         self.cfg, self.rank = cfg, rank
         self.fit = read_fit(cfg.eval.ladder) if cfg.eval.ladder else None
         usable = self.fit is not None and not self.fit.get("degenerate", False)
-        self.curves = {k: Curve(**v) for k, v in self.fit["curves"].items()} if usable else {}
+        self.curves = ({k: Curve(**{f: x for f, x in v.items() if f in CURVE_KEYS}) for k, v in
+                        self.fit["curves"].items()} if usable else {})
+        # the forecast's prior takes the ladder's curve even from a degenerate fit: its sds come from the fit's
+        # bootstrap (ladder_spread), so a fit that knows little weighs little; the alarm takes only a usable one
+        self.prior_curve = (Curve(**{k: v for k, v in self.fit["curves"]["all"].items() if k in CURVE_KEYS})
+                            if self.fit is not None and "all" in self.fit["curves"] else None)
         self.prior = DEFAULT_PRIOR
         self.prediction: dict | None = None
         self.n = 0.0
@@ -188,11 +198,19 @@ class OffCurve(Watcher):
             return
         m = self.cfg.model
         self.n = float(run.model.num_params() - m.vocab_size * m.d_model)
-        if "all" in self.curves:
-            self.prior = ladder_prior(self.curves["all"], self.n, self.s1[-1], self.s2[-1], self.d[-1])
+        if self.prior_curve is not None:
+            anneal = self.s2[-1] / self.s1[-1] / self.d[-1] if self.d[-1] > 0 else 0.0
+            try:
+                spread = ladder_spread(self.fit, "all", self.n, anneal)
+            except ValueError as e:
+                raise ConfigError(f"eval.ladder: {Path(self.cfg.eval.ladder) / 'fit.json'}: {e}") from None
+            self.prior = ladder_prior(self.prior_curve, self.n, self.s1[-1], self.s2[-1], self.d[-1], spread)
             if self.rank == 0 and run.state.step == 0:
-                run.log.event(0, f"forecast prior from the ladder's curve: beta {self.prior.beta:.3g}, E "
-                                 f"{self.prior.e:.4g}, C {self.prior.c:.3g}", kind="forecast")
+                p = self.prior
+                run.log.event(0, f"forecast prior from the ladder's curve: beta {p.beta:.3g} +- {p.beta_sd:.2g}, E "
+                                 f"{p.e:.4g} +- {p.e_sd:.2g}, C {p.c:.3g} +- {p.c_sd:.2g} (sds: {spread.source}"
+                                 f"{'; the fit is degenerate' if self.fit.get('degenerate') else ''})",
+                              kind="forecast")
         self.prediction = checked_prediction(self.fit, self.n, planned_tokens(self.cfg, run.stages))
         if self.rank == 0 and run.state.step == 0:
             run.log.event(0, f"ladder {self.cfg.eval.ladder}: {prediction_line(self.prediction)}", kind="prediction",
