@@ -138,7 +138,8 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
         steps = (_end(stages, i, total_steps) - st.start_step) * step_scale
         fpt = flops_per_token(m, st.seq_len)
         scale = (fpt - 6 * (model_counts_flops(m) - params)) / fpt if params is not None else 1.0
-        rows.append({"name": st.name, "seq_len": st.seq_len, "batch": st.batch_size, "micro": st.micro_batch_size,
+        rows.append({"name": st.name, "index": st.index, "own": bool(cfg.stages and cfg.stages[st.index].parallel),
+                     "seq_len": st.seq_len, "batch": st.batch_size, "micro": st.micro_batch_size,
                      "batch_tokens": st.batch_tokens, "steps": steps, "tokens": steps * st.batch_tokens,
                      "scale": scale, "document_mask": st.document_mask})
     usable = USABLE_FRACTION * gpu_memory_gib * GIB - RESERVED_GIB * GIB

@@ -73,14 +73,38 @@ def format_plan(result: dict) -> str:
 
 
 
-def _layout_flags(x: dict) -> str:
-    """The ``--parallel.*`` flags of a candidate (layout, schedule, virtual stages)."""
+def _layout_flags(x: dict, i: int, prefix: str = "parallel") -> str:
+    """The flags that make a config run candidate ``x``'s layout at stage ``i`` of the plan: its degrees (all of
+    them, pp too: unset keys would keep the config's), its pipeline schedule and virtual stages under pipelining,
+    and the activation checkpointing the plan sized it with, each ``--<prefix>.<key>=<value>`` (``prefix``
+    ``parallel``, or ``stages.N.parallel`` for a stage's own layout)."""
     lay = x["layout"]
-    pipe = (f"--parallel.pp={lay.pp} --parallel.pp_schedule={x['schedule']} "
-            + (f"--parallel.pp_virtual_stages={x['virtual']} " if x["schedule"] == "interleaved_1f1b" else "")
-            if lay.pp > 1 else "")
-    return (pipe + f"--parallel.dp_replicate={lay.dp_replicate} --parallel.dp_shard={lay.dp_shard} "
-            f"--parallel.cp={lay.cp} --parallel.tp={lay.tp}")
+    keys = [("pp", lay.pp)]
+    if lay.pp > 1:  # without pipelining the schedule is the config's (any is valid there)
+        keys += [("pp_schedule", x["schedule"]), ("pp_virtual_stages", x["virtual"])]
+    keys += [("dp_replicate", lay.dp_replicate), ("dp_shard", lay.dp_shard), ("cp", lay.cp), ("tp", lay.tp),
+             ("activation_checkpointing", x["stages"][i]["ac"])]
+    return " ".join(f"--{prefix}.{k}={v}" for k, v in keys)
+
+
+def run_flags(r: dict, pick) -> str:
+    """The ``train`` flags that run every stage of plan ``r`` on candidate ``pick(i)`` (stage ``i``'s): a stage
+    that has a layout of its own in the config (``stages[i].parallel``), or one whose layout differs from the
+    first such stage's, gets ``--stages.N.parallel.*``; ``--parallel.*`` is the first stage without its own layout
+    (the first stage when all have one: ``[parallel]`` must resolve too), so the command runs what was planned
+    whatever the config's own degrees."""
+    rows = r["stages"]
+    base = next((i for i, s in enumerate(rows) if not s.get("own")), 0)
+    out = [_layout_flags(pick(base), base)]
+    for i, s in enumerate(rows):
+        if s.get("own") or _layout_flags(pick(i), i) != _layout_flags(pick(base), base):
+            out.append(_layout_flags(pick(i), i, f"stages.{s.get('index', i)}.parallel"))
+    return " ".join(out)
+
+
+def _prefix(s: dict) -> str:
+    """The flags' prefix for stage row ``s``: ``stages.N.parallel`` for a stage with a layout of its own."""
+    return f"stages.{s['index']}.parallel" if s.get("own") else "parallel"
 
 
 def _name(x: dict) -> str:
@@ -127,7 +151,7 @@ def _stage_block(r: dict, i: int, others: int) -> list[str]:
              f"  layout {_name(x)}, activation checkpointing {st['ac']}: {t['step_s']:.3g} s a step = {_parts(t)}",
              f"    MFU {t['mfu']:.1%}, {t['tokens_per_sec_per_gpu']:,.0f} tokens/s per GPU, "
              f"{st['bytes']['total'] / GIB:.1f} GiB per GPU, {_days(s['days'])} days",
-             f"    densetrain train ... {_layout_flags(x)}"]
+             f"    its flags: {_layout_flags(x, i, _prefix(s))}"]
     seen = {(x["layout"].pp, x["layout"].cp, x["layout"].tp)}
     distinct = []  # the next layouts of another shape (HSDP splits of the same shape differ by little)
     for y in s["ranked"][1:]:
@@ -182,11 +206,12 @@ def format_layout_plan(r: dict, others: int = 4) -> str:
     if r["days"] is not None:
         lines.append(f"total: {_days(r['days'])} days, {human(r['tokens'])} tokens, each stage on its layout"
                      + (f"; {format_cost(r['cost'])}" if r.get("cost") else ""))
+        lines.append(f"  densetrain train ... {run_flags(r, lambda i: r['stages'][i]['ranked'][0])}")
     sug = r["suggested"]
     if sug is not None:
         extra = f" (+{sug['days'] / r['days'] - 1:.1%})" if r["days"] and sug["days"] > r["days"] * 1.0005 else ""
         lines.append(f"one layout for every stage: {_name(sug)}, {_days(sug['days'])} days{extra}: densetrain "
-                     f"train ... {_layout_flags(sug)}")
+                     f"train ... {run_flags(r, lambda i: sug)}")
     elif r["days"] is not None:
         lines.append("no single layout runs every stage: change it at the stage boundaries")
     pub = r.get("published")
@@ -225,7 +250,8 @@ def layout_plan_json(r: dict) -> dict:
     schedule, virtual stages), ``ac, step_s, parts, mfu, tokens_per_sec_per_gpu, memory_gib, days`` (None where
     no layout runs it), ``reason`` (why no layout runs it, else None), ``configured`` (its configured layout:
     ``layout, own, runs, reason, memory_gib``), and the run's ``days``, ``gpus``, ``hardware``, ``warnings``,
-    ``suggested`` (one layout for every stage), ``refusals`` (:func:`refusals`: non-empty, the command exits
+    ``suggested`` (one layout for every stage, with its ``train_flags``), ``train_flags`` (:func:`run_flags`: every
+    stage on its best layout; None when a stage has none), ``refusals`` (:func:`refusals`: non-empty, the command exits
     non-zero)."""
     def lay(x):
         return {**dataclasses.asdict(x["layout"]), "schedule": x["schedule"], "virtual": x["virtual"]}
@@ -245,4 +271,6 @@ def layout_plan_json(r: dict) -> dict:
     sug = r["suggested"]
     return {"gpus": r["gpus"], "hardware": dataclasses.asdict(r["hardware"]), "stages": stages, "days": r["days"],
             "tokens": r["tokens"], "warnings": r["warnings"], "refusals": refusals(r),
-            "suggested": {"layout": lay(sug), "days": sug["days"]} if sug else None, "cost": r.get("cost")}
+            "suggested": {"layout": lay(sug), "days": sug["days"], "train_flags": run_flags(r, lambda i: sug)}
+            if sug else None, "cost": r.get("cost"),
+            "train_flags": run_flags(r, lambda i: r["stages"][i]["ranked"][0]) if r["days"] is not None else None}

@@ -1,0 +1,58 @@
+"""What a new user's review of ``densetrain plan`` found (issue 41, session 16 review): the printed ``train``
+commands run the layouts the plan chose, bad hardware files and flags are one-line errors, non-power-of-two
+pipelines, like-for-like ``--params`` scaling, the pipeline link of a cp group, an honest MFU on a measured
+profile."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from densetrain.config import load_config
+from densetrain.config.loading import parse_overrides
+from densetrain.parallel.stage_layout import stage_layouts
+from densetrain.schedule import resolve_stages
+from densetrain.tools.plan import format_layout_plan, layout_plan, model_counts
+from densetrain.tools.plan.verdict import configured_stages
+
+
+def _commands(text: str) -> list[str]:
+    """The flags of every ``densetrain train ...`` command the plan prints."""
+    return [m.group(1) for m in re.finditer(r"densetrain train \.\.\. (.*)$", text, re.M)]
+
+
+def _planned(r: dict, line: str) -> list[tuple[str, str]]:
+    """Per stage, the layout and checkpointing a printed command was meant to run: the stage's best, or the one
+    layout for every stage."""
+    if line.startswith("one layout"):
+        x = r["suggested"]
+        return [(str(x["layout"]), x["stages"][i]["ac"], x) for i in range(len(r["stages"]))]
+    return [(str(s["ranked"][0]["layout"]), s["ranked"][0]["stages"][i]["ac"], s["ranked"][0])
+            for i, s in enumerate(r["stages"])]
+
+
+@pytest.mark.parametrize("preset, gpus", [("llama3-405b", 2048), ("llama3-8b", 8), ("llama3-8b", 16),
+                                          ("llama3-70b", 64), ("gpt2-124m", 4)])
+def test_every_printed_train_command_runs_the_planned_layout(preset, gpus):
+    """Each ``densetrain train ...`` line, applied to the preset as ``train --dry-run --world-size N`` applies it,
+    resolves every stage to exactly the layout, schedule and checkpointing the plan printed, and fits (review
+    item 1: the main stage's flags ran into the long_context stage's own layout; full checkpointing was not
+    printed)."""
+    cfg = load_config(preset=preset)
+    r = layout_plan(cfg, gpus, hardware="h100-sxm", sequence_parallel=cfg.parallel.sequence_parallel)
+    text = format_layout_plan(r)
+    lines = [ln for ln in text.splitlines() if "densetrain train ..." in ln]
+    if all(s["ranked"] for s in r["stages"]):
+        assert lines, text
+    for line, flags in zip(lines, _commands("\n".join(lines))):
+        run = load_config(preset=preset, overrides=parse_overrides(flags.split()))
+        stages = resolve_stages(run)
+        got = stage_layouts(run, stages, gpus)
+        for (par, lay), (want, ac, x), st in zip(got, _planned(r, line.strip()), stages):
+            assert str(lay) == want and par.activation_checkpointing == ac, (st.name, flags)
+            if lay.pp > 1:
+                assert (par.pp_schedule, par.pp_virtual_stages) == (x["schedule"], x["virtual"])
+        usable = r["usable_bytes"]
+        verdict = configured_stages(run, gpus, model_counts(run.model), usable)
+        assert all(v["runs"] for v in verdict), [v["reason"] for v in verdict]
