@@ -5,12 +5,16 @@ profile."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 
+from densetrain.cli import main
 from densetrain.config import load_config
 from densetrain.config.loading import parse_overrides
+from densetrain.cost.hardware import load_hardware, write_hardware
+from densetrain.errors import ConfigError
 from densetrain.parallel.stage_layout import stage_layouts
 from densetrain.schedule import resolve_stages
 from densetrain.tools.plan import format_layout_plan, layout_plan, model_counts
@@ -56,3 +60,43 @@ def test_every_printed_train_command_runs_the_planned_layout(preset, gpus):
         usable = r["usable_bytes"]
         verdict = configured_stages(run, gpus, model_counts(run.model), usable)
         assert all(v["runs"] for v in verdict), [v["reason"] for v in verdict]
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '[{"a": 1}]', "null", "5"])
+def test_a_json_hardware_file_that_is_not_an_object_is_one_line(tmp_path, capsys, text):
+    """Review item 2: a JSON profile holding a list, null or a number gave a traceback (rc 1)."""
+    f = tmp_path / "hw.json"
+    f.write_text(text)
+    assert main(["plan", "--preset", "tiny", "--gpus", "1", "--hardware", str(f)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "expected an object of keys" in err and str(f) in err
+
+
+@pytest.mark.parametrize("key, value", [("peak_bf16_flops", 1e-300), ("gpus_per_node", 1e300),
+                                        ("hbm_bytes_per_s", 1e-300), ("memory_gib", 1e-9)])
+def test_physically_impossible_profile_values_are_refused(tmp_path, capsys, key, value):
+    """Review item 2: 1e-300 FLOP/s gave rc 0 and nan everywhere, 1e300 GPUs a node passed, 1e-9 GiB printed
+    "usable -1.0 GiB": each is one line naming the key."""
+    hw = dataclasses.replace(load_hardware("h100-sxm"), **{key: value})
+    f = write_hardware(hw, tmp_path / "hw.toml")
+    assert main(["plan", "--preset", "tiny", "--gpus", "1", "--hardware", str(f)]) == 2
+    captured = capsys.readouterr()
+    assert "nan" not in captured.out and len(captured.err.strip().splitlines()) == 1
+    assert f"{key} = " in captured.err
+
+
+@pytest.mark.parametrize("argv", [["plan", "--preset", "tiny", "--gpus", "1", "--gpu-memory-gib", "0.5"],
+                                  ["train", "--preset", "tiny", "--dry-run", "--gpu-memory-gib", "0.5"]])
+def test_a_memory_that_leaves_nothing_usable_is_an_error(capsys, argv):
+    """Review item 2: ``--gpu-memory-gib 0.5`` printed "usable -0.5 GiB" and planned on."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--gpu-memory-gib 0.5: leaves no usable memory" in err
+
+
+def test_a_non_finite_step_time_is_an_error_never_printed():
+    """Review item 2: a step time of nan or inf (a profile whose rates underflow) is refused, not printed. The
+    profile's ranges stop it at load; a Hardware built in code reaches the planner's own check."""
+    hw = dataclasses.replace(load_hardware("h100-sxm"), peak_bf16_flops=1e-300, peak_fp8_flops=1e-300)
+    with pytest.raises(ConfigError, match="step time .* is (nan|inf)"):
+        layout_plan(load_config(preset="tiny"), 1, hardware=hw)

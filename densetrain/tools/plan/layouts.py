@@ -4,10 +4,12 @@ time (:mod:`densetrain.cost`), and how long the run takes."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 
 from densetrain.cost import Hardware, flops_per_token, load_hardware, parallel_of, step_time
 from densetrain.cost.flops import block_matmul_params
+from densetrain.errors import ConfigError
 from densetrain.tools.plan.chinchilla import _positive
 from densetrain.tools.plan.memory import (
     AC_MODES,
@@ -114,12 +116,14 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
         its own configured layout: :func:`~densetrain.tools.plan.verdict.configured_stages`), ``published``,
         ``usable_bytes``.
     Raises:
-        ValueError: non-positive gpus or memory. ConfigError: an unreadable hardware profile.
+        ValueError: non-positive gpus or memory, a non-positive or non-finite ``tokens`` / ``params``. ConfigError:
+        an unreadable hardware profile, a memory that leaves nothing usable, a step time that is not finite.
     """
     from densetrain.parallel.mesh import resolve_layout
     from densetrain.schedule import resolve_stages
 
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
+    given_memory = gpu_memory_gib is not None
     gpu_memory_gib = hw.memory_gib if gpu_memory_gib is None else gpu_memory_gib
     _positive("gpus", gpus)
     _positive("gpu_memory_gib", gpu_memory_gib)
@@ -132,7 +136,9 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
     stages = resolve_stages(cfg)
     total_steps = cfg.train.steps
     run_tokens = sum(st.batch_tokens * (_end(stages, i, total_steps) - st.start_step) for i, st in enumerate(stages))
-    step_scale = tokens / run_tokens if tokens else 1.0
+    if tokens is not None:  # 0, negative or nan would print zero or negative steps
+        _positive("tokens", tokens)
+    step_scale = tokens / run_tokens if tokens is not None else 1.0
     rows = []
     for i, st in enumerate(stages):
         steps = (_end(stages, i, total_steps) - st.start_step) * step_scale
@@ -143,6 +149,10 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
                      "batch_tokens": st.batch_tokens, "steps": steps, "tokens": steps * st.batch_tokens,
                      "scale": scale, "document_mask": st.document_mask})
     usable = USABLE_FRACTION * gpu_memory_gib * GIB - RESERVED_GIB * GIB
+    if usable <= 0:
+        where = "--gpu-memory-gib" if given_memory else f"hardware {hw.name}: memory_gib"
+        raise ConfigError(f"{where} {gpu_memory_gib:g}: leaves no usable memory ({USABLE_FRACTION:g} of it less "
+                          f"{RESERVED_GIB:g} GiB reserved); expected more than {RESERVED_GIB / USABLE_FRACTION:.2f} GiB")
     layouts = []
     for lay in candidate_layouts(gpus, m, hw.gpus_per_node, tuple(r["seq_len"] for r in rows), max_pp):
         sp = sequence_parallel and lay.tp > 1
@@ -200,6 +210,9 @@ def timed_fit(counts: dict, m, st: dict, lay, parallel, usable: float, hw: Hardw
         par = parallel_of(lay, pipe.get("schedule", "1f1b"), pipe.get("virtual", 1), pipe.get("microbatches", 0), sp,
                           "flex" if st.get("document_mask") else "auto")
         t = step_time(m, par, hw, st["seq_len"], st["batch"], st["micro"], fit["ac"])
+        if not math.isfinite(t["step_s"]) or t["step_s"] <= 0:  # never printed: a profile's numbers are off
+            raise ConfigError(f"hardware {hw.name}: the cost model's step time of {lay} at stage '{st['name']}' is "
+                              f"{t['step_s']} s: check the profile's rates (FLOP/s, B/s) and latencies (s)")
         if scale != 1.0:
             t.update(parts={k: v * scale for k, v in t["parts"].items()}, step_s=t["step_s"] * scale,
                      tokens_per_sec=t["tokens_per_sec"] / scale, model_flops=t["model_flops"] * scale,
