@@ -151,8 +151,9 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
     usable = USABLE_FRACTION * gpu_memory_gib * GIB - RESERVED_GIB * GIB
     if usable <= 0:
         where = "--gpu-memory-gib" if given_memory else f"hardware {hw.name}: memory_gib"
+        least = RESERVED_GIB / USABLE_FRACTION
         raise ConfigError(f"{where} {gpu_memory_gib:g}: leaves no usable memory ({USABLE_FRACTION:g} of it less "
-                          f"{RESERVED_GIB:g} GiB reserved); expected more than {RESERVED_GIB / USABLE_FRACTION:.2f} GiB")
+                          f"{RESERVED_GIB:g} GiB reserved); expected more than {least:.2f} GiB")
     layouts = []
     for lay in candidate_layouts(gpus, m, hw.gpus_per_node, tuple(r["seq_len"] for r in rows), max_pp):
         sp = sequence_parallel and lay.tp > 1
