@@ -39,32 +39,62 @@ PUBLISHED = {
 """Published layouts to print beside the planner's: ``(preset, gpus) -> (source, seq_len -> (tp, pp, cp, dp))``."""
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n >= 1``, ascending."""
+    low = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(low + [n // d for d in low]))
+
+
 def candidate_layouts(gpus: int, m, gpus_per_node: int = 8, seq_lens: tuple[int, ...] = (),
                       max_pp: int = 1) -> list:
-    """Layouts of ``gpus`` ranks worth comparing: pipeline stages (a power of two up to ``max_pp`` and
-    ``n_layers + 2``), tensor parallel within a node (a power of two dividing ``n_kv_heads``, ``d_ff`` and the
-    vocabulary), context parallel (a power of two up to :data:`MAX_CP` with every stage's seq_len a multiple
-    of ``2 cp``: the load-balanced chunks), then every split of the data-parallel ranks into replicas x
-    shards (powers of two and the whole)."""
+    """Layouts of ``gpus`` ranks worth comparing: pipeline stages (every divisor of ``gpus`` up to ``max_pp``
+    and ``n_layers + 2``, none with tied embeddings: densetrain splits the layers unevenly), tensor
+    parallel within a node (a power of two dividing ``n_kv_heads``, ``d_ff`` and the vocabulary), context
+    parallel (a power of two up to :data:`MAX_CP` with every stage's seq_len a multiple of ``2 cp``: the
+    load-balanced chunks), then every split of the data-parallel ranks into replicas x shards (each divisor)."""
     from densetrain.parallel.mesh import Layout
 
     out = []
-    pp = 1
-    while pp <= min(max_pp, m.n_layers + 2, gpus):
+    # tied embeddings keep the embedding and the head on one stage: no pipelining (config/validate.py refuses it)
+    max_pp = 1 if getattr(m, "tie_embeddings", False) else max_pp
+    for pp in (d for d in divisors(gpus) if d <= min(max_pp, m.n_layers + 2)):
         per_stage = gpus // pp
         tp = 1
-        while gpus % pp == 0 and tp <= min(per_stage, gpus_per_node):
+        while tp <= min(per_stage, gpus_per_node):
             if per_stage % tp == 0 and m.n_kv_heads % tp == 0 and m.d_ff % tp == 0 and m.vocab_size % tp == 0:
                 cp = 1
                 while cp <= min(MAX_CP, per_stage // tp):
                     if (per_stage // tp) % cp == 0 and (cp == 1 or all(t % (2 * cp) == 0 for t in seq_lens)):
                         dp = per_stage // (tp * cp)
-                        shards = sorted({s for s in [2**i for i in range(dp.bit_length())] + [dp] if dp % s == 0})
-                        out += [Layout(dp // s, s, tp, cp, pp) for s in shards]
+                        out += [Layout(dp // s, s, tp, cp, pp) for s in divisors(dp)]
                     cp *= 2
             tp *= 2
-        pp *= 2
     return out
+
+
+NEAREST_TRIES = 64
+"""GPU counts :func:`nearest_gpus` tries each way: 1 to 8, then whole nodes."""
+
+
+def nearest_gpus(cfg, row: dict, counts: dict, gpus: int, usable: float, hw: Hardware, seq_lens: tuple[int, ...],
+                 mixed_precision: bool = True, sequence_parallel: bool = False, max_pp: int = 64
+                 ) -> tuple[int | None, int | None]:
+    """The nearest GPU counts below and above ``gpus`` with a layout that runs stage ``row`` (batch split, pipeline
+    micro-batches and memory, as :func:`stage_fit` decides; none timed): counts of 1 to 8 GPUs and whole nodes of
+    ``hw.gpus_per_node``, :data:`NEAREST_TRIES` each way; None where none is found."""
+    def runs(g: int) -> bool:
+        for lay in candidate_layouts(g, cfg.model, hw.gpus_per_node, seq_lens, max_pp):
+            for sched, v in schedules(lay, cfg.parallel, cfg.model.n_layers):
+                par = dataclasses.replace(cfg.parallel, pp_schedule=sched, pp_virtual_stages=v)
+                if stage_fit(counts, cfg.model, row, lay, par, usable, mixed_precision,
+                             sequence_parallel and lay.tp > 1)["fits"]:
+                    return True
+        return False
+
+    n = hw.gpus_per_node
+    below = [g for g in range(gpus - 1, 0, -1) if g <= n or g % n == 0][:NEAREST_TRIES]
+    above = [g for g in range(gpus + 1, gpus + n * NEAREST_TRIES + 1) if g <= n or g % n == 0][:NEAREST_TRIES]
+    return next((g for g in below if runs(g)), None), next((g for g in above if runs(g)), None)
 
 
 def schedules(lay, parallel, n_layers: int) -> list[tuple[str, int]]:
@@ -173,6 +203,9 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
         row["time"] = best["stages"][i]["time"] if best else None
         row["step_s"] = row["time"]["step_s"] if best else None
         row["days"] = row["steps"] * row["step_s"] / 86400 if best else None
+        row["nearest_gpus"] = None if best else nearest_gpus(
+            cfg, row, counts, gpus, usable, hw, tuple(r["seq_len"] for r in rows), mixed_precision,
+            sequence_parallel, max_pp)
         if best and row["time"]["mfu"] < LOW_MFU:
             warnings.append(f"stage '{row['name']}': predicted MFU {row['time']['mfu']:.1%} is below "
                             f"{LOW_MFU:.0%}: the GPUs mostly wait (communication, bubble): fewer GPUs or a larger "

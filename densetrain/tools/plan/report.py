@@ -234,7 +234,10 @@ def _no_layout(r: dict, i: int) -> str | None:
     if s["ranked"]:
         return None
     counts = ", ".join(f"{n} {k}" for k, n in s["rejected"].most_common())
-    return _shortfall(r, i) or f"stage '{s['name']}': no layout of {r['gpus']} GPUs runs it (rejected: {counts})"
+    near = [str(g) for g in s.get("nearest_gpus") or () if g]
+    hint = f"; the nearest GPU counts that run it: {' or '.join(near)}" if near else ""
+    return (_shortfall(r, i) or f"stage '{s['name']}': no layout of {r['gpus']} GPUs runs it (rejected: {counts})"
+            ) + hint
 
 
 def refusals(r: dict) -> list[str]:
