@@ -129,3 +129,17 @@ def test_tied_embeddings_are_never_pipelined():
     r = layout_plan(load_config(preset="gpt2-124m"), 3)
     assert all(x["layout"].pp == 1 for x in r["layouts"])
     assert [s["nearest_gpus"] for s in r["stages"]] == [(2, 4)] * 3
+
+
+@pytest.mark.parametrize("flag, value, want", [("--tokens", "-5", "tokens must be a positive finite number"),
+                                                ("--tokens", "nan", "tokens must be a positive finite number"),
+                                                ("--tokens", "0", "tokens must be a positive finite number"),
+                                                ("--mfu", "2", "--mfu: expected a fraction in (0, 1]"),
+                                                ("--tokens-per-param", "-1", "--tokens-per-param: expected a "
+                                                                             "positive finite number")])
+def test_bad_numbers_of_the_memory_plan_are_one_line_errors(capsys, flag, value, want):
+    """Review item 4: ``--tokens -5`` / ``nan`` printed negative steps, ``--tokens 0`` was ignored, ``--mfu 2`` and
+    ``--tokens-per-param -1`` were accepted."""
+    assert main(["plan", "--preset", "tiny", "--gpus", "1", flag, value]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and want in captured.err and len(captured.err.strip().splitlines()) == 1

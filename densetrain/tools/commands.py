@@ -163,6 +163,11 @@ def _layout_plan(args: argparse.Namespace) -> int:
         return _error("the memory plan needs --gpus (and --gpu-memory-gib, else the --hardware profile's memory)")
     if args.flops is not None or args.hours is not None:
         return _error("--flops / --hours belong to the Chinchilla plan, not to the memory plan (--gpus)")
+    # unused by the memory plan, but a value no plan accepts is a typo to report, as the Chinchilla plan does
+    if not 0 < args.mfu <= 1:
+        return _error(f"--mfu: expected a fraction in (0, 1], got {args.mfu}")
+    if not 0 < args.tokens_per_param < float("inf"):
+        return _error(f"--tokens-per-param: expected a positive finite number, got {args.tokens_per_param}")
     preset, note = args.preset, ""
     if not preset and not args.config:
         if args.params is None or args.tokens is None:
