@@ -13,11 +13,13 @@ import pytest
 from densetrain.cli import main
 from densetrain.config import load_config
 from densetrain.config.loading import parse_overrides
+from densetrain.cost import flops_per_token
 from densetrain.cost.hardware import load_hardware, write_hardware
 from densetrain.errors import ConfigError
 from densetrain.parallel.stage_layout import stage_layouts
 from densetrain.schedule import resolve_stages
 from densetrain.tools.plan import format_layout_plan, layout_plan, model_counts
+from densetrain.tools.plan.layouts import model_counts_flops
 from densetrain.tools.plan.verdict import configured_stages
 
 
@@ -143,3 +145,22 @@ def test_bad_numbers_of_the_memory_plan_are_one_line_errors(capsys, flag, value,
     assert main(["plan", "--preset", "tiny", "--gpus", "1", flag, value]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and want in captured.err and len(captured.err.strip().splitlines()) == 1
+
+
+def test_params_equal_to_the_shapes_own_count_change_nothing():
+    """Review item 5: ``--params`` with the preset's own 8,030,261,248 (all parameters, the input embedding too)
+    made the step 5.4% slower, compared with the 6 N count that leaves the input embedding out."""
+    cfg = load_config(preset="llama3-8b")
+    own = model_counts(cfg.model)["params"]
+    assert own == 8_030_261_248
+    base, same = layout_plan(cfg, 8), layout_plan(cfg, 8, params=own)
+    assert [s["step_s"] for s in same["stages"]] == pytest.approx([s["step_s"] for s in base["stages"]], rel=1e-12)
+    # twice the parameters: the 6 N part of the FLOPs per token doubles, attention's stays (the same layout's
+    # compute compared: its checkpointing may change with the memory)
+    double = layout_plan(cfg, 8, params=2 * own)
+    key = lambda x: (x["layout"], x["schedule"], x["virtual"])  # noqa: E731
+    x2 = double["stages"][0]["ranked"][0]
+    (x1,) = [x for x in base["layouts"] if key(x) == key(x2)]
+    fpt, six_n = flops_per_token(cfg.model, 8192), 6 * model_counts_flops(cfg.model)
+    compute = [x["stages"][0]["time"]["parts"]["compute"] for x in (x1, x2)]
+    assert compute[1] == pytest.approx(compute[0] * (fpt + six_n) / fpt, rel=1e-9)

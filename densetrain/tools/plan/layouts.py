@@ -131,8 +131,9 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
     of layouts with ``tp > 1``.
 
     ``tokens`` replaces the run's length (the stages keep their fractions); ``params`` replaces the parameter
-    count for the static memory and scales the step time by the FLOPs per token (``6 params`` in place of the
-    shape's ``6 N``; the shape, for activations and attention, stays that of ``cfg.model``).
+    count for the static memory and scales the step time by the FLOPs per token (the shape's ``6 N`` times
+    ``params`` over the shape's total: ``params`` counts every parameter, ``N`` not the input embedding, so the
+    shape's own total changes nothing; the shape, for activations and attention, stays that of ``cfg.model``).
     ``preset``: for a published layout of it to evaluate beside (:data:`PUBLISHED`). ``given``: whether ``gpus``
     was given (else it is the one process of a plain dry run, as the configured layouts' verdict says).
 
@@ -173,7 +174,10 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
     for i, st in enumerate(stages):
         steps = (_end(stages, i, total_steps) - st.start_step) * step_scale
         fpt = flops_per_token(m, st.seq_len)
-        scale = (fpt - 6 * (model_counts_flops(m) - params)) / fpt if params is not None else 1.0
+        # like with like: the 6 N of the FLOPs counts the blocks' matmuls and the head, not the input embedding or
+        # the norms, so the given total (all parameters) scales that N by its ratio to the shape's own total
+        six_n = 6 * model_counts_flops(m)
+        scale = (fpt + six_n * (params / model_counts(m)["params"] - 1)) / fpt if params is not None else 1.0
         rows.append({"name": st.name, "index": st.index, "own": bool(cfg.stages and cfg.stages[st.index].parallel),
                      "seq_len": st.seq_len, "batch": st.batch_size, "micro": st.micro_batch_size,
                      "batch_tokens": st.batch_tokens, "steps": steps, "tokens": steps * st.batch_tokens,
