@@ -13,9 +13,10 @@ import pytest
 from densetrain.cli import main
 from densetrain.config import load_config
 from densetrain.config.loading import parse_overrides
-from densetrain.cost import flops_per_token
+from densetrain.cost import flops_per_token, parallel_of, step_time
 from densetrain.cost.hardware import load_hardware, write_hardware
 from densetrain.errors import ConfigError
+from densetrain.parallel.mesh import Layout
 from densetrain.parallel.stage_layout import stage_layouts
 from densetrain.schedule import resolve_stages
 from densetrain.tools.plan import format_layout_plan, layout_plan, model_counts
@@ -164,3 +165,15 @@ def test_params_equal_to_the_shapes_own_count_change_nothing():
     fpt, six_n = flops_per_token(cfg.model, 8192), 6 * model_counts_flops(cfg.model)
     compute = [x["stages"][0]["time"]["parts"]["compute"] for x in (x1, x2)]
     assert compute[1] == pytest.approx(compute[0] * (fpt + six_n) / fpt, rel=1e-9)
+
+
+def test_a_pipeline_of_pp_2_by_cp_4_on_one_node_sends_over_nvlink():
+    """Review item 7: the pipeline's link counted cp twice in the stride of its group (``n_sh`` is already
+    dp_shard x cp), so pp 2 x cp 4 on one 8-GPU node was charged over the network."""
+    cfg = load_config(preset="llama3-8b")
+    hw = load_hardware("h100-sxm")
+    t = step_time(cfg.model, parallel_of(Layout(1, 1, 1, 4, 2)), hw, 8192, 8, 1, "full")
+    assert t["links"]["pp"] == "nvlink" and t["links"]["cp"] == "nvlink"
+    # one node further out the pipeline crosses nodes: 2 x 8 ranks
+    t = step_time(cfg.model, parallel_of(Layout(1, 2, 1, 4, 2)), hw, 8192, 16, 1, "full")
+    assert t["links"]["pp"] == "network"
