@@ -14,7 +14,7 @@ from densetrain.cli import main
 from densetrain.config import load_config
 from densetrain.config.loading import parse_overrides
 from densetrain.cost import flops_per_token, parallel_of, step_time
-from densetrain.cost.hardware import load_hardware, write_hardware
+from densetrain.cost.hardware import load_hardware, measured_hardware, write_hardware
 from densetrain.errors import ConfigError
 from densetrain.parallel.mesh import Layout
 from densetrain.parallel.stage_layout import stage_layouts
@@ -177,3 +177,34 @@ def test_a_pipeline_of_pp_2_by_cp_4_on_one_node_sends_over_nvlink():
     # one node further out the pipeline crosses nodes: 2 x 8 ranks
     t = step_time(cfg.model, parallel_of(Layout(1, 2, 1, 4, 2)), hw, 8192, 16, 1, "full")
     assert t["links"]["pp"] == "network"
+
+
+def test_a_stage_layout_error_under_pipelining_names_the_ranks_of_a_pipeline_stage(capsys):
+    """Review item 8: with ``--world-size 16384`` the dry run said "the world size is 1024" (the ranks of one
+    pipeline stage of pp 16)."""
+    assert main(["train", "--preset", "llama3-405b", "--dry-run", "--world-size", "16384", "--rank", "0",
+                 "--parallel.dp_replicate=2", "--parallel.dp_shard=64"]) == 2
+    err = capsys.readouterr().err
+    assert "= 16384, but the world size 16384 / pp 16 leaves 1024 ranks a pipeline stage;" in err
+    assert "world size is 1024" not in err
+
+
+def test_mfu_on_a_measured_profile_says_it_is_near_100_percent_by_construction():
+    """Review item 9: ``plan --preset tiny --gpus 1 --hardware <doctor --profile>`` printed MFU 98-111% without a
+    word. A measured profile's GEMMs run at its peak (efficiency 1), and MFU counts causal attention whole while the
+    kernel runs half: the figure says so; a datasheet profile's does not need to."""
+    hw = measured_hardware(8.6e10, 2.5e10, None, 1, 16.0, "this CPU")
+    r = layout_plan(load_config(preset="tiny"), 1, hardware=hw)
+    mfus = [s["time"]["mfu"] for s in r["stages"]]
+    assert 0.9 < min(mfus) and max(mfus) > 1.0  # the figure the review saw: over 100% at seq_len 1024
+    text = format_layout_plan(r)
+    assert "note: MFU here is against this CPU's measured matmul rate (86 GFLOP/s), not a datasheet peak" in text
+    assert "note: MFU" not in format_layout_plan(layout_plan(load_config(preset="tiny"), 1))
+
+
+def test_plan_help_lists_every_shipped_profile(capsys):
+    """Review item 8: ``plan --help`` left out h100-96gb-500w."""
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(a100-80gb, b200, h100-96gb-500w, h100-sxm, h200)" in text

@@ -81,7 +81,7 @@ RANGES = {
 
 
 def profile_names() -> list[str]:
-    """Names of the shipped profiles (``h100-sxm``, ``h200``, ``a100-80gb``, ``b200``)."""
+    """Names of the shipped profiles (``a100-80gb``, ``b200``, ``h100-96gb-500w``, ``h100-sxm``, ``h200``), sorted."""
     return sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
 
 

@@ -27,6 +27,7 @@ import math
 import sys
 from pathlib import Path
 
+from densetrain.cost.hardware import profile_names
 from densetrain.fileio import atomic_write_json, json_text
 
 
@@ -319,7 +320,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-gib", type=float, help="memory plan: memory per GPU, GiB (default: the --hardware "
                    "profile's)")
     p.add_argument("--hardware", default="h100-sxm", metavar="NAME|FILE",
-                   help="memory plan: the GPU and its links, a shipped profile (h100-sxm, h200, a100-80gb, b200) or "
+                   help=f"memory plan: the GPU and its links, a shipped profile ({', '.join(profile_names())}) or "
                         "a .toml/.json file (densetrain doctor --profile FILE writes this machine's); default "
                         "%(default)s")
     p.add_argument("--gpu-peak-flops", type=float, default=989e12,

@@ -201,6 +201,8 @@ def format_layout_plan(r: dict, others: int = 4) -> str:
              f"+head); {r['gpus']} GPUs x {hw.name} ({r['gpu_memory_gib']:g} GiB, usable "
              f"{r['usable_bytes'] / GIB:.1f} GiB; {hw.peak_bf16_flops / 1e12:g} TFLOP/s bf16, {hw.gpus_per_node} a "
              "node); times from the cost model (docs/planner.md)"]
+    if (note := mfu_note(hw)) is not None:
+        lines.append(f"note: {note}")
     for i in range(len(r["stages"])):
         lines += _stage_block(r, i, others)
     if r["days"] is not None:
@@ -225,6 +227,18 @@ def format_layout_plan(r: dict, others: int = 4) -> str:
     lines += [f"warning: {w}" for w in r["warnings"]]
     lines += [why for i in range(len(r["stages"])) if (why := _no_layout(r, i))]
     return "\n".join(lines)
+
+
+def mfu_note(hw) -> str | None:
+    """What the MFU means on a profile whose GEMM efficiency is 1 (``doctor --profile``'s: its peak is the matmul
+    rate this machine reached, not a datasheet's), else None. There the model runs every GEMM at the peak, so the
+    MFU is near 100% by construction; MFU's numerator counts causal attention whole (torchtitan's and Llama 3's
+    convention, docs/planner.md) while the kernel runs half of it, so where attention weighs, it passes 100%."""
+    if hw.gemm_efficiency != 1.0:
+        return None
+    return (f"MFU here is against {hw.name}'s measured matmul rate ({hw.peak_bf16_flops / 1e9:.3g} GFLOP/s), not "
+            "a datasheet peak: near 100% by construction, and over it where causal attention weighs (MFU counts "
+            "it whole, the kernel runs half); compare step times, not MFU, on such a profile")
 
 
 def _no_layout(r: dict, i: int) -> str | None:
@@ -253,9 +267,9 @@ def layout_plan_json(r: dict) -> dict:
     schedule, virtual stages), ``ac, step_s, parts, mfu, tokens_per_sec_per_gpu, memory_gib, days`` (None where
     no layout runs it), ``reason`` (why no layout runs it, else None), ``configured`` (its configured layout:
     ``layout, own, runs, reason, memory_gib``), and the run's ``days``, ``gpus``, ``hardware``, ``warnings``,
-    ``suggested`` (one layout for every stage, with its ``train_flags``), ``train_flags`` (:func:`run_flags`: every
-    stage on its best layout; None when a stage has none), ``refusals`` (:func:`refusals`: non-empty, the command exits
-    non-zero)."""
+    ``mfu_note`` (:func:`mfu_note`), ``suggested`` (one layout for every stage, with its ``train_flags``),
+    ``train_flags`` (:func:`run_flags`: every stage on its best layout; None when a stage has none), ``refusals``
+    (:func:`refusals`: non-empty, the command exits non-zero)."""
     def lay(x):
         return {**dataclasses.asdict(x["layout"]), "schedule": x["schedule"], "virtual": x["virtual"]}
 
@@ -274,6 +288,7 @@ def layout_plan_json(r: dict) -> dict:
     sug = r["suggested"]
     return {"gpus": r["gpus"], "hardware": dataclasses.asdict(r["hardware"]), "stages": stages, "days": r["days"],
             "tokens": r["tokens"], "warnings": r["warnings"], "refusals": refusals(r),
+            "mfu_note": mfu_note(r["hardware"]),
             "suggested": {"layout": lay(sug), "days": sug["days"], "train_flags": run_flags(r, lambda i: sug)}
             if sug else None, "cost": r.get("cost"),
             "train_flags": run_flags(r, lambda i: r["stages"][i]["ranked"][0]) if r["days"] is not None else None}
