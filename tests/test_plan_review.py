@@ -21,6 +21,7 @@ from densetrain.parallel.stage_layout import stage_layouts
 from densetrain.schedule import resolve_stages
 from densetrain.tools.plan import format_layout_plan, layout_plan, model_counts
 from densetrain.tools.plan.layouts import model_counts_flops
+from densetrain.tools.plan.memory import layout_memory, pipeline_fit, pipeline_ranks
 from densetrain.tools.plan.verdict import configured_stages
 
 
@@ -208,3 +209,17 @@ def test_plan_help_lists_every_shipped_profile(capsys):
         main(["plan", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(a100-80gb, b200, h100-96gb-500w, h100-sxm, h200)" in text
+
+
+@pytest.mark.parametrize("pp_rank", [0, 1])
+def test_a_pipelined_fsdp_rank_holds_its_gradients_unsharded_in_fp32(pp_rank):
+    """Review item 6: under pipelining torch's ``PipelineStage`` turns FSDP2's gradient sync and resharding off for
+    every backward but the step's last, so a rank holds all of its parameters gathered (bf16) and all of their
+    gradients unsharded (fp32) at once; the planner charged one block's gradients."""
+    cfg = load_config(preset="tiny", overrides=[("train.batch_size", 8), ("train.micro_batch_size", 1)])
+    m, lay = cfg.model, Layout(1, 2, 1, 1, 2)
+    pipe, _ = pipeline_fit(lay, 8, 1, cfg.parallel)
+    counts = model_counts(m)
+    mem = layout_memory(counts, m, 256, 1, lay, "none", pipeline=pipe, pp_rank=pp_rank)
+    rank = pipeline_ranks(counts, m, 2)[pp_rank]
+    assert mem["transient"] == pytest.approx((2 + 4) * rank["params"])  # tp 1: the rank's whole parameters
