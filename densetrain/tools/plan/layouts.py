@@ -72,6 +72,9 @@ def candidate_layouts(gpus: int, m, gpus_per_node: int = 8, seq_lens: tuple[int,
     return out
 
 
+SHAPE_KEYS = ("seq_len", "batch", "micro", "document_mask")
+"""What makes two stage rows alike for the layouts that run them (main and anneal differ only in data)."""
+
 NEAREST_TRIES = 64
 """GPU counts :func:`nearest_gpus` tries each way: 1 to 8, then whole nodes."""
 
@@ -83,11 +86,13 @@ def nearest_gpus(cfg, row: dict, counts: dict, gpus: int, usable: float, hw: Har
     micro-batches and memory, as :func:`stage_fit` decides; none timed): counts of 1 to 8 GPUs and whole nodes of
     ``hw.gpus_per_node``, :data:`NEAREST_TRIES` each way; None where none is found."""
     def runs(g: int) -> bool:
+        if 16 * counts["params"] / g > usable:  # fp32 weights, gradients and AdamW moments sharded over all g
+            return False
         for lay in candidate_layouts(g, cfg.model, hw.gpus_per_node, seq_lens, max_pp):
             for sched, v in schedules(lay, cfg.parallel, cfg.model.n_layers):
                 par = dataclasses.replace(cfg.parallel, pp_schedule=sched, pp_virtual_stages=v)
-                if stage_fit(counts, cfg.model, row, lay, par, usable, mixed_precision,
-                             sequence_parallel and lay.tp > 1)["fits"]:
+                if stage_fit(counts, cfg.model, row, lay, par, usable, mixed_precision,  # full: the least memory
+                             sequence_parallel and lay.tp > 1, modes=("full",))["fits"]:
                     return True
         return False
 
@@ -207,7 +212,8 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
         row["time"] = best["stages"][i]["time"] if best else None
         row["step_s"] = row["time"]["step_s"] if best else None
         row["days"] = row["steps"] * row["step_s"] / 86400 if best else None
-        row["nearest_gpus"] = None if best else nearest_gpus(
+        same = next((r for r in rows[:i] if not r["best"] and all(r[k] == row[k] for k in SHAPE_KEYS)), None)
+        row["nearest_gpus"] = None if best else same["nearest_gpus"] if same else nearest_gpus(
             cfg, row, counts, gpus, usable, hw, tuple(r["seq_len"] for r in rows), mixed_precision,
             sequence_parallel, max_pp)
         if best and row["time"]["mfu"] < LOW_MFU:
@@ -260,10 +266,10 @@ def timed_fit(counts: dict, m, st: dict, lay, parallel, usable: float, hw: Hardw
 
 
 def stage_fit(counts: dict, m, st: dict, lay, parallel, usable: float, mixed_precision: bool = True,
-              sp: bool = False) -> dict:
+              sp: bool = False, modes: tuple[str, ...] = AC_MODES) -> dict:
     """Whether layout ``lay`` runs stage row ``st`` (of :func:`layout_plan`): ``{"ac", "bytes", "fits",
-    "reason"}`` with the cheapest activation checkpointing that fits, plus ``pipeline`` (its settings and
-    ``p2p_bytes`` per step, under pipeline parallelism)."""
+    "reason"}`` with the cheapest activation checkpointing of ``modes`` that fits, plus ``pipeline`` (its
+    settings and ``p2p_bytes`` per step, under pipeline parallelism)."""
     if st["batch"] % (lay.dp_size * st["micro"]):
         return {"ac": None, "bytes": None, "fits": False, "kind": "batch",
                 "reason": f"{st['batch']} sequences do not split into {lay.dp_size} data-parallel ranks x "
@@ -275,7 +281,7 @@ def stage_fit(counts: dict, m, st: dict, lay, parallel, usable: float, mixed_pre
         pipe["p2p_bytes"] = p2p_bytes(m, st["seq_len"], st["micro"], lay, pipe["n_micro"], pipe["virtual"],
                                       2 if mixed_precision else 4) / (lay.tp if sp else 1)  # SP: a 1/tp slice
     best = None
-    for ac in AC_MODES:
+    for ac in modes:
         b = layout_memory(counts, m, st["seq_len"], st["micro"], lay, ac, mixed_precision, sp, pipeline=pipe)
         best = {"ac": ac, "bytes": b, "fits": b["total"] <= usable, "reason": "", "kind": "", "pipeline": pipe}
         if best["fits"]:
