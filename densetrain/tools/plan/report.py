@@ -87,24 +87,31 @@ def _layout_flags(x: dict, i: int, prefix: str = "parallel") -> str:
     return " ".join(f"--{prefix}.{k}={v}" for k, v in keys)
 
 
-def run_flags(r: dict, pick) -> str:
-    """The ``train`` flags that run every stage of plan ``r`` on candidate ``pick(i)`` (stage ``i``'s): a stage
-    that has a layout of its own in the config (``stages[i].parallel``), or one whose layout differs from the
-    first such stage's, gets ``--stages.N.parallel.*``; ``--parallel.*`` is the first stage without its own layout
-    (the first stage when all have one: ``[parallel]`` must resolve too), so the command runs what was planned
-    whatever the config's own degrees."""
+def _prefixes(r: dict, pick) -> tuple[int, list[str]]:
+    """The stage whose layout ``--parallel.*`` carries (the first without a layout of its own in the config, else
+    the first: ``[parallel]`` must resolve too) and each stage's flag prefix when stage ``i`` runs candidate
+    ``pick(i)``: ``stages.N.parallel`` for a stage with its own layout or one that differs from that stage's,
+    else ``parallel``."""
     rows = r["stages"]
     base = next((i for i, s in enumerate(rows) if not s.get("own")), 0)
-    out = [_layout_flags(pick(base), base)]
-    for i, s in enumerate(rows):
-        if s.get("own") or _layout_flags(pick(i), i) != _layout_flags(pick(base), base):
-            out.append(_layout_flags(pick(i), i, f"stages.{s.get('index', i)}.parallel"))
-    return " ".join(out)
+    same = lambda i: _layout_flags(pick(i), i) == _layout_flags(pick(base), base)  # noqa: E731
+    return base, ["parallel" if not s.get("own") and same(i) else f"stages.{s.get('index', i)}.parallel"
+                  for i, s in enumerate(rows)]
 
 
-def _prefix(s: dict) -> str:
-    """The flags' prefix for stage row ``s``: ``stages.N.parallel`` for a stage with a layout of its own."""
-    return f"stages.{s['index']}.parallel" if s.get("own") else "parallel"
+def run_flags(r: dict, pick) -> str:
+    """The ``train`` flags that run every stage of plan ``r`` on candidate ``pick(i)`` (stage ``i``'s):
+    ``--parallel.*`` of :func:`_prefixes`' base stage, then ``--stages.N.parallel.*`` for each stage that has a
+    layout of its own or differs from it, so the command runs what was planned whatever the config's degrees."""
+    base, prefixes = _prefixes(r, pick)
+    return " ".join([_layout_flags(pick(base), base)]
+                    + [_layout_flags(pick(i), i, pre) for i, pre in enumerate(prefixes) if pre != "parallel"])
+
+
+def _stage_prefix(r: dict, i: int) -> str:
+    """Stage ``i``'s flag prefix in the command that runs every stage on its best layout (:func:`_prefixes`)."""
+    ranked = [s["ranked"] for s in r["stages"]]
+    return _prefixes(r, lambda j: ranked[j][0] if ranked[j] else ranked[i][0])[1][i]
 
 
 def _name(x: dict) -> str:
@@ -151,7 +158,7 @@ def _stage_block(r: dict, i: int, others: int) -> list[str]:
              f"  layout {_name(x)}, activation checkpointing {st['ac']}: {t['step_s']:.3g} s a step = {_parts(t)}",
              f"    MFU {t['mfu']:.1%}, {t['tokens_per_sec_per_gpu']:,.0f} tokens/s per GPU, "
              f"{st['bytes']['total'] / GIB:.1f} GiB per GPU, {_days(s['days'])} days",
-             f"    its flags: {_layout_flags(x, i, _prefix(s))}"]
+             f"    its flags: {_layout_flags(x, i, _stage_prefix(r, i))}"]
     seen = {(x["layout"].pp, x["layout"].cp, x["layout"].tp)}
     distinct = []  # the next layouts of another shape (HSDP splits of the same shape differ by little)
     for y in s["ranked"][1:]:
