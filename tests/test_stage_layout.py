@@ -160,7 +160,7 @@ def test_the_llama3_presets_run_their_long_context_stage_on_a_layout_of_its_own(
     cfg = load_config(preset=preset)
     layouts = stage_layouts(cfg, resolve_stages(cfg), world)
     assert [lay for _, lay in layouts] == [main, main, long]
-    assert layouts[2][0].activation_checkpointing == ("full" if preset == "llama3-8b" else "selective")
+    assert layouts[2][0].activation_checkpointing == ("selective" if preset == "llama3-70b" else "full")
     cfg.stages[2].parallel["cp"] = 3  # degrees that do not divide the world
     with pytest.raises(ConfigError, match=r"^stage 'long_context' \(stages\[2\]\.parallel\): parallel: the fixed "
                                           r"degrees .* do not divide the world size"):

@@ -81,8 +81,21 @@ class Hardware:
         return tomli_w.dumps(asdict(self))
 
 
+RANGES = {
+    # A value outside its range is a typo or a unit slip, not hardware: a profile of a laptop CPU (~1e10 FLOP/s,
+    # ~1e9 B/s) to beyond B200's (2.25e15 bf16, 8e12 B/s HBM; NVIDIA B200 datasheet) by two orders of magnitude.
+    # Past them the cost model's sums underflow or overflow (1e-300 FLOP/s gives inf seconds, then nan).
+    "peak_bf16_flops": (1e6, 1e18), "peak_fp8_flops": (1e6, 1e18), "hbm_bytes_per_s": (1e6, 1e15),
+    "nvlink_bytes_per_s": (1e3, 1e15), "net_bytes_per_s": (1e3, 1e15), "memory_gib": (1e-3, 1e6),
+    "latency_intra_s": (1e-9, 10.0), "latency_inter_s": (1e-9, 10.0),
+    # NVL72 racks put 72 GPUs in one NVLink domain; a node of a million is a unit slip
+    "gpus_per_node": (1, 1 << 16),
+}
+"""Inclusive ``(low, high)`` of each required number of a profile (units of :class:`Hardware`)."""
+
+
 def profile_names() -> list[str]:
-    """Names of the shipped profiles (``h100-sxm``, ``h200``, ``a100-80gb``, ``b200``)."""
+    """Names of the shipped profiles (``a100-80gb``, ``b200``, ``h100-96gb-500w``, ``h100-sxm``, ``h200``), sorted."""
     return sorted(p.stem for p in PROFILES_DIR.glob("*.toml"))
 
 
@@ -91,7 +104,8 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
 
     Raises:
         ConfigError: no such file or name, a file that does not parse, a missing or unknown key, or a value
-        that is not a finite positive number (``gpus_per_node`` a positive integer).
+        that is not a finite positive number (``gpus_per_node`` a positive integer), not an object, or outside its
+        :data:`RANGES`.
     """
     path = Path(spec)
     if not path.suffix and (PROFILES_DIR / f"{spec}.toml").exists():
@@ -103,6 +117,9 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
         raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise ConfigError(f"{path}: not a hardware profile ({e})") from None
+    if not isinstance(raw, dict):  # JSON may hold a list, a number or null
+        raise ConfigError(f"{path}: not a hardware profile: expected an object of keys (name, peak_bf16_flops, ...), "
+                          f"got {type(raw).__name__} {str(raw)[:40]}")
     names = {f.name: f for f in fields(Hardware)}
     unknown = sorted(set(raw) - set(names))
     optional = {"source", "sms", "op_overhead_s", "loss_elements_per_s", "nvls_bus_bytes_per_s",
@@ -128,6 +145,9 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
             raise ConfigError(f"{path}: {k} = {v!r}: expected a finite number > 0")
         elif k == "gpus_per_node" and int(v) != v:
             raise ConfigError(f"{path}: gpus_per_node = {v!r}: expected an integer")
+        elif k in RANGES and not RANGES[k][0] <= v <= RANGES[k][1]:
+            raise ConfigError(f"{path}: {k} = {v!r}: expected a number in [{RANGES[k][0]:g}, {RANGES[k][1]:g}] "
+                              "(units: FLOP/s, B/s, GiB, s)")
     return Hardware(**{**raw, "gpus_per_node": int(raw["gpus_per_node"]), "sms": int(raw.get("sms", 0))})
 
 

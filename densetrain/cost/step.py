@@ -417,7 +417,7 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     # pipeline: sends of the activations (their gradients back) on the fill and drain path, the bubble
     v = par.virtual if p > 1 else 1
     pp_act = act / (t if sp else 1)
-    bw_pp, lat_pp, where_pp = link(hw, t * c * n_sh * r, p)
+    bw_pp, lat_pp, where_pp = link(hw, t * n_sh * r, p)  # n_sh = dp_shard x cp: the inner degrees, cp once
     send = pp_act / bw_pp + lat_pp if p > 1 else 0.0
     pp_s = 2 * (p - 1) * send
     pp_bytes = 2 * v * n_micro * pp_act if p > 1 else 0.0

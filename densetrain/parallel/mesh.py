@@ -67,9 +67,11 @@ def divisor_layouts(world: int, max_tp: int = 8) -> list[Layout]:
     return out
 
 
-def resolve_layout(dp_replicate: int, dp_shard: int, tp: int, world: int, cp: int = 1, pp: int = 1) -> Layout:
+def resolve_layout(dp_replicate: int, dp_shard: int, tp: int, world: int, cp: int = 1, pp: int = 1, *,
+                   of_world: int | None = None) -> Layout:
     """Fill the one ``-1`` degree (if any) and check that the product is ``world``. The pipeline degree
-    ``pp`` is never filled: it must divide ``world``, and the other degrees lay out ``world / pp`` ranks.
+    ``pp`` is never filled: it must divide ``world``, and the other degrees lay out ``world / pp`` ranks
+    (``of_world``: the whole world those ``world`` ranks are one pipeline stage of, for the messages).
 
     Raises:
         ConfigError: more than one -1, a degree that does not divide, or a product other than ``world``;
@@ -78,7 +80,11 @@ def resolve_layout(dp_replicate: int, dp_shard: int, tp: int, world: int, cp: in
     if pp > 1:
         if world % pp:
             raise ConfigError(f"parallel.pp ({pp}) must divide the world size {world}")
-        return dataclasses.replace(resolve_layout(dp_replicate, dp_shard, tp, world // pp, cp), pp=pp)
+        return dataclasses.replace(resolve_layout(dp_replicate, dp_shard, tp, world // pp, cp, of_world=world), pp=pp)
+    # under pipelining the degrees lay out one stage's ranks: say so, not "the world size is" a number never given
+    stage = "" if of_world is None else f"the world size {of_world} / pp {of_world // world}"
+    size = f"the world size {world}" if of_world is None else f"{stage} = {world} ranks of a pipeline stage"
+    size_is = f"the world size is {world}" if of_world is None else f"{stage} leaves {world} ranks a pipeline stage"
     given = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "cp": cp}
     fill = [k for k, v in given.items() if v == -1]
     fits = ", ".join(f"({lay})" for lay in divisor_layouts(world))
@@ -92,13 +98,13 @@ def resolve_layout(dp_replicate: int, dp_shard: int, tp: int, world: int, cp: in
     if fill:
         if world % known:
             fixed = " * ".join(f"{k} {v}" for k, v in given.items() if k not in fill)
-            raise ConfigError(f"parallel: the fixed degrees {fixed} = {known} do not divide the world size {world} "
+            raise ConfigError(f"parallel: the fixed degrees {fixed} = {known} do not divide {size} "
                               f"({fill[0]} = -1 fills what they leave); layouts that fit: {fits}")
         given[fill[0]] = world // known
     layout = Layout(**given)
     if layout.world != world:
         raise ConfigError(f"parallel: dp_replicate * dp_shard * cp * tp = {layout.dp_replicate} * {layout.dp_shard} * "
-                          f"{layout.cp} * {layout.tp} = {layout.world}, but the world size is {world}; layouts that "
+                          f"{layout.cp} * {layout.tp} = {layout.world}, but {size_is}; layouts that "
                           f"fit: {fits}")
     return layout
 

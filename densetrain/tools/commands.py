@@ -27,6 +27,7 @@ import math
 import sys
 from pathlib import Path
 
+from densetrain.cost.hardware import profile_names
 from densetrain.fileio import atomic_write_json, json_text
 
 
@@ -163,6 +164,11 @@ def _layout_plan(args: argparse.Namespace) -> int:
         return _error("the memory plan needs --gpus (and --gpu-memory-gib, else the --hardware profile's memory)")
     if args.flops is not None or args.hours is not None:
         return _error("--flops / --hours belong to the Chinchilla plan, not to the memory plan (--gpus)")
+    # unused by the memory plan, but a value no plan accepts is a typo to report, as the Chinchilla plan does
+    if not 0 < args.mfu <= 1:
+        return _error(f"--mfu: expected a fraction in (0, 1], got {args.mfu}")
+    if not 0 < args.tokens_per_param < float("inf"):
+        return _error(f"--tokens-per-param: expected a positive finite number, got {args.tokens_per_param}")
     preset, note = args.preset, ""
     if not preset and not args.config:
         if args.params is None or args.tokens is None:
@@ -314,7 +320,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-gib", type=float, help="memory plan: memory per GPU, GiB (default: the --hardware "
                    "profile's)")
     p.add_argument("--hardware", default="h100-sxm", metavar="NAME|FILE",
-                   help="memory plan: the GPU and its links, a shipped profile (h100-sxm, h200, a100-80gb, b200) or "
+                   help=f"memory plan: the GPU and its links, a shipped profile ({', '.join(profile_names())}) or "
                         "a .toml/.json file (densetrain doctor --profile FILE writes this machine's); default "
                         "%(default)s")
     p.add_argument("--gpu-peak-flops", type=float, default=989e12,

@@ -4,10 +4,12 @@ time (:mod:`densetrain.cost`), and how long the run takes."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 
 from densetrain.cost import Hardware, flops_per_token, load_hardware, parallel_of, step_time
 from densetrain.cost.flops import block_matmul_params
+from densetrain.errors import ConfigError
 from densetrain.tools.plan.chinchilla import _positive
 from densetrain.tools.plan.memory import (
     AC_MODES,
@@ -37,32 +39,67 @@ PUBLISHED = {
 """Published layouts to print beside the planner's: ``(preset, gpus) -> (source, seq_len -> (tp, pp, cp, dp))``."""
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n >= 1``, ascending."""
+    low = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(low + [n // d for d in low]))
+
+
 def candidate_layouts(gpus: int, m, gpus_per_node: int = 8, seq_lens: tuple[int, ...] = (),
                       max_pp: int = 1) -> list:
-    """Layouts of ``gpus`` ranks worth comparing: pipeline stages (a power of two up to ``max_pp`` and
-    ``n_layers + 2``), tensor parallel within a node (a power of two dividing ``n_kv_heads``, ``d_ff`` and the
-    vocabulary), context parallel (a power of two up to :data:`MAX_CP` with every stage's seq_len a multiple
-    of ``2 cp``: the load-balanced chunks), then every split of the data-parallel ranks into replicas x
-    shards (powers of two and the whole)."""
+    """Layouts of ``gpus`` ranks worth comparing: pipeline stages (every divisor of ``gpus`` up to ``max_pp``
+    and ``n_layers + 2``, none with tied embeddings: densetrain splits the layers unevenly), tensor
+    parallel within a node (a power of two dividing ``n_kv_heads``, ``d_ff`` and the vocabulary), context
+    parallel (a power of two up to :data:`MAX_CP` with every stage's seq_len a multiple of ``2 cp``: the
+    load-balanced chunks), then every split of the data-parallel ranks into replicas x shards (each divisor)."""
     from densetrain.parallel.mesh import Layout
 
     out = []
-    pp = 1
-    while pp <= min(max_pp, m.n_layers + 2, gpus):
+    # tied embeddings keep the embedding and the head on one stage: no pipelining (config/validate.py refuses it)
+    max_pp = 1 if getattr(m, "tie_embeddings", False) else max_pp
+    for pp in (d for d in divisors(gpus) if d <= min(max_pp, m.n_layers + 2)):
         per_stage = gpus // pp
         tp = 1
-        while gpus % pp == 0 and tp <= min(per_stage, gpus_per_node):
+        while tp <= min(per_stage, gpus_per_node):
             if per_stage % tp == 0 and m.n_kv_heads % tp == 0 and m.d_ff % tp == 0 and m.vocab_size % tp == 0:
                 cp = 1
                 while cp <= min(MAX_CP, per_stage // tp):
                     if (per_stage // tp) % cp == 0 and (cp == 1 or all(t % (2 * cp) == 0 for t in seq_lens)):
                         dp = per_stage // (tp * cp)
-                        shards = sorted({s for s in [2**i for i in range(dp.bit_length())] + [dp] if dp % s == 0})
-                        out += [Layout(dp // s, s, tp, cp, pp) for s in shards]
+                        out += [Layout(dp // s, s, tp, cp, pp) for s in divisors(dp)]
                     cp *= 2
             tp *= 2
-        pp *= 2
     return out
+
+
+SHAPE_KEYS = ("seq_len", "batch", "micro", "document_mask")
+"""What makes two stage rows alike for the layouts that run them (main and anneal differ only in data)."""
+
+NEAREST_TRIES = 64
+"""GPU counts :func:`nearest_gpus` tries each way: 1 to 8, then whole nodes."""
+
+
+def nearest_gpus(cfg, row: dict, counts: dict, gpus: int, usable: float, hw: Hardware, seq_lens: tuple[int, ...],
+                 mixed_precision: bool = True, sequence_parallel: bool = False, max_pp: int = 64
+                 ) -> tuple[int | None, int | None]:
+    """The nearest GPU counts below and above ``gpus`` with a layout that runs stage ``row`` (batch split, pipeline
+    micro-batches and memory, as :func:`stage_fit` decides; none timed): counts of 1 to 8 GPUs and whole nodes of
+    ``hw.gpus_per_node``, :data:`NEAREST_TRIES` each way; None where none is found."""
+    def runs(g: int) -> bool:
+        if 16 * counts["params"] / g > usable:  # fp32 weights, gradients and AdamW moments sharded over all g
+            return False
+        for lay in candidate_layouts(g, cfg.model, hw.gpus_per_node, seq_lens, max_pp):
+            for sched, v in schedules(lay, cfg.parallel, cfg.model.n_layers):
+                par = dataclasses.replace(cfg.parallel, pp_schedule=sched, pp_virtual_stages=v)
+                if stage_fit(counts, cfg.model, row, lay, par, usable, mixed_precision,  # full: the least memory
+                             sequence_parallel and lay.tp > 1, modes=("full",))["fits"]:
+                    return True
+        return False
+
+    n = hw.gpus_per_node
+    below = [g for g in range(gpus - 1, 0, -1) if g <= n or g % n == 0][:NEAREST_TRIES]
+    above = [g for g in range(gpus + 1, gpus + n * NEAREST_TRIES + 1) if g <= n or g % n == 0][:NEAREST_TRIES]
+    return next((g for g in below if runs(g)), None), next((g for g in above if runs(g)), None)
 
 
 def schedules(lay, parallel, n_layers: int) -> list[tuple[str, int]]:
@@ -99,8 +136,9 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
     of layouts with ``tp > 1``.
 
     ``tokens`` replaces the run's length (the stages keep their fractions); ``params`` replaces the parameter
-    count for the static memory and scales the step time by the FLOPs per token (``6 params`` in place of the
-    shape's ``6 N``; the shape, for activations and attention, stays that of ``cfg.model``).
+    count for the static memory and scales the step time by the FLOPs per token (the shape's ``6 N`` times
+    ``params`` over the shape's total: ``params`` counts every parameter, ``N`` not the input embedding, so the
+    shape's own total changes nothing; the shape, for activations and attention, stays that of ``cfg.model``).
     ``preset``: for a published layout of it to evaluate beside (:data:`PUBLISHED`). ``given``: whether ``gpus``
     was given (else it is the one process of a plain dry run, as the configured layouts' verdict says).
 
@@ -114,12 +152,14 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
         its own configured layout: :func:`~densetrain.tools.plan.verdict.configured_stages`), ``published``,
         ``usable_bytes``.
     Raises:
-        ValueError: non-positive gpus or memory. ConfigError: an unreadable hardware profile.
+        ValueError: non-positive gpus or memory, a non-positive or non-finite ``tokens`` / ``params``. ConfigError:
+        an unreadable hardware profile, a memory that leaves nothing usable, a step time that is not finite.
     """
     from densetrain.parallel.mesh import resolve_layout
     from densetrain.schedule import resolve_stages
 
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
+    given_memory = gpu_memory_gib is not None
     gpu_memory_gib = hw.memory_gib if gpu_memory_gib is None else gpu_memory_gib
     _positive("gpus", gpus)
     _positive("gpu_memory_gib", gpu_memory_gib)
@@ -132,16 +172,27 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
     stages = resolve_stages(cfg)
     total_steps = cfg.train.steps
     run_tokens = sum(st.batch_tokens * (_end(stages, i, total_steps) - st.start_step) for i, st in enumerate(stages))
-    step_scale = tokens / run_tokens if tokens else 1.0
+    if tokens is not None:  # 0, negative or nan would print zero or negative steps
+        _positive("tokens", tokens)
+    step_scale = tokens / run_tokens if tokens is not None else 1.0
     rows = []
     for i, st in enumerate(stages):
         steps = (_end(stages, i, total_steps) - st.start_step) * step_scale
         fpt = flops_per_token(m, st.seq_len)
-        scale = (fpt - 6 * (model_counts_flops(m) - params)) / fpt if params is not None else 1.0
-        rows.append({"name": st.name, "seq_len": st.seq_len, "batch": st.batch_size, "micro": st.micro_batch_size,
+        # like with like: the 6 N of the FLOPs counts the blocks' matmuls and the head, not the input embedding or
+        # the norms, so the given total (all parameters) scales that N by its ratio to the shape's own total
+        six_n = 6 * model_counts_flops(m)
+        scale = (fpt + six_n * (params / model_counts(m)["params"] - 1)) / fpt if params is not None else 1.0
+        rows.append({"name": st.name, "index": st.index, "own": bool(cfg.stages and cfg.stages[st.index].parallel),
+                     "seq_len": st.seq_len, "batch": st.batch_size, "micro": st.micro_batch_size,
                      "batch_tokens": st.batch_tokens, "steps": steps, "tokens": steps * st.batch_tokens,
                      "scale": scale, "document_mask": st.document_mask})
     usable = USABLE_FRACTION * gpu_memory_gib * GIB - RESERVED_GIB * GIB
+    if usable <= 0:
+        where = "--gpu-memory-gib" if given_memory else f"hardware {hw.name}: memory_gib"
+        least = RESERVED_GIB / USABLE_FRACTION
+        raise ConfigError(f"{where} {gpu_memory_gib:g}: leaves no usable memory ({USABLE_FRACTION:g} of it less "
+                          f"{RESERVED_GIB:g} GiB reserved); expected more than {least:.2f} GiB")
     layouts = []
     for lay in candidate_layouts(gpus, m, hw.gpus_per_node, tuple(r["seq_len"] for r in rows), max_pp):
         sp = sequence_parallel and lay.tp > 1
@@ -161,6 +212,10 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
         row["time"] = best["stages"][i]["time"] if best else None
         row["step_s"] = row["time"]["step_s"] if best else None
         row["days"] = row["steps"] * row["step_s"] / 86400 if best else None
+        same = next((r for r in rows[:i] if not r["best"] and all(r[k] == row[k] for k in SHAPE_KEYS)), None)
+        row["nearest_gpus"] = None if best else same["nearest_gpus"] if same else nearest_gpus(
+            cfg, row, counts, gpus, usable, hw, tuple(r["seq_len"] for r in rows), mixed_precision,
+            sequence_parallel, max_pp)
         if best and row["time"]["mfu"] < LOW_MFU:
             warnings.append(f"stage '{row['name']}': predicted MFU {row['time']['mfu']:.1%} is below "
                             f"{LOW_MFU:.0%}: the GPUs mostly wait (communication, bubble): fewer GPUs or a larger "
@@ -199,6 +254,9 @@ def timed_fit(counts: dict, m, st: dict, lay, parallel, usable: float, hw: Hardw
         par = parallel_of(lay, pipe.get("schedule", "1f1b"), pipe.get("virtual", 1), pipe.get("microbatches", 0), sp,
                           "flex" if st.get("document_mask") else "auto")
         t = step_time(m, par, hw, st["seq_len"], st["batch"], st["micro"], fit["ac"])
+        if not math.isfinite(t["step_s"]) or t["step_s"] <= 0:  # never printed: a profile's numbers are off
+            raise ConfigError(f"hardware {hw.name}: the cost model's step time of {lay} at stage '{st['name']}' is "
+                              f"{t['step_s']} s: check the profile's rates (FLOP/s, B/s) and latencies (s)")
         if scale != 1.0:
             t.update(parts={k: v * scale for k, v in t["parts"].items()}, step_s=t["step_s"] * scale,
                      tokens_per_sec=t["tokens_per_sec"] / scale, model_flops=t["model_flops"] * scale,
@@ -208,10 +266,10 @@ def timed_fit(counts: dict, m, st: dict, lay, parallel, usable: float, hw: Hardw
 
 
 def stage_fit(counts: dict, m, st: dict, lay, parallel, usable: float, mixed_precision: bool = True,
-              sp: bool = False) -> dict:
+              sp: bool = False, modes: tuple[str, ...] = AC_MODES) -> dict:
     """Whether layout ``lay`` runs stage row ``st`` (of :func:`layout_plan`): ``{"ac", "bytes", "fits",
-    "reason"}`` with the cheapest activation checkpointing that fits, plus ``pipeline`` (its settings and
-    ``p2p_bytes`` per step, under pipeline parallelism)."""
+    "reason"}`` with the cheapest activation checkpointing of ``modes`` that fits, plus ``pipeline`` (its
+    settings and ``p2p_bytes`` per step, under pipeline parallelism)."""
     if st["batch"] % (lay.dp_size * st["micro"]):
         return {"ac": None, "bytes": None, "fits": False, "kind": "batch",
                 "reason": f"{st['batch']} sequences do not split into {lay.dp_size} data-parallel ranks x "
@@ -223,7 +281,7 @@ def stage_fit(counts: dict, m, st: dict, lay, parallel, usable: float, mixed_pre
         pipe["p2p_bytes"] = p2p_bytes(m, st["seq_len"], st["micro"], lay, pipe["n_micro"], pipe["virtual"],
                                       2 if mixed_precision else 4) / (lay.tp if sp else 1)  # SP: a 1/tp slice
     best = None
-    for ac in AC_MODES:
+    for ac in modes:
         b = layout_memory(counts, m, st["seq_len"], st["micro"], lay, ac, mixed_precision, sp, pipeline=pipe)
         best = {"ac": ac, "bytes": b, "fits": b["total"] <= usable, "reason": "", "kind": "", "pipeline": pipe}
         if best["fits"]:

@@ -154,7 +154,11 @@ def layout_memory(counts: dict, m, seq_len: int, micro: int, layout, ac: str, mi
       prefetched) in bf16 (fp32 without mixed precision), one block's unsharded fp32 gradients, and the
       root group's gathered parameters; under pipeline parallelism all of the rank's blocks stay gathered
       between a micro-batch's forward and its backward (densetrain/parallel/parallelize.py does not reshard
-      them, as torchtitan does not);
+      them, as torchtitan does not), and all of their gradients stay unsharded in fp32 until the step's last
+      backward (torch.distributed.pipelining's ``PipelineStage.backward_maybe_with_nosync`` sets
+      ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)`` on an FSDP2 stage for
+      every backward but the last; FSDP2 keeps the accumulated gradient in the policy's fp32 ``reduce_dtype``,
+      ``FSDPParam.to_accumulated_grad_if_needed``): ``(2 + 4)`` bytes per parameter the rank holds, ``/ tp``;
     * activations: :func:`activation_bytes_per_token` x ``micro * seq_len / cp`` tokens, plus the chunked
       cross-entropy's live chunk (:func:`loss_chunk_bytes`); under pipeline parallelism the rank's blocks
       (and head, on the last stage) only, times the micro-batches it holds at once (:func:`in_flight`).
@@ -194,8 +198,8 @@ def layout_memory(counts: dict, m, seq_len: int, micro: int, layout, ac: str, mi
         transient = 0.0
         if fsdp and pp == 1:
             transient = (2 * gathered + 4) * counts["block"] / tp + gathered * counts["root"] / tp
-        elif fsdp:
-            transient = gathered * local + 4 * counts["block"] / tp
+        elif fsdp:  # the rank's parameters gathered and its gradients unsharded in fp32 across micro-batches
+            transient = gathered * local + 4 * local
         flight = in_flight(pipe.get("schedule", "1f1b"), pp, r["rank"], pipe.get("microbatches", 1), virtual)
         one = r["blocks"] * per_token["per_block"] + (per_token["head"] if r["head"] else 0.0)
         act = (flight * one + extra) * tokens

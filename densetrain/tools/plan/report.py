@@ -73,14 +73,45 @@ def format_plan(result: dict) -> str:
 
 
 
-def _layout_flags(x: dict) -> str:
-    """The ``--parallel.*`` flags of a candidate (layout, schedule, virtual stages)."""
+def _layout_flags(x: dict, i: int, prefix: str = "parallel") -> str:
+    """The flags that make a config run candidate ``x``'s layout at stage ``i`` of the plan: its degrees (all of
+    them, pp too: unset keys would keep the config's), its pipeline schedule and virtual stages under pipelining,
+    and the activation checkpointing the plan sized it with, each ``--<prefix>.<key>=<value>`` (``prefix``
+    ``parallel``, or ``stages.N.parallel`` for a stage's own layout)."""
     lay = x["layout"]
-    pipe = (f"--parallel.pp={lay.pp} --parallel.pp_schedule={x['schedule']} "
-            + (f"--parallel.pp_virtual_stages={x['virtual']} " if x["schedule"] == "interleaved_1f1b" else "")
-            if lay.pp > 1 else "")
-    return (pipe + f"--parallel.dp_replicate={lay.dp_replicate} --parallel.dp_shard={lay.dp_shard} "
-            f"--parallel.cp={lay.cp} --parallel.tp={lay.tp}")
+    keys = [("pp", lay.pp)]
+    if lay.pp > 1:  # without pipelining the schedule is the config's (any is valid there)
+        keys += [("pp_schedule", x["schedule"]), ("pp_virtual_stages", x["virtual"])]
+    keys += [("dp_replicate", lay.dp_replicate), ("dp_shard", lay.dp_shard), ("cp", lay.cp), ("tp", lay.tp),
+             ("activation_checkpointing", x["stages"][i]["ac"])]
+    return " ".join(f"--{prefix}.{k}={v}" for k, v in keys)
+
+
+def _prefixes(r: dict, pick) -> tuple[int, list[str]]:
+    """The stage whose layout ``--parallel.*`` carries (the first without a layout of its own in the config, else
+    the first: ``[parallel]`` must resolve too) and each stage's flag prefix when stage ``i`` runs candidate
+    ``pick(i)``: ``stages.N.parallel`` for a stage with its own layout or one that differs from that stage's,
+    else ``parallel``."""
+    rows = r["stages"]
+    base = next((i for i, s in enumerate(rows) if not s.get("own")), 0)
+    same = lambda i: _layout_flags(pick(i), i) == _layout_flags(pick(base), base)  # noqa: E731
+    return base, ["parallel" if not s.get("own") and same(i) else f"stages.{s.get('index', i)}.parallel"
+                  for i, s in enumerate(rows)]
+
+
+def run_flags(r: dict, pick) -> str:
+    """The ``train`` flags that run every stage of plan ``r`` on candidate ``pick(i)`` (stage ``i``'s):
+    ``--parallel.*`` of :func:`_prefixes`' base stage, then ``--stages.N.parallel.*`` for each stage that has a
+    layout of its own or differs from it, so the command runs what was planned whatever the config's degrees."""
+    base, prefixes = _prefixes(r, pick)
+    return " ".join([_layout_flags(pick(base), base)]
+                    + [_layout_flags(pick(i), i, pre) for i, pre in enumerate(prefixes) if pre != "parallel"])
+
+
+def _stage_prefix(r: dict, i: int) -> str:
+    """Stage ``i``'s flag prefix in the command that runs every stage on its best layout (:func:`_prefixes`)."""
+    ranked = [s["ranked"] for s in r["stages"]]
+    return _prefixes(r, lambda j: ranked[j][0] if ranked[j] else ranked[i][0])[1][i]
 
 
 def _name(x: dict) -> str:
@@ -127,7 +158,7 @@ def _stage_block(r: dict, i: int, others: int) -> list[str]:
              f"  layout {_name(x)}, activation checkpointing {st['ac']}: {t['step_s']:.3g} s a step = {_parts(t)}",
              f"    MFU {t['mfu']:.1%}, {t['tokens_per_sec_per_gpu']:,.0f} tokens/s per GPU, "
              f"{st['bytes']['total'] / GIB:.1f} GiB per GPU, {_days(s['days'])} days",
-             f"    densetrain train ... {_layout_flags(x)}"]
+             f"    its flags: {_layout_flags(x, i, _stage_prefix(r, i))}"]
     seen = {(x["layout"].pp, x["layout"].cp, x["layout"].tp)}
     distinct = []  # the next layouts of another shape (HSDP splits of the same shape differ by little)
     for y in s["ranked"][1:]:
@@ -177,16 +208,19 @@ def format_layout_plan(r: dict, others: int = 4) -> str:
              f"+head); {r['gpus']} GPUs x {hw.name} ({r['gpu_memory_gib']:g} GiB, usable "
              f"{r['usable_bytes'] / GIB:.1f} GiB; {hw.peak_bf16_flops / 1e12:g} TFLOP/s bf16, {hw.gpus_per_node} a "
              "node); times from the cost model (docs/planner.md)"]
+    if (note := mfu_note(hw)) is not None:
+        lines.append(f"note: {note}")
     for i in range(len(r["stages"])):
         lines += _stage_block(r, i, others)
     if r["days"] is not None:
         lines.append(f"total: {_days(r['days'])} days, {human(r['tokens'])} tokens, each stage on its layout"
                      + (f"; {format_cost(r['cost'])}" if r.get("cost") else ""))
+        lines.append(f"  densetrain train ... {run_flags(r, lambda i: r['stages'][i]['ranked'][0])}")
     sug = r["suggested"]
     if sug is not None:
         extra = f" (+{sug['days'] / r['days'] - 1:.1%})" if r["days"] and sug["days"] > r["days"] * 1.0005 else ""
         lines.append(f"one layout for every stage: {_name(sug)}, {_days(sug['days'])} days{extra}: densetrain "
-                     f"train ... {_layout_flags(sug)}")
+                     f"train ... {run_flags(r, lambda i: sug)}")
     elif r["days"] is not None:
         lines.append("no single layout runs every stage: change it at the stage boundaries")
     pub = r.get("published")
@@ -202,6 +236,18 @@ def format_layout_plan(r: dict, others: int = 4) -> str:
     return "\n".join(lines)
 
 
+def mfu_note(hw) -> str | None:
+    """What the MFU means on a profile whose GEMM efficiency is 1 (``doctor --profile``'s: its peak is the matmul
+    rate this machine reached, not a datasheet's), else None. There the model runs every GEMM at the peak, so the
+    MFU is near 100% by construction; MFU's numerator counts causal attention whole (torchtitan's and Llama 3's
+    convention, docs/planner.md) while the kernel runs half of it, so where attention weighs, it passes 100%."""
+    if hw.gemm_efficiency != 1.0:
+        return None
+    return (f"MFU here is against {hw.name}'s measured matmul rate ({hw.peak_bf16_flops / 1e9:.3g} GFLOP/s), not "
+            "a datasheet peak: near 100% by construction, and over it where causal attention weighs (MFU counts "
+            "it whole, the kernel runs half); compare step times, not MFU, on such a profile")
+
+
 def _no_layout(r: dict, i: int) -> str | None:
     """Why no layout of the plan runs stage ``i``: what is short in memory (:func:`_shortfall`), else the rejected
     candidates counted by reason; None when some layout runs it."""
@@ -209,7 +255,10 @@ def _no_layout(r: dict, i: int) -> str | None:
     if s["ranked"]:
         return None
     counts = ", ".join(f"{n} {k}" for k, n in s["rejected"].most_common())
-    return _shortfall(r, i) or f"stage '{s['name']}': no layout of {r['gpus']} GPUs runs it (rejected: {counts})"
+    near = [str(g) for g in s.get("nearest_gpus") or () if g]
+    hint = f"; the nearest GPU counts that run it: {' or '.join(near)}" if near else ""
+    return (_shortfall(r, i) or f"stage '{s['name']}': no layout of {r['gpus']} GPUs runs it (rejected: {counts})"
+            ) + hint
 
 
 def refusals(r: dict) -> list[str]:
@@ -225,8 +274,9 @@ def layout_plan_json(r: dict) -> dict:
     schedule, virtual stages), ``ac, step_s, parts, mfu, tokens_per_sec_per_gpu, memory_gib, days`` (None where
     no layout runs it), ``reason`` (why no layout runs it, else None), ``configured`` (its configured layout:
     ``layout, own, runs, reason, memory_gib``), and the run's ``days``, ``gpus``, ``hardware``, ``warnings``,
-    ``suggested`` (one layout for every stage), ``refusals`` (:func:`refusals`: non-empty, the command exits
-    non-zero)."""
+    ``mfu_note`` (:func:`mfu_note`), ``suggested`` (one layout for every stage, with its ``train_flags``),
+    ``train_flags`` (:func:`run_flags`: every stage on its best layout; None when a stage has none), ``refusals``
+    (:func:`refusals`: non-empty, the command exits non-zero)."""
     def lay(x):
         return {**dataclasses.asdict(x["layout"]), "schedule": x["schedule"], "virtual": x["virtual"]}
 
@@ -245,4 +295,7 @@ def layout_plan_json(r: dict) -> dict:
     sug = r["suggested"]
     return {"gpus": r["gpus"], "hardware": dataclasses.asdict(r["hardware"]), "stages": stages, "days": r["days"],
             "tokens": r["tokens"], "warnings": r["warnings"], "refusals": refusals(r),
-            "suggested": {"layout": lay(sug), "days": sug["days"]} if sug else None, "cost": r.get("cost")}
+            "mfu_note": mfu_note(r["hardware"]),
+            "suggested": {"layout": lay(sug), "days": sug["days"], "train_flags": run_flags(r, lambda i: sug)}
+            if sug else None, "cost": r.get("cost"),
+            "train_flags": run_flags(r, lambda i: r["stages"][i]["ranked"][0]) if r["days"] is not None else None}
