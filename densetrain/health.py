@@ -343,8 +343,9 @@ def _per_cpu(rows: list[Row]) -> list[Row]:
                                  for f, v in r.figures.items()}, r.device, r.context) for r in rows]
 
 
-def _raw_outliers(rows: list[Row], first: list[Row] | None, cfg: HealthConfig) -> dict[tuple[int, str], dict]:
-    """(rank, figure) -> outlier (without cause and text) by the rule of the module docstring."""
+def _raw_outliers(rows: list[Row], first: list[Row] | None, cfg: HealthConfig) -> dict[tuple[int, str], list[dict]]:
+    """(rank, figure) -> its outlier readings (without cause and text) by the rule of the module docstring: against
+    the median of the ranks, against the rank's first measurement, or both."""
     out = {}
     for fig in sorted({k for r in rows for k in r.figures}):
         lower_better = fig.endswith("_lat")
@@ -359,15 +360,16 @@ def _raw_outliers(rows: list[Row], first: list[Row] | None, cfg: HealthConfig) -
             z = (v - med) / (1.4826 * mad) if mad > 0 else 0.0
             worse = ratio > 1 / cfg.min_ratio if lower_better else ratio < cfg.min_ratio
             if worse and (len(vals) < 3 or abs(z) > cfg.zscore):
-                out[(r.rank, fig)] = {"rank": r.rank, "host": r.host, "figure": fig, "value": v, "median": med,
-                                      "ratio": ratio, "z": z, "vs": "median"}
-                continue
+                out.setdefault((r.rank, fig), []).append(
+                    {"rank": r.rank, "host": r.host, "figure": fig, "value": v, "median": med, "ratio": ratio,
+                     "z": z, "vs": "median"})
             base = next((b for b in first or [] if b.rank == r.rank and b.host == r.host), None)
             if base is not None and "/" not in fig and base.figures.get(fig, 0) > 0:
                 own = v / base.figures[fig]
                 if (own > 1 / cfg.min_ratio) if lower_better else (own < cfg.min_ratio):
-                    out[(r.rank, fig)] = {"rank": r.rank, "host": r.host, "figure": fig, "value": v,
-                                          "first": base.figures[fig], "ratio": own, "z": z, "vs": "first"}
+                    out.setdefault((r.rank, fig), []).append(
+                        {"rank": r.rank, "host": r.host, "figure": fig, "value": v, "first": base.figures[fig],
+                         "ratio": own, "z": z, "vs": "first"})
     return out
 
 
@@ -384,17 +386,21 @@ def judge(rows: list[Row], first: list[Row] | None, cfg: HealthConfig) -> list[d
     measured at a 3-7% share (load 17-20 on 2 cores) moved its per-CPU-second figures by up to 0.7x between
     checks; a gap of 1/(0.6 x 0.25) = 6.7x is no such noise, and the slow_memory rehearsal's 1/50 stays beyond
     it."""
-    raw = _raw_outliers(rows, first, cfg)
     by_rank = {r.rank: r for r in rows}
     out = []
-    for o in raw.values():
-        r = by_rank[o["rank"]]
-        ratio_cpu, share = _ratio_per_cpu(rows, first, o)
-        bar = cfg.min_ratio * min(1.0, max(MIN_TRUST, share / BUSY_SHARE))
-        beyond = ratio_cpu > 1 / bar if o["figure"].endswith("_lat") else ratio_cpu < bar
-        cause = "hardware" if beyond and not r.context.get("gpu_others", 0) > 0 else "contention"
-        out.append({**o, "cause": cause, "per_cpu_ratio": ratio_cpu, "bar": bar,
-                    "text": _text(r, o, cause, ratio_cpu)})
+    for readings in _raw_outliers(rows, first, cfg).values():
+        judged = []
+        for o in readings:
+            r = by_rank[o["rank"]]
+            ratio_cpu, share = _ratio_per_cpu(rows, first, o)
+            bar = cfg.min_ratio * min(1.0, max(MIN_TRUST, share / BUSY_SHARE))
+            beyond = ratio_cpu > 1 / bar if o["figure"].endswith("_lat") else ratio_cpu < bar
+            cause = "hardware" if beyond and not r.context.get("gpu_others", 0) > 0 else "contention"
+            judged.append({**o, "cause": cause, "per_cpu_ratio": ratio_cpu, "bar": bar,
+                           "text": _text(r, o, cause, ratio_cpu)})
+        # A figure below its peers' median only because its rank got less CPU (contention) can still be far
+        # below its own first measurement per CPU-second: that reading names the hardware, and wins.
+        out.append(next((o for o in judged if o["cause"] == "hardware"), judged[0]))
     return out
 
 

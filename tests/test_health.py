@@ -81,6 +81,22 @@ def test_slow_memory_throttles_the_copy_benchmark():
     assert before == 2 * (2 * 2**20) * 32 and after == before / 4  # 2 copies of 1 MiB (read + write) in 1/32 s
 
 
+def test_far_below_its_first_wins_over_contention_against_the_median():
+    # 2 ranks on a loaded host: rank 1's matmul at 0.18x the median while it got 10% of the CPU (per CPU-second
+    # level with rank 0: contention against the median), but 1e-6 of its own first measurement per CPU-second: a
+    # hardware outlier. Before, the median reading was kept and the first never looked at ('~' in doctor's
+    # table, the run's 1e20 first measurement notwithstanding).
+    cfg = HealthConfig()
+    rows = [Row(0, "h", {"matmul": 10.0}, "cpu", {"share/matmul": 1.0}),
+            Row(1, "h", {"matmul": 1.0}, "cpu", {"share/matmul": 0.1})]
+    first = [Row(0, "h", {"matmul": 10.0}, "cpu", {}), Row(1, "h", {"matmul": 1e6}, "cpu", {})]
+    (o,) = judge(rows, first, cfg)
+    assert (o["rank"], o["figure"], o["vs"], o["cause"]) == (1, "matmul", "first", "hardware")
+    assert o["ratio"] == 1e-6 and o["per_cpu_ratio"] < o["bar"]
+    (o,) = judge(rows, None, cfg)  # without a first measurement the median reading stands: contention
+    assert (o["vs"], o["cause"]) == ("median", "contention")
+
+
 def test_a_busy_host_is_not_a_faulty_device():
     cfg = HealthConfig()  # min_ratio 0.6
     cpu = {"load": 7.1, "cores": 2.0}
