@@ -45,7 +45,7 @@ from pathlib import Path
 from densetrain.config import load_config, to_dict
 from densetrain.config.schema import StageConfig
 from densetrain.data.prepare import prepare
-from densetrain.law import Law, fit_curve, multiplier_intervals
+from densetrain.law import Law, multiplier_intervals
 from densetrain.law.judge import checked_prediction, trajectory_prediction
 from densetrain.metrics import flops_per_token
 from densetrain.tools.ladder.fit import fit_ladder, fit_records, format_fit
@@ -289,10 +289,10 @@ H2_RUNS = (("wsd_d112", 112, "wsd", False, (0, 1, 2)), ("cos_d80", 80, "cosine",
            ("wsdlong_d96", 96, "wsd", True, (0,)), ("coslong_d128", 128, "cosine", True, (0,)),
            ("wsd_d64", 64, "wsd", False, (0,)))
 H2_FACTOR = 12.0
-H2_METHOD = ("the trajectory law E + ((A/N)^(alpha/beta) + B/S1)^beta - C*S2/S1 (densetrain.law.trajectory) fitted "
+H2_METHOD = ("the trajectory law E + ((A/N)^(alpha/beta) + B/S1)^beta - C*D (densetrain.law.trajectory) fitted "
              "to every ladder run's validations and 25-step bins of its train losses from 25% of the run; interval: "
-             "95% bootstrap over the ladder's runs; N without the input embedding; S1, S2 of the run's lr schedule "
-             "at its last step (the long-context stage changes neither: same tokens a step)")
+             "95% bootstrap over the ladder's runs; N without the input embedding; S1 of the run's lr schedule "
+             "at its last step, D its annealing drop (the long-context stage changes neither: same tokens a step)")
 
 
 def h2_config(out: Path, h2_dir: Path, name: str, d_model: int, schedule: str, long: bool, seed: int):
@@ -310,8 +310,8 @@ def h2_config(out: Path, h2_dir: Path, name: str, d_model: int, schedule: str, l
 
 def h2_predict(out: Path, dest: Path, fit_path: Path) -> None:
     """Fit the ladder in ``OUT/ladder`` (every fit, the trajectory law included) into ``fit_path`` and write every
-    H2 run's predicted final validation loss (primary: the trajectory law; for the record: the additive curve on
-    the same points, approach 3 at the run's N and tokens, the power law in compute) to ``dest``."""
+    H2 run's predicted final validation loss (primary: the trajectory law; for the record:
+    approach 3 at the run's N and tokens, the power law in compute) to ``dest``."""
     ladder_dir = out / "ladder"
     points = ladder_points(ladder_dir)
     if fit_path.exists():
@@ -320,30 +320,37 @@ def h2_predict(out: Path, dest: Path, fit_path: Path) -> None:
         fit = fit_records(list(finished(ladder_dir).values()), 200, points=points)
         fit_path.write_text(json.dumps(fit))
     print(format_fit(fit))
-    additive = fit_curve(*([p[i] for p in points] for i in range(4)))
     rows = []
     for name, d_model, schedule, long, seeds in H2_RUNS:
         cfg, steps = h2_config(out, Path("/nonexistent"), name, d_model, schedule, long, 0)
-        n, s1, s2 = schedule_end(cfg)
+        n, s1, drop = schedule_end(cfg)
         tokens = float(steps * cfg.train.batch_size * cfg.train.seq_len)
-        p = trajectory_prediction(fit, n, s1, s2)
+        p = trajectory_prediction(fit, n, s1, drop)
         a3 = checked_prediction(fit, n, tokens)
         rows.append({"name": name, "d_model": d_model, "n_layers": cfg.model.n_layers, "N": n, "steps": steps,
                      "tokens": tokens, "schedule": schedule, "long_context_stage": long, "seeds": list(seeds),
                      "predicted": p["loss"], "interval": [p["loss_lo"], p["loss_hi"]], "withheld": p["withheld"],
                      "n_extrapolation": p["n_extrapolation"], "s1_extrapolation": p["s1_extrapolation"],
-                     "also": {"additive_curve": float(additive.loss(n, s1, s2)), "approach3": a3["loss"],
+                     "also": {"approach3": a3["loss"],
                               "approach3_interval": [a3["loss_lo"], a3["loss_hi"]],
                               "power_law_in_compute": a3.get("power_law")}})
         print(f"{name}: d_model {d_model} ({cfg.model.n_layers} layers, N {n:,.0f}), {steps} steps, {schedule}"
               f"{' + long context' if long else ''}: predicted {p['loss']:.4f} [{p['loss_lo']:.4f}, {p['loss_hi']:.4f}]"
               f" (N {p['n_extrapolation']:.2f}x, S1 {p['s1_extrapolation']:.2f}x the ladder's largest)"
               + (f"; WITHHELD: {p['withheld']}" if p["withheld"] else ""))
-    doc = {"created_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "method": H2_METHOD,
+    dev = None  # the development held-out run (d96 WSD at 12x, 3 seeds), where it exists: the method's dev error
+    dev_runs = [rd for rd, _, _ in heldout_runs(out, 96, H2_FACTOR, 3) if (rd / "summary.json").exists()]
+    if dev_runs:
+        _, dcfg, _ = heldout_runs(out, 96, H2_FACTOR, 1)[0]
+        p = trajectory_prediction(fit, *schedule_end(dcfg))
+        mean = statistics.mean(json.loads((rd / "summary.json").read_text())["val"]["all"]["loss"] for rd in dev_runs)
+        dev = {"run": "heldout d96 WSD (development data)", "predicted": p["loss"],
+               "interval": [p["loss_lo"], p["loss_hi"]], "outcome_mean": mean, "error": mean / p["loss"] - 1}
+        print(f"development held-out d96: predicted {p['loss']:.4f} [{p['loss_lo']:.4f}, {p['loss_hi']:.4f}], "
+              f"outcome {mean:.4f}: {mean / p['loss'] - 1:+.2%}")
+    doc = {"created_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "method": H2_METHOD, "dev": dev,
            "fit": str(fit_path), "fit_sha256": hashlib.sha256(fit_path.read_bytes()).hexdigest(),
            "trajectory_verdict": {k: fit["trajectory"].get(k) for k in ("degenerate", "reasons", "next")},
-           "additive_curve_on_the_same_points": {k: getattr(additive, k) for k in ("E", "A", "alpha", "B", "beta",
-                                                                                    "C", "scale")},
            "runs": rows}
     dest.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {dest}")
@@ -353,9 +360,8 @@ def h2_compare(out: Path, h2_dir: Path, pred_path: Path) -> None:
     """The H2 outcomes against the committed predictions: a table, and the ladder_check line of wsd_d112."""
     doc = json.loads(pred_path.read_text())
     print(f"predictions of {doc['created_utc']} UTC, fit sha256 {doc['fit_sha256'][:12]}; method: {doc['method']}")
-    print("| run | N | steps | predicted | interval | outcome (seeds) | error | inside | additive | approach 3 "
-          "| power law |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| run | N | steps | predicted | interval | outcome (seeds) | error | inside | approach 3 | power law |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     line = None
     for r in doc["runs"]:
         outcomes, reps = [], 0
@@ -367,7 +373,7 @@ def h2_compare(out: Path, h2_dir: Path, pred_path: Path) -> None:
             cfg, _ = h2_config(out, h2_dir, r["name"], r["d_model"], r["schedule"], r["long_context_stage"], seed)
             reps += sum(repeated_tokens(rd, cfg).values())
         if not outcomes:
-            print(f"| {r['name']} | {r['N']:,.0f} | {r['steps']} | {r['predicted']:.4f} | - | not finished | | | | | |")
+            print(f"| {r['name']} | {r['N']:,.0f} | {r['steps']} | {r['predicted']:.4f} | - | not finished | | | | |")
             continue
         mean = statistics.mean(outcomes)
         sd = statistics.stdev(outcomes) / mean if len(outcomes) > 1 else float("nan")
@@ -377,7 +383,7 @@ def h2_compare(out: Path, h2_dir: Path, pred_path: Path) -> None:
         pl = a["power_law_in_compute"]
         print(f"| {r['name']} | {r['N']:,.0f} | {r['steps']} | {r['predicted']:.4f} | [{lo:.4f}, {hi:.4f}] | "
               f"{', '.join(f'{x:.4f}' for x in outcomes)} | {err:+.2%} | {'yes' if lo <= mean <= hi else 'no'} | "
-              f"{mean / a['additive_curve'] - 1:+.2%} | {mean / a['approach3'] - 1:+.2%} | "
+              f"{mean / a['approach3'] - 1:+.2%} | "
               + (f"{mean / pl - 1:+.2%}" if pl else "-") + " |")
         if r["name"] == "wsd_d112":
             line = (f"ladder_check: error {err:+.1%} at {H2_FACTOR:.1f}x (interval [{lo / r['predicted'] - 1:+.1%}, "

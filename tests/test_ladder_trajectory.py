@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from densetrain.law import schedule_areas
+from densetrain.law.forecast import anneal_drop
 from densetrain.law.judge import judge_trajectory, trajectory_prediction
 from densetrain.law.trajectory import Trajectory, bootstrap_trajectory, fit_trajectory
 
-TRUE = Trajectory(E=1.8, A=2.0e4, alpha=0.35, B=3.0e5, beta=0.3, C=0.6)
+TRUE = Trajectory(E=1.8, A=2.0e4, alpha=0.35, B=3.0e5, beta=0.3, C=0.15)
 TOKENS = 2048.0  # a step
 
 
@@ -28,7 +29,9 @@ def lrs(steps: int, kind: str) -> np.ndarray:
 
 
 def areas(steps: int, kind: str) -> tuple[np.ndarray, np.ndarray]:
-    return schedule_areas(lrs(steps, kind), TOKENS, 1.0)
+    """The forward area S1 (tokens) and the annealing drop D after each step."""
+    r = lrs(steps, kind)
+    return schedule_areas(r, TOKENS, 1.0)[0], anneal_drop(r, 1.0)
 
 
 def points(law: Trajectory, runs: list[tuple[float, int]], noise: float, seed: int = 0):
@@ -36,11 +39,11 @@ def points(law: Trajectory, runs: list[tuple[float, int]], noise: float, seed: i
     rng = np.random.default_rng(seed)
     rows = []
     for n, steps in runs:
-        s1, s2 = areas(steps, "wsd")
+        s1, dr = areas(steps, "wsd")
         for k in range(steps // 4, steps, 80):
-            rows.append((n, s1[k], s2[k], float(law.loss(n, s1[k], s2[k])) * (1 + noise * rng.standard_normal()),
+            rows.append((n, s1[k], dr[k], float(law.loss(n, s1[k], dr[k])) * (1 + noise * rng.standard_normal()),
                          f"n{n:g}_t{steps}"))
-        rows.append((n, s1[-1], s2[-1], float(law.loss(n, s1[-1], s2[-1])), f"n{n:g}_t{steps}"))
+        rows.append((n, s1[-1], dr[-1], float(law.loss(n, s1[-1], dr[-1])), f"n{n:g}_t{steps}"))
     return [np.array([r[i] for r in rows], float) for i in range(4)] + [[r[4] for r in rows]]
 
 
@@ -48,24 +51,24 @@ LADDER = [(1e4, 1200), (3e4, 800), (1e5, 500), (3e5, 300), (1e4, 400), (3e4, 300
 
 
 def test_fit_recovers_a_known_law_and_predicts_a_new_size_and_schedule():
-    n, s1, s2, loss, runs = points(TRUE, LADDER, noise=0.001)
-    law = fit_trajectory(n, s1, s2, loss)
+    n, s1, dr, loss, runs = points(TRUE, LADDER, noise=0.001)
+    law = fit_trajectory(n, s1, dr, loss)
     assert law.scale < 0.003
     # a run 3x larger than the largest, 4x longer than its run, on a cosine schedule the ladder never ran
-    big_s1, big_s2 = areas(1200, "cos")
-    truth = float(TRUE.loss(9e5, big_s1[-1], big_s2[-1]))
-    assert float(law.loss(9e5, big_s1[-1], big_s2[-1])) == pytest.approx(truth, rel=0.01)
+    big_s1, big_dr = areas(1200, "cos")
+    truth = float(TRUE.loss(9e5, big_s1[-1], big_dr[-1]))
+    assert float(law.loss(9e5, big_s1[-1], big_dr[-1])) == pytest.approx(truth, rel=0.01)
     # the schedule matters: the cosine run's end differs from a WSD run's of the same length as the truth says
-    w1, w2 = areas(1200, "wsd")
-    true_gap = truth - float(TRUE.loss(9e5, w1[-1], w2[-1]))
-    fit_gap = float(law.loss(9e5, big_s1[-1], big_s2[-1]) - law.loss(9e5, w1[-1], w2[-1]))
+    w1, wd = areas(1200, "wsd")
+    true_gap = truth - float(TRUE.loss(9e5, w1[-1], wd[-1]))
+    fit_gap = float(law.loss(9e5, big_s1[-1], big_dr[-1]) - law.loss(9e5, w1[-1], wd[-1]))
     assert abs(true_gap) > 0.01 and fit_gap == pytest.approx(true_gap, abs=0.3 * abs(true_gap))
-    boot = bootstrap_trajectory(n, s1, s2, loss, runs, law, samples=10)
-    verdict = judge_trajectory(law, boot, n, s1, loss)
+    boot = bootstrap_trajectory(n, s1, dr, loss, runs, law, samples=10)
+    verdict = judge_trajectory(law, boot, n, s1, dr, loss)
     assert not verdict["degenerate"], verdict["reasons"]
     fit = {"trajectory": {"law": law.as_dict(), "bootstrap": [[b.E, b.A, b.alpha, b.B, b.beta, b.C] for b in boot],
                           "n_range": [1e4, 3e5], "s1_range": [float(s1.min()), float(s1.max())], **verdict}}
-    p = trajectory_prediction(fit, 9e5, big_s1[-1], big_s2[-1])
+    p = trajectory_prediction(fit, 9e5, big_s1[-1], big_dr[-1])
     assert p["withheld"] is None and p["loss_lo"] <= p["loss"] <= p["loss_hi"]
     assert p["n_extrapolation"] == pytest.approx(3.0)
 
@@ -73,17 +76,17 @@ def test_fit_recovers_a_known_law_and_predicts_a_new_size_and_schedule():
 def test_a_law_with_a_parameter_at_its_bound_or_one_size_is_degenerate_and_withheld():
     # no annealing gain in the data: C ends at its lower bound 0
     flat = Trajectory(E=1.8, A=2.0e4, alpha=0.35, B=3.0e5, beta=0.3, C=0.0)
-    n, s1, s2, loss, runs = points(flat, LADDER, noise=0.0)
-    law = fit_trajectory(n, s1, s2, loss)
-    verdict = judge_trajectory(law, [], n, s1, loss)
+    n, s1, dr, loss, runs = points(flat, LADDER, noise=0.0)
+    law = fit_trajectory(n, s1, dr, loss)
+    verdict = judge_trajectory(law, [], n, s1, dr, loss)
     assert verdict["degenerate"] and any(r.startswith("C = ") and "lower bound" in r for r in verdict["reasons"])
     fit = {"trajectory": {"law": law.as_dict(), "bootstrap": [], "n_range": [1e4, 3e5], "s1_range": [1.0, 1e6],
                           **verdict}}
     assert "degenerate" in trajectory_prediction(fit, 1e6, 2e6, 1e5)["withheld"]
     # one size: the N term is not measured
-    n, s1, s2, loss, runs = points(TRUE, [(3e4, 1200), (3e4, 600), (3e4, 300)], noise=0.001)
-    law = fit_trajectory(n, s1, s2, loss)
-    verdict = judge_trajectory(law, [], n, s1, loss)
+    n, s1, dr, loss, runs = points(TRUE, [(3e4, 1200), (3e4, 600), (3e4, 300)], noise=0.001)
+    law = fit_trajectory(n, s1, dr, loss)
+    verdict = judge_trajectory(law, [], n, s1, dr, loss)
     assert verdict["degenerate"] and verdict["reasons"][0].startswith("1 sizes")
     assert "0 distinct bootstrap refits" in " ".join(verdict["reasons"])
 
@@ -91,5 +94,5 @@ def test_a_law_with_a_parameter_at_its_bound_or_one_size_is_degenerate_and_withh
 def test_bad_points_are_refused():
     with pytest.raises(ValueError, match="6 parameters"):
         fit_trajectory([1e4] * 5, [1e5] * 5, [0.0] * 5, [3.0] * 5)
-    with pytest.raises(ValueError, match="s2"):
+    with pytest.raises(ValueError, match="dr"):
         fit_trajectory([1e4] * 6, [1e5] * 6, [-1.0] * 6, [3.0] * 6)

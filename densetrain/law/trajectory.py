@@ -3,18 +3,23 @@ run's final loss from its N and its lr schedule (pure math: numpy and scipy).
 
 Form (:class:`Trajectory`)::
 
-    L(N, S1, S2) = E + ((A / N)^(alpha / beta) + B / S1)^beta - C * S2 / S1
+    L(N, S1, D) = E + ((A / N)^(alpha / beta) + B / S1)^beta - C * D
 
-N parameters without the input embedding; ``S1``, ``S2`` the forward and annealing areas of the run's lr
-schedule up to the step (tokens, :func:`densetrain.law.fits.schedule_areas`). The bracket is Kaplan et al. 2020
-("Scaling Laws for Neural Language Models", eq. 1.5, ``L(N, D) = [(N_c / N)^(alpha_N / alpha_D) + D_c / D]^alpha_D``)
-with the forward area in place of D (under a constant lr S1 is D; Tissue et al. 2024 put the lr schedule in
-through S1 and S2), an irreducible E as in Hoffmann et al. 2022, and the annealing term of
-:class:`densetrain.law.fits.Curve` (``C * S2 / S1``). Why this form and not the additive ``Curve``
+N parameters without the input embedding; ``S1`` the forward area of the run's lr schedule up to the step
+(tokens, :func:`densetrain.law.fits.schedule_areas`; Tissue et al. 2024), ``D`` what the lr's falls have bought
+so far in units of the peak lr (:func:`densetrain.law.forecast.anneal_drop`: the multi-power law's annealing
+term, Luo et al. 2025). The bracket is Kaplan et al. 2020 ("Scaling Laws for Neural Language Models", eq. 1.5,
+``L(N, D) = [(N_c / N)^(alpha_N / alpha_D) + D_c / D]^alpha_D``) with the forward area in place of their D (under
+a constant lr S1 is the tokens seen), with an irreducible E as in Hoffmann et al. 2022. The annealing term is
+``C * D``, not the ``C * S2 / S1`` of :class:`densetrain.law.fits.Curve`: fitted to whole runs, ``S2 / S1``'s C
+was 0.25 for a cosine and 1.45 for a WSD run where D's were 0.21 and 0.16 (benchmarks/RESULTS.md, issue 42
+session 15), and a ladder of WSD runs sees ``S2 / S1`` only up to ~0.1 where a cosine run ends at 0.3-0.6.
+Why this form and not the additive ``Curve``
 (``E + A / N^alpha + B / S1^beta``): in the additive form the loss bought by more steps does not depend on N,
 where larger models are more sample-efficient (Kaplan et al. 2020, section 1: they reach a loss in fewer steps
 and keep improving longer); a held-out run larger and longer than the ladder's runs gains from both at once.
-At ``S1 -> inf`` it is ``E + (A / N)^alpha`` (the parameter term), at ``N -> inf`` ``E + (B / S1)^beta``.
+At ``S1 -> inf`` it is ``E + (A / N)^alpha`` (the parameter term), at ``N -> inf`` ``E + (B / S1)^beta``
+(before annealing).
 
 The fit (:func:`fit_trajectory`): Huber (delta 1e-3, Hoffmann et al. 2022) on log-loss residuals, L-BFGS-B with
 the analytic gradient from a small grid of starts; the parameters are fitted as ``(log E, log A, alpha, log B,
@@ -43,7 +48,7 @@ _NAMES = ("E", "A", "alpha", "B", "beta", "C")
 
 @dataclass(frozen=True)
 class Trajectory:
-    """``L(N, S1, S2) = E + ((A / N)^(alpha / beta) + B / S1)^beta - C * S2 / S1`` (module docstring)."""
+    """``L(N, S1, D) = E + ((A / N)^(alpha / beta) + B / S1)^beta - C * D`` (module docstring)."""
 
     E: float
     A: float
@@ -54,11 +59,11 @@ class Trajectory:
     scale: float = 0.0
     """Robust scale of the fit's relative residuals (1.4826 x their median absolute value)."""
 
-    def loss(self, n, s1, s2):
-        """The loss (nats per token) at ``n`` parameters and areas ``s1``, ``s2`` (tokens; arrays broadcast)."""
-        x = _vector(self)
-        return _predict(x, np.log(np.asarray(n, float)), np.log(np.asarray(s1, float)),
-                        np.asarray(s2, float) / np.asarray(s1, float))[0]
+    def loss(self, n, s1, drop):
+        """The loss (nats per token) at ``n`` parameters, forward area ``s1`` (tokens) and annealing drop ``drop``
+        (arrays broadcast)."""
+        return _predict(_vector(self), np.log(np.asarray(n, float)), np.log(np.asarray(s1, float)),
+                        np.asarray(drop, float))[0]
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -75,8 +80,9 @@ def _of(x: np.ndarray, scale: float = 0.0) -> Trajectory:
 
 
 def _predict(x, ln, ls1, frac):
-    """The loss at parameter vector ``x`` and its parts: ``(pred, T, u, v, log_inner)`` where ``u = (A/N)^r``,
-    ``v = B / S1`` over their sum, ``T`` the bracket's power (logs throughout: the terms span many decades)."""
+    """The loss at parameter vector ``x`` (``frac``: the annealing drop D) and its parts: ``(pred, T, wu, wv,
+    log_inner)``, ``wu``, ``wv`` the shares of ``(A/N)^r`` and ``B / S1`` in the bracket, ``T`` its power (logs
+    throughout: the terms span many decades)."""
     e, a, alpha, b, beta, c = x
     r = alpha / beta
     lu, lv = r * (a - ln), b - ls1
@@ -101,25 +107,25 @@ def _objective(x, ln, ls1, frac, ll, delta):
     return float(loss.sum()), grad
 
 
-def fit_trajectory(n, s1, s2, loss, delta: float = HUBER_DELTA, start: Trajectory | None = None) -> Trajectory:
-    """:class:`Trajectory` fitted to points ``(n, s1, s2, loss)`` (module docstring).
+def fit_trajectory(n, s1, drop, loss, delta: float = HUBER_DELTA, start: Trajectory | None = None) -> Trajectory:
+    """:class:`Trajectory` fitted to points ``(n, s1, drop, loss)`` (module docstring).
 
     Args:
         start: a previous fit to start from (bootstrap refits); None: a grid of 12 starts.
     Raises:
-        ValueError: fewer than 6 points, or an n, s1 or loss not finite and positive, or s2 negative.
+        ValueError: fewer than 6 points, or an n, s1 or loss not finite and positive, or a drop negative.
     """
-    n, s1, s2, loss = (np.asarray(v, float).ravel() for v in (n, s1, s2, loss))
-    if not len(n) == len(s1) == len(s2) == len(loss):
-        raise ValueError(f"points of unequal lengths {[len(n), len(s1), len(s2), len(loss)]}")
+    n, s1, drop, loss = (np.asarray(v, float).ravel() for v in (n, s1, drop, loss))
+    if not len(n) == len(s1) == len(drop) == len(loss):
+        raise ValueError(f"points of unequal lengths {[len(n), len(s1), len(drop), len(loss)]}")
     if len(n) < 6:
         raise ValueError(f"the trajectory law has 6 parameters; {len(n)} points are too few")
     for name, v in (("n", n), ("s1", s1), ("loss", loss)):
         if not np.all(np.isfinite(v)) or np.any(v <= 0):
             raise ValueError(f"every {name} must be a finite number > 0")
-    if not np.all(np.isfinite(s2)) or np.any(s2 < 0):
-        raise ValueError("every s2 must be a finite number >= 0")
-    ln, ls1, frac, ll = np.log(n), np.log(s1), s2 / s1, np.log(loss)
+    if not np.all(np.isfinite(drop)) or np.any(drop < 0):
+        raise ValueError("every drop must be a finite number >= 0")
+    ln, ls1, frac, ll = np.log(n), np.log(s1), drop, np.log(loss)
     bounds = list(TRAJ_BOUNDS)
     bounds[0] = (-20.0, float(np.log(loss.min())))
     if start is not None:
@@ -135,7 +141,7 @@ def fit_trajectory(n, s1, s2, loss, delta: float = HUBER_DELTA, start: Trajector
         if best is None or res.fun < best.fun:
             best = res
     fit = _of(best.x)
-    rel = loss / fit.loss(n, s1, s2) - 1.0
+    rel = loss / fit.loss(n, s1, drop) - 1.0
     return _of(best.x, scale=float(1.4826 * np.median(np.abs(rel))))
 
 
@@ -152,12 +158,12 @@ def at_bounds(t: Trajectory, lowest_loss: float, tol: float = 1e-3) -> list[str]
     return out
 
 
-def bootstrap_trajectory(n, s1, s2, loss, runs, law: Trajectory, samples: int = 200, seed: int = 0,
+def bootstrap_trajectory(n, s1, drop, loss, runs, law: Trajectory, samples: int = 200, seed: int = 0,
                          delta: float = HUBER_DELTA) -> list[Trajectory]:
     """The law refitted on ``samples`` resamples of the runs (``runs[i]``: the run point i belongs to; a
     resample draws as many runs as there are, with replacement, with all their points), each from ``law``.
     Resamples with fewer than 3 distinct runs or 6 points are skipped."""
-    n, s1, s2, loss = (np.asarray(v, float).ravel() for v in (n, s1, s2, loss))
+    n, s1, drop, loss = (np.asarray(v, float).ravel() for v in (n, s1, drop, loss))
     names = sorted(set(runs))
     idx_of = {k: np.flatnonzero(np.asarray(runs) == k) for k in names}
     rng = np.random.default_rng(seed)
@@ -169,11 +175,12 @@ def bootstrap_trajectory(n, s1, s2, loss, runs, law: Trajectory, samples: int = 
         idx = np.concatenate([idx_of[names[i]] for i in pick])
         if len(idx) < 6:
             continue
-        out.append(fit_trajectory(n[idx], s1[idx], s2[idx], loss[idx], delta, start=law))
+        out.append(fit_trajectory(n[idx], s1[idx], drop[idx], loss[idx], delta, start=law))
     return out
 
 
-def predict_trajectory(law: Trajectory, boot: list[Trajectory], n: float, s1: float, s2: float,
+def predict_trajectory(law: Trajectory, boot: list[Trajectory], n: float, s1: float, drop: float,
                        level: float = LEVEL) -> Interval:
-    """The loss of a run of ``n`` parameters ending at areas ``s1``, ``s2`` with its bootstrap interval."""
-    return Interval.of(float(law.loss(n, s1, s2)), [float(b.loss(n, s1, s2)) for b in boot], level)
+    """The loss of a run of ``n`` parameters ending at forward area ``s1`` and annealing drop ``drop``, with its
+    bootstrap interval."""
+    return Interval.of(float(law.loss(n, s1, drop)), [float(b.loss(n, s1, drop)) for b in boot], level)

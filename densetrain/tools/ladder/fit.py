@@ -9,7 +9,7 @@
   validations of every run past warmup;
 - the downstream two-step's step 2 (accuracy as a sigmoid of the val loss) for every task headline the points
   recorded (``eval.final_tasks`` in the ladder's config), from 4 points on;
-- the trajectory law (:mod:`densetrain.law.trajectory`: ``E + ((A/N)^(alpha/beta) + B/S1)^beta - C S2/S1``) on
+- the trajectory law (:mod:`densetrain.law.trajectory`: ``E + ((A/N)^(alpha/beta) + B/S1)^beta - C D``) on
   every run's validations and binned train losses (:mod:`densetrain.tools.ladder.trajectories`), its bootstrap
   over runs and its own verdict (:func:`densetrain.law.judge.judge_trajectory`), under ``trajectory``: what
   predicts a new run's final loss from its N and its lr schedule (``ladder_check``);
@@ -56,7 +56,7 @@ def fit_records(records: list[dict], samples: int = 200, seed: int = 0, points: 
     Args:
         samples: bootstrap resamples, 1 to :data:`MAX_SAMPLES` (the trajectory law's: at most
             :data:`TRAJECTORY_SAMPLES`).
-        points: the runs' trajectory points ``(n, s1, s2, loss, kind, run)``
+        points: the runs' trajectory points ``(n, s1, drop, loss, kind, run)``
             (:func:`densetrain.tools.ladder.trajectories.ladder_points`); None: no trajectory law.
     Raises:
         ConfigError: fewer than 5 finished points (approach 3 has 5 parameters); ``samples`` out of range.
@@ -133,17 +133,17 @@ def trajectory_fit(points: list[tuple], samples: int, seed: int = 0) -> dict:
     """``fit.json``'s ``trajectory``: the law fitted to ``points`` ``(n, s1, s2, loss, kind, run)``, its
     bootstrap over runs, its verdict, and the ranges it was fitted on; ``{"skipped": why}`` with too few points."""
     try:
-        n, s1, s2, loss = (np.array([p[i] for p in points], float) for i in range(4))
+        n, s1, drop, loss = (np.array([p[i] for p in points], float) for i in range(4))
         runs = [p[5] for p in points]
-        law = fit_trajectory(n, s1, s2, loss)
+        law = fit_trajectory(n, s1, drop, loss)
     except ValueError as e:
         return {"skipped": str(e)}
-    boot = bootstrap_trajectory(n, s1, s2, loss, runs, law, samples, seed)
-    out = {"form": "E + ((A/N)^(alpha/beta) + B/S1)^beta - C*S2/S1", "law": law.as_dict(),
+    boot = bootstrap_trajectory(n, s1, drop, loss, runs, law, samples, seed)
+    out = {"form": "E + ((A/N)^(alpha/beta) + B/S1)^beta - C*D", "law": law.as_dict(),
            "bootstrap": [[b.E, b.A, b.alpha, b.B, b.beta, b.C] for b in boot], "points": len(points),
            "val_points": sum(p[4] == "val" for p in points), "runs": len(set(runs)),
            "n_range": [float(n.min()), float(n.max())], "s1_range": [float(s1.min()), float(s1.max())]}
-    out.update(judge_trajectory(law, boot, n, s1, loss))
+    out.update(judge_trajectory(law, boot, n, s1, drop, loss))
     return out
 
 
@@ -186,7 +186,8 @@ MAX_SAMPLES = 10_000
 
 
 def _iv(d: dict, fmt: str = ".4g") -> str:
-    return f"{d['value']:{fmt}} [{d['lo']:{fmt}}, {d['hi']:{fmt}}]"
+    v, lo, hi = (float("nan") if d[k] is None else d[k] for k in ("value", "lo", "hi"))  # null: a nan read back
+    return f"{v:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
 
 
 def format_fit(fit: dict) -> str:
