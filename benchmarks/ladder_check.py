@@ -348,6 +348,9 @@ def h2_predict(out: Path, dest: Path, fit_path: Path) -> None:
                "interval": [p["loss_lo"], p["loss_hi"]], "outcome_mean": mean, "error": mean / p["loss"] - 1}
         print(f"development held-out d96: predicted {p['loss']:.4f} [{p['loss_lo']:.4f}, {p['loss_hi']:.4f}], "
               f"outcome {mean:.4f}: {mean / p['loss'] - 1:+.2%}")
+    if dev:  # a secondary column, tuned on the development run (allowed there): each prediction x its outcome ratio
+        for r in rows:
+            r["also"]["dev_scaled"] = r["predicted"] * (1 + dev["error"])
     doc = {"created_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "method": H2_METHOD, "dev": dev,
            "fit": str(fit_path), "fit_sha256": hashlib.sha256(fit_path.read_bytes()).hexdigest(),
            "trajectory_verdict": {k: fit["trajectory"].get(k) for k in ("degenerate", "reasons", "next")},
@@ -360,8 +363,9 @@ def h2_compare(out: Path, h2_dir: Path, pred_path: Path) -> None:
     """The H2 outcomes against the committed predictions: a table, and the ladder_check line of wsd_d112."""
     doc = json.loads(pred_path.read_text())
     print(f"predictions of {doc['created_utc']} UTC, fit sha256 {doc['fit_sha256'][:12]}; method: {doc['method']}")
-    print("| run | N | steps | predicted | interval | outcome (seeds) | error | inside | approach 3 | power law |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| run | N | steps | predicted | interval | outcome (seeds) | error | inside | approach 3 | power law | "
+          "dev-scaled |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     line = None
     for r in doc["runs"]:
         outcomes, reps = [], 0
@@ -373,7 +377,7 @@ def h2_compare(out: Path, h2_dir: Path, pred_path: Path) -> None:
             cfg, _ = h2_config(out, h2_dir, r["name"], r["d_model"], r["schedule"], r["long_context_stage"], seed)
             reps += sum(repeated_tokens(rd, cfg).values())
         if not outcomes:
-            print(f"| {r['name']} | {r['N']:,.0f} | {r['steps']} | {r['predicted']:.4f} | - | not finished | | | | |")
+            print(f"| {r['name']} | {r['N']:,.0f} | {r['steps']} | {r['predicted']:.4f} | - | not finished | | | | | |")
             continue
         mean = statistics.mean(outcomes)
         sd = statistics.stdev(outcomes) / mean if len(outcomes) > 1 else float("nan")
@@ -384,7 +388,8 @@ def h2_compare(out: Path, h2_dir: Path, pred_path: Path) -> None:
         print(f"| {r['name']} | {r['N']:,.0f} | {r['steps']} | {r['predicted']:.4f} | [{lo:.4f}, {hi:.4f}] | "
               f"{', '.join(f'{x:.4f}' for x in outcomes)} | {err:+.2%} | {'yes' if lo <= mean <= hi else 'no'} | "
               f"{mean / a['approach3'] - 1:+.2%} | "
-              + (f"{mean / pl - 1:+.2%}" if pl else "-") + " |")
+              + (f"{mean / pl - 1:+.2%}" if pl else "-") + " | "
+              + (f"{mean / a['dev_scaled'] - 1:+.2%}" if a.get("dev_scaled") else "-") + " |")
         if r["name"] == "wsd_d112":
             line = (f"ladder_check: error {err:+.1%} at {H2_FACTOR:.1f}x (interval [{lo / r['predicted'] - 1:+.1%}, "
                     f"{hi / r['predicted'] - 1:+.1%}], seed sd {sd:.1%}, {reps} tokens repeated)"
