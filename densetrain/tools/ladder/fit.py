@@ -138,7 +138,8 @@ def trajectory_fit(points: list[tuple], samples: int, seed: int = 0) -> dict:
         law = fit_trajectory(n, s1, drop, loss)
     except ValueError as e:
         return {"skipped": str(e)}
-    boot = bootstrap_trajectory(n, s1, drop, loss, runs, law, samples, seed)
+    # fewer than 3 sizes: degenerate whatever the resamples say (judge_trajectory), so none are drawn
+    boot = bootstrap_trajectory(n, s1, drop, loss, runs, law, samples, seed) if len(np.unique(n)) >= 3 else []
     out = {"form": "E + ((A/N)^(alpha/beta) + B/S1)^beta - C*D", "law": law.as_dict(),
            "bootstrap": [[b.E, b.A, b.alpha, b.B, b.beta, b.C] for b in boot], "points": len(points),
            "val_points": sum(p[4] == "val" for p in points), "runs": len(set(runs)),
