@@ -4,13 +4,19 @@ its prediction withheld."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from densetrain.errors import DataError
 from densetrain.law import schedule_areas
+from densetrain.law.files import check_fit, check_trajectory
 from densetrain.law.forecast import anneal_drop
 from densetrain.law.judge import judge_trajectory, trajectory_prediction
 from densetrain.law.trajectory import Trajectory, bootstrap_trajectory, fit_trajectory
+from densetrain.tools.ladder.fit import format_fit
 
 TRUE = Trajectory(E=1.8, A=2.0e4, alpha=0.35, B=3.0e5, beta=0.3, C=0.15)
 TOKENS = 2048.0  # a step
@@ -96,3 +102,23 @@ def test_bad_points_are_refused():
         fit_trajectory([1e4] * 5, [1e5] * 5, [0.0] * 5, [3.0] * 5)
     with pytest.raises(ValueError, match="dr"):
         fit_trajectory([1e4] * 6, [1e5] * 6, [-1.0] * 6, [3.0] * 6)
+
+
+def test_fit_json_trajectory_is_checked_on_read():
+    good = {"law": TRUE.as_dict(), "bootstrap": [[1.8, 2e4, 0.35, 3e5, 0.3, 0.15]], "n_range": [1e4, 3e5],
+            "s1_range": [1e4, 1e6], "degenerate": False}
+    assert check_trajectory(good, "fit.json") is good
+    with pytest.raises(DataError, match=r"fit.json: key 'trajectory.bootstrap\[0\]'.*expected \[E, A, alpha, B"):
+        check_trajectory({**good, "bootstrap": [[1.8, 2e4]]}, "fit.json")
+    with pytest.raises(DataError, match=r"key 'trajectory.law.C': got NaN"):
+        check_trajectory({**good, "law": {**good["law"], "C": float("nan")}}, "fit.json")
+
+
+def test_a_fit_read_back_with_null_intervals_prints():
+    """fit.json writes a nan as null (approach 2's interval from 0 distinct refits): format_fit of the file read
+    back printed nothing but a TypeError before; the issue-42 ladder's fit (benchmarks/ladder_h2_fit.json)."""
+    fit = check_fit(json.loads((Path(__file__).parents[1] / "benchmarks" / "ladder_h2_fit.json").read_text()), "f")
+    text = format_fit(fit)
+    assert "approach 2: N_opt ~ C^0.401 [nan, nan]" in text
+    assert "trajectory law E + ((A/N)^(alpha/beta) + B/S1)^beta - C*D (156 points of 14 runs" in text
+    assert "median; more than 5%" in text
