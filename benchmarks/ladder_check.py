@@ -17,7 +17,10 @@
 
    (error: mean outcome / prediction - 1; interval: the prediction's, relative to it; seed sd: the held-out
    outcomes' sample standard deviation over their mean; the target |error| <= max(1%, 2 x seed sd), inside);
-5. with ``--compare-muon``: the same ladder with ``optim.name = "muon"`` (``--muon-lr``) on the same data, and
+5. ``--h2-predict JSON`` (issue 42 session 16): the pre-registered H2 runs (:data:`H2_RUNS`) predicted from the
+   ladder in ``OUT/ladder`` by the trajectory law (:mod:`densetrain.law.trajectory`), nothing trained; ``--h2 DIR``:
+   those predictions against the runs finished in DIR, a table and the ladder_check line of wsd_d112;
+6. with ``--compare-muon``: the same ladder with ``optim.name = "muon"`` (``--muon-lr``) on the same data, and
    Muon's compute multiplier over AdamW at each ladder budget (:func:`densetrain.law.compute_multiplier`).
 
 Data: ``--preset`` / ``--config`` (your recipe over prepared shards: ``densetrain prepare`` first), or for
