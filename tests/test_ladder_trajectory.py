@@ -16,6 +16,7 @@ from densetrain.law.files import check_fit, check_trajectory
 from densetrain.law.forecast import anneal_drop
 from densetrain.law.judge import judge_trajectory, trajectory_prediction
 from densetrain.law.trajectory import Trajectory, bootstrap_trajectory, fit_trajectory
+from densetrain.report.ladder import verdict_text
 from densetrain.tools.ladder.fit import format_fit
 
 TRUE = Trajectory(E=1.8, A=2.0e4, alpha=0.35, B=3.0e5, beta=0.3, C=0.15)
@@ -121,3 +122,15 @@ def test_a_fit_read_back_with_null_intervals_prints():
     assert "approach 2: N_opt ~ C^0.401 [nan, nan]" in text
     assert "trajectory law E + ((A/N)^(alpha/beta) + B/S1)^beta - C*D (156 points of 14 runs" in text
     assert "median; more than 5%" in text
+
+
+def test_the_panel_says_the_trajectory_verdict():
+    fit = check_fit(json.loads((Path(__file__).parents[1] / "benchmarks" / "ladder_h2_fit.json").read_text()), "f")
+    tr = {"degenerate": fit["trajectory"]["degenerate"], "reasons": fit["trajectory"]["reasons"]}
+    text = verdict_text({"degenerate": None, "trajectory": tr})
+    assert text == "trajectory law: DEGENERATE (the loss interval at the ladder's own points spans 5.1% (median; " \
+                   "more than 5%))"
+    both = verdict_text({"degenerate": {"reasons": ["E at its bound"], "next": ["another size"]},
+                         "trajectory": {"degenerate": False, "reasons": []}})
+    assert both == ("DEGENERATE FIT: no prediction (E at its bound); run next: another size; "
+                    "trajectory law: not degenerate")
