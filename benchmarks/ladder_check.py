@@ -17,7 +17,10 @@
 
    (error: mean outcome / prediction - 1; interval: the prediction's, relative to it; seed sd: the held-out
    outcomes' sample standard deviation over their mean; the target |error| <= max(1%, 2 x seed sd), inside);
-5. with ``--compare-muon``: the same ladder with ``optim.name = "muon"`` (``--muon-lr``) on the same data, and
+5. ``--h2-predict JSON`` (issue 42 session 16): the pre-registered H2 runs (:data:`H2_RUNS`) predicted from the
+   ladder in ``OUT/ladder`` by the trajectory law (:mod:`densetrain.law.trajectory`), nothing trained; ``--h2 DIR``:
+   those predictions against the runs finished in DIR, a table and the ladder_check line of wsd_d112;
+6. with ``--compare-muon``: the same ladder with ``optim.name = "muon"`` (``--muon-lr``) on the same data, and
    Muon's compute multiplier over AdamW at each ladder budget (:func:`densetrain.law.compute_multiplier`).
 
 Data: ``--preset`` / ``--config`` (your recipe over prepared shards: ``densetrain prepare`` first), or for
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import os
 import platform
@@ -42,14 +46,16 @@ import time
 from pathlib import Path
 
 from densetrain.config import load_config, to_dict
+from densetrain.config.schema import StageConfig
 from densetrain.data.prepare import prepare
 from densetrain.law import Law, multiplier_intervals
-from densetrain.law.judge import checked_prediction
+from densetrain.law.judge import checked_prediction, trajectory_prediction
 from densetrain.metrics import flops_per_token
-from densetrain.tools.ladder.fit import fit_ladder, format_fit
+from densetrain.tools.ladder.fit import fit_ladder, fit_records, format_fit
 from densetrain.tools.ladder.grid import N_KEY, Point, build_grid, param_counts, point_config, size_config
 from densetrain.tools.ladder.launcher import finished, open_ladder, repeated_tokens, run_ladder
 from densetrain.tools.ladder.protocol import DEFAULT_BUDGETS, DEFAULT_SIZES, PROTOCOL
+from densetrain.tools.ladder.trajectories import ladder_points, schedule_end
 from densetrain.train import train
 
 
@@ -96,8 +102,20 @@ def main() -> None:
     ap.add_argument("--muon-lr", type=float, default=0.04, help="--compare-muon: optim.muon_lr (default %(default)s: "
                     "the best of the README's width sweep)")
     ap.add_argument("--no-unseen", action="store_true", help="skip the held-out run")
+    ap.add_argument("--h2-predict", metavar="JSON", help="with --out holding a finished ladder: fit it (into "
+                    "--fit-out) and write the predictions of the pre-registered H2 runs to JSON; nothing trained")
+    ap.add_argument("--fit-out", default="", help="--h2-predict: where the fit goes (default OUT/h2_fit.json)")
+    ap.add_argument("--h2", metavar="DIR", help="compare --h2-predict's JSON (--predictions) with the H2 runs "
+                    "finished in DIR (DIR/<name>_s<seed>/summary.json)")
+    ap.add_argument("--predictions", default="benchmarks/ladder_h2_predictions.json", help="--h2: the predictions")
     args = ap.parse_args()
     out = Path(args.out)
+    if args.h2_predict:
+        h2_predict(out, Path(args.h2_predict), Path(args.fit_out or out / "h2_fit.json"))
+        return
+    if args.h2:
+        h2_compare(out, Path(args.h2), Path(args.predictions))
+        return
     if args.fineweb:
         cfg = fineweb_config(Path(args.fineweb), out, args.vocab)
         prepare(cfg)
@@ -266,6 +284,121 @@ def compare_muon(cfg, sizes: list[int], budgets: list[float], out: Path, fit: di
         print(f"  {name} points: " + ", ".join(f"{r['name']} {r['val']['all']['loss']:.4f}"
                                               for r in sorted(rs, key=lambda r: r["name"])))
     (out / "compare_muon.json").write_text(json.dumps({"multiplier": rows, "muon_lr": muon_lr}, indent=1))
+
+
+# The pre-registered held-out set H2 (issue 42, session 16; the coordinator's h2.md): (name, d_model, schedule,
+# a long-context stage from 0.8 of the run, seeds), each at 12 x the ladder's largest budget.
+H2_RUNS = (("wsd_d112", 112, "wsd", False, (0, 1, 2)), ("cos_d80", 80, "cosine", False, (0,)),
+           ("wsdlong_d96", 96, "wsd", True, (0,)), ("coslong_d128", 128, "cosine", True, (0,)),
+           ("wsd_d64", 64, "wsd", False, (0,)))
+H2_FACTOR = 12.0
+H2_METHOD = ("the trajectory law E + ((A/N)^(alpha/beta) + B/S1)^beta - C*D (densetrain.law.trajectory) fitted "
+             "to every ladder run's validations and 25-step bins of its train losses from 25% of the run; interval: "
+             "95% bootstrap over the ladder's runs; N without the input embedding; S1 of the run's lr schedule "
+             "at its last step, D its annealing drop (the long-context stage changes neither: same tokens a step)")
+
+
+def h2_config(out: Path, h2_dir: Path, name: str, d_model: int, schedule: str, long: bool, seed: int):
+    """One H2 run's config: :func:`heldout_runs`' at ``H2_FACTOR`` x C, ``schedule.kind`` ``schedule`` and, with
+    ``long``, a stage from 0.8 of the run at seq_len 512, the same tokens a step, rope_theta 1e5."""
+    _, cfg, steps = heldout_runs(out, d_model, H2_FACTOR, seed + 1)[seed]
+    cfg = copy.deepcopy(cfg)
+    cfg.train.run_dir = str(h2_dir / f"{name}_s{seed}")
+    cfg.schedule.kind = schedule
+    if long:
+        cfg.stages = [cfg.stages[0], StageConfig(name="long", start=0.8, seq_len=512, batch_tokens=0, rope_theta=1e5)]
+        cfg.train.micro_batch_size = min(cfg.train.micro_batch_size, 4)
+    return cfg, steps
+
+
+def h2_predict(out: Path, dest: Path, fit_path: Path) -> None:
+    """Fit the ladder in ``OUT/ladder`` (every fit, the trajectory law included) into ``fit_path`` and write every
+    H2 run's predicted final validation loss (primary: the trajectory law; for the record:
+    approach 3 at the run's N and tokens, the power law in compute) to ``dest``."""
+    ladder_dir = out / "ladder"
+    points = ladder_points(ladder_dir)
+    if fit_path.exists():
+        fit = json.loads(fit_path.read_text())
+    else:
+        fit = fit_records(list(finished(ladder_dir).values()), 200, points=points)
+        fit_path.write_text(json.dumps(fit))
+    print(format_fit(fit))
+    rows = []
+    for name, d_model, schedule, long, seeds in H2_RUNS:
+        cfg, steps = h2_config(out, Path("/nonexistent"), name, d_model, schedule, long, 0)
+        n, s1, drop = schedule_end(cfg)
+        tokens = float(steps * cfg.train.batch_size * cfg.train.seq_len)
+        p = trajectory_prediction(fit, n, s1, drop)
+        a3 = checked_prediction(fit, n, tokens)
+        rows.append({"name": name, "d_model": d_model, "n_layers": cfg.model.n_layers, "N": n, "steps": steps,
+                     "tokens": tokens, "schedule": schedule, "long_context_stage": long, "seeds": list(seeds),
+                     "predicted": p["loss"], "interval": [p["loss_lo"], p["loss_hi"]], "withheld": p["withheld"],
+                     "n_extrapolation": p["n_extrapolation"], "s1_extrapolation": p["s1_extrapolation"],
+                     "also": {"approach3": a3["loss"],
+                              "approach3_interval": [a3["loss_lo"], a3["loss_hi"]],
+                              "power_law_in_compute": a3.get("power_law")}})
+        print(f"{name}: d_model {d_model} ({cfg.model.n_layers} layers, N {n:,.0f}), {steps} steps, {schedule}"
+              f"{' + long context' if long else ''}: predicted {p['loss']:.4f} [{p['loss_lo']:.4f}, {p['loss_hi']:.4f}]"
+              f" (N {p['n_extrapolation']:.2f}x, S1 {p['s1_extrapolation']:.2f}x the ladder's largest)"
+              + (f"; WITHHELD: {p['withheld']}" if p["withheld"] else ""))
+    dev = None  # the development held-out run (d96 WSD at 12x, 3 seeds), where it exists: the method's dev error
+    dev_runs = [rd for rd, _, _ in heldout_runs(out, 96, H2_FACTOR, 3) if (rd / "summary.json").exists()]
+    if dev_runs:
+        _, dcfg, _ = heldout_runs(out, 96, H2_FACTOR, 1)[0]
+        p = trajectory_prediction(fit, *schedule_end(dcfg))
+        mean = statistics.mean(json.loads((rd / "summary.json").read_text())["val"]["all"]["loss"] for rd in dev_runs)
+        dev = {"run": "heldout d96 WSD (development data)", "predicted": p["loss"],
+               "interval": [p["loss_lo"], p["loss_hi"]], "outcome_mean": mean, "error": mean / p["loss"] - 1}
+        print(f"development held-out d96: predicted {p['loss']:.4f} [{p['loss_lo']:.4f}, {p['loss_hi']:.4f}], "
+              f"outcome {mean:.4f}: {mean / p['loss'] - 1:+.2%}")
+    if dev:  # a secondary column, tuned on the development run (allowed there): each prediction x its outcome ratio
+        for r in rows:
+            r["also"]["dev_scaled"] = r["predicted"] * (1 + dev["error"])
+    doc = {"created_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "method": H2_METHOD, "dev": dev,
+           "fit": str(fit_path), "fit_sha256": hashlib.sha256(fit_path.read_bytes()).hexdigest(),
+           "trajectory_verdict": {k: fit["trajectory"].get(k) for k in ("degenerate", "reasons", "next")},
+           "runs": rows}
+    dest.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {dest}")
+
+
+def h2_compare(out: Path, h2_dir: Path, pred_path: Path) -> None:
+    """The H2 outcomes against the committed predictions: a table, and the ladder_check line of wsd_d112."""
+    doc = json.loads(pred_path.read_text())
+    print(f"predictions of {doc['created_utc']} UTC, fit sha256 {doc['fit_sha256'][:12]}; method: {doc['method']}")
+    print("| run | N | steps | predicted | interval | outcome (seeds) | error | inside | approach 3 | power law | "
+          "dev-scaled |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    line = None
+    for r in doc["runs"]:
+        outcomes, reps = [], 0
+        for seed in r["seeds"]:
+            rd = h2_dir / f"{r['name']}_s{seed}"
+            if not (rd / "summary.json").exists():
+                continue
+            outcomes.append(json.loads((rd / "summary.json").read_text())["val"]["all"]["loss"])
+            cfg, _ = h2_config(out, h2_dir, r["name"], r["d_model"], r["schedule"], r["long_context_stage"], seed)
+            reps += sum(repeated_tokens(rd, cfg).values())
+        if not outcomes:
+            print(f"| {r['name']} | {r['N']:,.0f} | {r['steps']} | {r['predicted']:.4f} | - | not finished | | | | | |")
+            continue
+        mean = statistics.mean(outcomes)
+        sd = statistics.stdev(outcomes) / mean if len(outcomes) > 1 else float("nan")
+        lo, hi = r["interval"]
+        err = mean / r["predicted"] - 1
+        a = r["also"]
+        pl = a["power_law_in_compute"]
+        print(f"| {r['name']} | {r['N']:,.0f} | {r['steps']} | {r['predicted']:.4f} | [{lo:.4f}, {hi:.4f}] | "
+              f"{', '.join(f'{x:.4f}' for x in outcomes)} | {err:+.2%} | {'yes' if lo <= mean <= hi else 'no'} | "
+              f"{mean / a['approach3'] - 1:+.2%} | "
+              + (f"{mean / pl - 1:+.2%}" if pl else "-") + " | "
+              + (f"{mean / a['dev_scaled'] - 1:+.2%}" if a.get("dev_scaled") else "-") + " |")
+        if r["name"] == "wsd_d112":
+            line = (f"ladder_check: error {err:+.1%} at {H2_FACTOR:.1f}x (interval [{lo / r['predicted'] - 1:+.1%}, "
+                    f"{hi / r['predicted'] - 1:+.1%}], seed sd {sd:.1%}, {reps} tokens repeated)"
+                    + ("" if len(outcomes) == 3 else f" [{len(outcomes)} of 3 seeds]"))
+    if line:
+        print(line)
 
 
 if __name__ == "__main__":

@@ -98,6 +98,11 @@ def test_ladder_points_resume_and_fit(ladder):
     assert fit["approach3"]["intervals"]["tokens_per_param"]["value"] > 0
     assert "3+ sizes" in fit["approach2"]["skipped"]  # two sizes: no parabola
     assert set(fit["curves"]) == {"all", "email", "json"}
+    # the trajectory law on the runs' validations and train bins: two sizes, so degenerate and not bootstrapped
+    tr = fit["trajectory"]
+    assert tr["n_range"] == [recs["d32_c0"]["params_no_embed"], recs["d64_c0"]["params_no_embed"]]
+    assert tr["degenerate"] and tr["reasons"][0].startswith("2 sizes spanning") and tr["bootstrap"] == []
+    assert 0 < tr["val_points"] < tr["points"] and tr["runs"] <= 6
     assert 0 < fit["bpb_per_nat"] < 1 / 0.6931  # bytes per token > 1
 
     assert main(["ladder", "report", str(out)]) == 0

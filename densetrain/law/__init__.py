@@ -5,6 +5,8 @@
 - :mod:`~densetrain.law.files`: ``ladder.json``, ``ladder.jsonl``, a point's ``summary.json`` and ``fit.json``
   read through the bounded readers of :mod:`densetrain.fileio` and checked value by value (one line naming
   file, line and key);
+- :mod:`~densetrain.law.trajectory`: the ladder's trajectory law (one law over every run's loss trajectory: a
+  new run's final loss from its N and lr schedule), its fit and bootstrap over runs;
 - :mod:`~densetrain.law.judge`: when a ladder's fit is degenerate (and what to run next), the cross-check against
   the power law in compute, when a prediction is withheld;
 - :mod:`~densetrain.law.forecast`: a run's final loss forecast from its own validations.
@@ -42,8 +44,10 @@ from densetrain.law.fits import (
     predict,
     schedule_areas,
 )
+from densetrain.law.trajectory import Trajectory, bootstrap_trajectory, fit_trajectory, predict_trajectory
 
 __all__ = ["ANNEAL_MOMENTUM", "HUBER_DELTA", "LEVEL", "Curve", "Interval", "IsoFlop", "Law", "Sigmoid",
            "bootstrap_isoflop", "bootstrap_law", "budget_groups", "compute_multiplier", "fit_accuracy",
            "fit_compute_power", "fit_curve", "fit_isoflop", "fit_law", "fit_prediction", "frontier", "huber",
-           "isoflop_intervals", "law_intervals", "law_vector", "multiplier_intervals", "predict", "schedule_areas"]
+           "isoflop_intervals", "law_intervals", "law_vector", "multiplier_intervals", "predict", "schedule_areas",
+           "Trajectory", "bootstrap_trajectory", "fit_trajectory", "predict_trajectory"]

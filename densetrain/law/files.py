@@ -230,12 +230,42 @@ def check_fit(fit, where: str) -> dict:
     for k in ("reasons", "next"):
         if not isinstance(fit.get(k, []), list) or not all(isinstance(x, str) for x in fit.get(k, [])):
             raise DataError(f"{where}: key '{k}': got {_name(fit[k])}, expected a list of strings")
+    if "trajectory" in fit and "skipped" not in _object(fit["trajectory"], where, "trajectory"):
+        check_trajectory(fit["trajectory"], where)
     rng = fit.get("loss_range")
     if rng is not None and (not isinstance(rng, list) or len(rng) != 2):
         raise DataError(f"{where}: key 'loss_range': got {_name(rng)}, expected [lowest, highest]")
     for i, x in enumerate(rng or []):
         number(x, where, f"loss_range[{i}]")
     return fit
+
+
+_TRAJ = ("E", "A", "alpha", "B", "beta", "C", "scale")
+
+
+def check_trajectory(tr: dict, where: str) -> dict:
+    """``fit.json``'s ``trajectory`` (the trajectory law, :func:`densetrain.tools.ladder.fit.trajectory_fit`)
+    checked: its law's numbers, bootstrap refits of 6 numbers, ``n_range`` / ``s1_range``, ``degenerate``."""
+    law = _object(_get(tr, "law", where, "trajectory."), where, "trajectory.law")
+    for k in _TRAJ:
+        number(_get(law, k, where, "trajectory.law."), where, f"trajectory.law.{k}", lo=-math.inf)
+    boot = tr.get("bootstrap", [])
+    if not isinstance(boot, list):
+        raise DataError(f"{where}: key 'trajectory.bootstrap': got {_name(boot)}, expected a list of laws")
+    for i, b in enumerate(boot):
+        if not isinstance(b, list) or len(b) != 6:
+            raise DataError(f"{where}: key 'trajectory.bootstrap[{i}]': got {_name(b)}, expected "
+                            "[E, A, alpha, B, beta, C]")
+        for j, x in enumerate(b):
+            number(x, where, f"trajectory.bootstrap[{i}][{j}]", lo=-math.inf)
+    for k in ("n_range", "s1_range"):
+        v = _get(tr, k, where, "trajectory.")
+        if not isinstance(v, list) or len(v) != 2:
+            raise DataError(f"{where}: key 'trajectory.{k}': got {_name(v)}, expected [lowest, highest]")
+        _numbers(v, where, f"trajectory.{k}")
+    if not isinstance(tr.get("degenerate", False), bool):
+        raise DataError(f"{where}: key 'trajectory.degenerate': got {_name(tr['degenerate'])}, expected true or false")
+    return tr
 
 
 def read_fit(ladder_dir: Path) -> dict:

@@ -22,6 +22,12 @@ largest budget; they disagree when the power law falls outside approach 3's boot
 
 A prediction is withheld (:func:`withheld`) when its fit is degenerate, when it or its interval is not a
 finite number, or when it lies outside ``(0, CEILING x the ladder's largest point loss]``.
+
+The trajectory law (:mod:`densetrain.law.trajectory`) is judged the same way (:func:`judge_trajectory`): a
+parameter at a bound of its ``TRAJ_BOUNDS``, too few distinct bootstrap refits, a residual scale above
+:data:`NOISE`, fewer than 3 sizes or an N span under :data:`N_SPAN`, or a loss interval at the ladder's own
+a loss interval at the ladder's own points (median) wider than :data:`WIDE_LOSS` (the fit does not pin the law
+even inside the ladder).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from densetrain.law.fits import LAW_BOUNDS, LEVEL, Law, fit_compute_power, fit_prediction, frontier, law_vector
+from densetrain.law.trajectory import Trajectory, at_bounds, predict_trajectory
 
 AT_BOUND = 1e-3
 """Distance (in the fitted vector: log E, log A, log B, alpha, beta) within which a parameter is at its bound."""
@@ -43,6 +50,13 @@ CROSS_AT = 10.0
 """The cross-check compares the two laws at this many times the ladder's largest budget."""
 CEILING = 2.0
 """A prediction above this many times the ladder's largest final loss is no prediction (nor one <= 0)."""
+N_SPAN = 10.0
+"""Smallest ``max N / min N`` of a ladder whose N exponent the trajectory law is asked for (issue 42's protocol)."""
+WIDE_LOSS = 0.05
+"""Widest trajectory-law loss interval (``hi / lo - 1``, the median over the ladder's own points: a run left out
+of a resample is extrapolated to, so the largest is the smallest size's without it): more than
+twice the largest rung's seed spread of the issue-42 ladder (2.1%), which is as large as the differences between
+its sizes at one budget; a law that uncertain inside its ladder says nothing past it."""
 MAX_LOSS = 20.0
 """Where a fit has no loss range (an older fit.json): the largest loss taken as a prediction, in nats
 (ln 20 ~ a uniform guess over 485M tokens: no vocabulary is that large)."""
@@ -157,3 +171,62 @@ def checked_prediction(fit: dict, n: float, d: float) -> dict:
         p["power_law"] = x["k"] * p["flops"] ** x["gamma"]
         p["power_law_agrees"] = bool(p["loss_lo"] <= p["power_law"] <= p["loss_hi"])
     return p
+
+
+def judge_trajectory(law: Trajectory, boot: list[Trajectory], n, s1, drop, loss) -> dict:
+    """The verdict on the trajectory law ``law`` (bootstrap refits ``boot``) fitted to points ``(n, s1, drop, loss)``
+    (module docstring).
+
+    Returns:
+        ``{"degenerate", "reasons", "next", "residual_scale", "distinct_refits"}`` as :func:`judge_law`.
+    """
+    reasons, nexts = [], []
+
+    def fail(reason: str, nxt: str) -> None:
+        reasons.append(reason)
+        if nxt not in nexts:
+            nexts.append(nxt)
+
+    n, s1, drop, loss = (np.asarray(v, float) for v in (n, s1, drop, loss))
+    sizes = np.unique(np.round(n))
+    if len(sizes) < 3 or sizes.max() / sizes.min() < N_SPAN:
+        fail(f"{len(sizes)} sizes spanning {sizes.max() / sizes.min():.3g}x in N (expected 3+ over {N_SPAN:g}x)",
+             f"more sizes, spanning at least {N_SPAN:g}x in N")
+    for r in at_bounds(law, float(loss.min())):
+        fail(r, "another size and longer runs of the largest sizes (the trajectories do not pin this term)")
+    distinct = len({tuple(np.round([b.E, b.A, b.alpha, b.B, b.beta, b.C], 6)) for b in boot})
+    if distinct < FEW:
+        fail(f"{distinct} distinct bootstrap refits (fewer than {FEW}): the intervals measure nothing",
+             f"more runs and at least {FEW} bootstrap samples")
+    if law.scale > NOISE:
+        fail(f"the points scatter {law.scale:.1%} around the law (more than {NOISE:.0%} of seed noise)",
+             "check each run (repeated data? divergence?) or run the noisy points at more seeds")
+    if boot:  # the interval at a typical point of the ladder (the median over its points: inside the ladder)
+        at = [b.loss(n, s1, drop) for b in boot]
+        lo, hi = (np.quantile(at, q, axis=0) for q in ((1 - LEVEL) / 2, (1 + LEVEL) / 2))
+        width = float(np.median(hi / lo - 1.0))
+        if not width <= WIDE_LOSS:
+            fail(f"the loss interval at the ladder's own points spans {width:.1%} (median; more than {WIDE_LOSS:.0%})",
+                 "longer runs of the largest sizes, more seeds")
+    return {"degenerate": bool(reasons), "reasons": reasons, "next": nexts, "residual_scale": law.scale,
+            "distinct_refits": distinct}
+
+
+def trajectory_prediction(fit: dict, n: float, s1: float, drop: float) -> dict:
+    """The final loss of a run of ``n`` parameters whose lr schedule ends at forward area ``s1`` and annealing
+    drop ``drop`` from
+    ``fit["trajectory"]`` (``fit.json``), with its interval, how far it extrapolates (``n`` and ``s1`` over the
+    ladder's largest), and ``withheld`` (why it is no prediction: the law degenerate, or not a number) or None."""
+    tr = fit["trajectory"]
+    law = Trajectory(**tr["law"])
+    boot = [Trajectory(*b) for b in tr.get("bootstrap", [])]
+    level = fit.get("level", LEVEL)
+    p = predict_trajectory(law, boot, n, s1, drop, level)
+    out = {"n": n, "s1": s1, "drop": drop, "loss": p.value, "loss_lo": p.lo, "loss_hi": p.hi, "level": level,
+           "n_extrapolation": n / tr["n_range"][1], "s1_extrapolation": s1 / tr["s1_range"][1], "withheld": None,
+           "next": list(tr.get("next", []))}
+    if tr.get("degenerate"):
+        out["withheld"] = "the trajectory law is degenerate (" + "; ".join(tr.get("reasons", [])) + ")"
+    elif not all(np.isfinite([p.value, p.lo, p.hi])):
+        out["withheld"] = "the prediction or its interval is not a number (no bootstrap refits in fit.json?)"
+    return out

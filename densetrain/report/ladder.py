@@ -13,7 +13,9 @@ Two plots from ``ladder.jsonl`` and ``fit.json`` (read here, no training imports
 
 A degenerate fit (``fit.json``'s ``degenerate``, :mod:`densetrain.law.judge`) is drawn under the title
 "DEGENERATE FIT: no prediction" with its reasons and what to run next, and no run's predicted point is drawn
-(a withheld prediction, or any prediction of a degenerate fit): only the run's outcome.
+(a withheld prediction, or any prediction of a degenerate fit): only the run's outcome. The verdict line also says
+the trajectory law's verdict (``fit.json``'s ``trajectory``, :func:`densetrain.law.judge.judge_trajectory`) where
+the fit has one.
 """
 
 from __future__ import annotations
@@ -65,16 +67,22 @@ def ladder_series(ladder_dir: Path, prediction: dict | None = None) -> dict:
     degenerate = fit.get("degenerate") and {"reasons": fit.get("reasons", []), "next": fit.get("next", [])}
     if prediction and (degenerate or prediction.get("withheld")):  # no predicted point: only the outcome
         prediction = {k: prediction.get(k) for k in ("flops", "actual_loss", "withheld")}
+    tr = fit.get("trajectory") or {}
     return {"iso": iso, "cs": cs, "front": front, "band": band, "best": best, "pred": prediction, "key": key,
-            "ladder_dir": ladder_dir, "power": power, "degenerate": degenerate or None}
+            "ladder_dir": ladder_dir, "power": power, "degenerate": degenerate or None,
+            "trajectory": ({"degenerate": tr.get("degenerate", False), "reasons": tr.get("reasons", [])}
+                           if "law" in tr else None)}
 
 
 def verdict_text(s: dict) -> str:
-    """The panel's verdict line: "DEGENERATE FIT: no prediction (reasons); run next: ..." or ''."""
-    d = s.get("degenerate")
-    if not d:
-        return ""
-    return f"DEGENERATE FIT: no prediction ({'; '.join(d['reasons'])}); run next: {'; '.join(d['next'])}"
+    """The panel's verdict line: "DEGENERATE FIT: no prediction (reasons); run next: ..." or '', then the
+    trajectory law's: "trajectory law: DEGENERATE (reasons)" or "trajectory law: not degenerate" where there is one."""
+    d, t = s.get("degenerate"), s.get("trajectory")
+    out = f"DEGENERATE FIT: no prediction ({'; '.join(d['reasons'])}); run next: {'; '.join(d['next'])}" if d else ""
+    if t:
+        out += ("; " if out else "") + (f"trajectory law: DEGENERATE ({'; '.join(t['reasons'])})" if t["degenerate"]
+                                        else "trajectory law: not degenerate")
+    return out
 
 
 def _has_predicted(p: dict | None) -> bool:

@@ -9,6 +9,10 @@
   validations of every run past warmup;
 - the downstream two-step's step 2 (accuracy as a sigmoid of the val loss) for every task headline the points
   recorded (``eval.final_tasks`` in the ladder's config), from 4 points on;
+- the trajectory law (:mod:`densetrain.law.trajectory`: ``E + ((A/N)^(alpha/beta) + B/S1)^beta - C D``) on
+  every run's validations and binned train losses (:mod:`densetrain.tools.ladder.trajectories`), its bootstrap
+  over runs and its own verdict (:func:`densetrain.law.judge.judge_trajectory`), under ``trajectory``: what
+  predicts a new run's final loss from its N and its lr schedule (``ladder_check``);
 - the verdict (:func:`densetrain.law.judge.judge_law`): ``degenerate`` (true / false), ``reasons`` and ``next``
   (what to run next); and ``cross_check``: approach 3 against the power law in compute through each budget's
   best point (:func:`densetrain.law.judge.cross_check`).
@@ -39,16 +43,21 @@ from densetrain.law import (
     isoflop_intervals,
     law_intervals,
 )
-from densetrain.law.judge import FEW, cross_check, judge_law
+from densetrain.law.judge import FEW, cross_check, judge_law, judge_trajectory
+from densetrain.law.trajectory import bootstrap_trajectory, fit_trajectory
 from densetrain.tools.ladder.grid import N_KEY
 from densetrain.tools.ladder.launcher import collect
+from densetrain.tools.ladder.trajectories import ladder_points
 
 
-def fit_records(records: list[dict], samples: int = 200, seed: int = 0) -> dict:
+def fit_records(records: list[dict], samples: int = 200, seed: int = 0, points: list[tuple] | None = None) -> dict:
     """The fits of ``records`` (:func:`densetrain.tools.ladder.launcher.point_record`) as ``fit.json``'s dict.
 
     Args:
-        samples: bootstrap resamples, 1 to :data:`MAX_SAMPLES`.
+        samples: bootstrap resamples, 1 to :data:`MAX_SAMPLES` (the trajectory law's: at most
+            :data:`TRAJECTORY_SAMPLES`).
+        points: the runs' trajectory points ``(n, s1, drop, loss, kind, run)``
+            (:func:`densetrain.tools.ladder.trajectories.ladder_points`); None: no trajectory law.
     Raises:
         ConfigError: fewer than 5 finished points (approach 3 has 5 parameters); ``samples`` out of range.
     """
@@ -111,6 +120,31 @@ def fit_records(records: list[dict], samples: int = 200, seed: int = 0) -> dict:
             out.setdefault("curves_skipped", {})[key] = str(e)
             continue
         out["curves"][key] = {k: getattr(curve, k) for k in ("E", "A", "alpha", "B", "beta", "C", "scale")}
+    if points is not None:
+        out["trajectory"] = trajectory_fit(points, min(samples, TRAJECTORY_SAMPLES), seed)
+    return out
+
+
+TRAJECTORY_SAMPLES = 100
+"""Most bootstrap resamples of the trajectory law (each refit of ~150 points takes seconds on a busy core)."""
+
+
+def trajectory_fit(points: list[tuple], samples: int, seed: int = 0) -> dict:
+    """``fit.json``'s ``trajectory``: the law fitted to ``points`` ``(n, s1, s2, loss, kind, run)``, its
+    bootstrap over runs, its verdict, and the ranges it was fitted on; ``{"skipped": why}`` with too few points."""
+    try:
+        n, s1, drop, loss = (np.array([p[i] for p in points], float) for i in range(4))
+        runs = [p[5] for p in points]
+        law = fit_trajectory(n, s1, drop, loss)
+    except ValueError as e:
+        return {"skipped": str(e)}
+    # fewer than 3 sizes: degenerate whatever the resamples say (judge_trajectory), so none are drawn
+    boot = bootstrap_trajectory(n, s1, drop, loss, runs, law, samples, seed) if len(np.unique(n)) >= 3 else []
+    out = {"form": "E + ((A/N)^(alpha/beta) + B/S1)^beta - C*D", "law": law.as_dict(),
+           "bootstrap": [[b.E, b.A, b.alpha, b.B, b.beta, b.C] for b in boot], "points": len(points),
+           "val_points": sum(p[4] == "val" for p in points), "runs": len(set(runs)),
+           "n_range": [float(n.min()), float(n.max())], "s1_range": [float(s1.min()), float(s1.max())]}
+    out.update(judge_trajectory(law, boot, n, s1, drop, loss))
     return out
 
 
@@ -143,7 +177,7 @@ def merge_seeds(recs: list[dict]) -> tuple[list[dict], list[dict]]:
 
 def fit_ladder(ladder_dir: Path, samples: int = 200) -> dict:
     """Collect the ladder's finished points, fit them, write ``LADDER_DIR/fit.json``; return the fit."""
-    fit = fit_records(collect(ladder_dir), samples)
+    fit = fit_records(collect(ladder_dir), samples, points=ladder_points(ladder_dir))
     atomic_write_json(ladder_dir / "fit.json", fit)
     return fit
 
@@ -153,7 +187,8 @@ MAX_SAMPLES = 10_000
 
 
 def _iv(d: dict, fmt: str = ".4g") -> str:
-    return f"{d['value']:{fmt}} [{d['lo']:{fmt}}, {d['hi']:{fmt}}]"
+    v, lo, hi = (float("nan") if d[k] is None else d[k] for k in ("value", "lo", "hi"))  # null: a nan read back
+    return f"{v:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
 
 
 def format_fit(fit: dict) -> str:
@@ -191,6 +226,18 @@ def format_fit(fit: dict) -> str:
                          f"sizes per budget to resample; they are no measure of its uncertainty)")
     for t, g in fit.get("downstream", {}).items():
         lines.append(f"downstream {t}: {g['a']:.3g} / (1 + exp(-{g['k']:.3g} (L - {g['L0']:.4g}))) + {g['b']:.3g}")
+    tr = fit.get("trajectory", {})
+    if "skipped" in tr:
+        lines.append(f"trajectory law: skipped ({tr['skipped']})")
+    elif tr:
+        t = tr["law"]
+        lines.append(f"trajectory law {tr['form']} ({tr['points']} points of {tr['runs']} runs, {tr['val_points']} "
+                     f"validations): E {t['E']:.4g} A {t['A']:.4g} alpha {t['alpha']:.3f} B {t['B']:.4g} beta "
+                     f"{t['beta']:.3f} C {t['C']:.4g}; residual scale {t['scale']:.2%}; "
+                     f"{len(tr['bootstrap'])} bootstrap refits over runs")
+        if tr["degenerate"]:
+            lines += ["  DEGENERATE (its predictions are withheld):", *(f"  - {r}" for r in tr["reasons"]),
+                      "  run next: " + "; ".join(tr["next"])]
     for k, c in fit.get("curves", {}).items():
         lines.append(f"curve {k}: E {c['E']:.4g} A {c['A']:.4g} alpha {c['alpha']:.3f} B {c['B']:.4g} "
                      f"beta {c['beta']:.3f} C {c['C']:.4g}; residual scale {c['scale']:.2%}")
