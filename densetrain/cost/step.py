@@ -402,9 +402,12 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
         gathered, calls = n_micro * (params + max(layers - 1, 0) * blk), n_micro * 2 * int(layers)
     gathered *= 1 if fp8_all_gather else a
     ag_s = bus_bytes("all_gather", gathered, n_sh) / bw_sh + calls * (n_sh - 1) * lat_sh
-    rs_s = collective_s("reduce_scatter", 4 * params, n_sh, bw_sh, lat_sh)
+    # the gradients' reduce-scatter: every micro-batch without pipelining (densetrain.parallel.wrap.grad_sync
+    # accumulates FSDP2's shards, not unsharded gradients), once under it (the stage holds them unsharded)
+    n_rs = 1 if p > 1 or n_sh == 1 else n_micro
+    rs_s = n_rs * collective_s("reduce_scatter", 4 * params, n_sh, bw_sh, lat_sh)
     ar_s = collective_s("all_reduce", 4 * params / n_sh, r, allreduce_bw(hw, t * n_sh, r, bw_rep), lat_rep)
-    dp_bytes = bus_bytes("all_gather", gathered, n_sh) + bus_bytes("reduce_scatter", 4 * params, n_sh) \
+    dp_bytes = bus_bytes("all_gather", gathered, n_sh) + n_rs * bus_bytes("reduce_scatter", 4 * params, n_sh) \
         + bus_bytes("all_reduce", 4 * params / n_sh, r)
     one_fwd, one_bwd = layers * fwd_block, layers * (bwd_block + recompute)
     if p > 1:  # gathered once before the first micro-batch, reduced once after the last

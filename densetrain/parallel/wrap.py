@@ -30,25 +30,29 @@ def parallelize(model: nn.Module, info: DistInfo) -> nn.Module:
 
 def grad_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
     """Context for one micro-batch's backward: gradients are reduced over ranks only when ``enabled``
-    (the last micro-batch of a step); earlier ones accumulate locally: DDP's ``no_sync``, FSDP2's
-    ``set_requires_gradient_sync(False)`` (unsharded gradients kept until the last backward, which
-    reduce-scatters their sum). Tensor-parallel collectives are part of the math and always run."""
+    (the last micro-batch of a step); earlier ones accumulate locally. DDP: ``no_sync`` (its gradients are
+    whole on every rank anyway). FSDP2 reduce-scatters every micro-batch and accumulates the *sharded*
+    gradients; under HSDP only the replicas' all-reduce waits for the last (``set_requires_all_reduce``).
+    Why not FSDP2's ``set_requires_gradient_sync(False)``: it keeps every parameter's gradient unsharded in
+    fp32 until the last backward, 4 bytes a parameter on every rank (32 GB for an 8B model), which the memory
+    plan does not allow for; torchtitan likewise reduce-scatters each micro-batch. Tensor-parallel collectives
+    are part of the math and always run."""
     if enabled:
         return contextlib.nullcontext()
     if hasattr(model, "no_sync"):
         return model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # an FSDPModule
-        return _fsdp_no_sync(model)
+    if hasattr(model, "set_requires_all_reduce"):  # an FSDPModule: only HSDP has an all-reduce to defer
+        return _fsdp_defer_all_reduce(model)
     return contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def _fsdp_no_sync(model):
-    model.set_requires_gradient_sync(False)
+def _fsdp_defer_all_reduce(model):
+    model.set_requires_all_reduce(False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        model.set_requires_all_reduce(True)
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float, extra_group=None) -> torch.Tensor:
