@@ -3,8 +3,8 @@
 Before session 16 every micro-batch but a step's last ran under FSDP2's ``set_requires_gradient_sync(False)``,
 which holds each parameter's whole gradient in fp32 on every rank until the last backward (4 bytes a
 parameter: ~30 GiB a rank for an 8B model on 8 GPUs, beyond the memory plan). Now FSDP2 reduce-scatters every
-micro-batch; HSDP defers only the replicas' all-reduce. Four real gloo ranks (FSDP 4, HSDP 2 x 2); the accumulated gradient must
-equal the sum over both micro-batches and both ranks computed on one process.
+micro-batch; HSDP defers only the replicas' all-reduce. Four real gloo ranks (FSDP 4, HSDP 2 x 2); the
+accumulated gradient must equal the sum over both micro-batches and all ranks computed on one process.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def test_fsdp2_accumulates_sharded_gradients_equal_to_one_process(tmp_path: Path
     for r in range(4):
         res = json.loads(Path(f"{out}.{r}").read_text())
         fsdp, hsdp = res["fsdp"], res["hsdp"]
-        # after a non-final micro-batch no rank holds a whole gradient (before: every parameter's, in FSDP2's
-        # unsharded parameter's .grad or unsharded_accumulated_grad); FSDP 4: each rank's quarter of dim 0 as .grad; HSDP 2 x 2: the
+        # after a non-final micro-batch no rank holds a whole gradient (before: every parameter's, as FSDP2's
+        # unsharded parameter's .grad); FSDP 4: each rank's quarter of dim 0 as .grad; HSDP 2 x 2: the
         # reduce-scattered half waits for the replicas' all-reduce in FSDP2's partial reduce output
         assert fsdp["unsharded"] == 0 and hsdp["unsharded"] == 0, res
         assert fsdp["after_first"] == [[s[0] // 4, *s[1:]] for s in fsdp["shapes"]], fsdp
