@@ -23,29 +23,41 @@ SOURCES = {"web": RunCurve(3.0, 300.0, 0.45, 0.15), "code": RunCurve(1.6, 900.0,
            "books": RunCurve(3.3, 150.0, 0.4, 0.12)}
 
 
-def config():
-    src = [{"name": k, "kind": "web", "paths": [f"{k}/*.txt"], "format": "text"} for k in SOURCES]
+MIX4 = {**SOURCES, "reference": RunCurve(3.1, 250.0, 0.45, 0.14)}
+"""Four sources, as the H2 mix (books, reference, technical, code): the median of three others is not moved by
+one jumpy source (with three sources it is the mean of the other two, which is)."""
+
+
+def config(sources=SOURCES):
+    src = [{"name": k, "kind": "web", "paths": [f"{k}/*.txt"], "format": "text"} for k in sources]
     return load_config(preset="tiny", overrides=[
         ("train.steps", STEPS), ("schedule.kind", "wsd"), ("schedule.decay_fraction", 0.2),
         ("schedule.warmup_steps", 10), ("eval.every", EVERY), ("data.sources", src),
-        ("stages", [{"name": "main", "start": 0.0, "mix": {k: 1 / 3 for k in SOURCES}}])])
+        ("stages", [{"name": "main", "start": 0.0, "mix": {k: 1 / len(sources) for k in sources}}])])
 
 
-def replay(tmp_path, slow: str = "") -> tuple[OffCurve, list[dict], float]:
-    """Every validation of the run through the watcher; ``slow``'s fall keeps a fifth of its pace from step 500.
-    Returns the watcher, the run's events and the healthy run's final loss over all sources."""
-    cfg = config()
+def replay(tmp_path, slow: str = "", jumpy: str = "", sources=SOURCES) -> tuple[OffCurve, list[dict], float]:
+    """Every validation of the run through the watcher; ``slow``'s fall keeps a fifth of its pace from step 500;
+    ``jumpy``'s healthy curve is followed in stairs (a minority source of a mix: flat for 4 validations, then
+    the whole fall at once, one stair starting just past the reference at 25%). Returns the watcher, the run's
+    events and the healthy run's final loss over all sources."""
+    cfg = config(sources)
     stages = resolve_stages(cfg)
     s1, _ = run_areas(cfg, stages)
     d = run_drops(cfg, stages)
     steps = np.arange(EVERY, STEPS, EVERY)
     rng = np.random.default_rng(3)
     losses = {k: c.loss(s1[steps - 1], d[steps - 1]) * (1 + rng.normal(0, 1e-3, len(steps))) for k, c in
-              SOURCES.items()}
+              sources.items()}
+    if jumpy:
+        stair = (steps - 1 - 275) // (4 * EVERY) * (4 * EVERY) + 275  # the step whose loss each validation shows
+        stair = np.where(steps > 275, stair, steps)
+        losses[jumpy] = losses[jumpy][np.searchsorted(steps, stair)]
     if slow:
         i = int(np.searchsorted(steps, 500))
         losses[slow][i:] = losses[slow][i] - 0.2 * (losses[slow][i] - losses[slow][i:])
     w = OffCurve(cfg, 0)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     run = SimpleNamespace(stages=stages, state=SimpleNamespace(step=0), last_val=None,
                           log=MetricsLogger(tmp_path, 0, tensorboard=False))
     w.before_step(run)
@@ -54,7 +66,7 @@ def replay(tmp_path, slow: str = "") -> tuple[OffCurve, list[dict], float]:
         run.state.step = int(step) + 1  # the loop validates after the watchers: judged at the next step
         w.after_step(run, None, Verdict.APPLY)
     run.log.close()
-    return w, read_events(tmp_path), float(np.mean([c.loss(s1[-1], d[-1]) for c in SOURCES.values()]))
+    return w, read_events(tmp_path), float(np.mean([c.loss(s1[-1], d[-1]) for c in sources.values()]))
 
 
 def test_healthy_sources_raise_nothing_and_the_run_forecasts(tmp_path):
@@ -75,3 +87,19 @@ def test_one_source_slowing_is_named_alone_before_the_end(tmp_path):
     assert len(alarms) == 1 and alarms[0]["values"]["sources"] == ["code"], alarms
     assert 500 < alarms[0]["step"] < STEPS - EVERY
     assert "'code'" in alarms[0]["text"] and "left their curves while the others did not" in alarms[0]["text"]
+
+
+def test_a_jumpy_healthy_source_is_not_named_a_slowed_one_is(tmp_path):
+    # a minority source learnt in stairs (issue 42 item 5: books, 1.7% of the H2 mix, named in 3 of 7 healthy runs
+    # by the former band, 3 x a median-based scale of 4 residuals, which ignored the stairs): its excess over the
+    # others' progress swings by a stair's height, inside a band that counts the residuals' root mean square, the
+    # few validations behind it and the extrapolation of their ratio
+    w, events, _ = replay(tmp_path / "jumpy", jumpy="books", sources=MIX4)
+    assert not [e for e in events if e["kind"] == "off_curve"], [e["text"] for e in events if e["kind"] == "off_curve"]
+    swings = [r["books"][0] / r["books"][1] - 1 for r in w.history if "books" in r]
+    assert max(swings) - min(swings) > 0.01  # the stairs are seen: the excess moves by more than the 1% floor band
+    # the same stairs on 'books' with 'code' slowed from the middle: 'code' still named alone before the end
+    _, events, _ = replay(tmp_path / "both", slow="code", jumpy="books", sources=MIX4)
+    alarms = [e for e in events if e["kind"] == "off_curve"]
+    assert len(alarms) == 1 and alarms[0]["values"]["sources"] == ["code"], [e["text"] for e in alarms]
+    assert 500 < alarms[0]["step"] < STEPS - EVERY

@@ -179,6 +179,7 @@ class OffCurve(Watcher):
         self.scale: dict[str, list] = {}  # per key: [segment start, the segment's first residual scale]
         self.fits: dict[str, RunCurve] = {}  # per fit ('all', 'forecast'): the latest (the next starts from it)
         self.frozen: float | None = None  # the last step of the sources' ratio fit (_sources)
+        self.inside: dict[str, int] = {}  # per source: the segment start of its last judgement inside its band
         self.first: dict | None = None  # the first forecast
         self.latest: dict | None = None
         self.above: dict[str, int] = {}  # consecutive validations above the band, per source / 'all'
@@ -281,14 +282,20 @@ class OffCurve(Watcher):
         if any(len(v) != len(at) for v in losses.values()) or not at:
             return  # a source missing from a validation: no common reference
         last = step - SOURCE_LAG * self.cfg.train.steps
-        if self.frozen is not None and self.frozen >= first and any(self.above.get(k, 0) for k in sources):
-            last = min(last, self.frozen)  # a source above its band: its fault stays out of the fit that judges it
+        # a source above its band after being inside it in this segment: its fault stays out of the fit that judges
+        # it. One above from its first judgement left nothing: its ratio rests on the first few validations (a
+        # minority source's stair there, issue 42 item 5), and a fit frozen on them would judge it forever
+        if (self.frozen is not None and self.frozen >= first
+                and any(self.above.get(k, 0) and self.inside.get(k) == seg for k in sources)):
+            last = min(last, self.frozen)
         self.frozen = last
         fit_to = max((i for i, s in enumerate(at) if s <= last), default=0)
         for k, (excess, band) in source_excess(losses, 0, fit_to).items():
             row[k] = [losses[k][-1], losses[k][-1] / math.exp(excess)]  # the loss, the loss the others say
             self.scale[k] = [seg, band / 3.0]
             self.above[k] = self.above.get(k, 0) + 1 if excess > self.margin(k) else 0
+            if not self.above[k]:
+                self.inside[k] = seg
 
     def _forecast(self, run, step: int) -> None:
         """The final loss forecast from every validation of 'all' past warmup (the areas carry the schedule)."""
@@ -324,7 +331,8 @@ class OffCurve(Watcher):
         named = up if up and (len(up) < len(sources) or len(sources) == 1) else []
         why = (f"sources {named} left their curves while the others did not (bad data? see the data probe and "
                f"densetrain blame)" if named else "every source moved together: a change of the run (lr, optimizer, "
-               "numerics), not of one source's data")
+               "numerics), not of one source's data" if up else "no source has left the others' progress (yet): a "
+               "change of the run, or one source's data before its own band is passed")
         text = ", ".join(f"'{k}' {row[k][0]:.4f} vs {row[k][1]:.4f} ({row[k][0] / row[k][1] - 1:+.1%}, band "
                          f"{self.margin(k):.1%})" for k in out if k in row)
         run.log.event(step, f"off_curve: validation loss above its band (a source: what the other sources' "
@@ -336,14 +344,15 @@ class OffCurve(Watcher):
     def state_dict(self) -> dict:
         return {"above": self.above, "flagged": self.flagged, "history": self.history, "points": self.points,
                 "scale": self.scale, "first": self.first, "latest": self.latest,
-                "fits": {k: vars(c) for k, c in self.fits.items()}, "frozen": self.frozen}
+                "fits": {k: vars(c) for k, c in self.fits.items()}, "frozen": self.frozen,
+                "inside": self.inside}
 
     def load_state_dict(self, d: dict) -> None:
         self.above, self.flagged = dict(d.get("above", {})), list(d.get("flagged", []))
         self.history, self.points = list(d.get("history", [])), dict(d.get("points", {}))
         self.scale, self.first, self.latest = dict(d.get("scale", {})), d.get("first"), d.get("latest")
         self.fits = {k: RunCurve(**v) for k, v in d.get("fits", {}).items()}
-        self.frozen = d.get("frozen")
+        self.frozen, self.inside = d.get("frozen"), dict(d.get("inside", {}))
 
     def close(self) -> None:
         """Add the forecast (and the prediction) with the outcome to ``summary.json`` (written by the loop just
