@@ -20,9 +20,11 @@ Every run that validates during training (``eval.every > 0``; with or without a 
   of the segment so far (a loss that still falls, only slower than the fit extrapolates, is no alarm). With two
   or more sources, each source against the others (:func:`densetrain.law.forecast.source_excess`): its log-loss
   drop since the segment's first validation past :data:`CURVE_FROM` of the run, against the median drop of the
-  others times the ratio of the two fitted on validations at least :data:`SOURCE_LAG` of the run earlier; above
-  when it fell less than that by its band (``eval.off_curve_margin``, or 3 x the ratio fit's residual scale, at
-  least :data:`~densetrain.law.forecast.SOURCE_BAND`). A refit of a source's own curve bends with a fault that
+  others times the ratio of the two fitted on validations at least :data:`SOURCE_LAG` of the run earlier (and no
+  later while a source that was inside its band in the segment is above it); above when it fell less than that
+  by its band (``eval.off_curve_margin``, or the ratio fit's prediction interval at the validation judged, at
+  least :data:`~densetrain.law.forecast.SOURCE_BAND`: few validations, jumpy residuals and a long extrapolation
+  widen it). A refit of a source's own curve bends with a fault that
   slows its fall (the seed's 7.1 case: windows repeated from the middle on); the others' progress does not.
   With a ladder whose fit is not degenerate, ``all`` must also be above its curve on the ladder
   (:class:`densetrain.law.Curve`). One ``off_curve`` event when a key is above for ``eval.off_curve_patience``
