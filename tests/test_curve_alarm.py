@@ -38,9 +38,8 @@ def config(sources=SOURCES):
 
 def replay(tmp_path, slow: str = "", jumpy: str = "", sources=SOURCES) -> tuple[OffCurve, list[dict], float]:
     """Every validation of the run through the watcher; ``slow``'s fall keeps a fifth of its pace from step 500;
-    ``jumpy``'s healthy curve is followed in stairs (a minority source of a mix: flat for 4 validations, then
-    the whole fall at once, one stair starting just past the reference at 25%). Returns the watcher, the run's
-    events and the healthy run's final loss over all sources."""
+    ``jumpy`` falls 3% more than its curve just past the reference (25% of the run), then along it. Returns the
+    watcher, the run's events and the healthy run's final loss over all sources."""
     cfg = config(sources)
     stages = resolve_stages(cfg)
     s1, _ = run_areas(cfg, stages)
@@ -50,9 +49,9 @@ def replay(tmp_path, slow: str = "", jumpy: str = "", sources=SOURCES) -> tuple[
     losses = {k: c.loss(s1[steps - 1], d[steps - 1]) * (1 + rng.normal(0, 1e-3, len(steps))) for k, c in
               sources.items()}
     if jumpy:
-        stair = (steps - 1 - 275) // (4 * EVERY) * (4 * EVERY) + 275  # the step whose loss each validation shows
-        stair = np.where(steps > 275, stair, steps)
-        losses[jumpy] = losses[jumpy][np.searchsorted(steps, stair)]
+        # a stair: 3% more fall than its curve over the two validations past the reference (step 250), then along
+        # it (a minority source learnt in a step, as books in H2: its ratio to the others' drop fitted early is off)
+        losses[jumpy] = losses[jumpy] * np.exp(-0.03 * np.clip((steps - 250) / 50, 0, 1))
     if slow:
         i = int(np.searchsorted(steps, 500))
         losses[slow][i:] = losses[slow][i] - 0.2 * (losses[slow][i] - losses[slow][i:])
@@ -90,14 +89,15 @@ def test_one_source_slowing_is_named_alone_before_the_end(tmp_path):
 
 
 def test_a_jumpy_healthy_source_is_not_named_a_slowed_one_is(tmp_path):
-    # a minority source learnt in stairs (issue 42 item 5: books, 1.7% of the H2 mix, named in 3 of 7 healthy runs
-    # by the former band, 3 x a median-based scale of 4 residuals, which ignored the stairs): its excess over the
-    # others' progress swings by a stair's height, inside a band that counts the residuals' root mean square, the
-    # few validations behind it and the extrapolation of their ratio
+    # a minority source learnt in a step just past the reference (issue 42 item 5: books, 1.7% of the H2 mix,
+    # named in 3 of 7 healthy runs at the earliest step the rule allows): its ratio to the others' drop, fitted on
+    # the first 4 validations, is far above its later one. The former rule (3 x a median-based scale of 4
+    # residuals; the ratio fit frozen while it was above, so for good) named it at step 500; the prediction
+    # interval (few validations, their root mean square, the extrapolation) does not, and the fit moves on
     w, events, _ = replay(tmp_path / "jumpy", jumpy="books", sources=MIX4)
     assert not [e for e in events if e["kind"] == "off_curve"], [e["text"] for e in events if e["kind"] == "off_curve"]
     swings = [r["books"][0] / r["books"][1] - 1 for r in w.history if "books" in r]
-    assert max(swings) - min(swings) > 0.01  # the stairs are seen: the excess moves by more than the 1% floor band
+    assert max(swings) > 0.01  # the step is seen: above the 1% floor band at its first judgements
     # the same stairs on 'books' with 'code' slowed from the middle: 'code' still named alone before the end
     _, events, _ = replay(tmp_path / "both", slow="code", jumpy="books", sources=MIX4)
     alarms = [e for e in events if e["kind"] == "off_curve"]
