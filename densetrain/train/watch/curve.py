@@ -277,8 +277,7 @@ class OffCurve(Watcher):
         """Each source's drop since the segment's first validation past :data:`CURVE_FROM` of the run against the
         other sources' (:func:`densetrain.law.forecast.source_excess`), the ratio fitted up to
         :data:`SOURCE_LAG` of the run before ``step`` (and no further while a source that was inside its band in the
-        segment is above it); a source
-        is above when its excess passes its band."""
+        segment is above it); a source is above when its excess passes its band."""
         first = max(seg, CURVE_FROM * self.cfg.train.steps)
         at = [int(p[0]) for p in self.points[sources[0]] if p[0] >= first]
         losses = {k: [p[1] for p in self.points[k] if p[0] >= first] for k in sources}
