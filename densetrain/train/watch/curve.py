@@ -20,9 +20,11 @@ Every run that validates during training (``eval.every > 0``; with or without a 
   of the segment so far (a loss that still falls, only slower than the fit extrapolates, is no alarm). With two
   or more sources, each source against the others (:func:`densetrain.law.forecast.source_excess`): its log-loss
   drop since the segment's first validation past :data:`CURVE_FROM` of the run, against the median drop of the
-  others times the ratio of the two fitted on validations at least :data:`SOURCE_LAG` of the run earlier; above
-  when it fell less than that by its band (``eval.off_curve_margin``, or 3 x the ratio fit's residual scale, at
-  least :data:`~densetrain.law.forecast.SOURCE_BAND`). A refit of a source's own curve bends with a fault that
+  others times the ratio of the two fitted on validations at least :data:`SOURCE_LAG` of the run earlier (and no
+  later while a source that was inside its band in the segment is above it); above when it fell less than that
+  by its band (``eval.off_curve_margin``, or the ratio fit's prediction interval at the validation judged, at
+  least :data:`~densetrain.law.forecast.SOURCE_BAND`: few validations, jumpy residuals and a long extrapolation
+  widen it). A refit of a source's own curve bends with a fault that
   slows its fall (the seed's 7.1 case: windows repeated from the middle on); the others' progress does not.
   With a ladder whose fit is not degenerate, ``all`` must also be above its curve on the ladder
   (:class:`densetrain.law.Curve`). One ``off_curve`` event when a key is above for ``eval.off_curve_patience``
@@ -179,6 +181,7 @@ class OffCurve(Watcher):
         self.scale: dict[str, list] = {}  # per key: [segment start, the segment's first residual scale]
         self.fits: dict[str, RunCurve] = {}  # per fit ('all', 'forecast'): the latest (the next starts from it)
         self.frozen: float | None = None  # the last step of the sources' ratio fit (_sources)
+        self.inside: dict[str, int] = {}  # per source: the segment start of its last judgement inside its band
         self.first: dict | None = None  # the first forecast
         self.latest: dict | None = None
         self.above: dict[str, int] = {}  # consecutive validations above the band, per source / 'all'
@@ -273,22 +276,28 @@ class OffCurve(Watcher):
     def _sources(self, step: int, seg: int, sources: list[str], row: dict) -> None:
         """Each source's drop since the segment's first validation past :data:`CURVE_FROM` of the run against the
         other sources' (:func:`densetrain.law.forecast.source_excess`), the ratio fitted up to
-        :data:`SOURCE_LAG` of the run before ``step`` (and no further while a source is above its band); a source
-        is above when its excess passes its band."""
+        :data:`SOURCE_LAG` of the run before ``step`` (and no further while a source that was inside its band in the
+        segment is above it); a source is above when its excess passes its band."""
         first = max(seg, CURVE_FROM * self.cfg.train.steps)
         at = [int(p[0]) for p in self.points[sources[0]] if p[0] >= first]
         losses = {k: [p[1] for p in self.points[k] if p[0] >= first] for k in sources}
         if any(len(v) != len(at) for v in losses.values()) or not at:
             return  # a source missing from a validation: no common reference
         last = step - SOURCE_LAG * self.cfg.train.steps
-        if self.frozen is not None and self.frozen >= first and any(self.above.get(k, 0) for k in sources):
-            last = min(last, self.frozen)  # a source above its band: its fault stays out of the fit that judges it
+        # a source above its band after being inside it in this segment: its fault stays out of the fit that judges
+        # it. One above from its first judgement left nothing: its ratio rests on the first few validations (a
+        # minority source's stair there, issue 42 item 5), and a fit frozen on them would judge it forever
+        if (self.frozen is not None and self.frozen >= first
+                and any(self.above.get(k, 0) and self.inside.get(k) == seg for k in sources)):
+            last = min(last, self.frozen)
         self.frozen = last
         fit_to = max((i for i, s in enumerate(at) if s <= last), default=0)
         for k, (excess, band) in source_excess(losses, 0, fit_to).items():
             row[k] = [losses[k][-1], losses[k][-1] / math.exp(excess)]  # the loss, the loss the others say
             self.scale[k] = [seg, band / 3.0]
             self.above[k] = self.above.get(k, 0) + 1 if excess > self.margin(k) else 0
+            if not self.above[k]:
+                self.inside[k] = seg
 
     def _forecast(self, run, step: int) -> None:
         """The final loss forecast from every validation of 'all' past warmup (the areas carry the schedule)."""
@@ -324,7 +333,8 @@ class OffCurve(Watcher):
         named = up if up and (len(up) < len(sources) or len(sources) == 1) else []
         why = (f"sources {named} left their curves while the others did not (bad data? see the data probe and "
                f"densetrain blame)" if named else "every source moved together: a change of the run (lr, optimizer, "
-               "numerics), not of one source's data")
+               "numerics), not of one source's data" if up else "no source has left the others' progress (yet): a "
+               "change of the run, or one source's data before its own band is passed")
         text = ", ".join(f"'{k}' {row[k][0]:.4f} vs {row[k][1]:.4f} ({row[k][0] / row[k][1] - 1:+.1%}, band "
                          f"{self.margin(k):.1%})" for k in out if k in row)
         run.log.event(step, f"off_curve: validation loss above its band (a source: what the other sources' "
@@ -336,14 +346,15 @@ class OffCurve(Watcher):
     def state_dict(self) -> dict:
         return {"above": self.above, "flagged": self.flagged, "history": self.history, "points": self.points,
                 "scale": self.scale, "first": self.first, "latest": self.latest,
-                "fits": {k: vars(c) for k, c in self.fits.items()}, "frozen": self.frozen}
+                "fits": {k: vars(c) for k, c in self.fits.items()}, "frozen": self.frozen,
+                "inside": self.inside}
 
     def load_state_dict(self, d: dict) -> None:
         self.above, self.flagged = dict(d.get("above", {})), list(d.get("flagged", []))
         self.history, self.points = list(d.get("history", [])), dict(d.get("points", {}))
         self.scale, self.first, self.latest = dict(d.get("scale", {})), d.get("first"), d.get("latest")
         self.fits = {k: RunCurve(**v) for k, v in d.get("fits", {}).items()}
-        self.frozen = d.get("frozen")
+        self.frozen, self.inside = d.get("frozen"), dict(d.get("inside", {}))
 
     def close(self) -> None:
         """Add the forecast (and the prediction) with the outcome to ``summary.json`` (written by the loop just
