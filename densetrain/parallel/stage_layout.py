@@ -124,6 +124,8 @@ def _problem(m, st, par: ParallelConfig, lay: Layout) -> str | None:
     if st.batch_size % rows:
         return (f"its batch of {st.batch_size} sequences does not split into {lay.dp_size} data-parallel ranks x "
                 f"micro_batch_size {st.micro_batch_size}")
+    if lay.pp > 1 and m.tie_embeddings:  # as config.validate refuses it: never advise a layout it refuses
+        return "pipeline stages cannot share the tied embedding and head (model.tie_embeddings)"
     if lay.pp > 1:
         try:
             resolve_microbatches(par.pp_microbatches, lay.pp, par.pp_virtual_stages, st.batch_size // rows,
