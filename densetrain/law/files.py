@@ -207,14 +207,7 @@ def check_fit(fit, where: str) -> dict:
     law = _object(_get(a3, "law", where, "approach3."), where, "approach3.law")
     for k in _LAW:
         number(_get(law, k, where, "approach3.law."), where, f"approach3.law.{k}", lo=-math.inf)
-    boot = a3.get("bootstrap", [])
-    if not isinstance(boot, list):
-        raise DataError(f"{where}: key 'approach3.bootstrap': got {_name(boot)}, expected a list of laws")
-    for i, b in enumerate(boot):
-        if not isinstance(b, list) or len(b) != 5:
-            raise DataError(f"{where}: key 'approach3.bootstrap[{i}]': got {_name(b)}, expected [E, A, B, alpha, beta]")
-        for j, x in enumerate(b):
-            number(x, where, f"approach3.bootstrap[{i}][{j}]", lo=-math.inf)
+    _refits(a3.get("bootstrap", []), where, "approach3.bootstrap", "[E, A, B, alpha, beta]")
     for key, c in _object(_get(fit, "curves", where), where, "curves").items():
         for k in _CURVE:
             number(_get(_object(c, where, f"curves.{key}"), k, where, f"curves.{key}."), where, f"curves.{key}.{k}",
@@ -243,21 +236,29 @@ def check_fit(fit, where: str) -> dict:
 _TRAJ = ("E", "A", "alpha", "B", "beta", "C", "scale")
 
 
+def _refits(boot, where: str, key: str, names: str) -> None:
+    """Check ``fit.json``'s list of bootstrap refits at ``key``: each a list of the numbers ``names`` lists.
+
+    Raises:
+        DataError: not a list, a refit of another length, a value that is not a number.
+    """
+    if not isinstance(boot, list):
+        raise DataError(f"{where}: key '{key}': got {_name(boot)}, expected a list of laws")
+    n = names.count(",") + 1
+    for i, b in enumerate(boot):
+        if not isinstance(b, list) or len(b) != n:
+            raise DataError(f"{where}: key '{key}[{i}]': got {_name(b)}, expected {names}")
+        for j, x in enumerate(b):
+            number(x, where, f"{key}[{i}][{j}]", lo=-math.inf)
+
+
 def check_trajectory(tr: dict, where: str) -> dict:
     """``fit.json``'s ``trajectory`` (the trajectory law, :func:`densetrain.tools.ladder.fit.trajectory_fit`)
     checked: its law's numbers, bootstrap refits of 6 numbers, ``n_range`` / ``s1_range``, ``degenerate``."""
     law = _object(_get(tr, "law", where, "trajectory."), where, "trajectory.law")
     for k in _TRAJ:
         number(_get(law, k, where, "trajectory.law."), where, f"trajectory.law.{k}", lo=-math.inf)
-    boot = tr.get("bootstrap", [])
-    if not isinstance(boot, list):
-        raise DataError(f"{where}: key 'trajectory.bootstrap': got {_name(boot)}, expected a list of laws")
-    for i, b in enumerate(boot):
-        if not isinstance(b, list) or len(b) != 6:
-            raise DataError(f"{where}: key 'trajectory.bootstrap[{i}]': got {_name(b)}, expected "
-                            "[E, A, alpha, B, beta, C]")
-        for j, x in enumerate(b):
-            number(x, where, f"trajectory.bootstrap[{i}][{j}]", lo=-math.inf)
+    _refits(tr.get("bootstrap", []), where, "trajectory.bootstrap", "[E, A, alpha, B, beta, C]")
     for k in ("n_range", "s1_range"):
         v = _get(tr, k, where, "trajectory.")
         if not isinstance(v, list) or len(v) != 2:
