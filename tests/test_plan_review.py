@@ -78,7 +78,10 @@ def test_a_json_hardware_file_that_is_not_an_object_is_one_line(tmp_path, capsys
 
 
 @pytest.mark.parametrize("key, value", [("peak_bf16_flops", 1e-300), ("gpus_per_node", 1e300),
-                                        ("hbm_bytes_per_s", 1e-300), ("memory_gib", 1e-9)])
+                                        ("hbm_bytes_per_s", 1e-300), ("memory_gib", 1e-9),
+                                        # optional figures: FlexAttention 1e300x SDPA made attention free
+                                        ("flex_forward_rate", 1e300), ("dtensor_op_s", 1e300),
+                                        ("nvls_bus_bytes_per_s", 1e300)])
 def test_physically_impossible_profile_values_are_refused(tmp_path, capsys, key, value):
     """Review item 2: 1e-300 FLOP/s gave rc 0 and nan everywhere, 1e300 GPUs a node passed, 1e-9 GiB printed
     "usable -1.0 GiB": each is one line naming the key."""

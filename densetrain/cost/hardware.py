@@ -92,6 +92,14 @@ RANGES = {
     "gpus_per_node": (1, 1 << 16),
 }
 """Inclusive ``(low, high)`` of each required number of a profile (units of :class:`Hardware`)."""
+OPTIONAL_MAX = {
+    # the optional figures are >= 0 (0: not modelled); above these they are unit slips: FlexAttention 10x faster
+    # than SDPA's kernel, a second per operator, a link faster than RANGES allows, a CPU share above 1
+    "flex_forward_rate": 10.0, "flex_backward_rate": 10.0, "nvls_bus_bytes_per_s": 1e15,
+    "all_gather_bytes_per_s": 1e15, "reduce_scatter_bytes_per_s": 1e15, "loss_elements_per_s": 1e18,
+    "op_overhead_s": 1.0, "dtensor_op_s": 1.0, "fsdp_group_s": 1.0, "collectives_on_cores": 1.0, "sms": 1 << 20,
+}
+"""Inclusive upper bound of each optional number of a profile (its lower bound is 0)."""
 
 
 def profile_names() -> list[str]:
@@ -138,6 +146,8 @@ def load_hardware(spec: str | Path = "h100-sxm") -> Hardware:
                     or (k == "sms" and int(v) != v):
                 raise ConfigError(f"{path}: {k} = {v!r}: expected a number >= 0"
                                   + (" (an integer)" if k == "sms" else ""))
+            if v > OPTIONAL_MAX[k]:
+                raise ConfigError(f"{path}: {k} = {v!r}: expected a number in [0, {OPTIONAL_MAX[k]:g}]")
         elif k.endswith("_efficiency"):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
                 raise ConfigError(f"{path}: {k} = {v!r}: expected a fraction in [0, 1] (0: the fitted constant)")
