@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-GPU check (<= 8 minutes): gpt2-124m and a ~1B shape, bf16 + per-block compile + FSDP2 over one
+# One-GPU check (<= 9 minutes): gpt2-124m and a ~1B shape, bf16 + per-block compile + FSDP2 over one
 # rank, ~2 minutes each; prints tokens/s, MFU against a bf16 matmul peak measured in the same run, and
 # peak memory against the planner's estimate.
 #
@@ -89,3 +89,6 @@ for name, s in shapes.items():
     torch.cuda.empty_cache()
 torch.distributed.destroy_process_group()
 PY
+# Issue 41: the per-rank kernels behind the planner's CP-against-TP picks at 8K, beside the step-time model
+# (about a minute; docs/planner.md "What one GPU can check").
+python benchmarks/planner_gpu.py
