@@ -25,10 +25,13 @@ from conftest import run_script_ranks
 
 from densetrain.config import load_config
 from densetrain.errors import ConfigError
+from densetrain.parallel.mesh import Layout
+from densetrain.tools.plan.memory import layout_memory, model_counts, pipeline_fit, pipeline_ranks
 
 _WORKER = r"""
 import json, os, sys
-root, out = sys.argv[1:]
+root, layout, out = sys.argv[1:]
+HSDP = layout == "hsdp"  # pp 2 x dp_replicate 2 x dp_shard 2 (8 ranks), else pp 2 x dp_shard 2
 sys.path.insert(0, root)
 import torch
 torch.set_num_threads(1)
@@ -43,14 +46,15 @@ from densetrain.parallel.mesh import Layout
 from densetrain.tools.plan.memory import layout_memory, model_counts
 from densetrain.train.step import forward_backward
 
-B, T, M, STEPS, LR = 8, 16, 4, 3, 1e-2  # per step: 8 rows, 4 micro-batches of 1 row on each of the 2 dp ranks
+T, M, STEPS, LR = 16, 4, 3, 1e-2  # per step: 4 micro-batches of 1 row on each dp rank
+B = M * (4 if HSDP else 2)  # rows per step
 
 
 def config(schedule, mode, **more):
     over = {"model.vocab_size": 512, "model.d_model": 64, "model.n_layers": 4, "model.n_heads": 4,
             "model.n_kv_heads": 2, "model.d_ff": 128, "model.tie_embeddings": False, "model.document_mask": False,
             "train.seed": 3, "train.device": "cpu", "train.dtype": "fp32", "eval.tasks": "", "eval.final_tasks": "",
-            "eval.samples": 0, "stages": [{"name": "main"}], "parallel.pp": 2, "parallel.dp_replicate": 1,
+            "eval.samples": 0, "stages": [{"name": "main"}], "parallel.pp": 2, "parallel.dp_replicate": 1 + HSDP,
             "parallel.dp_shard": 2, "parallel.pp_schedule": schedule, "parallel.pp_microbatches": M,
             "parallel.pp_virtual_stages": 2 if schedule == "interleaved_1f1b" else 1, "parallel.pp_grad_sync": mode}
     return load_config(preset="tiny", overrides=list({**over, **more}.items()))
@@ -73,7 +77,8 @@ class Watch:
         if cls.on:
             grads, _ = cls.held()
             shards = sum(1 for g in cls.groups for fp in g.fsdp_params if fp.sharded_param.grad is not None)
-            cls.seen.append([grads, shards])
+            partial = sum(1 for g in cls.groups if g._partial_reduce_output is not None)  # HSDP: awaiting all-reduce
+            cls.seen.append([grads, shards, partial])
 
 
 _post_backward = FSDPParamGroup.post_backward
@@ -106,7 +111,7 @@ def run(schedule, mode):
     for c in pipe.chunks:
         c.register_forward_pre_hook(Watch.before_forward)
     opt = build_optimizer(model, cfg)
-    rows = slice(info.dp_rank * B // 2, (info.dp_rank + 1) * B // 2)
+    rows = slice(info.dp_rank * M, (info.dp_rank + 1) * M)
     res = {"losses": [], "seen": [], "decisions": [d for d in pipe.decisions if "pp_grad_sync" in d]}
     for step in range(STEPS):
         Watch.seen, Watch.peak, Watch.on = [], 0, step > 0  # the first step also builds the stages
@@ -124,7 +129,7 @@ def run(schedule, mode):
         opt.step()
         opt.zero_grad(set_to_none=True)
     virtual = cfg.parallel.pp_virtual_stages
-    plan = layout_memory(model_counts(cfg.model), cfg.model, T, 1, Layout(1, 2, 1, 1, 2), "none",
+    plan = layout_memory(model_counts(cfg.model), cfg.model, T, 1, Layout(1 + HSDP, 2, 1, 1, 2), "none",
                          mixed_precision=False, pipeline={"schedule": schedule, "virtual": virtual,
                                                           "microbatches": M, "grad_sync": mode}, pp_rank=info.pp_rank)
     res["planned"] = plan["transient"]
@@ -148,11 +153,13 @@ def one_process():
     return res
 
 
-result = {f"{s}/{m}": run(s, m) for s in ("1f1b", "interleaved_1f1b") for m in ("last", "microbatch")}
+schedules = ("1f1b",) if HSDP else ("1f1b", "interleaved_1f1b")
+result = {f"{s}/{m}": run(s, m) for s in schedules for m in ("last", "microbatch")}
 result["one"] = one_process()
-tp = config("1f1b", "microbatch", **{"parallel.dp_shard": 1, "parallel.tp": 2})
-_, pipe = build_parallel_model(tp, init_distributed("cpu", tp.parallel))
-result["no_fsdp"] = [d for d in pipe.decisions if "pp_grad_sync" in d]
+if not HSDP:
+    tp = config("1f1b", "microbatch", **{"parallel.dp_shard": 1, "parallel.tp": 2})
+    _, pipe = build_parallel_model(tp, init_distributed("cpu", tp.parallel))
+    result["no_fsdp"] = [d for d in pipe.decisions if "pp_grad_sync" in d]
 with open(f"{out}.{dist.get_rank()}", "w") as f:
     json.dump(result, f)
 dist.destroy_process_group()
@@ -166,8 +173,19 @@ M = 4  # micro-batches per rank and step (the worker's)
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """The 4-rank job's results, one dict per rank (the worker above)."""
-    out = run_script_ranks(_WORKER, tmp_path_factory.mktemp("pp_grad_sync"), "pp_grad_sync", world=4, timeout=300)
-    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(4)]
+    return job(tmp_path_factory, "fsdp", 4)
+
+
+@pytest.fixture(scope="module")
+def hsdp_ranks(tmp_path_factory):
+    """The same under HSDP, 8 ranks (pp 2 x dp_replicate 2 x dp_shard 2), 1f1b only."""
+    return job(tmp_path_factory, "hsdp", 8)
+
+
+def job(tmp_path_factory, layout: str, world: int) -> list[dict]:
+    out = run_script_ranks(_WORKER, tmp_path_factory.mktemp(f"pp_grad_sync_{layout}"), "pp_grad_sync", world=world,
+                           timeout=600, args=(layout,))
+    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -175,10 +193,10 @@ def test_microbatch_keeps_no_unsharded_gradient_between_micro_batches(ranks, sch
     for res in ranks:
         last, micro = res[f"{schedule}/last"], res[f"{schedule}/microbatch"]
         for seen in micro["seen"]:  # each forward after a backward of the step: shards reduced, nothing unsharded
-            assert len(seen) >= M and all(grads == 0 for grads, _ in seen), seen
-            assert any(shards > 0 for _, shards in seen), seen
+            assert len(seen) >= M and all(grads == 0 for grads, _, _ in seen), seen
+            assert any(shards > 0 for _, shards, _ in seen), seen
         for seen in last["seen"]:  # torch's path: unsharded gradients accumulate, no shard reduced before the end
-            assert any(grads > 0 for grads, _ in seen) and all(shards == 0 for _, shards in seen), seen
+            assert any(grads > 0 for grads, _, _ in seen) and all(shards == 0 for _, shards, _ in seen), seen
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -217,7 +235,41 @@ def test_the_decision_is_logged_once_and_ignored_without_fsdp(ranks):
                                   "ranks), no gradients to reduce-scatter"]
 
 
+@pytest.mark.slow
+def test_hsdp_reduce_scatters_every_micro_batch_and_all_reduces_once(hsdp_ranks):
+    """Under HSDP the reduce-scattered shards of the call's micro-batches wait in FSDP2's partial output and
+    the replicas' all-reduce runs on the last backward only: nothing unsharded and no shard written mid-step,
+    and the gradients and losses still equal one process's (an all-reduce left out would not)."""
+    one = hsdp_ranks[0]["one"]
+    for res in hsdp_ranks:
+        last, micro = res["1f1b/last"], res["1f1b/microbatch"]
+        for seen in micro["seen"]:
+            assert all(grads == 0 and shards == 0 for grads, shards, _ in seen), seen
+            assert any(partial > 0 for _, _, partial in seen), seen
+        assert micro["peak"] < last["peak"] == last["planned"] and micro["peak"] <= micro["planned"]
+        for name, g in micro["grads"].items():
+            for other in (last["grads"][name], one["grads"][name]):
+                assert max(abs(a - b) for a, b in zip(g, other)) < 1e-5, name
+        assert micro["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=0)
+
+
 def test_a_bad_value_is_one_line():
     with pytest.raises(ConfigError) as e:
         load_config(preset="tiny", overrides=[("parallel.pp", 2), ("parallel.pp_grad_sync", "step")])
     assert str(e.value) == "parallel.pp_grad_sync must be one of last, microbatch, got 'step'"
+
+
+@pytest.mark.parametrize("mode", ["last", "microbatch"])
+def test_pipeline_fit_passes_the_mode_to_the_memory_plan(mode):
+    """The planner's pipeline settings carry ``parallel.pp_grad_sync``; under "microbatch" a rank of llama3-405b at
+    PP 16 x TP 8 x FSDP 128 holds one block's and its root's unsharded fp32 gradients, not all of its own."""
+    cfg = load_config(preset="llama3-405b", overrides=[("parallel.pp_grad_sync", mode)])
+    lay = Layout(1, 128, 8, 1, 16)
+    pipe, why = pipeline_fit(lay, 2048, 1, cfg.parallel)
+    assert why == "" and pipe["grad_sync"] == mode
+    counts, m = model_counts(cfg.model), cfg.model
+    rank = pipeline_ranks(counts, m, 16)[15]  # the last stage: 7 blocks and the head
+    local = (rank["params"] - rank["norm"]) / 8 + rank["norm"]
+    mem = layout_memory(counts, m, 8192, 1, lay, "selective", pipeline=pipe, pp_rank=15)
+    grads = 4 * local if mode == "last" else 4 * (counts["block"] + rank["params"] - 7 * counts["block"]) / 8
+    assert mem["transient"] == pytest.approx(2 * local + grads)
