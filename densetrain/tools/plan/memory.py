@@ -161,9 +161,11 @@ def layout_memory(counts: dict, m, seq_len: int, micro: int, layout, ac: str, mi
       ``FSDPParam.to_accumulated_grad_if_needed``): ``(2 + 4)`` bytes per parameter the rank holds, ``/ tp``;
       with ``pipeline["grad_sync"] == "microbatch"`` (``parallel.pp_grad_sync``,
       :func:`densetrain.parallel.pipeline.reduce_scatter_backward`) FSDP2 reduce-scatters every micro-batch,
-      and the unsharded fp32 gradients held at once are one block's plus the rank's root group's (embedding,
-      final norm, head: FSDP2 reduces that group when the stage's backward ends, so the last stage's head
-      gradient waits through all of its blocks): ``2`` bytes per parameter the rank holds plus ``4 (block +
+      and the fp32 gradient bytes held unsharded at once are ``v + 1`` blocks' (the one computed, and the flat
+      reduce-scatter input of the last group reduced, which FSDP2 keeps until the next reduction, one per
+      stage module of the rank: ``v`` the virtual stages) plus the rank's root group's (embedding, final
+      norm, head: FSDP2 reduces that group when the stage's backward ends, so the last stage's head gradient
+      waits through all of its blocks): ``2`` bytes per parameter the rank holds plus ``4 ((v + 1) block +
       root)``, ``/ tp``;
     * activations: :func:`activation_bytes_per_token` x ``micro * seq_len / cp`` tokens, plus the chunked
       cross-entropy's live chunk (:func:`loss_chunk_bytes`); under pipeline parallelism the rank's blocks
@@ -205,8 +207,9 @@ def layout_memory(counts: dict, m, seq_len: int, micro: int, layout, ac: str, mi
         transient = 0.0
         if fsdp and pp == 1:
             transient = (2 * gathered + 4) * counts["block"] / tp + gathered * counts["root"] / tp
-        elif fsdp and pipe.get("grad_sync", "last") == "microbatch":  # gathered; one block's and the root's grads
-            transient = gathered * local + 4 * (counts["block"] + r["params"] - r["blocks"] * counts["block"]) / tp
+        elif fsdp and pipe.get("grad_sync", "last") == "microbatch":  # gathered; v + 1 blocks' and the root's grads
+            root = r["params"] - r["blocks"] * counts["block"]
+            transient = gathered * local + 4 * ((virtual + 1) * counts["block"] + root) / tp
         elif fsdp:  # the rank's parameters gathered and its gradients unsharded in fp32 across micro-batches
             transient = gathered * local + 4 * local
         flight = in_flight(pipe.get("schedule", "1f1b"), pp, r["rank"], pipe.get("microbatches", 1), virtual)
