@@ -2,16 +2,18 @@
 side by side, beside the memory plan's transient bytes.
 
     .venv/bin/python benchmarks/pp_grad_sync.py                 # d_model 512, 8 blocks, 4 micro-batches
-    .venv/bin/python benchmarks/pp_grad_sync.py --microbatches 8 --steps 6
+    .venv/bin/python benchmarks/pp_grad_sync.py --dp-shard 4 --microbatches 8   # 8 processes
 
-Four processes (gloo, one thread each) run pp 2 x dp_shard 2 (1f1b, fp32) through full training steps (AdamW)
+``2 dp_shard`` processes (gloo, one thread each) run pp 2 x dp_shard (1f1b, fp32) through full training steps (AdamW)
 of ``m`` micro-batches of one row per data-parallel rank, once per mode. Memory (:class:`HeapPeak`): the
 peak of the heap bytes a rank's process has in use during its last step's forward and backward above those
 at the step's start (glibc's ``mallinfo2``, every thread: torch's CPU tensors and gloo's buffers), sampled
 every 0.2 ms. The difference of the two modes' peaks is what keeping every gradient unsharded until the
 last micro-batch costs; beside it the planner's (:func:`densetrain.tools.plan.memory.layout_memory`:
-transient terms "last" minus "microbatch", 4 bytes per parameter of the rank less one block's and the root
-group's). A process's peak resident memory (``ru_maxrss``) is printed too but does not measure this on
+transient terms "last" minus "microbatch", 4 bytes per parameter of the rank less two blocks' and the root
+group's), less the sharded gradients (4 bytes per parameter / dp_shard) that "microbatch" allocates from the
+first micro-batch and "last" at its end only (the plan counts them held throughout, as they are at the
+optimizer step). A process's peak resident memory (``ru_maxrss``) is printed too but does not measure this on
 CPU: glibc keeps freed memory in its arenas. Step times are the median over
 ``--steps`` steps (the first, which builds the stages, not counted): one reduce-scatter per micro-batch
 instead of one per step; wall times on shared cores are noisy, compare them as a ratio.
@@ -39,14 +41,14 @@ MODEL = [("model.vocab_size", 4096), ("model.d_model", 512), ("model.n_layers", 
          ("model.n_kv_heads", 4), ("model.d_ff", 1536), ("model.tie_embeddings", False), ("train.device", "cpu"),
          ("train.dtype", "fp32"), ("eval.tasks", ""), ("eval.final_tasks", ""), ("eval.samples", 0),
          ("model.document_mask", False), ("stages", [{"name": "main"}]), ("parallel.pp", 2),
-         ("parallel.dp_replicate", 1), ("parallel.dp_shard", 2), ("parallel.pp_schedule", "1f1b")]
+         ("parallel.dp_replicate", 1), ("parallel.pp_schedule", "1f1b")]
 
 
-def config(mode: str, m: int):
+def config(mode: str, m: int, dp_shard: int):
     from densetrain.config import load_config
 
     return load_config(preset="tiny", overrides=[*MODEL, ("parallel.pp_microbatches", m),
-                                                 ("parallel.pp_grad_sync", mode)])
+                                                 ("parallel.dp_shard", dp_shard), ("parallel.pp_grad_sync", mode)])
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -95,7 +97,7 @@ def rank_main(args) -> None:
     from densetrain.train.step import forward_backward
 
     torch.set_num_threads(1)
-    cfg = config(args.mode, args.microbatches)
+    cfg = config(args.mode, args.microbatches, args.dp_shard)
     info = init_distributed("cpu", cfg.parallel)
     model, pipe = build_parallel_model(cfg, info)
     opt = build_optimizer(model, cfg)
@@ -106,7 +108,7 @@ def rank_main(args) -> None:
         dist.barrier()
         t0 = time.perf_counter()
         with HeapPeak() if step > args.steps else contextlib.nullcontext() as heap:
-            forward_backward(pipe, mbs, 2 * args.microbatches * args.seq_len, info.grad_scale)
+            forward_backward(pipe, mbs, args.dp_shard * args.microbatches * args.seq_len, info.grad_scale)
         set_lr(opt, 1e-4)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -127,12 +129,12 @@ def launch(args, mode: str) -> list[dict]:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        env = {**os.environ, "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        env = {**os.environ, "WORLD_SIZE": str(2 * args.dp_shard), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         argv = [sys.executable, __file__, "--mode", mode, "--microbatches", str(args.microbatches), "--seq-len",
-                str(args.seq_len), "--steps", str(args.steps), "--out", str(out)]
+                str(args.seq_len), "--steps", str(args.steps), "--dp-shard", str(args.dp_shard), "--out", str(out)]
         procs = [subprocess.Popen([*argv, "--rank", str(r)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-                 for r in range(4)]
+                 for r in range(2 * args.dp_shard)]
         if any(p.wait() != 0 for p in procs):
             raise SystemExit("a rank failed (its error is above)")
         return json.loads(out.read_text())
@@ -143,6 +145,7 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=4, help="micro-batches of one row per rank and step")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--dp-shard", type=int, default=2, help="FSDP2 shards per pipeline stage")
     ap.add_argument("--mode", default="", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -151,24 +154,27 @@ def main() -> None:
         return rank_main(args)
 
     from densetrain.parallel.mesh import Layout
-    from densetrain.tools.plan.memory import layout_memory, model_counts
+    from densetrain.tools.plan.memory import layout_memory, model_counts, pipeline_ranks
 
     runs = {mode: launch(args, mode) for mode in ("last", "microbatch")}
-    m = config("last", args.microbatches).model
+    m = config("last", args.microbatches, args.dp_shard).model
     counts = model_counts(m)
-    print(f"pp 2 x dp_shard 2, 1f1b, {args.microbatches} micro-batches of 1 x {args.seq_len} tokens per rank, "
-          f"d_model {m.d_model}, {m.n_layers} blocks, vocab {m.vocab_size}, fp32, gloo; median of {args.steps} steps")
-    print(f"{'rank':>4} {'pp':>3} {'step peak MiB: last':>20} {'microbatch':>11} {'saved':>7} {'plan saves':>11} "
-          f"{'RSS MiB: last':>14} {'microbatch':>11} {'step s: last':>13} {'microbatch':>11} {'ratio':>6}")
+    print(f"pp 2 x dp_shard {args.dp_shard}, 1f1b, {args.microbatches} micro-batches of 1 x {args.seq_len} tokens "
+          f"per rank, d_model {m.d_model}, {m.n_layers} blocks, vocab {m.vocab_size}, fp32, gloo; median of {args.steps} steps")
+    print(f"{'rank':>4} {'pp':>3} {'step peak MiB: last':>20} {'microbatch':>11} {'saved':>7} "
+          f"{'plan saves':>11} {'- shards':>9} {'RSS MiB: last':>14} {'microbatch':>11} {'step s: last':>13} {'microbatch':>11} {'ratio':>6}")
     for r, (a, b) in enumerate(zip(runs["last"], runs["microbatch"])):
-        plan = {mode: layout_memory(counts, m, args.seq_len, 1, Layout(1, 2, 1, 1, 2), "none", mixed_precision=False,
+        lay = Layout(1, args.dp_shard, 1, 1, 2)
+        plan = {mode: layout_memory(counts, m, args.seq_len, 1, lay, "none", mixed_precision=False,
                                     pipeline={"schedule": "1f1b", "microbatches": args.microbatches,
                                               "grad_sync": mode}, pp_rank=a["pp_rank"])["transient"]
                 for mode in runs}
         saved = (plan["last"] - plan["microbatch"]) / 2**20
+        shards = 4 * pipeline_ranks(counts, m, 2)[a["pp_rank"]]["params"] / args.dp_shard / 2**20
         print(f"{r:>4} {a['pp_rank']:>3} {a['rise_mib']:>20.1f} {b['rise_mib']:>11.1f} "
-              f"{a['rise_mib'] - b['rise_mib']:>7.1f} {saved:>11.1f} {a['peak_mib']:>14.1f} {b['peak_mib']:>11.1f} "
-              f"{a['step_s']:>13.3f} {b['step_s']:>11.3f} {b['step_s'] / a['step_s']:>6.2f}")
+              f"{a['rise_mib'] - b['rise_mib']:>7.1f} {saved:>11.1f} {saved - shards:>9.1f} "
+              f"{a['peak_mib']:>14.1f} {b['peak_mib']:>11.1f} {a['step_s']:>13.3f} {b['step_s']:>11.3f} "
+              f"{b['step_s'] / a['step_s']:>6.2f}")
 
 
 if __name__ == "__main__":
