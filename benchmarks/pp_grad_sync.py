@@ -160,9 +160,11 @@ def main() -> None:
     m = config("last", args.microbatches, args.dp_shard).model
     counts = model_counts(m)
     print(f"pp 2 x dp_shard {args.dp_shard}, 1f1b, {args.microbatches} micro-batches of 1 x {args.seq_len} tokens "
-          f"per rank, d_model {m.d_model}, {m.n_layers} blocks, vocab {m.vocab_size}, fp32, gloo; median of {args.steps} steps")
-    print(f"{'rank':>4} {'pp':>3} {'step peak MiB: last':>20} {'microbatch':>11} {'saved':>7} "
-          f"{'plan saves':>11} {'- shards':>9} {'RSS MiB: last':>14} {'microbatch':>11} {'step s: last':>13} {'microbatch':>11} {'ratio':>6}")
+          f"per rank, d_model {m.d_model}, {m.n_layers} blocks, vocab {m.vocab_size}, fp32, gloo; median of "
+          f"{args.steps} steps")
+    print(f"{'rank':>4} {'pp':>3} {'step peak MiB: last':>20} {'microbatch':>11} {'saved':>7} {'plan saves':>11} "
+          f"{'- shards':>9} {'RSS MiB: last':>14} {'microbatch':>11} {'step s: last':>13} {'microbatch':>11} "
+          f"{'ratio':>6}")
     for r, (a, b) in enumerate(zip(runs["last"], runs["microbatch"])):
         lay = Layout(1, args.dp_shard, 1, 1, 2)
         plan = {mode: layout_memory(counts, m, args.seq_len, 1, lay, "none", mixed_precision=False,
