@@ -374,8 +374,8 @@ class ParallelConfig:
     pp_grad_sync: str = "last"
     """When a pipelined FSDP2 rank reduce-scatters its gradients: 'last' (torch's PipelineStage: every gradient of
     the rank's stages held unsharded in fp32, 4 bytes a parameter / tp, until the last micro-batch of a schedule
-    call, then one reduce-scatter) or 'microbatch' (one reduce-scatter per micro-batch, shards accumulated: one
-    block's unsharded gradients at a time; HSDP's all-reduce still once per call). No effect at pp = 1 (FSDP2 then
+    call, then one reduce-scatter) or 'microbatch' (one reduce-scatter per micro-batch, shards accumulated: a few
+    blocks' unsharded gradients at a time; HSDP's all-reduce still once per call). No effect at pp = 1 (FSDP2 then
     always reduce-scatters every micro-batch) nor without data parallelism (logged)."""
     timeout_s: float = 600.0
     """Seconds a collective waits for the other ranks before it fails, on every process group densetrain creates

@@ -25,8 +25,9 @@ Gradients of an FSDP2 stage (``parallel.pp_grad_sync``, :data:`GRAD_SYNC_MODES`)
 once at its end (``perform_reduce_grad``), so every gradient of the rank's stages stays unsharded in the
 policy's fp32 ``reduce_dtype`` until then (4 bytes a parameter the rank holds, ``/ tp``). ``"microbatch"``
 (:func:`reduce_scatter_backward`) lets FSDP2 reduce-scatter every micro-batch's gradients and accumulate the
-shards, as the non-pipelined path does (:func:`densetrain.parallel.wrap.grad_sync`): the rank holds one
-group's unsharded gradients at a time, for one reduce-scatter per micro-batch instead of one per call.
+shards, as the non-pipelined path does (:func:`densetrain.parallel.wrap.grad_sync`): the rank holds a few
+blocks' unsharded gradients at a time (:func:`densetrain.tools.plan.memory.layout_memory`), for one
+reduce-scatter per micro-batch instead of one per call.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from densetrain.config.validate import PP_GRAD_SYNC
-from densetrain.errors import ConfigError
+from densetrain.errors import ConfigError, TrainError
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
 BUBBLE_TARGET = 0.15  # the default micro-batch count keeps the idle fraction of a step below this
@@ -157,8 +158,6 @@ def reduce_scatter_backward(stage, backward_type: str, bwd_kwargs: dict, last_ba
         TrainError: a split backward ("input" / "weight", zero-bubble schedules'), which this does not run.
     """
     from torch.distributed.pipelining._backward import stage_backward
-
-    from densetrain.errors import TrainError
 
     if backward_type != "full":
         raise TrainError(f"parallel.pp_grad_sync 'microbatch' runs full backwards only; the schedule asked for "
@@ -342,8 +341,6 @@ class PipelineModel(nn.Module):
 
         Raises: TrainError with a KV ``cache`` (generation does not run through pipeline stages)."""
         import torch.distributed as dist
-
-        from densetrain.errors import TrainError
 
         if cache is not None or kwargs.get("head") is not None or kwargs.get("attend") is not None:
             raise TrainError("parallel.pp > 1: generation and chunked-head forwards do not run through pipeline "
