@@ -9,10 +9,15 @@ reduce_scatter_backward`) FSDP2 reduce-scatters each micro-batch and accumulates
 * (a) at every forward of a step (after some micro-batch's backward) no parameter group holds an unsharded
   gradient under "microbatch", while under "last" they do and no shard has been reduced yet;
 * the peak bytes a rank holds gathered (parameters, unsharded gradients and FSDP2's reduce-scatter input
-  buffer, at each FSDP2 post-backward, where FSDP2 reduces) equal the memory plan's transient term
-  (:func:`~densetrain.tools.plan.memory.layout_memory`) on the last pipeline rank, and never exceed it;
+  buffers, at each FSDP2 post-backward, where FSDP2 reduces) equal the memory plan's transient term
+  (:func:`~densetrain.tools.plan.memory.layout_memory`) under "last", and under "microbatch" on the last
+  pipeline rank of 1f1b, and never exceed it;
 * (b) the gradients of a step equal one process's and each other's within 1e-5;
 * (c) three AdamW steps' losses equal one process's.
+
+The same under HSDP (pp 2 x dp_replicate 2 x dp_shard 2, 8 ranks, 1f1b; slow). What FSDP2 holds is read from
+its parameter groups (torch's private ``FSDPParamGroup`` fields, observed only: ``post_backward`` is wrapped to
+look before it runs, never replaced).
 """
 
 from __future__ import annotations
