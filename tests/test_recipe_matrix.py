@@ -114,6 +114,8 @@ CELLS = [
     Cell("pp_interleaved_1f1b", 2, {"dp_replicate": 1, "pp": 2, "pp_schedule": "interleaved_1f1b",
                                     "pp_virtual_stages": 2}, PP_REFUSES, slow=False),
     Cell("pp_fsdp2", 4, {"dp_replicate": 1, "dp_shard": 2, "pp": 2}, PP_REFUSES),
+    Cell("pp_fsdp2_grad_sync_microbatch", 4, {"dp_replicate": 1, "dp_shard": 2, "pp": 2, "pp_grad_sync": "microbatch"},
+         PP_REFUSES),
     Cell("pp_tp", 4, {"dp_replicate": 1, "tp": 2, "pp": 2}, PP_REFUSES),
     Cell("pp_tp_sp", 4, {"dp_replicate": 1, "tp": 2, "sequence_parallel": True, "pp": 2}, SP_REFUSES),
     Cell("pp_interleaved_1f1b_fsdp2", 4, {"dp_replicate": 1, "dp_shard": 2, "pp": 2, "pp_schedule": "interleaved_1f1b",

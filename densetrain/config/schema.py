@@ -371,6 +371,12 @@ class ParallelConfig:
     pp_layers_per_stage: int = 0
     """Layers per pipeline stage, the embedding and the output head counted as one layer each; 0: as even as possible
     (n_layers + 2 over pp * pp_virtual_stages stages). Must then multiply to n_layers + 2 exactly."""
+    pp_grad_sync: str = "last"
+    """When a pipelined FSDP2 rank reduce-scatters its gradients: 'last' (torch's PipelineStage: every gradient of
+    the rank's stages held unsharded in fp32, 4 bytes a parameter / tp, until the last micro-batch of a schedule
+    call, then one reduce-scatter) or 'microbatch' (one reduce-scatter per micro-batch, shards accumulated: a few
+    blocks' unsharded gradients at a time; HSDP's all-reduce still once per call). No effect at pp = 1 (FSDP2 then
+    always reduce-scatters every micro-batch) nor without data parallelism (logged)."""
     timeout_s: float = 600.0
     """Seconds a collective waits for the other ranks before it fails, on every process group densetrain creates
     (the world, the mesh's subgroups, the async-save group): the job then exits naming the collective and the

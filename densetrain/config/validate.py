@@ -315,6 +315,7 @@ def _validate_layout(cfg: Config, p: ParallelConfig, seq_lens: dict[str, int], n
 
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PP_GRAD_SYNC = ("last", "microbatch")  # parallel.pp_grad_sync (densetrain.parallel.pipeline.GRAD_SYNC_MODES)
 
 
 def validate_pipeline(cfg: Config, p: ParallelConfig | None = None, check=check_config) -> None:
@@ -333,6 +334,8 @@ def validate_pipeline(cfg: Config, p: ParallelConfig | None = None, check=check_
     check(p.pp_microbatches >= 0,
           f"parallel.pp_microbatches must be >= 0 (0: automatic), got {p.pp_microbatches}")
     check(p.pp_layers_per_stage >= 0, f"parallel.pp_layers_per_stage must be >= 0, got {p.pp_layers_per_stage}")
+    check(p.pp_grad_sync in PP_GRAD_SYNC, f"parallel.pp_grad_sync must be one of {', '.join(PP_GRAD_SYNC)}, "
+                                          f"got '{p.pp_grad_sync}'")
     if p.pp == 1:
         return
     stages, units = p.pp * p.pp_virtual_stages, m.n_layers + 2

@@ -102,7 +102,7 @@ def build_parallel_model(cfg, info: DistInfo, meta: bool = False, seq_lens: dict
         chunk.reset_rope_cache()
     n_stages, sp = layout.pp * virtual, par.sequence_parallel and layout.tp > 1
     pipe = PipelineModel(chunks, [p.index for p in parts], n_stages, par.pp_schedule, info.pp_group, info.device,
-                         cfg.model.vocab_size, par.pp_microbatches, sp)
+                         cfg.model.vocab_size, par.pp_microbatches, sp, par.pp_grad_sync)
     pipe.decisions.append(describe_split(split, layout.pp, par.pp_schedule))  # logged by the first step
     return model, pipe
 

@@ -19,10 +19,20 @@ micro-batches of ``micro_batch_size`` rows; the schedule calls the step's loss f
 stage per micro-batch (the sum of its token losses divided by the step's global token count, as
 without pipelining), with ``scale_grads=False`` so that the schedule does not also divide by the
 number of micro-batches.
+
+Gradients of an FSDP2 stage (``parallel.pp_grad_sync``, :data:`GRAD_SYNC_MODES`): ``"last"`` is torch's
+``PipelineStage``, which turns FSDP2's gradient sync off for every backward of a schedule call and reduces
+once at its end (``perform_reduce_grad``), so every gradient of the rank's stages stays unsharded in the
+policy's fp32 ``reduce_dtype`` until then (4 bytes a parameter the rank holds, ``/ tp``). ``"microbatch"``
+(:func:`reduce_scatter_backward`) lets FSDP2 reduce-scatter every micro-batch's gradients and accumulate the
+shards, as the non-pipelined path does (:func:`densetrain.parallel.wrap.grad_sync`): the rank holds a few
+blocks' unsharded gradients at a time (:func:`densetrain.tools.plan.memory.layout_memory`), for one
+reduce-scatter per micro-batch instead of one per call.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,10 +40,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from densetrain.errors import ConfigError
+from densetrain.config.validate import PP_GRAD_SYNC
+from densetrain.errors import ConfigError, TrainError
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
 BUBBLE_TARGET = 0.15  # the default micro-batch count keeps the idle fraction of a step below this
+GRAD_SYNC_MODES = PP_GRAD_SYNC  # parallel.pp_grad_sync's values, validated with the config
 EVAL_SCHEDULES = 8  # forward-only schedules kept (one per input shape); each holds its stages' buffers
 
 
@@ -125,6 +137,39 @@ def join_inputs(inputs: list[dict]) -> dict:
                                   for i, a in enumerate(leaves)], spec)
 
 
+def reduce_scatter_backward(stage, backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> tuple:
+    """``PipelineStage.backward_maybe_with_nosync`` of an FSDP2 stage under ``parallel.pp_grad_sync =
+    "microbatch"`` (bound to the stage by :meth:`PipelineModel._schedule`): one micro-batch's backward with
+    FSDP2's gradient sync on, so each parameter group's post-backward reduce-scatters the micro-batch's
+    gradients and adds them to the sharded ``.grad`` (torch's ``FSDPParamGroup.post_backward`` and
+    ``foreach_reduce``), dropping the unsharded ones. Under HSDP the replicas' all-reduce runs on the stage's
+    last backward of the schedule call only (before it, FSDP2 sums the reduce-scattered shards in its partial
+    reduce output, which that all-reduce adds in). Parameters stay gathered between micro-batches
+    (reshard_after_backward off) and FSDP2's end-of-backward work waits for the call's end, both as in torch's
+    method. The call's end stays torch's ``perform_reduce_grad`` (the REDUCE_GRAD action): its post-backward
+    finds no unsharded gradient left, so nothing is reduced twice; it reshards and finalises.
+
+    ``backward_type``: "full" (the only one the schedules of :data:`SCHEDULE_NAMES` run); ``bwd_kwargs``:
+    ``stage_output``, ``output_grads``, ``input_values`` as torch passes them.
+
+    Returns:
+        ``(gradients of the stage inputs, None)``, as torch's method does for a full backward.
+    Raises:
+        TrainError: a split backward ("input" / "weight", zero-bubble schedules'), which this does not run.
+    """
+    from torch.distributed.pipelining._backward import stage_backward
+
+    if backward_type != "full":
+        raise TrainError(f"parallel.pp_grad_sync 'microbatch' runs full backwards only; the schedule asked for "
+                         f"'{backward_type}'")
+    mod = stage.submod
+    mod.set_is_last_backward(False)
+    mod.set_reshard_after_backward(False)
+    mod.set_requires_gradient_sync(True)  # also turns HSDP's all-reduce on: the next line decides it
+    mod.set_requires_all_reduce(last_backward)
+    return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]), None
+
+
 class LayerDict(nn.ModuleDict):
     """The blocks a pipeline rank holds, keyed by their global index (so ``layers.<i>`` names stay those
     of the whole model); iterates over the blocks in order, as ``nn.ModuleList`` does."""
@@ -181,10 +226,13 @@ class PipelineModel(nn.Module):
         microbatches: ``parallel.pp_microbatches`` (0: automatic, :func:`resolve_microbatches`).
         sequence_parallel: tensor parallel splits the hidden states between stages along time, so every
             stage is given the rows' RoPE ``positions`` (its hidden states do not tell their length).
+        grad_sync: ``parallel.pp_grad_sync``, one of :data:`GRAD_SYNC_MODES`; it acts on FSDP2 chunks only
+            (without data parallelism there is nothing to reduce: "microbatch" is then noted as ignored).
     """
 
     def __init__(self, chunks: list[nn.Module], stages: list[int], n_stages: int, schedule: str, group,
-                 device: torch.device, vocab_size: int, microbatches: int = 0, sequence_parallel: bool = False):
+                 device: torch.device, vocab_size: int, microbatches: int = 0, sequence_parallel: bool = False,
+                 grad_sync: str = "last"):
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
         self.stages, self.n_stages, self.schedule_name = stages, n_stages, schedule
@@ -197,6 +245,17 @@ class PipelineModel(nn.Module):
         self._loss_fn: Callable | None = None
         self._inferring = False
         self.sequence_parallel = sequence_parallel
+        fsdp = all(hasattr(c, "set_requires_gradient_sync") for c in chunks)  # FSDPModule, without importing FSDP
+        self.reduce_every_microbatch = fsdp and grad_sync == "microbatch"
+        if fsdp:
+            self.decisions.append(
+                "pipeline: FSDP2 reduce-scatters the gradients every micro-batch and accumulates shards "
+                "(parallel.pp_grad_sync = 'microbatch')" if grad_sync == "microbatch" else
+                "pipeline: gradients stay unsharded in fp32 until the last micro-batch's backward of each call, "
+                "then FSDP2 reduce-scatters once (parallel.pp_grad_sync = 'last', torch's PipelineStage)")
+        elif grad_sync == "microbatch":
+            self.decisions.append("pipeline: parallel.pp_grad_sync = 'microbatch' ignored: no FSDP2 (no "
+                                  "data-parallel ranks), no gradients to reduce-scatter")
 
     def _with_positions(self, tokens: torch.Tensor, kwargs: dict) -> dict:
         if self.sequence_parallel and kwargs.get("positions") is None and kwargs.get("attend") is None:
@@ -241,6 +300,9 @@ class PipelineModel(nn.Module):
             self._inferring = train and self.is_last
             stages = [PipelineStage(c, s, self.n_stages, self.device, group=self.group)
                       for c, s in zip(self.chunks, self.stages)]
+            if train and self.reduce_every_microbatch:
+                for st in stages:  # the least invasive hook: torch's stage, its one FSDP2 backward method replaced
+                    st.backward_maybe_with_nosync = functools.partial(reduce_scatter_backward, st)
             loss = self._loss if train else None
             if len(stages) > 1:
                 cls = ScheduleInterleaved1F1B if train else ScheduleLoopedBFS
@@ -279,8 +341,6 @@ class PipelineModel(nn.Module):
 
         Raises: TrainError with a KV ``cache`` (generation does not run through pipeline stages)."""
         import torch.distributed as dist
-
-        from densetrain.errors import TrainError
 
         if cache is not None or kwargs.get("head") is not None or kwargs.get("attend") is not None:
             raise TrainError("parallel.pp > 1: generation and chunked-head forwards do not run through pipeline "

@@ -154,11 +154,20 @@ def layout_memory(counts: dict, m, seq_len: int, micro: int, layout, ac: str, mi
       prefetched) in bf16 (fp32 without mixed precision), one block's unsharded fp32 gradients, and the
       root group's gathered parameters; under pipeline parallelism all of the rank's blocks stay gathered
       between a micro-batch's forward and its backward (densetrain/parallel/parallelize.py does not reshard
-      them, as torchtitan does not), and all of their gradients stay unsharded in fp32 until the step's last
-      backward (torch.distributed.pipelining's ``PipelineStage.backward_maybe_with_nosync`` sets
-      ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)`` on an FSDP2 stage for
-      every backward but the last; FSDP2 keeps the accumulated gradient in the policy's fp32 ``reduce_dtype``,
-      ``FSDPParam.to_accumulated_grad_if_needed``): ``(2 + 4)`` bytes per parameter the rank holds, ``/ tp``;
+      them, as torchtitan does not), and, under ``pipeline["grad_sync"]`` "last" (the default), all of their
+      gradients stay unsharded in fp32 until the step's last backward (torch.distributed.pipelining's
+      ``PipelineStage.backward_maybe_with_nosync`` sets ``set_requires_gradient_sync(False)`` and
+      ``set_reshard_after_backward(False)`` on an FSDP2 stage for every backward but the last; FSDP2 keeps
+      the accumulated gradient in the policy's fp32 ``reduce_dtype``, ``FSDPParam.to_accumulated_grad_if_needed``):
+      ``(2 + 4)`` bytes per parameter the rank holds (``4 + 4`` without mixed precision), ``/ tp``;
+      with ``pipeline["grad_sync"] == "microbatch"`` (``parallel.pp_grad_sync``,
+      :func:`densetrain.parallel.pipeline.reduce_scatter_backward`) FSDP2 reduce-scatters every micro-batch,
+      and the fp32 gradient bytes held unsharded at once are ``v + 1`` blocks' (the one computed, and the flat
+      reduce-scatter input of the last group reduced, which FSDP2 keeps until the next reduction, one per
+      stage module of the rank: ``v`` the virtual stages) plus the rank's root group's (embedding, final
+      norm, head: FSDP2 reduces that group when the stage's backward ends, so the last stage's head gradient
+      waits through all of its blocks): ``2`` (``4``) bytes per parameter the rank holds plus ``4 ((v + 1)
+      block + root)``, ``/ tp`` (measured on gloo ranks: tests/test_pipeline_grad_sync.py);
     * activations: :func:`activation_bytes_per_token` x ``micro * seq_len / cp`` tokens, plus the chunked
       cross-entropy's live chunk (:func:`loss_chunk_bytes`); under pipeline parallelism the rank's blocks
       (and head, on the last stage) only, times the micro-batches it holds at once (:func:`in_flight`).
@@ -166,9 +175,9 @@ def layout_memory(counts: dict, m, seq_len: int, micro: int, layout, ac: str, mi
     ``chunked_loss`` None: chunked where the trainer chunks (:func:`densetrain.loss.chunk_tokens_for` of
     the micro-batch's local tokens and the vocabulary slice of a rank). ``loss_parallel`` (the trainer's
     default under ``tp > 1``): each rank holds logits of ``vocab_size / tp`` ids only. ``pipeline``
-    (``layout.pp > 1``): ``{"schedule", "virtual", "microbatches", "layers_per_stage"}``; the pipeline
-    rank with the largest total is reported (``pp_rank``, its ``in_flight`` micro-batches), or pipeline rank
-    ``pp_rank`` when given.
+    (``layout.pp > 1``): ``{"schedule", "virtual", "microbatches", "layers_per_stage", "grad_sync"}`` (absent
+    keys: "1f1b", 1, 1, 0, "last"); the pipeline rank with the largest total is reported (``pp_rank``, its
+    ``in_flight`` micro-batches), or pipeline rank ``pp_rank`` when given.
 
     Returns:
         bytes: ``{"params", "grads", "optim", "transient", "activations", "total"}``, ``chunked_loss``, and
@@ -198,6 +207,9 @@ def layout_memory(counts: dict, m, seq_len: int, micro: int, layout, ac: str, mi
         transient = 0.0
         if fsdp and pp == 1:
             transient = (2 * gathered + 4) * counts["block"] / tp + gathered * counts["root"] / tp
+        elif fsdp and pipe.get("grad_sync", "last") == "microbatch":  # gathered; v + 1 blocks' and the root's grads
+            root = r["params"] - r["blocks"] * counts["block"]
+            transient = gathered * local + 4 * ((virtual + 1) * counts["block"] + root) / tp
         elif fsdp:  # the rank's parameters gathered and its gradients unsharded in fp32 across micro-batches
             transient = gathered * local + 4 * local
         flight = in_flight(pipe.get("schedule", "1f1b"), pp, r["rank"], pipe.get("microbatches", 1), virtual)
@@ -217,9 +229,9 @@ def layout_memory(counts: dict, m, seq_len: int, micro: int, layout, ac: str, mi
 
 def pipeline_fit(layout, batch: int, micro: int, parallel) -> tuple[dict | None, str]:
     """The pipeline settings of ``layout`` at a stage of ``batch`` sequences in micro-batches of ``micro``:
-    ``({"schedule", "virtual", "microbatches", "n_micro", "layers_per_stage", "bubble"}, "")``, or ``(None,
-    reason)`` when a rank would have fewer micro-batches than stages. ``({}, "")`` without pipelining.
-    ``parallel``: the config's ParallelConfig (schedule, virtual stages, micro-batch count, split)."""
+    ``({"schedule", "virtual", "microbatches", "n_micro", "layers_per_stage", "grad_sync", "bubble"}, "")``, or
+    ``(None, reason)`` when a rank would have fewer micro-batches than stages. ``({}, "")`` without pipelining.
+    ``parallel``: the config's ParallelConfig (schedule, virtual stages, micro-batch count, split, pp_grad_sync)."""
     if layout.pp == 1:
         return {}, ""
     virtual = parallel.pp_virtual_stages if parallel.pp_schedule == "interleaved_1f1b" else 1
@@ -229,5 +241,5 @@ def pipeline_fit(layout, batch: int, micro: int, parallel) -> tuple[dict | None,
     except ConfigError:
         return None, f"{n_micro} micro-batches per rank, fewer than pp = {layout.pp} stages"
     return {"schedule": parallel.pp_schedule, "virtual": virtual, "microbatches": m, "n_micro": n_micro,
-            "layers_per_stage": parallel.pp_layers_per_stage,
+            "layers_per_stage": parallel.pp_layers_per_stage, "grad_sync": parallel.pp_grad_sync,
             "bubble": bubble_share(layout.pp, m, virtual, parallel.pp_schedule)}, ""
