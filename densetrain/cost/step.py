@@ -13,8 +13,10 @@ bytes through each rank's link, plus ``(n-1)`` (all-reduce ``2 (n-1)``) ring ste
 
 What hides (torchtitan's and Megatron's behaviour): FSDP2's all-gathers (prefetched) and reduce-scatters, and
 the replicas' all-reduce, run beside the blocks' compute (taking :data:`CONTENTION` of it while they run);
-under pipelining the gather comes once per step (before the first micro-batch) and the reduction once (after
-the last), so they hide behind one micro-batch only. Tensor-parallel collectives are exposed (each feeds or
+under pipelining as torch 2.13's runtime runs them (:func:`pipelined_dp`): each stage gathered
+:func:`stage_gathers` times a schedule call (the first exposed, the others prefetched), its reduction exposed
+once a call (``pp_grad_sync`` ``last``: the compute stream waits for it) or run beside the next micro-batches
+(``microbatch``), :data:`PP_GRAD_SYNC`. Tensor-parallel collectives are exposed (each feeds or
 drains the next op; torch.compile does not move them: Inductor's ``reorder_for_compute_comm_overlap`` is off by
 default) unless AsyncTP runs them beside their GEMMs (``Parallel.async_tp``, :func:`async_tp_exposed`); context
 parallelism's key/value exchange
@@ -31,6 +33,7 @@ The three efficiency constants (:data:`GEMM_EFFICIENCY`, :data:`ATTENTION_EFFICI
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -99,6 +102,73 @@ AC_RECOMPUTE = ("none", "selective", "op", "full")
 kept); ``op`` (torchtitan's op-level selective: every second matmul recomputed); ``full`` (each block's forward
 runs again in its backward)."""
 
+PP_GRAD_SYNC = ("last", "microbatch")
+"""When a pipelined FSDP2 stage reduces its gradients (``Parallel.pp_grad_sync``, the trainer's
+``parallel.pp_grad_sync``). What torch 2.13's pipelining runtime does, read from its code:
+
+- ``last`` (torch's own): ``PipelineStage.backward_maybe_with_nosync`` turns FSDP2's gradient sync and resharding
+  off for *every* backward; the schedule's ``REDUCE_GRAD`` action (``schedules._add_reduce_grad``: right after a
+  stage's last backward of the schedule call; ``Schedule1F1B`` calls ``perform_reduce_grad`` after the call's last
+  backward) runs ``post_backward`` of every group of the stage, which issues all the stage's reduce-scatters (and
+  HSDP's all-reduce) at once, then FSDP2's ``_root_post_backward_final_callback`` with ``is_last_backward`` makes
+  the compute stream wait for them (``current_stream().wait_event`` on each reduce-scatter, ``finalize_backward``
+  on the last post-reduce event). So each virtual stage's reduction is exposed, even where later backwards of the
+  rank's other stages follow it (interleaved: stage ``k`` of ``v`` has ``k m`` backwards after its
+  ``REDUCE_GRAD``): the compute waits, it does not run beside it. Once per schedule call.
+- ``microbatch``: FSDP2's sync on for every backward (``is_last_backward`` off but for the call's last): each
+  group's reduce-scatter is issued by its post-backward hook during the micro-batch's backward and nothing waits
+  for it but the next group's buffer recycling, so it runs beside the rest of that backward and the next
+  micro-batches' compute; the call's last backward waits for its stage's (what the rest of that backward did
+  not cover). ``n_micro`` times the reduce-scatter bytes; the replicas' all-reduce (HSDP) still once a call.
+"""
+
+PP_GATHER_WINDOW = 3
+"""Stages a pipeline rank keeps gathered under an interleaved schedule: torch's ``_add_unshard_reshard`` (used by
+``_PipelineScheduleRuntime``, which ``ScheduleInterleaved1F1B`` is) issues an ``UNSHARD`` (an async all-gather of
+every FSDP2 group of the stage) for each of the next ``max_active_stages = 3`` distinct stages the rank's actions
+touch and a ``RESHARD`` (parameters freed) for a gathered stage that leaves that window, whatever
+``reshard_after_forward`` says."""
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_gathers(pp: int, virtual: int, microbatches: int, rank: int = 0) -> int:
+    """All-gathers of a whole stage's parameters pipeline rank ``rank`` runs in one schedule call of
+    ``microbatches`` micro-batches over ``pp`` ranks with ``virtual`` stages each.
+
+    ``virtual`` 1 (densetrain runs ``Schedule1F1B`` / ``ScheduleGPipe``, which have no ``UNSHARD`` actions): 1, FSDP2's
+    own hooks gather each group in the first forward and nothing reshards before the call's ``REDUCE_GRAD``
+    (densetrain's ``reshard_after_forward=False`` under pipelining). Else the interleaved 1F1B schedule (Narayanan
+    et al. 2021 sec. 2.2, as torch 2.13 orders it: ``rounds = max(1, m // pp)``, ``m / rounds`` micro-batches per
+    round; ``(v - 1) m / rounds + 2 (pp - 1 - rank)`` warm-up forwards, stage by stage a round each; then a forward
+    and a backward alternating, backwards from the rank's last stage down; then the remaining backwards), and a
+    stage is gathered each time it enters the window of the next :data:`PP_GATHER_WINDOW` distinct stages of that
+    sequence. Equal to the ``UNSHARD`` actions torch lowers the schedule to (``tests/test_plan_ppgrads.py``): 1 a
+    stage for v <= 3; pp 16 v 8 m 16: 13 for 8 stages; pp 8 v 16 m 32: 111 for 16.
+    """
+    if pp <= 1 or virtual <= 1:
+        return 1
+    v, m = virtual, microbatches
+    per_round = m // max(1, m // pp)
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+    fwd = lambda op: (op // per_round) % v  # noqa: E731  (local stage of the op-th forward)
+    bwd = lambda op: v - 1 - ((op - warmup) // per_round) % v  # noqa: E731
+    seq = [fwd(op) for op in range(warmup)]
+    for op in range(warmup, m * v):
+        seq += [fwd(op), bwd(op)]
+    seq += [bwd(op) for op in range(m * v, m * v + warmup)]
+    active: set[int] = set()
+    count = 0
+    for i in range(len(seq)):
+        window: list[int] = []
+        for st in seq[i:]:
+            if st not in window:
+                window.append(st)
+                if len(window) == PP_GATHER_WINDOW:
+                    break
+        count += sum(st not in active for st in window)
+        active = set(window)
+    return count
+
 
 @dataclass(frozen=True)
 class Parallel:
@@ -107,7 +177,9 @@ class Parallel:
     ``sequence_parallel`` (norm regions split by tp; the same bytes on the wire as plain TP), ``async_tp``
     (torch's AsyncTP, with sequence parallelism: each TP all-gather / reduce-scatter split in ``tp`` pieces
     that run beside the GEMM it feeds or drains), ``cp_exchange``, a property of the context-parallel
-    implementation (:data:`CP_EXCHANGE`), and ``attention``, the attention kernel (:data:`ATTENTION_KERNELS`)."""
+    implementation (:data:`CP_EXCHANGE`), ``attention``, the attention kernel (:data:`ATTENTION_KERNELS`), and
+    ``pp_grad_sync`` (:data:`PP_GRAD_SYNC`: when a pipelined FSDP2 stage reduce-scatters its gradients; the
+    trainer's ``parallel.pp_grad_sync``)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -121,6 +193,7 @@ class Parallel:
     async_tp: bool = False
     cp_exchange: str = "kv"
     attention: str = "auto"
+    pp_grad_sync: str = "last"
 
     @property
     def world(self) -> int:
@@ -128,11 +201,11 @@ class Parallel:
 
 
 def parallel_of(layout, schedule: str = "1f1b", virtual: int = 1, microbatches: int = 0,
-                sequence_parallel: bool = False, attention: str = "auto") -> Parallel:
+                sequence_parallel: bool = False, attention: str = "auto", pp_grad_sync: str = "last") -> Parallel:
     """:class:`Parallel` of a :class:`~densetrain.parallel.mesh.Layout` (or anything with its degrees)."""
     return Parallel(layout.dp_replicate, layout.dp_shard, layout.tp, getattr(layout, "cp", 1),
                     getattr(layout, "pp", 1), schedule, virtual if getattr(layout, "pp", 1) > 1 else 1, microbatches,
-                    sequence_parallel, attention=attention)
+                    sequence_parallel, attention=attention, pp_grad_sync=pp_grad_sync)
 
 
 def bubble_share(pp: int, microbatches: int, virtual: int = 1, schedule: str = "1f1b") -> float:
@@ -269,6 +342,63 @@ def elementwise_bytes(m, tokens: float, tp: int, sp: bool) -> float:
     return tokens * ((12 + 20) * s.d_model / (tp if sp else 1) + 4 * (q + kv) + 6 * s.d_ff / tp)
 
 
+def pipelined_dp(par: Parallel, n_micro: int, params: float, layers: float, n_sh: int, wbytes: int,
+                 shard_link: tuple[float, float], replica_link: tuple[float, float], busy: float,
+                 one_bwd: float) -> tuple[float, float, float, float]:
+    """FSDP2 under pipelining, one rank and step: ``(exposed s, bytes gathered, fp32 bytes reduce-scattered,
+    bytes sent)``, per torch 2.13's pipelining runtime (:data:`PP_GRAD_SYNC`, :func:`stage_gathers`).
+
+    ``params``: the rank's parameters (all its ``v`` stages, ``1 / tp`` of each); ``layers``: its blocks;
+    ``n_sh``: dp_shard x cp; ``wbytes``: bytes of a gathered weight; ``shard_link`` / ``replica_link``: ``(B/s,
+    latency s)`` of the shard group and of the replicas' all-reduce; ``busy``: the step's compute and
+    recomputation (s); ``one_bwd``: one micro-batch's backward of all the rank's blocks (s).
+
+    A step runs ``n_micro / m`` schedule calls (``m``: ``Parallel.microbatches``, 0 all), each alike: every
+    stage gathered :func:`stage_gathers` times in all, the first (before the call's first forward: the first
+    action waits for it) exposed, the others prefetched beside the compute; the gradients reduced per
+    :data:`PP_GRAD_SYNC`: ``last`` each stage's reduce-scatter and all-reduce once a call, exposed (the compute
+    stream waits for them); ``microbatch`` each stage's reduce-scatter every micro-batch beside the compute, the
+    call's last one exposed for what its own backward (``one_bwd / v`` a stage) does not cover, at least one
+    group's (a stage's ``layers / v + 1`` groups), plus the all-reduce. What hides still costs
+    :data:`CONTENTION` of its time, and what the compute cannot cover is exposed.
+    """
+    v, p = par.virtual, par.pp
+    m = par.microbatches or n_micro
+    calls = max(1, n_micro // m)
+    stage = params / v  # one virtual stage's parameters
+    groups = layers / v + 1  # FSDP2 groups of a stage: its blocks and the root
+    bw_sh, lat_sh = shard_link
+    bw_ar, lat_ar = replica_link
+    r = par.dp_replicate
+    ar_stage = collective_s("all_reduce", 4 * stage / n_sh, r, bw_ar, lat_ar)
+    if n_sh == 1:
+        gathered, ag_first, ag_s = 0.0, 0.0, 0.0
+        rs_stage, n_rs = 0.0, 0
+    else:
+        gathers = calls * stage_gathers(p, v, m)
+        gathered = gathers * stage * wbytes
+        one = bus_bytes("all_gather", stage * wbytes, n_sh) / bw_sh + groups * (n_sh - 1) * lat_sh
+        ag_s = gathers * one
+        # Schedule1F1B (v = 1) gathers group by group in the first forward, FSDP2 prefetching the next: one group's
+        # exposed; the interleaved runtime's first action waits for its stage's whole UNSHARD
+        ag_first = calls * (one / groups if v == 1 else one)
+        rs_stage = collective_s("reduce_scatter", 4 * stage, n_sh, bw_sh, lat_sh)
+        n_rs = n_micro if par.pp_grad_sync == "microbatch" else calls
+    rs_s = n_rs * v * rs_stage
+    ar_s = calls * v * ar_stage
+    if par.pp_grad_sync == "microbatch" and n_sh > 1:
+        last = max(rs_stage / groups, rs_stage - one_bwd / v) + ar_stage  # a stage's, after the call's last backward
+    else:
+        last = rs_stage + ar_stage
+    exposed = ag_first + calls * v * last
+    hidden = ag_s + rs_s + ar_s - exposed
+    dp_s = exposed + max(0.0, hidden - busy)
+    dp_s += CONTENTION * max(0.0, ag_s + rs_s + ar_s - dp_s)
+    dp_bytes = (bus_bytes("all_gather", gathered, n_sh) + n_rs * bus_bytes("reduce_scatter", 4 * params, n_sh)
+                + calls * bus_bytes("all_reduce", 4 * params / n_sh, r))
+    return dp_s, gathered, n_rs * 4 * params, dp_bytes
+
+
 def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac: str = "none",
               precision: str = "bf16", fp8_all_gather: bool = False) -> dict:
     """Seconds of one optimizer step of ``batch`` sequences of ``seq_len`` tokens on layout ``par`` (every rank
@@ -388,34 +518,38 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     # data parallel: FSDP2 over dp_shard x cp (a group per block, the root group holding the embedding, final
     # norm and head), the replicas' all-reduce; gradients reduced in fp32. Per micro-batch the forward gathers
     # every group and the backward the blocks again but the last (densetrain reshards every block but the last
-    # after its forward; FSDP2 keeps the root's); under pipelining everything is gathered once per step.
+    # after its forward; FSDP2 keeps the root's); under pipelining see pipelined_dp.
     blk = block_matmul_params(s) / t
     params = (s.n_layers * block_matmul_params(s) + s.d_model * s.vocab_size * (1 if s.tie_embeddings else 2)) / (p * t)
     n_sh = sh * c
     bw_sh, lat_sh, where_sh = link(hw, t, n_sh)
     bw_rep, lat_rep, where_rep = link(hw, t * n_sh, r)
-    if n_sh == 1:
-        gathered, calls = 0.0, 0
-    elif p > 1:
-        gathered, calls = params, int(layers) + 1
+    ar_bw = allreduce_bw(hw, t * n_sh, r, bw_rep)
+    if par.pp_grad_sync not in PP_GRAD_SYNC:
+        raise ValueError(f"pp_grad_sync must be one of {PP_GRAD_SYNC}, got {par.pp_grad_sync!r}")
+    if p > 1:
+        dp_s, gathered, reduced, dp_bytes = pipelined_dp(
+            par, n_micro, params, layers, n_sh, 1 if fp8_all_gather else a, (bw_sh, lat_sh), (ar_bw, lat_rep),
+            compute + recompute_s, layers * (bwd_block + recompute))
     else:
-        gathered, calls = n_micro * (params + max(layers - 1, 0) * blk), n_micro * 2 * int(layers)
-    gathered *= 1 if fp8_all_gather else a
-    ag_s = bus_bytes("all_gather", gathered, n_sh) / bw_sh + calls * (n_sh - 1) * lat_sh
-    # the gradients' reduce-scatter: every micro-batch without pipelining (densetrain.parallel.wrap.grad_sync
-    # accumulates FSDP2's shards, not unsharded gradients), once under it (the stage holds them unsharded)
-    n_rs = 1 if p > 1 or n_sh == 1 else n_micro
-    rs_s = n_rs * collective_s("reduce_scatter", 4 * params, n_sh, bw_sh, lat_sh)
-    ar_s = collective_s("all_reduce", 4 * params / n_sh, r, allreduce_bw(hw, t * n_sh, r, bw_rep), lat_rep)
-    dp_bytes = bus_bytes("all_gather", gathered, n_sh) + n_rs * bus_bytes("reduce_scatter", 4 * params, n_sh) \
-        + bus_bytes("all_reduce", 4 * params / n_sh, r)
-    one_fwd, one_bwd = layers * fwd_block, layers * (bwd_block + recompute)
-    if p > 1:  # gathered once before the first micro-batch, reduced once after the last
-        dp_s = max(0.0, ag_s - one_fwd) + max(0.0, rs_s + ar_s - one_bwd)
-    else:  # prefetched beside the blocks; the first block's gather and the last reduction stay exposed
+        if n_sh == 1:
+            gathered, calls = 0.0, 0
+        else:
+            gathered, calls = n_micro * (params + max(layers - 1, 0) * blk), n_micro * 2 * int(layers)
+        gathered *= 1 if fp8_all_gather else a
+        ag_s = bus_bytes("all_gather", gathered, n_sh) / bw_sh + calls * (n_sh - 1) * lat_sh
+        # the gradients' reduce-scatter every micro-batch (densetrain.parallel.wrap.grad_sync accumulates FSDP2's
+        # shards, not unsharded gradients), the replicas' all-reduce once
+        n_rs = 1 if n_sh == 1 else n_micro
+        rs_s = n_rs * collective_s("reduce_scatter", 4 * params, n_sh, bw_sh, lat_sh)
+        ar_s = collective_s("all_reduce", 4 * params / n_sh, r, ar_bw, lat_rep)
+        dp_bytes = bus_bytes("all_gather", gathered, n_sh) + n_rs * bus_bytes("reduce_scatter", 4 * params, n_sh) \
+            + bus_bytes("all_reduce", 4 * params / n_sh, r)
+        reduced = 4 * params
+        # prefetched beside the blocks; the first block's gather and the last reduction stay exposed
         first = ag_s / max(calls, 1)
         dp_s = max(first, ag_s + rs_s + ar_s - (compute + recompute_s)) if (ag_s + rs_s + ar_s) else 0.0
-    dp_s += CONTENTION * max(0.0, ag_s + rs_s + ar_s - dp_s)  # what hides still takes SMs from the compute
+        dp_s += CONTENTION * max(0.0, ag_s + rs_s + ar_s - dp_s)  # what hides still takes SMs from the compute
 
     # pipeline: sends of the activations (their gradients back) on the fill and drain path, the bubble
     v = par.virtual if p > 1 else 1
@@ -436,7 +570,7 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     parts = {"compute": compute, "recompute": recompute_s, "tp": tp_s, "cp": cp_s, "dp": dp_s, "pp": pp_s,
              "bubble": bubble_s, "optimizer": optim_s}
     # the host's share: DTensor and FSDP2 Python work, collectives on the compute's cores (cost/host.py)
-    parts["host"] = host_time(par, hw, n_micro, layers, heads, gathered, 4 * params, dp_s)
+    parts["host"] = host_time(par, hw, n_micro, layers, heads, gathered, reduced, dp_s)
     step = sum(parts.values())
     tokens = batch * seq_len
     per_gpu = tokens / step / par.world
