@@ -53,7 +53,7 @@ GEMM_EFFICIENCY = 0.58
 """Fraction of the dense peak a large bf16/fp8 GEMM reaches (fitted: benchmarks/planner_check.py ``--fit``)."""
 ATTENTION_EFFICIENCY = 0.26
 """Fraction of the dense bf16 peak the flash-attention kernels reach, forward and backward (fitted)."""
-NETWORK_EFFICIENCY = 0.5
+NETWORK_EFFICIENCY = 0.7
 """Fraction of a link's datasheet bandwidth NCCL's bus bandwidth reaches for large messages (fitted)."""
 NVLINK_EFFICIENCY = 0.8
 """Fraction of NVLink's datasheet bandwidth per direction NCCL's bus bandwidth reaches within an 8-GPU H100 node
