@@ -131,3 +131,107 @@ def test_microbatch_hides_its_reductions_behind_the_next_micro_batches():
         step_time(m, dataclasses.replace(rep, pp_grad_sync="microbatch"), H100, 8192, 2048, 1)["step_s"])
     with pytest.raises(ValueError, match="pp_grad_sync must be one of"):
         step_time(m, dataclasses.replace(long, pp_grad_sync="step"), H100, 131072, 128, 1)
+
+
+_TRACE = r"""
+import json, sys
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+from torch.distributed.pipelining.stage import _PipelineStageBase
+from densetrain.config import load_config
+from densetrain.parallel.dist import init_distributed
+from densetrain.parallel.parallelize import build_parallel_model
+from densetrain.train.step import forward_backward
+
+mode = sys.argv[1]
+events, where = [], []  # what ran, in order; the torch action we are inside ("U": an UNSHARD, "R": a REDUCE_GRAD)
+
+def wrap(owner, name, before):
+    orig = getattr(owner, name)
+    def f(*a, **k):
+        tag = before(*a, **k)
+        if tag:
+            where.append(tag)
+        try:
+            return orig(*a, **k)
+        finally:
+            if tag:
+                where.pop()
+    setattr(owner, name, f)
+
+def collective(kind):
+    return lambda *a, **k: events.append([kind, where[-1] if where else "-"])
+wrap(dist, "all_gather_single", collective("AG"))
+wrap(dist, "reduce_scatter_single", collective("RS"))
+# torch's UNSHARD action calls unshard() on every FSDP2 module of the stage, its root (the chunk) first;
+# FSDP2's own hooks gather through the parameter groups, not through this method
+wrap(FSDPModule, "unshard", lambda self, *a, **k: (events.extend([["U", 0]] if any(self is c for c in chunks)
+                                                                 else []), "U")[1])
+wrap(_PipelineStageBase, "perform_reduce_grad", lambda self, *a, **k: (events.append(["R", self.stage_index]), "R")[1])
+wrap(_PipelineStageBase, "backward_one_chunk", lambda self, *a, **k: events.append(["B", self.stage_index]))
+wrap(FSDPState, "_root_post_backward_final_callback",
+     lambda self: events.append(["final", bool(self._state_ctx.is_last_backward), where[-1] if where else "-"]))
+
+over = [("model.n_layers", 6), ("train.dtype", "fp32"), ("eval.samples", 0), ("eval.tasks", ""),
+        ("eval.final_tasks", ""), ("parallel.dp_replicate", 1), ("parallel.dp_shard", 2),
+        ("parallel.pp", 2), ("parallel.pp_schedule", "interleaved_1f1b"), ("parallel.pp_virtual_stages", 4)]
+if mode != "default":
+    over.append(("parallel.pp_grad_sync", mode))
+cfg = load_config("tiny", overrides=over)
+info = init_distributed("cpu", cfg.parallel)
+model, pipe = build_parallel_model(cfg, info)
+chunks = list(pipe.chunks)
+torch.manual_seed(info.dp_rank if hasattr(info, "dp_rank") else 0)
+mbs = [(x[:, :-1], x[:, 1:], ["web"]) for x in torch.randint(0, cfg.model.vocab_size, (4, 1, 33))]
+forward_backward(pipe, mbs, 4 * 32 * 2, 2)  # the first step also infers the stages' buffers
+events.clear()
+forward_backward(pipe, mbs, 4 * 32 * 2, 2)
+print(json.dumps({"pp_rank": info.pp_rank, "calls": 4 // pipe.microbatches(4), "m": pipe.microbatches(4),
+                  "events": events}))
+"""
+
+
+def _run_trace(mode: str, tmp_path) -> list[dict]:
+    import forked
+
+    script = tmp_path / "trace.py"
+    script.write_text(_TRACE)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    procs = [forked.Popen([sys.executable, str(script), mode], text=True, stdout=forked.PIPE, stderr=forked.PIPE,
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(4)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    return [json.loads(o.strip().splitlines()[-1]) for o, _ in outs]
+
+
+def test_a_real_interleaved_fsdp2_step_gathers_and_reduces_as_the_model_says(tmp_path):
+    """4 gloo ranks, pp 2 x dp_shard 2, interleaved 1F1B with 4 stages a rank (more than torch keeps gathered),
+    4 micro-batches a rank in 2 schedule calls of 2 (densetrain's default count), torch's own ``last`` sync.
+    Every FSDP2 all-gather runs inside an UNSHARD action, as many stage UNSHARDs per call as
+    :func:`stage_gathers` says; every reduce-scatter runs inside a REDUCE_GRAD (one per stage and call, the
+    stage's backwards all before it, other stages' backwards after it) whose FSDP2 final callback runs as a last
+    backward: on a GPU that callback makes the compute stream wait for the reduce-scatters
+    (``current_stream().wait_event``), so nothing after it runs beside them."""
+    for rank in _run_trace("default", tmp_path):
+        ev, pp_rank, calls, m = rank["events"], rank["pp_rank"], rank["calls"], rank["m"]
+        assert (calls, m) == (2, 2)
+        assert sum(e[0] == "U" for e in ev) == calls * stage_gathers(2, 4, m, pp_rank) > calls * 4
+        assert [e[1] for e in ev if e[0] == "AG"] == ["U"] * sum(e[0] == "AG" for e in ev)  # only in UNSHARDs
+        rs = [e[1] for e in ev if e[0] == "RS"]
+        assert rs and set(rs) == {"R"}
+        reduces = [i for i, e in enumerate(ev) if e[0] == "R"]
+        assert len(reduces) == calls * 4
+        for i in reduces:
+            stage = ev[i][1]
+            call_end = next(j for j in reduces if j >= i and reduces.index(j) % 4 == 3)
+            assert not any(e[0] == "B" and e[1] == stage for e in ev[i:call_end + 1])  # its backwards done
+        first = reduces[0]
+        assert any(e[0] == "B" for e in ev[first:reduces[3]])  # other stages' backwards follow the first reduction
+        finals = [e for e in ev if e[0] == "final"]
+        assert [f[1] for f in finals if f[2] == "R"] == [True] * sum(f[2] == "R" for f in finals) != []
+        assert all(not f[1] for f in finals if f[2] != "R")  # the backwards' own callbacks: not a last backward
