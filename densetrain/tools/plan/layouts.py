@@ -9,6 +9,7 @@ from collections import Counter
 
 from densetrain.cost import Hardware, flops_per_token, load_hardware, parallel_of, step_time
 from densetrain.cost.flops import block_matmul_params
+from densetrain.cost.step import PP_GRAD_SYNC
 from densetrain.errors import ConfigError
 from densetrain.tools.plan.chinchilla import _positive
 from densetrain.tools.plan.memory import (
@@ -92,7 +93,8 @@ def nearest_gpus(cfg, row: dict, counts: dict, gpus: int, usable: float, hw: Har
             for sched, v in schedules(lay, cfg.parallel, cfg.model.n_layers):
                 par = dataclasses.replace(cfg.parallel, pp_schedule=sched, pp_virtual_stages=v)
                 if stage_fit(counts, cfg.model, row, lay, par, usable, mixed_precision,  # full: the least memory
-                             sequence_parallel and lay.tp > 1, modes=("full",))["fits"]:
+                             sequence_parallel and lay.tp > 1, modes=("full",),
+                             grad_sync=grad_syncs(lay, par)[-1])["fits"]:  # microbatch: sharded gradients
                     return True
         return False
 
@@ -240,19 +242,39 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
             "logit_bytes_per_token": ((2 if mixed_precision else 4) + 4) * m.vocab_size}
 
 
+def grad_syncs(lay, parallel) -> tuple[str | None, ...]:
+    """When a pipelined FSDP2 stage of ``lay`` may reduce-scatter its gradients (the trainer's
+    ``parallel.pp_grad_sync``, :data:`densetrain.cost.step.PP_GRAD_SYNC`): both ways for a pipeline whose stages
+    shard (dp_shard x cp > 1) where the config has the key, else ``(None,)`` (the trainer's only way: torch's)."""
+    if lay.pp > 1 and lay.dp_shard * lay.cp > 1 and hasattr(parallel, "pp_grad_sync"):
+        return PP_GRAD_SYNC
+    return (None,)
+
+
 def timed_fit(counts: dict, m, st: dict, lay, parallel, usable: float, hw: Hardware, mixed_precision: bool = True,
               sp: bool = False, scale: float = 1.0) -> dict:
     """:func:`stage_fit` and, when the layout runs the stage, its predicted step (``time``:
     :func:`densetrain.cost.step_time` with the chosen checkpointing, schedule and micro-batches; a document-masked
-    stage runs FlexAttention whatever the layout, an unmasked one under context parallelism only). ``scale``
-    (``--params`` on another preset's shape): every part of the step times the ratio of the FLOPs per token
-    (MFU unchanged)."""
-    fit = stage_fit(counts, m, st, lay, parallel, usable, mixed_precision, sp)
+    stage runs FlexAttention whatever the layout, an unmasked one under context parallelism only); a pipelined
+    FSDP2 layout under each gradient sync of :func:`grad_syncs` (memory decides which fit, each with its
+    cheapest checkpointing), the faster kept (``grad_sync``; ``last`` on a tie). ``scale`` (``--params`` on
+    another preset's shape): every part of the step times the ratio of the FLOPs per token (MFU unchanged)."""
+    best = None
+    for sync in grad_syncs(lay, parallel):
+        fit = _timed_fit(counts, m, st, lay, parallel, usable, hw, mixed_precision, sp, scale, sync)
+        if best is None or (fit["fits"] and (not best["fits"] or fit["time"]["step_s"] < best["time"]["step_s"])):
+            best = fit
+    return best
+
+
+def _timed_fit(counts: dict, m, st: dict, lay, parallel, usable: float, hw: Hardware, mixed_precision: bool,
+               sp: bool, scale: float, grad_sync: str | None) -> dict:
+    fit = stage_fit(counts, m, st, lay, parallel, usable, mixed_precision, sp, grad_sync=grad_sync)
     fit["time"] = None
     if fit["fits"]:
         pipe = fit.get("pipeline") or {}
         par = parallel_of(lay, pipe.get("schedule", "1f1b"), pipe.get("virtual", 1), pipe.get("microbatches", 0), sp,
-                          "flex" if st.get("document_mask") else "auto")
+                          "flex" if st.get("document_mask") else "auto", grad_sync or "last")
         t = step_time(m, par, hw, st["seq_len"], st["batch"], st["micro"], fit["ac"])
         if not math.isfinite(t["step_s"]) or t["step_s"] <= 0:  # never printed: a profile's numbers are off
             raise ConfigError(f"hardware {hw.name}: the cost model's step time of {lay} at stage '{st['name']}' is "
@@ -266,24 +288,28 @@ def timed_fit(counts: dict, m, st: dict, lay, parallel, usable: float, hw: Hardw
 
 
 def stage_fit(counts: dict, m, st: dict, lay, parallel, usable: float, mixed_precision: bool = True,
-              sp: bool = False, modes: tuple[str, ...] = AC_MODES) -> dict:
+              sp: bool = False, modes: tuple[str, ...] = AC_MODES, grad_sync: str | None = None) -> dict:
     """Whether layout ``lay`` runs stage row ``st`` (of :func:`layout_plan`): ``{"ac", "bytes", "fits",
-    "reason"}`` with the cheapest activation checkpointing of ``modes`` that fits, plus ``pipeline`` (its
-    settings and ``p2p_bytes`` per step, under pipeline parallelism)."""
+    "reason", "grad_sync"}`` with the cheapest activation checkpointing of ``modes`` that fits, plus ``pipeline``
+    (its settings and ``p2p_bytes`` per step, under pipeline parallelism; ``grad_sync``, when given, its
+    ``"grad_sync"``: what the memory plan holds of the gradients, :func:`grad_syncs`)."""
     if st["batch"] % (lay.dp_size * st["micro"]):
-        return {"ac": None, "bytes": None, "fits": False, "kind": "batch",
+        return {"ac": None, "bytes": None, "fits": False, "kind": "batch", "grad_sync": grad_sync,
                 "reason": f"{st['batch']} sequences do not split into {lay.dp_size} data-parallel ranks x "
                           f"micro-batch {st['micro']}"}
     pipe, why = pipeline_fit(lay, st["batch"], st["micro"], parallel)
     if pipe is None:
-        return {"ac": None, "bytes": None, "fits": False, "kind": "pipeline", "reason": why}
+        return {"ac": None, "bytes": None, "fits": False, "kind": "pipeline", "reason": why, "grad_sync": grad_sync}
     if pipe:
+        if grad_sync:
+            pipe["grad_sync"] = grad_sync
         pipe["p2p_bytes"] = p2p_bytes(m, st["seq_len"], st["micro"], lay, pipe["n_micro"], pipe["virtual"],
                                       2 if mixed_precision else 4) / (lay.tp if sp else 1)  # SP: a 1/tp slice
     best = None
     for ac in modes:
         b = layout_memory(counts, m, st["seq_len"], st["micro"], lay, ac, mixed_precision, sp, pipeline=pipe)
-        best = {"ac": ac, "bytes": b, "fits": b["total"] <= usable, "reason": "", "kind": "", "pipeline": pipe}
+        best = {"ac": ac, "bytes": b, "fits": b["total"] <= usable, "reason": "", "kind": "", "pipeline": pipe,
+                "grad_sync": grad_sync}
         if best["fits"]:
             break
     if not best["fits"]:

@@ -76,12 +76,15 @@ def format_plan(result: dict) -> str:
 def _layout_flags(x: dict, i: int, prefix: str = "parallel") -> str:
     """The flags that make a config run candidate ``x``'s layout at stage ``i`` of the plan: its degrees (all of
     them, pp too: unset keys would keep the config's), its pipeline schedule and virtual stages under pipelining,
-    and the activation checkpointing the plan sized it with, each ``--<prefix>.<key>=<value>`` (``prefix``
+    the gradient sync of a pipelined FSDP2 stage (``pp_grad_sync``) and the activation checkpointing the plan
+    sized it with, each ``--<prefix>.<key>=<value>`` (``prefix``
     ``parallel``, or ``stages.N.parallel`` for a stage's own layout)."""
     lay = x["layout"]
     keys = [("pp", lay.pp)]
     if lay.pp > 1:  # without pipelining the schedule is the config's (any is valid there)
         keys += [("pp_schedule", x["schedule"]), ("pp_virtual_stages", x["virtual"])]
+        if x["stages"][i].get("grad_sync"):  # a pipelined FSDP2 stage: when its gradients are reduce-scattered
+            keys.append(("pp_grad_sync", x["stages"][i]["grad_sync"]))
     keys += [("dp_replicate", lay.dp_replicate), ("dp_shard", lay.dp_shard), ("cp", lay.cp), ("tp", lay.tp),
              ("activation_checkpointing", x["stages"][i]["ac"])]
     return " ".join(f"--{prefix}.{k}={v}" for k, v in keys)
@@ -155,7 +158,9 @@ def _stage_block(r: dict, i: int, others: int) -> list[str]:
     x, t = s["ranked"][0], s["time"]
     st = x["stages"][i]
     lines = [head,
-             f"  layout {_name(x)}, activation checkpointing {st['ac']}: {t['step_s']:.3g} s a step = {_parts(t)}",
+             f"  layout {_name(x)}, activation checkpointing {st['ac']}"
+             + (", gradients reduce-scattered every micro-batch" if st.get("grad_sync") == "microbatch" else "")
+             + f": {t['step_s']:.3g} s a step = {_parts(t)}",
              f"    MFU {t['mfu']:.1%}, {t['tokens_per_sec_per_gpu']:,.0f} tokens/s per GPU, "
              f"{st['bytes']['total'] / GIB:.1f} GiB per GPU, {_days(s['days'])} days",
              f"    its flags: {_layout_flags(x, i, _stage_prefix(r, i))}"]
@@ -271,24 +276,25 @@ def refusals(r: dict) -> list[str]:
 
 def layout_plan_json(r: dict) -> dict:
     """The part of a :func:`layout_plan` result a script needs: per stage ``name, seq_len, layout`` (degrees,
-    schedule, virtual stages), ``ac, step_s, parts, mfu, tokens_per_sec_per_gpu, memory_gib, days`` (None where
-    no layout runs it), ``reason`` (why no layout runs it, else None), ``configured`` (its configured layout:
-    ``layout, own, runs, reason, memory_gib``), and the run's ``days``, ``gpus``, ``hardware``, ``warnings``,
-    ``mfu_note`` (:func:`mfu_note`), ``suggested`` (one layout for every stage, with its ``train_flags``),
-    ``train_flags`` (:func:`run_flags`: every stage on its best layout; None when a stage has none), ``refusals``
-    (:func:`refusals`: non-empty, the command exits non-zero)."""
+    schedule, virtual stages), ``ac``, ``pp_grad_sync`` (a pipelined FSDP2 stage's, else None), ``step_s, parts,
+    mfu, tokens_per_sec_per_gpu, memory_gib, days`` (None where no layout runs it), ``reason`` (why no layout runs
+    it, else None), ``configured`` (its configured layout: ``layout, own, runs, reason, memory_gib``), and the
+    run's ``days``, ``gpus``, ``hardware``, ``warnings``, ``mfu_note`` (:func:`mfu_note`), ``suggested`` (one
+    layout for every stage, with its ``train_flags``), ``train_flags`` (:func:`run_flags`: every stage on its best
+    layout; None when a stage has none), ``refusals`` (:func:`refusals`: non-empty, the command exits non-zero)."""
     def lay(x):
         return {**dataclasses.asdict(x["layout"]), "schedule": x["schedule"], "virtual": x["virtual"]}
 
     stages = []
     for i, s in enumerate(r["stages"]):
         out = {"name": s["name"], "seq_len": s["seq_len"], "batch": s["batch"], "steps": s["steps"],
-               "layout": None, "ac": None, "step_s": None, "parts": None, "mfu": None,
+               "layout": None, "ac": None, "pp_grad_sync": None, "step_s": None, "parts": None, "mfu": None,
                "tokens_per_sec_per_gpu": None, "memory_gib": None, "days": None, "reason": _no_layout(r, i),
                "configured": r["configured_stages"][i]}
         if s["ranked"]:
             x, t = s["ranked"][0], s["time"]
-            out.update(layout=lay(x), ac=x["stages"][i]["ac"], step_s=t["step_s"], parts=t["parts"], mfu=t["mfu"],
+            out.update(layout=lay(x), ac=x["stages"][i]["ac"], pp_grad_sync=x["stages"][i].get("grad_sync"),
+                       step_s=t["step_s"], parts=t["parts"], mfu=t["mfu"],
                        tokens_per_sec_per_gpu=t["tokens_per_sec_per_gpu"],
                        memory_gib=x["stages"][i]["bytes"]["total"] / GIB, days=s["days"])
         stages.append(out)
