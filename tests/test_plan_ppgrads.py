@@ -235,3 +235,51 @@ def test_a_real_interleaved_fsdp2_step_gathers_and_reduces_as_the_model_says(tmp
         finals = [e for e in ev if e[0] == "final"]
         assert [f[1] for f in finals if f[2] == "R"] == [True] * sum(f[2] == "R" for f in finals) != []
         assert all(not f[1] for f in finals if f[2] != "R")  # the backwards' own callbacks: not a last backward
+
+
+_HAS_KEY = hasattr(load_config("tiny").parallel, "pp_grad_sync")
+
+
+@pytest.mark.skipif(not _HAS_KEY, reason="parallel.pp_grad_sync is the pipegrads branch's (merged first)")
+def test_the_plan_times_both_syncs_and_its_commands_run_the_chosen_one():
+    """Memory decides which sync fits, the model which is faster: Meta's 128K layout of llama3-405b (PP 16 x CP 16
+    x TP 8 x FSDP 8) needs full recomputation under torch's ``last`` (every gradient unsharded in fp32) and fits
+    with selective under ``microbatch``, which the plan keeps; llama3-70b on 128 GPUs runs one layout for every
+    stage with ``microbatch`` on a stage: the printed command carries ``pp_grad_sync`` per stage and loads to it."""
+    from densetrain.config.loading import parse_overrides
+    from densetrain.parallel.mesh import Layout
+    from densetrain.parallel.stage_layout import stage_layouts
+    from densetrain.schedule import resolve_stages
+    from densetrain.tools.plan import format_layout_plan, layout_plan, model_counts
+    from densetrain.tools.plan.layouts import stage_fit, timed_fit
+    from densetrain.tools.plan.report import layout_plan_json
+    from densetrain.tools.plan.verdict import configured_stages
+
+    cfg = load_config("llama3-405b")
+    r = layout_plan(cfg, 16384, sequence_parallel=True, preset="llama3-405b")
+    long = next(i for i, s in enumerate(r["stages"]) if s["seq_len"] == 131072)
+    row, lay = r["stages"][long], Layout(1, 8, 8, 16, 16)
+    par = dataclasses.replace(cfg.parallel, pp_schedule="interleaved_1f1b", pp_virtual_stages=8)
+    counts, usable = model_counts(cfg.model), r["usable_bytes"]
+    last, micro = (stage_fit(counts, cfg.model, row, lay, par, usable, True, True, grad_sync=g) for g in PP_GRAD_SYNC)
+    assert (last["ac"], micro["ac"]) == ("full", "selective") and micro["bytes"]["total"] < last["bytes"]["total"]
+    best = timed_fit(counts, cfg.model, row, lay, par, usable, H100, True, True)
+    assert best["grad_sync"] == "microbatch" and best["ac"] == "selective"
+    assert r["published"]["stages"][long]["grad_sync"] == "microbatch"
+
+    cfg = load_config("llama3-70b")
+    r = layout_plan(cfg, 128, sequence_parallel=cfg.parallel.sequence_parallel)
+    sug = r["suggested"]
+    syncs = [st["grad_sync"] for st in sug["stages"]]
+    assert "microbatch" in syncs
+    line = next(ln for ln in format_layout_plan(r).splitlines() if ln.startswith("one layout"))
+    flags = line.split("densetrain train ... ")[1]
+    assert "pp_grad_sync=microbatch" in flags
+    run = load_config("llama3-70b", overrides=parse_overrides(flags.split()))
+    got = stage_layouts(run, resolve_stages(run), 128)
+    assert [p.pp_grad_sync for p, _ in got] == syncs
+    assert all(v["runs"] for v in configured_stages(run, 128, model_counts(run.model), r["usable_bytes"]))
+    js = layout_plan_json(r)
+    assert [s["pp_grad_sync"] for s in js["stages"]] == [s["ranked"][0]["stages"][i].get("grad_sync")
+                                                          for i, s in enumerate(r["stages"])]
+    assert "pp_grad_sync" in js["suggested"]["train_flags"]
