@@ -285,3 +285,19 @@ def test_the_plan_times_both_syncs_and_its_commands_run_the_chosen_one():
     assert [s["pp_grad_sync"] for s in js["stages"]] == [s["ranked"][0]["stages"][i].get("grad_sync")
                                                           for i, s in enumerate(r["stages"])]
     assert "pp_grad_sync" in js["suggested"]["train_flags"]
+
+
+@pytest.mark.skipif(not _HAS_KEY, reason="parallel.pp_grad_sync is the pipegrads branch's (merged first)")
+def test_a_real_microbatch_sync_reduces_in_each_backward_and_waits_only_at_the_calls_end(tmp_path):
+    """The same 4-rank step under ``pp_grad_sync = "microbatch"``: each backward's reduce-scatters run inside the
+    backward (FSDP2's post-backward hooks; the backward's own final callback is not a last backward, so nothing
+    waits for them there), as many a step as micro-batches per stage, none in REDUCE_GRAD, whose final callback
+    (a last backward: the wait) ends each call; the gathers stay those of :func:`stage_gathers`."""
+    for rank in _run_trace("microbatch", tmp_path):
+        ev, pp_rank, calls, m = rank["events"], rank["pp_rank"], rank["calls"], rank["m"]
+        assert sum(e[0] == "U" for e in ev) == calls * stage_gathers(2, 4, m, pp_rank)
+        rs = [e[1] for e in ev if e[0] == "RS"]
+        backwards = sum(e[0] == "B" for e in ev)
+        assert backwards == 4 * calls * m and len(rs) >= backwards and set(rs) == {"-"}  # one or more groups each
+        finals = [e for e in ev if e[0] == "final"]
+        assert all(f[1] == (f[2] == "R") for f in finals) and sum(f[2] == "R" for f in finals) >= 4 * calls
