@@ -33,6 +33,11 @@ Sources (each row cites its own):
   densetrain/cost/step.py ``CP_EXCHANGE``). AsyncTP: what torch's micro-pipeline pass fuses (the forward's
   collectives; not the backward's reduce-scatters, nor Float8's backward all-gathers: ``step.async_tp_exposed``).
 
+FSDP2 under pipelining (Llama 3's rows and torchtitan's Tables 5-6): as torch 2.13's runtime runs it
+(``step.pipelined_dp``: each stage re-gathered as it re-enters the interleaved schedule's window of 3 gathered
+stages, its reduce-scatter exposed after its last backward of the call: ``pp_grad_sync = "last"``, torch's and
+torchtitan's). Llama 3's own runtime is not torch's; its rows are charged the same.
+
 Known misses: Table 2's 64K and 128K rows (FSDP 4 x CP 2, FSDP 2 x CP 4) hold the same 32K tokens on every GPU;
 between them every per-rank cost that depends on seq_len at most doubles (attention's keys, the gathered K/V, the
 ring's steps), so a step can take at most 2x as long a local token. The table gives 2,540 / 1,071 = 2.37x: no
