@@ -115,11 +115,12 @@ PP_GRAD_SYNC = ("last", "microbatch")
   on the last post-reduce event). So each virtual stage's reduction is exposed, even where later backwards of the
   rank's other stages follow it (interleaved: stage ``k`` of ``v`` has ``k m`` backwards after its
   ``REDUCE_GRAD``): the compute waits, it does not run beside it. Once per schedule call.
-- ``microbatch``: FSDP2's sync on for every backward (``is_last_backward`` off but for the call's last): each
-  group's reduce-scatter is issued by its post-backward hook during the micro-batch's backward and nothing waits
-  for it but the next group's buffer recycling, so it runs beside the rest of that backward and the next
-  micro-batches' compute; the call's last backward waits for its stage's (what the rest of that backward did
-  not cover). ``n_micro`` times the reduce-scatter bytes; the replicas' all-reduce (HSDP) still once a call.
+- ``microbatch`` (densetrain's ``parallel/pipeline.py`` ``reduce_scatter_backward``): FSDP2's sync on for every
+  backward, ``is_last_backward`` off: each group's reduce-scatter is issued by its post-backward hook during the
+  micro-batch's backward and only the next group's post-backward waits for it (``post_backward_rs_wait``:
+  ``reduce_scatter_max_input_buffers`` = 1 in flight), so it runs beside the next group's backward; the call's
+  ``REDUCE_GRAD`` finds nothing left and its final callback waits for the last one. ``n_micro`` times the
+  reduce-scatter bytes; the replicas' all-reduce (HSDP) still once a call.
 """
 
 PP_GATHER_WINDOW = 3
@@ -357,10 +358,11 @@ def pipelined_dp(par: Parallel, n_micro: int, params: float, layers: float, n_sh
     stage gathered :func:`stage_gathers` times in all, the first (before the call's first forward: the first
     action waits for it) exposed, the others prefetched beside the compute; the gradients reduced per
     :data:`PP_GRAD_SYNC`: ``last`` each stage's reduce-scatter and all-reduce once a call, exposed (the compute
-    stream waits for them); ``microbatch`` each stage's reduce-scatter every micro-batch beside the compute, the
-    call's last one exposed for what its own backward (``one_bwd / v`` a stage) does not cover, at least one
-    group's (a stage's ``layers / v + 1`` groups), plus the all-reduce. What hides still costs
-    :data:`CONTENTION` of its time, and what the compute cannot cover is exposed.
+    stream waits for them); ``microbatch`` each group's reduce-scatter (a stage has ``layers / v + 1``: its
+    blocks and the root) every micro-batch beside the next group's backward (``one_bwd / layers``), what that
+    cannot cover exposed (FSDP2 keeps one reduce-scatter in flight), and at the call's end each stage's last
+    group's and the all-reduce exposed. What hides still costs :data:`CONTENTION` of its time, and what the
+    whole step's compute cannot cover is exposed.
     """
     v, p = par.virtual, par.pp
     m = par.microbatches or n_micro
@@ -387,10 +389,14 @@ def pipelined_dp(par: Parallel, n_micro: int, params: float, layers: float, n_sh
     rs_s = n_rs * v * rs_stage
     ar_s = calls * v * ar_stage
     if par.pp_grad_sync == "microbatch" and n_sh > 1:
-        last = max(rs_stage / groups, rs_stage - one_bwd / v) + ar_stage  # a stage's, after the call's last backward
+        # FSDP2 keeps one reduce-scatter in flight (reduce_scatter_max_input_buffers = 1: a group's post-backward
+        # makes the compute wait for the previous one), so each group's hides behind the next group's backward
+        # only; the call's last backward leaves a stage's last group's (and the all-reduce) to REDUCE_GRAD's wait
+        rs_group, bwd_group = rs_stage / groups, one_bwd / max(layers, 1)
+        per_micro = groups * max(0.0, rs_group - bwd_group)
+        exposed = ag_first + n_micro * v * per_micro + calls * v * (rs_group + ar_stage)
     else:
-        last = rs_stage + ar_stage
-    exposed = ag_first + calls * v * last
+        exposed = ag_first + calls * v * (rs_stage + ar_stage)
     hidden = ag_s + rs_s + ar_s - exposed
     dp_s = exposed + max(0.0, hidden - busy)
     dp_s += CONTENTION * max(0.0, ag_s + rs_s + ar_s - dp_s)
