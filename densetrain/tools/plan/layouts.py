@@ -94,7 +94,7 @@ def nearest_gpus(cfg, row: dict, counts: dict, gpus: int, usable: float, hw: Har
                 par = dataclasses.replace(cfg.parallel, pp_schedule=sched, pp_virtual_stages=v)
                 if stage_fit(counts, cfg.model, row, lay, par, usable, mixed_precision,  # full: the least memory
                              sequence_parallel and lay.tp > 1, modes=("full",),
-                             grad_sync=grad_syncs(lay, par)[-1])["fits"]:  # microbatch: sharded gradients
+                             grad_sync=grad_syncs(lay)[-1])["fits"]:  # microbatch: sharded gradients
                     return True
         return False
 
@@ -242,11 +242,12 @@ def layout_plan(cfg, gpus: int, gpu_memory_gib: float | None = None, hardware: H
             "logit_bytes_per_token": ((2 if mixed_precision else 4) + 4) * m.vocab_size}
 
 
-def grad_syncs(lay, parallel) -> tuple[str | None, ...]:
+def grad_syncs(lay) -> tuple[str | None, ...]:
     """When a pipelined FSDP2 stage of ``lay`` may reduce-scatter its gradients (the trainer's
     ``parallel.pp_grad_sync``, :data:`densetrain.cost.step.PP_GRAD_SYNC`): both ways for a pipeline whose stages
-    shard (dp_shard x cp > 1) where the config has the key, else ``(None,)`` (the trainer's only way: torch's)."""
-    if lay.pp > 1 and lay.dp_shard * lay.cp > 1 and hasattr(parallel, "pp_grad_sync"):
+    shard (dp_shard x cp > 1), else ``(None,)`` (nothing to choose: without sharding the replicas' all-reduce
+    waits for the call's last backward either way)."""
+    if lay.pp > 1 and lay.dp_shard * lay.cp > 1:
         return PP_GRAD_SYNC
     return (None,)
 
@@ -260,7 +261,7 @@ def timed_fit(counts: dict, m, st: dict, lay, parallel, usable: float, hw: Hardw
     cheapest checkpointing), the faster kept (``grad_sync``; ``last`` on a tie). ``scale`` (``--params`` on
     another preset's shape): every part of the step times the ratio of the FLOPs per token (MFU unchanged)."""
     best = None
-    for sync in grad_syncs(lay, parallel):
+    for sync in grad_syncs(lay):
         fit = _timed_fit(counts, m, st, lay, parallel, usable, hw, mixed_precision, sp, scale, sync)
         if best is None or (fit["fits"] and (not best["fits"] or fit["time"]["step_s"] < best["time"]["step_s"])):
             best = fit
