@@ -11,7 +11,8 @@ Read by ``densetrain plan`` (tools/plan/), the dry run, ``doctor --profile`` and
 
 from densetrain.cost.flops import Shape, flops_per_token, mfu, shape_of
 from densetrain.cost.hardware import Hardware, load_hardware, measured_hardware, profile_names, write_hardware
-from densetrain.cost.step import AC_RECOMPUTE, Parallel, bubble_share, parallel_of, step_time
+from densetrain.cost.step import AC_RECOMPUTE, CHECKED_ERROR, Parallel, bubble_share, parallel_of, step_time
 
-__all__ = ["AC_RECOMPUTE", "Hardware", "Parallel", "Shape", "bubble_share", "flops_per_token", "load_hardware",
-           "measured_hardware", "mfu", "parallel_of", "profile_names", "shape_of", "step_time", "write_hardware"]
+__all__ = ["AC_RECOMPUTE", "CHECKED_ERROR", "Hardware", "Parallel", "Shape", "bubble_share", "flops_per_token",
+           "load_hardware", "measured_hardware", "mfu", "parallel_of", "profile_names", "shape_of", "step_time",
+           "write_hardware"]

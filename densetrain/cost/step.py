@@ -55,6 +55,11 @@ ATTENTION_EFFICIENCY = 0.26
 """Fraction of the dense bf16 peak the flash-attention kernels reach, forward and backward (fitted)."""
 NETWORK_EFFICIENCY = 0.7
 """Fraction of a link's datasheet bandwidth NCCL's bus bandwidth reaches for large messages (fitted)."""
+CHECKED_ERROR = 0.059
+"""Mean relative error of the predicted step over the published runs no constant was fitted on (the ``check``
+rows of ``benchmarks/planner_check.py``; tests/test_plan_cost.py recomputes it). Two layouts whose predicted
+steps differ by less are not told apart by the model: ``densetrain plan`` says which (GPU profiles; a measured
+CPU profile's error is the machine benchmark's)."""
 NVLINK_EFFICIENCY = 0.8
 """Fraction of NVLink's datasheet bandwidth per direction NCCL's bus bandwidth reaches within an 8-GPU H100 node
 (not fitted). Source: NCCL's maintainer (S. Jeaugey, NVIDIA/nccl-tests issue 212, 2024): "450GB/s is the line

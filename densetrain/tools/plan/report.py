@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from densetrain.cost import CHECKED_ERROR
 from densetrain.tools.plan.memory import GIB
 from densetrain.tools.plan.verdict import format_configured
 
@@ -147,6 +148,12 @@ def _why_slower(t: dict, best: dict) -> str:
     return f"+{t['step_s'] / best['step_s'] - 1:.1%}" + (f": {', '.join(grew)}" if grew else "")
 
 
+def tied(t: dict, best: dict) -> bool:
+    """Whether step ``t`` is within the model's checked error (:data:`densetrain.cost.CHECKED_ERROR`) of
+    ``best``: the model does not tell the two layouts apart."""
+    return t["step_s"] <= best["step_s"] * (1 + CHECKED_ERROR)
+
+
 def _stage_block(r: dict, i: int, others: int) -> list[str]:
     """One stage: its best layout with the step's parts, MFU, memory and days, the next ``others`` of other
     shapes (pp, cp, tp) with why they lose, and the rejected counted by reason."""
@@ -173,6 +180,9 @@ def _stage_block(r: dict, i: int, others: int) -> list[str]:
     for y in distinct:
         yt = y["stages"][i]["time"]
         lines.append(f"  {_name(y):<58} {yt['step_s']:.3g} s  {_why_slower(yt, t)}")
+    if r["hardware"].sms and (close := sum(tied(y["stages"][i]["time"], t) for y in distinct)):
+        lines.append(f"  the model does not tell the pick from {close} of these: within its error "
+                     f"({CHECKED_ERROR:.1%}, its mean over the published runs it was not fitted on; docs/planner.md)")
     rej = s["rejected"]
     if rej:
         words = {"memory": "do not fit in memory", "batch": "do not split the batch",
@@ -231,7 +241,8 @@ def format_layout_plan(r: dict, others: int = 4) -> str:
     pub = r.get("published")
     if pub is not None:
         lines.append(f"{pub['source']}: " + ("; ".join(
-            f"{s['name']} {_name(x)} {x['time']['step_s']:.3g} s ({_why_slower(x['time'], s['time'])})"
+            f"{s['name']} {_name(x)} {x['time']['step_s']:.3g} s ({_why_slower(x['time'], s['time'])}"
+            + ("; within the model's error" if hw.sms and tied(x["time"], s["time"]) else "") + ")"
             if x["fits"] and s["time"] else f"{s['name']} does NOT run: {x['reason']}"
             for s, x in zip(r["stages"], pub["stages"])))
             + (f"; {_days(pub['days'])} days" if pub["days"] else ""))
