@@ -12,8 +12,8 @@ predicted / measured per run. Prediction and measurement run in the same process
 so both see the same load; the load average and the processes' CPU share (:func:`densetrain.health.cpu_got`)
 are printed. Measured is the fastest of the timed steps (at least ``--steps`` and ``--min-seconds`` of them), as
 the profile's rates are the fastest of their tries (the median beside it). The closing table and line judge each
-row on its quietest round (the largest CPU share), in CPU seconds (what 2 ranks on 2 shared cores leave comparable; wall seconds beside them):
-``planner_machine: N of 10 within 25% (worst X)``.
+row on its quietest round (the largest CPU share), in CPU seconds (what 2 ranks on 2 shared cores leave
+comparable; wall seconds beside them): ``planner_machine: N of 10 within 25% (worst X)``.
 
     python benchmarks/planner_machine.py                                # tiny and gpt2-124m, every layout
     python benchmarks/planner_machine.py --shapes tiny --layouts single,ddp --rounds 3
