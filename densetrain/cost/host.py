@@ -18,7 +18,7 @@ Counts x unit costs. The counts come from the model shape and layout; the unit c
   ``loss_parallel`` takes the log-softmax in separate passes and densetrain's step also takes ``log Z``
   (:mod:`densetrain.parallel.loss_parallel`), where the step model charges one fused cross-entropy
   (``Hardware.loss_elements_per_s``); on this machine the split passes cost 3-5x the fused one a logit (issue
-  41 item 6, session 17: 10-18 ms of a tiny TP step on 2 ranks).
+  41 item 6, session 17: 7-16 ms of a tiny TP step on 2 ranks, in CPU seconds).
 - Data-parallel collectives on the compute's cores (``Hardware.collectives_on_cores``, 1 for gloo on a CPU):
   the cost model hides FSDP2's all-gathers and reduce-scatters and the replicas' all-reduce behind the compute
   (:mod:`densetrain.cost.step`); gloo's copies, reductions and socket work run on the same cores, so the part
