@@ -10,7 +10,7 @@ and AdamW; fp32, random tokens, no data loader; glibc keeping freed memory, as t
 rank 0 prints :func:`densetrain.cost.step_time`'s prediction from the profile beside the measured step:
 predicted / measured per run. Prediction and measurement run in the same process one right after the other,
 so both see the same load; the load average and the processes' CPU share (:func:`densetrain.health.cpu_got`)
-are printed. Measured is the fastest of the timed steps (at least ``--steps`` and ``--min-seconds`` of them), as
+are printed. Measured is the fastest of the timed steps (at least ``--steps``, and ``--min-seconds`` of CPU), as
 the profile's rates are the fastest of their tries (the median beside it). The closing table and line judge each
 row on its quietest round (the largest CPU share), in CPU seconds (what 2 ranks on 2 shared cores leave
 comparable; wall seconds beside them): ``planner_machine: N of 10 within 25% (worst X)``.
@@ -125,7 +125,8 @@ def worker(a) -> None:
     # collectives match). The fastest of 3 is not the undisturbed step on a shared machine: at load 11 the
     # fastest of the first 3 tiny TP steps was 0-37% above the fastest of 12 (benchmarks/RESULTS.md, issue 41
     # item 6, session 17), while the profile's rates are each the fastest of tries of ~0.1 s
-    steps = torch.tensor([max(a.steps, math.ceil(a.min_seconds / max(one_step()[0], 1e-6)))])  # by wall
+    # counted in the step's CPU seconds, its own work: a wall count shrinks as the load grows (3 steps at load 13)
+    steps = torch.tensor([max(a.steps, math.ceil(a.min_seconds / max(one_step()[1], 1e-6)))])
     if ranks > 1:
         dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     out = {}
@@ -187,7 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--micro", type=int, default=2, help="sequences a rank (see the module docstring)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per run, at least (after two warm-ups)")
-    ap.add_argument("--min-seconds", type=float, default=2.0, help="timed steps per run, at least these seconds")
+    ap.add_argument("--min-seconds", type=float, default=2.0,
+                    help="timed steps per run, at least these CPU seconds of them")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -271,7 +271,8 @@ def loss_parallel_cost(mesh, dtensor_s: float, call_s: float, trials: int = 3, c
     ``clock`` (a fixed count: every rank of ``mesh`` must call it)."""
     n, rank = mesh.size(), mesh.get_local_rank()
     w = torch.full((vocab, dim), 0.01)
-    weight = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+    # every rank holds the same w: its slice as a Shard(0) DTensor, no scatter
+    weight = DTensor.from_local(w.chunk(n)[rank].clone(), mesh, [Shard(0)], run_check=False).requires_grad_()
     local = w.chunk(n)[rank].clone().requires_grad_()
     h = torch.full((1, rows, dim), 0.02, requires_grad=True)
     y = torch.arange(rows).mul(31).remainder(vocab).unsqueeze(0)
