@@ -10,10 +10,10 @@ and AdamW; fp32, random tokens, no data loader; glibc keeping freed memory, as t
 rank 0 prints :func:`densetrain.cost.step_time`'s prediction from the profile beside the measured step:
 predicted / measured per run. Prediction and measurement run in the same process one right after the other,
 so both see the same load; the load average and the processes' CPU share (:func:`densetrain.health.cpu_got`)
-are printed. Measured is the fastest of the timed steps, as the profile's rates are the fastest of their tries
-(the median beside it). The closing table and line judge each row on its quietest round (the largest CPU
-share), in CPU seconds (what 2 ranks on 2 shared cores leave comparable; wall seconds beside them):
-``planner_machine: N of 10 within 25% (worst X)``.
+are printed. Measured is the fastest of the timed steps (at least ``--steps``, and ``--min-seconds`` of CPU), as
+the profile's rates are the fastest of their tries (the median beside it). The closing table and line judge each
+row on its quietest round (the largest CPU share), in CPU seconds (what 2 ranks on 2 shared cores leave
+comparable; wall seconds beside them): ``planner_machine: N of 10 within 25% (worst X)``.
 
     python benchmarks/planner_machine.py                                # tiny and gpt2-124m, every layout
     python benchmarks/planner_machine.py --shapes tiny --layouts single,ddp --rounds 3
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -120,11 +121,19 @@ def worker(a) -> None:
                                  host_figures(info, clock))
 
     one_step()  # warm-up: allocations, AdamW state
+    # timed steps: at least --steps and at least --min-seconds of them (the same count on every rank: their
+    # collectives match). The fastest of 3 is not the undisturbed step on a shared machine: at load 11 the
+    # fastest of the first 3 tiny TP steps was 0-37% above the fastest of 12 (benchmarks/RESULTS.md, issue 41
+    # item 6, session 17), while the profile's rates are each the fastest of tries of ~0.1 s
+    # counted in the step's CPU seconds, its own work: a wall count shrinks as the load grows (3 steps at load 13)
+    steps = torch.tensor([max(a.steps, math.ceil(a.min_seconds / max(one_step()[1], 1e-6)))])
+    if ranks > 1:
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
     out = {}
     for kind, clock in (("wall", WALL), ("cpu", time.process_time)):
         hw = profile(clock)
         c0 = cpu_sample()
-        times = [one_step()[kind == "cpu"] for _ in range(a.steps)]
+        times = [one_step()[kind == "cpu"] for _ in range(int(steps))]
         share = cpu_got(c0, cpu_sample()) or 1.0  # of the CPU time this process asked for, what it got
         if ranks > 1:  # wall: the slowest rank's steps (every rank waits for it); CPU: the ranks' mean
             t = torch.tensor(times)
@@ -142,7 +151,8 @@ def worker(a) -> None:
                      "parts": pred["parts"], "share": share, "load": os.getloadavg()[0],
                      "matmul": hw.peak_bf16_flops, "copy": hw.hbm_bytes_per_s, "op_overhead": hw.op_overhead_s,
                      "link": hw.nvlink_bytes_per_s, "latency": hw.latency_intra_s,
-                     "dtensor": hw.dtensor_op_s, "fsdp": hw.fsdp_group_s}
+                     "dtensor": hw.dtensor_op_s, "fsdp": hw.fsdp_group_s, "loss_parallel": hw.loss_parallel_logit_s,
+                     "steps": len(times)}
     if info.rank == 0:
         print(json.dumps(out))
     if ranks > 1:
@@ -160,7 +170,8 @@ def launch(a, shape: str, layout: str) -> dict:
            "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE",  # densetrain's default (no spin)
            "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     argv = [sys.executable, __file__, "--worker", "--shape", shape, "--layout", layout, "--seq-len",
-            str(a.seq_len), "--micro", str(a.micro), "--steps", str(a.steps), "--threads", str(threads)]
+            str(a.seq_len), "--micro", str(a.micro), "--steps", str(a.steps), "--threads", str(threads),
+            "--min-seconds", str(a.min_seconds)]
     procs = [subprocess.Popen(argv, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(ranks)]
     outs = [p.communicate(timeout=900) for p in procs]
@@ -176,7 +187,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--micro", type=int, default=2, help="sequences a rank (see the module docstring)")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per run (after one warm-up)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per run, at least (after two warm-ups)")
+    ap.add_argument("--min-seconds", type=float, default=2.0,
+                    help="timed steps per run, at least these CPU seconds of them")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
@@ -197,11 +210,12 @@ def main(argv=None) -> int:
                 for k, v in res.items():
                     parts = ", ".join(f"{n} {x * 1e3:.0f}" for n, x in v["parts"].items() if x * 1e3 >= 0.5)
                     print(f"round {r} {s:<9} {lay:<6} {k:<4} measured {v['measured'] * 1e3:6.0f} ms (median "
-                          f"{v['median'] * 1e3:.0f})  predicted {v['predicted'] * 1e3:6.0f} ms  ratio "
+                          f"{v['median'] * 1e3:.0f} of {v['steps']})  predicted {v['predicted'] * 1e3:6.0f} ms  ratio "
                           f"{v['predicted'] / v['measured']:.2f}  CPU share {v['share']:.2f} (matmul "
                           f"{v['matmul'] / 1e9:.0f} GFLOP/s, copy {v['copy'] / 1e9:.1f} GB/s, op "
                           f"{v['op_overhead'] * 1e6:.1f} us, DTensor {v['dtensor'] * 1e6:.0f} us, FSDP group "
-                          f"{v['fsdp'] * 1e6:.0f} us, link {v['link'] / 1e9:.2f} GB/s, latency "
+                          f"{v['fsdp'] * 1e6:.0f} us, loss-parallel {v['loss_parallel'] * 1e9:.1f} ns a logit, link "
+                          f"{v['link'] / 1e9:.2f} GB/s, latency "
                           f"{v['latency'] * 1e6:.0f} us; ms: {parts}) load {v['load']:.1f}", flush=True)
     # each row judged on its quietest round: the one whose processes got the largest share of the CPU they
     # asked for while their CPU-timed steps ran (densetrain.health.cpu_got)

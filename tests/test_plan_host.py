@@ -15,7 +15,7 @@ import pytest
 
 from densetrain.config import load_config
 from densetrain.cost import Parallel, load_hardware, step_time
-from densetrain.cost.host import OPTIM_DTENSOR_OPS, TP_DTENSOR_OPS, dtensor_ops, fsdp_groups
+from densetrain.cost.host import OPTIM_DTENSOR_OPS, TP_DTENSOR_OPS, dtensor_ops, fsdp_groups, loss_parallel_logits
 
 H100 = load_hardware("h100-sxm")
 
@@ -37,6 +37,14 @@ class Count(TorchDispatchMode):  # a DTensor dispatch: an operator the mode sees
         flat = [y for a in (*args, *(kwargs or {}).values()) for y in (a if isinstance(a, (list, tuple)) else [a])]
         self.n += any(isinstance(a, DTensor) for a in flat)
         return func(*args, **(kwargs or {}))
+
+import densetrain.parallel.loss_parallel as lp
+logits = [0]  # the rank's logits through the vocabulary-parallel cross-entropy: rows x its vocabulary slice
+chunk = lp._vocab_parallel_chunk
+def counted_chunk(project, weight, mesh, h, targets):
+    logits[0] += h.shape[0] * weight.to_local().shape[0]
+    return chunk(project, weight, mesh, h, targets)
+lp._vocab_parallel_chunk = counted_chunk
 
 groups = collections.Counter()  # FSDP2's hooks, one call a group a pass
 for hook in ("pre_forward", "post_backward"):
@@ -63,9 +71,10 @@ for n_layers in (1, 3):
         opt.zero_grad(set_to_none=True)
     step()  # the first creates AdamW's state (two zeros_like a parameter): not a step's work
     groups.clear()
+    logits[0] = 0
     with Count() as count:
         step()
-    out[n_layers] = {"dtensor": count.n, **groups}
+    out[n_layers] = {"dtensor": count.n, "logits": logits[0], **groups}
 if info.rank == 0:
     print(json.dumps(out))
 """
@@ -73,9 +82,10 @@ if info.rank == 0:
 
 @pytest.mark.parametrize("kind,par", [("tp", Parallel(tp=2)), ("fsdp", Parallel(dp_shard=2))])
 def test_counts_equal_a_real_two_rank_gloo_step(kind, par, tmp_path):
-    """The DTensor dispatches (TP's blocks and head, the optimizer's foreach operators) and FSDP2 groups that
-    :mod:`densetrain.cost.host` counts equal those a real training micro-step and AdamW step run on 2 gloo
-    ranks, for the tiny preset at 1 and 3 blocks (so per block and outside the blocks both)."""
+    """The DTensor dispatches (TP's blocks and head, the optimizer's foreach operators), FSDP2 groups and logits
+    through the vocabulary-parallel cross-entropy that :mod:`densetrain.cost.host` counts equal those a real
+    training micro-step and AdamW step run on 2 gloo ranks, for the tiny preset at 1 and 3 blocks (so per block
+    and outside the blocks both)."""
     import forked
 
     script = tmp_path / "count.py"
@@ -94,6 +104,8 @@ def test_counts_equal_a_real_two_rank_gloo_step(kind, par, tmp_path):
         got = counted[str(n_layers)]
         assert got["dtensor"] == dtensor_ops(par, 1, n_layers, 1), (n_layers, got)
         assert got.get("pre_forward", 0) == got.get("post_backward", 0) == fsdp_groups(par, 1, n_layers, 1)
+        # one micro-batch of 32 tokens: the rank's 32 x 8192 / tp logits (none without TP)
+        assert got["logits"] == loss_parallel_logits(par, 1, 1, 32 * 8192 / par.tp), (n_layers, got)
     if kind == "tp":  # the constants themselves, so that a change in torch shows which one moved
         assert counted["3"]["dtensor"] - counted["1"]["dtensor"] == 2 * TP_DTENSOR_OPS[0]
         assert counted["1"]["dtensor"] == TP_DTENSOR_OPS[0] + TP_DTENSOR_OPS[1] + OPTIM_DTENSOR_OPS
@@ -106,13 +118,17 @@ def test_host_time_is_counts_times_the_profiles_unit_costs():
     unit costs, plus, where collectives run on the compute's cores, what the step model hid of the data-parallel
     collectives at their measured rates; the GPU profiles (no unit costs) add nothing."""
     m = load_config("tiny").model
-    cpu = replace(H100, sms=0, dtensor_op_s=1e-4, fsdp_group_s=2e-3)
+    cpu = replace(H100, sms=0, dtensor_op_s=1e-4, fsdp_group_s=2e-3, loss_parallel_logit_s=1e-8)
     for par, batch in ((Parallel(tp=2), 2), (Parallel(dp_shard=2), 4), (Parallel(dp_replicate=2), 4)):
         assert step_time(m, par, H100, 128, batch, 1, "none", "fp32")["parts"]["host"] == 0.0
         got = step_time(m, par, cpu, 128, batch, 1, "none", "fp32")["parts"]["host"]
         n_micro = batch // (par.dp_shard * par.dp_replicate)
         want = dtensor_ops(par, n_micro, m.n_layers, 1) * 1e-4 + fsdp_groups(par, n_micro, m.n_layers, 1) * 2e-3
+        want += loss_parallel_logits(par, n_micro, 1, 128 * 8192 / par.tp) * 1e-8
         assert got == pytest.approx(want, rel=1e-9)
+    # tp 2, 2 micro-batches of 128 tokens: each rank takes 2 x 128 x 4096 logits through the split passes
+    assert loss_parallel_logits(Parallel(tp=2), 2, 1, 128 * 8192 / 2) == 2 * 128 * 4096
+    assert loss_parallel_logits(Parallel(tp=2), 2, 0, 128 * 8192 / 2) == 0  # a pipeline stage without the head
     # tp 2, one micro-batch of each of 2 sequences: 4 blocks and the head, then AdamW's 15
     assert dtensor_ops(Parallel(tp=2), 2, 4, 1) == 2 * (141 * 4 + 52) + 15
     # FSDP2 on 2 ranks with gloo's collectives on the cores: the hidden all-gathers and reduce-scatter are
@@ -144,8 +160,10 @@ def test_doctor_profile_has_the_host_figures_and_plan_reads_them(tmp_path, capsy
     assert hw.collectives_on_cores == 1.0 and hw.all_gather_bytes_per_s == 0.0  # one rank: no collective
     # intercepts of two timings: 0 when a busy machine makes the wrapped run no slower, never absurd
     assert 0 <= hw.dtensor_op_s < 0.05 and 0 <= hw.fsdp_group_s < 0.5
+    assert 0 <= hw.loss_parallel_logit_s < 1e-6  # a logit's split passes: ns, not µs
     raw = json.loads(path.read_text())
     assert raw["dtensor_op_s"] == hw.dtensor_op_s and raw["fsdp_group_s"] == hw.fsdp_group_s
+    assert raw["loss_parallel_logit_s"] == hw.loss_parallel_logit_s
     capsys.readouterr()
     assert main(["plan", "--preset", "tiny", "--gpus", "1", "--hardware", str(path), "--json"]) == 0
     assert '"mfu"' in capsys.readouterr().out
@@ -176,3 +194,4 @@ def test_doctor_profile_on_two_gloo_ranks_measures_the_pair(tmp_path):
     hw = load_hardware(path)
     assert hw.all_gather_bytes_per_s > 0 and hw.reduce_scatter_bytes_per_s > 0 and hw.collectives_on_cores == 1.0
     assert 0 <= hw.dtensor_op_s < 0.05 and 0 <= hw.fsdp_group_s < 0.5 and hw.gpus_per_node == 2
+    assert 0 <= hw.loss_parallel_logit_s < 1e-6

@@ -13,6 +13,12 @@ Counts x unit costs. The counts come from the model shape and layout; the unit c
 - FSDP2 groups (``Hardware.fsdp_group_s`` a group a micro-batch): the pre/post forward and backward hooks, the
   unshard/reshard bookkeeping and the copies in and out of the flat buffers of a group (a block, and the root
   holding the embedding, final norm and head).
+- The vocabulary-parallel cross-entropy under tensor parallelism (``Hardware.loss_parallel_logit_s`` a logit
+  of the rank's ``tokens x vocab / tp``, once a micro-batch on the stage holding the head): torch's
+  ``loss_parallel`` takes the log-softmax in separate passes and densetrain's step also takes ``log Z``
+  (:mod:`densetrain.parallel.loss_parallel`), where the step model charges one fused cross-entropy
+  (``Hardware.loss_elements_per_s``); on this machine the split passes cost 3-5x the fused one a logit (issue
+  41 item 6, session 17: 7-16 ms of a tiny TP step on 2 ranks, in CPU seconds).
 - Data-parallel collectives on the compute's cores (``Hardware.collectives_on_cores``, 1 for gloo on a CPU):
   the cost model hides FSDP2's all-gathers and reduce-scatters and the replicas' all-reduce behind the compute
   (:mod:`densetrain.cost.step`); gloo's copies, reductions and socket work run on the same cores, so the part
@@ -80,14 +86,24 @@ def dp_collectives_cpu_s(hw, par, gathered: float, grad_bytes: float) -> float:
     return total
 
 
+def loss_parallel_logits(par, n_micro: int, heads: int, logits: float) -> float:
+    """Logits one rank takes through the vocabulary-parallel cross-entropy in a step: ``logits`` (the rank's
+    ``tokens x vocab / tp`` of a micro-batch) once a micro-batch on the stage holding the head, under tensor
+    parallelism (densetrain's TP training step always runs it: ``apply_tensor_parallel(loss_parallel=True)``);
+    0 without."""
+    return n_micro * heads * logits if par.tp > 1 else 0.0
+
+
 def host_time(par, hw, n_micro: int, layers: float, heads: int, gathered: float, grad_bytes: float,
-              exposed_dp_s: float) -> float:
-    """Seconds of host work one rank adds to a step (module docstring): DTensor dispatches, FSDP2 groups and,
-    where collectives run on the compute's cores, the data-parallel collectives' time beyond
+              exposed_dp_s: float, logits: float = 0.0) -> float:
+    """Seconds of host work one rank adds to a step (module docstring): DTensor dispatches, FSDP2 groups, the
+    vocabulary-parallel cross-entropy's split passes over ``logits`` a micro-batch (the rank's ``tokens x vocab
+    / tp``) and, where collectives run on the compute's cores, the data-parallel collectives' time beyond
     ``exposed_dp_s`` (what the step model already charged for them). 0 for a profile without these unit
     costs (the GPU datasheet profiles)."""
     dp_cpu = 0.0
     if hw.collectives_on_cores:
         dp_cpu = hw.collectives_on_cores * max(0.0, dp_collectives_cpu_s(hw, par, gathered, grad_bytes) - exposed_dp_s)
     return (dtensor_ops(par, n_micro, layers, heads) * hw.dtensor_op_s
-            + fsdp_groups(par, n_micro, layers, heads) * hw.fsdp_group_s + dp_cpu)
+            + fsdp_groups(par, n_micro, layers, heads) * hw.fsdp_group_s
+            + loss_parallel_logits(par, n_micro, heads, logits) * hw.loss_parallel_logit_s + dp_cpu)

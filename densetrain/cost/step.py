@@ -581,7 +581,7 @@ def step_time(m, par: Parallel, hw, seq_len: int, batch: int, micro: int = 1, ac
     parts = {"compute": compute, "recompute": recompute_s, "tp": tp_s, "cp": cp_s, "dp": dp_s, "pp": pp_s,
              "bubble": bubble_s, "optimizer": optim_s}
     # the host's share: DTensor and FSDP2 Python work, collectives on the compute's cores (cost/host.py)
-    parts["host"] = host_time(par, hw, n_micro, layers, heads, gathered, reduced, dp_s)
+    parts["host"] = host_time(par, hw, n_micro, layers, heads, gathered, reduced, dp_s, tok * s.vocab_size / t)
     step = sum(parts.values())
     tokens = batch * seq_len
     per_gpu = tokens / step / par.world

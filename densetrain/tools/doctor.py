@@ -11,12 +11,14 @@ import os
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from densetrain.config import Config, ModelConfig, parse_overrides
@@ -27,6 +29,7 @@ from densetrain.health import check, format_table, read_first, rows_json, verdic
 from densetrain.loss import token_losses
 from densetrain.model.init import build_model
 from densetrain.parallel import init_distributed
+from densetrain.parallel.loss_parallel import loss_parallel_context, vocab_parallel_head
 from densetrain.parallel.parallelize import apply_fsdp, apply_tensor_parallel
 
 
@@ -225,16 +228,68 @@ def _probe_step(wrap=None, rows: int = 16):
 def dtensor_op_cost(mesh, trials: int = 3, clock=time.perf_counter, calls: int = 8) -> float:
     """Seconds one DTensor dispatch adds to its local operator: densetrain's tensor parallelism
     (:func:`densetrain.parallel.parallelize.apply_tensor_parallel`) on :data:`PROBE_MODEL` over ``mesh``
-    (sharding propagation, redistribution bookkeeping, wrapping, and on several ranks the functional
-    collectives' per-call work) against the plain model, forward and backward, over the counted DTensor
-    dispatches; the fastest of ``trials`` tries of ``calls`` by ``clock`` (a fixed count: every rank of ``mesh``
-    must call it)."""
+    (sharding propagation, redistribution bookkeeping, wrapping) against the plain model, forward and backward,
+    less the fixed cost of the probe's own collectives (counted with torch's ``CommDebugMode``, each at
+    :func:`collective_call_cost`: the step model charges every tensor-parallel collective that fixed cost, as
+    its latency, so a dispatch must not carry it too), over the counted DTensor dispatches. Each timing is the
+    fastest of ``trials`` tries of ``calls`` runs by ``clock`` (a fixed count: every rank of ``mesh`` must call
+    it). On a shared machine the figure depends on the tries' length: at load 8 on 2 vCPUs, 3 tries of 8 runs
+    gave 127 µs a dispatch in CPU seconds, 24 tries of 1 run 94 (benchmarks/RESULTS.md, issue 41 item 6,
+    session 17)."""
     tp = _probe_step(lambda m: apply_tensor_parallel(m, mesh))
-    count = _OpCount()
-    with count:
+    count, comms = _OpCount(), CommDebugMode()
+    with comms, count:
         tp()
     extra = _fixed(tp, calls, trials, clock) - _fixed(_probe_step(), calls, trials, clock)
+    extra -= comms.get_total_counts() * collective_call_cost(mesh, trials, clock)
     return max(extra, 0.0) / max(count.dtensor, 1)
+
+
+def collective_call_cost(mesh, trials: int = 3, clock=time.perf_counter, calls: int = 32) -> float:
+    """Seconds of one one-element ``all_reduce`` over ``mesh``'s group by ``clock`` (the fastest of ``trials``
+    tries of ``calls``; 0 on a 1-rank mesh, where DTensor runs no collective): the fixed cost a collective call
+    has whatever its bytes, the same figure the profile's ``latency_intra_s`` holds (half of it a ring step on
+    2 ranks). Every rank of ``mesh`` must call it."""
+    if mesh.size() == 1:
+        return 0.0
+    one = torch.ones(1)
+    return _fixed(lambda: dist.all_reduce(one, group=mesh.get_group()), calls, trials, clock)
+
+
+def loss_parallel_cost(mesh, dtensor_s: float, call_s: float, trials: int = 3, clock=time.perf_counter,
+                       calls: int = 8, rows: int = 256, vocab: int = 8192, dim: int = 16) -> float:
+    """Seconds a logit the vocabulary-parallel cross-entropy of densetrain's tensor-parallel training step adds
+    to the fused cross-entropy the step model charges (``Hardware.loss_elements_per_s``): torch's
+    ``loss_parallel`` splits the log-softmax into its steps (a max, a subtraction, the exponentials and their
+    sum, a log, each over the rank's logits) and densetrain's step also takes ``log Z`` (another max,
+    subtraction, exponentials and sum; :mod:`densetrain.parallel.loss_parallel`), where the fused kernel makes
+    one pass. Measured as the step runs it (:func:`densetrain.parallel.loss_parallel.vocab_parallel_head` over
+    ``mesh``, ``rows`` tokens, a ``vocab x dim`` head, forward and backward) against the fused cross-entropy on
+    this rank's ``rows x vocab / n`` logits and the same head GEMM, less its counted DTensor dispatches at
+    ``dtensor_s`` and collectives at ``call_s`` (:func:`dtensor_op_cost`, :func:`collective_call_cost`: the
+    cost model charges those as such), over the rank's logits. Fastest of ``trials`` tries of ``calls`` by
+    ``clock`` (a fixed count: every rank of ``mesh`` must call it)."""
+    n, rank = mesh.size(), mesh.get_local_rank()
+    w = torch.full((vocab, dim), 0.01)
+    # every rank holds the same w: its slice as a Shard(0) DTensor, no scatter
+    weight = DTensor.from_local(w.chunk(n)[rank].clone(), mesh, [Shard(0)], run_check=False).requires_grad_()
+    local = w.chunk(n)[rank].clone().requires_grad_()
+    h = torch.full((1, rows, dim), 0.02, requires_grad=True)
+    y = torch.arange(rows).mul(31).remainder(vocab).unsqueeze(0)
+    head = vocab_parallel_head(SimpleNamespace(output=SimpleNamespace(weight=weight)), mesh, y, 0)
+
+    def split():
+        with loss_parallel_context(mesh):
+            head(lambda x, matmul: matmul(x), h)[0].sum().backward()
+
+    def fused():
+        F.cross_entropy(F.linear(h[0], local), y[0] % (vocab // n), reduction="none").sum().backward()
+    count, comms = _OpCount(), CommDebugMode()
+    with comms, count:
+        split()
+    extra = _fixed(split, calls, trials, clock) - _fixed(fused, calls, trials, clock)
+    extra -= count.dtensor * dtensor_s + comms.get_total_counts() * call_s
+    return max(extra, 0.0) / (rows * vocab / n)
 
 
 def fsdp_group_cost(mesh, trials: int = 3, clock=time.perf_counter, calls: int = 8) -> float:
@@ -283,18 +338,20 @@ def gather_scatter_rates(device: torch.device, trials: int = 3, clock=time.perf_
 
 def host_figures(info, clock=time.perf_counter) -> dict[str, float]:
     """The host's share of a step (:data:`densetrain.cost.hardware.HOST_FIELDS`, read by cost/host.py) on
-    this machine: on a CPU, :func:`dtensor_op_cost` and :func:`fsdp_group_cost` on :func:`probe_mesh` (pairs
+    this machine: on a CPU, :func:`dtensor_op_cost`, :func:`fsdp_group_cost` and :func:`loss_parallel_cost` on
+    :func:`probe_mesh` (pairs
     of ranks; one process alone), with more than one rank :func:`gather_scatter_rates`, and
-    ``collectives_on_cores`` 1 (gloo runs on the compute's cores). Over a pair, a DTensor dispatch carries its
-    share of the probe's tensor-parallel collectives (the per-call work of gloo's functional all-reduces around
-    it, which a real step pays too: the step model's TP term also charges their latency, so ~2 all-reduces' fixed
-    cost a probe is counted twice, a few ms a tiny step; measured on this machine). On a GPU
+    ``collectives_on_cores`` 1 (gloo runs on the compute's cores). Over a pair, a DTensor dispatch carries the
+    functional collectives' wrapping and waiting around gloo's calls, not the calls' fixed cost, which the step
+    model's TP term charges as their latency (:func:`dtensor_op_cost`). On a GPU
     none (its host work runs ahead of the kernels: the cost model leaves it out). Every rank must call it."""
     if info.device.type != "cpu":
         return {}
     with probe_mesh() as mesh:
         out = {"dtensor_op_s": dtensor_op_cost(mesh, clock=clock), "fsdp_group_s": fsdp_group_cost(mesh, clock=clock),
                "collectives_on_cores": 1.0}
+        out["loss_parallel_logit_s"] = loss_parallel_cost(mesh, out["dtensor_op_s"],
+                                                          collective_call_cost(mesh, clock=clock), clock=clock)
     if dist.is_initialized() and dist.get_world_size() > 1:
         out["all_gather_bytes_per_s"], out["reduce_scatter_bytes_per_s"] = gather_scatter_rates(info.device,
                                                                                                clock=clock)
