@@ -189,3 +189,22 @@ def test_update_norm_warns_before_the_loss_guard_on_an_lr_jump(prepared, tmp_pat
     v = replay(lrun, 12)  # before the jump, the loss falling: below the window's median, no excess to blame
     assert v["reproduced"] and v["logged"]["loss"] < v["median"]
     assert v["verdict"] == "normal" and v["documents"] == [] and "not a spike" in v["text"]
+
+
+@pytest.mark.slow
+def test_replicas_are_checked_under_pipelining_where_stages_hold_different_tensors(prepared, tmp_path):
+    """pp 2 x HSDP (dp_replicate 2 x dp_shard 2), 8 ranks: the stages hold different tensors (and counts), which
+    crashed the check's all-reduce at its first step (a collective size mismatch, review of issue 41); a bit
+    flipped in rank 6's copy of a weight the second stage holds is named with its replica (rank 4: two replicas,
+    no majority) by the tensor's own name, which rank 0 (first stage) does not hold."""
+    shards, _ = prepared
+    wq1 = "layers.1.attention.wq.weight"
+    job = {"shards": str(shards), **QUIET, **TINY, "model.n_layers": 2, "model.tie_embeddings": False,
+           "train.batch_size": 16, "parallel.pp": 2, "parallel.dp_replicate": 2, "parallel.dp_shard": 2,
+           "guard.replica_every": 2, "checkpoint.every": 0, "train.steps": 6, "tmp": str(tmp_path / "pp"),
+           "eval.position_len": 0,
+           "faults": [{"kind": "bitflip", "step": 3, "rank": 6, "param": wq1, "element": 1, "bit": 20}]}
+    _launch(tmp_path, [job], world=8)
+    (ev,) = _events(tmp_path / "pp" / "run", "replica_mismatch")
+    assert ev["step"] == 3 and ev["values"]["clean_step"] == 2 and ev["values"]["majority"] is False
+    assert ev["values"]["tensors"] == {wq1: [4, 6]} and ev["values"]["ranks"] == [4, 6]

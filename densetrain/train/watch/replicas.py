@@ -107,24 +107,42 @@ class ReplicaCheck(Watcher):
         if step % self.every and not run.checkpointer.due(step):
             return
         names, tensors = self._tensors(run)
-        table = torch.zeros(self.world, len(tensors), dtype=torch.int64, device=run.info.device)
-        table[self.rank] = torch.stack([checksum(t) for t in tensors])
+        # Pipeline stages hold different tensors (and counts): the table is as wide as the most any rank holds,
+        # shorter rows padded with zeros (a replica group lies within one stage, so its rows align).
+        width = torch.tensor([len(tensors)], dtype=torch.int64, device=run.info.device)
+        dist.all_reduce(width, op=dist.ReduceOp.MAX)
+        table = torch.zeros(self.world, int(width), dtype=torch.int64, device=run.info.device)
+        table[self.rank, :len(tensors)] = torch.stack([checksum(t) for t in tensors])
         dist.all_reduce(table)  # every rank's row on every rank (the others add zeros: exact in int64)
         rows = table.cpu().tolist()
-        differ: dict[str, list[int]] = {}
+        odd: dict[int, dict[int, list[int]]] = {}  # group index -> column -> ranks; judged alike on every rank
         majority = True
-        for group in self.groups:
-            for j, name in enumerate(names):
+        for g, group in enumerate(self.groups):
+            for j in range(int(width)):
                 ranks, ok = odd_ranks(group, [rows[r][j] for r in group])
                 if ranks:
-                    differ.setdefault(name, []).extend(ranks)
+                    odd.setdefault(g, {})[j] = ranks
                     majority &= ok
-        if not differ:
+        if not odd:
             self.clean = step
             return
+        differ = self._named(names, odd)
         new = sorted(set(differ) - self.seen)
         if new:
             self._report(run, result, differ, new, majority)
+
+    def _named(self, names: list[str], odd: dict[int, dict[int, list[int]]]) -> dict[str, list[int]]:
+        """``{tensor name: odd ranks}`` of a mismatch: the names are those of the group's own ranks (under pipeline
+        parallelism another stage's), gathered from every rank (a collective every rank runs: each judged the
+        same table alike)."""
+        everyone: list[list[str] | None] = [None] * self.world
+        dist.all_gather_object(everyone, names)  # the ranks' own processes, not a file: nothing untrusted
+        differ: dict[str, list[int]] = {}
+        for g, columns in odd.items():
+            group_names = everyone[self.groups[g][0]]
+            for j, ranks in columns.items():
+                differ.setdefault(group_names[j], []).extend(ranks)
+        return differ
 
     def _report(self, run, result, differ: dict[str, list[int]], new: list[str], majority: bool) -> None:
         self.seen |= set(differ)
