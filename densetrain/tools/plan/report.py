@@ -180,9 +180,13 @@ def _stage_block(r: dict, i: int, others: int) -> list[str]:
     for y in distinct:
         yt = y["stages"][i]["time"]
         lines.append(f"  {_name(y):<58} {yt['step_s']:.3g} s  {_why_slower(yt, t)}")
-    if r["hardware"].sms and (close := sum(tied(y["stages"][i]["time"], t) for y in distinct)):
-        lines.append(f"  the model does not tell the pick from {close} of these: within its error "
-                     f"({CHECKED_ERROR:.1%}, its mean over the published runs it was not fitted on; docs/planner.md)")
+    shape = lambda y: (y["layout"].pp, y["layout"].cp, y["layout"].tp)  # noqa: E731
+    other = [y for y in s["ranked"][1:] if shape(y) != shape(x)]  # not the pick's own HSDP splits
+    if r["hardware"].sms and (close := sum(tied(y["stages"][i]["time"], t) for y in other)):
+        shown = sum(tied(y["stages"][i]["time"], t) for y in distinct)
+        lines.append(f"  the model does not tell the pick from {close} of the {len(other)} layouts of other shapes "
+                     f"that run the stage ({shown} listed above): within its error, {CHECKED_ERROR:.1%} (its mean "
+                     "over the published runs it was not fitted on; larger on context-parallel runs: docs/planner.md)")
     rej = s["rejected"]
     if rej:
         words = {"memory": "do not fit in memory", "batch": "do not split the batch",
