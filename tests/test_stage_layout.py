@@ -83,6 +83,9 @@ def test_a_run_that_switches_from_pp2_to_cp2_equals_one_process(whole, reference
     assert sw["step"] == 6 and sw["values"]["stage"] == "long_context" and sw["values"]["seconds"] > 0
     assert sw["values"]["from"]["pp"] == 2 and sw["values"]["to"]["cp"] == 2 and sw["values"]["to"]["pp"] == 1
     assert "pp=2 dp_replicate=1 dp_shard=1 tp=1 -> dp_replicate=1 dp_shard=1 cp=2 tp=1" in sw["text"]
+    # the [parallel] keys that differ, said and recorded (a switch between equal degrees says why it ran)
+    assert sw["values"]["changed"]["pp"] == [2, 1] and sw["values"]["changed"]["cp"] == [1, 2]
+    assert "parallel.pp 2 -> 1" in sw["text"] and "parallel.cp 1 -> 2" in sw["text"]
     assert sw["values"]["checkpoint"] == "step_00000006"  # not a checkpoint step (every 4): the switch wrote it
 
 

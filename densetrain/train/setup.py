@@ -209,13 +209,17 @@ def switch_layout(run: Run, st: Stage) -> None:
                                                                        init=False)
     t_built = time.perf_counter()
     load_checkpoint(path, run.model, run.optimizer)
-    run.parallel = par
     run.watchers = make_watchers(run.cfg, run.info, run.run_dir, old=run.watchers)
     dt = time.perf_counter() - t0
-    run.log.event(step, f"layout: stage '{st.name}' switches {old} -> {lay} ({layout_words(lay)}) in {dt:.2f}s "
-                        f"(checkpoint {path.name}, new mesh, wrappers and optimizer, resharded reload)",
+    # the keys that differ, said: the degrees may be equal (a stage changing only e.g. parallel.pp_grad_sync)
+    keys = {f.name: (getattr(run.parallel, f.name), getattr(par, f.name)) for f in dataclasses.fields(par)
+            if getattr(run.parallel, f.name) != getattr(par, f.name)}
+    run.parallel, why = par, ", ".join(f"parallel.{k} {a!r} -> {b!r}" for k, (a, b) in keys.items())
+    run.log.event(step, f"layout: stage '{st.name}' switches {old} -> {lay} ({layout_words(lay)}; {why}) in "
+                        f"{dt:.2f}s (checkpoint {path.name}, new mesh, wrappers and optimizer, resharded reload)",
                   kind="parallel", action="switch",
                   values={"stage": st.name, "from": dataclasses.asdict(old), "to": dataclasses.asdict(lay),
+                          "changed": {k: list(v) for k, v in keys.items()},
                           "seconds": dt, "checkpoint": path.name, "checkpoint_s": t_saved - t0,
                           "rebuild_s": t_built - t_saved, "load_s": time.perf_counter() - t_built})
 
