@@ -450,7 +450,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         warn_repeats(run, cfg.train.steps)
     _log_decisions(run, saved, ckpt, keep_layout_intent)
     if info.is_main and ckpt is None:
-        log.event(step, f"model: {model.num_params() / 1e6:.2f}M parameters; "
+        where = f" in rank 0's pipeline stages (pp {info.layout.pp})" if info.layout.pp > 1 else ""
+        log.event(step, f"model: {model.num_params() / 1e6:.2f}M parameters{where}; "
                         f"{'bf16 autocast' if autocast else 'fp32'} (train.dtype={cfg.train.dtype}); peak "
                         f"{run.peak_flops / 1e12:.3f} TFLOP/s per device "
                         f"({'declared' if cfg.logging.peak_flops else 'measured by matmul probe'})")

@@ -245,7 +245,9 @@ def format_layout_plan(r: dict, others: int = 4) -> str:
     pub = r.get("published")
     if pub is not None:
         lines.append(f"{pub['source']}: " + ("; ".join(
-            f"{s['name']} {_name(x)} {x['time']['step_s']:.3g} s ({_why_slower(x['time'], s['time'])}"
+            f"{s['name']} {_name(x)}, {x['ac']} checkpointing"
+            + (", pp_grad_sync microbatch" if x.get("grad_sync") == "microbatch" else "")
+            + f" {x['time']['step_s']:.3g} s ({_why_slower(x['time'], s['time'])}"
             + ("; within the model's error" if hw.sms and tied(x["time"], s["time"]) else "") + ")"
             if x["fits"] and s["time"] else f"{s['name']} does NOT run: {x['reason']}"
             for s, x in zip(r["stages"], pub["stages"])))
