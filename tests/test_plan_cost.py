@@ -374,8 +374,10 @@ def test_the_plan_says_which_listed_layouts_are_within_the_models_error(preset, 
     the stage, at least as many), and is there only where some are (the main stage: every runner-up +9% or more,
     no note; the long-context stage has some)."""
     from densetrain.tools.plan import format_layout_plan, layout_plan
+    from densetrain.tools.plan.report import layout_plan_json
 
-    text = format_layout_plan(layout_plan(load_config(preset), gpus, preset=preset))
+    r = layout_plan(load_config(preset), gpus, preset=preset)
+    text, js = format_layout_plan(r), layout_plan_json(r)
     said = {}
     for stage in re.findall(r"^stage '.*\n(?:  .*\n?)*", text, flags=re.M):  # a stage's line and its indented ones
         excess = [float(m) / 100 for m in re.findall(r" s  \+([0-9.]+)%", stage)]
@@ -386,3 +388,5 @@ def test_the_plan_says_which_listed_layouts_are_within_the_models_error(preset, 
         assert all(int(n[2]) <= int(n[0]) <= int(n[1]) for n in notes)
         said[stage.split("'")[1]] = notes
     assert said["main"] == [] and said["long_context"] != []
+    assert {st["name"]: st["within_error"] for st in js["stages"]} == {k: int(n[0][0]) if n else 0
+                                                                       for k, n in said.items()}

@@ -154,6 +154,15 @@ def tied(t: dict, best: dict) -> bool:
     return t["step_s"] <= best["step_s"] * (1 + CHECKED_ERROR)
 
 
+def ties(s: dict, i: int) -> tuple[int, int]:
+    """``(layouts of other shapes (pp, cp, tp) that run stage row s, those of them within the model's error of
+    the pick)``: the pick's own HSDP splits aside."""
+    x, t = s["ranked"][0], s["time"]
+    shape = lambda y: (y["layout"].pp, y["layout"].cp, y["layout"].tp)  # noqa: E731
+    other = [y for y in s["ranked"][1:] if shape(y) != shape(x)]
+    return len(other), sum(tied(y["stages"][i]["time"], t) for y in other)
+
+
 def _stage_block(r: dict, i: int, others: int) -> list[str]:
     """One stage: its best layout with the step's parts, MFU, memory and days, the next ``others`` of other
     shapes (pp, cp, tp) with why they lose, and the rejected counted by reason."""
@@ -180,11 +189,10 @@ def _stage_block(r: dict, i: int, others: int) -> list[str]:
     for y in distinct:
         yt = y["stages"][i]["time"]
         lines.append(f"  {_name(y):<58} {yt['step_s']:.3g} s  {_why_slower(yt, t)}")
-    shape = lambda y: (y["layout"].pp, y["layout"].cp, y["layout"].tp)  # noqa: E731
-    other = [y for y in s["ranked"][1:] if shape(y) != shape(x)]  # not the pick's own HSDP splits
-    if r["hardware"].sms and (close := sum(tied(y["stages"][i]["time"], t) for y in other)):
+    other, close = ties(s, i)
+    if r["hardware"].sms and close:
         shown = sum(tied(y["stages"][i]["time"], t) for y in distinct)
-        lines.append(f"  the model does not tell the pick from {close} of the {len(other)} layouts of other shapes "
+        lines.append(f"  the model does not tell the pick from {close} of the {other} layouts of other shapes "
                      f"that run the stage ({shown} listed above): within its error, {CHECKED_ERROR:.1%} (its mean "
                      "over the published runs it was not fitted on; larger on context-parallel runs: docs/planner.md)")
     rej = s["rejected"]
@@ -294,11 +302,13 @@ def refusals(r: dict) -> list[str]:
 def layout_plan_json(r: dict) -> dict:
     """The part of a :func:`layout_plan` result a script needs: per stage ``name, seq_len, layout`` (degrees,
     schedule, virtual stages), ``ac``, ``pp_grad_sync`` (a pipelined FSDP2 stage's, else None), ``step_s, parts,
-    mfu, tokens_per_sec_per_gpu, memory_gib, days`` (None where no layout runs it), ``reason`` (why no layout runs
-    it, else None), ``configured`` (its configured layout: ``layout, own, runs, reason, memory_gib``), and the
-    run's ``days``, ``gpus``, ``hardware``, ``warnings``, ``mfu_note`` (:func:`mfu_note`), ``suggested`` (one
-    layout for every stage, with its ``train_flags``), ``train_flags`` (:func:`run_flags`: every stage on its best
-    layout; None when a stage has none), ``refusals`` (:func:`refusals`: non-empty, the command exits non-zero)."""
+    mfu, tokens_per_sec_per_gpu, memory_gib, days`` (None where no layout runs it), ``within_error`` (layouts of
+    other shapes within the model's error of the pick, :func:`ties`; None on a measured CPU profile),
+    ``reason`` (why no layout runs it, else None), ``configured`` (its configured layout: ``layout, own, runs,
+    reason, memory_gib``), and the run's ``days``, ``gpus``, ``hardware``, ``warnings``, ``mfu_note``
+    (:func:`mfu_note`), ``suggested`` (one layout for every stage, with its ``train_flags`` and ``pp_grad_sync``
+    per stage), ``train_flags`` (:func:`run_flags`: every stage on its best layout; None when a stage has none),
+    ``refusals`` (:func:`refusals`: non-empty, the command exits non-zero)."""
     def lay(x):
         return {**dataclasses.asdict(x["layout"]), "schedule": x["schedule"], "virtual": x["virtual"]}
 
@@ -306,19 +316,22 @@ def layout_plan_json(r: dict) -> dict:
     for i, s in enumerate(r["stages"]):
         out = {"name": s["name"], "seq_len": s["seq_len"], "batch": s["batch"], "steps": s["steps"],
                "layout": None, "ac": None, "pp_grad_sync": None, "step_s": None, "parts": None, "mfu": None,
-               "tokens_per_sec_per_gpu": None, "memory_gib": None, "days": None, "reason": _no_layout(r, i),
+               "tokens_per_sec_per_gpu": None, "memory_gib": None, "days": None, "within_error": None,
+               "reason": _no_layout(r, i),
                "configured": r["configured_stages"][i]}
         if s["ranked"]:
             x, t = s["ranked"][0], s["time"]
             out.update(layout=lay(x), ac=x["stages"][i]["ac"], pp_grad_sync=x["stages"][i].get("grad_sync"),
                        step_s=t["step_s"], parts=t["parts"], mfu=t["mfu"],
                        tokens_per_sec_per_gpu=t["tokens_per_sec_per_gpu"],
-                       memory_gib=x["stages"][i]["bytes"]["total"] / GIB, days=s["days"])
+                       memory_gib=x["stages"][i]["bytes"]["total"] / GIB, days=s["days"],
+                       within_error=ties(s, i)[1] if r["hardware"].sms else None)
         stages.append(out)
     sug = r["suggested"]
     return {"gpus": r["gpus"], "hardware": dataclasses.asdict(r["hardware"]), "stages": stages, "days": r["days"],
             "tokens": r["tokens"], "warnings": r["warnings"], "refusals": refusals(r),
             "mfu_note": mfu_note(r["hardware"]),
-            "suggested": {"layout": lay(sug), "days": sug["days"], "train_flags": run_flags(r, lambda i: sug)}
+            "suggested": {"layout": lay(sug), "days": sug["days"], "train_flags": run_flags(r, lambda i: sug),
+                          "pp_grad_sync": [st.get("grad_sync") for st in sug["stages"]]}
             if sug else None, "cost": r.get("cost"),
             "train_flags": run_flags(r, lambda i: r["stages"][i]["ranked"][0]) if r["days"] is not None else None}
