@@ -10,8 +10,9 @@ several GPUs and are not measured here.
 
 Per case: the layer's four GEMMs (qkv, wo, w1w3, w2; forward, and the backward's data and weight gradients) and
 its attention forward + backward, in ms, the model's ms beside them (the shipped profile of this GPU: ``h200``
-or ``h100-sxm``, whose peak both share), and measured / model. Then, per pair of layouts, the per-rank compute of
-a step (layer time x the layers and micro-batches a rank runs) measured against the model's. Ends with
+or ``h100-sxm``, whose peak both share), and ``ratio``: the layer's measured / model. Then, per pair of
+layouts, the per-rank compute of a step (layer time x the layers and micro-batches a rank runs) measured against
+the model's. Ends with
 ``planner_gpu: measured / model per-rank layer compute X..Y over N cases``.
 
     python benchmarks/planner_gpu.py             # on a CUDA GPU (about a minute)
@@ -135,7 +136,7 @@ def main(argv=None) -> int:
     hw = load_hardware("h200" if "H200" in name else "h100-sxm")
     cases = TINY if a.tiny else CASES
     print(f"device: {name}; model profile: {hw.name}; bf16 peak {hw.peak_bf16_flops / 1e12:.0f} TFLOP/s")
-    print(f"{'case':<50} {'rows':>7} {'GEMMs ms':>9} {'model':>7} {'attn ms':>8} {'model':>7} {'layer':>6}"
+    print(f"{'case':<50} {'rows':>7} {'GEMMs ms':>9} {'model':>7} {'attn ms':>8} {'model':>7} {'ratio':>6}"
           f" {'mask ms':>8}")
     rows_out = []
     for label, preset, seq_len, micro, tp, cp, (layers, n_micro) in cases:
