@@ -1,7 +1,9 @@
 """The loss by position (densetrain/evals/position_loss.py) under pipeline parallelism with FSDP2: held-out
 documents of many lengths on the data-parallel ranks (review of issue 41: with ``eval.position_len`` above the
 documents' lengths, pp 2 x dp_shard 2 hung after the final validation, a new input shape's stand-in forward
-all-gathering on one data-parallel rank and not the other). Real runs on 4 gloo ranks against one process."""
+all-gathering on one data-parallel rank and not the other; downstream tasks hung the same way). The fix is in the
+pipeline's forward (parallel/pipeline.py ``_new_shape_together``: a shape new to any rank is built anew on every
+rank), which this guards for every evaluation. Real runs on 4 gloo ranks against one process."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Each scored document is run from its first token, alone (no packing, so no document mask is
 needed and the model's own RoPE state, scaling included, applies), over its first ``length + 1``
-tokens (fewer for a shorter document; the EOS that ends it is a target; under pipeline parallelism padded at
-its end to the longest of the round's documents on every rank, :func:`common_length`). The prediction made at
+tokens (fewer for a shorter document; the EOS that ends it is a target). The prediction made at
 position ``p`` (the ``p + 1``-th token of the document is the last one seen, so ``p + 1`` tokens of
 context) goes into the bucket whose range holds ``p``: with edges ``[0, 256, 1024]`` the buckets are
 ``0-255``, ``256-1023`` and ``1024+``. A bucket's loss is its summed token loss over its token count
@@ -30,14 +29,12 @@ from functools import partial
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from densetrain.data.shards import TokenFiles
 from densetrain.evals.scoring import eval_mode
 from densetrain.evals.stop import StopCheck, read_then_stop_point
 from densetrain.loss import token_losses
 from densetrain.parallel import all_reduce_sum, dp_rank_size, even_split
-from densetrain.parallel.pipeline import PipelineModel
 from densetrain.schedule import Stage
 
 
@@ -53,18 +50,6 @@ def long_documents(stream: TokenFiles, n_docs: int) -> list[int]:
     lengths = np.diff(np.concatenate([[0], ends]))
     order = np.lexsort((np.arange(lengths.size), -lengths))  # by length descending, then index
     return [int(k) for k in order[:n_docs] if lengths[k] >= 2]
-
-
-def common_length(n: int, pipelined: bool, device: torch.device) -> int:
-    """The input length every rank runs for a document of ``n`` inputs: ``n``, or under pipeline parallelism the
-    longest of this round's documents over all ranks (one all-reduce). A pipeline builds its forward-only schedule
-    per input shape with a stand-in forward that, under FSDP2, all-gathers over the data-parallel ranks: ranks
-    whose documents differ in length ran different collectives and hung (review of issue 41)."""
-    if not pipelined or not dist.is_initialized():
-        return n
-    width = torch.tensor([n], dtype=torch.int64, device=device)
-    dist.all_reduce(width, op=dist.ReduceOp.MAX)
-    return int(width)
 
 
 @torch.no_grad()
@@ -96,7 +81,6 @@ def evaluate_position_loss(
         raise ValueError(f"bucket edges must increase from 0, got {edges}")
     names = bucket_names(edges)
     rank, size = dp_rank_size()
-    pipelined = isinstance(model, PipelineModel)
     sums: dict[str, torch.Tensor] = {}
     with eval_mode(model) as model:
         for name in sorted(streams):
@@ -108,10 +92,8 @@ def evaluate_position_loss(
                 doc = read_then_stop_point(should_stop, partial(stream.document, docs[0 if k is None else k]))
                 doc = doc[: length + 1]
                 t = torch.from_numpy(doc).to(device)[None]  # (1, n + 1)
-                width = common_length(t.shape[1] - 1, pipelined, device)
                 with autocast or contextlib.nullcontext():
-                    # (1, n, vocab): causal, so the padding after the document changes none of its logits
-                    logits = model(torch.nn.functional.pad(t[:, :-1], (0, width - t.shape[1] + 1)))[:, :t.shape[1] - 1]
+                    logits = model(t[:, :-1])  # (1, n, vocab)
                 if k is None:
                     continue
                 losses = token_losses(logits, t[:, 1:])[0].double()  # (n,), position p predicts token p + 1

@@ -329,6 +329,23 @@ class PipelineModel(nn.Module):
         finally:
             self._loss_fn = None
 
+    def _new_shape_together(self, key: tuple) -> None:
+        """Before a forward-only call: when any rank meets an input shape it has no schedule for, every rank
+        builds its schedule anew. A new schedule's stages infer their buffers with a stand-in forward, which under
+        FSDP2 all-gathers over the data-parallel ranks; evaluation hands those ranks different inputs (documents,
+        examples of other lengths), so a shape new to one rank and cached on another ran different collectives
+        and hung (pp 2 x dp_shard 2: the loss by position, downstream tasks; review of issue 41). One all-reduce
+        a call; every rank makes the same forward calls (:meth:`forward`)."""
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        full = (*key, 1, False)
+        miss = torch.tensor([int(full not in self._schedules)], dtype=torch.int32, device=self.device)
+        dist.all_reduce(miss, op=dist.ReduceOp.MAX)
+        if int(miss):
+            self._schedules.pop(full, None)
+
     def forward(self, tokens: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:
         """Forward-only: ``tokens`` (B, T) int64 on every rank of the pipeline -> logits (B, T, vocab_size)
         float32 on every rank (the last stage's, broadcast over the pipeline group). Every rank of the
@@ -346,7 +363,9 @@ class PipelineModel(nn.Module):
             raise TrainError("parallel.pp > 1: generation and chunked-head forwards do not run through pipeline "
                              "stages; set parallel.pp = 1 for them")
         kwargs = self._with_positions(tokens, {k: v for k, v in kwargs.items() if v is not None})
-        sched = self._schedule((tuple(tokens.shape), tuple(sorted(kwargs))), 1, train=False)
+        key = (tuple(tokens.shape), tuple(sorted(kwargs)))
+        self._new_shape_together(key)
+        sched = self._schedule(key, 1, train=False)
         out = sched.eval(*((tokens,) if self.is_first else ()), **kwargs)
         B, T = tokens.shape
         logits = out.float().contiguous() if self.is_last else torch.empty(B, T, self.vocab_size, device=self.device)
