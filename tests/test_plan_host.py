@@ -5,13 +5,12 @@ its time as counts x the profile's unit costs, and the profile's host figures th
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import gloo_env
 
 from densetrain.config import load_config
 from densetrain.cost import Parallel, load_hardware, step_time
@@ -90,11 +89,7 @@ def test_counts_equal_a_real_two_rank_gloo_step(kind, par, tmp_path):
 
     script = tmp_path / "count.py"
     script.write_text(_COUNT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**gloo_env(2), "PYTHONPATH": str(Path(__file__).parents[1])}
     procs = [forked.Popen([sys.executable, str(script), kind], text=True, stdout=forked.PIPE, stderr=forked.PIPE,
                           env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
     outs = [p.communicate(timeout=240) for p in procs]
@@ -180,11 +175,7 @@ def test_doctor_profile_on_two_gloo_ranks_measures_the_pair(tmp_path):
     import forked
 
     path = tmp_path / "pair.toml"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**gloo_env(2), "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(Path(__file__).parents[1])}
     argv = [sys.executable, "-m", "densetrain", "doctor", "--preset", "tiny", "--health.seconds=0.01",
             "--health.trials=1", "--health.copy_mib=1", "--profile", str(path)]
     procs = [forked.Popen(argv, text=True, stdout=forked.PIPE, stderr=forked.PIPE,

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import gloo_env
 
 from densetrain.config import load_config
 from densetrain.cost import Parallel, load_hardware, step_time
@@ -197,11 +196,7 @@ def _run_trace(mode: str, tmp_path) -> list[dict]:
 
     script = tmp_path / "trace.py"
     script.write_text(_TRACE)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**gloo_env(4), "PYTHONPATH": str(Path(__file__).parents[1])}
     procs = [forked.Popen([sys.executable, str(script), mode], text=True, stdout=forked.PIPE, stderr=forked.PIPE,
                           env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(4)]
     outs = [p.communicate(timeout=240) for p in procs]
