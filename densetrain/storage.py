@@ -135,20 +135,42 @@ def _no_expect_continue(fs) -> None:
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
 
 
+def _http_status(e: BaseException | None) -> int | None:
+    """The HTTP status the client recorded for ``e`` or for the error it translated (``__cause__``, a few deep):
+    gcsfs's ``HttpError.code``, aiohttp's ``.status``, botocore's ``ClientError.response`` (behind s3fs's
+    OSError)."""
+    for _ in range(4):
+        if e is None:
+            return None
+        response = getattr(e, "response", None)
+        meta = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
+        for v in (getattr(e, "code", None), getattr(e, "status", None), meta):
+            if isinstance(v, int) and 100 <= v < 600:
+                return v
+        e = e.__cause__
+    return None
+
+
+_LOCATION = re.compile(r"\S*://\S*|\S*/\S*")
+"""URLs and paths inside an error's text: their digits (a port 34035, a shard 000404.ds) are not a status."""
+_PERMANENT_TEXT = re.compile(r"NoSuchKey|NoSuchBucket|AccessDenied|InvalidAccessKeyId|\b40[34]\b")
+_TRANSIENT_TEXT = re.compile(r"SlowDown|Timeout|timeout|Connection|ServiceUnavailable|InternalError|reset|Throttl|"
+                             # gcsfs: HttpError("..., 429"); aiohttp: a dropped connection or a cut-off body
+                             r"ServerDisconnected|ClientPayloadError|\b(?:408|429|50[0234])\b")
+
+
 def _transient(e: BaseException) -> bool:
-    """A 5xx, throttling, timeout or connection error (retried), not a missing object or a refusal."""
+    """A 5xx, throttling, timeout or connection error (retried), not a missing object or a refusal. The status
+    the client recorded decides where there is one; else the error's text with its URLs and paths left out."""
     if isinstance(e, _PERMANENT):
         return False
-    text = f"{type(e).__name__}: {e}"
-    if any(k in text for k in ("NoSuchKey", "NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "403", "404")):
+    status = _http_status(e)
+    if status is not None and status >= 400:
+        return status in (408, 429) or status >= 500
+    text = _LOCATION.sub("", f"{type(e).__name__}: {e}")
+    if _PERMANENT_TEXT.search(text) or str(e).startswith("Forbidden: "):  # gcsfs's 403: an OSError, no code
         return False
-    if text.startswith("OSError: Forbidden: "):  # gcsfs's 403 (an OSError without the code)
-        return False
-    return isinstance(e, (OSError, TimeoutError, ConnectionError)) or any(
-        k in text for k in ("SlowDown", "Timeout", "timeout", "Connection", "ServiceUnavailable", "InternalError",
-                            "503", "500", "502", "504", "reset", "Throttl",
-                            # gcsfs: HttpError("..., 429"); aiohttp: a dropped connection or a cut-off body
-                            "429", "408", "ServerDisconnected", "ClientPayloadError"))
+    return isinstance(e, (OSError, TimeoutError, ConnectionError)) or bool(_TRANSIENT_TEXT.search(text))
 
 
 _NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError")

@@ -86,6 +86,29 @@ def test_prepare_writes_to_s3_and_training_reads_the_same_tokens(store, remote_s
 
 
 
+def test_a_status_is_read_from_the_error_not_from_digits_in_its_url():
+    """A timeout on a store whose port or object name holds 403/404 (a proxy on port 34035, shard 000404.ds) is
+    retried like any timeout (it was taken for a refusal: every rank stopped at its first slow read); the status
+    botocore recorded decides for s3fs's translated errors, whatever their text says."""
+    import errno
+
+    from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
+    from s3fs.errors import translate_boto_error
+
+    def answer(status: int, code: str):
+        return translate_boto_error(ClientError({"Error": {"Code": code, "Message": "m"},
+                                                 "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject"))
+
+    url = "http://127.0.0.1:34035/bucket/shards/email/train/000404.ds"
+    transient = [ReadTimeoutError(endpoint_url=url), EndpointConnectionError(endpoint_url=url),
+                 answer(503, "SlowDown"), answer(500, "InternalError"), answer(503, "NoSuchKey404"),
+                 OSError(errno.EIO, f"{url}: 500 answer"), TimeoutError(f"reading {url}")]
+    permanent = [answer(404, "NoSuchKey"), answer(403, "AccessDenied"), answer(400, "SlowDownAndTimeout"),
+                 FileNotFoundError(url), RuntimeError("403 Forbidden"), ValueError("bad value")]
+    assert [storage._transient(e) for e in transient] == [True] * len(transient), transient
+    assert [storage._transient(e) for e in permanent] == [False] * len(permanent), permanent
+
+
 def test_store_faults_are_retried_and_counted_and_an_outage_is_one_line(store, monkeypatch):
     proxy, bucket = store
     storage.write_bytes(f"{bucket}/faults/blob", b"x" * 1000)
