@@ -409,8 +409,9 @@ def schedule_areas(lrs, tokens, peak_lr: float, lam: float = ANNEAL_MOMENTUM) ->
 
 
 @dataclass(frozen=True)
-class Curve:
-    """``L(N, S1, S2) = E + A / N^alpha + B / S1^beta - C * S2 / S1`` (module docstring)."""
+class LossLaw:
+    """The six constants of a loss law in model size ``N`` and the schedule (:class:`Curve` here, the
+    trajectory law of :mod:`densetrain.law.trajectory`), each law with its own formula, and its fit's spread."""
 
     E: float
     A: float
@@ -420,6 +421,11 @@ class Curve:
     C: float
     scale: float = 0.0
     """Robust scale of the fit's relative residuals (1.4826 x their median absolute value)."""
+
+
+@dataclass(frozen=True)
+class Curve(LossLaw):
+    """``L(N, S1, S2) = E + A / N^alpha + B / S1^beta - C * S2 / S1`` (module docstring)."""
 
     def loss(self, n, s1, s2):
         s1 = np.asarray(s1, float)

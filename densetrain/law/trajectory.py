@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from scipy.optimize import minimize
 
-from densetrain.law.fits import _TIGHT, HUBER_DELTA, LEVEL, Interval, huber
+from densetrain.law.fits import _TIGHT, HUBER_DELTA, LEVEL, Interval, LossLaw, huber
 
 TRAJ_BOUNDS = ((-20.0, None), (-20.0, 60.0), (1e-3, 3.0), (-20.0, 60.0), (1e-3, 3.0), (0.0, 20.0))
 """Bounds of ``(log E, log A, alpha, log B, beta, C)``; ``log E``'s upper bound is set per fit at the log of the
@@ -47,17 +47,8 @@ _NAMES = ("E", "A", "alpha", "B", "beta", "C")
 
 
 @dataclass(frozen=True)
-class Trajectory:
+class Trajectory(LossLaw):
     """``L(N, S1, D) = E + ((A / N)^(alpha / beta) + B / S1)^beta - C * D`` (module docstring)."""
-
-    E: float
-    A: float
-    alpha: float
-    B: float
-    beta: float
-    C: float
-    scale: float = 0.0
-    """Robust scale of the fit's relative residuals (1.4826 x their median absolute value)."""
 
     def loss(self, n, s1, drop):
         """The loss (nats per token) at ``n`` parameters, forward area ``s1`` (tokens) and annealing drop ``drop``
