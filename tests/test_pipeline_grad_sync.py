@@ -281,3 +281,17 @@ def test_pipeline_fit_passes_the_mode_to_the_memory_plan(mode):
     blocks = pipe["virtual"] + 1  # the one computed, and each stage module's last reduce-scatter input
     grads = 4 * local if mode == "last" else 4 * (blocks * counts["block"] + rank["params"] - 7 * counts["block"]) / 8
     assert mem["transient"] == pytest.approx(2 * local + grads)
+
+
+def test_microbatch_sync_without_pipelining_is_said_once(prepared, tmp_path):
+    """At pp 1 the key has nothing to act on: the run's layout line says it is ignored (a decision, logged once)."""
+    from densetrain.metrics import read_events
+    from densetrain.train import train
+
+    _, make = prepared
+    cfg = make(tmp_path, **{"train.steps": 4, "eval.every": 0, "stages": [{"name": "main", "start": 0.0}],
+                            "parallel.pp_grad_sync": "microbatch"})
+    train(cfg, stop_after=1)
+    lines = [e["text"] for e in read_events(tmp_path / "run") if e.get("kind") == "parallel"]
+    assert len(lines) == 1 and lines[0].endswith("; parallel.pp_grad_sync = 'microbatch' ignored: no pipelining "
+                                                 "(pp 1)"), lines

@@ -539,6 +539,8 @@ def _log_layout_used(run: Run, saved: dict | None) -> None:
         note = f" (checkpoint written on {was_world} process(es)" + (
             f" as dp_replicate={was['dp_replicate']} dp_shard={was['dp_shard']} tp={was['tp']})"
             if isinstance(was, dict) else ")")
+    if lay.pp == 1 and run.cfg.parallel.pp_grad_sync != "last":  # read by pipeline stages only
+        note += f"; parallel.pp_grad_sync = '{run.cfg.parallel.pp_grad_sync}' ignored: no pipelining (pp 1)"
     run.log.event(run.state.step, f"layout: {world} process(es) as {lay}: {layout_words(lay)}{note}",
                   kind="parallel", values={"layout": dataclasses.asdict(lay), "world_size": world,
                                            "checkpoint_world_size": was_world, "checkpoint_layout": was})
