@@ -9,7 +9,8 @@
 - RoPE tables at long positions built inside bf16 autocast are the fp32 tables, and a base switched at a
   longer ``seq_len`` (the long-context stage) leaves no stale table: the forward is a fresh model's;
 - attention with fewer queries than keys (a cached or chunked forward) is bottom-right aligned;
-- bf16: the cross-entropy of bf16 logits is computed in fp32 (no bf16 log-softmax), RMSNorm's statistic too.
+- bf16: the cross-entropy of bf16 logits is computed in fp32 (no bf16 log-softmax), RMSNorm's statistic too;
+- the real loop accumulating 8 micro-batches takes the step of one micro-batch (loss, grad norm, z-loss on).
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import torch.nn.functional as F
 
 from densetrain.config import ModelConfig, load_config
 from densetrain.loss import token_losses
+from densetrain.metrics import read_metrics
 from densetrain.model.init import build_model
 from densetrain.model.llama import KVCache, RMSNorm, rope_cos_sin
 from densetrain.model.rope import rope_frequencies
 from densetrain.optim import build_optimizer, set_lr
 from densetrain.schedule import lr_for, resolve_stages
+from densetrain.train import train
 
 SMALL = {"model.vocab_size": 64, "model.d_model": 32, "model.n_layers": 2, "model.n_heads": 4,
          "model.n_kv_heads": 2, "model.d_ff": 64, "train.dtype": "fp32", "optim.weight_decay": 0.1}
@@ -171,3 +174,23 @@ def test_bf16_logits_cross_entropy_and_rmsnorm_statistic_run_in_fp32():
     xd = x.double()
     ref = xd / (xd.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()
     assert (out.double() - ref).abs().max() < 2 ** -8 * ref.abs().max()  # one bf16 rounding of the result
+
+
+def test_the_loop_accumulating_one_sequence_at_a_time_trains_as_one_micro_batch(prepared, tmp_path):
+    # Gradient accumulation through the real loop: 8 micro-batches of 1 sequence (4 in the long-context stage,
+    # with its document mask) take the step of 1 micro-batch of 8, loss and gradient alike, z-loss on. (Training
+    # windows have no ignored targets, so every micro-batch counts alike; uneven counts, the HF transformers
+    # 2024 report, are tests/test_grad_accum.py's and, over ranks, tests/test_parallel_layouts.py's.) A step
+    # that summed micro-batch means instead had 8x the grad norm.
+    _, make = prepared
+    quiet = {"eval.every": 0, "checkpoint.every": 0, "logging.tensorboard": False, "optim.z_loss": 1e-3,
+             "model.document_mask": True}
+    records = {}
+    for micro in (1, 8):
+        cfg = make(tmp_path / str(micro), **quiet, **{"train.micro_batch_size": micro})
+        train(cfg)
+        records[micro] = [r for r in read_metrics(tmp_path / str(micro) / "run") if r["kind"] == "train"]
+    assert [r["seq_len"] for r in records[1]] == [32] * 8 + [64] * 2
+    for a, b in zip(records[1], records[8], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["step"]
