@@ -6,8 +6,9 @@
   decay scaled so that ``lr * weight_decay`` stays the standard one; checked through a real AdamW step;
 - the lr schedule with ``warmup_steps = 0`` and a step count nothing divides: the first step at the peak,
   the last exactly at ``min_lr``, in step and token units;
-- RoPE tables at long positions built inside bf16 autocast are the fp32 tables, and a base switched at a
-  longer ``seq_len`` (the long-context stage) leaves no stale table: the forward is a fresh model's;
+- RoPE tables at long positions built inside bf16 autocast are the fp32 tables, and a base switched after
+  tables were built for the longest length (the long-context stage) leaves no stale table: the forward is a
+  fresh model's;
 - attention with fewer queries than keys (a cached or chunked forward) is bottom-right aligned;
 - bf16: the cross-entropy of bf16 logits is computed in fp32 (no bf16 log-softmax), RMSNorm's statistic too;
 - the real loop accumulating 8 micro-batches takes the step of one micro-batch (loss, grad norm, z-loss on).
