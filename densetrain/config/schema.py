@@ -102,7 +102,8 @@ class OptimConfig:
     weight_decay: float = 0.1
     """Decoupled weight decay applied to 2-D matmul weights (not norms, not embeddings by default)."""
     decay_embeddings: bool = False
-    """Also apply weight decay to the embedding matrix."""
+    """Also apply weight decay to the embedding matrix (with model.tie_embeddings: the one matrix shared with the
+    output head, which is otherwise not decayed either)."""
     beta1: float = 0.9
     """Adam beta1."""
     beta2: float = 0.95
