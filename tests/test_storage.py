@@ -37,9 +37,11 @@ from test_resume import start as start_train
 from densetrain import storage
 from densetrain.checkpoint import list_complete, mirror
 from densetrain.cli import main
+from densetrain.data.shards import TokenFiles, write_shard
 from densetrain.data.streams import open_streams
 from densetrain.errors import EXIT_PREEMPTED, ConfigError, TrainError
 from densetrain.metrics import read_events, read_metrics
+from densetrain.storage.retry import _transient
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +107,8 @@ def test_a_status_is_read_from_the_error_not_from_digits_in_its_url():
                  OSError(errno.EIO, f"{url}: 500 answer"), TimeoutError(f"reading {url}")]
     permanent = [answer(404, "NoSuchKey"), answer(403, "AccessDenied"), answer(400, "SlowDownAndTimeout"),
                  FileNotFoundError(url), RuntimeError("403 Forbidden"), ValueError("bad value")]
-    assert [storage._transient(e) for e in transient] == [True] * len(transient), transient
-    assert [storage._transient(e) for e in permanent] == [False] * len(permanent), permanent
+    assert [_transient(e) for e in transient] == [True] * len(transient), transient
+    assert [_transient(e) for e in permanent] == [False] * len(permanent), permanent
 
 
 def test_store_faults_are_retried_and_counted_and_an_outage_is_one_line(store, monkeypatch):
@@ -203,6 +205,23 @@ def test_an_object_rewritten_after_the_run_opened_it_is_refused_not_read(store, 
     fresh = storage.open_array(url, np.uint16)  # a run that opens (and verifies) the new version reads it
     assert np.array_equal(fresh[(2 << 19) + 5:(2 << 19) + 10], np.full(5, 7, np.uint16))
     storage._shared()[1].shutdown(wait=True)
+
+
+def test_keys_with_spaces_unicode_plus_percent_and_a_folder_named_like_its_parent_list_and_read(store, tmp_path):
+    """Keys s3fs must not quote or unquote (a space, ü, ``+``, ``%2F``, ``=``) read back as written, the bucket alone
+    lists with or without its trailing slash, and a folder holding a folder of its own name lists it (the folder's
+    own marker was left out by name: ``s3://b/train/train``, a source "train"'s split "train", listed empty)."""
+    _, bucket = store
+    shards = tmp_path / "shards"
+    write_shard(shards / "000000", [np.arange(5), np.arange(7)], 2)
+    write_shard(shards / "000001", [np.arange(3)], 2)
+    for prefix in (f"{bucket}/keys/a b/ü+%2F=x", f"{bucket}/keys/train/train"):
+        storage.put_tree(shards, prefix)
+        assert storage.listdir(prefix) == sorted(p.name for p in shards.iterdir())
+        assert TokenFiles(prefix).read(0, 15).tolist() == [*range(5), *range(7), *range(3)]
+    assert storage.listdir(f"{bucket}/keys") == ["a b", "train"]
+    assert storage.listdir(f"{bucket}/keys/train") == ["train"]  # was []
+    assert "keys" in storage.listdir(bucket) and storage.listdir(bucket) == storage.listdir(f"{bucket}/")
 
 
 def test_a_checkpoint_dir_in_a_missing_bucket_is_refused_at_the_start(store, tmp_path):
