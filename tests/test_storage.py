@@ -224,6 +224,16 @@ def test_keys_with_spaces_unicode_plus_percent_and_a_folder_named_like_its_paren
     assert "keys" in storage.listdir(bucket) and storage.listdir(bucket) == storage.listdir(f"{bucket}/")
 
 
+def test_a_folder_of_more_than_a_thousand_objects_lists_whole(store):
+    """S3 answers a listing 1,000 keys at a time: the 1,001st shard is listed too (a listing that stops at one page
+    trains on a silently smaller corpus), and in name order whatever order the store gives."""
+    _, bucket = store
+    fs, _ = storage._fs(bucket)
+    names = [f"{i:05d}.ds" for i in range(1001, -1, -1)]  # written in reverse order
+    fs.pipe({f"{fs._strip_protocol(bucket)}/many/{n}": b"\0\0" for n in names})
+    assert storage.listdir(f"{bucket}/many") == sorted(names)
+
+
 def test_a_checkpoint_dir_in_a_missing_bucket_is_refused_at_the_start(store, tmp_path):
     # Found trying it as a user: the first upload, after the first checkpoint interval of training, said so.
     with pytest.raises(TrainError, match=r"^checkpoint.dir s3://no-such-bucket-45/ck: cannot write there "
