@@ -224,6 +224,24 @@ def test_keys_with_spaces_unicode_plus_percent_and_a_folder_named_like_its_paren
     assert "keys" in storage.listdir(bucket) and storage.listdir(bucket) == storage.listdir(f"{bucket}/")
 
 
+def test_folder_marker_objects_are_folders_not_files(store, tmp_path):
+    """A folder made in the S3 console (or by Hadoop's s3a) is a zero-byte object ``folder/``: it is listed as the
+    folder, never read as a shard, and fetching the tree makes it a folder (get_tree fetched it as a file onto the
+    folder itself: FileExistsError, so a checkpoint in such a folder could not be fetched)."""
+    _, bucket = store
+    fs, _ = storage._fs(bucket)
+    root = f"{fs._strip_protocol(bucket)}/marked"
+    fs.pipe({f"{root}/": b"", f"{root}/sub/": b""})
+    write_shard(tmp_path / "shards" / "000000", [np.arange(5)], 2)
+    storage.put_tree(tmp_path / "shards", f"{bucket}/marked")
+    assert storage.listdir(f"{bucket}/marked") == ["000000.ds", "000000.ds.index", "000000.ds.metadata", "sub"]
+    assert TokenFiles(f"{bucket}/marked").read(0, 5).tolist() == list(range(5))
+    storage.get_tree(f"{bucket}/marked", tmp_path / "got")
+    assert sorted(str(p.relative_to(tmp_path / "got")) for p in (tmp_path / "got").rglob("*")) == \
+        ["000000.ds", "000000.ds.index", "000000.ds.metadata", "sub"]
+    assert (tmp_path / "got" / "sub").is_dir()
+
+
 def test_a_folder_of_more_than_a_thousand_objects_lists_whole(store):
     """S3 answers a listing 1,000 keys at a time: the 1,001st shard is listed too (a listing that stops at one page
     trains on a silently smaller corpus), and in name order whatever order the store gives."""

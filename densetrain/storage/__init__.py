@@ -510,6 +510,9 @@ def get_tree(source, local: Path) -> None:
     for f in retrying(str(source), fs.find, p):
         rel = f[len(p):].strip("/")
         dest = local / rel
+        if f.endswith("/"):  # a folder marker object (the S3 console's "Create folder", Hadoop's s3a): no file
+            dest.mkdir(parents=True, exist_ok=True)  # (fetched as one, the folder itself: FileExistsError)
+            continue
         dest.parent.mkdir(parents=True, exist_ok=True)
         retrying(f, fs.get_file, f, str(dest))
         _count("store_bytes_fetched", dest.stat().st_size)
