@@ -88,6 +88,25 @@ def test_prepare_writes_to_s3_and_training_reads_the_same_tokens(store, remote_s
 
 
 
+def test_a_prepare_into_a_url_deletes_the_shards_an_earlier_larger_prepare_left_there(store, remote_shards, prepared,
+                                                                                       tmp_path):
+    """An upload adds and replaces objects: a shard of an earlier prepare that wrote more of them (another machine,
+    a larger corpus) stayed in the store, was listed with the new ones, and every start failed on the token count
+    ("re-run densetrain prepare", which changed nothing). Prepare deletes it, as it does locally."""
+    _, make = prepared
+    cfg = make(tmp_path)
+    cfg.data.shards_dir = remote_shards
+    name = cfg.data.sources[0].name
+    before = {k: len(v) for k, v in open_streams(cfg, "train").items()}
+    stale = tmp_path / "stale"
+    write_shard(stale / "000099", [np.arange(50)], 2)
+    storage.put_tree(stale, f"{remote_shards}/{name}/train")
+    assert "000099.ds" in storage.listdir(f"{remote_shards}/{name}/train")
+    prepare_to(remote_shards, prepared, tmp_path / "again")  # up to date here: publishes the same files again
+    assert not any(n.startswith("000099") for n in storage.listdir(f"{remote_shards}/{name}/train"))
+    assert {k: len(v) for k, v in open_streams(cfg, "train").items()} == before
+
+
 def test_a_status_is_read_from_the_error_not_from_digits_in_its_url():
     """A timeout on a store whose port or object name holds 403/404 (a proxy on port 34035, shard 000404.ds) is
     retried like any timeout (it was taken for a refusal: every rank stopped at its first slow read); the status

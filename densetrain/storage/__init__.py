@@ -557,8 +557,23 @@ def staging_dir(target) -> Path:
     return cache_dir() / "staging" / cache_key(target, "staged")
 
 
-def publish(local: Path, target, last: tuple[str, ...] = ()) -> None:
+def publish(local: Path, target, last: tuple[str, ...] = (), prune: tuple[str, ...] = ()) -> None:
     """Upload :func:`staging_dir` ``local`` to ``target`` (:func:`put_tree`, ``last`` files last); nothing when
-    ``target`` is local (the files are already there). Raises: StoreUnavailable; OSError."""
-    if is_remote(target):
-        put_tree(local, target, last)
+    ``target`` is local (the files are already there). First, the files under ``target`` whose names end with one
+    of ``prune`` and that ``local`` does not hold are deleted: an upload adds and replaces objects, so what an
+    earlier, larger publish left (a shard ``000003.ds`` where this one writes three) would stay and be read.
+
+    Raises: StoreUnavailable; OSError."""
+    if not is_remote(target):
+        return
+    if prune:
+        fs, p = _fs(target)
+        try:
+            found = retrying(str(target), fs.find, p)
+        except FileNotFoundError:
+            found = []
+        for f in found:
+            rel = f[len(p):].strip("/")
+            if rel.endswith(prune) and not (Path(local) / rel).is_file():
+                retrying(f, fs.rm_file, f)
+    put_tree(local, target, last)
