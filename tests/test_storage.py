@@ -113,7 +113,7 @@ def test_a_status_is_read_from_the_error_not_from_digits_in_its_url():
     botocore recorded decides for s3fs's translated errors, whatever their text says."""
     import errno
 
-    from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
+    from botocore.exceptions import ClientError, EndpointConnectionError, IncompleteReadError, ReadTimeoutError
     from s3fs.errors import translate_boto_error
 
     def answer(status: int, code: str):
@@ -123,9 +123,11 @@ def test_a_status_is_read_from_the_error_not_from_digits_in_its_url():
     url = "http://127.0.0.1:34035/bucket/shards/email/train/000404.ds"
     transient = [ReadTimeoutError(endpoint_url=url), EndpointConnectionError(endpoint_url=url),
                  answer(503, "SlowDown"), answer(500, "InternalError"), answer(503, "NoSuchKey404"),
-                 OSError(errno.EIO, f"{url}: 500 answer"), TimeoutError(f"reading {url}")]
+                 OSError(errno.EIO, f"{url}: 500 answer"), TimeoutError(f"reading {url}"),
+                 IncompleteReadError(actual_bytes=403, expected_bytes=1 << 20)]  # a body cut short: was a refusal
     permanent = [answer(404, "NoSuchKey"), answer(403, "AccessDenied"), answer(400, "SlowDownAndTimeout"),
-                 FileNotFoundError(url), RuntimeError("403 Forbidden"), ValueError("bad value")]
+                 FileNotFoundError(url), RuntimeError("403 Forbidden"), RuntimeError("HTTP status 404"),
+                 ValueError("bad value")]
     assert [_transient(e) for e in transient] == [True] * len(transient), transient
     assert [_transient(e) for e in permanent] == [False] * len(permanent), permanent
 
@@ -142,6 +144,12 @@ def test_store_faults_are_retried_and_counted_and_an_outage_is_one_line(store, m
     with pytest.raises(FileNotFoundError):  # not retried: a missing object is not an outage
         storage.read_bytes(f"{bucket}/faults/none", 1 << 20)
     assert storage.counters["store_retries"] - before == 3
+    # A body cut off mid-transfer (aiohttp's ClientPayloadError, from a ContentLengthError of code 400: its parser's
+    # verdict, not the store's answer) was taken for a 400 refusal and stopped the run at once.
+    proxy.cut_bytes, faults = 404, proxy.faults
+    proxy.faulty("cut", 0.5, only=b"GET")
+    assert storage.read_bytes(f"{bucket}/faults/blob", 1 << 20) == b"x" * 1000
+    assert storage.counters["store_retries"] - before > 3 and proxy.faults > faults
     monkeypatch.setenv("DENSETRAIN_STORE_RETRY_S", "2")
     proxy.faulty("503", 60)
     try:

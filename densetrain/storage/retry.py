@@ -33,39 +33,67 @@ def retry_seconds() -> float:
     return float(os.environ.get("DENSETRAIN_STORE_RETRY_S", "120"))
 
 
-
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+
+
+_TRANSPORT = ("ClientPayloadError", "ClientConnectionError", "HTTPClientError", "IncompleteReadError",
+              "IncompleteRead", "ProtocolError")
+"""The clients' exceptions for a transfer that broke before an answer was whole, matched by class name (in the
+MRO; the clients are optional): aiohttp's cut-off body and lost connection, botocore's client-side HTTP errors
+(a connection closed, a read timeout) and short body (``N read, but total bytes expected is M``), urllib3's and
+http.client's short read. The HTTP status-like numbers they carry are not the store's answer."""
+
+_PARSER_ERRORS = "HttpProcessingError"
+"""aiohttp's HTTP parser errors (``ContentLengthError`` of a cut-off body, ``BadStatusLine``): their ``code`` 400 is
+what a server would answer to such a message, not what the store answered."""
+
+
+def _names(e: BaseException) -> set[str]:
+    return {c.__name__ for c in type(e).__mro__}
+
+
+def _chain(e: BaseException | None, depth: int = 4):
+    """``e`` and the errors it was raised from (``__cause__``), at most ``depth``."""
+    for _ in range(depth):
+        if e is None:
+            return
+        yield e
+        e = e.__cause__
 
 
 def _http_status(e: BaseException | None) -> int | None:
     """The HTTP status the client recorded for ``e`` or for the error it translated (``__cause__``, a few deep):
     gcsfs's ``HttpError.code``, aiohttp's ``.status``, botocore's ``ClientError.response`` (behind s3fs's
-    OSError)."""
-    for _ in range(4):
-        if e is None:
-            return None
-        response = getattr(e, "response", None)
+    OSError); not the ``code`` of aiohttp's parser errors (:data:`_PARSER_ERRORS`)."""
+    for x in _chain(e):
+        if _PARSER_ERRORS in _names(x):
+            continue
+        response = getattr(x, "response", None)
         meta = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
-        for v in (getattr(e, "code", None), getattr(e, "status", None), meta):
+        for v in (getattr(x, "code", None), getattr(x, "status", None), meta):
             if isinstance(v, int) and 100 <= v < 600:
                 return v
-        e = e.__cause__
     return None
 
 
 _LOCATION = re.compile(r"\S*://\S*|\S*/\S*")
 """URLs and paths inside an error's text: their digits (a port 34035, a shard 000404.ds) are not a status."""
-_PERMANENT_TEXT = re.compile(r"NoSuchKey|NoSuchBucket|AccessDenied|InvalidAccessKeyId|\b40[34]\b")
+_PERMANENT_TEXT = re.compile(r"NoSuchKey|NoSuchBucket|AccessDenied|InvalidAccessKeyId|\b403 Forbidden|\b404 Not Found|"
+                             r"(?:HTTP|[Ss]tatus|code)\W{0,3}40[34]\b")
+"""A refusal in words, or 403 / 404 named as a status: not any 403 / 404 (``403 read, but total bytes expected``)."""
 _TRANSIENT_TEXT = re.compile(r"SlowDown|Timeout|timeout|Connection|ServiceUnavailable|InternalError|reset|Throttl|"
                              # gcsfs: HttpError("..., 429"); aiohttp: a dropped connection or a cut-off body
                              r"ServerDisconnected|ClientPayloadError|\b(?:408|429|50[0234])\b")
 
 
 def _transient(e: BaseException) -> bool:
-    """A 5xx, throttling, timeout or connection error (retried), not a missing object or a refusal. The status
-    the client recorded decides where there is one; else the error's text with its URLs and paths left out."""
+    """A 5xx, throttling, timeout or connection error (retried), not a missing object or a refusal. A transfer
+    that broke (:data:`_TRANSPORT`) is transient; else the status the client recorded decides where there is one;
+    else the error's text with its URLs and paths left out."""
     if isinstance(e, _PERMANENT):
         return False
+    if any(_names(x) & set(_TRANSPORT) for x in _chain(e)):
+        return True
     status = _http_status(e)
     if status is not None and status >= 400:
         return status in (408, 429) or status >= 500
