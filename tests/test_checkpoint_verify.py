@@ -246,7 +246,8 @@ def test_a_file_the_marker_leaves_out_is_refused_not_read_unverified(stopped_run
     said = [ln for ln in capsys.readouterr().out.splitlines() if "cannot load" in ln]
     assert len(said) == 1 and f"{shard}: not among the 3 files" in said[0], said
     assert [e["step"] for e in read_events(run) if e["kind"] == "resume" and e["text"].startswith("resumed")] == [2]
-    assert f"{shard}: not among" in _one_line(capsys, ["eval", str(ckpts[-1])])
+    aside = run / "checkpoints_set_aside" / ckpts[-1].name  # passed over: set aside, kept
+    assert f"{aside / shard.name}: not among" in _one_line(capsys, ["eval", str(aside)])
     # A file read on its own (trainer_state.json) is refused the same way when the marker leaves it out.
     marker = json.loads((ckpts[0] / "COMPLETE").read_text())
     del marker["files"]["trainer_state.json"]
