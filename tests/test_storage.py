@@ -101,9 +101,12 @@ def test_a_prepare_into_a_url_deletes_the_shards_an_earlier_larger_prepare_left_
     stale = tmp_path / "stale"
     write_shard(stale / "000099", [np.arange(50)], 2)
     storage.put_tree(stale, f"{remote_shards}/{name}/train")
+    storage.put_tree(stale, f"{remote_shards}/another_data_set/train")  # not prepare's: kept
     assert "000099.ds" in storage.listdir(f"{remote_shards}/{name}/train")
     prepare_to(remote_shards, prepared, tmp_path / "again")  # up to date here: publishes the same files again
     assert not any(n.startswith("000099") for n in storage.listdir(f"{remote_shards}/{name}/train"))
+    assert "000099.ds" in storage.listdir(f"{remote_shards}/another_data_set/train")
+    storage.remove_tree(f"{remote_shards}/another_data_set")
     assert {k: len(v) for k, v in open_streams(cfg, "train").items()} == before
 
 

@@ -560,8 +560,9 @@ def staging_dir(target) -> Path:
 def publish(local: Path, target, last: tuple[str, ...] = (), prune: tuple[str, ...] = ()) -> None:
     """Upload :func:`staging_dir` ``local`` to ``target`` (:func:`put_tree`, ``last`` files last); nothing when
     ``target`` is local (the files are already there). First, the files under ``target`` whose names end with one
-    of ``prune`` and that ``local`` does not hold are deleted: an upload adds and replaces objects, so what an
-    earlier, larger publish left (a shard ``000003.ds`` where this one writes three) would stay and be read.
+    of ``prune``, in a subfolder that ``local`` has too, and that ``local`` does not hold are deleted: an upload adds
+    and replaces objects, so what an earlier, larger publish left (a shard ``000003.ds`` where this one writes three)
+    would stay and be read. Other folders (another data set beside these, in the same bucket) are not touched.
 
     Raises: StoreUnavailable; OSError."""
     if not is_remote(target):
@@ -574,6 +575,7 @@ def publish(local: Path, target, last: tuple[str, ...] = (), prune: tuple[str, .
             found = []
         for f in found:
             rel = f[len(p):].strip("/")
-            if rel.endswith(prune) and not (Path(local) / rel).is_file():
+            mine = Path(local) / rel
+            if rel.endswith(prune) and "/" in rel and mine.parent.is_dir() and not mine.is_file():
                 retrying(f, fs.rm_file, f)
     put_tree(local, target, last)
