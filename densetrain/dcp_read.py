@@ -238,13 +238,17 @@ def _check_storage_paths(path: Path, md: Metadata) -> None:
             raise CheckpointReadError(f"{path}: storage entry of {name}: offset and length must be integers >= 0")
 
 
+class _Refused(pickle.UnpicklingError):
+    """A class the metadata unpickler will not build: told apart by its type, not by its message's text."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"it would build {module}.{name}, which is not a DCP metadata type")
+        raise _Refused(f"it would build {module}.{name}, which is not a DCP metadata type")
 
 
 def read_metadata(ckpt_dir: str | Path, rank: int | None = None) -> Metadata:
@@ -264,10 +268,10 @@ def read_metadata(ckpt_dir: str | Path, rank: int | None = None) -> Metadata:
         raise CheckpointReadError(f"{path}: cannot read ([Errno {e.errno}] {e.strerror})") from None
     try:
         md = _MetadataUnpickler(io.BytesIO(data)).load()
+    except _Refused as e:
+        raise UntrustedCheckpointError(f"{path}: refused: {e} (checkpoints are read without running code "
+                                       "they hold; see the checkpoint trust rule in README)") from None
     except pickle.UnpicklingError as e:
-        if str(e).startswith("it would build"):
-            raise UntrustedCheckpointError(f"{path}: refused: {e} (checkpoints are read without running code "
-                                           "they hold; see the checkpoint trust rule in README)") from None
         raise CheckpointReadError(f"{path}: not DCP metadata (UnpicklingError: {e})") from None
     except Exception as e:  # truncated or random bytes: EOFError, ValueError, TypeError, ...
         raise CheckpointReadError(f"{path}: not DCP metadata ({type(e).__name__}: {e})") from None

@@ -53,7 +53,8 @@ _BODY = b"<?xml version='1.0'?><Error><Code>SlowDown</Code><Message>Please reduc
 class FaultProxy:
     """A TCP proxy on a free port in front of ``target_port``. ``mode``: 'pass' forwards; '503' answers every
     request with 503 SlowDown; 'reset' closes each connection with a TCP reset; 'stall' accepts and never
-    answers. ``faulty(mode, seconds)`` switches to a fault for that long, then back to 'pass'."""
+    answers; 'cut' answers a GET with 200 and a Content-Length of 1 MiB, sends :attr:`cut_bytes` of body and closes
+    (a body cut off mid-transfer). ``faulty(mode, seconds)`` switches to a fault for that long, then back to 'pass'."""
 
     def __init__(self, target_port: int):
         self.target, self.mode, self.until = target_port, "pass", 0.0
@@ -65,6 +66,7 @@ class FaultProxy:
         self.faults = 0  # connections answered with a fault
         self.queue: list[str] = []
         self.only = b""
+        self.cut_bytes = 404  # the body bytes a 'cut' answer sends: a count that reads like a status
         threading.Thread(target=self._serve, daemon=True).start()
 
     def faulty(self, mode: str, seconds: float, only: bytes = b"") -> None:
@@ -111,6 +113,9 @@ class FaultProxy:
                 self.faults += 1
                 if mode == "503":  # a HEAD's answer has no body
                     conn.sendall(_SLOWDOWN % (len(_BODY), b"" if data.startswith(b"HEAD") else _BODY))
+                elif mode == "cut":
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: "
+                                 b"%d\r\n\r\n%s" % (1 << 20, b"\0" * self.cut_bytes))
                 elif mode == "reset":
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 else:  # stall: answer nothing until the mode changes

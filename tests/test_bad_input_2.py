@@ -108,6 +108,8 @@ def test_a_value_that_passes_a_comparison_but_breaks_a_run_is_one_line(capsys, o
      "checkpoint.dir = 's3:/b/ck' looks like a URL with one slash after 's3:'; expected 's3://...'"),
     (["train", "--preset", "tiny", "--dry-run", "--data.shards_dir=S3://b/shards"],
      "data.shards_dir = 'S3://b/shards': fsspec protocols are lower case, expected 's3://...'"),
+    (["train", "--preset", "tiny", "--dry-run", "--data.shards_dir=file:///data/shards"],  # was a folder 'file:'
+     "data.shards_dir = 'file:///data/shards': give a local folder as its path ('/data/shards'), not a file:// URL"),
     (["train", "--resume", "s3://b/run"],
      "--resume s3://b/run: RUN_DIR is the local run directory (its checkpoints may live at checkpoint.dir's URL)"),
     # --resume with --config or --preset: the file was read and silently ignored (the run's config.toml wins)

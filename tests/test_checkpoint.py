@@ -4,7 +4,7 @@ import shutil
 
 import torch
 
-from densetrain.checkpoint import latest_checkpoint, list_complete, load_checkpoint, save_checkpoint
+from densetrain.checkpoint import latest_checkpoint, list_complete, load_checkpoint, mirror, save_checkpoint
 from densetrain.config import load_config
 from densetrain.model.init import build_model
 from densetrain.optim import build_optimizer
@@ -94,3 +94,23 @@ def test_optimizer_state_of_a_parameter_without_gradient_yet_loads(tmp_path):
         o.step()
     for (n, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters(), strict=True):
         assert torch.equal(a, b), n
+
+
+def test_store_retention_counts_the_stores_complete_checkpoints_not_the_run_directorys(tmp_path):
+    """A run resumed on a new machine fetches only the newest checkpoint from ``checkpoint.dir``; its next upload
+    deleted every older one there (even with ``keep = 0``, keep all), since retention counted the local list.
+    The store keeps its newest ``keep`` complete checkpoints, whatever the run directory holds."""
+    _, model, opt = _setup(tied=False)
+    store, first, second = tmp_path / "store", tmp_path / "machine_a", tmp_path / "machine_b"
+    for step in (1, 2, 3):
+        save_checkpoint(first, step, model, opt, {"step": step}, keep=0)
+    mirror.sync_up(first, store, keep=0)
+    assert [s for s, _ in mirror.remote_complete(store)] == [1, 2, 3]
+    assert mirror.fetch_newest(second, store) == "step_00000003"  # the new machine: only the newest comes back
+    save_checkpoint(second, 4, model, opt, {"step": 4}, keep=0)
+    mirror.sync_up(second, store, keep=0)
+    assert [s for s, _ in mirror.remote_complete(store)] == [1, 2, 3, 4]  # was [3, 4]
+    save_checkpoint(second, 5, model, opt, {"step": 5}, keep=3)
+    mirror.sync_up(second, store, keep=3)
+    assert [s for s, _ in mirror.remote_complete(store)] == [3, 4, 5]
+    assert [s for s, _ in list_complete(second)] == [3, 4, 5]

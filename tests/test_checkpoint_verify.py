@@ -19,6 +19,7 @@ import torch
 
 from densetrain.checkpoint import (
     CheckpointCorruptError,
+    Checkpointer,
     leased_checkpoint,
     list_complete,
     load_checkpoint,
@@ -79,9 +80,12 @@ def test_damaged_payload_is_refused_by_every_reader_naming_the_file(stopped_run,
     assert len(said) == 1 and f"{shard}: contents differ from the save" in said[0], said
     assert said[0].endswith("trying an older one")
     assert [e["step"] for e in read_events(run) if e["kind"] == "resume" and e["text"].startswith("resumed")] == [2]
-    err = _one_line(capsys, ["eval", str(ckpts[-1])])
+    aside = run / "checkpoints_set_aside" / ckpts[-1].name  # passed over: set aside, kept
+    assert not ckpts[-1].exists() and aside.is_dir()
+    shard = aside / shard.name
+    err = _one_line(capsys, ["eval", str(aside)])
     assert f"{shard}: contents differ from the save" in err, err
-    err = _one_line(capsys, ["export", str(ckpts[-1]), "--format", "hf", str(tmp_path / "hf")])
+    err = _one_line(capsys, ["export", str(aside), "--format", "hf", str(tmp_path / "hf")])
     assert f"{shard}: contents differ from the save" in err and not (tmp_path / "hf").exists(), err
 
 
@@ -141,6 +145,29 @@ def test_resume_names_the_partial_saves_it_passes_over(stopped_run, tmp_path, ca
     said = [e["text"] for e in read_events(run) if e.get("action") == "pass_over"]
     assert len(said) == 2 and f"passed over {partial}: a partial save" in said[0], said
     assert f"passed over {markerless}: no completion marker" in said[1], said
+
+
+def test_a_resume_that_passes_over_a_damaged_checkpoint_sets_it_aside_so_retention_keeps_the_good_ones(
+        stopped_run, tmp_path):
+    """Checkpoints 1 and 3, step 3 damaged: the resume goes on from 1 and saves 2. Retention keeps the newest by
+    step, so with ``keep = 1`` it kept the damaged 3 and deleted 2, the only loadable one: the next resume found
+    nothing to load. The passed-over 3 is set aside (kept there) at the resume."""
+    cfg = stopped_run[1]
+    run = tmp_path / "run"
+    model = build_model(cfg.model, cfg.train.seed, torch.device("cpu"))
+    opt = build_optimizer(model, cfg)
+    state = json.loads((stopped_run[0] / "checkpoints" / "step_00000002" / "trainer_state.json").read_text())
+    for step in (1, 3):
+        save_checkpoint(run, step, model, opt, {**state, "step": step}, keep=0)
+    _flip_bit(run / "checkpoints" / "step_00000003" / "__0_0.distcp")
+    ck = Checkpointer(run, every=1, keep=1, last_step=4)
+    path, loaded = ck.load_latest(model, opt)
+    assert path.name == "step_00000001" and loaded["step"] == 1
+    assert len(ck.notes) == 1 and ck.notes[0].startswith("set aside step_00000003 in ")
+    assert (run / "checkpoints_set_aside" / "step_00000003" / "COMPLETE").is_file()
+    save_checkpoint(run, 2, model, opt, {**state, "step": 2}, keep=1)
+    assert [s for s, _ in list_complete(run)] == [2]  # was [3]: the damaged one, nothing loadable
+    assert Checkpointer(run, every=1, keep=1, last_step=4).load_latest(model, opt)[1]["step"] == 2
 
 
 def test_retention_keeps_a_checkpoint_a_live_reader_holds(stopped_run, tmp_path, capfd):
@@ -219,7 +246,8 @@ def test_a_file_the_marker_leaves_out_is_refused_not_read_unverified(stopped_run
     said = [ln for ln in capsys.readouterr().out.splitlines() if "cannot load" in ln]
     assert len(said) == 1 and f"{shard}: not among the 3 files" in said[0], said
     assert [e["step"] for e in read_events(run) if e["kind"] == "resume" and e["text"].startswith("resumed")] == [2]
-    assert f"{shard}: not among" in _one_line(capsys, ["eval", str(ckpts[-1])])
+    aside = run / "checkpoints_set_aside" / ckpts[-1].name  # passed over: set aside, kept
+    assert f"{aside / shard.name}: not among" in _one_line(capsys, ["eval", str(aside)])
     # A file read on its own (trainer_state.json) is refused the same way when the marker leaves it out.
     marker = json.loads((ckpts[0] / "COMPLETE").read_text())
     del marker["files"]["trainer_state.json"]

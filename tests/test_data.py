@@ -645,3 +645,18 @@ def test_skips_past_the_printed_ones_are_pointed_to_once(tmp_path, capsys):
     assert len(err) == 3 and "bad.jsonl and others" in err[2] and "manifest.json (stats.skipped)" in err[2]
     assert skips.examples[3:] == ["bad.jsonl:4: missing text field: 'text'", "bad.jsonl:5: missing text field: 'text'",
                                   "bad.jsonl:6: missing text field: 'text'"]
+
+
+def test_a_bom_and_crlf_line_ends_stay_out_of_text_and_paragraph_documents(tmp_path):
+    """A UTF-8 BOM is no document's first character in any format (it was kept by ``text`` and ``paragraphs``,
+    where ftfy is off: ``fix_text = false``), and a CRLF paragraph does not end in the ``\\r`` of its line end."""
+    root = tmp_path / "c"
+    root.mkdir()
+    (root / "a.txt").write_bytes(b"\xef\xbb\xbfone\r\ntwo\r\n")
+    (root / "p.txt").write_bytes(b"\xef\xbb\xbfpara one\r\nline two\r\n\r\npara two\r\n")
+    skips = SkipLog()
+    text = SourceConfig(name="t", paths=["a.txt"], format="text", fix_text=False)
+    paragraphs = SourceConfig(name="p", paths=["p.txt"], format="paragraphs", fix_text=False)
+    assert [d.text for d in iter_documents(text, root, skips)] == ["one\r\ntwo\r\n"]
+    assert [d.text for d in iter_documents(paragraphs, root, skips)] == ["para one\r\nline two", "para two"]
+    assert skips.total == 0

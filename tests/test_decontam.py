@@ -15,6 +15,7 @@ import json
 import pickle
 import re
 import sysconfig
+import unicodedata
 from collections import Counter
 from pathlib import Path
 from pydoc_data.topics import topics
@@ -110,7 +111,18 @@ def test_normalisation_matches_a_unicode_regex_on_real_text():
     docs = list(topics.values())
     assert any(not d.isascii() for d in docs) and any(d.isascii() for d in docs)
     for d in docs:
-        assert normalize_words(d) == re.findall(r"[^\W_]+", d.lower())
+        assert normalize_words(d) == re.findall(r"[^\W_]+", unicodedata.normalize("NFKC", d).lower())
+
+
+def test_decomposed_accents_full_width_letters_and_ligatures_match_their_plain_spelling(index):
+    """Both sides are NFKC: an evaluation item leaked in NFD form (a macOS file name, some dataset dumps), in
+    full-width letters (a CJK page) or with ligatures matches as written plainly (a decomposed accent was a word
+    break, ``nai ve``; full-width words matched nothing)."""
+    assert normalize_words(unicodedata.normalize("NFD", "Café naïve Ünïcode")) == ["café", "naïve", "ünïcode"]
+    assert normalize_words("ＨＥＬＬＯ ｗｏｒｌｄ ４２ ﬁnd") == ["hello", "world", "42", "find"]
+    text = hellaswag_raw(3001)
+    wide = "".join(chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in text)  # full-width ASCII forms
+    assert wide != text and index.find(plant(wide)).example == 3001
 
 
 def test_planted_mmlu_questions_are_flagged(index):

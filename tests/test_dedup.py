@@ -5,6 +5,7 @@ variants whose true 5-gram Jaccard similarity is computed exactly with Python se
 from __future__ import annotations
 
 import multiprocessing
+import unicodedata
 from collections import Counter, defaultdict
 from concurrent.futures import ProcessPoolExecutor
 
@@ -13,6 +14,7 @@ import pytest
 
 from densetrain.config import DedupConfig, load_config
 from densetrain.data.prepare import dedup
+from densetrain.data.prepare.filters.chain import clean_text
 from densetrain.errors import ConfigError, DataError
 from densetrain.registry.tasks import read_rows
 
@@ -329,3 +331,14 @@ def test_punctuation_table_covers_every_symbol_of_this_python():
     above = [c for c in range(dedup.SYMBOL_PLANES_END, sys.maxunicode + 1) if unicodedata.category(chr(c))[0] in "PS"]
     assert above == []
     assert dedup.words("a\u2e53b \U0001f600c \U0001fbcad") == ["a", "b", "c", "d"]  # the table's last planes
+
+
+def test_nfc_and_nfd_spellings_of_a_document_are_exact_duplicates_after_cleaning():
+    """Dedup hashes the cleaned text (``clean_text``: NFC), so a copy whose accents are decomposed (NFD) is the same
+    document; the raw spellings hash differently (``e`` + U+0301 is not ``é``), which is why fingerprints are
+    taken after cleaning (densetrain/data/prepare/process.py)."""
+    nfc = "Le café de Zoë est très apprécié à Noël, dit-on, même en été."
+    nfd = unicodedata.normalize("NFD", nfc)
+    assert nfd != nfc and dedup.exact_key(nfd) != dedup.exact_key(nfc)
+    keys, _ = dedup.fingerprints([clean_text(nfc, fix=False), clean_text(nfd, fix=False)], DedupConfig())
+    assert dedup.find_duplicates(keys, None, DedupConfig(near=False)).reason.tolist() == [0, 1]

@@ -37,9 +37,11 @@ from test_resume import start as start_train
 from densetrain import storage
 from densetrain.checkpoint import list_complete, mirror
 from densetrain.cli import main
+from densetrain.data.shards import TokenFiles, write_shard
 from densetrain.data.streams import open_streams
 from densetrain.errors import EXIT_PREEMPTED, ConfigError, TrainError
 from densetrain.metrics import read_events, read_metrics
+from densetrain.storage.retry import _transient
 
 
 @pytest.fixture(scope="module")
@@ -86,13 +88,35 @@ def test_prepare_writes_to_s3_and_training_reads_the_same_tokens(store, remote_s
 
 
 
+def test_a_prepare_into_a_url_deletes_the_shards_an_earlier_larger_prepare_left_there(store, remote_shards, prepared,
+                                                                                       tmp_path):
+    """An upload adds and replaces objects: a shard of an earlier prepare that wrote more of them (another machine,
+    a larger corpus) stayed in the store, was listed with the new ones, and every start failed on the token count
+    ("re-run densetrain prepare", which changed nothing). Prepare deletes it, as it does locally."""
+    _, make = prepared
+    cfg = make(tmp_path)
+    cfg.data.shards_dir = remote_shards
+    name = cfg.data.sources[0].name
+    before = {k: len(v) for k, v in open_streams(cfg, "train").items()}
+    stale = tmp_path / "stale"
+    write_shard(stale / "000099", [np.arange(50)], 2)
+    storage.put_tree(stale, f"{remote_shards}/{name}/train")
+    storage.put_tree(stale, f"{remote_shards}/another_data_set/train")  # not prepare's: kept
+    assert "000099.ds" in storage.listdir(f"{remote_shards}/{name}/train")
+    prepare_to(remote_shards, prepared, tmp_path / "again")  # up to date here: publishes the same files again
+    assert not any(n.startswith("000099") for n in storage.listdir(f"{remote_shards}/{name}/train"))
+    assert "000099.ds" in storage.listdir(f"{remote_shards}/another_data_set/train")
+    storage.remove_tree(f"{remote_shards}/another_data_set")
+    assert {k: len(v) for k, v in open_streams(cfg, "train").items()} == before
+
+
 def test_a_status_is_read_from_the_error_not_from_digits_in_its_url():
     """A timeout on a store whose port or object name holds 403/404 (a proxy on port 34035, shard 000404.ds) is
     retried like any timeout (it was taken for a refusal: every rank stopped at its first slow read); the status
     botocore recorded decides for s3fs's translated errors, whatever their text says."""
     import errno
 
-    from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
+    from botocore.exceptions import ClientError, EndpointConnectionError, IncompleteReadError, ReadTimeoutError
     from s3fs.errors import translate_boto_error
 
     def answer(status: int, code: str):
@@ -102,11 +126,13 @@ def test_a_status_is_read_from_the_error_not_from_digits_in_its_url():
     url = "http://127.0.0.1:34035/bucket/shards/email/train/000404.ds"
     transient = [ReadTimeoutError(endpoint_url=url), EndpointConnectionError(endpoint_url=url),
                  answer(503, "SlowDown"), answer(500, "InternalError"), answer(503, "NoSuchKey404"),
-                 OSError(errno.EIO, f"{url}: 500 answer"), TimeoutError(f"reading {url}")]
+                 OSError(errno.EIO, f"{url}: 500 answer"), TimeoutError(f"reading {url}"),
+                 IncompleteReadError(actual_bytes=403, expected_bytes=1 << 20)]  # a body cut short: was a refusal
     permanent = [answer(404, "NoSuchKey"), answer(403, "AccessDenied"), answer(400, "SlowDownAndTimeout"),
-                 FileNotFoundError(url), RuntimeError("403 Forbidden"), ValueError("bad value")]
-    assert [storage._transient(e) for e in transient] == [True] * len(transient), transient
-    assert [storage._transient(e) for e in permanent] == [False] * len(permanent), permanent
+                 FileNotFoundError(url), RuntimeError("403 Forbidden"), RuntimeError("HTTP status 404"),
+                 ValueError("bad value")]
+    assert [_transient(e) for e in transient] == [True] * len(transient), transient
+    assert [_transient(e) for e in permanent] == [False] * len(permanent), permanent
 
 
 def test_store_faults_are_retried_and_counted_and_an_outage_is_one_line(store, monkeypatch):
@@ -121,6 +147,12 @@ def test_store_faults_are_retried_and_counted_and_an_outage_is_one_line(store, m
     with pytest.raises(FileNotFoundError):  # not retried: a missing object is not an outage
         storage.read_bytes(f"{bucket}/faults/none", 1 << 20)
     assert storage.counters["store_retries"] - before == 3
+    # A body cut off mid-transfer (aiohttp's ClientPayloadError, from a ContentLengthError of code 400: its parser's
+    # verdict, not the store's answer) was taken for a 400 refusal and stopped the run at once.
+    proxy.cut_bytes, faults = 404, proxy.faults
+    proxy.faulty("cut", 0.5, only=b"GET")
+    assert storage.read_bytes(f"{bucket}/faults/blob", 1 << 20) == b"x" * 1000
+    assert storage.counters["store_retries"] - before > 3 and proxy.faults > faults
     monkeypatch.setenv("DENSETRAIN_STORE_RETRY_S", "2")
     proxy.faulty("503", 60)
     try:
@@ -203,6 +235,51 @@ def test_an_object_rewritten_after_the_run_opened_it_is_refused_not_read(store, 
     fresh = storage.open_array(url, np.uint16)  # a run that opens (and verifies) the new version reads it
     assert np.array_equal(fresh[(2 << 19) + 5:(2 << 19) + 10], np.full(5, 7, np.uint16))
     storage._shared()[1].shutdown(wait=True)
+
+
+def test_keys_with_spaces_unicode_plus_percent_and_a_folder_named_like_its_parent_list_and_read(store, tmp_path):
+    """Keys s3fs must not quote or unquote (a space, ü, ``+``, ``%2F``, ``=``) read back as written, the bucket alone
+    lists with or without its trailing slash, and a folder holding a folder of its own name lists it (the folder's
+    own marker was left out by name: ``s3://b/train/train``, a source "train"'s split "train", listed empty)."""
+    _, bucket = store
+    shards = tmp_path / "shards"
+    write_shard(shards / "000000", [np.arange(5), np.arange(7)], 2)
+    write_shard(shards / "000001", [np.arange(3)], 2)
+    for prefix in (f"{bucket}/keys/a b/ü+%2F=x", f"{bucket}/keys/train/train"):
+        storage.put_tree(shards, prefix)
+        assert storage.listdir(prefix) == sorted(p.name for p in shards.iterdir())
+        assert TokenFiles(prefix).read(0, 15).tolist() == [*range(5), *range(7), *range(3)]
+    assert storage.listdir(f"{bucket}/keys") == ["a b", "train"]
+    assert storage.listdir(f"{bucket}/keys/train") == ["train"]  # was []
+    assert "keys" in storage.listdir(bucket) and storage.listdir(bucket) == storage.listdir(f"{bucket}/")
+
+
+def test_folder_marker_objects_are_folders_not_files(store, tmp_path):
+    """A folder made in the S3 console (or by Hadoop's s3a) is a zero-byte object ``folder/``: it is listed as the
+    folder, never read as a shard, and fetching the tree makes it a folder (get_tree fetched it as a file onto the
+    folder itself: FileExistsError, so a checkpoint in such a folder could not be fetched)."""
+    _, bucket = store
+    fs, _ = storage._fs(bucket)
+    root = f"{fs._strip_protocol(bucket)}/marked"
+    fs.pipe({f"{root}/": b"", f"{root}/sub/": b""})
+    write_shard(tmp_path / "shards" / "000000", [np.arange(5)], 2)
+    storage.put_tree(tmp_path / "shards", f"{bucket}/marked")
+    assert storage.listdir(f"{bucket}/marked") == ["000000.ds", "000000.ds.index", "000000.ds.metadata", "sub"]
+    assert TokenFiles(f"{bucket}/marked").read(0, 5).tolist() == list(range(5))
+    storage.get_tree(f"{bucket}/marked", tmp_path / "got")
+    assert sorted(str(p.relative_to(tmp_path / "got")) for p in (tmp_path / "got").rglob("*")) == \
+        ["000000.ds", "000000.ds.index", "000000.ds.metadata", "sub"]
+    assert (tmp_path / "got" / "sub").is_dir()
+
+
+def test_a_folder_of_more_than_a_thousand_objects_lists_whole(store):
+    """S3 answers a listing 1,000 keys at a time: the 1,001st shard is listed too (a listing that stops at one page
+    trains on a silently smaller corpus), and in name order whatever order the store gives."""
+    _, bucket = store
+    fs, _ = storage._fs(bucket)
+    names = [f"{i:05d}.ds" for i in range(1001, -1, -1)]  # written in reverse order
+    fs.pipe({f"{fs._strip_protocol(bucket)}/many/{n}": b"\0\0" for n in names})
+    assert storage.listdir(f"{bucket}/many") == sorted(names)
 
 
 def test_a_checkpoint_dir_in_a_missing_bucket_is_refused_at_the_start(store, tmp_path):

@@ -32,6 +32,7 @@ from densetrain.checkpoint import list_complete, mirror
 from densetrain.cli import main
 from densetrain.data.streams import open_streams
 from densetrain.metrics import read_events
+from densetrain.storage.retry import _transient
 
 gcsfs_retry = pytest.importorskip("gcsfs.retry")
 
@@ -77,8 +78,8 @@ def test_gcsfs_errors_are_retried_when_transient():
         aiohttp.ClientOSError(104, "Connection reset by peer"), aiohttp.ServerDisconnectedError(),
         aiohttp.ClientPayloadError("Response payload is not completed"), asyncio.TimeoutError()]
     permanent = [_raised(s) for s in (400, 401, 403, 404, 412)]
-    assert [storage._transient(e) for e in transient] == [True] * len(transient), transient
-    assert [storage._transient(e) for e in permanent] == [False] * len(permanent), permanent
+    assert [_transient(e) for e in transient] == [True] * len(transient), transient
+    assert [_transient(e) for e in permanent] == [False] * len(permanent), permanent
 
 
 @pytest.fixture(scope="module")

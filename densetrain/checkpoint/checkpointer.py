@@ -11,9 +11,17 @@ from typing import Callable
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from densetrain.checkpoint.common import CheckpointError, _agree, _rank, describe_error, list_complete, passed_over
+from densetrain.checkpoint.common import (
+    CheckpointError,
+    _agree,
+    _rank,
+    describe_error,
+    list_complete,
+    passed_over,
+    set_aside,
+)
 from densetrain.checkpoint.load import CheckpointMismatchError, load_checkpoint
-from densetrain.checkpoint.mirror import sync_up
+from densetrain.checkpoint.mirror import note_set_aside, sync_up
 from densetrain.checkpoint.save import PendingSave, cpu_stager, finish_async_save, save_checkpoint, start_async_save
 from densetrain.dcp_read import CheckpointReadError, UntrustedCheckpointError
 from densetrain.errors import Preempted, TrainError
@@ -215,6 +223,11 @@ class Checkpointer:
         per checkpoint passed over, naming the file: unreadable, of another model shape, damaged — its files
         differ from their digests — or holding non-finite weights).
 
+        The newer ones passed over are then set aside (``RUN_DIR/checkpoints_set_aside/``, kept, as a rollback's
+        are; one note in :attr:`notes`): the run goes on from the one loaded, and retention, which keeps the
+        newest ``keep`` by step, kept them and deleted the checkpoints of the resumed run instead (with
+        ``keep = 1`` its only loadable one), leaving nothing to resume from after the next stop.
+
         Returns:
             (path, trainer_state), or (None, None) when the run has no complete checkpoint.
         Raises:
@@ -224,13 +237,12 @@ class Checkpointer:
         done = list_complete(self.run_dir)
         self._say_passed_over(done[-1][0] if done else -1)
         errors, mismatch = [], False
-        for _, path in reversed(done):
+        for step, path in reversed(done):
             try:
                 state = load_checkpoint(path, model, optimizer)
                 if "sampler" not in state:
                     raise CheckpointReadError(f"{path}/trainer_state.json: sampler: missing (a resume needs the "
                                               "sampler's position)")
-                return path, state
             except UntrustedCheckpointError:
                 raise  # someone crafted a file in this run: stop, do not quietly resume from an older one
             # A corrupt file or a shape mismatch after a model.* change; DCP wraps failures in
@@ -241,6 +253,15 @@ class Checkpointer:
                 mismatch |= isinstance(e, CheckpointMismatchError)
                 if _rank() == 0:  # every rank tries the same checkpoints: one line, not one per rank
                     print(f"densetrain: warning: cannot load {path} ({type(e).__name__}: {first}); trying an older one")
+                continue
+            if errors:  # every rank passed over the same ones (load_checkpoint agrees on a failure)
+                if self.remote and _rank() == 0:  # their copies in the store too, before any fetch or upload
+                    note_set_aside(self.run_dir, step)
+                set_aside(self.run_dir, step)
+                newer = ", ".join(p.name for s, p in done if s > step)
+                self.notes.append(f"set aside {newer} in {self.run_dir / 'checkpoints_set_aside'} (could not be "
+                                  f"loaded): the run goes on from {path.name}, and retention counts from there")
+            return path, state
         if done:
             # The hint only where it is the cause: for a corrupt file it would send the user the wrong way.
             hint = "; model.* settings cannot change on --resume" if mismatch else ""

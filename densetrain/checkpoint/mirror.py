@@ -2,7 +2,8 @@
 run directory's ``checkpoints/`` stays the staging area, written with the local protocol (temp dir, fsync,
 marker, rename), and each complete checkpoint is then uploaded with its ``COMPLETE`` marker last
 (:func:`sync_up`), so a remote ``step_N`` without a marker is an upload a kill cut short: never listed, never
-read, deleted by the next upload. Retention deletes remote checkpoints as it deletes local ones; a rollback sets
+read, deleted by the next upload. Retention keeps the newest ``keep`` complete ones in the store (counted there: a
+run directory may hold fewer); a rollback sets
 aside the later ones (``checkpoint.dir/set_aside/``, :func:`set_aside_remote`) as it sets aside local ones.
 
 A resume fetches the newest remote checkpoint when the run directory has none as new (:func:`fetch_newest`:
@@ -146,9 +147,10 @@ def remote_complete(root) -> list[tuple[int, str]]:
 
 def sync_up(run_dir: Path, root, keep: int) -> list[str]:
     """Upload the run's complete local checkpoints that ``root`` lacks (the newest ``keep`` of them; 0: all),
-    each with its marker last; delete the remote ones that retention drops and the partial uploads of killed
-    runs; set aside (:func:`set_aside_remote`) those newer than the local newest and, first, those a rollback
-    here left in the store (:func:`settle`). Rank 0 only.
+    each with its marker last; delete the partial uploads of killed runs and the remote complete ones past the
+    newest ``keep`` complete in the store (so never the store's newest complete one); set aside
+    (:func:`set_aside_remote`) those newer than the local newest and, first, those a rollback here left in the
+    store (:func:`settle`). Rank 0 only.
 
     A local checkpoint deleted while it is uploaded (an upload in the background meets retention or a rollback)
     is left out. Returns: the names uploaded. Raises: StoreUnavailable (the store did not answer); OSError."""
@@ -176,7 +178,11 @@ def sync_up(run_dir: Path, root, keep: int) -> list[str]:
                 storage.remove_tree(target)
                 continue
             uploaded.append(path.name)
-    keep_steps = {s for s, _ in wanted}
+    # Retention counts what the store holds complete now, as the local one counts local checkpoints: not the local
+    # list, which after a fetch onto a new machine lacks the older ones (keep = 0 deleted all of them) and lacks a
+    # checkpoint deleted locally while it was uploaded (with keep = 1 that deleted the store's only complete one).
+    complete = [s for s, _ in remote_complete(root)]
+    keep_steps = set(complete[-keep:] if keep > 0 else complete)
     for name in storage.listdir(root):
         m = _STEP.match(name)
         if m and int(m.group(1)) not in keep_steps:

@@ -450,6 +450,9 @@ def check_local_or_url(value: str, key: str) -> None:
     m = _ONE_SLASH.match(value or "")
     check_config(m is None, f"{key} = '{value}' looks like a URL with one slash after '{m and m.group(1)}:'; "
                             f"expected '{m and m.group(1)}://...' (or a local path without the colon)")
+    # storage takes file:// for a path of its own ("file:/x" relative to the current folder): a prepare wrote there
+    check_config(not (value or "").startswith("file://"), f"{key} = '{value}': give a local folder as its path "
+                                                         f"('{(value or '')[len('file://'):]}'), not a file:// URL")
     proto = value.split("://", 1)[0] if "://" in (value or "") else ""
     check_config(proto == proto.lower(), f"{key} = '{value}': fsspec protocols are lower case, expected "
                                          f"'{proto.lower()}://...'")

@@ -34,6 +34,10 @@ SHARD_MAX_TOKENS = 1 << 26
 """Max tokens per train shard file (64 Mi) that ``prepare`` and the datatrove pipeline write; a longer
 single document gets a shard of its own."""
 
+SHARD_SUFFIXES = (".ds", ".ds.index", ".ds.metadata", ".ds.loss")
+"""The endings of a shard's files (``.ds.loss``: datatrove's loss mask, never written here): what a new prepare
+deletes of an earlier one's in a split folder, local or in the object store."""
+
 _DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 

@@ -59,7 +59,7 @@ from densetrain.data.prepare.readers.sources import iter_documents
 from densetrain.data.prepare.scale.folder import register_datatrove_source
 from densetrain.data.prepare.source import discard_unfinished, prepare_source
 from densetrain.data.sampling import fair_shares
-from densetrain.data.shards import token_dtype, token_size_for
+from densetrain.data.shards import SHARD_SUFFIXES, token_dtype, token_size_for
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer, train_bpe, usable_cpus
 from densetrain.errors import DataError, disk_full_error, is_disk_full
 from densetrain.fileio import atomic_write_json, mark_kind, other_kind, read_json, sweep_stale_temps
@@ -306,6 +306,8 @@ def prepare(cfg, force: bool = False, verify: bool = False) -> dict:
                               **({"timings": results[n]["timings"]} if "timings" in results[n] else {})}
                           for n, s in top_sources.items()}
     summary["timings"] = timings
-    publish(shards_dir, data.shards_dir, last=("manifest.json",))  # the top manifest last: readers wait for it
+    # The top manifest last: readers wait for it. Shard files of an earlier, larger prepare into the same URL go
+    # (as _clear_split_dir deletes them locally): a stale 000003.ds would be listed and read.
+    publish(shards_dir, data.shards_dir, last=("manifest.json",), prune=SHARD_SUFFIXES)
     summary["shards_dir"] = str(data.shards_dir)
     return summary

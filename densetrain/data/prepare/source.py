@@ -22,7 +22,7 @@ from densetrain.data.prepare.process import CHUNK_BYTES, ProcessSpec, chunked, p
 from densetrain.data.prepare.readers.documents import SkipLog
 from densetrain.data.prepare.readers.paths import estimated_text_bytes
 from densetrain.data.prepare.readers.sources import iter_documents
-from densetrain.data.shards import SHARD_MAX_TOKENS, token_dtype, write_shard
+from densetrain.data.shards import SHARD_MAX_TOKENS, SHARD_SUFFIXES, token_dtype, write_shard
 from densetrain.data.tokenizer import Tokenizer
 from densetrain.data.tokenizer.twin import checked_twins
 from densetrain.fileio import atomic_write_bytes, atomic_write_json
@@ -39,7 +39,7 @@ def _clear_split_dir(d: Path) -> None:
     """Remove shard files of an earlier run (a new run may write fewer shards)."""
     if d.is_dir():
         for f in d.iterdir():
-            if f.is_file() and (f.name.endswith((".ds", ".ds.index", ".ds.metadata", ".ds.loss"))):
+            if f.is_file() and (f.name.endswith(SHARD_SUFFIXES)):
                 f.unlink()
 
 

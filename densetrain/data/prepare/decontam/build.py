@@ -7,7 +7,8 @@ overlap test is the one of GPT-3 (Brown et al. 2020, "Language Models are Few-Sh
 sec. 4 and App. C), also used by the lm-evaluation-harness decontamination tool
 (``lm_eval/decontamination``); the issue asks that contaminated documents be removed whole.
 
-Normalisation (:func:`normalize_words`): lower-case, then every character that is not a letter or a
+Normalisation (:func:`normalize_words`): Unicode NFKC (composed accents, full-width and ligature letters as
+their plain letters), lower-case, then every character that is not a letter or a
 digit (punctuation, symbols, underscore, whitespace) separates words. This is the GPT-3 rule (App. C
 ignores punctuation, whitespace and case) with punctuation turned into word breaks, so
 "well-known" is two words on both sides. Unlike lm-evaluation-harness, which deletes only ASCII

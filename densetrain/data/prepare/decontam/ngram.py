@@ -10,6 +10,7 @@ the contamination index (:mod:`densetrain.data.prepare.decontam.build`); the nor
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,16 +37,19 @@ def _non_ascii_words(m: re.Match) -> str:
 def _normalized_bytes(text: str) -> bytes:
     """UTF-8 of ``text``'s normalised words separated by spaces (one or more).
 
-    Runs of non-ASCII characters are lower-cased and their non-alphanumerics blanked in Python;
+    Non-ASCII text is first put in Unicode NFKC form: a decomposed accent (NFD: ``i`` then U+0308) was a word
+    break (``nai ve``, never matching the NFC ``naïve`` of a cleaned training document), and full-width letters
+    (``ＨＥＬＬＯ``, CJK pages) and ligatures (``ﬁ``) were words of their own. Runs of non-ASCII characters are
+    lower-cased and their non-alphanumerics blanked in Python;
     the ASCII rest is done by one ``bytes.translate`` (2-3x faster than a Unicode regex).
     """
     if not text.isascii():
-        text = _NON_ASCII.sub(_non_ascii_words, text)
+        text = _NON_ASCII.sub(_non_ascii_words, unicodedata.normalize("NFKC", text))
     return text.encode("utf-8").translate(_BYTE_TABLE)
 
 
 def normalize_words(text: str) -> list[str]:
-    """The words of ``text`` for n-gram matching: lower-cased runs of Unicode letters and digits.
+    """The words of ``text`` for n-gram matching: lower-cased runs of Unicode letters and digits of its NFKC form.
 
     Every other character (punctuation, symbols, ``_``, whitespace) separates words, e.g.
     ``"Don’t  STOP-now!"`` -> ``['don', 't', 'stop', 'now']`` (see the module docstring).

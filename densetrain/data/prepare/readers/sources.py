@@ -17,7 +17,8 @@ Which files: :mod:`densetrain.data.prepare.readers.paths` (files, directories wa
   jsonl, ``.parquet`` is parquet, ``.arrow`` is arrow, everything else is text.
 
 Gzip and zstd compressed files (``jsonl``, ``text``, ``paragraphs``) are decompressed as a stream,
-detected by their magic bytes (:mod:`densetrain.data.prepare.readers.text`).
+detected by their magic bytes (:mod:`densetrain.data.prepare.readers.text`). A UTF-8 byte-order mark at the start
+of a file is not text (dropped in every format); CRLF line ends are read as line ends.
 
 Bad input is never fatal and never silently dropped: it is recorded in a
 :class:`~densetrain.data.prepare.readers.documents.SkipLog` (``file:line: reason``, the line being the row for

@@ -34,6 +34,9 @@ from densetrain.fileio import open_regular
 _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _READ_CHUNK = 1 << 20
+_BOM = b"\xef\xbb\xbf"
+"""A UTF-8 byte-order mark (Windows editors write one at the start of a file): not part of any document. ftfy
+removes it, but a source with ``fix_text = false`` kept it as the first character of its first document."""
 
 
 class _ZstdReader(io.RawIOBase):
@@ -159,8 +162,8 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _jsonl_record(raw: bytes, name: str, lineno: int, text_field: str, skips: SkipLog) -> Document | None:
-    if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]  # a UTF-8 byte-order mark (Windows editors write one): not part of the record
+    if lineno == 1 and raw.startswith(_BOM):
+        raw = raw[len(_BOM):]
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -234,12 +237,17 @@ def iter_paragraphs(path: Path, name: str, cap: int, skips: SkipLog) -> Iterator
             if size > cap:
                 log_too_large(skips, name, start, size, cap, "paragraph")
                 return None
-            text = _decode_lines(b"\n".join(parts), name, start, skips)
+            data = b"\n".join(parts)
+            # A CRLF file's paragraph kept its inner line ends as read, but its last line's \r is half of the
+            # line end that closes it (it was kept: "para one\r").
+            text = _decode_lines(data[:-1] if data.endswith(b"\r") else data, name, start, skips)
             return None if text is None else Document(text=text, source_file=name, line=start, doc_id=f"{name}:{start}")
 
         try:
             for content, n in _lines(stream, cap):
                 lineno += 1
+                if lineno == 1 and content is not None and content.startswith(_BOM):
+                    content, n = content[len(_BOM):], n - len(_BOM)
                 if content is not None and not content.strip():  # blank line: ends a paragraph
                     if start and (doc := finish()) is not None:
                         yield doc
@@ -292,6 +300,6 @@ def iter_text(path: Path, name: str, cap: int, skips: SkipLog) -> Iterator[Docum
     if data is None:
         log_too_large(skips, name, None, size, cap, "file")
         return
-    text = _decode_lines(data, name, 1, skips)
+    text = _decode_lines(data[len(_BOM):] if data.startswith(_BOM) else data, name, 1, skips)
     if text is not None:
         yield Document(text=text, source_file=name, line=None, doc_id=name)

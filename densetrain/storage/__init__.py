@@ -7,10 +7,11 @@ one set of functions, used by the shard reader, the checkpointer and the run-fil
 - **URLs** go through fsspec and the protocol's well-kept client (``s3fs``, ``gcsfs``: ``pip install
   'densetrain[s3]'``). Credentials come from the client's own chain (environment, config files, instance
   role) and are never logged; an S3-compatible endpoint from ``AWS_ENDPOINT_URL``, the client's setting.
-- **Retries** (:func:`retrying`): a transient error (HTTP 5xx, ``SlowDown``, a timeout, a reset connection)
-  is retried with exponential backoff (0.2 s doubling to 5 s) for up to ``DENSETRAIN_STORE_RETRY_S`` seconds
-  (default 120) in all; each retry is counted in :data:`counters` (``store_retries``, in the training
-  log). Past the budget, :class:`StoreUnavailable`. Not found and permission errors are not retried.
+- **Retries** (:func:`retrying`, :mod:`densetrain.storage.retry`): a transient error (HTTP 5xx, ``SlowDown``, a
+  timeout, a reset connection) is retried with exponential backoff (0.2 s doubling to 5 s) for up to
+  ``DENSETRAIN_STORE_RETRY_S`` seconds (default 120) in all; each retry is counted in :data:`counters`
+  (``store_retries``, in the training log). Past the budget, :class:`StoreUnavailable`. Not found and permission
+  errors are not retried.
   s3fs's own retries are turned off so that every retry is counted here; gcsfs retries each request itself
   (6 tries over ~31 s, fixed when it is imported), so a gs:// outage is noticed that much later and those tries
   are not counted. Each request waits at most ``DENSETRAIN_STORE_TIMEOUT_S`` seconds (default 10) to connect
@@ -38,7 +39,6 @@ import os
 import re
 import shutil
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -46,6 +46,9 @@ import numpy as np
 
 from densetrain.errors import ConfigError, DataError
 from densetrain.fileio import ReadRefused, atomic_write_bytes, open_regular, parse_json_line, read_bytes_bounded
+from densetrain.storage.retry import StoreUnavailable, _count, counters, retry_seconds, retrying
+
+__all__ = ["StoreUnavailable", "counters", "retry_seconds", "retrying"]  # also importable from here
 
 BLOCK_BYTES = 1 << 20
 """Bytes per range read and cache block: 1 MiB. Below ~1 MiB an object store's GET costs about its latency
@@ -55,26 +58,7 @@ PREFETCH_BLOCKS = 8
 """Blocks fetched ahead in the background after a miss (an 8 MiB window: reading in file order)."""
 PREFETCH_THREADS = 16
 """Range reads in flight at once: the windows of the next batch (:meth:`RemoteArray.prefetch`) and readahead."""
-
-counters = {"store_retries": 0, "store_cache_hits": 0, "store_cache_misses": 0, "store_bytes_fetched": 0}
-"""Process-wide counts since start: retries of transient errors, cache hits and misses (blocks), bytes fetched."""
 _lock = threading.Lock()
-
-
-class StoreUnavailable(OSError):
-    """The object store answered no request for longer than the retry budget (``DENSETRAIN_STORE_RETRY_S``):
-    an outage, not a bad path. ``str()`` is one line naming the URL, the seconds tried and the last error."""
-
-
-def _count(key: str, n: int = 1) -> None:
-    with _lock:
-        counters[key] += n
-
-
-def retry_seconds() -> float:
-    """The retry budget of one operation, seconds (``DENSETRAIN_STORE_RETRY_S``, default 120)."""
-    return float(os.environ.get("DENSETRAIN_STORE_RETRY_S", "120"))
-
 
 def is_remote(path) -> bool:
     """Whether ``path`` names an fsspec URL other than ``file://`` (for this module and its tests)."""
@@ -130,77 +114,6 @@ def _no_expect_continue(fs) -> None:
 
     sync(fs.loop, fs.set_session)  # the client, made now (no request is sent)
     fs.s3.meta.events.unregister("before-call.s3", add_expect_header)
-
-
-_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
-
-
-def _http_status(e: BaseException | None) -> int | None:
-    """The HTTP status the client recorded for ``e`` or for the error it translated (``__cause__``, a few deep):
-    gcsfs's ``HttpError.code``, aiohttp's ``.status``, botocore's ``ClientError.response`` (behind s3fs's
-    OSError)."""
-    for _ in range(4):
-        if e is None:
-            return None
-        response = getattr(e, "response", None)
-        meta = response.get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None
-        for v in (getattr(e, "code", None), getattr(e, "status", None), meta):
-            if isinstance(v, int) and 100 <= v < 600:
-                return v
-        e = e.__cause__
-    return None
-
-
-_LOCATION = re.compile(r"\S*://\S*|\S*/\S*")
-"""URLs and paths inside an error's text: their digits (a port 34035, a shard 000404.ds) are not a status."""
-_PERMANENT_TEXT = re.compile(r"NoSuchKey|NoSuchBucket|AccessDenied|InvalidAccessKeyId|\b40[34]\b")
-_TRANSIENT_TEXT = re.compile(r"SlowDown|Timeout|timeout|Connection|ServiceUnavailable|InternalError|reset|Throttl|"
-                             # gcsfs: HttpError("..., 429"); aiohttp: a dropped connection or a cut-off body
-                             r"ServerDisconnected|ClientPayloadError|\b(?:408|429|50[0234])\b")
-
-
-def _transient(e: BaseException) -> bool:
-    """A 5xx, throttling, timeout or connection error (retried), not a missing object or a refusal. The status
-    the client recorded decides where there is one; else the error's text with its URLs and paths left out."""
-    if isinstance(e, _PERMANENT):
-        return False
-    status = _http_status(e)
-    if status is not None and status >= 400:
-        return status in (408, 429) or status >= 500
-    text = _LOCATION.sub("", f"{type(e).__name__}: {e}")
-    if _PERMANENT_TEXT.search(text) or str(e).startswith("Forbidden: "):  # gcsfs's 403: an OSError, no code
-        return False
-    return isinstance(e, (OSError, TimeoutError, ConnectionError)) or bool(_TRANSIENT_TEXT.search(text))
-
-
-_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError")
-"""botocore's exceptions for a credential chain that found nothing usable (matched by name: botocore is s3fs's)."""
-
-
-def retrying(what: str, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``, retried with backoff while it fails with a transient error (module docstring).
-
-    Raises: StoreUnavailable: still failing after the retry budget; other errors as ``fn`` raises them."""
-    budget, t0, wait = retry_seconds(), time.monotonic(), 0.2
-    while True:
-        try:
-            return fn(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - classified below; permanent ones are re-raised
-            if type(e).__name__ in _NO_CREDENTIALS:  # botocore's: a traceback of 79 lines before
-                raise ConfigError(f"{what}: no credentials for the object store ({type(e).__name__}): give them "
-                                  f"through the client's standard chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, "
-                                  f"~/.aws/credentials or an instance role for s3://)") from None
-            if not _transient(e):
-                raise
-            spent = time.monotonic() - t0
-            if spent + wait > budget:
-                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-                raise StoreUnavailable(f"{what}: the object store did not answer for {spent:.0f} s "
-                                       f"(DENSETRAIN_STORE_RETRY_S={budget:g}; last error {type(e).__name__}: "
-                                       f"{first})") from None
-            _count("store_retries")
-            time.sleep(wait)
-            wait = min(wait * 2, 5.0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -260,7 +173,9 @@ def listdir(path) -> list[str]:
         entries = retrying(str(path), fs.ls, p, detail=False)
     except FileNotFoundError:
         return []
-    return sorted(name(e) for e in entries if name(e) != name(p))
+    # Some stores list the folder itself (its marker object): left out by its whole path, not by its name, which a
+    # child may share (s3://b/train/train: the source "train"'s split "train" was left out).
+    return sorted(name(e) for e in entries if e.rstrip("/") != p.rstrip("/"))
 
 
 def stat(path) -> tuple[int, str | int]:
@@ -595,6 +510,9 @@ def get_tree(source, local: Path) -> None:
     for f in retrying(str(source), fs.find, p):
         rel = f[len(p):].strip("/")
         dest = local / rel
+        if f.endswith("/"):  # a folder marker object (the S3 console's "Create folder", Hadoop's s3a): no file
+            dest.mkdir(parents=True, exist_ok=True)  # (fetched as one, the folder itself: FileExistsError)
+            continue
         dest.parent.mkdir(parents=True, exist_ok=True)
         retrying(f, fs.get_file, f, str(dest))
         _count("store_bytes_fetched", dest.stat().st_size)
@@ -639,8 +557,25 @@ def staging_dir(target) -> Path:
     return cache_dir() / "staging" / cache_key(target, "staged")
 
 
-def publish(local: Path, target, last: tuple[str, ...] = ()) -> None:
+def publish(local: Path, target, last: tuple[str, ...] = (), prune: tuple[str, ...] = ()) -> None:
     """Upload :func:`staging_dir` ``local`` to ``target`` (:func:`put_tree`, ``last`` files last); nothing when
-    ``target`` is local (the files are already there). Raises: StoreUnavailable; OSError."""
-    if is_remote(target):
-        put_tree(local, target, last)
+    ``target`` is local (the files are already there). First, the files under ``target`` whose names end with one
+    of ``prune``, in a subfolder that ``local`` has too, and that ``local`` does not hold are deleted: an upload adds
+    and replaces objects, so what an earlier, larger publish left (a shard ``000003.ds`` where this one writes three)
+    would stay and be read. Other folders (another data set beside these, in the same bucket) are not touched.
+
+    Raises: StoreUnavailable; OSError."""
+    if not is_remote(target):
+        return
+    if prune:
+        fs, p = _fs(target)
+        try:
+            found = retrying(str(target), fs.find, p)
+        except FileNotFoundError:
+            found = []
+        for f in found:
+            rel = f[len(p):].strip("/")
+            mine = Path(local) / rel
+            if rel.endswith(prune) and "/" in rel and mine.parent.is_dir() and not mine.is_file():
+                retrying(f, fs.rm_file, f)
+    put_tree(local, target, last)
