@@ -117,11 +117,10 @@ def loss_parallel_logits(par, n_micro: int, heads: int, logits: float) -> float:
 def host_time(par, hw, n_micro: int, layers: float, heads: int, gathered: float, grad_bytes: float,
               exposed_dp_s: float, logits: float = 0.0) -> float:
     """Seconds of host work one rank adds to a step (module docstring): small kernel calls' fixed cost
-    (:func:`kernel_calls`), DTensor dispatches, FSDP2 groups, the
-    vocabulary-parallel cross-entropy's split passes over ``logits`` a micro-batch (the rank's ``tokens x vocab
-    / tp``) and, where collectives run on the compute's cores, the data-parallel collectives' time beyond
-    ``exposed_dp_s`` (what the step model already charged for them). 0 for a profile without these unit
-    costs (the GPU datasheet profiles)."""
+    (:func:`kernel_calls`), DTensor dispatches, FSDP2 groups, the vocabulary-parallel cross-entropy's split
+    passes over ``logits`` a micro-batch (the rank's ``tokens x vocab / tp``) and, where collectives run on the
+    compute's cores, the data-parallel collectives' time beyond ``exposed_dp_s`` (what the step model already
+    charged for them). 0 for a profile without these unit costs (the GPU datasheet profiles)."""
     dp_cpu = 0.0
     if hw.collectives_on_cores:
         dp_cpu = hw.collectives_on_cores * max(0.0, dp_collectives_cpu_s(hw, par, gathered, grad_bytes) - exposed_dp_s)
