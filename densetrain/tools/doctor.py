@@ -193,9 +193,8 @@ def gemm_call_cost(device: torch.device, seconds: float = 0.05, trials: int = 3,
         g = torch.full((M, N), 0.03, device=device)
         return lambda: (torch.mm(x, w.t()), torch.mm(g, w), torch.mm(g.t(), x))
 
-    (small, large) = GEMM_CALL_SHAPES
     flops = [2.0 * M * K * N for M, K, N in GEMM_CALL_SHAPES]
-    t_small, t_large = (_fastest(trio(*s), device, seconds, trials, clock) / 3 for s in (small, large))
+    t_small, t_large = (_fastest(trio(*s), device, seconds, trials, clock) / 3 for s in GEMM_CALL_SHAPES)
     return max(0.0, t_small - flops[0] * t_large / flops[1])
 
 
@@ -205,8 +204,8 @@ def attention_call_cost(device: torch.device, seconds: float = 0.05, trials: int
     the rate of a large one, with this process's threads: fp32, timed at the two sizes of
     :data:`ATTENTION_CALL_SHAPES` (the fastest of ``trials`` tries of ~``seconds`` by ``clock``; FLOPs counted as
     :func:`attention_rate` counts them), the small one's time less its FLOPs at the large one's rate. On this
-    machine ~0.2 ms a call with one thread, ~0.3-0.5 with two (the kernel's per-thread buffers and the split of
-    a few heads over the threads; issue 41 item 6, session 18). Read by the cost model as
+    machine 0.11-0.24 ms a call with one thread (the call's set-up: its buffers), 0.25-0.42 with two (also the split
+    of a few heads over the threads and the join; issue 41 item 6, session 18). Read by the cost model as
     ``Hardware.attention_call_s`` (:mod:`densetrain.cost.host`)."""
     def call(b: int, h: int, t: int, d: int):
         q, k, v = (torch.full((b, h, t, d), 0.01, device=device, requires_grad=True) for _ in range(3))
