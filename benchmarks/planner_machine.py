@@ -152,6 +152,7 @@ def worker(a) -> None:
                      "matmul": hw.peak_bf16_flops, "copy": hw.hbm_bytes_per_s, "op_overhead": hw.op_overhead_s,
                      "link": hw.nvlink_bytes_per_s, "latency": hw.latency_intra_s,
                      "dtensor": hw.dtensor_op_s, "fsdp": hw.fsdp_group_s, "loss_parallel": hw.loss_parallel_logit_s,
+                     "gemm_call": hw.gemm_call_s, "attention_call": hw.attention_call_s,
                      "steps": len(times)}
     if info.rank == 0:
         print(json.dumps(out))
@@ -214,8 +215,9 @@ def main(argv=None) -> int:
                           f"{v['predicted'] / v['measured']:.2f}  CPU share {v['share']:.2f} (matmul "
                           f"{v['matmul'] / 1e9:.0f} GFLOP/s, copy {v['copy'] / 1e9:.1f} GB/s, op "
                           f"{v['op_overhead'] * 1e6:.1f} us, DTensor {v['dtensor'] * 1e6:.0f} us, FSDP group "
-                          f"{v['fsdp'] * 1e6:.0f} us, loss-parallel {v['loss_parallel'] * 1e9:.1f} ns a logit, link "
-                          f"{v['link'] / 1e9:.2f} GB/s, latency "
+                          f"{v['fsdp'] * 1e6:.0f} us, loss-parallel {v['loss_parallel'] * 1e9:.1f} ns a logit, "
+                          f"GEMM call {v['gemm_call'] * 1e6:.0f} us, attention call "
+                          f"{v['attention_call'] * 1e6:.0f} us, link {v['link'] / 1e9:.2f} GB/s, latency "
                           f"{v['latency'] * 1e6:.0f} us; ms: {parts}) load {v['load']:.1f}", flush=True)
     # each row judged on its quietest round: the one whose processes got the largest share of the CPU they
     # asked for while their CPU-timed steps ran (densetrain.health.cpu_got)

@@ -17,7 +17,7 @@ from densetrain.fileio import atomic_write_bytes, json_text, read_text_bounded
 
 PROFILES_DIR = Path(__file__).parent / "profiles"
 HOST_FIELDS = ("dtensor_op_s", "fsdp_group_s", "all_gather_bytes_per_s", "reduce_scatter_bytes_per_s",
-               "collectives_on_cores", "loss_parallel_logit_s")
+               "collectives_on_cores", "loss_parallel_logit_s", "gemm_call_s", "attention_call_s")
 """Optional figures of the host's share (:mod:`densetrain.cost.host`), each a number >= 0 (0: not modelled)."""
 
 
@@ -48,7 +48,9 @@ class Hardware:
     second of those collectives; 0: the link's), ``collectives_on_cores`` (1 where the collectives run on the
     compute's cores, gloo on a CPU: what the step model hides behind compute is charged),
     ``loss_parallel_logit_s`` (s a logit the vocabulary-parallel cross-entropy of tensor parallelism adds to the
-    fused one).
+    fused one), ``gemm_call_s`` / ``attention_call_s`` (s a GEMM call / a causal attention call, forward and
+    backward, costs beside its FLOPs at the profile's rates, with the run's threads: on a CPU the thread team's
+    wake-up, split and join).
     """
 
     name: str
@@ -78,6 +80,8 @@ class Hardware:
     reduce_scatter_bytes_per_s: float = 0.0
     collectives_on_cores: float = 0.0
     loss_parallel_logit_s: float = 0.0
+    gemm_call_s: float = 0.0
+    attention_call_s: float = 0.0
 
     def to_toml(self) -> str:
         """The profile as a flat TOML table (what :func:`load_hardware` reads)."""
@@ -101,7 +105,7 @@ OPTIONAL_MAX = {
     "flex_forward_rate": 10.0, "flex_backward_rate": 10.0, "nvls_bus_bytes_per_s": 1e15,
     "all_gather_bytes_per_s": 1e15, "reduce_scatter_bytes_per_s": 1e15, "loss_elements_per_s": 1e18,
     "op_overhead_s": 1.0, "dtensor_op_s": 1.0, "fsdp_group_s": 1.0, "collectives_on_cores": 1.0, "sms": 1 << 20,
-    "loss_parallel_logit_s": 1.0,
+    "loss_parallel_logit_s": 1.0, "gemm_call_s": 1.0, "attention_call_s": 1.0,
 }
 """Inclusive upper bound of each optional number of a profile (its lower bound is 0)."""
 

@@ -26,6 +26,13 @@ Counts x unit costs. The counts come from the model shape and layout; the unit c
   (``Hardware.all_gather_bytes_per_s``, ``reduce_scatter_bytes_per_s``; gloo's reduce-scatter moves a byte
   3-4x slower than its all-reduce on this machine); FSDP2's fixed cost a call is in its group's cost, the
   replicas' all-reduce pays the profile's latency per ring step.
+- Kernel calls (``Hardware.gemm_call_s`` a GEMM, ``Hardware.attention_call_s`` an attention call forward and
+  backward, each beyond the ``op_overhead_s`` of its operators): the step model charges a GEMM's FLOPs at the
+  rate of a 512 x 512 one and attention at the rate of a 512-token one; a small call costs more than that, with
+  two threads most (the second thread woken, the work split over few rows or heads, the join): on this machine
+  ~20-90 µs a GEMM and ~0.3 ms an attention call in CPU seconds with 2 threads, ~0 and ~0.15 ms with one
+  (issue 41 item 6, session 18: tiny on 1 process with 2 threads, whose 87 GEMMs and 4 attention calls a step
+  are all small, measured 12-15% more CPU seconds than with one thread). :data:`KERNEL_CALLS` counts them.
 
 Pure math, like the rest of :mod:`densetrain.cost`: no torch. Read by :func:`densetrain.cost.step.step_time`.
 """
@@ -43,6 +50,12 @@ tests/test_plan_host.py recounts them."""
 OPTIM_DTENSOR_OPS = 15
 """DTensor dispatches of one AdamW step (torch's foreach implementation: one dispatch a foreach operator over
 all the DTensor parameters, whatever their number) under FSDP2 or tensor parallelism (counted as above)."""
+KERNEL_CALLS = (21, 1, 3)
+"""Kernel calls of one micro-batch's forward and backward: GEMMs per block (7 linears, ``wq, wk, wv, wo, w1, w2,
+w3``, each a forward GEMM and two backward: the input's and the weight's gradients), attention calls per block
+(one ``F.scaled_dot_product_attention``, forward and backward), GEMMs of the output head (the same three). The
+same on a tensor-parallel rank (each linear's local shard). Counted with a ``TorchDispatchMode`` on a real step
+of the tiny preset (``aten.mm``, the SDPA forward); tests/test_plan_host.py recounts them on 1 and 3 blocks."""
 DDP_BUCKET_BYTES = 25 * 2**20
 """DDP's gradient bucket (``bucket_cap_mb`` 25, torch's default; densetrain keeps it): one all-reduce call each."""
 
@@ -86,6 +99,13 @@ def dp_collectives_cpu_s(hw, par, gathered: float, grad_bytes: float) -> float:
     return total
 
 
+def kernel_calls(n_micro: int, layers: float, heads: int) -> tuple[float, float]:
+    """``(GEMM calls, attention calls)`` one rank runs in a step: :data:`KERNEL_CALLS` per micro-batch over the
+    rank's blocks, the head's GEMMs on the stage holding it."""
+    gemm, attention, head = KERNEL_CALLS
+    return n_micro * (gemm * layers + head * heads), n_micro * attention * layers
+
+
 def loss_parallel_logits(par, n_micro: int, heads: int, logits: float) -> float:
     """Logits one rank takes through the vocabulary-parallel cross-entropy in a step: ``logits`` (the rank's
     ``tokens x vocab / tp`` of a micro-batch) once a micro-batch on the stage holding the head, under tensor
@@ -96,14 +116,19 @@ def loss_parallel_logits(par, n_micro: int, heads: int, logits: float) -> float:
 
 def host_time(par, hw, n_micro: int, layers: float, heads: int, gathered: float, grad_bytes: float,
               exposed_dp_s: float, logits: float = 0.0) -> float:
-    """Seconds of host work one rank adds to a step (module docstring): DTensor dispatches, FSDP2 groups, the
-    vocabulary-parallel cross-entropy's split passes over ``logits`` a micro-batch (the rank's ``tokens x vocab
-    / tp``) and, where collectives run on the compute's cores, the data-parallel collectives' time beyond
-    ``exposed_dp_s`` (what the step model already charged for them). 0 for a profile without these unit
-    costs (the GPU datasheet profiles)."""
+    """Seconds of host work one rank adds to a step (module docstring): small kernel calls' fixed cost
+    (:func:`kernel_calls`), DTensor dispatches, FSDP2 groups, the vocabulary-parallel cross-entropy's split
+    passes over ``logits`` a micro-batch (the rank's ``tokens x vocab / tp``) and, where collectives run on the
+    compute's cores, the data-parallel collectives' time beyond ``exposed_dp_s`` (what the step model already
+    charged for them). 0 for a profile without these unit costs (the GPU datasheet profiles)."""
     dp_cpu = 0.0
     if hw.collectives_on_cores:
         dp_cpu = hw.collectives_on_cores * max(0.0, dp_collectives_cpu_s(hw, par, gathered, grad_bytes) - exposed_dp_s)
-    return (dtensor_ops(par, n_micro, layers, heads) * hw.dtensor_op_s
+    gemms, attentions = kernel_calls(n_micro, layers, heads)
+    # the operators' own fixed cost is charged by the step model (op_overhead_s a call: one operator a GEMM, two
+    # an attention call, forward and backward)
+    calls = (gemms * max(0.0, hw.gemm_call_s - hw.op_overhead_s)
+             + attentions * max(0.0, hw.attention_call_s - 2 * hw.op_overhead_s))
+    return (calls + dtensor_ops(par, n_micro, layers, heads) * hw.dtensor_op_s
             + fsdp_groups(par, n_micro, layers, heads) * hw.fsdp_group_s
             + loss_parallel_logits(par, n_micro, heads, logits) * hw.loss_parallel_logit_s + dp_cpu)

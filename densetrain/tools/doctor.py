@@ -172,6 +172,51 @@ def attention_rate(device: torch.device, seconds: float = 0.05, trials: int = 3,
     return 3.5 * 4.0 * seq_len * (seq_len / 2) * heads * head_dim / _fastest(run, device, seconds, trials, clock)
 
 
+GEMM_CALL_SHAPES = ((256, 128, 64), (512, 512, 512))
+"""``(M, K, N)`` of the small and the large GEMM of :func:`gemm_call_cost`: the small one 4 MFLOP, as a small
+model's smallest linears (tiny's ``wk``, ``wv`` on 2 x 128 tokens), the large one 268 MFLOP."""
+ATTENTION_CALL_SHAPES = ((1, 4, 128, 32), (1, 4, 512, 64))
+"""``(batch, heads, seq_len, head_dim)`` of the small and the large attention call of :func:`attention_call_cost`
+(the large one is :func:`attention_rate`'s)."""
+
+
+def gemm_call_cost(device: torch.device, seconds: float = 0.05, trials: int = 3, clock=time.perf_counter) -> float:
+    """Seconds one GEMM call costs beside its FLOPs at the rate of a large one, with this process's threads: a
+    linear layer's three GEMMs (``x w^T``, ``g w``, ``g^T x``, fp32, no autograd) timed at the two sizes of
+    :data:`GEMM_CALL_SHAPES` (the fastest of ``trials`` tries of ~``seconds`` by ``clock``), the small one's time
+    a call less its FLOPs at the large one's rate. With two threads on this machine's 2 vCPUs a small GEMM's
+    CPU seconds grow by ~20 µs a call (the second thread woken, the work split, the join; issue 41 item 6,
+    session 18), which the matmul rate measured on 512 x 512 leaves out. Read by the cost model as
+    ``Hardware.gemm_call_s`` (:mod:`densetrain.cost.host`, which charges the part beyond ``op_overhead_s``)."""
+    def trio(M: int, K: int, N: int):
+        x, w = torch.full((M, K), 0.01, device=device), torch.full((N, K), 0.02, device=device)
+        g = torch.full((M, N), 0.03, device=device)
+        return lambda: (torch.mm(x, w.t()), torch.mm(g, w), torch.mm(g.t(), x))
+
+    flops = [2.0 * M * K * N for M, K, N in GEMM_CALL_SHAPES]
+    t_small, t_large = (_fastest(trio(*s), device, seconds, trials, clock) / 3 for s in GEMM_CALL_SHAPES)
+    return max(0.0, t_small - flops[0] * t_large / flops[1])
+
+
+def attention_call_cost(device: torch.device, seconds: float = 0.05, trials: int = 3,
+                        clock=time.perf_counter) -> float:
+    """Seconds one causal ``F.scaled_dot_product_attention`` call, forward and backward, costs beside its FLOPs at
+    the rate of a large one, with this process's threads: fp32, timed at the two sizes of
+    :data:`ATTENTION_CALL_SHAPES` (the fastest of ``trials`` tries of ~``seconds`` by ``clock``; FLOPs counted as
+    :func:`attention_rate` counts them), the small one's time less its FLOPs at the large one's rate. On this
+    machine 0.11-0.24 ms a call with one thread (the call's set-up: its buffers), 0.25-0.42 with two (also the split
+    of a few heads over the threads and the join; issue 41 item 6, session 18). Read by the cost model as
+    ``Hardware.attention_call_s`` (:mod:`densetrain.cost.host`)."""
+    def call(b: int, h: int, t: int, d: int):
+        q, k, v = (torch.full((b, h, t, d), 0.01, device=device, requires_grad=True) for _ in range(3))
+        g = torch.full((b, h, t, d), 0.02, device=device)
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+
+    flops = [3.5 * 4.0 * t * (t / 2) * h * d * b for b, h, t, d in ATTENTION_CALL_SHAPES]
+    t_small, t_large = (_fastest(call(*s), device, seconds, trials, clock) for s in ATTENTION_CALL_SHAPES)
+    return max(0.0, t_small - flops[0] * t_large / flops[1])
+
+
 def _fastest(run, device: torch.device, seconds: float, trials: int, clock) -> float:
     """Seconds of one ``run()``: the fastest of ``trials`` tries of ~``seconds`` each by ``clock``."""
     run()
@@ -339,8 +384,9 @@ def gather_scatter_rates(device: torch.device, trials: int = 3, clock=time.perf_
 def host_figures(info, clock=time.perf_counter) -> dict[str, float]:
     """The host's share of a step (:data:`densetrain.cost.hardware.HOST_FIELDS`, read by cost/host.py) on
     this machine: on a CPU, :func:`dtensor_op_cost`, :func:`fsdp_group_cost` and :func:`loss_parallel_cost` on
-    :func:`probe_mesh` (pairs
-    of ranks; one process alone), with more than one rank :func:`gather_scatter_rates`, and
+    :func:`probe_mesh` (pairs of ranks; one process alone), :func:`gemm_call_cost` and
+    :func:`attention_call_cost` (this process alone, with its threads), with more than one rank
+    :func:`gather_scatter_rates`, and
     ``collectives_on_cores`` 1 (gloo runs on the compute's cores). Over a pair, a DTensor dispatch carries the
     functional collectives' wrapping and waiting around gloo's calls, not the calls' fixed cost, which the step
     model's TP term charges as their latency (:func:`dtensor_op_cost`). On a GPU
@@ -349,7 +395,8 @@ def host_figures(info, clock=time.perf_counter) -> dict[str, float]:
         return {}
     with probe_mesh() as mesh:
         out = {"dtensor_op_s": dtensor_op_cost(mesh, clock=clock), "fsdp_group_s": fsdp_group_cost(mesh, clock=clock),
-               "collectives_on_cores": 1.0}
+               "collectives_on_cores": 1.0, "gemm_call_s": gemm_call_cost(info.device, 0.1, 3, clock),
+               "attention_call_s": attention_call_cost(info.device, 0.1, 3, clock)}
         out["loss_parallel_logit_s"] = loss_parallel_cost(mesh, out["dtensor_op_s"],
                                                           collective_call_cost(mesh, clock=clock), clock=clock)
     if dist.is_initialized() and dist.get_world_size() > 1:
