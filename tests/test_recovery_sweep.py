@@ -123,6 +123,21 @@ def test_a_stage_re_warmup_is_waited_out_and_a_resume_keeps_the_window(prepared,
     assert ev["step"] == 50 and "loss spikes are judged again after 30 steps" in ev["text"]
 
 
+def test_a_deterministic_spike_rolls_back_at_most_max_rollbacks_times_then_skips(prepared, tmp_path):
+    """A loss that spikes again after every rollback (a level the data does not explain, within a stage): three
+    spikes in the window roll back, guard.max_rollbacks (3) times; after that each spike is one
+    skipped update with its event, never another rollback (no loop)."""
+    _, make = prepared
+    cfg = make(tmp_path, **{"train.steps": 200, "stages": MAIN})
+    run, stages = _guard_run(cfg, tmp_path)
+    guard = Guard(cfg.guard, cfg.train.max_nonfinite_steps)
+    _feed(guard, run, stages, [3.0 + 0.01 * (k % 3) for k in range(30)])
+    got = _feed(guard, run, stages, [9.0] * 15)  # the loop would restore the checkpoint here; the loss comes back
+    assert got == [Verdict.SKIP, Verdict.SKIP, Verdict.ROLLBACK] * 3 + [Verdict.SKIP] * 6
+    assert guard.rollbacks == cfg.guard.max_rollbacks == 3
+    assert len(_events(tmp_path, "loss_spike")) == 12  # every skip said
+
+
 def test_a_stage_switch_in_a_run_is_no_spike_and_a_spike_after_it_still_is(prepared, tmp_path):
     """The test corpus's mix switch with a RoPE base change (z 6.3 at the stage's third step against the previous
     stage's window on an AMD EPYC Zen 4, a skipped update before); a fault's spike 20 steps later is skipped."""
