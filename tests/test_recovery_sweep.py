@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -156,7 +157,9 @@ def test_a_stage_switch_in_a_run_is_no_spike_and_a_spike_after_it_still_is(prepa
 
 def test_tensorboard_after_a_rollback_and_a_kill_9_resume_holds_one_value_per_step(prepared, tmp_path):
     """A rollback (three spikes) and a kill -9 whose metrics.jsonl ends in a torn line, then a resume: TensorBoard's
-    loss series is steps 1..N once each, increasing, with the values of metrics.jsonl's one trajectory."""
+    loss series is steps 1..N once each, increasing, with the values of metrics.jsonl's one trajectory. The kill
+    fault fires once: before, the resume met it again (killing this test's process), its marker merged only when no
+    fault was restored from the checkpoint, and the spikes fired before it were."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     _, make = prepared
@@ -180,3 +183,27 @@ def test_tensorboard_after_a_rollback_and_a_kill_9_resume_holds_one_value_per_st
     steps = [e.step for e in acc.Scalars("loss")]
     assert Counter(steps) == Counter(range(1, 27)) and steps == sorted(steps)
     assert [e.value for e in acc.Scalars("loss")] == pytest.approx([r["loss"] for r in recs], rel=1e-6)
+
+
+def test_a_resumed_tensorboard_writer_sorts_after_one_created_in_the_same_second(tmp_path):
+    """TensorBoard reads event files in name order, and a name starts with the writer's creation second: a writer
+    of the second not yet over (another process, a higher pid) sorted after the resumed one, whose steps its data
+    then purged (seen on a rollback, a kill and a resume within one second). The file is named as such a writer's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLogger(tmp_path)
+    for step in range(1, 7):
+        log.log(step, {"loss": float(step)})
+    log.close()
+    (first,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    parts = first.name.split(".")
+    parts[3] = str(int(time.time()) + 1)  # created by a writer within this second or the next one
+    first.rename(first.with_name(".".join(parts)))
+    log = MetricsLogger(tmp_path, resume_step=3)  # the resumed run redoes steps 4..6
+    for step in range(4, 7):
+        log.log(step, {"loss": 10.0 + step})
+    log.close()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0),
+                                                                 (6, 16.0)]
