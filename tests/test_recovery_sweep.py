@@ -61,12 +61,13 @@ def test_sigusr1_stops_after_a_whole_step_with_a_checkpoint_exit_75_and_resumes_
 
 
 def _guard_run(cfg, tmp_path: Path):
-    """What the guard reads of a one-process run (state, log, rank, a batch's provenance) and the resolved stage
+    """What the guard reads of a one-process run (state, log, rank, a batch's provenance, stages) and the stage
     table, without a model: the losses are given."""
     info = SimpleNamespace(world_size=1, rank=0, dp_rank=0, device=torch.device("cpu"))
+    stages = resolve_stages(cfg)
     run = SimpleNamespace(state=TrainState(), log=MetricsLogger(tmp_path, tensorboard=False), run_dir=tmp_path,
-                          info=info, batch_documents=lambda result: {})
-    return run, resolve_stages(cfg)
+                          info=info, batch_documents=lambda result: {}, stages=stages)
+    return run, stages
 
 
 def _feed(guard: Guard, run, stages, losses: list[float]) -> list[Verdict]:

@@ -15,9 +15,11 @@ Rules (config ``[guard]``; the numbers are reduced over ranks, so every rank dec
   in; a larger shift, three of them in a row, rolled the run back to before the switch, and after
   ``guard.max_rollbacks`` every step of the stage was skipped). Spikes are judged again once the window holds
   ``guard.min_history`` losses of the stage and the stage's lr re-warmup (``rewarmup_steps``) is over, as
-  the run's first ``guard.min_history`` steps are waited out. Non-finite steps are judged throughout. The
-  window's stage is the stage of the last step taken (``TrainState.stage``) when the guard starts, so a resume
-  or a rollback to a stage's first step starts the window there too.
+  the run's first ``guard.min_history`` steps are waited out. Non-finite steps are judged throughout. A window
+  restored from a checkpoint (a resume) is taken to be of the stage of the last step taken (the step before the
+  first one judged),
+  so a resume at a stage's first step starts the new window there too; a rollback to a step of another stage
+  than the window's starts one as well (spikes are then not judged for ``guard.min_history`` steps).
 
 Two z-scores (``guard.zscore``), both one-sided (a sudden drop of the loss is never skipped):
 
@@ -52,6 +54,7 @@ import torch
 
 from densetrain.config.recovery import GuardConfig
 from densetrain.errors import TrainError
+from densetrain.schedule import stage_at
 from densetrain.train.watch.spikes import rank_partials, start_replay
 from densetrain.train.watchers import Verdict, Watcher
 
@@ -82,20 +85,20 @@ class Guard(Watcher):
         self.streak_start = 0
         self.rollbacks = 0
         self.lr_scale_until = -1  # steps < this use guard.lr_factor (after a rollback)
-        self.stage: str | None = None  # the stage whose losses the window holds (None: that of the last step taken)
+        self.stage: int | None = None  # index of the stage whose losses the window holds (None: not known yet)
 
     def _enter(self, run, result) -> None:
         """Start a new window at a stage's first step (module docstring); a result without its stage (a
         judgement outside a run) keeps the window."""
         if result.stage is None:
             return
-        if self.stage is None:
-            self.stage = run.state.stage  # the stage of the last step taken ('' before the first)
+        if self.stage is None:  # the stage of the last step taken (-1 before the first); by index: names may repeat
+            self.stage = stage_at(result.index - 1, run.stages).index if result.index else -1
         st = result.stage
-        if st.name == self.stage:
+        if st.index == self.stage:
             return
-        fresh = bool(self.stage)  # not at the run's first step (the window is empty then anyway)
-        self.stage, self.spikes = st.name, []
+        fresh = self.stage >= 0  # not at the run's first step (the window is empty then anyway)
+        self.stage, self.spikes = st.index, []
         self.history.clear()
         if fresh:
             wait = max(self.cfg.min_history, st.rewarmup_steps - (result.index - st.start_step))
