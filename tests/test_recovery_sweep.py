@@ -208,3 +208,33 @@ def test_a_resumed_tensorboard_writer_sorts_after_one_created_in_the_same_second
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 14.0), (5, 15.0),
                                                                  (6, 16.0)]
+
+
+@pytest.mark.parametrize("rollback", [True, False])
+def test_nan_streak_on_one_rank_rolls_back_or_stops_every_rank_at_the_same_step(prepared, tmp_path, rollback):
+    """Rank 1's gradient is NaN at steps 5 and 6 (train.max_nonfinite_steps 2), rank 0's never: both ranks skip step
+    5 and roll back at step 6 to the checkpoint of step 4, then finish; with rollbacks off both stop there with the
+    same one line (exit 2, a TrainError), none waits in a collective for the other (parallel.timeout_s 60 is never
+    reached)."""
+    _, make = prepared
+    faults = [{"kind": "nan_grad", "step": s, "rank": 1} for s in (5, 6)]
+    cfg = make(tmp_path, **{**QUIET, "stages": MAIN, "train.steps": 8, "checkpoint.every": 4,
+                            "train.max_nonfinite_steps": 2, "guard.rollback": rollback, "parallel.timeout_s": 60},
+               faults=faults)
+    save_config(cfg, tmp_path / "c.toml")
+    procs = start(["--config", str(tmp_path / "c.toml")], world=2)
+    results = finish(procs)
+    run = Path(cfg.train.run_dir)
+    assert [e["step"] for e in _events(run, "nonfinite")] == [5]
+    if rollback:
+        assert [rc for rc, _ in results] == [0, 0], [err[-2000:] for _, err in results]
+        ((rb,)) = _events(run, "rollback")
+        assert (rb["step"], rb["values"]["from_step"], rb["values"]["trouble_since"]) == (4, 6, 5)
+        assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"] == list(range(1, 9))
+    else:
+        assert [rc for rc, _ in results] == [2, 2], [err[-2000:] for _, err in results]
+        for r, (_, err) in enumerate(results):
+            assert err.strip().splitlines()[-1] == (
+                f"densetrain: error: [rank {r}] 2 consecutive non-finite steps (last at step 6): the weights or the "
+                "lr are broken; rollbacks are off (guard.rollback = false); resume from an earlier checkpoint with a "
+                "lower optim.peak_lr"), err[-2000:]
