@@ -263,6 +263,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step drops events after the checkpoint's step left by a killed run (or a rollback).
+            if purge_step is not None:
+                after_newest_event_file(self.run_dir / "tb")
             self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=purge_step)
 
     def _truncate_after(self, step: int, keep_events: bool) -> None:
@@ -358,6 +360,20 @@ class MetricsLogger:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+
+
+def after_newest_event_file(tb_dir: Path, max_wait_s: float = 2.0) -> None:
+    """Wait until the clock's whole second is past the creation second of ``tb_dir``'s newest TensorBoard event file
+    (at most ``max_wait_s``). TensorBoard reads a directory's files in name order, and a name starts with its
+    writer's creation time in whole seconds, then host and pid: a writer opened within the second of the previous
+    one (a resume or a rollback right after one) could sort before it, and that file's purge then discarded the
+    new writer's steps (a rollback, a kill and an in-process resume in one second kept the killed run's steps
+    21-23 and lost the resumed 21-26). A clock more than ``max_wait_s`` behind (another host) is not waited for."""
+    stamps = [int(p.name.split(".")[3]) for p in tb_dir.glob("events.out.tfevents.*")
+              if p.name.count(".") >= 4 and p.name.split(".")[3].isdigit()]
+    wait = max(stamps, default=0) + 1 - time.time()
+    if 0 < wait <= max_wait_s:
+        time.sleep(wait)
 
 
 _NOTED_SKIPS: set[str] = set()

@@ -1,8 +1,9 @@
 """Preemption and Ctrl-C: stop at a step boundary, lose nothing.
 
 A cluster preempts a job with SIGTERM (Slurm's ``--signal=TERM@120`` sends it 120 s before the time
-limit; preemption sends it before the kill), a user presses Ctrl-C (SIGINT). The first of either is only
-noted by the handler (:class:`StopRequest`); the loop asks :meth:`StopRequest.requested` at each step
+limit; preemption sends it before the kill) or warns it with SIGUSR1 (``--signal=USR1@120``, the signal
+PyTorch Lightning's Slurm requeue and submitit listen for), a user presses Ctrl-C (SIGINT). The first of
+them is only noted by the handler (:class:`StopRequest`); the loop asks :meth:`StopRequest.requested` at each step
 boundary, where under torchrun one MAX all-reduce of the noted signal number makes every rank stop after
 the same step even when only some ranks received it (no rank is left waiting in a collective). Then
 :func:`stop_run` waits for the asynchronous save in flight, writes a checkpoint of that step (unless it
@@ -17,10 +18,11 @@ step it followed is checkpointed as above, and its evaluation is not logged (the
 abandoned). The wait from the signal to the stop is therefore at most one training step or one
 evaluation batch (one generation batch for GSM8K / HumanEval), whichever is longer, plus the checkpoint.
 
-The handler also restores the default action of both signals, so a second signal ends the process at
+The handler also restores the default action of the three signals, so a second signal ends the process at
 once, whatever it is doing (even inside a hung collective, where no Python code runs): exit status
-128 + the signal's number as for any process killed by it (143 for SIGTERM, 130 for SIGINT), the steps
-since the last checkpoint lost.
+128 + the signal's number as for any process killed by it (143 for SIGTERM, 130 for SIGINT, 138 for
+SIGUSR1), the steps since the last checkpoint lost. SIGUSR1 was not handled before: its default action
+killed the run at once, without a checkpoint, 120 s before Slurm would have.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from densetrain.parallel import all_reduce_max
 sysexits.h ("temporary failure; the user is invited to retry"), i.e. resume. Under torchrun the workers
 exit with it and torchrun itself exits 1 (it was signalled too); the ``preempt`` event says what happened."""
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
 OUTAGE = 1 << 16
 """:meth:`StopRequest.requested`'s answer when an evaluation's read met an object-store outage on some rank:
@@ -48,7 +50,7 @@ above every signal number, so that the all-reduced maximum says an outage stoppe
 
 
 class StopRequest:
-    """Notes the first SIGTERM or SIGINT while installed (from construction to :meth:`restore`).
+    """Notes the first SIGTERM, SIGINT or SIGUSR1 while installed (from construction to :meth:`restore`).
 
     Handlers can only be installed from the main thread; elsewhere (a run started from another thread)
     the signals keep their actions and :meth:`requested` stays False.
@@ -75,9 +77,9 @@ class StopRequest:
                         f"lost)\n".encode())
 
     def requested(self) -> int:
-        """At a step boundary, on every rank: the signal number (SIGTERM over SIGINT) if any rank noted one,
-        :data:`OUTAGE` if a rank's evaluation read met an object-store outage (:meth:`asked`), else 0. One
-        all-reduce of one number under torchrun, the same answer on every rank."""
+        """At a step boundary, on every rank: the signal number (the highest: SIGTERM 15 over SIGUSR1 10 over
+        SIGINT 2) if any rank noted one, :data:`OUTAGE` if a rank's evaluation read met an object-store outage
+        (:meth:`asked`), else 0. One all-reduce of one number under torchrun, the same answer on every rank."""
         mine = OUTAGE if self.outage else self.signum
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             self.agreed = mine

@@ -77,6 +77,7 @@ class FaultInjector(Watcher):
         self.hook = None
         self.sleep_due = 0.0  # slow_rank: seconds the next forward pass sleeps (set at each step's start)
         self.fired: set[int] = set()  # indices into faults of the one-time faults that happened
+        self.marker_read = False  # the kill marker of an earlier process merged into fired (once per process)
         self.grad_flips: list[FaultConfig] = []  # bitflips in gradients due in this step's on_grads
         self.memory_factor = 1.0  # slow_memory: how many times slower this rank's memory-bound work is
         self.copy_s = 0.0  # slow_memory: seconds of extra copies in the step's forward pass
@@ -106,7 +107,10 @@ class FaultInjector(Watcher):
 
     def before_step(self, run) -> None:
         marker = run.run_dir / f"faults_fired_rank{self.rank}.json"
-        if run.state.step == 0 or not self.fired and marker.exists():  # kills outlive the process
+        # Kills outlive the process: merged once, also when the checkpoint resumed from restored faults fired
+        # before it (before: only into an empty set, so a kill after a fired loss_spike came back on every resume).
+        if not self.marker_read:
+            self.marker_read = True
             self.fired |= set(read_json(marker)) if marker.exists() else set()
         for f in self._now(run, "kill"):
             if f.rank == self.rank:

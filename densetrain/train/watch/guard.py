@@ -9,6 +9,17 @@ Rules (config ``[guard]``; the numbers are reduced over ranks, so every rank dec
   ``guard.spike_zscore`` (and the loss above ``guard.min_ratio`` x the window's centre). One spike:
   skip. ``guard.patience`` spikes within ``guard.window`` steps: roll back to the newest checkpoint at
   or before the first of them. Spikes and non-finite losses never enter the window.
+- A stage's first step starts a new window (said in a ``guard`` event): a stage switch (another mix, seq_len,
+  RoPE base, lr) moves the loss level on purpose, and against the previous stage's window the first steps
+  of the new one read as spikes (a mix switch and RoPE base change of the test corpus: z 6.3 two steps
+  in; a larger shift, three of them in a row, rolled the run back to before the switch, and after
+  ``guard.max_rollbacks`` every step of the stage was skipped). Spikes are judged again once the window holds
+  ``guard.min_history`` losses of the stage and the stage's lr re-warmup (``rewarmup_steps``) is over, as
+  the run's first ``guard.min_history`` steps are waited out. Non-finite steps are judged throughout. A window
+  restored from a checkpoint (a resume) is taken to be of the stage of the last step taken (the step before the
+  first one judged),
+  so a resume at a stage's first step starts the new window there too; a rollback to a step of another stage
+  than the window's starts one as well (spikes are then not judged for ``guard.min_history`` steps).
 
 Two z-scores (``guard.zscore``), both one-sided (a sudden drop of the loss is never skipped):
 
@@ -43,6 +54,7 @@ import torch
 
 from densetrain.config.recovery import GuardConfig
 from densetrain.errors import TrainError
+from densetrain.schedule import stage_at
 from densetrain.train.watch.spikes import rank_partials, start_replay
 from densetrain.train.watchers import Verdict, Watcher
 
@@ -73,9 +85,35 @@ class Guard(Watcher):
         self.streak_start = 0
         self.rollbacks = 0
         self.lr_scale_until = -1  # steps < this use guard.lr_factor (after a rollback)
+        self.stage: int | None = None  # index of the stage whose losses the window holds (None: not known yet)
 
-    def _spike(self, loss: float) -> tuple[bool, float, float]:
-        if self.cfg.spike_zscore <= 0 or len(self.history) < self.cfg.min_history:
+    def _enter(self, run, result) -> None:
+        """Start a new window at a stage's first step (module docstring); a result without its stage (a
+        judgement outside a run) keeps the window."""
+        if result.stage is None:
+            return
+        if self.stage is None:  # the stage of the last step taken (-1 before the first); by index: names may repeat
+            self.stage = stage_at(result.index - 1, run.stages).index if result.index else -1
+        st = result.stage
+        if st.index == self.stage:
+            return
+        fresh = self.stage >= 0  # not at the run's first step (the window is empty then anyway)
+        self.stage, self.spikes = st.index, []
+        self.history.clear()
+        if fresh:
+            wait = max(self.cfg.min_history, st.rewarmup_steps - (result.index - st.start_step))
+            run.log.event(result.index, f"guard: stage '{st.name}' starts a new loss window; loss spikes are judged "
+                                        f"again after {wait} steps of it (its first {self.cfg.min_history} accepted "
+                                        "losses" + (f", its lr re-warmup of {st.rewarmup_steps} steps" if
+                                                    st.rewarmup_steps else "") + ")",
+                          kind="guard", action="new_window",
+                          values={"stage": st.name, "min_history": self.cfg.min_history,
+                                  "rewarmup_steps": st.rewarmup_steps})
+
+    def _spike(self, loss: float, result) -> tuple[bool, float, float]:
+        st = result.stage
+        if (self.cfg.spike_zscore <= 0 or len(self.history) < self.cfg.min_history
+                or (st is not None and result.index - st.start_step < st.rewarmup_steps)):  # the lr's bump
             return False, 0.0, 0.0
         z, centre = loss_z(loss, self.history, self.cfg.zscore)
         return z > self.cfg.spike_zscore and loss > self.cfg.min_ratio * centre, z, centre
@@ -87,13 +125,14 @@ class Guard(Watcher):
         run.lr_scale = self.cfg.lr_factor if run.state.step < self.lr_scale_until else 1.0
 
     def judge(self, run, result) -> Verdict:
+        self._enter(run, result)
         if not result.finite:
             if self.streak + 1 < self.max_nonfinite:
                 return Verdict.SKIP
             result.rollback_before = self.streak_start if self.streak else result.index
             return self._rollback_or_stop(result, f"{self.streak + 1} consecutive non-finite steps",
                                           weights=_nonfinite_weight(run))
-        spike, _, _ = self._spike(result.loss)
+        spike, _, _ = self._spike(result.loss, result)
         if not spike:
             return Verdict.APPLY
         recent = [s for s in self.spikes if result.index - s < self.cfg.window] + [result.index]
@@ -141,7 +180,7 @@ class Guard(Watcher):
             if self.cfg.replay:
                 start_replay(run, result.index)
             return
-        spike, z, med = self._spike(result.loss)
+        spike, z, med = self._spike(result.loss, result)
         self.spikes = [s for s in self.spikes if result.index - s < self.cfg.window] + [result.index]
         centre = "median" if self.cfg.zscore == "robust" else "mean"
         run.log.event(result.index, f"loss spike {result.loss:.4f} ({centre} {med:.4f}, z {z:.1f}): update skipped "
