@@ -115,6 +115,10 @@ def test_a_value_that_passes_a_comparison_but_breaks_a_run_is_one_line(capsys, o
     # --resume with --config or --preset: the file was read and silently ignored (the run's config.toml wins)
     (["train", "--preset", "tiny", "--resume", "runs/x"],
      "--resume runs/x continues the run's own config.toml; drop --preset tiny (change keys with --key=value flags"),
+    # Two stages of one name: the run's state and its events name the stage, so a resume or the loss guard could
+    # not tell them apart (found by the recovery sweep).
+    (["train", "--preset", "tiny", "--dry-run", "--stages.1.name=main"],
+     "stages[1].name 'main' is already the name of an earlier stage; names must be unique"),
     (["ladder", "--preset", "tiny", "--sizes", "32,64", "--budgets", "nan", "--out", "unused"],
      "argument --budgets: expected comma-separated FLOP budgets, got 'nan'"),
     (["ladder", "--preset", "tiny", "--sizes", "32,64", "--budgets", "inf", "--out", "unused"],

@@ -156,6 +156,8 @@ def validate(cfg: Config) -> None:
     batch_tokens, seq_len = t.batch_size * t.seq_len, t.seq_len  # inherited down the table
     for i, st in enumerate(cfg.stages):
         check_config(bool(st.name), f"stages[{i}].name must be set")
+        check_config(st.name not in [s.name for s in cfg.stages[:i]],  # a run's state and events name its stage
+                     f"stages[{i}].name '{st.name}' is already the name of an earlier stage; names must be unique")
         check_config(0 <= st.start < 1, f"stages[{i}].start must be a fraction in [0, 1), got {st.start}")
         check_config(st.start > prev, f"stages[{i}].start ({st.start}) must be after stages[{i - 1}].start ({prev})")
         prev = st.start
