@@ -1,0 +1,57 @@
+"""Distributed bug classes other frameworks shipped (torchtitan, OLMo-core, Megatron-LM user reports), each checked
+against densetrain on real gloo ranks where no other test did (docs/training_bugs.md, the "distributed" table)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import forked
+from conftest import gloo_env
+from test_resume import OV, fresh
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The CLI on one rank whose model forward raises torch's out-of-memory error at its ``n``-th call (a rank that
+# fails alone while the others are in, or on their way to, a collective).
+_RAISING_RANK = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from densetrain.model.llama import Transformer
+if os.environ["RANK"] == sys.argv[2]:
+    forward, calls, at = Transformer.forward, [0], int(sys.argv[3])
+    def failing(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == at:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return forward(self, *a, **k)
+    Transformer.forward = failing
+sys.argv = ["densetrain", "train", *sys.argv[4:]]
+from densetrain.cli import entry
+entry()
+"""
+
+
+def test_a_rank_that_raises_alone_ends_every_rank_and_names_its_error_once(prepared, tmp_path):
+    _, make = prepared
+    cfg = make(tmp_path, **{**OV, "train.steps": 6, "parallel.dp_replicate": 1, "parallel.dp_shard": 2,
+                            "parallel.timeout_s": 300})
+    script = tmp_path / "raising.py"
+    script.write_text(_RAISING_RANK)
+    env = {**gloo_env(2), "PYTHONPATH": str(ROOT)}
+    procs = [forked.Popen([sys.executable, str(script), str(ROOT), "1", "5", *fresh(cfg, tmp_path)], cwd=ROOT,
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, text=True, stdout=forked.PIPE,
+                          stderr=forked.PIPE) for r in range(2)]
+    # Not a timed test: a rank left waiting would wait parallel.timeout_s (300 s), past communicate's 120 s.
+    outs = [p.communicate(timeout=120) for p in procs]
+    (out0, err0), (out1, err1) = outs
+    assert [p.returncode for p in procs] == [1, 1], [e[-3000:] for _, e in outs]
+    assert err1.strip().splitlines()[-1] == "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB"
+    assert sum((o + e).count("OutOfMemoryError: CUDA") for o, e in outs) == 1  # said once, by its rank
+    last = err0.strip().splitlines()[-1]
+    assert re.fullmatch(r"densetrain: error: \[rank 0\] collective \S+( \(.*\))? in \w+\.py:\d+ \w+\(\) failed: "
+                        r"connection closed by peer; rank\(s\) not arriving: 1 \(host \S+, pid "
+                        rf"{procs[1].pid}: the process is dead .*\)", last), err0[-3000:]
+    assert "Traceback" not in err0
