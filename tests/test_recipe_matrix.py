@@ -127,12 +127,15 @@ CELLS = [
 
 def numbers(run: Path) -> dict[tuple, float]:
     """Every number the run logged that one process must reproduce: ``(kind, step, key) -> value`` for the
-    train records' losses and grad norms, and the evaluations' validation, position-bucket and task metrics
-    (their timings left out)."""
+    train records' losses, grad norms, token counts (the run's, and the step's behind ``tokens_per_sec``), and the
+    evaluations' validation, position-bucket and task metrics (their timings left out)."""
     out = {}
     for r in read_metrics(run):
         if r["kind"] == "train":
-            keys = ["loss", "grad_norm", *(k for k in r if k.startswith("train/"))]
+            keys = ["loss", "grad_norm", "tokens", *(k for k in r if k.startswith("train/"))]
+            # The step's tokens behind its logged throughput: global, not one rank's (a rank-0-only count is a
+            # bug other frameworks shipped; docs/training_bugs.md, distributed 5).
+            out[("train", r["step"], "tokens_per_sec x time/step_s")] = r["tokens_per_sec"] * r["time/step_s"]
         elif r["kind"] in ("eval", "final_eval"):
             keys = [k for k in r if k.startswith(("val/", "val_pos/", "eval/")) and isinstance(r[k], (int, float))]
         else:
