@@ -119,6 +119,12 @@ LAYOUTS = {
     "tp2_sp_gathered_ce": (2, {"dp_replicate": 1, "tp": 2, "sequence_parallel": True, "loss_parallel": False}),
     "fsdp2xtp2": (4, {"dp_replicate": 1, "dp_shard": 2, "tp": 2}),
     "fsdp2xtp2_sp": (4, {"dp_replicate": 1, "dp_shard": 2, "tp": 2, "sequence_parallel": True}),
+    # Activation checkpointing and per-block torch.compile under FSDP2 / TP, against the plain eager reference
+    # (their combination gave wrong gradients in other frameworks: docs/training_bugs.md, distributed 6).
+    "fsdp2_ac_full_compiled": (2, {"dp_replicate": 1, "dp_shard": 2, "activation_checkpointing": "full",
+                                   "compile_blocks": True}),
+    "tp2_ac_selective_compiled": (2, {"dp_replicate": 1, "tp": 2, "activation_checkpointing": "selective",
+                                      "compile_blocks": True}),
 }
 
 

@@ -269,16 +269,19 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
         return
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing must be none, full or selective, got '{mode}'")
-    from torch.utils.checkpoint import checkpoint, noop_context_fn
+    from torch.utils.checkpoint import checkpoint
 
-    context_fn = _selective_policy() if mode == "selective" else noop_context_fn
+    # 'full' passes no context_fn at all: torch.compile of a block (parallel.compile_blocks) traces this forward,
+    # and its dynamo (2.13) raised "checkpoint not implemented for LazyVariableTracker context_fn" on torch's own
+    # noop_context_fn handed over explicitly; the default is that same no-op.
+    policy = {"context_fn": _selective_policy()} if mode == "selective" else {}
     for block in model.layers:
         inner = block.forward
 
         def forward(*args, _inner=inner, **kwargs):
             if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
                 return _inner(*args, **kwargs)
-            return checkpoint(_inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **policy, **kwargs)
 
         block.forward = forward
 
