@@ -8,8 +8,15 @@ import sys
 from pathlib import Path
 
 import forked
+import pytest
+import torch
 from conftest import gloo_env
 from test_resume import OV, fresh
+
+from densetrain.config import load_config
+from densetrain.errors import ConfigError
+from densetrain.model.init import build_model
+from densetrain.parallel import build_parallel_model, init_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,3 +62,31 @@ def test_a_rank_that_raises_alone_ends_every_rank_and_names_its_error_once(prepa
                         r"connection closed by peer; rank\(s\) not arriving: 1 \(host \S+, pid "
                         rf"{procs[1].pid}: the process is dead .*\)", last), err0[-3000:]
     assert "Traceback" not in err0
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_inside_compiled_blocks_gives_the_plain_gradients(mode):
+    # 'full' with compile_blocks raised in dynamo ("checkpoint not implemented for LazyVariableTracker context_fn")
+    cfg = load_config(preset="tiny", overrides=[("model.vocab_size", 64), ("model.d_model", 32), ("model.n_layers", 2),
+                                                ("model.n_heads", 4), ("model.n_kv_heads", 2), ("model.d_ff", 64),
+                                                ("train.device", "cpu"), ("train.dtype", "fp32"),
+                                                ("parallel.activation_checkpointing", mode),
+                                                ("parallel.compile_blocks", True)])
+    plain = build_model(cfg.model, cfg.train.seed, "cpu")
+    model, step_model = build_parallel_model(cfg, init_distributed("cpu", cfg.parallel))
+    x = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for m in (plain, step_model):
+        m(x).logsumexp(-1).mean().backward()
+    grads = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None and grads[name].grad.abs().max() > 0, name
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_full_recomputation_inside_compiled_tensor_parallel_blocks_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as e:
+        load_config(preset="tiny", overrides=[("parallel.dp_replicate", 1), ("parallel.tp", 2),
+                                              ("parallel.activation_checkpointing", "full"),
+                                              ("parallel.compile_blocks", True)])
+    assert str(e.value).startswith("parallel.activation_checkpointing = 'full' with parallel.compile_blocks (or "
+                                   "train.compile) under parallel.tp (2) > 1 fails") and "\n" not in str(e.value)

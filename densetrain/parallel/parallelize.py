@@ -82,6 +82,8 @@ def build_parallel_model(cfg, info: DistInfo, meta: bool = False, seq_lens: dict
     apply_activation_checkpointing(model, par.activation_checkpointing)
     if par.compile_blocks or cfg.train.compile:
         compile_blocks(model)
+        if layout.tp > 1 and model.tok_embeddings is not None:
+            model.tok_embeddings.register_forward_hook(_fresh_output)
     # An interleaved schedule runs each of the rank's stages as its own module (sharing the blocks).
     chunks = [model] if len(parts) == 1 else [part_view(model, p) for p in parts]
     if layout.uses_fsdp:
@@ -292,6 +294,15 @@ def compile_blocks(model: Transformer) -> None:
     pin_inductor_cache()
     for block in model.layers:
         block.compile()
+
+
+def _fresh_output(module: nn.Module, inputs, out: torch.Tensor) -> torch.Tensor:
+    """A forward hook returning a copy of ``out``: the tensor-parallel embedding's output, the local tensor of its
+    ``Replicate`` (``Shard(1)`` with sequence parallelism) DTensor (``to_local()``), handed to the first compiled
+    block as a tensor of its own. Given as it is, the compiled block's backward (torch 2.13, CPU / gloo) handed a
+    plain tensor to the DTensor redistribution behind it ("'Tensor' object has no attribute '_local_tensor'"):
+    tensor parallelism with ``parallel.compile_blocks`` never trained. One (B, T, d_model) copy per forward."""
+    return out.clone()
 
 
 def apply_fsdp(model: Transformer, mesh, bf16: bool, reshard_last: bool = False) -> None:
