@@ -3,6 +3,7 @@ against densetrain on real gloo ranks where no other test did (docs/training_bug
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import forked
 import pytest
 import torch
-from conftest import gloo_env
+from conftest import gloo_env, run_script_ranks
 from test_resume import OV, fresh
 
 from densetrain.config import load_config
@@ -90,3 +91,43 @@ def test_full_recomputation_inside_compiled_tensor_parallel_blocks_is_refused_in
                                               ("parallel.compile_blocks", True)])
     assert str(e.value).startswith("parallel.activation_checkpointing = 'full' with parallel.compile_blocks (or "
                                    "train.compile) under parallel.tp (2) > 1 fails") and "\n" not in str(e.value)
+
+
+# Each layout of 4 ranks in turn, in the same processes (as a stage's layout switch builds them): this rank's rows of
+# a global batch of 8 (what compute_step reads) and the members of each of its mesh groups.
+_ROWS = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+from densetrain.config.schema import ParallelConfig
+from densetrain.parallel import init_distributed
+from densetrain.train.step import batch_rows
+res = {}
+for name, degrees in json.loads(sys.argv[2]).items():
+    info = init_distributed("cpu", ParallelConfig(**degrees))
+    groups = {d: dist.get_process_group_ranks(info.mesh[d].get_group()) for d in info.mesh.mesh_dim_names}
+    res[name] = {"rows": list(batch_rows(info, 8)), "groups": groups}
+with open(f"{sys.argv[3]}.{dist.get_rank()}", "w") as f:
+    json.dump(res, f)
+dist.destroy_process_group()
+"""
+ROW_LAYOUTS = {"ddp": {"dp_replicate": 4}, "fsdp2_tp2": {"dp_replicate": 1, "dp_shard": 2, "tp": 2},
+               "cp2_dp2": {"dp_replicate": 2, "cp": 2}, "pp2_dp2": {"dp_replicate": 2, "pp": 2}}
+
+
+def test_data_parallel_ranks_read_different_rows_and_their_tp_cp_pp_peers_the_same(tmp_path):
+    out = run_script_ranks(_ROWS, tmp_path, "rows", world=4, args=(json.dumps(ROW_LAYOUTS),))
+    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(4)]
+    for name in ROW_LAYOUTS:
+        got = [r[name] for r in ranks]
+        for me, mine in enumerate(got):
+            for dim, members in mine["groups"].items():
+                rows = [got[m]["rows"] for m in members]
+                if dim in ("dp_replicate", "dp_shard"):  # gradients averaged over these: different rows each
+                    assert len({tuple(x) for x in rows}) == len(members), (name, me, dim, rows)
+                else:  # tp, cp, pp: one data-parallel rank's share, the same rows
+                    assert all(x == mine["rows"] for x in rows), (name, me, dim, rows)
+        # every row of the batch is read, by as many ranks as share a data-parallel rank
+        shares = {tuple(g["rows"]) for g in got}
+        assert sorted(i for s in shares for i in s) == list(range(8)), (name, shares)
+        assert len(shares) == {"ddp": 4, "fsdp2_tp2": 2, "cp2_dp2": 2, "pp2_dp2": 2}[name]
