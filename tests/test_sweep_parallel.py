@@ -14,7 +14,7 @@ import torch
 from conftest import gloo_env, run_script_ranks
 from test_resume import OV, fresh
 
-from densetrain.config import load_config
+from densetrain.config import load_config, save_config
 from densetrain.errors import ConfigError
 from densetrain.model.init import build_model
 from densetrain.parallel import build_parallel_model, init_distributed
@@ -131,3 +131,43 @@ def test_data_parallel_ranks_read_different_rows_and_their_tp_cp_pp_peers_the_sa
         shares = {tuple(g["rows"]) for g in got}
         assert sorted(i for s in shares for i in s) == list(range(8)), (name, shares)
         assert len(shares) == {"ddp": 4, "fsdp2_tp2": 2, "cp2_dp2": 2, "pp2_dp2": 2}[name]
+
+
+# The loop's evaluation of a set-up FSDP2 run at step 0 (validation is due), then which parameters are still gathered.
+_EVAL = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from torch.distributed.tensor import DTensor
+from densetrain.config import load_config
+from densetrain.metrics import read_metrics
+from densetrain.schedule import stage_at
+from densetrain.train.loop import enter_stage, evaluate
+from densetrain.train.setup import setup
+run = setup(load_config(path=sys.argv[2]))
+st = stage_at(0, run.stages)
+enter_stage(run, st)
+evaluate(run, st)
+res = {"gathered": [n for n, p in run.model.named_parameters() if not isinstance(p, DTensor)],
+       "grads": [n for n, p in run.model.named_parameters() if p.grad is not None],
+       "val": [r for r in read_metrics(run.run_dir) if r["kind"] == "eval"]}
+run.log.close()
+with open(f"{sys.argv[3]}.{run.info.rank}", "w") as f:
+    json.dump(res, f)
+torch.distributed.destroy_process_group()
+sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
+"""
+
+
+def test_an_evaluation_under_fsdp2_leaves_no_gathered_parameters_and_no_gradients(prepared, tmp_path):
+    _, make = prepared
+    cfg = make(tmp_path, **{**OV, "parallel.dp_replicate": 1, "parallel.dp_shard": 2, "eval.every": 5,
+                            "eval.max_batches": 2})
+    path = tmp_path / "cfg.toml"
+    save_config(cfg, path)
+    out = run_script_ranks(_EVAL, tmp_path, "eval", world=2, args=(str(path),))
+    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
+    assert ranks[0]["val"] and ranks[0]["val"][0]["step"] == 0  # the validation ran (rank 0 writes metrics)
+    for r in ranks:
+        # before: the root group (embedding, final norm, head) and the last block stayed gathered on every rank
+        assert r["gathered"] == [] and r["grads"] == [], r
