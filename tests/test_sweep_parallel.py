@@ -1,5 +1,12 @@
-"""Distributed bug classes other frameworks shipped (torchtitan, OLMo-core, Megatron-LM user reports), each checked
-against densetrain on real gloo ranks where no other test did (docs/training_bugs.md, the "distributed" table)."""
+"""Distributed bug classes other frameworks shipped (torchtitan, OLMo-core, Megatron-LM user reports), checked against
+densetrain where no other test did (docs/training_bugs.md, the "Distributed" table; its number in brackets):
+
+- [7] a rank that raises alone (an out-of-memory error mid-step, FSDP2) ends every rank at once, its error said once;
+- [6] activation checkpointing inside compiled blocks gives the plain gradients ('full' crashed in dynamo), and
+  'full' in compiled tensor-parallel blocks, which torch cannot run, is refused in one line;
+- [4] which rows of a global batch each rank reads, against its real mesh groups (ddp, fsdp x tp, cp x dp, pp x dp);
+- [3] the loop's evaluation under FSDP2 leaves no parameter gathered and no gradient (it left 12 gathered).
+"""
 
 from __future__ import annotations
 
