@@ -1,7 +1,8 @@
 """Distributed bug classes other frameworks shipped (torchtitan, OLMo-core, Megatron-LM user reports), checked against
 densetrain where no other test did (docs/training_bugs.md, the "Distributed" table; its number in brackets):
 
-- [7] a rank that raises alone (an out-of-memory error mid-step, FSDP2) ends every rank at once, its error said once;
+- [7] a rank that raises alone (an out-of-memory error mid-step; FSDP2, pp 2) ends every rank at once, its error said
+  once, the waiting rank in one line (under pp a traceback before);
 - [6] activation checkpointing inside compiled blocks gives the plain gradients ('full' crashed in dynamo), and
   'full' in compiled tensor-parallel blocks, which torch cannot run, is refused in one line;
 - [4] which rows of a global batch each rank reads, against its real mesh groups (ddp, fsdp x tp, cp x dp, pp x dp);
