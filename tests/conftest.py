@@ -24,6 +24,7 @@ SLOW_FILES_FIRST = [
     "test_filters_parity.py", "test_parallel_train.py", "test_data.py", "test_checkpoint_async.py", "test_sdc.py",
     "test_tools_mup.py", "test_watchdog.py", "test_export_sharded.py", "test_train.py", "test_tools_plan.py",
     "test_tokenizer.py", "test_probe.py", "test_eval_parallel.py", "test_scale.py", "test_stage_layout.py",
+    "test_sweep_parallel.py",
 ]
 
 

@@ -134,6 +134,23 @@ def test_two_ranks_train_save_resume_on_one(layout, prepared, single, tmp_path):
     assert_same_losses(losses(resumed), want, range(5, 9))
 
 
+@pytest.mark.slow
+def test_a_ddp_checkpoint_resumes_on_two_fsdp2_ranks(prepared, single, tmp_path):
+    # DDP 2 -> FSDP2 2 (docs/training_bugs.md, distributed 2): replicated state resharded, moments kept (a reset
+    # optimizer state moves the next losses by far more than the tolerance)
+    _, make = prepared
+    _, single_dir = single
+    cfg = make(tmp_path / "ddp", **COMMON, **{"parallel.dp_replicate": 2})
+    train_ranks(cfg, tmp_path, "ddp")
+    resumed = resume_copy(Path(cfg.train.run_dir), tmp_path / "resumed")
+    rcfg = make(tmp_path / "cfg", **COMMON, **{"train.run_dir": str(resumed), "parallel.dp_replicate": 1,
+                                               "parallel.dp_shard": 2})
+    train_ranks(rcfg, tmp_path, "fsdp2_resume", resume=True)
+    assert_same_losses(losses(resumed), losses(single_dir), range(1, 9))
+    state = json.loads((resumed / "checkpoints" / "step_00000008" / "trainer_state.json").read_text())
+    assert state["layout"]["dp_shard"] == 2 and state["layout"]["dp_replicate"] == 1
+
+
 def test_one_process_checkpoint_resumes_on_two_tp_ranks(prepared, single, tmp_path):
     _, make = prepared
     _, single_dir = single

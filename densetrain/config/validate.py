@@ -298,6 +298,10 @@ def _validate_layout(cfg: Config, p: ParallelConfig, seq_lens: dict[str, int], n
             check(getattr(m, k) % p.tp == 0,
                   f"parallel.tp ({p.tp}) must divide model.{k} ({getattr(m, k)}): each tensor-parallel rank "
                   f"holds whole heads and equal slices")
+        check(p.activation_checkpointing != "full" or not (p.compile_blocks or cfg.train.compile),
+              "parallel.activation_checkpointing = 'full' with parallel.compile_blocks (or train.compile) under "
+              f"parallel.tp ({p.tp}) > 1 fails in torch 2.13's backward (a DeviceMesh saved for the recomputation); "
+              "use 'selective' (which keeps the matmuls and collectives) or compile_blocks = false")
     if p.tp > 1 and p.sequence_parallel:
         e = cfg.eval
         for k, v in (("eval.tasks", e.tasks), ("eval.final_tasks", e.final_tasks), ("eval.samples", e.samples)):

@@ -33,11 +33,12 @@ from densetrain.parallel.wrap import (
     clip_grad_norm,
     grad_sync,
     parallelize,
+    reshard,
     unwrap,
 )
 
 __all__ = [
     "DistInfo", "Layout", "all_reduce_max", "all_reduce_sum", "autocast_for", "build_parallel_model",
     "clip_grad_norm", "collective_timeout", "dp_rank_size", "even_split", "grad_sync", "init_distributed",
-    "parallelize", "resolve_layout", "unwrap",
+    "parallelize", "reshard", "resolve_layout", "unwrap",
 ]

@@ -82,6 +82,8 @@ def build_parallel_model(cfg, info: DistInfo, meta: bool = False, seq_lens: dict
     apply_activation_checkpointing(model, par.activation_checkpointing)
     if par.compile_blocks or cfg.train.compile:
         compile_blocks(model)
+        if layout.tp > 1 and model.tok_embeddings is not None:
+            model.tok_embeddings.register_forward_hook(_fresh_output)
     # An interleaved schedule runs each of the rank's stages as its own module (sharing the blocks).
     chunks = [model] if len(parts) == 1 else [part_view(model, p) for p in parts]
     if layout.uses_fsdp:
@@ -269,16 +271,19 @@ def apply_activation_checkpointing(model: Transformer, mode: str) -> None:
         return
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing must be none, full or selective, got '{mode}'")
-    from torch.utils.checkpoint import checkpoint, noop_context_fn
+    from torch.utils.checkpoint import checkpoint
 
-    context_fn = _selective_policy() if mode == "selective" else noop_context_fn
+    # 'full' passes no context_fn at all: torch.compile of a block (parallel.compile_blocks) traces this forward,
+    # and its dynamo (2.13) raised "checkpoint not implemented for LazyVariableTracker context_fn" on torch's own
+    # noop_context_fn handed over explicitly; the default is that same no-op.
+    policy = {"context_fn": _selective_policy()} if mode == "selective" else {}
     for block in model.layers:
         inner = block.forward
 
         def forward(*args, _inner=inner, **kwargs):
             if not torch.is_grad_enabled():  # evaluation: nothing to save, nothing to recompute
                 return _inner(*args, **kwargs)
-            return checkpoint(_inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **policy, **kwargs)
 
         block.forward = forward
 
@@ -289,6 +294,15 @@ def compile_blocks(model: Transformer) -> None:
     pin_inductor_cache()
     for block in model.layers:
         block.compile()
+
+
+def _fresh_output(module: nn.Module, inputs, out: torch.Tensor) -> torch.Tensor:
+    """A forward hook returning a copy of ``out``: the tensor-parallel embedding's output, the local tensor of its
+    ``Replicate`` (``Shard(1)`` with sequence parallelism) DTensor (``to_local()``), handed to the first compiled
+    block as a tensor of its own. Given as it is, the compiled block's backward (torch 2.13, CPU / gloo) handed a
+    plain tensor to the DTensor redistribution behind it ("'Tensor' object has no attribute '_local_tensor'"):
+    tensor parallelism with ``parallel.compile_blocks`` never trained. One (B, T, d_model) copy per forward."""
+    return out.clone()
 
 
 def apply_fsdp(model: Transformer, mesh, bf16: bool, reshard_last: bool = False) -> None:

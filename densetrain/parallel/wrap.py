@@ -93,6 +93,20 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def reshard(model: nn.Module) -> int:
+    """Free the gathered parameters FSDP2 keeps after a forward without a backward (an evaluation under
+    ``torch.no_grad``): the root group (embedding, final norm, head) and the last block are not resharded after
+    their forward (the training backward needs them next), and under pipeline parallelism no block is, so an
+    evaluation left them whole on every rank (llama3-8b in bf16: ~2.4 GiB) until the next step. Returns the
+    number of FSDP2 modules; a no-op without FSDP2 or where nothing is gathered."""
+    from torch.distributed.fsdp import FSDPModule
+
+    mods = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in mods:
+        m.reshard()
+    return len(mods)
+
+
 def autocast_for(dtype: str, device: torch.device) -> contextlib.AbstractContextManager | None:
     """The autocast context of ``train.dtype`` on ``device`` (None for fp32). Parameters, gradients and
     optimizer state stay fp32 (master weights); autocast runs matmuls and attention in bf16.

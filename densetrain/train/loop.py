@@ -31,7 +31,7 @@ from densetrain.evals.valloss import evaluate_val, val_overall, val_table
 from densetrain.fileio import atomic_write_json, read_json
 from densetrain.metrics import flops_per_token, format_rate, memory_stats, read_metrics
 from densetrain.optim import set_lr
-from densetrain.parallel import all_reduce_max
+from densetrain.parallel import all_reduce_max, reshard
 from densetrain.schedule import Stage, lr_for, stage_at
 from densetrain.storage import counters as store_counters
 from densetrain.train.preempt import OUTAGE, StopRequest, stop_run
@@ -245,7 +245,8 @@ def mfu_above_one(run: Run, step: int, achieved: float) -> float:
 
 def evaluate(run: Run, st: Stage, stop: StopRequest | None = None) -> None:
     """Validation loss/bpb every ``eval.every`` steps and downstream tasks every ``eval.tasks_every``
-    (both also at the last step of the schedule), and the loss by position when due. With ``stop``, each
+    (both also at the last step of the schedule), and the loss by position when due; FSDP2's parameters
+    gathered by them are freed after (:func:`densetrain.parallel.reshard`). With ``stop``, each
     evaluation asks it between forward batches (every rank at the same batches); a signal abandons the
     evaluation and stops the run with the step checkpointed (:func:`densetrain.train.preempt.stop_run`)."""
     cfg, step = run.cfg, run.state.step
@@ -286,6 +287,8 @@ def evaluate(run: Run, st: Stage, stop: StopRequest | None = None) -> None:
             stop_run(run, 0, abandoned=what, outage=(cfg.data.shards_dir, stop.outage or "another rank's read of "
                                                      "the held-out shards did not answer within the retry budget"))
         stop_run(run, stop.agreed, abandoned=what, noted_at=stop.noted_at)
+    finally:  # FSDP2 keeps the parameters an evaluation gathered (no backward frees them): freed before the save
+        reshard(run.dp_model)
 
 
 def validate(run: Run, st: Stage, should_stop: StopCheck = None) -> dict:
@@ -329,6 +332,7 @@ def finish(run: Run, st: Stage) -> dict:
                                             run.info.device, run.autocast)
         for s, smp in summary["samples"].items():
             run.log.console(f"  sample [{s}] {smp['prompt']!r} -> {smp['continuation']!r}")
+    reshard(run.dp_model)
     if run.info.is_main and step == cfg.train.steps:
         atomic_write_json(run.run_dir / "summary.json", summary)
     run.log.close()

@@ -379,6 +379,15 @@ def fetch_batch(run, stage: Stage, keep: range) -> list[Sample]:
     return samples
 
 
+def batch_rows(info, batch_size: int) -> range:
+    """The rows of a global batch of ``batch_size`` sequences that this rank reads (``info``: its
+    :class:`densetrain.parallel.DistInfo`): data-parallel rank ``r`` of ``n`` takes ``[r * b/n, (r + 1) * b/n)``;
+    the tensor-, context- and pipeline-parallel ranks of one data-parallel rank take the same rows (context
+    parallelism then keeps its own tokens of them)."""
+    per_rank = batch_size // info.dp_size
+    return range(info.dp_rank * per_rank, (info.dp_rank + 1) * per_rank)
+
+
 def compute_step(run, stage: Stage, lr: float) -> StepResult:
     """Draw this rank's share of the stage's global batch and compute loss, gradients and the global
     grad norm (gradients clipped to ``optim.grad_clip``); the optimizer is not stepped.
@@ -389,8 +398,7 @@ def compute_step(run, stage: Stage, lr: float) -> StepResult:
     """
     t0 = time.perf_counter()
     info, sampler = run.info, run.sampler
-    per_rank = stage.batch_size // info.dp_size
-    keep = range(info.dp_rank * per_rank, (info.dp_rank + 1) * per_rank)
+    keep = batch_rows(info, stage.batch_size)
     first_sample = sampler.state["samples_seen"]
     samples = fetch_batch(run, stage, keep)  # ReadOutage: every rank stops here, before the collectives
     for ev in sampler.events:

@@ -472,8 +472,12 @@ def collective_failure_line(exc: BaseException, run_dir: Path, rank: int, world:
     frames = traceback.extract_tb(exc.__traceback__)
     c10d = [f for f in frames if f.filename.endswith("distributed_c10d.py")]
     ours = [f for f in frames if "densetrain" in f.filename]
+    # A pipeline schedule waits on its own send/recv work objects (torch.distributed.pipelining), no c10d frame
+    p2p = [f for f in frames if f.filename.endswith(("pipelining/schedules.py", "pipelining/stage.py"))]
     if c10d:
         call = c10d[0].name
+    elif p2p:
+        call = f"send/recv of pipeline stages ({p2p[-1].name})"
     elif any(f.name in ("backward", "run_backward", "_engine_run_backward") for f in frames):
         call = "gradient reduction (DDP/FSDP hooks in the backward)"  # started by autograd, not by Python
     else:
