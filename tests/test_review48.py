@@ -1,0 +1,24 @@
+"""Review 48's findings on the documented commands, each a case that failed before its fix."""
+
+from __future__ import annotations
+
+from densetrain.cli import main
+
+
+def test_readme_dry_run_of_the_8b_preset_prints_the_plan_before_its_refusals(capsys, monkeypatch):
+    # README's `densetrain train --preset llama3-8b --dry-run` (no --world-size): the long_context stage's own
+    # layout (cp 8) does not run on the one process of a plain run. It printed only that line and exit 2; the
+    # dry run's contract (docs/planner.md) is the plan first, then each reason on its own error line.
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(["train", "--preset", "llama3-8b", "--dry-run", "--gpu-memory-gib", "80"]) == 2
+    cap = capsys.readouterr()
+    assert "dry run: 1 process(es), 80 GiB per GPU (given)" in cap.out
+    assert "stage 'long_context': seq_len 131072" in cap.out
+    errors = cap.err.splitlines()
+    assert all(line.startswith("densetrain: error: ") for line in errors), errors
+    assert any("stage 'long_context' (stages[2].parallel)" in line and "cp 8 = 8 do not divide the world size 1"
+               in line for line in errors), errors
+    # the documented form with a world size prints the plan and runs
+    assert main(["train", "--preset", "llama3-8b", "--dry-run", "--world-size", "64", "--gpu-memory-gib", "80"]) == 0
+    assert "configured layout of stage 'long_context'" in capsys.readouterr().out
