@@ -328,4 +328,5 @@ def test_export_of_a_tokenizer_json_is_a_copy(tmp_path):
     assert files["tokenizer.json"] == (tmp_path / "t.json").read_bytes()
     assert json.loads(files["tokenizer_config.json"]) == {"tokenizer_class": "PreTrainedTokenizerFast",
                                                            "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
-                                                           "padding_side": "left", "model_max_length": 128}
+                                                           "padding_side": "left", "model_max_length": 128,
+                                                           "split_special_tokens": True}

@@ -63,7 +63,8 @@ def tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, bytes]:
     as the shards start every document (Meta's post-processor), one without (GPT-2) adds nothing.
     ``tokenizer_config.json`` names the EOS (so HF generation stops where our documents end), the BOS where
     the tokenizer has one, the EOS again as PAD (:func:`special_token_ids` says why), left padding (for
-    batched generation) and ``model_max_length``.
+    batched generation), ``model_max_length`` and ``split_special_tokens`` (a special token's text in the input
+    is text, as our encode reads it).
 
     Raises:
         DataError: a tiktoken encoding that cannot be converted (e.g. cl100k_base: gaps in its special ids).
@@ -76,6 +77,10 @@ def tokenizer_files(tok: Tokenizer, model_max_length: int) -> dict[str, bytes]:
     # left (right padding puts PAD tokens between a short prompt and its continuation).
     config["padding_side"] = "left"
     config["model_max_length"] = model_max_length
+    # Our encode never recognises special tokens in text (the shards hold a literal "<|endoftext|>" as text);
+    # transformers matches them by default, so a document quoting one got the EOS id there (lm-eval's contexts
+    # too): split_special_tokens makes transformers encode such text as we do.
+    config["split_special_tokens"] = True
     return {"tokenizer.json": tok.hf_json().encode("utf-8"),
             "tokenizer_config.json": json_text(config, indent=2).encode() + b"\n"}
 

@@ -236,10 +236,13 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
     why = world_words(cfg.parallel, gpus, given)
     if why and (rank is not None or ranks):  # the launch's own line, with the nearest world sizes that run it
         return _error(why)
+    unfit = None  # a stage's own layout that does not run at this world size: after the plan, as its reason
     try:
         stage_layouts(cfg, resolve_stages(cfg), gpus, skip_unfit_base=rank is None and not ranks)
     except (ConfigError, ValueError) as e:
-        return _error(str(e))
+        if rank is not None or ranks:
+            return _error(str(e))
+        unfit = str(e)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or 8)
     if gpu_memory_gib is not None:
         mem, src = gpu_memory_gib, " (given)"
@@ -262,10 +265,11 @@ def print_dry_run(cfg, world_size: int | None = None, rank: int | None = None, r
         return _refuse(reasons)
     res = layout_plan(cfg, gpus, mem, mixed_precision=cfg.train.dtype != "fp32", given=given)
     if os.environ.get("RANK", "0") != "0":  # rank 0 prints the plan and the reasons, once for the job
-        return 2 if refusals(res) else 0
+        return 2 if refusals(res) or unfit else 0
     print(f"dry run: {gpus} process(es), {mem:g} GiB per GPU{src}")
     print(format_layout_plan(res), flush=True)  # an unfit [parallel] in the verdict's lines (world_words)
-    return _refuse(refusals(res))
+    reasons = refusals(res)
+    return _refuse(reasons + [unfit] if unfit and unfit not in reasons else reasons)
 
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
