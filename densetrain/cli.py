@@ -394,8 +394,8 @@ DOCTOR_EPILOG = ("Exit status: 0 healthy; 1 unhealthy (a device or link named: a
                  "found: judge the device again on a quiet host); 2 bad input (one line). Under torchrun every "
                  "rank exits 0 after a verdict (torchrun reports any other status as a failed child with its error "
                  "dump): read the verdict line, or --json.")
-TRAIN_EPILOG = (f"SIGTERM or Ctrl-C (SIGINT): the current step finishes (an in-loop evaluation stops after its "
-                f"current batch), a checkpoint is written and the run exits "
+TRAIN_EPILOG = (f"SIGTERM, SIGUSR1 (Slurm's warning) or Ctrl-C (SIGINT): the current step finishes (an in-loop "
+                f"evaluation stops after its current batch), a checkpoint is written and the run exits "
                 f"with status {EXIT_PREEMPTED}; continue it with --resume RUN_DIR. A second signal exits at once "
                 f"(status 143 / 130). Exit status 2: bad input (one line). Exit status {EXIT_REPEATED}: under "
                 "torchrun, this attempt failed as the job's previous one did (same error, same step): do not retry "

@@ -205,14 +205,15 @@ def _scalars(metrics: dict, kind: str = "train") -> dict[str, float]:
 def series_tag(kind: str, name: str, metrics: dict) -> str:
     """The TensorBoard / W&B tag of metric ``name`` of a ``kind`` record: one tag, one series, one value per
     step. ``train``, ``eval`` and ``update`` records keep the name (their names never meet at a step). The
-    watchdog's per-rank ``perf`` records (the same ``tokens_per_sec`` and ``mfu`` names, one record per rank,
-    at a step of a ``train`` record) go to ``perf/rank<r>/<name>``; the end-of-run ``final_eval`` (its tasks may
-    be those the last in-loop evaluation ran, at the same step) to ``final/<name>``; any other kind to
-    ``<kind>/<name>``. metrics.jsonl keeps the names as they are, with the ``kind`` beside them."""
+    per-rank records (one a rank at a step: the watchdog's ``perf``, with the same ``tokens_per_sec`` and
+    ``mfu`` names as a ``train`` record; the health checks' ``health`` figures) go to ``<kind>/rank<r>/<name>``;
+    the end-of-run ``final_eval`` (its tasks may be those the last in-loop evaluation ran, at the same step) to
+    ``final/<name>``; any other kind to ``<kind>/<name>``. metrics.jsonl keeps the names as they are, with the
+    ``kind`` beside them."""
     if kind in ("train", "eval", "update"):
         return name
-    if kind == "perf":
-        return f"perf/rank{metrics.get('rank', 0)}/{name}"
+    if kind in ("perf", "health"):
+        return f"{kind}/rank{metrics.get('rank', 0)}/{name}"
     if kind == "final_eval":
         return f"final/{name}"
     return f"{kind}/{name}"

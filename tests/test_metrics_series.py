@@ -50,6 +50,27 @@ def test_every_tensorboard_tag_has_one_value_per_step(prepared, tmp_path):
     assert [r["step"] for r in train_recs if "mem/rss_peak_gib" in r] == [1, 3, 4]
 
 
+def test_health_figures_of_every_rank_are_a_series_each(tmp_path):
+    """Rank 0 logs one ``health`` record per rank at a check's step: each rank's figures are their own series
+    (they were one tag, ``health/health/matmul``, with a value per rank at one step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from densetrain.metrics import MetricsLogger
+
+    log = MetricsLogger(tmp_path)
+    for step in (0, 7):
+        for rank in (0, 1):
+            log.log(step, {"rank": rank, "host": "h", "why": "start", "seconds": 0.5,
+                           "matmul": 1e9 * (rank + 1) + step, "memory": 2e9}, kind="health")
+    log.close()
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    for rank in (0, 1):
+        got = [(e.step, e.value) for e in acc.Scalars(f"health/rank{rank}/matmul")]
+        assert got == [(s, pytest.approx(1e9 * (rank + 1) + s)) for s in (0, 7)]
+    assert not [t for t in acc.Tags()["scalars"] if t.startswith("health/health")]
+
+
 def test_memory_sample_is_the_peak_since_the_previous_one():
     cpu = torch.device("cpu")
     memory_stats(cpu)

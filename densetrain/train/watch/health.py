@@ -72,7 +72,7 @@ class HealthWatch(Watcher):
         step = run.state.step
         for r in rows:
             run.log.log(step, {"rank": r.rank, "host": r.host, "why": why, "seconds": seconds,
-                               **{f"health/{k}": v for k, v in r.figures.items()}}, kind="health")
+                               **r.figures}, kind="health")  # tagged health/rank<r>/<figure>
         for o in outliers:
             if o["cause"] == "hardware":
                 run.log.event(step, f"health check ({why}): {o['text']}", kind="health", action="report",
