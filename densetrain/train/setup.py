@@ -122,7 +122,7 @@ class Run:
 
     def load_state_dict(self, d: dict) -> None:
         """Take a checkpoint's ``trainer_state.json`` (checked by ``dcp_read.check_trainer_state``), checked against
-        this run's config: stage names, source names, seq_len grids, watcher windows.
+        this run's config: stage names, source names, seq_len grids, the data order, watcher windows.
 
         Raises:
             ConfigError: this config draws the data in another order (``train.seed``, ``data.shuffle``).
