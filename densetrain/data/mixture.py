@@ -59,6 +59,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from densetrain.data.shards import TokenFiles
+from densetrain.errors import ConfigError
 
 
 @dataclass
@@ -122,6 +123,21 @@ class WindowPermutation:
         return x
 
 
+UNCHECKED = object()
+"""``shuffle_seed`` of :meth:`MixtureSampler.load_state_dict` when the caller has no run order to check (blame)."""
+
+
+def _order_changed(was: int | None, now: int | None) -> str:
+    """The line of a resume whose config draws in another order than the run's sampler state: the key,
+    both values, and what to do (the positions are only meaningful in the order they were drawn in)."""
+    def order(seed):
+        return "in file order (data.shuffle = false)" if seed is None else f"shuffled with train.seed {seed}"
+
+    key = "train.seed" if was is not None and now is not None else "data.shuffle"
+    return (f"{key}: the run's data was drawn {order(was)}, this config draws {order(now)}; a run keeps its data "
+            f"order: resume without changing {key}, or start a new run (another --train.run_dir) to use it")
+
+
 class MixtureSampler:
     """Draws samples from named token streams with a per-stage mix.
 
@@ -159,16 +175,22 @@ class MixtureSampler:
         return copy.deepcopy(self.state)
 
     def load_state_dict(self, state: dict, seq_lens: set[int] | None = None, stages: set[str] | None = None,
-                        sources: set[str] | None = None) -> None:
+                        sources: set[str] | None = None, shuffle_seed: int | None | object = UNCHECKED) -> None:
         """Take ``state`` (a :meth:`state_dict`, its types checked by ``dcp_read.check_trainer_state``), checked
         against this run: a position for each source with data and none for a source that is not
         ``sources`` (the configured names; default: those with data); a window grid 0 (none yet) or one of
         ``seq_lens`` (the stages' seq_len) with no more windows drawn than it has; a cursor inside its source;
-        a ``stage`` that is null or one of ``stages``.
+        a ``stage`` that is null or one of ``stages``; once samples were drawn, the order they were drawn in
+        equal to ``shuffle_seed`` (the run's: ``train.seed`` when ``data.shuffle``, None for file order;
+        :data:`UNCHECKED`, the default: not checked), which :meth:`next_samples` requires for the rest of the run.
 
         Raises:
+            ConfigError: ``shuffle_seed`` is not the state's order: the line names ``train.seed`` or
+                ``data.shuffle``, both values, and that another order needs a new run.
             ValueError: ``sampler.<key>: expected ..., got ...`` (the caller names the file).
         """
+        if shuffle_seed is not UNCHECKED and state["samples_seen"] and state.get("shuffle_seed") != shuffle_seed:
+            raise ConfigError(_order_changed(state.get("shuffle_seed"), shuffle_seed))
         missing = set(self.streams) - set(state["cursor"])
         if missing:
             raise ValueError(f"sampler state has no position for sources {sorted(missing)} (config changed?)")

@@ -29,7 +29,7 @@ from densetrain.data.provenance import window_documents
 from densetrain.data.shards import TokenFiles
 from densetrain.data.streams import data_fingerprint, open_streams
 from densetrain.data.tokenizer import Tokenizer, load_tokenizer
-from densetrain.errors import TrainError
+from densetrain.errors import ConfigError, TrainError
 from densetrain.fileio import mark_kind
 from densetrain.metrics import MetricsLogger, measure_peak_flops, read_metrics
 from densetrain.model.compiling import pin_inductor_cache
@@ -122,9 +122,10 @@ class Run:
 
     def load_state_dict(self, d: dict) -> None:
         """Take a checkpoint's ``trainer_state.json`` (checked by ``dcp_read.check_trainer_state``), checked against
-        this run's config: stage names, source names, seq_len grids, watcher windows.
+        this run's config: stage names, source names, seq_len grids, the data order, watcher windows.
 
         Raises:
+            ConfigError: this config draws the data in another order (``train.seed``, ``data.shuffle``).
             ValueError: ``<key>: expected ..., got ...`` (setup names the file).
         """
         names = {st.name for st in self.stages}
@@ -132,7 +133,7 @@ class Run:
             raise ValueError(f"stage: expected '' or a stage name ({sorted(names)}), got {d['stage']!r}")
         self.state.load_state_dict(d)
         self.sampler.load_state_dict(d["sampler"], seq_lens={st.seq_len for st in self.stages}, stages=names,
-                                     sources=set(self.source_names))
+                                     sources=set(self.source_names), shuffle_seed=self.stages[0].shuffle_seed)
         for w in self.watchers:
             w.load_state_dict(d.get("watchers", {}).get(w.name, {}))
 
@@ -395,7 +396,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     started = (run_dir / "config.toml").exists()  # an earlier attempt, before this one writes it
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(saved_cfg, run_dir / "config.toml")  # the first file (a full disk names it)
+        if not (resume and started):  # a resumed run's config.toml is replaced last, once every check passed
+            save_config(saved_cfg, run_dir / "config.toml")  # the first file (a full disk names it)
         mark_kind(run_dir, "run")  # an older run without the marker gets it now
     step = saved["step"] if saved else 0
     # The last step the previous attempt recorded, before the logger rewinds metrics.jsonl to the checkpoint.
@@ -423,6 +425,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     if saved:
         try:
             run.load_state_dict(saved)
+        except ConfigError as e:  # the launch's config, not the file, is at fault: no 'crafted file' wording
+            raise ConfigError(f"{ckpt}: {e}") from None
         except ValueError as e:  # a crafted or foreign trainer_state.json: one line naming it and the key
             raise CheckpointReadError(f"{ckpt}/trainer_state.json: {e}") from None
         _log_resume(run, ckpt, saved)
@@ -455,6 +459,10 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
                         f"{'bf16 autocast' if autocast else 'fp32'} (train.dtype={cfg.train.dtype}); peak "
                         f"{run.peak_flops / 1e12:.3f} TFLOP/s per device "
                         f"({'declared' if cfg.logging.peak_flops else 'measured by matmul probe'})")
+    if info.is_main and resume and started:
+        # Only now: a resume whose overrides a check refused (another seq_len, train.seed, ...) must leave the
+        # run's config.toml as it was, or every later plain --resume would fail on the refused value.
+        save_config(saved_cfg, run_dir / "config.toml")
     return run
 
 
