@@ -23,6 +23,7 @@ from densetrain.config.loading import (
     save_config,
     to_dict,
 )
+from densetrain.config.paths import absolute_paths, anchor_run_paths
 from densetrain.config.recovery import FaultConfig, GuardConfig, HealthConfig, ProbeConfig, WatchdogConfig
 from densetrain.config.schema import (
     CheckpointConfig,
@@ -44,7 +45,8 @@ __all__ = [
     "WatchdogConfig", "FineWebConfig",
     "GopherQualityConfig", "GopherRepetitionConfig",
     "LoggingConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "ScheduleConfig", "SourceConfig", "StageConfig",
-    "TrainConfig", "help_text", "list_presets", "load_config", "parse_overrides", "save_config", "stage_parallel",
+    "TrainConfig", "absolute_paths", "anchor_run_paths",
+    "help_text", "list_presets", "load_config", "parse_overrides", "save_config", "stage_parallel",
     "to_dict",
     "validate",
 ]
