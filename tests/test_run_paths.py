@@ -101,9 +101,11 @@ def test_an_older_run_with_relative_paths(started_in_a, tmp_path, monkeypatch, c
 def test_an_imported_model_evaluates_on_the_shards_of_its_tokenizer(started_in_a, tmp_path, monkeypatch, capsys):
     a, run, cfg = started_in_a
     hf = tmp_path / "hf"
+    monkeypatch.chdir(a)
     assert main(["export", str(run), "--format", "hf", str(hf)]) == 0
-    given = tmp_path / "given.toml"
-    save_config(load_config(path=run / "config.toml"), given)  # the run's data: its shards, made with 'bpe'
+    given, data = tmp_path / "given.toml", load_config(path=run / "config.toml")  # the run's shards, made with 'bpe'
+    data.data.shards_dir = os.path.abspath(data.data.shards_dir)
+    save_config(data, given)
     monkeypatch.chdir(tmp_path)
     assert main(["import-hf", str(hf), "--out", "runs/from-hf", "--config", str(given)]) == 0
     imported = tmp_path / "runs" / "from-hf"
