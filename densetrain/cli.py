@@ -63,7 +63,7 @@ def say_error(text: str) -> None:
 def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
     path = args.config
     preset = args.preset
-    run_dir = None  # the run whose own config.toml is read: its relative paths (an older run) are anchored
+    run_dir, strict = None, True  # the run whose own config.toml is read: an older run's relative paths anchored
     if getattr(args, "checkpoint", None) and not (path or preset):
         # `eval RUN_DIR` or `eval RUN_DIR/checkpoints/step_X`: use the run's resolved config.
         ck = Path(args.checkpoint)
@@ -85,14 +85,14 @@ def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
             raise TrainError(f"{run}: {'no config.toml' if run.is_dir() else 'no such run directory'}, so no run "
                               f"to resume (one stopped during start-up has none yet): start it again with the "
                               f"command that started it, e.g. densetrain train --preset NAME --train.run_dir {run}")
-        path, preset, run_dir = resolved, None, resolved
+        path, preset, run_dir, strict = resolved, None, resolved, False  # --resume's arguments are checked next
     if not (preset or path):
         # Without --config the tiny preset is the config. A --config file alone is the whole config (keys it
         # leaves out take the built-in defaults), as in torchtitan and OLMo-core: under a silent tiny preset a
         # user's file trained on the demo corpus (data.demo_corpus = true) with the preset's sources and stages.
         preset = "tiny"
     cfg = load_config(preset=preset, path=path, overrides=parse_overrides(rest))
-    return anchor_run_paths(cfg, run_dir.parent) if run_dir else cfg
+    return anchor_run_paths(cfg, run_dir.parent, strict) if run_dir else cfg
 
 
 def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:

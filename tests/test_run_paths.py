@@ -3,6 +3,7 @@ shards of the run it was exported from (densetrain/data/streams.py, the tokenize
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import pytest
 
 from densetrain.cli import main
 from densetrain.config import load_config, save_config
+from densetrain.metrics import read_metrics
 from densetrain.train import train
 
 QUIET = {"train.steps": 3, "checkpoint.every": 2, "checkpoint.keep": 0, "eval.every": 0, "logging.tensorboard": False,
@@ -77,20 +79,28 @@ def test_a_run_writes_its_paths_absolute_and_is_read_from_another_directory(star
 
 def test_an_older_run_with_relative_paths(started_in_a, tmp_path, monkeypatch, capsys):
     """A config.toml as older versions wrote it (paths relative to the start directory A): read from B through
-    the start directory its train.run_dir gives; moved elsewhere, one line names the key and both directories."""
-    a, run, cfg = started_in_a
+    the start directory its train.run_dir gives (eval, and a --resume that saves them absolute); moved elsewhere,
+    one line names the key and the directory tried."""
+    a, run, given = started_in_a
+    cfg = copy.deepcopy(given)
     old = a / "runs" / "old"
     shutil.copytree(run, old, ignore=shutil.ignore_patterns(".lock"))
     cfg.train.run_dir = "runs/old"
     save_config(cfg, old / "config.toml")  # as given: relative
     assert tomllib.loads((old / "config.toml").read_text())["data"]["shards_dir"] == cfg.data.shards_dir
+    moved = tmp_path / "elsewhere" / "old"
+    shutil.copytree(old, moved)
     b = _elsewhere(tmp_path, monkeypatch)
     assert main(["eval", str(old)]) == 0
     err = capsys.readouterr().err
     assert "keeps data.shards_dir, train.run_dir relative to the directory the run was started in" in err
     assert f"read from {a}" in err
-    moved = tmp_path / "elsewhere" / "old"
-    shutil.copytree(old, moved)
+    assert main(["train", "--resume", str(old), "--train.steps=4"]) == 0
+    assert f"{old}/config.toml keeps data.shards_dir, train.run_dir relative" in capsys.readouterr().err
+    saved = tomllib.loads((old / "config.toml").read_text())
+    assert (saved["data"]["shards_dir"], saved["train"]["run_dir"]) == (os.path.normpath(a / cfg.data.shards_dir),
+                                                                         str(old))
+    assert max(r["step"] for r in read_metrics(old) if r.get("kind") == "train") == 4
     for argv in (["eval", str(moved)], ["blame", str(moved), "3"], ["replay", str(moved), "3"]):
         err = _one_line(capsys, argv)
         assert (f"{moved}/config.toml: data.shards_dir = '{cfg.data.shards_dir}' is relative to the directory the run "

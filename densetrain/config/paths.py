@@ -75,13 +75,15 @@ def _start_dir(run_dir: Path, saved_run_dir: str) -> Path | None:
     return Path(*here[:-len(saved)])
 
 
-def anchor_run_paths(cfg: Config, run_dir: str | os.PathLike) -> Config:
+def anchor_run_paths(cfg: Config, run_dir: str | os.PathLike, strict: bool = True) -> Config:
     """``cfg`` (read from ``run_dir/config.toml``) with the relative paths an older run kept made usable from
     the current directory (module docstring); a config saved with absolute paths comes back unchanged.
+    ``strict=False`` (``train --resume``, whose arguments are checked after): what is found nowhere is left
+    for the reader of that path to refuse.
 
     Raises:
-        ConfigError: data.shards_dir or a data.tokenizer file path is relative and found neither from the
-            current directory nor from the run's start directory (one line naming both).
+        ConfigError: (strict) data.shards_dir or a data.tokenizer file path is relative and found neither
+            from the current directory nor from the run's start directory (one line naming both).
     """
     start = _start_dir(Path(run_dir), cfg.train.run_dir)
     cfg = copy.deepcopy(cfg)
@@ -95,9 +97,9 @@ def anchor_run_paths(cfg: Config, run_dir: str | os.PathLike) -> Config:
         if not _relative(path) or os.path.exists(path):
             continue
         if start is not None and (start / path).exists():
-            setattr(getattr(cfg, section), key, pre + str(start / path))
+            setattr(getattr(cfg, section), key, pre + os.path.normpath(start / path))
             moved.append(f"{section}.{key}")
-        elif f"{section}.{key}" in _NEEDED:
+        elif strict and f"{section}.{key}" in _NEEDED:
             tried = f" nor from {start}, where the run was started" if start is not None else ""
             raise ConfigError(f"{run_dir}/config.toml: {section}.{key} = {pre + path!r} is relative to the directory "
                               f"the run was started in (an older densetrain kept it so) and is not found from "
