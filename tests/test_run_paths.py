@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from densetrain.cli import main
-from densetrain.config import load_config, save_config
+from densetrain.config import absolute_paths, load_config, save_config
 from densetrain.metrics import read_metrics
 from densetrain.train import train
 
@@ -132,3 +132,22 @@ def test_an_imported_model_evaluates_on_the_shards_of_its_tokenizer(started_in_a
     (imported / "tokenizer.json").write_text(json.dumps(tok))
     err = _one_line(capsys, ["eval", "runs/from-hf"])
     assert "shards were tokenized with tokenizer sha256" in err and f"data.tokenizer='{imported}/tokenizer.json'" in err
+
+
+def test_absolute_paths_leaves_names_urls_and_home_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gpt2").mkdir()  # a folder named like a tokenizer stays a name
+    (tmp_path / "toks").mkdir()
+    (tmp_path / "toks" / "r.tiktoken").write_text("x")
+    cfg = load_config(preset="tiny", overrides=[("checkpoint.dir", "s3://bucket/ck"), ("eval.ladder", "lad"),
+                                                ("data.corpus_dir", "~/corpus")])
+    for spec, want in (("bpe", "bpe"), ("gpt2", "gpt2"), ("tiktoken:cl100k_base", "tiktoken:cl100k_base"),
+                       ("gpt2:toks/r.tiktoken", f"gpt2:{tmp_path}/toks/r.tiktoken"),
+                       ("toks/r.tiktoken", f"{tmp_path}/toks/r.tiktoken"), ("~/t.json", "~/t.json")):
+        cfg.data.tokenizer = spec
+        got = absolute_paths(cfg)
+        assert got.data.tokenizer == want, spec
+    assert (got.checkpoint.dir, got.eval.ladder, got.data.corpus_dir, got.data.shards_dir, got.train.run_dir) == (
+        "s3://bucket/ck", f"{tmp_path}/lad", "~/corpus", f"{tmp_path}/.cache/densetrain/shards",
+        f"{tmp_path}/runs/demo")
+    assert cfg.data.shards_dir == ".cache/densetrain/shards"  # a copy: the config given is unchanged

@@ -40,12 +40,16 @@ def _relative(path: str) -> bool:
 def _tokenizer_path(spec: str) -> tuple[str, str]:
     """``(prefix, path)`` of a ``data.tokenizer`` naming a local file that exists from here: ``('', spec)`` for a
     tokenizer.json or rank file path, ``('gpt2:', rest)`` for ``'gpt2:<path>'``; ``('', '')`` for a name
-    ('bpe', 'gpt2', 'tiktoken:cl100k_base'), which names no file. Existence tells a path from a name without
-    this leaf layer knowing the tokenizer registry (densetrain.data.tokenizer.load_tokenizer)."""
-    if os.path.exists(os.path.expanduser(spec)):
+    ('bpe', 'gpt2', 'tiktoken:cl100k_base'), which names no file. A file that exists, named with a '/' or a
+    suffix (a folder or file called 'gpt2' in the current directory stays a name), tells a path from a name
+    without this leaf layer knowing the tokenizer registry (densetrain.data.tokenizer.load_tokenizer)."""
+    def is_file(path: str) -> bool:
+        return ("/" in path or Path(path).suffix != "") and os.path.isfile(os.path.expanduser(path))
+
+    if is_file(spec):
         return "", spec
     prefix, sep, rest = spec.partition(":")
-    if sep and "/" not in prefix and rest and os.path.exists(os.path.expanduser(rest)):
+    if sep and "/" not in prefix and rest and is_file(rest):
         return prefix + sep, rest
     return "", ""
 
@@ -90,7 +94,8 @@ def anchor_run_paths(cfg: Config, run_dir: str | os.PathLike, strict: bool = Tru
     fields = [(s, k, getattr(getattr(cfg, s), k), "") for s, k in _DIR_KEYS]
     prefix, tok_path = _tokenizer_path(cfg.data.tokenizer)
     if not tok_path and cfg.data.tokenizer.endswith((".json", ".tiktoken")):  # a file path missing from here
-        prefix, tok_path = "", cfg.data.tokenizer
+        scheme, sep, rest = cfg.data.tokenizer.partition(":")  # 'gpt2:<path>' (not a drive or URL: no '/')
+        prefix, tok_path = (scheme + sep, rest) if sep and "/" not in scheme else ("", cfg.data.tokenizer)
     fields.append(("data", "tokenizer", tok_path, prefix))
     moved = []
     for section, key, path, pre in fields:
