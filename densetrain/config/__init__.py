@@ -2,7 +2,8 @@
 
 A leaf layer: it imports no torch and nothing of densetrain above the errors and the name registries.
 The schema is split by section (:mod:`.schema`, :mod:`.data`, :mod:`.filters`); building, saving and
-``--help-config`` live in :mod:`.loading`, cross-field checks in :mod:`.validate`. Every name users
+``--help-config`` live in :mod:`.loading`, cross-field checks in :mod:`.validate`, the local paths a run
+directory's config.toml saves absolute (and an older one's relative paths) in :mod:`.paths`. Every name users
 import is re-exported here.
 """
 
