@@ -16,7 +16,15 @@ import shutil
 import sys
 from pathlib import Path
 
-from densetrain.config import Config, help_text, list_presets, load_config, parse_overrides
+from densetrain.config import (
+    Config,
+    absolute_paths,
+    anchor_run_paths,
+    help_text,
+    list_presets,
+    load_config,
+    parse_overrides,
+)
 from densetrain.config.smoke import scale_down
 from densetrain.errors import (
     EXIT_PREEMPTED,
@@ -55,12 +63,13 @@ def say_error(text: str) -> None:
 def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
     path = args.config
     preset = args.preset
+    run_dir, strict = None, True  # the run whose own config.toml is read: an older run's relative paths anchored
     if getattr(args, "checkpoint", None) and not (path or preset):
         # `eval RUN_DIR` or `eval RUN_DIR/checkpoints/step_X`: use the run's resolved config.
         ck = Path(args.checkpoint)
         for cand in (ck / "config.toml", ck.parent.parent / "config.toml"):
             if cand.exists():
-                path = cand
+                path = run_dir = cand
                 break
     if getattr(args, "resume", None):
         if "://" in args.resume:  # pathlib folded it into a local 's3:/...' that does not exist
@@ -76,13 +85,14 @@ def _config_from(args: argparse.Namespace, rest: list[str]) -> Config:
             raise TrainError(f"{run}: {'no config.toml' if run.is_dir() else 'no such run directory'}, so no run "
                               f"to resume (one stopped during start-up has none yet): start it again with the "
                               f"command that started it, e.g. densetrain train --preset NAME --train.run_dir {run}")
-        path, preset = resolved, None
+        path, preset, run_dir, strict = resolved, None, resolved, False  # --resume's arguments are checked next
     if not (preset or path):
         # Without --config the tiny preset is the config. A --config file alone is the whole config (keys it
         # leaves out take the built-in defaults), as in torchtitan and OLMo-core: under a silent tiny preset a
         # user's file trained on the demo corpus (data.demo_corpus = true) with the preset's sources and stages.
         preset = "tiny"
-    return load_config(preset=preset, path=path, overrides=parse_overrides(rest))
+    cfg = load_config(preset=preset, path=path, overrides=parse_overrides(rest))
+    return anchor_run_paths(cfg, run_dir.parent, strict) if run_dir else cfg
 
 
 def cmd_prepare(cfg: Config, args: argparse.Namespace) -> int:
@@ -303,6 +313,7 @@ def cmd_import_hf(cfg: Config, args: argparse.Namespace) -> int:
     model = Transformer(mcfg)
     model.load_state_dict(sd, strict=True)
     cfg.train.run_dir = args.out
+    cfg = absolute_paths(cfg)  # the run's config.toml is read from any directory (densetrain/config/paths.py)
     # The model's own tokenizer, copied into the run (self-contained: the HF folder may go), is the run's
     # data.tokenizer: a run continued from the import tokenizes (and evaluates) with the ids it was trained on.
     tok_file, note = _usable_tokenizer(Path(args.hf_dir) / "tokenizer.json", mcfg.vocab_size)

@@ -2,7 +2,8 @@
 
 A leaf layer: it imports no torch and nothing of densetrain above the errors and the name registries.
 The schema is split by section (:mod:`.schema`, :mod:`.data`, :mod:`.filters`); building, saving and
-``--help-config`` live in :mod:`.loading`, cross-field checks in :mod:`.validate`. Every name users
+``--help-config`` live in :mod:`.loading`, cross-field checks in :mod:`.validate`, the local paths a run
+directory's config.toml saves absolute (and an older one's relative paths) in :mod:`.paths`. Every name users
 import is re-exported here.
 """
 
@@ -23,6 +24,7 @@ from densetrain.config.loading import (
     save_config,
     to_dict,
 )
+from densetrain.config.paths import absolute_paths, anchor_run_paths
 from densetrain.config.recovery import FaultConfig, GuardConfig, HealthConfig, ProbeConfig, WatchdogConfig
 from densetrain.config.schema import (
     CheckpointConfig,
@@ -44,7 +46,8 @@ __all__ = [
     "WatchdogConfig", "FineWebConfig",
     "GopherQualityConfig", "GopherRepetitionConfig",
     "LoggingConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "ScheduleConfig", "SourceConfig", "StageConfig",
-    "TrainConfig", "help_text", "list_presets", "load_config", "parse_overrides", "save_config", "stage_parallel",
+    "TrainConfig", "absolute_paths", "anchor_run_paths",
+    "help_text", "list_presets", "load_config", "parse_overrides", "save_config", "stage_parallel",
     "to_dict",
     "validate",
 ]

@@ -51,10 +51,6 @@ def open_streams(cfg: Config, split: str) -> dict[str, TokenFiles]:
         raise DataError(
             f"{manifest}: tokenizer vocab_size {tok['vocab_size']} > model.vocab_size {cfg.model.vocab_size}"
         )
-    if tok.get("spec") not in (None, cfg.data.tokenizer):
-        raise DataError(
-            f"{manifest}: shards were tokenized with '{tok.get('spec')}' but data.tokenizer is '{cfg.data.tokenizer}'"
-        )
     _check_tokenizer_identity(cfg, manifest, tok)
     prepared = info.get("sources", {})
     streams = {}
@@ -106,13 +102,25 @@ def data_fingerprint(streams: dict[str, TokenFiles]) -> dict[str, str]:
 
 
 def _check_tokenizer_identity(cfg: Config, manifest: Path, tok: dict) -> None:
-    """The tokenizer ``data.tokenizer`` names must be the one the shards were made with (same sha256).
+    """The tokenizer ``data.tokenizer`` names must be the one the shards were made with: the same content
+    (sha256 of its definition), whatever it is called; token ids from another vocabulary would train
+    silently on garbage.
 
-    A trained BPE lives next to the shards, so only a tiktoken encoding or a tokenizer.json path is
-    loaded and compared; token ids from another vocabulary would train silently on garbage.
+    The same spec as the manifest's is taken as is (a trained BPE lives next to the shards); another spec
+    naming the same content is accepted (``densetrain import-hf`` names the shards' BPE by the copy of its
+    tokenizer.json in the run directory; a run saves a tokenizer path made absolute). A manifest without a
+    sha256 (older shards) can only be matched by its spec.
+
+    Raises:
+        DataError: one line naming the manifest, both specs or both sha256s.
     """
-    if cfg.data.tokenizer == "bpe" or not tok.get("sha256"):
+    spec, want = tok.get("spec"), cfg.data.tokenizer
+    same_spec = spec in (None, want)  # None: a manifest older than the spec field
+    if same_spec and (want == "bpe" or not tok.get("sha256")):
         return
+    if not same_spec and (want == "bpe" or not tok.get("sha256")):  # 'bpe' here: no tokenizer.json of its own
+        raise DataError(f"{manifest}: shards were tokenized with '{spec}' but data.tokenizer is '{want}'"
+                        + ("" if want == "bpe" else " (the manifest has no sha256 to compare them by)"))
     have = load_tokenizer(cfg.data.tokenizer, cfg.data.shards_dir).sha256
     if have != tok["sha256"]:
         raise DataError(f"{manifest}: shards were tokenized with tokenizer sha256 {tok['sha256'][:12]} but "

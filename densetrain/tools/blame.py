@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from densetrain.checkpoint import localize, read_trainer_state, run_checkpoints
-from densetrain.config import load_config
+from densetrain.config import anchor_run_paths, load_config
 from densetrain.data.mixture import MixtureSampler
 from densetrain.data.provenance import window_documents
 from densetrain.data.streams import data_fingerprint, open_streams
@@ -54,7 +54,7 @@ def blame(run_dir: str | Path, step: int) -> dict:
             ``trainer_state.json`` or ``.metadata``; UntrustedCheckpointError: a crafted ``.metadata``.
     """
     run_dir = Path(run_dir)
-    cfg = load_config(path=run_dir / "config.toml")
+    cfg = anchor_run_paths(load_config(path=run_dir / "config.toml"), run_dir)  # from any directory
     record = next((r for r in read_metrics(run_dir) if r.get("kind") == "train" and r["step"] == step), None)
     if record is None:
         raise DataError(f"{run_dir}/metrics.jsonl: no train record for step {step}")

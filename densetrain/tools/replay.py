@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from densetrain.checkpoint import CheckpointError, localize, read_trainer_state, run_checkpoints
-from densetrain.config import load_config
+from densetrain.config import anchor_run_paths, load_config
 from densetrain.config.recovery import MACHINE_FAULTS
 from densetrain.data.provenance import window_documents
 from densetrain.errors import ConfigError, DataError
@@ -269,7 +269,7 @@ def replay(run_dir: str | Path, step: int, rtol: float = 1e-3) -> dict:
     """
     run_dir = Path(run_dir)
     check_arguments(run_dir, step, rtol)
-    cfg = load_config(path=run_dir / "config.toml")
+    cfg = anchor_run_paths(load_config(path=run_dir / "config.toml"), run_dir)  # from any directory
     index = step - 1
     logged, spike = _logged(run_dir, cfg, step)
     start, ckpt = replay_start(run_dir, index, cfg.checkpoint.dir)  # none that early: the seeded initial weights

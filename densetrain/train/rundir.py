@@ -22,7 +22,7 @@ from densetrain.checkpoint import (
     set_aside,
 )
 from densetrain.checkpoint.mirror import note_set_aside, settle
-from densetrain.config import Config, load_config, to_dict
+from densetrain.config import Config, absolute_paths, load_config, to_dict
 from densetrain.errors import EXIT_REPEATED, ConfigError, TrainError
 from densetrain.fileio import (
     atomic_write_bytes,
@@ -98,7 +98,9 @@ def check_same_run(run_dir: Path, cfg: Config, info: DistInfo) -> None:
     diff = ""
     if info.is_main and (run_dir / "config.toml").exists():
         try:
-            diff = _first_difference(to_dict(load_config(path=run_dir / "config.toml")), to_dict(cfg))
+            # Paths compared absolute: config.toml keeps them so, an older one and the command as given
+            diff = _first_difference(to_dict(absolute_paths(load_config(path=run_dir / "config.toml"))),
+                                     to_dict(absolute_paths(cfg)))
         except ConfigError as e:  # said by rank 0 once every rank has learnt that there is a difference
             diff = f"its config.toml does not load: {e}"
     if all_reduce_sum(torch.tensor([int(bool(diff))], device=info.device)).item():

@@ -23,7 +23,7 @@ from densetrain.checkpoint import (
     open_store,
     save_checkpoint,
 )
-from densetrain.config import Config, ParallelConfig, save_config, stage_parallel
+from densetrain.config import Config, ParallelConfig, absolute_paths, save_config, stage_parallel
 from densetrain.data.mixture import MixtureSampler
 from densetrain.data.provenance import window_documents
 from densetrain.data.shards import TokenFiles
@@ -375,7 +375,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
         resume = True
     open_store(run_dir, cfg.checkpoint.dir, resume, rollback_to)  # checkpoint.dir: a resume fetches what the run
     # dir lacks (the newest, or the --rollback-to step)
-    saved_cfg = cfg  # config.toml keeps the user's train.dtype ('auto' stays 'auto')
+    saved_cfg = absolute_paths(cfg)  # config.toml keeps the user's train.dtype ('auto' stays 'auto'), its paths
+    # absolute: eval, export, blame, replay and --resume read it from any directory (densetrain/config/paths.py)
     cfg, dtype_note = keep_started_dtype(cfg, run_dir, rollback_to, info.device) if resume else (cfg, None)
     model, dp_model, optimizer = build_model_and_optimizer(cfg, info, parallel, layouts)
     last = min(cfg.train.steps, stop_after) if stop_after else cfg.train.steps
