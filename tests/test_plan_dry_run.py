@@ -13,7 +13,7 @@ from densetrain.cli import main
 from densetrain.config import load_config
 from densetrain.parallel.mesh import Layout
 from densetrain.tools.plan.rank import dry_run_rank, format_rank
-from densetrain.train.setup import layout_words
+from densetrain.train.startlog import layout_words
 
 
 def _cfg(*overrides):

@@ -300,7 +300,8 @@ def test_a_plan_that_repeats_a_source_more_than_four_times_is_warned_with_the_ep
     from densetrain.metrics import read_events
     from densetrain.schedule import stage_at
     from densetrain.train.rundir import unlock_run_dir
-    from densetrain.train.setup import MAX_EPOCHS, planned_epochs, setup
+    from densetrain.train.setup import setup
+    from densetrain.train.startlog import MAX_EPOCHS, planned_epochs
     from densetrain.train.step import draw_samples
 
     _, make = prepared

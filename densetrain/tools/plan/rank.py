@@ -20,7 +20,7 @@ from densetrain.parallel.parallelize import build_parallel_model
 from densetrain.parallel.pipeline import rank_stages
 from densetrain.parallel.stage_layout import stage_layouts
 from densetrain.tools.plan.memory import GIB, RESERVED_GIB, USABLE_FRACTION, layout_memory, model_counts, pipeline_fit
-from densetrain.train.setup import layout_words
+from densetrain.train.startlog import layout_words
 
 
 def world_words(parallel, world: int, given: bool = True) -> str | None:
