@@ -130,6 +130,8 @@ def test_mismatched_config_is_one_line(tmp_path, capsys):
     full = load_config("tiny", overrides=[("model.vocab_size", 512), ("model.d_model", 64), ("model.n_layers", 1),
                                           ("model.n_heads", 2), ("model.n_kv_heads", 1), ("model.d_ff", 64)])
     save_checkpoint(tmp_path / "run", 1, model, build_optimizer(model, full), {"step": 1})
+    # shards_dir exists (no tokenizer needed: the model is refused first), wherever the test runs from
+    full.data.shards_dir = str(tmp_path)
     save_config(full, tmp_path / "run" / "config.toml")  # says d_model 64: not the checkpoint's
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
