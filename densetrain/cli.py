@@ -576,7 +576,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_PREEMPTED
     except BrokenPipeError:  # `densetrain ... | head`: the reader left; not an error of ours
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        # but a training run stopped by it did not finish: the shell's SIGPIPE status, never 0 for a requeue
+        trained = args.command == "train" and not (args.help_config or getattr(args, "dry_run", False))
+        return 141 if trained else 0
     except StoreUnavailable as e:  # the object store did not answer (at a start, in eval / export): a temporary
         say_error(str(e))  # failure, as a stop on an outage is (exit 75): the same command works once it is back
         return EXIT_PREEMPTED

@@ -86,6 +86,26 @@ def test_kill_9_then_resume_continues_from_last_complete_checkpoint(prepared, tm
     assert [s for s, _ in list_complete(run)] == [58, 60]
 
 
+def test_a_training_run_stopped_by_a_closed_pipe_does_not_exit_0(prepared, tmp_path):
+    """`densetrain train ... | head`: the reader leaves, the run stops unfinished: exit 141 (the shell's SIGPIPE
+    status), never 0, which a requeue loop reads as done (found by review 49)."""
+    from densetrain.config import save_config
+
+    _, make = prepared
+    cfg = make(tmp_path, **{"train.steps": 200, "eval.every": 0, "checkpoint.every": 0, "logging.every": 1,
+                            "stages": [{"name": "main", "start": 0.0}]})
+    save_config(cfg, tmp_path / "cfg.toml")
+    p = subprocess.Popen([sys.executable, "-m", "densetrain", "train", "--config", str(tmp_path / "cfg.toml")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    line = b"-"
+    while line and not line.startswith(b"step "):  # a training step's line: the run is past its start
+        line = p.stdout.readline()
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert line and p.wait(timeout=120) == 141 and "Traceback" not in err, err
+    assert not (tmp_path / "run" / "summary.json").exists()  # it did not finish
+
+
 def test_help_config_shows_the_chosen_presets_values_and_survives_a_closed_pipe():
     r = _cli("train", "--preset", "llama3-8b", "--help-config")
     assert r.returncode == 0 and "--model.d_model=4096" in r.stdout and '--data.tokenizer="llama3"' in r.stdout

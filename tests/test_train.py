@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import sys
 
 import forked
@@ -169,12 +170,27 @@ def test_model_change_on_resume_is_a_one_line_error_and_only_it_blames_the_model
     _, make = prepared
     cfg = make(tmp_path, **{"train.steps": 4, "eval.every": 0, "stages": [{"name": "main", "start": 0.0}]})
     train(cfg, stop_after=2)
+    saved = (tmp_path / "run" / "config.toml").read_bytes()
+    # Refused before any checkpoint is tried, whether or not the tensors' shapes would tell: another qk_norm
+    # trained on silently as another model (and was written into config.toml; found by review 49).
+    for key, value in (("model.d_model", 128), ("model.qk_norm", True), ("model.norm_eps", 1e-3)):
+        other = make(tmp_path, **{"train.steps": 4, "eval.every": 0, key: value,
+                                  "stages": [{"name": "main", "start": 0.0}]})
+        with pytest.raises(TrainError, match=rf"^--resume .*run: {re.escape(key)}: .* in its config.toml, "
+                                             rf"{re.escape(repr(value))} asked; model.. settings cannot change on "
+                                             rf"--resume .*start a new run"):
+            train(other, resume=True)
+        assert (tmp_path / "run" / "config.toml").read_bytes() == saved
+        assert [s for s, _ in list_complete(tmp_path / "run")] == [2]
+    # Without the run's config.toml, the checkpoint's tensors are what tells: the first mismatch named.
+    (tmp_path / "run" / "config.toml").unlink()
     wider = make(tmp_path, **{"train.steps": 4, "eval.every": 0, "model.d_model": 128,
                               "stages": [{"name": "main", "start": 0.0}]})
     with pytest.raises(TrainError, match=r"no checkpoint could be loaded .*do not match the model "
                                          r"\(layers.0.attention.wk.weight: \[32, 64\] saved, \[64, 128\] in the model.*"
                                          r"; model.. settings cannot change on --resume$"):
         train(wider, resume=True)
+    (tmp_path / "run" / "config.toml").write_bytes(saved)
     # A corrupt checkpoint of the same model: the error names the damage, not model.* settings.
     shard = next((tmp_path / "run" / "checkpoints" / "step_00000002").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:1000])

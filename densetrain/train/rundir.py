@@ -88,6 +88,27 @@ def _first_difference(old: dict, new: dict) -> str:
     return ""
 
 
+def refuse_model_change(run_dir: Path, cfg: Config, info: DistInfo) -> None:
+    """``--resume``: the model asked for (``cfg.model``, the run's config.toml with the command's flags) must be
+    the run's own. A checkpoint's tensors catch a change of shape only: another ``qk_norm``, ``rope_theta``,
+    ``norm_eps`` or ``logit_softcap`` would train on silently as another model and be written into config.toml
+    (where the job's own ``train.resume = 'auto'`` restart then refuses it). Checked before any checkpoint is
+    tried, fetched or set aside. Rank 0 reads; every rank learns the answer.
+
+    Raises:
+        TrainError: one line naming the first differing ``model.*`` key and both values.
+    """
+    diff = ""
+    if info.is_main and (run_dir / "config.toml").exists():
+        with contextlib.suppress(ConfigError):  # a config.toml that does not load is said by the resume itself
+            old, new = to_dict(load_config(path=run_dir / "config.toml"))["model"], to_dict(cfg)["model"]
+            k = next((k for k in {**old, **new} if old.get(k) != new.get(k)), None)
+            diff = f"model.{k}: {old.get(k)!r} in its config.toml, {new.get(k)!r} asked" if k else ""
+    if all_reduce_sum(torch.tensor([int(bool(diff))], device=info.device)).item():
+        raise TrainError(f"--resume {run_dir}: {diff or 'another model.* setting'}; model.* settings cannot change "
+                         f"on --resume (the checkpoint is that model's): start a new run (another --train.run_dir)")
+
+
 def check_same_run(run_dir: Path, cfg: Config, info: DistInfo) -> None:
     """``train.resume = 'auto'``: refuse a run directory whose ``config.toml`` is another run's (differs in
     :data:`RUN_IDENTITY`) or does not load. Rank 0 reads it; every rank learns the answer.

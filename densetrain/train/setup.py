@@ -47,6 +47,7 @@ from densetrain.train.rundir import (
     keep_started_dtype,
     lock_run_dir,
     refuse_existing_run,
+    refuse_model_change,
     refuse_other_kind,
     set_aside_future,
 )
@@ -327,6 +328,8 @@ def setup(cfg: Config, resume: bool = False, stop_after: int | None = None, roll
     if cfg.train.resume == "auto":  # the same command restarts the job: continue the run dir's own run
         check_same_run(run_dir, cfg, info)
         resume = True
+    elif resume:
+        refuse_model_change(run_dir, cfg, info)  # before a checkpoint is tried, fetched or set aside
     open_store(run_dir, cfg.checkpoint.dir, resume, rollback_to)  # checkpoint.dir: a resume fetches what the run
     # dir lacks (the newest, or the --rollback-to step)
     saved_cfg = absolute_paths(cfg)  # config.toml keeps the user's train.dtype ('auto' stays 'auto'), its paths
