@@ -185,8 +185,9 @@ def test_doctor_profile_has_the_host_figures_and_plan_reads_them(tmp_path, capsy
     # intercepts of two timings: 0 when a busy machine makes the wrapped run no slower, never absurd
     assert 0 <= hw.dtensor_op_s < 0.05 and 0 <= hw.fsdp_group_s < 0.5
     assert 0 <= hw.loss_parallel_logit_s < 1e-6  # a logit's split passes: ns, not µs
-    # a small GEMM's and attention call's cost beyond their FLOPs: µs to a few ms, not seconds
-    assert 0 <= hw.gemm_call_s < 5e-3 and 0 <= hw.attention_call_s < 2e-2
+    # a small GEMM's and attention call's cost beyond their FLOPs: µs to ms here, more on a busy machine (the
+    # loader's bound, 1 s, is what holds everywhere)
+    assert 0 <= hw.gemm_call_s < 1.0 and 0 <= hw.attention_call_s < 1.0
     raw = json.loads(path.read_text())
     assert raw["dtensor_op_s"] == hw.dtensor_op_s and raw["fsdp_group_s"] == hw.fsdp_group_s
     assert raw["loss_parallel_logit_s"] == hw.loss_parallel_logit_s
